@@ -1,0 +1,5 @@
+"""HuggingFace checkpoints -> dflash_jax weight pytrees (and, later, dflash_jax checkpoints)."""
+
+from convert.errors import CheckpointError
+
+__all__ = ["CheckpointError"]

@@ -1,0 +1,15 @@
+"""dflash_jax: lossless DFlash speculative decoding for Mixture-of-Experts LLMs in JAX."""
+
+from dflash_jax.config import ConfigError, from_hf_config
+
+__version__ = "0.1.0"
+
+
+def load_hf_target(directory, *, dtype="fp32", progress: bool = False):
+    """`(config, weights)` of a target model from a HuggingFace checkpoint directory."""
+    from convert.loader import load_hf_model
+
+    return load_hf_model(directory, dtype=dtype, progress=progress)
+
+
+__all__ = ["ConfigError", "from_hf_config", "load_hf_target", "__version__"]

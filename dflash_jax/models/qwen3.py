@@ -1,0 +1,216 @@
+"""Dense Qwen3 and Qwen3-MoE decoders as pure functions over weight pytrees.
+
+One function, `forward`, serves every use: prefill of a (right-padded) batch of prompts, extension of a
+cache by a width-B speculative block, and plain one-token decoding. It writes the new K/V rows at each
+sequence's current length, advances the lengths by the number of valid tokens, and returns the logits,
+the requested hidden-state taps and the router choices. Rolling a speculative block back is
+`dflash_jax.cache.rollback(cache, committed_lengths)`.
+
+Weights are stored [in, out] so a projection is `x @ w`; expert tables are stacked per layer:
+`gate_up [E, H, 2I]` (gate columns first) and `down [E, I, H]`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.cache import KVCache, init_kv_cache, write_rows
+from dflash_jax.config import Qwen3Config
+from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.mlp import swiglu
+from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
+from dflash_jax.nn.norms import rms_norm
+from dflash_jax.nn.rope import apply_rope, rope_cos_sin
+
+LogitsMode = Literal["all", "last", "none"]
+
+
+@struct.dataclass
+class AttentionWeights:
+    q: jax.Array  # [H, Hq*d]
+    k: jax.Array  # [H, Hkv*d]
+    v: jax.Array  # [H, Hkv*d]
+    o: jax.Array  # [Hq*d, H]
+    q_norm: jax.Array  # [d]
+    k_norm: jax.Array  # [d]
+    q_bias: jax.Array | None = None
+    k_bias: jax.Array | None = None
+    v_bias: jax.Array | None = None
+    o_bias: jax.Array | None = None
+
+
+@struct.dataclass
+class MLPWeights:
+    gate: jax.Array  # [H, I]
+    up: jax.Array  # [H, I]
+    down: jax.Array  # [I, H]
+
+
+@struct.dataclass
+class MoEWeights:
+    router: jax.Array  # [H, E]
+    gate_up: jax.Array  # [E, H, 2I]
+    down: jax.Array  # [E, I, H]
+
+
+@struct.dataclass
+class DecoderLayerWeights:
+    input_norm: jax.Array
+    attn: AttentionWeights
+    post_norm: jax.Array
+    mlp: MLPWeights | MoEWeights
+
+
+@struct.dataclass
+class Qwen3Weights:
+    embed: jax.Array  # [V, H]
+    layers: tuple[DecoderLayerWeights, ...]
+    final_norm: jax.Array  # [H]
+    lm_head: jax.Array | None  # [H, V]; None when tied to the embedding
+
+
+@struct.dataclass
+class ForwardOutput:
+    """logits: [b, T, V] ("all"), [b, V] ("last": each sequence's last valid token) or None, fp32.
+    taps: `h[i+1]` for each requested layer i, [b, T, H] (as in HF `output_hidden_states`, the last
+    layer's entry is taken after the final norm). router_experts: per layer [b, T, k] int32, None for
+    dense layers. cache: the cache with the new rows written and lengths advanced by `num_valid`."""
+
+    logits: jax.Array | None
+    taps: tuple[jax.Array, ...]
+    router_experts: tuple[jax.Array | None, ...]
+    cache: KVCache
+
+
+def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    return init_kv_cache(
+        num_layers=cfg.num_layers,
+        batch=batch,
+        max_len=max_len,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=dtype,
+    )
+
+
+def embed_tokens(weights: Qwen3Weights, tokens: jax.Array) -> jax.Array:
+    return jnp.take(weights.embed, tokens, axis=0)
+
+
+def lm_head_logits(weights: Qwen3Weights, normed_hidden: jax.Array) -> jax.Array:
+    """fp32 logits from final-normed hidden states (the tied embedding when there is no lm_head)."""
+    head = weights.lm_head if weights.lm_head is not None else weights.embed.T
+    return jnp.dot(normed_hidden, head, preferred_element_type=jnp.float32)
+
+
+def _project(x, w, b):
+    y = x @ w
+    return y if b is None else y + b
+
+
+def qkv_projection(
+    x: jax.Array, attn: AttentionWeights, cos: jax.Array, sin: jax.Array, *, num_heads, num_kv_heads,
+    head_dim, eps
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Qwen3 q/k/v: projection, per-head RMSNorm of q and k (before RoPE), RoPE on q and k."""
+    b, t, _ = x.shape
+    q = _project(x, attn.q, attn.q_bias).reshape(b, t, num_heads, head_dim)
+    k = _project(x, attn.k, attn.k_bias).reshape(b, t, num_kv_heads, head_dim)
+    v = _project(x, attn.v, attn.v_bias).reshape(b, t, num_kv_heads, head_dim)
+    q = apply_rope(rms_norm(q, attn.q_norm, eps), cos, sin)
+    k = apply_rope(rms_norm(k, attn.k_norm, eps), cos, sin)
+    return q, k, v
+
+
+def _attention_block(x, attn, k_buf, v_buf, positions, starts, cos, sin, window, cfg: Qwen3Config):
+    q, k, v = qkv_projection(
+        x, attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        eps=cfg.rms_norm_eps,
+    )
+    k_buf = write_rows(k_buf, k, starts)
+    v_buf = write_rows(v_buf, v, starts)
+    slots = jnp.broadcast_to(jnp.arange(k_buf.shape[1], dtype=jnp.int32), (x.shape[0], k_buf.shape[1]))
+    mask = attention_mask(positions, slots, causal=True, window=window)
+    out = gqa_attention(q, k_buf, v_buf, mask, scale=cfg.head_dim**-0.5)
+    out = _project(out.reshape(x.shape[0], x.shape[1], -1), attn.o, attn.o_bias)
+    return out, k_buf, v_buf
+
+
+def _mlp_block(h, mlp, cfg: Qwen3Config, implementation):
+    if isinstance(mlp, MLPWeights):
+        return swiglu(h, mlp.gate, mlp.up, mlp.down), None
+    b, t, hidden = h.shape
+    flat = h.reshape(b * t, hidden)
+    weights, experts, _ = softmax_topk_router(flat, mlp.router, cfg.moe.top_k, normalize=cfg.moe.norm_topk_prob)
+    out = swiglu_experts(flat, experts, weights, mlp.gate_up, mlp.down, implementation=implementation)
+    return out.reshape(b, t, hidden), experts.reshape(b, t, -1)
+
+
+def forward(
+    weights: Qwen3Weights,
+    tokens: jax.Array,
+    cache: KVCache,
+    cfg: Qwen3Config,
+    *,
+    num_valid: jax.Array | None = None,
+    tap_layers: tuple[int, ...] = (),
+    logits: LogitsMode = "all",
+    implementation: str = "auto",
+) -> ForwardOutput:
+    """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`.
+
+    num_valid: [b] number of real tokens per row (right padding); defaults to T. Padded rows are computed
+    and written past the new length, where no later query can see them.
+    tap_layers: static tuple of layer indices i whose output `h[i+1]` to return (the DFlash taps).
+    The cache must have room: `cache.lengths + T <= cache.max_len` (rows past the end are dropped).
+    """
+    b, t = tokens.shape
+    starts = cache.lengths
+    if num_valid is None:
+        num_valid = jnp.full((b,), t, jnp.int32)
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
+    x = embed_tokens(weights, tokens)
+    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
+    taps: dict[int, jax.Array] = {}
+    routers = []
+    new_k, new_v = [], []
+    last = cfg.num_layers - 1
+    for i, layer in enumerate(weights.layers):
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        attn_out, k_buf, v_buf = _attention_block(
+            h, layer.attn, cache.keys[i], cache.values[i], positions, starts, cos, sin, cfg.layer_windows[i], cfg
+        )
+        new_k.append(k_buf)
+        new_v.append(v_buf)
+        x = x + attn_out
+        mlp_out, experts = _mlp_block(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), layer.mlp, cfg, implementation)
+        x = x + mlp_out
+        routers.append(experts)
+        if i in tap_layers and i != last:
+            taps[i] = x
+    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    if last in tap_layers:
+        taps[last] = x
+    if logits == "all":
+        out_logits = lm_head_logits(weights, x)
+    elif logits == "last":
+        idx = jnp.clip(num_valid - 1, 0, t - 1)
+        out_logits = lm_head_logits(weights, x[jnp.arange(b), idx])
+    elif logits == "none":
+        out_logits = None
+    else:
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+    new_cache = KVCache(keys=tuple(new_k), values=tuple(new_v), lengths=starts + num_valid.astype(jnp.int32))
+    return ForwardOutput(
+        logits=out_logits,
+        taps=tuple(taps[i] for i in tap_layers),
+        router_experts=tuple(routers),
+        cache=new_cache,
+    )
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "logits", "implementation"))

@@ -1,0 +1,81 @@
+"""Tiny random HuggingFace reference models for parity tests (test-only: imports torch/transformers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-initializes every parameter with a scale that makes bugs visible.
+
+    Matrices: N(0, 1/fan_in) so activations stay O(1) through depth; the embedding N(0, 1); 1-D
+    parameters (norm weights, biases) are randomized too, since the default ones/zeros hide bugs in
+    (1 + w) norms and missing biases.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                if "norm" in name:
+                    p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+                else:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(fan_in))
+    return model
+
+
+def tiny_qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def tiny_qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    kw = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def build_and_save(config, directory, *, seed: int = 0, dtype=torch.float32, max_shard_size=None):
+    """Builds the CausalLM for `config`, randomizes it, saves it to `directory`, returns the eval model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    randomize_(model, seed)
+    model = model.to(dtype).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+@torch.no_grad()
+def hf_forward(model, tokens: np.ndarray):
+    """Logits, hidden states (HF convention: [0] embeddings, [i+1] layer i, last normed) and router logits."""
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    if ids.ndim == 1:
+        ids = ids[None]
+    kwargs = {"output_router_logits": True} if hasattr(model.config, "num_experts_per_tok") else {}
+    out = model(ids, output_hidden_states=True, **kwargs)
+    as_np = lambda t: t.float().numpy()  # noqa: E731
+    routers = tuple(as_np(r) for r in getattr(out, "router_logits", None) or ())
+    return as_np(out.logits), tuple(as_np(h) for h in out.hidden_states), routers
