@@ -1,0 +1,162 @@
+"""MXFP4 (OCP Microscaling Formats v1.0, MX element type E2M1), as shipped by gpt-oss.
+
+Layout for a logical tensor ``x[..., K]`` (K = contraction / input axis, weights kept
+in HF ``[..., out, in]`` order):
+
+* ``blocks``: uint8 ``[..., K//32, 16]`` -- the 32 E2M1 codes of each block, two per
+  byte, element ``2i`` in the low nibble (gpt-oss ``*_blocks`` tensors);
+* ``scales``: uint8 ``[..., K//32]`` -- one E8M0 byte ``s`` per block (gpt-oss
+  ``*_scales`` tensors).
+
+Dequantization::
+
+    x[..., 32*g + j] = E2M1(code[..., g, j]) * 2^(s[..., g] - 127)     (s != 255)
+    x[..., 32*g + j] = NaN                                               (s == 255)
+
+computed exactly (the product has at most two significant bits, so it is
+representable in float32 and bfloat16 unless it overflows to inf); this matches
+``transformers.integrations.mxfp4.convert_moe_packed_tensors`` bit for bit, except
+that HF returns ``[E, K, rows]`` (transposed) and does not treat 255 as NaN.
+
+Quantization (the OCP MX v1.0 shared-scale conversion rule), per block of 32 values::
+
+    amax = max_j |x_j|
+    X    = floor(log2(amax)) - emax_elem,   emax_elem = 2  (E2M1 max 6 = 1.5 * 2^2)
+    s    = clamp(X + 127, 0, 254)           (E8M0 byte; amax == 0 -> s = 0, i.e. 2^-127)
+    code_j = RNE_E2M1(x_j / 2^X)            (round to nearest even, saturate to +-6)
+
+``floor(log2(amax))`` is read exactly from the float32 exponent field ``F`` of
+``amax`` (``floor(log2 amax) = F - 127``), so ``s = max(F - 2, 0)``; a non-finite
+``amax`` (inf/NaN in the block) gives ``s = 255`` (NaN). Since ``2^X`` is a power of
+two, ``x / 2^X`` is exact and ``|x / 2^X| < 8``; values in ``(6, 8)`` saturate to 6 as
+the spec prescribes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.quant.fp4 import (
+    _check_block_multiple,
+    _check_uint8,
+    _encode_xp,
+    _f32_bits_to,
+    _f32_exponent_field,
+    _pack_xp,
+    _pow2_f32,
+    _scaled_decode_bits_xp,
+    _unpack_xp,
+)
+
+#: Elements per MXFP4 block (one E8M0 scale each).
+MXFP4_BLOCK_SIZE = 32
+#: E8M0 bias: a scale byte ``s`` means ``2^(s - 127)``.
+E8M0_BIAS = 127
+#: E8M0 byte that encodes NaN.
+E8M0_NAN = 0xFF
+#: Exponent of the largest E2M1 normal (6 = 1.5 * 2^2), ``emax_elem`` in the OCP spec.
+E2M1_EMAX = 2
+
+
+def _quantize_xp(xp: Any, x: Any, fn: str) -> tuple[Any, Any]:
+    g = _check_block_multiple(fn, tuple(x.shape), MXFP4_BLOCK_SIZE)
+    xb = x.astype(xp.float32).reshape(*x.shape[:-1], g, MXFP4_BLOCK_SIZE)
+    amax = xp.max(xp.abs(xb), axis=-1)
+    field = _f32_exponent_field(xp, amax)  # floor(log2 amax) + 127 for normal amax
+    s = xp.where(field == 255, E8M0_NAN, xp.maximum(field - E2M1_EMAX, 0))
+    # 1 / 2^X = 2^(127 - s); s <= 252 for finite amax, so this is a normal float32.
+    inv_scale = _pow2_f32(xp, xp.where(s == E8M0_NAN, 0, E8M0_BIAS - s))
+    codes = _encode_xp(xp, xb * inv_scale[..., None])
+    return _pack_xp(xp, codes), s.astype(xp.uint8)
+
+
+def _dequantize_xp(xp: Any, blocks: Any, scales: Any, dtype: Any) -> Any:
+    _check_uint8("MXFP4 blocks", blocks)
+    _check_uint8("MXFP4 scales", scales)
+    if blocks.ndim < 2 or blocks.shape[-1] != MXFP4_BLOCK_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(
+            "MXFP4 expects blocks [..., K//32, 16] and scales [..., K//32]; "
+            f"got blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}"
+        )
+    codes = _unpack_xp(xp, blocks)  # [..., G, 32]
+    bits = _scaled_decode_bits_xp(xp, codes, scales[..., None])
+    out = _f32_bits_to(xp, bits, dtype)
+    return out.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK_SIZE)
+
+
+@jax.jit
+def _quantize_jit(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _quantize_xp(jnp, x, "quantize_mxfp4")
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _dequantize_jit(blocks: jax.Array, scales: jax.Array, dtype: np.dtype) -> jax.Array:
+    return _dequantize_xp(jnp, blocks, scales, dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP4Tensor:
+    """An MXFP4-quantized array with logical shape ``[..., K]`` (a pytree).
+
+    Attributes:
+      blocks: uint8 ``[..., K//32, 16]``, packed E2M1 codes (low nibble = even element).
+      scales: uint8 ``[..., K//32]``, E8M0 block scale bytes (value ``2^(s-127)``).
+    """
+
+    blocks: Any
+    scales: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical (dequantized) shape ``(..., K)``."""
+        *lead, g = self.scales.shape
+        return (*lead, g * MXFP4_BLOCK_SIZE)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.scales.shape)
+
+    def dequantize(self, dtype: Any = jnp.bfloat16) -> jax.Array:
+        """See :func:`dequantize_mxfp4`."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype)
+
+
+def quantize_mxfp4(x: Any) -> MXFP4Tensor:
+    """Quantize ``x[..., K]`` (K a multiple of 32) to MXFP4 along the last axis.
+
+    Per 32-element block: ``s = clamp(floor(log2 amax) - 2 + 127, 0, 254)``,
+    ``code = RNE_E2M1(x / 2^(s-127))`` saturated to +-6 (see module docstring).
+    Input is read as float32 (exact for bf16/fp16/fp32 inputs). Jit-able.
+
+    Raises:
+      ValueError: if the last axis is not a multiple of 32.
+    """
+    blocks, scales = _quantize_jit(jnp.asarray(x))
+    return MXFP4Tensor(blocks=blocks, scales=scales)
+
+
+def dequantize_mxfp4(blocks: Any, scales: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """``blocks`` uint8 ``[..., G, 16]`` + ``scales`` uint8 ``[..., G]`` -> ``[..., 32*G]``.
+
+    ``out = E2M1(code) * 2^(s - 127)`` exactly (NaN where ``s == 255``), rounded once
+    to ``dtype`` (a no-op for float32/bfloat16 except overflow to inf; float16 may
+    round/overflow as any cast). Jit-able.
+    """
+    return _dequantize_jit(jnp.asarray(blocks), jnp.asarray(scales), dtype=np.dtype(dtype))
+
+
+def quantize_mxfp4_np(x: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side (numpy) :func:`quantize_mxfp4`; returns ``(blocks, scales)``, bit-identical."""
+    return _quantize_xp(np, np.asarray(x), "quantize_mxfp4_np")
+
+
+def dequantize_mxfp4_np(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarray:
+    """Host-side (numpy) :func:`dequantize_mxfp4`, bit-identical; dtype may be ``ml_dtypes.bfloat16``."""
+    return _dequantize_xp(np, np.asarray(blocks), np.asarray(scales), dtype)
