@@ -28,6 +28,13 @@ def resolve_dtype(dtype) -> np.dtype:
     return dtype
 
 
+def table_for(cfg, source: str = "checkpoint"):
+    """The conversion table module (targets / rules / ignore / build_weights) of a target family."""
+    if isinstance(cfg, Qwen3Config):
+        return qwen3_table
+    raise ConfigError(f"{source}: {type(cfg).__name__} is not a target model family this loader knows")
+
+
 def load_hf_model(directory: str | os.PathLike, *, dtype="fp32", progress: bool = False):
     """Reads a HF checkpoint directory (release layout) tensor by tensor into `(config, weights)`.
 
@@ -39,11 +46,8 @@ def load_hf_model(directory: str | os.PathLike, *, dtype="fp32", progress: bool 
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     np_dtype = resolve_dtype(dtype)
     cfg = from_hf_config(directory)
+    table = table_for(cfg, directory)
     ckpt = HFCheckpoint(directory)
-    if isinstance(cfg, Qwen3Config):
-        table = qwen3_table
-    else:  # pragma: no cover - from_hf_config rejects the rest
-        raise ConfigError(f"{directory}: no weight table for {type(cfg).__name__}")
     keys = ckpt.keys()
     flat = assemble(
         iter_with_progress(ckpt.items(), len(keys), "loading", progress),

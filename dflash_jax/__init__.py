@@ -12,4 +12,11 @@ def load_hf_target(directory, *, dtype="fp32", progress: bool = False):
     return load_hf_model(directory, dtype=dtype, progress=progress)
 
 
-__all__ = ["ConfigError", "from_hf_config", "load_hf_target", "__version__"]
+def load(directory, *, expert_memory: str = "device"):
+    """A converted target + draft pair (`dflash_jax.pair.Pair`) from a `convert-weights` checkpoint."""
+    from dflash_jax.pair import load as _load
+
+    return _load(directory, expert_memory=expert_memory)
+
+
+__all__ = ["ConfigError", "from_hf_config", "load", "load_hf_target", "__version__"]

@@ -300,13 +300,229 @@ def _parse_qwen3(f: _Fields) -> Qwen3Config:
     return cfg
 
 
+# --------------------------------------------------------------------------------------------------
+# Qwen3.5-MoE (hybrid Gated DeltaNet / gated attention): config and HF parser.
+# --------------------------------------------------------------------------------------------------
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3_5Config:
+    """Qwen3.5-MoE text decoder (`qwen3_5_moe`, text tower `qwen3_5_moe_text`).
+
+    `layer_types[i]` is "linear_attention" (a Gated DeltaNet layer) or "full_attention" (gated softmax
+    attention). Every layer's MLP is the routed `moe` (top-k always renormalized) plus a shared SwiGLU
+    expert of width `shared_expert_intermediate_size` scaled by `sigmoid(x @ w_shared_gate)`.
+
+    Gated DeltaNet: `linear_num_key_heads` (Hk) q/k heads of dim `linear_key_head_dim` (dk),
+    `linear_num_value_heads` (Hv) value heads of dim `linear_value_head_dim` (dv); value head j reads key
+    head `j // (Hv / Hk)`; the q/k/v projection passes through a causal depthwise conv of
+    `linear_conv_kernel` taps. Full attention: `num_heads` query heads, each with its own output gate,
+    `num_kv_heads` key/value heads of `head_dim`, RoPE on the first `rope.rotary_dim` dims.
+    """
+
+    model_type: Literal["qwen3_5_moe"] = "qwen3_5_moe"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel: int = 4
+    moe: MoEConfig
+    shared_expert_intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted({t for t in self.layer_types if t not in (LINEAR_ATTENTION, FULL_ATTENTION)})
+        if bad:
+            raise ConfigError(f"layer types {bad} are not supported (supported: {LINEAR_ATTENTION}, {FULL_ATTENTION})")
+        if self.rope.rotary_dim > self.head_dim:
+            raise ConfigError(f"rotary_dim={self.rope.rotary_dim} exceeds head_dim={self.head_dim}")
+        if not self.moe.norm_topk_prob:
+            raise ConfigError("Qwen3.5-MoE always renormalizes its top-k routing weights (norm_topk_prob=True)")
+        if self.linear_conv_kernel < 1:
+            raise ConfigError(f"linear_conv_kernel must be >= 1, got {self.linear_conv_kernel}")
+        if self.shared_expert_intermediate_size < 1:
+            raise ConfigError("Qwen3.5-MoE needs a shared expert (shared_expert_intermediate_size >= 1)")
+
+    @property
+    def is_moe(self) -> bool:
+        return True
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        return (True,) * self.num_layers
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the conv: q and k (Hk * dk each) then v (Hv * dv)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
+
+# Fields of the multimodal wrapper that say nothing about the text decoder.
+_QWEN3_5_VISION_FIELDS = (
+    "vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+)
+# Text-config fields the decoder never reads: the multi-token-prediction head (`mtp.*` tensors) is not
+# used for verification.
+_QWEN3_5_TEXT_IGNORED = ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
+# M-RoPE knobs: text-only positions are equal on the t/h/w axes, so M-RoPE reduces to 1-D RoPE.
+_MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def _parse_qwen3_5(f: _Fields) -> Qwen3_5Config:
+    """`qwen3_5_moe` (the release: multimodal wrapper with a `text_config`) or `qwen3_5_moe_text`.
+
+    Read with the semantics of transformers' `Qwen3_5MoeTextConfig`: its class defaults fill absent fields
+    (notably `partial_rotary_factor` 0.25 and `layer_types` from `full_attention_interval`).
+    """
+    model_type = f.require("model_type")
+    if model_type == "qwen3_5_moe_text":
+        return _parse_qwen3_5_text(f, wrapper_tie=None)
+    text = f.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"{f.source}: a qwen3_5_moe config needs a text_config object")
+    f.ignore(*_QWEN3_5_VISION_FIELDS)
+    wrapper_tie = f.get("tie_word_embeddings")
+    f.check_all_used()
+    t = _Fields(text, f"{f.source} (text_config)")
+    if t.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
+        raise ConfigError(f"{t.source}: model_type {text['model_type']!r}, expected 'qwen3_5_moe_text'")
+    return _parse_qwen3_5_text(t, wrapper_tie=wrapper_tie)
+
+
+def _parse_qwen3_5_text(f: _Fields, *, wrapper_tie: bool | None) -> Qwen3_5Config:
+    f.get("model_type")
+    if f.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{f.source}: hidden_act must be 'silu', got {f.raw['hidden_act']!r}")
+    if f.get("attention_bias", False):
+        raise ConfigError(f"{f.source}: attention_bias=true is not supported for qwen3_5_moe")
+    if f.get("attn_output_gate", True) is not True:
+        raise ConfigError(f"{f.source}: attn_output_gate=false (attention without its output gate) is not "
+                          "supported for qwen3_5_moe")
+    if f.get("mamba_ssm_dtype", "float32") not in ("float32", None):
+        raise ConfigError(f"{f.source}: mamba_ssm_dtype={f.raw['mamba_ssm_dtype']!r}; dflash_jax keeps the "
+                          "linear-attention state in float32 only")
+    if f.get("mlp_only_layers"):
+        raise ConfigError(f"{f.source}: mlp_only_layers={f.raw['mlp_only_layers']}: dense MLP layers are not "
+                          "part of qwen3_5_moe (every layer is MoE)")
+    if int(f.get("decoder_sparse_step", 1) or 1) != 1:
+        raise ConfigError(f"{f.source}: decoder_sparse_step={f.raw['decoder_sparse_step']}: qwen3_5_moe has "
+                          "an MoE in every layer")
+    # The reference renormalizes the top-k weights whatever this field says.
+    f.ignore("norm_topk_prob")
+    num_layers = int(f.require("num_hidden_layers"))
+    layer_types = f.get("layer_types")
+    interval = f.get("full_attention_interval")
+    if layer_types is None:
+        interval = int(interval or 4)
+        if interval < 1:
+            raise ConfigError(f"{f.source}: full_attention_interval must be >= 1, got {interval}")
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
+        raise ConfigError(f"{f.source}: layer_types must list one type per layer ({num_layers} layers)")
+    for i, kind in enumerate(layer_types):
+        if kind not in (LINEAR_ATTENTION, FULL_ATTENTION):
+            raise ConfigError(f"{f.source}: layer {i} has type {kind!r}; qwen3_5_moe layers are "
+                              f"{LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+    hidden = int(f.require("hidden_size"))
+    heads = int(f.require("num_attention_heads"))
+    head_dim = int(f.get("head_dim") or 256)
+
+    # RoPE: drop the M-RoPE knobs (1-D for text) and apply the class default partial_rotary_factor 0.25.
+    rope_raw = dict(f.raw)
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(rope_raw.get(key), Mapping):
+            rope_raw[key] = {k: v for k, v in rope_raw[key].items() if k not in _MROPE_KEYS}
+    params = rope_raw.get("rope_parameters") or rope_raw.get("rope_scaling") or {}
+    if "partial_rotary_factor" not in params and rope_raw.get("partial_rotary_factor") is None:
+        rope_raw["partial_rotary_factor"] = 0.25
+    rope_fields = _Fields(rope_raw, f.source)
+    rope = _parse_rope(rope_fields, head_dim)
+    f.used |= rope_fields.used
+
+    num_experts = f.get("num_experts", 256)
+    moe = MoEConfig(
+        num_experts=int(num_experts),
+        top_k=int(f.get("num_experts_per_tok", 8)),
+        intermediate_size=int(f.get("moe_intermediate_size", 512)),
+        norm_topk_prob=True,
+    )
+    eos = f.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    tie = f.get("tie_word_embeddings")
+    if tie is not None and wrapper_tie is not None and bool(tie) != bool(wrapper_tie):
+        raise ConfigError(f"{f.source}: tie_word_embeddings is {tie} in text_config but {wrapper_tie} at the top "
+                          "level; make them agree")
+    tie = bool(tie if tie is not None else (wrapper_tie or False))
+    f.ignore(*_QWEN3_5_TEXT_IGNORED)
+    cfg = Qwen3_5Config(
+        vocab_size=int(f.require("vocab_size")),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        layer_types=tuple(layer_types),
+        num_heads=heads,
+        num_kv_heads=int(f.get("num_key_value_heads") or 2),
+        head_dim=head_dim,
+        linear_num_key_heads=int(f.get("linear_num_key_heads") or 16),
+        linear_num_value_heads=int(f.get("linear_num_value_heads") or 32),
+        linear_key_head_dim=int(f.get("linear_key_head_dim") or 128),
+        linear_value_head_dim=int(f.get("linear_value_head_dim") or 128),
+        linear_conv_kernel=int(f.get("linear_conv_kernel_dim") or 4),
+        moe=moe,
+        shared_expert_intermediate_size=int(f.get("shared_expert_intermediate_size", 512)),
+        rms_norm_eps=float(f.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        tie_word_embeddings=tie,
+        max_position_embeddings=int(f.get("max_position_embeddings", 32768)),
+        eos_token_ids=eos_ids,
+    )
+    f.check_all_used()
+    return cfg
+
+
 _PARSERS: dict[str, Callable[[_Fields], Any]] = {
     "qwen3": _parse_qwen3,
     "qwen3_moe": _parse_qwen3,
+    "qwen3_5_moe": _parse_qwen3_5,
+    "qwen3_5_moe_text": _parse_qwen3_5,
 }
 
 # Families the project knows of, whose forward has not landed yet.
-_PLANNED = ("qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
+_PLANNED = ("gpt_oss",)
 
 
 def load_hf_config_dict(path: str | os.PathLike) -> dict[str, Any]:
@@ -328,6 +544,8 @@ def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, source: str
         source = source or os.fspath(config)
         config = load_hf_config_dict(config)
     source = source or "config"
+    if _is_draft_config(config):  # DFlash drafts: see the draft section at the end of this file
+        return _parse_draft(_Fields(config, source))
     model_type = config.get("model_type")
     if model_type not in _PARSERS:
         if model_type in _PLANNED:
@@ -351,3 +569,215 @@ def rope_attention_factor(rope: RopeConfig) -> float:
     if rope.mscale and rope.mscale_all_dim:
         return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
     return _yarn_mscale(rope.factor)
+
+
+# ==================================================================================================
+# DFlash draft (z-lab `dflash.model.DFlashDraftModel`): config and HF parser.
+# Owned by the draft model (dflash_jax/models/draft.py); `from_hf_config` routes here by architecture.
+# ==================================================================================================
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    """A DFlash block-diffusion draft: a stack of Qwen3 decoder layers conditioned on target taps.
+
+    The draft has no embedding and no lm_head of its own: blocks are embedded with the target's
+    embedding (times `input_embedding_scale`) and read out with the target's head
+    (`logits = head(h) * output_multiplier`, then `c * tanh(logits / c)` when `final_logit_softcapping = c`).
+    `fc` maps `len(target_layer_ids) * target_hidden_size -> hidden_size`; the reference sizes it with the
+    draft's own hidden size, so `target_hidden_size == hidden_size`.
+
+    Per draft layer i: `layer_windows[i]` is the sliding window W (None = no window) and `layer_causal[i]`
+    whether block queries are causal. A key at position k is visible from a query at position q iff
+    (not causal or k <= q) and (no window or (q - k < W and (causal or k - q < W))); context keys are
+    always at positions before the block, so only the window can hide them.
+    """
+
+    model_type: Literal["qwen3", "gpt_oss"]
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    attention_bias: bool = False
+    layer_windows: tuple[int | None, ...] = ()
+    layer_causal: tuple[bool, ...] = ()
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        if not self.layer_causal:
+            object.__setattr__(self, "layer_causal", (False,) * self.num_layers)
+        if len(self.layer_windows) != self.num_layers or len(self.layer_causal) != self.num_layers:
+            raise ConfigError("layer_windows and layer_causal need one entry per draft layer")
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ConfigError(f"sliding windows must be positive, got {self.layer_windows}")
+        if not self.target_layer_ids:
+            raise ConfigError("a DFlash draft needs at least one target layer id")
+        if any(i < 0 for i in self.target_layer_ids):
+            raise ConfigError(f"target_layer_ids must be non-negative, got {list(self.target_layer_ids)}")
+        if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
+            raise ConfigError(
+                f"target_layer_ids {list(self.target_layer_ids)} reach past the target's "
+                f"{self.num_target_layers} layers"
+            )
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.rope.rotary_dim > self.head_dim:
+            raise ConfigError(f"rotary_dim={self.rope.rotary_dim} exceeds head_dim={self.head_dim}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.hidden_size
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference's taps when a config names none: one draft layer -> `(n // 2,)`; otherwise k ids evenly
+    spaced from 1 to n - 3: `round(1 + i * (n - 4) / (k - 1))` (Python's round: half to even)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+_DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# Keys the reference reads through `dflash_config` first and the top level second.
+_DRAFT_VALUE_KEYS = (
+    "mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
+    "final_logit_softcapping",
+)
+# Fields a draft config may carry that the reference's Qwen3 draft layers never read: the draft has no
+# embedding (tie_word_embeddings), `auto_map` points at remote code, and gpt-oss drafts copy the target's
+# MoE knobs into their config.
+_DRAFT_IGNORED = (
+    "tie_word_embeddings", "eos_token_id", "auto_map", "initial_context_length", "num_local_experts",
+    "num_experts_per_tok", "experts_per_token", "swiglu_limit",
+)
+
+
+def _is_draft_config(config: Mapping[str, Any]) -> bool:
+    return any(a in _DRAFT_ARCHITECTURES for a in (config.get("architectures") or ()))
+
+
+def _parse_draft(f: _Fields) -> DraftConfig:
+    """A DFlash draft config, read with the semantics of the transformers `Qwen3Config` the reference loads
+    it into (whatever its model_type): `sliding_window` counts only with `use_sliding_window`, missing
+    `layer_types` follow `max_window_layers`, and `is_causal` (when set) overrides every layer's causality.
+    """
+    if "DFlash2DraftModel" in (f.raw.get("architectures") or ()):
+        raise ConfigError(f"{f.source}: DFlash2DraftModel (dynamic convolutions and a candidate selector) is "
+                          "not supported; use a DFlashDraftModel checkpoint")
+    model_type = f.require("model_type")
+    if model_type not in ("qwen3", "gpt_oss"):
+        raise ConfigError(f"{f.source}: DFlash draft with model_type {model_type!r}; supported: qwen3, gpt_oss")
+    if f.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{f.source}: hidden_act must be 'silu', got {f.raw['hidden_act']!r}")
+    dflash = f.get("dflash_config") or {}
+    if not isinstance(dflash, Mapping):
+        raise ConfigError(f"{f.source}: dflash_config must be an object, got {type(dflash).__name__}")
+    unknown = sorted(set(dflash) - set(_DRAFT_VALUE_KEYS))
+    if unknown:
+        raise ConfigError(f"{f.source}: dflash_config fields {unknown} are not understood by dflash_jax "
+                          "(a newer draft variant?); running without them could compute a different draft")
+
+    def value(name, default=None):
+        f.used.add(name)
+        if dflash.get(name) is not None:
+            return dflash[name]
+        return f.raw[name] if f.raw.get(name) is not None else default
+
+    hidden = int(f.require("hidden_size"))
+    num_layers = int(f.require("num_hidden_layers"))
+    heads = int(f.require("num_attention_heads"))
+    kv_heads = int(f.require("num_key_value_heads"))
+    head_dim = int(f.require("head_dim"))
+
+    window = f.get("sliding_window")
+    window = window if f.get("use_sliding_window", False) else None
+    layer_types = f.get("layer_types")
+    max_window_layers = f.get("max_window_layers", 28)  # Qwen3Config's default
+    if layer_types is None:
+        start = int(max_window_layers or 0)
+        layer_types = ["sliding_attention" if window is not None and i >= start else "full_attention"
+                       for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"{f.source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    is_causal = f.get("is_causal")
+    windows: list[int | None] = []
+    causal: list[bool] = []
+    for i, kind in enumerate(layer_types):
+        if kind == "sliding_attention":
+            if window is None:
+                raise ConfigError(
+                    f"{f.source}: draft layer {i} is sliding_attention but there is no effective sliding_window "
+                    "(the reference reads sliding_window only when use_sliding_window is true, and its "
+                    "generation loop cannot build a cache for a window of None); set use_sliding_window"
+                )
+            windows.append(int(window))
+            causal.append(True if is_causal is None else bool(is_causal))
+        elif kind == "full_attention":
+            windows.append(None)
+            causal.append(False if is_causal is None else bool(is_causal))
+        else:
+            raise ConfigError(f"{f.source}: draft layer type {kind!r} is not supported")
+
+    num_target_layers = f.get("num_target_layers")
+    num_target_layers = None if num_target_layers is None else int(num_target_layers)
+    ids = value("target_layer_ids")
+    if ids is None:
+        if num_target_layers is None:
+            raise ConfigError(f"{f.source}: neither dflash_config.target_layer_ids nor num_target_layers is set; "
+                              "the draft's taps are unknown")
+        ids = default_target_layer_ids(num_target_layers, num_layers)
+    mask_token_id = value("mask_token_id")
+    if mask_token_id is None:
+        raise ConfigError(f"{f.source}: dflash_config.mask_token_id is missing; the draft block cannot be built")
+    softcap = value("final_logit_softcapping")
+    softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
+    vocab = f.get("vocab_size")
+    f.ignore(*_DRAFT_IGNORED)
+    cfg = DraftConfig(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(f.require("intermediate_size")),
+        rms_norm_eps=float(f.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(f, head_dim),
+        target_layer_ids=tuple(int(i) for i in ids),
+        mask_token_id=int(mask_token_id),
+        block_size=int(value("block_size", 16)),
+        num_target_layers=num_target_layers,
+        vocab_size=None if vocab is None else int(vocab),
+        attention_bias=bool(f.get("attention_bias", False)),
+        layer_windows=tuple(windows),
+        layer_causal=tuple(causal),
+        input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+        output_multiplier=float(value("output_multiplier", 1.0)),
+        final_logit_softcapping=softcap,
+        max_position_embeddings=int(f.get("max_position_embeddings", 32768)),
+    )
+    f.check_all_used()
+    return cfg

@@ -79,3 +79,30 @@ def hf_forward(model, tokens: np.ndarray):
     as_np = lambda t: t.float().numpy()  # noqa: E731
     routers = tuple(as_np(r) for r in getattr(out, "router_logits", None) or ())
     return as_np(out.logits), tuple(as_np(h) for h in out.hidden_states), routers
+
+
+def tiny_draft_config(*, target_layers: int, taps=(0, 2), mask_token_id: int = 159, block_size: int = 8,
+                      **overrides):
+    """A tiny z-lab DFlash draft config (a transformers Qwen3Config with `dflash_config`)."""
+    from transformers import Qwen3Config
+
+    kw = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_target_layers=target_layers, layer_types=["full_attention", "full_attention"], num_hidden_layers=2,
+        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(taps), "block_size": block_size},
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def build_and_save_draft(config, directory, *, seed: int = 0):
+    """z-lab's reference `DFlashDraftModel` for `config`, randomized and saved; returns the eval model."""
+    from dflash.model import DFlashDraftModel
+
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config).float()
+    randomize_(model, seed)
+    model.eval()
+    model.save_pretrained(directory)
+    return model

@@ -44,10 +44,11 @@ def swiglu_experts(
 ) -> jax.Array:
     """`sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` with e = experts[t, j].
 
-    x: [T, H]; experts, weights: [T, k]; gate_up: [S, H, 2I] (gate columns first); down: [S, I, H].
+    x: [T, H]; experts, weights: [T, k]; gate_up: [S, H, 2I] (gate columns first); down: [S, I, H]
+    (or FP4 tensors of logical shape [S, 2I, H] / [S, H, I]; see `pallas_kernels.ops`).
     """
     t, k = experts.shape
-    num_slots = gate_up.shape[0]
+    num_slots, _, two_inter = ops.weight_dims(gate_up)
     slots = experts if slot_of is None else slot_of[experts]
     flat = slots.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -55,7 +56,7 @@ def swiglu_experts(
     x_sorted = jnp.take(x, token_of_row, axis=0)
     group_sizes = jnp.bincount(flat, length=num_slots).astype(jnp.int32)
     gu = ops.grouped_matmul(x_sorted, gate_up, group_sizes, implementation=implementation)
-    inter = gate_up.shape[-1] // 2
+    inter = two_inter // 2
     act = jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
     y_sorted = ops.grouped_matmul(act, down, group_sizes, implementation=implementation)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)

@@ -1,0 +1,205 @@
+"""The DFlash block-diffusion draft (z-lab `DFlashDraftModel`) as pure functions over a weight pytree.
+
+The math, with `taps` the target's hidden states `h[i+1]` (output of target layer i) for the configured
+`target_layer_ids`, concatenated along features:
+
+  ctx   = RMSNorm_hidden(taps @ fc)                                  one row per context position
+  x     = embed_target[block_tokens] * input_embedding_scale         block = [anchor, MASK x (B-1)]
+  per draft layer:
+    h     = RMSNorm_in(x)                                           (the block stream only, never ctx)
+    q     = RoPE(RMSNorm_q(h Wq + bq))                               queries: block rows only
+    k_ctx = RoPE(RMSNorm_k(ctx Wk + bk)),  v_ctx = ctx Wv + bv       at the context rows' own positions
+    k_blk = RoPE(RMSNorm_k(h Wk + bk)),    v_blk = h Wv + bv         at positions start + [0, B)
+    x     = x + (softmax(q [k_ctx; k_blk]^T / sqrt(d) + mask) [v_ctx; v_blk]) Wo + bo
+    x     = x + down(silu(RMSNorm_post(x) Wg) * (RMSNorm_post(x) Wu))
+  hidden = RMSNorm_final(x);  logits = head(hidden) * output_multiplier  (then c tanh(logits / c) if softcapped)
+
+Masks (absolute positions; context keys always lie before the block): `full_attention` layers see every
+context row and the whole block (non-causal); `sliding_attention` layers are causal within the block and
+see keys with `q - k < W`. A config's `is_causal` overrides the causality of every layer (a non-causal
+window then also hides block keys with `k - q >= W`). No shift: the output at block slot j predicts the
+token at slot j.
+
+The context K/V of every layer depend on the context features only (never on the block), so they are
+computed once per context row and kept in a `KVCache` (slot p = position p). Block K/V are never stored:
+they change every round. `draft_forward` appends the new context rows and runs the block in one call;
+`append_context` alone feeds a long prompt in chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.cache import KVCache, init_kv_cache, write_rows
+from dflash_jax.config import ConfigError, DraftConfig
+from dflash_jax.models.qwen3 import AttentionWeights, DecoderLayerWeights, MLPWeights, qkv_projection
+from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.mlp import swiglu
+from dflash_jax.nn.norms import rms_norm
+from dflash_jax.nn.rope import apply_rope, rope_cos_sin
+
+# An lm_head: [H, V] array, None for "tied to the embedding" (`embed.T`), or a function hidden -> logits.
+Head = Union[jax.Array, None, Callable[[jax.Array], jax.Array]]
+
+__all__ = [
+    "DraftWeights",
+    "init_draft_cache",
+    "context_features",
+    "project_context",
+    "append_context",
+    "draft_forward",
+    "draft_forward_jit",
+    "draft_logits",
+]
+
+
+@struct.dataclass
+class DraftWeights:
+    """fc [n_taps * H_target, H] ([in, out]); layers with `attn: AttentionWeights` (biases when the config
+    has attention_bias) and `mlp: MLPWeights`; `hidden_norm` and `final_norm` [H]."""
+
+    fc: jax.Array
+    hidden_norm: jax.Array
+    layers: tuple[DecoderLayerWeights, ...]
+    final_norm: jax.Array
+
+
+def init_draft_cache(cfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """The context K/V cache, one buffer pair per draft layer, lengths 0.
+
+    `max_len` must cover the longest committed context plus the static context width C of a call (the
+    C rows are written whole; those past `num_context` sit beyond the length, invisible)."""
+    return init_kv_cache(
+        num_layers=cfg.num_layers, batch=batch, max_len=max_len, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, dtype=dtype,
+    )
+
+
+def context_features(taps: tuple[jax.Array, ...] | list[jax.Array]) -> jax.Array:
+    """`concat(taps, axis=-1)`: [b, T, H_t] each, in `target_layer_ids` order -> [b, T, n_taps * H_t]."""
+    return jnp.concatenate(tuple(taps), axis=-1)
+
+
+def project_context(weights: DraftWeights, cfg: DraftConfig, features: jax.Array) -> jax.Array:
+    """`ctx = RMSNorm_hidden(features @ fc)`: [b, C, n_taps * H_t] -> [b, C, H]."""
+    return rms_norm(features @ weights.fc, weights.hidden_norm, cfg.rms_norm_eps)
+
+
+def _linear(x, w, b):
+    y = x @ w
+    return y if b is None else y + b
+
+
+def _context_kv(ctx, attn: AttentionWeights, cos, sin, cfg: DraftConfig):
+    b, c, _ = ctx.shape
+    k = _linear(ctx, attn.k, attn.k_bias).reshape(b, c, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(ctx, attn.v, attn.v_bias).reshape(b, c, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(rms_norm(k, attn.k_norm, cfg.rms_norm_eps), cos, sin), v
+
+
+def append_context(
+    weights: DraftWeights, cfg: DraftConfig, *, context_features: jax.Array, num_context: jax.Array,
+    cache: KVCache,
+) -> KVCache:
+    """Projects context rows [b, C, n_taps * H_t] at positions `cache.lengths + [0, C)` into every layer's
+    K/V and writes them at those slots; lengths advance by `num_context` [b] (rows past it are padding)."""
+    starts = cache.lengths
+    c = context_features.shape[1]
+    positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)
+    ctx = project_context(weights, cfg, context_features)
+    cos, sin = rope_cos_sin(cfg.rope, positions, ctx.dtype)
+    keys, values = [], []
+    for i, layer in enumerate(weights.layers):
+        k, v = _context_kv(ctx, layer.attn, cos, sin, cfg)
+        keys.append(write_rows(cache.keys[i], k, starts))
+        values.append(write_rows(cache.values[i], v, starts))
+    return KVCache(
+        keys=tuple(keys), values=tuple(values), lengths=starts + jnp.asarray(num_context, jnp.int32)
+    )
+
+
+def _block_mask(q_positions, start, max_len, *, causal: bool, window: int | None):
+    """[b, B, max_len + B]: cached context slots (< start) then the block's own keys."""
+    b = q_positions.shape[0]
+    slots = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
+    k_positions = jnp.concatenate([slots, q_positions], axis=1)
+    mask = attention_mask(q_positions, k_positions, causal=causal, window=window)
+    if window is not None and not causal:
+        mask &= k_positions[:, None, :] - q_positions[:, :, None] < window
+    valid = jnp.concatenate([slots < start[:, None], jnp.ones_like(q_positions, bool)], axis=1)
+    return mask & valid[:, None, :]
+
+
+def draft_logits(hidden: jax.Array, cfg: DraftConfig, *, embed: jax.Array, lm_head: Head) -> jax.Array:
+    """fp32 `head(hidden) * output_multiplier`, soft-capped `c * tanh(logits / c)` when configured."""
+    if lm_head is None:
+        logits = jnp.dot(hidden, embed.T, preferred_element_type=jnp.float32)
+    elif callable(lm_head):
+        logits = lm_head(hidden).astype(jnp.float32)
+    else:
+        logits = jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+def draft_forward(
+    weights: DraftWeights,
+    cfg: DraftConfig,
+    *,
+    embed: jax.Array,
+    lm_head: Head,
+    block_tokens: jax.Array,
+    context_features: jax.Array,
+    num_context: jax.Array,
+    cache: KVCache,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One draft call: append the new context rows, then run the block.
+
+    embed [V, H] and lm_head [H, V] (None: tied, `embed.T`; or a function) are the TARGET's.
+    block_tokens [b, B] int32, normally `[anchor, MASK x (B-1)]`; context_features [b, C, n_taps * H_t]
+    (`context_features(taps)` of the target's rows not yet in the cache) of which the first
+    `num_context[b]` rows are real. The rows sit at `cache.lengths + [0, C)`; the block sits at
+    `start + [0, B)` with `start = cache.lengths + num_context` (the committed length).
+    Returns (logits [b, B, V] fp32, hidden [b, B, H] after the final norm, the cache with the context rows
+    appended: `new_cache.lengths == start`; the block's K/V are not kept).
+    """
+    cache = append_context(weights, cfg, context_features=context_features, num_context=num_context, cache=cache)
+    start = cache.lengths
+    b, width = block_tokens.shape
+    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)
+    x = jnp.take(embed, block_tokens, axis=0)
+    if cfg.input_embedding_scale != 1.0:
+        x = (x * cfg.input_embedding_scale).astype(embed.dtype)
+    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
+    masks = {}
+    for i, layer in enumerate(weights.layers):
+        kind = (cfg.layer_causal[i], cfg.layer_windows[i])
+        if kind not in masks:
+            masks[kind] = _block_mask(positions, start, cache.max_len, causal=kind[0], window=kind[1])
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        q, k, v = qkv_projection(
+            h, layer.attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+        )
+        keys = jnp.concatenate([cache.keys[i], k.astype(cache.keys[i].dtype)], axis=1)
+        values = jnp.concatenate([cache.values[i], v.astype(cache.values[i].dtype)], axis=1)
+        out = gqa_attention(q, keys, values, masks[kind], scale=cfg.head_dim**-0.5)
+        x = x + _linear(out.reshape(b, width, -1), layer.attn.o, layer.attn.o_bias)
+        mlp: MLPWeights = layer.mlp
+        x = x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
+    hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    return draft_logits(hidden, cfg, embed=embed, lm_head=lm_head), hidden, cache
+
+
+# lm_head must be an array or None here (a function would have to be static); wrap `draft_forward` in
+# your own jit to close over a head function.
+draft_forward_jit = jax.jit(draft_forward, static_argnames=("cfg",))
+
