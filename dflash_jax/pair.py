@@ -105,3 +105,15 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device") -> Pair
         manifest=manifest,
         directory=directory,
     )
+
+
+def load_hf_pair(target_dir: str | os.PathLike, draft_dir: str | os.PathLike, *, dtype="fp32") -> Pair:
+    """A pair straight from the HuggingFace directories (dense experts, no conversion step)."""
+    from convert.draft import load_hf_draft
+    from convert.loader import load_hf_model
+
+    target_cfg, target = load_hf_model(target_dir, dtype=dtype)
+    draft_cfg, draft = load_hf_draft(draft_dir, dtype)
+    check_pair(target_cfg, draft_cfg)
+    return Pair(target_cfg=target_cfg, target=target, draft_cfg=draft_cfg, draft=draft,
+                manifest={"expert_format": "dense", "tensors": {"target": {}}}, directory=os.fspath(target_dir))

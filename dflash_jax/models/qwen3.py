@@ -214,3 +214,10 @@ def forward(
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "logits", "implementation"))
+
+
+def rollback(cache: KVCache, lengths: jax.Array) -> KVCache:
+    """Keeps each sequence's first `lengths` positions (slot = position: a counter move)."""
+    from dflash_jax.cache import rollback as _rollback
+
+    return _rollback(cache, lengths)

@@ -1,0 +1,125 @@
+"""Generation loops over the speculative round.
+
+`generate` runs the whole decode as one jitted `lax.while_loop` (all weights resident): the state pytree
+is donated and carried on the device; the host sees it again only at the end.
+`generate_stepping` drives the same jitted draft/verify functions from Python, one round at a time: for
+debugging, per-round traces, the draft/verify/host time split, and (later) host-side expert offload.
+Both return a `GenerationResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from dflash_jax.spec.sampling import SamplingParams
+from dflash_jax.spec.session import (
+    SpecConfig, SpecState, begin, draft_round_jit, spec_round, verify_round_jit,
+)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per sequence (first token included)
+    acceptance_lengths: list[list[int]]  # tokens committed per round, per sequence
+    stats: dict
+    trace: list[dict] | None = None  # per round (sequence 0 ... b-1): proposal, accepted, bonus
+
+    def mean_acceptance(self, i: int = 0) -> float:
+        acc = self.acceptance_lengths[i]
+        return float(np.mean(acc)) if acc else 0.0
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig) -> SpecState:
+    """Rounds until every sequence is done (each round emits >= 1 token per live sequence)."""
+    return jax.lax.while_loop(
+        lambda s: ~jax.numpy.all(s.done),
+        lambda s: spec_round(target_w, draft_w, s, spec),
+        state,
+    )
+
+
+def _result(state: SpecState, stats: dict, trace=None) -> GenerationResult:
+    out, num = np.asarray(state.output), np.asarray(state.num_generated)
+    acc, rounds = np.asarray(state.acceptance), np.asarray(state.rounds)
+    tokens = [list(map(int, out[i, : num[i]])) for i in range(out.shape[0])]
+    acceptance = [list(map(int, acc[i, : rounds[i]])) for i in range(out.shape[0])]
+    total_rounds = int(rounds.sum())
+    emitted = int(sum(len(t) - 1 for t in tokens))
+    stats = dict(stats)
+    stats.update(rounds=int(rounds.max()) if rounds.size else 0,
+                 generated_tokens=int(num.sum()),
+                 mean_acceptance=(emitted / total_rounds) if total_rounds else 0.0)
+    if stats.get("seconds"):
+        stats["tokens_per_second"] = int(num.sum()) / stats["seconds"]
+    return GenerationResult(tokens=tokens, acceptance_lengths=acceptance, stats=stats, trace=trace)
+
+
+def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, block_size: int | None = None,
+             sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (), seed: int = 0,
+             warmup: bool = False) -> GenerationResult:
+    """DFlash generation in one jitted while_loop. `warmup=True` compiles first so `stats.seconds` times
+    only the run (prefill + decode)."""
+    if warmup:
+        generate(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, sampling=sampling,
+                 stop_ids=stop_ids, seed=seed)
+    t0 = time.perf_counter()
+    spec, state = begin(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                        stop_ids=stop_ids, seed=seed)
+    state = run_loop(pair.target, pair.draft, state, spec)
+    jax.block_until_ready(state.output)
+    seconds = time.perf_counter() - t0
+    return _result(state, {"loop": "jit", "seconds": seconds, "block_size": spec.block_size})
+
+
+def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, block_size: int | None = None,
+                      sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (), seed: int = 0,
+                      trace: bool = False, warmup: bool = False) -> GenerationResult:
+    """The same rounds driven from Python; times draft and verify separately (each synchronized)."""
+    if warmup:
+        generate_stepping(pair, prompts, max_new_tokens=min(max_new_tokens, 2 * (block_size or 2)),
+                          block_size=block_size, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    t0 = time.perf_counter()
+    spec, state = begin(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                        stop_ids=stop_ids, seed=seed)
+    jax.block_until_ready(state.anchor)
+    t_prefill = time.perf_counter() - t0
+    t_draft = t_verify = 0.0
+    rounds = []
+    done = np.asarray(state.done)
+    while not done.all():
+        t1 = time.perf_counter()
+        draft = draft_round_jit(pair.target, pair.draft, state, spec)
+        jax.block_until_ready(draft.tokens)
+        t2 = time.perf_counter()
+        before = np.asarray(state.num_generated) if trace else None
+        anchor = np.asarray(state.anchor) if trace else None
+        state = verify_round_jit(pair.target, state, draft, spec)
+        jax.block_until_ready(state.num_generated)
+        t3 = time.perf_counter()
+        t_draft += t2 - t1
+        t_verify += t3 - t2
+        if trace:
+            after, out = np.asarray(state.num_generated), np.asarray(state.output)
+            acc, bonus, proposals = np.asarray(state.last_accepted), np.asarray(state.last_bonus), np.asarray(draft.tokens)
+            rows = []
+            for i in range(len(before)):
+                if done[i]:
+                    rows.append(None)
+                    continue
+                rows.append({"anchor": int(anchor[i]), "proposal": list(map(int, proposals[i])),
+                             "accepted": int(acc[i]), "bonus": int(bonus[i]),
+                             "emitted": list(map(int, out[i, before[i]: after[i]]))})
+            rounds.append(rows)
+        done = np.asarray(state.done)
+    seconds = time.perf_counter() - t0
+    host = seconds - t_prefill - t_draft - t_verify
+    stats = {"loop": "python", "seconds": seconds, "block_size": spec.block_size,
+             "time_split": {"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host}}
+    return _result(state, stats, trace=rounds if trace else None)
