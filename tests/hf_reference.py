@@ -106,3 +106,54 @@ def build_and_save_draft(config, directory, *, seed: int = 0):
     model.eval()
     model.save_pretrained(directory)
     return model
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt, n):
+    """The reference model's own greedy continuation: argmax of its forward, one token at a time on its
+    own KV cache. (`generate` is not used: in transformers 5.24 its logits for these tiny MoE models
+    differ from the model's forward by ~0.1, a property of `generate`'s code path, not of the model.)"""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    ids, out = torch.tensor([list(prompt)]), []
+    for _ in range(n):
+        logits = hf(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        out.append(int(logits.argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def reference_with_experts(hf_target, pair):
+    """The HF target with its expert weights replaced by what a dflash_jax pair stores (dequantized)."""
+    import jax.numpy as jnp
+
+    from dflash_jax.models import qwen3
+    from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
+
+    ref = type(hf_target)(hf_target.config).eval()
+    ref.load_state_dict(hf_target.state_dict())
+    for i, layer in enumerate(pair.target.layers):
+        if not isinstance(layer.mlp, qwen3.MoEWeights):
+            continue
+        experts = ref.model.layers[i].mlp.experts
+        for name, table in (("gate_up_proj", layer.mlp.gate_up), ("down_proj", layer.mlp.down)):
+            if isinstance(table, (MXFP4Tensor, NVFP4Tensor)):
+                dense = np.asarray(table.dequantize(jnp.float32))  # [E, out, in], HF orientation
+            else:
+                dense = np.swapaxes(np.asarray(table, np.float32), 1, 2)
+            with torch.no_grad():
+                getattr(experts, name).copy_(torch.from_numpy(np.array(dense)))
+    return ref
+
+
+def make_agreeable_(target, draft, *, strength: float = 2.0, tokens=(7, 9)):
+    """Gives a random target + draft pair something to agree on, so speculative rounds accept a mix of
+    0..B-1 proposals: both final norms amplify hidden dim 0 and the (shared) lm_head maps its sign to
+    one of two tokens."""
+    with torch.no_grad():
+        target.model.norm.weight[0] = 30.0
+        draft.norm.weight[0] = 30.0
+        target.lm_head.weight[:, 0] = 0.0
+        target.lm_head.weight[tokens[0], 0] = strength
+        target.lm_head.weight[tokens[1], 0] = -strength

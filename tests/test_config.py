@@ -69,7 +69,7 @@ def test_yarn_and_partial_rotary():
         ({"shared_expert_intermediate_size": 512}, "shared expert"),
         ({"num_experts_per_tok": 200}, "top_k=200"),
         ({"num_attention_heads": 30}, "not a multiple"),
-        ({"model_type": "gpt_oss"}, "not supported yet"),
+        ({"model_type": "gpt_oss", "sliding_window": 128}, "not understood"),  # Qwen fields in a gpt_oss config
         ({"model_type": "llama"}, "unknown model_type 'llama'"),
         ({"vocab_size": None}, "required field 'vocab_size'"),
     ],

@@ -25,7 +25,8 @@ from dflash_jax.config import ConfigError  # noqa: E402
 from dflash_jax.models import qwen3  # noqa: E402
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor  # noqa: E402
 from tests.hf_reference import (  # noqa: E402
-    build_and_save, build_and_save_draft, hf_forward, tiny_draft_config, tiny_qwen3_moe_config,
+    build_and_save, build_and_save_draft, hf_forward, reference_with_experts, tiny_draft_config,
+    tiny_qwen3_moe_config,
 )
 
 TARGET_LAYERS = 3
@@ -52,24 +53,6 @@ def converted(hf_pair, tmp_path_factory):
     return out
 
 
-def _reference_with_experts(hf_target, pair):
-    """The HF target with its expert weights replaced by what our checkpoint stores (dequantized)."""
-    ref = type(hf_target)(hf_target.config).eval()
-    ref.load_state_dict(hf_target.state_dict())
-    for i, layer in enumerate(pair.target.layers):
-        if not isinstance(layer.mlp, qwen3.MoEWeights):
-            continue
-        experts = ref.model.layers[i].mlp.experts
-        for name, table in (("gate_up_proj", layer.mlp.gate_up), ("down_proj", layer.mlp.down)):
-            if isinstance(table, (MXFP4Tensor, NVFP4Tensor)):
-                dense = np.asarray(table.dequantize(jnp.float32))  # [E, out, in], HF orientation
-            else:
-                dense = np.swapaxes(np.asarray(table, np.float32), 1, 2)
-            with torch.no_grad():
-                getattr(experts, name).copy_(torch.from_numpy(np.array(dense)))
-    return ref
-
-
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "bf16"])
 def test_round_trip_forward_equals_reference_on_stored_experts(hf_pair, converted, fmt):
     hf_target, _, _, _ = hf_pair
@@ -78,7 +61,7 @@ def test_round_trip_forward_equals_reference_on_stored_experts(hf_pair, converte
     kind = {"mxfp4": MXFP4Tensor, "nvfp4": NVFP4Tensor}.get(fmt)
     table = pair.target.layers[0].mlp.gate_up
     assert isinstance(table, kind) if kind else table.dtype == jnp.bfloat16
-    ref = _reference_with_experts(hf_target, pair)
+    ref = reference_with_experts(hf_target, pair)
     tokens = np.random.default_rng(0).integers(0, 160, 310)
     ref_logits, _, _ = hf_forward(ref, tokens)
     cfg = pair.target_cfg

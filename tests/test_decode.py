@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from dflash_jax import load_hf_target  # noqa: E402
 from dflash_jax.decode import greedy_generate  # noqa: E402
-from tests.hf_reference import build_and_save, tiny_qwen3_moe_config  # noqa: E402
+from tests.hf_reference import build_and_save, hf_greedy, tiny_qwen3_moe_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,29 +20,13 @@ def pair(tmp_path_factory):
     return hf, cfg, weights
 
 
-@torch.no_grad()
-def _hf_greedy(hf, prompt, n):
-    """The reference model's own greedy continuation: argmax of its forward, one token at a time on its
-    own KV cache. (`generate` is not used: in transformers 5.24 its logits for this tiny MoE differ from
-    the model's forward by ~0.1, which is a property of `generate`'s code path, not of the model.)"""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf.config)
-    ids, out = torch.tensor([prompt]), []
-    for _ in range(n):
-        logits = hf(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-        out.append(int(logits.argmax()))
-        ids = torch.tensor([[out[-1]]])
-    return out
-
-
 def test_greedy_equals_hf_generate_batched(pair):
     hf, cfg, weights = pair
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (300, 211, 17)]
     ours = greedy_generate(weights, cfg, prompts, max_new_tokens=32)
     for p, o in zip(prompts, ours):
-        assert o == _hf_greedy(hf, p, 32)
+        assert o == hf_greedy(hf, p, 32)
 
 
 def test_stop_tokens_end_each_sequence(pair):
