@@ -84,6 +84,7 @@ class ForwardOutput:
     taps: tuple[jax.Array, ...]
     router_experts: tuple[jax.Array | None, ...]
     cache: KVCache
+    router_logits: tuple[jax.Array | None, ...] | None = None  # per layer [b, T, E] fp32, when requested
 
 
 def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -142,12 +143,12 @@ def _attention_block(x, attn, k_buf, v_buf, positions, starts, cos, sin, window,
 
 def _mlp_block(h, mlp, cfg: Qwen3Config, implementation):
     if isinstance(mlp, MLPWeights):
-        return swiglu(h, mlp.gate, mlp.up, mlp.down), None
+        return swiglu(h, mlp.gate, mlp.up, mlp.down), None, None
     b, t, hidden = h.shape
     flat = h.reshape(b * t, hidden)
-    weights, experts, _ = softmax_topk_router(flat, mlp.router, cfg.moe.top_k, normalize=cfg.moe.norm_topk_prob)
+    weights, experts, logits = softmax_topk_router(flat, mlp.router, cfg.moe.top_k, normalize=cfg.moe.norm_topk_prob)
     out = swiglu_experts(flat, experts, weights, mlp.gate_up, mlp.down, implementation=implementation)
-    return out.reshape(b, t, hidden), experts.reshape(b, t, -1)
+    return out.reshape(b, t, hidden), experts.reshape(b, t, -1), logits.reshape(b, t, -1)
 
 
 def forward(
@@ -160,6 +161,7 @@ def forward(
     tap_layers: tuple[int, ...] = (),
     logits: LogitsMode = "all",
     implementation: str = "auto",
+    return_router_logits: bool = False,
 ) -> ForwardOutput:
     """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`.
 
@@ -167,6 +169,7 @@ def forward(
     and written past the new length, where no later query can see them.
     tap_layers: static tuple of layer indices i whose output `h[i+1]` to return (the DFlash taps).
     The cache must have room: `cache.lengths + T <= cache.max_len` (rows past the end are dropped).
+    return_router_logits: also return each MoE layer's router logits (training's load-balancing loss).
     """
     b, t = tokens.shape
     starts = cache.lengths
@@ -176,7 +179,7 @@ def forward(
     x = embed_tokens(weights, tokens)
     cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
     taps: dict[int, jax.Array] = {}
-    routers = []
+    routers, router_logits = [], []
     new_k, new_v = [], []
     last = cfg.num_layers - 1
     for i, layer in enumerate(weights.layers):
@@ -187,9 +190,11 @@ def forward(
         new_k.append(k_buf)
         new_v.append(v_buf)
         x = x + attn_out
-        mlp_out, experts = _mlp_block(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), layer.mlp, cfg, implementation)
+        mlp_out, experts, r_logits = _mlp_block(
+            rms_norm(x, layer.post_norm, cfg.rms_norm_eps), layer.mlp, cfg, implementation)
         x = x + mlp_out
         routers.append(experts)
+        router_logits.append(r_logits)
         if i in tap_layers and i != last:
             taps[i] = x
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
@@ -210,10 +215,12 @@ def forward(
         taps=tuple(taps[i] for i in tap_layers),
         router_experts=tuple(routers),
         cache=new_cache,
+        router_logits=tuple(router_logits) if return_router_logits else None,
     )
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "logits", "implementation"))
+forward_jit = jax.jit(
+    forward, static_argnames=("cfg", "tap_layers", "logits", "implementation", "return_router_logits"))
 
 
 def rollback(cache: KVCache, lengths: jax.Array) -> KVCache:

@@ -1,0 +1,148 @@
+"""`dflash-generate`: lossless DFlash speculative generation from a converted checkpoint.
+
+  dflash-generate --prompt "def fib(n):"                       # the small trained pair shipped with the package
+  dflash-generate --checkpoint DIR --prompt-ids 1,2,3 --json --trace
+
+`--json` prints one object: `tokens` (generated ids), `acceptance_lengths` (tokens committed per round),
+`stats` (tokens/s, mean acceptance tau, rounds, time split), and with `--trace` a per-round `trace` of
+`proposal` (the B-1 draft tokens), `accepted` and `bonus`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+SHIPPED_PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny_pair")
+
+
+class UsageError(Exception):
+    pass
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty: give at least one token id")
+    return ids
+
+
+def load_tokenizer(pair):
+    path = pair.tokenizer_path
+    if path is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-generate", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", help="a convert-weights checkpoint directory (default: the shipped tiny pair)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json and `tokenizers`)")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="verify width B (default: the draft's trained size)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--acceptance", choices=["exact_match", "rejection"], default="exact_match",
+                   help="sampling acceptance rule (temperature > 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: the target's eos)")
+    p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
+    p.add_argument("--loop", choices=["jit", "python"], default=None,
+                   help="jit: one compiled while_loop; python: stepping loop with the draft/verify/host time split "
+                        "(default: python with --trace, else jit)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
+    return p
+
+
+def run(args) -> dict:
+    import dflash_jax
+    from dflash_jax.spec import SamplingParams, generate, generate_stepping
+
+    directory = args.checkpoint or SHIPPED_PAIR
+    if args.checkpoint is None and not os.path.exists(os.path.join(directory, "manifest.json")):
+        raise UsageError("the shipped pair is missing from this installation; pass --checkpoint DIR "
+                         "(a convert-weights output) or reinstall dflash_jax")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    pair = dflash_jax.load(directory)
+    tokenizer = load_tokenizer(pair)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise UsageError(f"{directory} has no tokenizer.json (or the `tokenizers` package is missing): "
+                             "use --prompt-ids")
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        if not prompt:
+            raise UsageError("--prompt encodes to no tokens: give a non-empty prompt")
+    else:
+        prompt = _parse_ids(args.prompt_ids)
+    if args.ignore_eos:
+        stops: list[int] = []
+    elif args.stop_ids:
+        stops = _parse_ids(args.stop_ids)
+    else:
+        stops = list(pair.target_cfg.eos_token_ids)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, mode=args.acceptance)
+    loop = args.loop or ("python" if args.trace else "jit")
+    kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
+                  stop_ids=stops, seed=args.seed, warmup=True)
+    if loop == "jit":
+        if args.trace:
+            raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
+        result = generate(pair, [prompt], **kwargs)
+    else:
+        result = generate_stepping(pair, [prompt], trace=args.trace, **kwargs)
+    out = {
+        "tokens": result.tokens[0],
+        "acceptance_lengths": result.acceptance_lengths[0],
+        "stats": dict(result.stats, prompt_tokens=len(prompt), checkpoint=os.path.abspath(directory),
+                      expert_format=pair.expert_format),
+    }
+    if tokenizer is not None:
+        out["text"] = tokenizer.decode(result.tokens[0])
+    if args.trace:
+        out["trace"] = [{k: row[0][k] for k in ("proposal", "accepted", "bonus")}
+                        for row in result.trace if row[0] is not None]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        out = run(args)
+    except UsageError as e:
+        print(f"dflash-generate: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad block size, token ids, sampling values, bad checkpoints
+        print(f"dflash-generate: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    s = out["stats"]
+    print(out.get("text", " ".join(map(str, out["tokens"]))))
+    split = s.get("time_split")
+    split_text = (f", draft {split['draft_s']:.3f}s / verify {split['verify_s']:.3f}s / host {split['host_s']:.3f}s"
+                  if split else "")
+    print(f"-- {len(out['tokens'])} tokens, {s.get('tokens_per_second', 0):.1f} tok/s, "
+          f"tau {s['mean_acceptance']:.2f} tokens/round, {s['rounds']} rounds, block {s['block_size']}{split_text}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Writes trained weights in the HuggingFace release layouts (Qwen3-MoE target, z-lab DFlash draft), so a
+trained pair goes through `convert-weights` exactly like a downloaded one, and transformers / the z-lab
+reference can load it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from dflash_jax.config import DraftConfig, Qwen3Config
+from dflash_jax.models import qwen3
+
+
+def _np(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, np.float32))
+
+
+def _rope_json(rope) -> dict:
+    if rope.kind != "default":
+        raise ValueError("export supports default RoPE only")
+    return {"rope_type": "default", "rope_theta": rope.theta}
+
+
+def _attention_tensors(prefix: str, attn: qwen3.AttentionWeights) -> dict[str, np.ndarray]:
+    out = {}
+    for name in "qkvo":
+        out[f"{prefix}self_attn.{name}_proj.weight"] = _np(getattr(attn, name)).T
+        bias = getattr(attn, f"{name}_bias")
+        if bias is not None:
+            out[f"{prefix}self_attn.{name}_proj.bias"] = _np(bias)
+    out[f"{prefix}self_attn.q_norm.weight"] = _np(attn.q_norm)
+    out[f"{prefix}self_attn.k_norm.weight"] = _np(attn.k_norm)
+    return out
+
+
+def _save(directory: str, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"))
+
+
+def save_hf_target(weights: qwen3.Qwen3Weights, cfg: Qwen3Config, directory: str, *, eos_token_id=None) -> None:
+    if cfg.model_type != "qwen3_moe" or any(w is not None for w in cfg.layer_windows):
+        raise ValueError("export writes full-attention qwen3_moe targets")
+    tensors = {"model.embed_tokens.weight": _np(weights.embed), "model.norm.weight": _np(weights.final_norm)}
+    if weights.lm_head is not None:
+        tensors["lm_head.weight"] = _np(weights.lm_head).T
+    mlp_only = []
+    for i, layer in enumerate(weights.layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = _np(layer.input_norm)
+        tensors[p + "post_attention_layernorm.weight"] = _np(layer.post_norm)
+        tensors.update(_attention_tensors(p, layer.attn))
+        if isinstance(layer.mlp, qwen3.MoEWeights):
+            inter = layer.mlp.gate_up.shape[-1] // 2
+            gate_up, down = _np(layer.mlp.gate_up), _np(layer.mlp.down)
+            tensors[p + "mlp.gate.weight"] = _np(layer.mlp.router).T
+            for e in range(gate_up.shape[0]):
+                tensors[p + f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :, :inter].T
+                tensors[p + f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, :, inter:].T
+                tensors[p + f"mlp.experts.{e}.down_proj.weight"] = down[e].T
+        else:
+            mlp_only.append(i)
+            for name in ("gate", "up", "down"):
+                tensors[p + f"mlp.{name}_proj.weight"] = _np(getattr(layer.mlp, name)).T
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": _rope_json(cfg.rope), "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias, "use_sliding_window": False, "sliding_window": None,
+        "decoder_sparse_step": 1, "mlp_only_layers": mlp_only, "num_experts": cfg.moe.num_experts,
+        "num_experts_per_tok": cfg.moe.top_k, "moe_intermediate_size": cfg.moe.intermediate_size,
+        "norm_topk_prob": cfg.moe.norm_topk_prob, "eos_token_id": eos_token_id, "torch_dtype": "float32",
+    }
+    _save(directory, config, tensors)
+
+
+def save_hf_draft(weights, cfg: DraftConfig, directory: str) -> None:
+    if any(w is not None for w in cfg.layer_windows) or any(cfg.layer_causal):
+        raise ValueError("export writes full (non-causal) attention drafts")
+    tensors = {"fc.weight": _np(weights.fc).T, "hidden_norm.weight": _np(weights.hidden_norm),
+               "norm.weight": _np(weights.final_norm)}
+    for i, layer in enumerate(weights.layers):
+        p = f"layers.{i}."
+        tensors[p + "input_layernorm.weight"] = _np(layer.input_norm)
+        tensors[p + "post_attention_layernorm.weight"] = _np(layer.post_norm)
+        tensors.update(_attention_tensors(p, layer.attn))
+        for name in ("gate", "up", "down"):
+            tensors[p + f"mlp.{name}_proj.weight"] = _np(getattr(layer.mlp, name)).T
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": _rope_json(cfg.rope),
+        "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": cfg.attention_bias,
+        "vocab_size": cfg.vocab_size, "num_target_layers": cfg.num_target_layers,
+        "layer_types": ["full_attention"] * cfg.num_layers, "tie_word_embeddings": False,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          "block_size": cfg.block_size},
+    }
+    _save(directory, config, tensors)

@@ -1,0 +1,208 @@
+"""The small trained pair: a Qwen3-MoE target trained on the Python standard library's source, and its
+DFlash draft trained on the target's own greedy continuations.
+
+Stages (each resumable: a finished stage's output is reused, an interrupted training resumes from its
+last orbax checkpoint):
+  1. tokenizer   byte-level BPE on the training files            -> work/tokenizer.json
+  2. tokens      token streams of the training / held-out files   -> work/{train,heldout}_tokens.npy
+  3. target      LM loss + load balancing, optax AdamW            -> work/hf_target (HF layout)
+  4. corpus      the target's greedy continuations of training windows -> work/continuations.npy
+  5. draft       the DFlash objective on those continuations      -> work/hf_draft (HF layout)
+  6. convert     convert-weights (MXFP4 experts)                 -> out
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DraftConfig, MoEConfig, Qwen3Config, RopeConfig
+from dflash_jax.train import data
+from dflash_jax.train.common import TrainConfig, batch_rng, train_loop
+from dflash_jax.train.objectives import dflash_loss, lm_loss, sample_anchors
+
+VOCAB = 1024
+EOS_ID, MASK_ID = VOCAB - 2, VOCAB - 1
+
+
+def target_config() -> Qwen3Config:
+    return Qwen3Config(
+        model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=32, intermediate_size=512, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=32),
+        max_position_embeddings=4096, moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=256, norm_topk_prob=True),
+        eos_token_ids=(EOS_ID,),
+    )
+
+
+def draft_config(block_size: int = 16) -> DraftConfig:
+    return DraftConfig(
+        model_type="qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+        intermediate_size=384, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=32),
+        target_layer_ids=(0, 1, 2), mask_token_id=MASK_ID, block_size=block_size, num_target_layers=4,
+        vocab_size=VOCAB, max_position_embeddings=4096,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    target_steps: int = 1200
+    target_batch: int = 16
+    target_seq: int = 256
+    target_lr: float = 3e-3
+    prompts: int = 1536
+    prompt_len: int = 64
+    continuation: int = 192
+    draft_steps: int = 1500
+    draft_batch: int = 16
+    anchors_per_seq: int = 8
+    draft_lr: float = 3e-3
+    gamma: float = 7.0
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "Recipe":
+        """A smoke-test recipe (seconds): the same stages at toy sizes."""
+        return cls(target_steps=6, target_batch=2, target_seq=64, prompts=4, prompt_len=16, continuation=48,
+                   draft_steps=6, draft_batch=2, anchors_per_seq=2)
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        print(f"[train_tiny_pair] {msg}", flush=True)
+
+
+def build_tokens(work: str, progress: bool):
+    tok_path = os.path.join(work, "tokenizer.json")
+    train_files, held_files = data.stdlib_files()
+    if not os.path.exists(tok_path):
+        _log(f"training the BPE tokenizer on {len(train_files)} stdlib files ({len(held_files)} held out)", progress)
+        data.train_tokenizer(train_files, VOCAB, tok_path)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tok_path)
+    streams = {}
+    for name, files in (("train", train_files), ("heldout", held_files)):
+        path = os.path.join(work, f"{name}_tokens.npy")
+        if not os.path.exists(path):
+            _log(f"encoding {len(files)} {name} files", progress)
+            np.save(path, data.encode_files(tok, files))
+        streams[name] = np.load(path)
+    with open(os.path.join(work, "split.json"), "w") as fh:
+        root = data.stdlib_root()
+        json.dump({"held_out_files": sorted(os.path.relpath(f, root) for f in held_files),
+                   "train_files": len(train_files)}, fh, indent=1)
+    return tok, streams
+
+
+def train_target(work: str, stream: np.ndarray, recipe: Recipe, progress: bool):
+    from dflash_jax.testing import random_qwen3_weights
+
+    cfg = target_config()
+    params = random_qwen3_weights(cfg, jax.random.key(recipe.seed), norm_jitter=0.0)
+
+    def next_batch(step):
+        return jnp.asarray(data.random_windows(stream, batch_rng(recipe.seed, step), recipe.target_batch,
+                                               recipe.target_seq))
+
+    tc = TrainConfig(steps=recipe.target_steps, learning_rate=recipe.target_lr, seed=recipe.seed,
+                     warmup_steps=min(100, recipe.target_steps // 10 + 1))
+    params, losses = train_loop(params, lambda p, b: lm_loss(p, b, cfg), next_batch, tc,
+                                checkpoint_dir=os.path.join(work, "target_ckpt"), desc="target", progress=progress)
+    return cfg, params, losses
+
+
+def greedy_corpus(work: str, params, cfg: Qwen3Config, stream: np.ndarray, recipe: Recipe, progress: bool):
+    """The target's own greedy continuations of random training windows (what the draft will face)."""
+    from dflash_jax.decode import greedy_generate
+
+    path = os.path.join(work, "continuations.npy")
+    if os.path.exists(path):
+        return np.load(path)
+    rng = np.random.default_rng([recipe.seed, 10**6])
+    prompts = data.random_windows(stream, rng, recipe.prompts, recipe.prompt_len)
+    rows = []
+    chunk = 256
+    for i in range(0, len(prompts), chunk):
+        _log(f"greedy continuations {i}/{len(prompts)}", progress)
+        out = greedy_generate(params, cfg, prompts[i: i + chunk].tolist(), max_new_tokens=recipe.continuation)
+        for p, o in zip(prompts[i: i + chunk], out):
+            o = (o + [EOS_ID] * recipe.continuation)[: recipe.continuation]  # a stop token ends a row early
+            rows.append(np.concatenate([p, o]))
+    corpus = np.stack(rows).astype(np.int32)
+    np.save(path, corpus)
+    return corpus
+
+
+def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray, recipe: Recipe, progress: bool):
+    from dflash_jax.models import draft as draft_model
+    from dflash_jax.models import qwen3
+    from dflash_jax.testing import random_draft_weights
+
+    dcfg = draft_config()
+    params = random_draft_weights(dcfg, jax.random.key(recipe.seed + 1), norm_jitter=0.0)
+    block = dcfg.block_size
+    length = corpus.shape[1]
+
+    @jax.jit
+    def features(tokens):
+        cache = qwen3.init_cache(tcfg, tokens.shape[0], tokens.shape[1])
+        out = qwen3.forward(target_params, tokens, cache, tcfg, tap_layers=dcfg.target_layer_ids, logits="none")
+        return draft_model.context_features(out.taps)
+
+    def next_batch(step):
+        rng = batch_rng(recipe.seed + 1, step)
+        tokens = corpus[rng.integers(0, len(corpus), recipe.draft_batch)]
+        # anchors in the continuation: the text the draft proposes at inference is the target's own
+        anchors = sample_anchors(rng, recipe.draft_batch, recipe.anchors_per_seq, recipe.prompt_len - 1, length - block)
+        tokens = jnp.asarray(tokens)
+        return tokens, features(tokens), jnp.asarray(anchors)
+
+    def loss(p, batch):
+        tokens, feats, anchors = batch
+        return dflash_loss(p, target_params, tokens, feats, anchors, dcfg, block_size=block, gamma=recipe.gamma)
+
+    tc = TrainConfig(steps=recipe.draft_steps, learning_rate=recipe.draft_lr, seed=recipe.seed + 1,
+                     warmup_steps=min(100, recipe.draft_steps // 10 + 1))
+    params, losses = train_loop(params, loss, next_batch, tc, checkpoint_dir=os.path.join(work, "draft_ckpt"),
+                                desc="draft", progress=progress)
+    return dcfg, params, losses
+
+
+def train_tiny_pair(work: str, out: str | None, *, recipe: Recipe = Recipe(), progress: bool = True) -> dict:
+    """Runs every stage; returns a summary (losses, sizes, timings). `out` gets the converted pair."""
+    from dflash_jax.train.export import save_hf_draft, save_hf_target
+
+    os.makedirs(work, exist_ok=True)
+    t0 = time.perf_counter()
+    tok, streams = build_tokens(work, progress)
+    tcfg, target, target_losses = train_target(work, streams["train"], recipe, progress)
+    hf_target = os.path.join(work, "hf_target")
+    save_hf_target(target, tcfg, hf_target, eos_token_id=EOS_ID)
+    shutil.copy2(os.path.join(work, "tokenizer.json"), os.path.join(hf_target, "tokenizer.json"))
+    corpus = greedy_corpus(work, target, tcfg, streams["train"], recipe, progress)
+    dcfg, draft, draft_losses = train_draft(work, target, tcfg, corpus, recipe, progress)
+    hf_draft = os.path.join(work, "hf_draft")
+    save_hf_draft(draft, dcfg, hf_draft)
+    summary = {
+        "recipe": dataclasses.asdict(recipe),
+        "target_loss": {"first": target_losses[:1], "last": target_losses[-1:]},
+        "draft_loss": {"first": draft_losses[:1], "last": draft_losses[-1:]},
+        "train_tokens": int(len(streams["train"])), "heldout_tokens": int(len(streams["heldout"])),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    with open(os.path.join(work, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    if out:
+        from convert.cli import convert
+
+        convert(hf_target, hf_draft, out, expert_format="mxfp4", dtype="fp32", overwrite=True, progress=progress)
+        shutil.copy2(os.path.join(work, "split.json"), os.path.join(out, "split.json"))
+        shutil.copy2(os.path.join(work, "summary.json"), os.path.join(out, "train_summary.json"))
+    return summary

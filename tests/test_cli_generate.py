@@ -1,0 +1,110 @@
+"""dflash-generate: the JSON contract, traces, text prompts, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("dflash")
+
+import dflash_jax  # noqa: E402
+from convert.cli import convert  # noqa: E402
+from dflash_jax.cli.generate import main  # noqa: E402
+from dflash_jax.spec import generate  # noqa: E402
+from tests.hf_reference import (  # noqa: E402
+    build_and_save, build_and_save_draft, make_agreeable_, tiny_draft_config, tiny_qwen3_moe_config,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = build_and_save(tiny_qwen3_moe_config(num_hidden_layers=3, eos_token_id=5), root / "t0", seed=1)
+    draft = build_and_save_draft(tiny_draft_config(target_layers=3), root / "d0", seed=2)
+    make_agreeable_(target, draft)
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    out = root / "pair"
+    convert(str(root / "target"), str(root / "draft"), str(out), expert_format="mxfp4", dtype="fp32", progress=False)
+    return out
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+PROMPT = ",".join(str(i % 150) for i in range(1, 120))
+
+
+def test_json_contract(checkpoint, capsys):
+    code, out, _ = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 24,
+                        "--json", "--ignore-eos")
+    assert code == 0
+    result = json.loads(out)
+    assert set(result) >= {"tokens", "acceptance_lengths", "stats"}
+    assert len(result["tokens"]) == 24 and sum(result["acceptance_lengths"]) == 23
+    for key in ("tokens_per_second", "mean_acceptance", "rounds", "block_size"):
+        assert key in result["stats"]
+    expected = generate(dflash_jax.load(checkpoint), [[int(t) for t in PROMPT.split(",")]], max_new_tokens=24)
+    assert result["tokens"] == expected.tokens[0]
+
+
+def test_trace_and_time_split(checkpoint, capsys):
+    code, out, _ = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 20,
+                        "--json", "--trace", "--block-size", 4, "--ignore-eos")
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["trace"]) == len(result["acceptance_lengths"]) == result["stats"]["rounds"]
+    for row, produced in zip(result["trace"], result["acceptance_lengths"]):
+        assert len(row["proposal"]) == 3 and 0 <= row["accepted"] <= 3
+        assert produced <= row["accepted"] + 1
+    assert set(result["stats"]["time_split"]) == {"prefill_s", "draft_s", "verify_s", "host_s"}
+
+
+def test_text_prompt_through_tokenizer(checkpoint, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)"] * 20,
+                            trainers.BpeTrainer(vocab_size=100, show_progress=False))
+    assert tok.get_vocab_size() <= 150
+    d = tmp_path / "with_tok"
+    shutil.copytree(checkpoint, d)
+    tok.save(str(d / "tokenizer.json"))
+    code, out, err = _run(capsys, "--checkpoint", d, "--prompt", "def fib(n):", "--max-new-tokens", 8)
+    assert code == 0 and out.strip() and "tok/s" in err and "tau" in err
+    code, out, _ = _run(capsys, "--checkpoint", d, "--prompt", "def fib(n):", "--max-new-tokens", 8, "--json")
+    assert "text" in json.loads(out)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt-ids", "1,2,x"], "--prompt-ids must be comma-separated integers"),
+        (["--prompt-ids", ","], "--prompt-ids is empty"),
+        (["--prompt-ids", "1,2,999"], "token id 999 outside the vocabulary"),
+        (["--prompt-ids", "1,2", "--block-size", "9"], "block size must be between 1 and the draft's trained"),
+        (["--prompt-ids", "1,2", "--block-size", "0"], "block size must be between 1"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt", "hello"], "no tokenizer.json"),
+        (["--prompt-ids", "1,2", "--trace", "--loop", "jit"], "--trace needs --loop python"),
+    ],
+)
+def test_bad_input_is_one_clear_error(checkpoint, capsys, argv, message):
+    code, out, err = _run(capsys, "--checkpoint", checkpoint, *argv)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1  # one line, no traceback
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    code, _, err = _run(capsys, "--checkpoint", tmp_path / "nope", "--prompt-ids", "1")
+    assert code == 2 and "does not exist" in err
+    code, _, err = _run(capsys, "--checkpoint", tmp_path, "--prompt-ids", "1")
+    assert code == 2 and "not a dflash_jax checkpoint" in err
