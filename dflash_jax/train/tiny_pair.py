@@ -52,15 +52,15 @@ def draft_config(block_size: int = 16) -> DraftConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
-    target_steps: int = 1200
-    target_batch: int = 16
+    target_steps: int = 1000
+    target_batch: int = 8
     target_seq: int = 256
     target_lr: float = 3e-3
     prompts: int = 1536
     prompt_len: int = 64
     continuation: int = 192
-    draft_steps: int = 1500
-    draft_batch: int = 16
+    draft_steps: int = 1000
+    draft_batch: int = 8
     anchors_per_seq: int = 8
     draft_lr: float = 3e-3
     gamma: float = 7.0
