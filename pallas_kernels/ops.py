@@ -12,9 +12,14 @@ Weight operands (the "slot pool" of a layer's experts):
 
 implementation:
   "xla"    -> dequantize (FP4) then `jax.lax.ragged_dot` (portable; the reference every other
-              implementation is tested against)
-  "pallas" -> Pallas kernels (not available in this version: raises NotImplementedError)
-  "auto"   -> the best available for the backend; today that is "xla" everywhere.
+              implementation is tested against). Dequantizes the whole pool, routed or not.
+  "pallas" -> `pallas_kernels.fp4_grouped_matmul` for FP4 weights (Triton on GPU, interpret mode
+              elsewhere): reads only the routed groups' FP4 bytes and dequantizes in registers.
+              Activations bfloat16 / float32 only. Dense weights raise NotImplementedError: XLA's
+              ragged_dot already streams dense bf16 weights, a Pallas dense kernel would add nothing
+              the verify needs (the pool is FP4).
+  "auto"   -> "pallas" on GPU (`jax.default_backend() == "gpu"`) for FP4 weights with bfloat16 /
+              float32 activations, "xla" for everything else (CPU, TPU, dense weights).
 """
 
 from __future__ import annotations
@@ -25,17 +30,26 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
+from pallas_kernels import fp4_grouped_matmul as _fp4
 
 Implementation = Literal["auto", "xla", "pallas"]
 _IMPLEMENTATIONS = ("auto", "xla", "pallas")
 FP4Tensor = (MXFP4Tensor, NVFP4Tensor)
 
 
-def resolve_implementation(implementation: str) -> str:
+def resolve_implementation(implementation: str, w: Any = None, x_dtype: Any = None) -> str:
+    """The concrete implementation ("xla" | "pallas") a call with weight `w` and activations of
+    `x_dtype` runs; "auto" picks Pallas only on GPU for FP4 weights with supported activations."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "auto":
-        return "xla"
+        pallas_ok = (
+            jax.default_backend() == "gpu"
+            and is_fp4(w)
+            and x_dtype is not None
+            and jnp.dtype(x_dtype) in _fp4.SUPPORTED_ACTIVATION_DTYPES
+        )
+        return "pallas" if pallas_ok else "xla"
     return implementation
 
 
@@ -68,17 +82,20 @@ def grouped_matmul(
     preferred_element_type=None,
 ) -> jax.Array:
     """x: [M, K] rows sorted by group; w: see module doc; group_sizes: [G] int32, sum <= M. Returns [M, N]."""
-    impl = resolve_implementation(implementation)
-    if impl == "pallas":
-        raise NotImplementedError(
-            "the Pallas grouped matmul is not in this version; use implementation='xla' or 'auto'"
-        )
+    impl = resolve_implementation(implementation, w, x.dtype)
     g, k, _ = weight_dims(w)
     if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (g,):
         raise ValueError(
             f"grouped_matmul shapes: x {x.shape} must be [M, {k}], group_sizes {group_sizes.shape} [{g}] "
             f"for a weight of {g} groups, contraction {k}"
         )
+    if impl == "pallas":
+        if not is_fp4(w):
+            raise NotImplementedError(
+                "implementation='pallas' covers FP4 (MXFP4/NVFP4) weights only; dense weights go through "
+                "implementation='xla' (or 'auto')"
+            )
+        return _fp4.fp4_grouped_matmul(x, w, group_sizes, preferred_element_type=preferred_element_type)
     out_dtype = preferred_element_type or x.dtype
     return jax.lax.ragged_dot(
         x, dense_weight(w, x.dtype), group_sizes.astype(jnp.int32), preferred_element_type=out_dtype
