@@ -26,10 +26,10 @@ from convert import checkpoint as ckpt_io
 from convert.errors import CheckpointError
 from convert.loader import resolve_dtype, table_for
 from convert.safetensors_io import HFCheckpoint
-from convert.table import assemble, iter_with_progress
+from convert.table import FP4Joiner, assemble, iter_with_progress, joined_keys, table_targets
 from dflash_jax.config import ConfigError, DraftConfig, from_hf_config, load_hf_config_dict
 from dflash_jax.pair import check_pair
-from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor, quantize_mxfp4_np, quantize_nvfp4_np
+from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4_np, quantize_mxfp4_np, quantize_nvfp4_np
 
 CONVERTER_VERSION = "0.1.0"
 EXPERT_FORMATS = ("mxfp4", "nvfp4", "bf16")
@@ -38,12 +38,35 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _BLOCK = {"mxfp4": 32, "nvfp4": 16}
 
 
-def expert_finalizer(expert_format: str):
-    """Turns a finished stacked expert table `[E, K, N]` into its stored form; other arrays pass through."""
+def _mxfp4_to_dense_bf16(table: MXFP4Tensor) -> np.ndarray:
+    """A packed `[E, N, K]` MXFP4 table as the dense `[E, K, N]` bf16 table, one expert at a time (so the
+    fp32 intermediates stay one expert big). Exact: every MXFP4 value is a bf16 value."""
+    blocks, scales = np.asarray(table.blocks), np.asarray(table.scales)
+    e, n, k = table.shape
+    out = np.empty((e, k, n), ml_dtypes.bfloat16)
+    for i in range(e):
+        out[i] = dequantize_mxfp4_np(blocks[i], scales[i], ml_dtypes.bfloat16).T
+    return out
 
-    def finalize(key: str, array: np.ndarray) -> Any:
+
+def expert_finalizer(expert_format: str):
+    """Turns a finished stacked expert table into its stored form; other arrays pass through.
+
+    A dense `[E, K, N]` table is quantized to `expert_format` (or cast to bf16). A table that is already
+    MXFP4 in the source (gpt-oss releases) is kept packed for "mxfp4", dequantized for "bf16", and refused
+    for "nvfp4" (quantizing FP4 values a second time loses precision for nothing).
+    """
+
+    def finalize(key: str, array: Any) -> Any:
         if not (key.endswith(("mlp.gate_up", "mlp.down")) and array.ndim == 3):
             return array
+        if isinstance(array, MXFP4Tensor):
+            if expert_format == "mxfp4":
+                return array
+            if expert_format == "bf16":
+                return _mxfp4_to_dense_bf16(array)
+            raise ValueError(f"{key}: the source experts are MXFP4 already; --expert-format {expert_format} would "
+                             "quantize them twice. Use --expert-format mxfp4 (kept as shipped) or bf16")
         if expert_format == "bf16":
             return array.astype(ml_dtypes.bfloat16)
         oriented = np.ascontiguousarray(np.swapaxes(array, 1, 2)).astype(np.float32)  # [E, N, K]
@@ -97,8 +120,8 @@ def _source_files(directory: str) -> list[str]:
 
 
 def _convert_model(src: HFCheckpoint, cfg, table, root: str, *, dtype, finalize, progress: bool, desc: str):
-    targets = table.targets(cfg)
-    writer = ckpt_io.ChunkWriter(root, list(targets), finalize)
+    targets = table_targets(table, cfg, src.keys())
+    writer = ckpt_io.ChunkWriter(root, joined_keys(targets), finalize)
     try:
         assemble(
             iter_with_progress(src.items(), len(src.keys()), desc, progress),
@@ -107,7 +130,7 @@ def _convert_model(src: HFCheckpoint, cfg, table, root: str, *, dtype, finalize,
             dtype=dtype,
             ignore=getattr(table, "ignore", lambda c: (lambda n: False))(cfg),
             source=src.directory,
-            on_complete=writer.add,
+            on_complete=FP4Joiner(writer.add),
         )
     finally:
         writer.close()
@@ -154,6 +177,9 @@ def convert(
 
     target_table = table_for(target_cfg, target_dir)
     target_src, draft_src = HFCheckpoint(target_dir), HFCheckpoint(draft_dir)
+    if expert_format == "nvfp4" and any("#" in k for k in table_targets(target_table, target_cfg, target_src.keys())):
+        raise ValueError(f"--target {target_dir} ships its experts in MXFP4; --expert-format nvfp4 would quantize them "
+                         "twice. Use --expert-format mxfp4 (kept as shipped) or bf16")
 
     tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from convert import gpt_oss as gpt_oss_table
 from convert import qwen3 as qwen3_table
+from convert import qwen3_5 as qwen3_5_table
 from convert.errors import CheckpointError
 from convert.safetensors_io import HFCheckpoint
-from convert.table import assemble, iter_with_progress
-from dflash_jax.config import ConfigError, Qwen3Config, from_hf_config
+from convert.table import FP4Joiner, assemble, iter_with_progress, table_targets
+from dflash_jax.config import ConfigError, GptOssConfig, Qwen3_5Config, Qwen3Config, from_hf_config
 
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "float32": jnp.float32}
 
@@ -32,6 +34,10 @@ def table_for(cfg, source: str = "checkpoint"):
     """The conversion table module (targets / rules / ignore / build_weights) of a target family."""
     if isinstance(cfg, Qwen3Config):
         return qwen3_table
+    if isinstance(cfg, GptOssConfig):
+        return gpt_oss_table
+    if isinstance(cfg, Qwen3_5Config):
+        return qwen3_5_table
     raise ConfigError(f"{source}: {type(cfg).__name__} is not a target model family this loader knows")
 
 
@@ -49,13 +55,15 @@ def load_hf_model(directory: str | os.PathLike, *, dtype="fp32", progress: bool 
     table = table_for(cfg, directory)
     ckpt = HFCheckpoint(directory)
     keys = ckpt.keys()
-    flat = assemble(
+    # FP4 tensors kept packed from the source arrive as blocks + scales and move on as one MXFP4Tensor
+    placed = FP4Joiner(lambda name, arr: jax.device_put(arr))
+    assemble(
         iter_with_progress(ckpt.items(), len(keys), "loading", progress),
-        table.targets(cfg),
+        table_targets(table, cfg, keys),
         table.rules(cfg),
         dtype=np_dtype,
         ignore=table.ignore(cfg),
         source=directory,
-        on_complete=lambda name, arr: jax.device_put(arr),
+        on_complete=placed,
     )
-    return cfg, table.build_weights(flat, cfg)
+    return cfg, table.build_weights(placed.done, cfg)

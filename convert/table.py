@@ -7,6 +7,11 @@ matches exactly one rule, which names the target, the region of the target it fi
 covers. Unknown names, pieces written twice, wrong shapes and pieces never written all raise
 `CheckpointError`. Tensors are cast to the target dtype one at a time, so peak extra memory is one
 source tensor.
+
+A target may fix its own dtype (`Target.dtype`: fp32 norm weights, uint8 packed FP4 codes); integer
+targets take their source bytes as they are and reject any other source dtype. An FP4 tensor kept packed
+from the source (gpt-oss MXFP4 experts) is declared as two targets `NAME#blocks` and `NAME#scales`;
+`FP4Joiner` hands the pair on as one `MXFP4Tensor` named NAME.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from convert.errors import CheckpointError
 class Target:
     shape: tuple[int, ...]
     coverage: tuple[int, ...] = ()  # shape of the grid of pieces; () = one piece
+    dtype: Any = None  # None: the dtype the caller of `assemble` asks for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +94,18 @@ def assemble(
             piece = piece.transpose(placement.transpose)
         buf = buffers.get(key)
         if buf is None:
-            buf = buffers[key] = np.empty(targets[key].shape, dtype)
+            own = targets[key].dtype
+            buf = buffers[key] = np.empty(targets[key].shape, dtype if own is None else own)
+        if np.issubdtype(buf.dtype, np.integer) and piece.dtype != buf.dtype:
+            raise CheckpointError(f"{source}: tensor {name!r} has dtype {piece.dtype}, but {key!r} holds packed "
+                                  f"{buf.dtype} codes; the checkpoint is not in the layout its names say")
         region_shape = buf[placement.region].shape
         if piece.shape != region_shape:
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(np.shape(tensor))}, but the config implies "
                 f"{_source_shape(region_shape, placement.transpose)}; the config does not match the weights"
             )
-        buf[placement.region] = piece.astype(dtype)
+        buf[placement.region] = piece.astype(buf.dtype)
         cov[placement.cover] = True
         if cov.all():
             arr = buffers.pop(key)
@@ -124,3 +134,56 @@ def iter_with_progress(items: Iterator, total: int, desc: str, enabled: bool) ->
         for item in items:
             yield item
             bar.update(1)
+
+
+FP4_PARTS = ("blocks", "scales")
+
+
+def fp4_part(key: str, part: str) -> str:
+    """The target name of one part (`blocks` / `scales`) of an MXFP4 tensor kept packed from the source."""
+    return f"{key}#{part}"
+
+
+def joined_keys(keys: Iterable[str]) -> list[str]:
+    """Target names after `FP4Joiner`: the `#blocks` / `#scales` pairs become one name, order kept."""
+    out: dict[str, None] = {}
+    for key in keys:
+        out[key.partition("#")[0]] = None
+    return list(out)
+
+
+class FP4Joiner:
+    """An `on_complete` for `assemble` that joins `NAME#blocks` and `NAME#scales` into one `MXFP4Tensor`
+    NAME before passing it to `on_complete(NAME, tensor)`; other targets pass straight through.
+
+    `done` maps every (joined) name to what `on_complete` returned for it.
+    """
+
+    def __init__(self, on_complete: Callable[[str, Any], Any] | None = None):
+        self.on_complete = on_complete or (lambda name, value: value)
+        self.done: dict[str, Any] = {}
+        self._parts: dict[str, dict[str, np.ndarray]] = {}
+
+    def __call__(self, name: str, array: np.ndarray) -> Any:
+        from dflash_jax.quant import MXFP4Tensor
+
+        base, sep, part = name.partition("#")
+        if not sep:
+            self.done[name] = self.on_complete(name, array)
+            return self.done[name]
+        if part not in FP4_PARTS:
+            raise ValueError(f"unknown FP4 part {part!r} in target {name!r}")
+        parts = self._parts.setdefault(base, {})
+        parts[part] = array
+        if len(parts) < len(FP4_PARTS):
+            return None
+        del self._parts[base]
+        self.done[base] = self.on_complete(base, MXFP4Tensor(blocks=parts["blocks"], scales=parts["scales"]))
+        return self.done[base]
+
+
+def table_targets(table: Any, cfg: Any, keys: Iterable[str]) -> dict[str, Target]:
+    """A table's targets for a checkpoint with tensor names `keys`: tables whose layout depends on the
+    checkpoint (gpt-oss experts: packed MXFP4 or dense) define `targets_for_checkpoint(cfg, keys)`."""
+    for_checkpoint = getattr(table, "targets_for_checkpoint", None)
+    return for_checkpoint(cfg, list(keys)) if for_checkpoint else table.targets(cfg)

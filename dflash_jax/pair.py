@@ -64,10 +64,9 @@ class Pair:
         return total
 
     def _expert_tables(self):
-        from dflash_jax.models.qwen3 import MoEWeights
-
+        # every family's routed MoE weights carry stacked `gate_up` / `down` tables (dense MLPs do not)
         return [(layer.mlp.gate_up, layer.mlp.down) for layer in self.target.layers
-                if isinstance(layer.mlp, MoEWeights)]
+                if hasattr(layer.mlp, "gate_up")]
 
     @property
     def tokenizer_path(self) -> str | None:

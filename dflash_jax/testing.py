@@ -86,3 +86,114 @@ def random_draft_weights(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, *,
         layers.append(qwen3.DecoderLayerWeights(input_norm=init.norm(h), attn=attn, post_norm=init.norm(h), mlp=mlp))
     return draft.DraftWeights(fc=init.mat(cfg.num_taps * cfg.target_hidden_size, h), hidden_norm=init.norm(h),
                               layers=tuple(layers), final_norm=init.norm(h))
+
+
+def tiny_gpt_oss_config(**overrides):
+    """A tiny gpt-oss: alternating sliding (window 16) / full layers, the release's YaRN, 8 experts top-2."""
+    from dflash_jax.config import GptOssConfig
+
+    kw = dict(
+        vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=150000.0, rotary_dim=16, kind="yarn", factor=32.0, original_max_position_embeddings=4096,
+                        truncate=False),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True, router="topk_softmax"),
+        layer_windows=(16, None, 16, None),
+    )
+    kw.update(overrides)
+    return GptOssConfig(**kw)
+
+
+def random_gpt_oss_weights(cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str = "mxfp4"):
+    """Random gpt-oss weights (scales as in `random_qwen3_weights`; sinks N(0, 1), biases N(0, 0.1^2));
+    experts as MXFP4 tensors (`expert_format="mxfp4"`, the release's form) or dense tables ("dense").
+    Norm weights are fp32, as in the release. Drawn with numpy on the host (fast for many small arrays)."""
+    import numpy as np
+
+    from dflash_jax.models import gpt_oss
+    from dflash_jax.quant import MXFP4Tensor, quantize_mxfp4_np
+
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+
+    def arr(x, dt=dtype):
+        return jnp.asarray(np.asarray(x, np.float32), dt)
+
+    def mat(*shape):
+        return arr(rng.standard_normal(shape) / np.sqrt(shape[-2]))
+
+    def vec(*shape, scale=0.1):
+        return arr(scale * rng.standard_normal(shape))
+
+    def norm(n):
+        return arr(1.0 + 0.2 * rng.standard_normal(n), jnp.float32)
+
+    h, d, e, inter = cfg.hidden_size, cfg.head_dim, cfg.moe.num_experts, cfg.moe.intermediate_size
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def experts(n_out, k_in):  # logical [E, out, in]
+        w = (rng.standard_normal((e, n_out, k_in)) / np.sqrt(k_in)).astype(np.float32)
+        if expert_format == "mxfp4":
+            blocks, scales = quantize_mxfp4_np(w)
+            return MXFP4Tensor(blocks=jnp.asarray(blocks), scales=jnp.asarray(scales))
+        return arr(np.swapaxes(w, 1, 2))
+
+    layers = []
+    for _ in range(cfg.num_layers):
+        bias = cfg.attention_bias
+        attn = gpt_oss.GptOssAttentionWeights(
+            q=mat(h, qd), k=mat(h, kvd), v=mat(h, kvd), o=mat(qd, h), sinks=vec(cfg.num_heads, scale=1.0),
+            q_bias=vec(qd) if bias else None, k_bias=vec(kvd) if bias else None,
+            v_bias=vec(kvd) if bias else None, o_bias=vec(h) if bias else None,
+        )
+        mlp = gpt_oss.GptOssMoEWeights(
+            router=mat(h, e), router_bias=vec(e), gate_up=experts(2 * inter, h), gate_up_bias=vec(e, 2 * inter),
+            down=experts(h, inter), down_bias=vec(e, h),
+        )
+        layers.append(gpt_oss.GptOssLayerWeights(input_norm=norm(h), attn=attn, post_norm=norm(h), mlp=mlp))
+    embed = arr(rng.standard_normal((cfg.vocab_size, h)))
+    lm_head = None if cfg.tie_word_embeddings else mat(h, cfg.vocab_size)
+    return gpt_oss.GptOssWeights(embed=embed, layers=tuple(layers), final_norm=norm(h), lm_head=lm_head)
+
+
+def make_agreeable(target_w: qwen3.Qwen3Weights, draft_w: draft.DraftWeights, *, strength: float = 2.0,
+                   tokens: tuple[int, int] = (7, 9)):
+    """(target, draft) weights that agree on something, so speculative rounds accept a mix of 0..B-1
+    proposals: both final norms amplify hidden dim 0 and the target's lm_head (which the draft shares)
+    maps its sign to one of two tokens. Needs an untied lm_head."""
+    head = target_w.lm_head.at[0, :].set(0.0).at[0, tokens[0]].set(strength).at[0, tokens[1]].set(-strength)
+    target_w = target_w.replace(final_norm=target_w.final_norm.at[0].set(30.0), lm_head=head)
+    return target_w, draft_w.replace(final_norm=draft_w.final_norm.at[0].set(30.0))
+
+
+def quantize_experts(weights: qwen3.Qwen3Weights, expert_format: str = "mxfp4") -> qwen3.Qwen3Weights:
+    """The same weights with every MoE layer's expert tables quantized to `expert_format` ("mxfp4" /
+    "nvfp4"; logical `[E, out, in]` FP4 tensors, as `convert-weights` writes them)."""
+    from dflash_jax.quant import quantize_mxfp4, quantize_nvfp4
+
+    quantize = {"mxfp4": quantize_mxfp4, "nvfp4": quantize_nvfp4}[expert_format]
+    layers = []
+    for layer in weights.layers:
+        if isinstance(layer.mlp, qwen3.MoEWeights):
+            mlp = layer.mlp.replace(gate_up=quantize(jnp.swapaxes(layer.mlp.gate_up, 1, 2)),
+                                    down=quantize(jnp.swapaxes(layer.mlp.down, 1, 2)))
+            layer = layer.replace(mlp=mlp)
+        layers.append(layer)
+    return weights.replace(layers=tuple(layers))
+
+
+def random_pair(cfg: Qwen3Config | None = None, *, seed: int = 0, agreeable: bool = True,
+                expert_format: str = "dense", **draft_overrides):
+    """A `dflash_jax.pair.Pair` of random tiny weights (`tiny_qwen3_moe_config()` by default), made agreeable
+    (`make_agreeable`) unless told otherwise, experts dense or quantized (`quantize_experts`)."""
+    from dflash_jax.pair import Pair, check_pair
+
+    cfg = cfg or tiny_qwen3_moe_config()
+    dcfg = tiny_draft_config(cfg, **draft_overrides)
+    check_pair(cfg, dcfg)
+    target_w = random_qwen3_weights(cfg, jax.random.key(seed))
+    draft_w = random_draft_weights(dcfg, jax.random.key(seed + 1))
+    if agreeable:
+        target_w, draft_w = make_agreeable(target_w, draft_w)
+    if expert_format != "dense":
+        target_w = quantize_experts(target_w, expert_format)
+    return Pair(target_cfg=cfg, target=target_w, draft_cfg=dcfg, draft=draft_w,
+                manifest={"expert_format": expert_format, "tensors": {"target": {}}}, directory="")

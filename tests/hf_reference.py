@@ -157,3 +157,184 @@ def make_agreeable_(target, draft, *, strength: float = 2.0, tokens=(7, 9)):
         target.lm_head.weight[:, 0] = 0.0
         target.lm_head.weight[tokens[0], 0] = strength
         target.lm_head.weight[tokens[1], 0] = -strength
+
+
+# --------------------------------------------------------------------------------------------------
+# gpt-oss
+# --------------------------------------------------------------------------------------------------
+
+GPT_OSS_MXFP4_QUANTIZATION = {  # the release's quantization_config
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
+    "quant_method": "mxfp4",
+}
+
+
+def tiny_gpt_oss_config(**overrides):
+    """A tiny transformers `GptOssConfig`: alternating sliding (window 16) / full layers, the release's YaRN."""
+    from transformers import GptOssConfig
+
+    kw = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+        max_position_embeddings=131072,
+    )
+    kw.update(overrides)
+    return GptOssConfig(**kw)
+
+
+def build_gpt_oss(config, *, seed: int = 0, expert_scale: float = 4.0, mxfp4_experts: bool = True):
+    """A randomized fp32 eager `GptOssForCausalLM`.
+
+    On top of `randomize_`: sinks N(0, 1) (large enough to matter), expert biases, and gate_up expert
+    weights `expert_scale / sqrt(H)` so that the +-7 SwiGLU clamp is active. With `mxfp4_experts` the
+    expert weights are replaced by their MXFP4 round trip, so the model equals its release-layout export.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from dflash_jax.quant import dequantize_mxfp4_np, quantize_mxfp4_np
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    randomize_(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    h, inter = config.hidden_size, config.intermediate_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=gen))
+            ex = layer.mlp.experts
+            ex.gate_up_proj.copy_(expert_scale * torch.randn(ex.gate_up_proj.shape, generator=gen) / np.sqrt(h))
+            ex.gate_up_proj_bias.copy_(0.5 * torch.randn(ex.gate_up_proj_bias.shape, generator=gen))
+            ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=gen) / np.sqrt(inter))
+            ex.down_proj_bias.copy_(0.1 * torch.randn(ex.down_proj_bias.shape, generator=gen))
+            if mxfp4_experts:
+                for name in ("gate_up_proj", "down_proj"):
+                    p = getattr(ex, name)
+                    blocks, scales = quantize_mxfp4_np(p.detach().transpose(1, 2).numpy())  # [E, out, in]
+                    dense = np.swapaxes(dequantize_mxfp4_np(blocks, scales, np.float32), 1, 2)
+                    p.copy_(torch.from_numpy(np.ascontiguousarray(dense)))
+    return model.eval()
+
+
+def save_gpt_oss_mxfp4_release(model, directory):
+    """Writes `model` in the release layout: experts as MXFP4 `*_blocks` [E, out, in/32, 16] / `*_scales`
+    [E, out, in/32] uint8 ([out, in] order, gate/up rows interleaved as in the model), everything else as
+    `save_pretrained` writes it, plus the release's `quantization_config`. The expert weights must be
+    MXFP4-exact (`build_gpt_oss(mxfp4_experts=True)`), so the export is lossless; this is checked."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from dflash_jax.quant import dequantize_mxfp4_np, quantize_mxfp4_np
+
+    model.save_pretrained(directory)
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            oriented = p.detach().transpose(1, 2).contiguous().numpy()
+            blocks, scales = quantize_mxfp4_np(oriented)
+            assert np.array_equal(dequantize_mxfp4_np(blocks, scales, np.float32), oriented), name
+            tensors[name + "_blocks"] = torch.from_numpy(blocks)
+            tensors[name + "_scales"] = torch.from_numpy(scales)
+        else:
+            tensors[name] = p.detach().contiguous()
+    for f in os.listdir(directory):
+        if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"):
+            os.remove(os.path.join(directory, f))
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(directory, "config.json")
+    with open(path) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"] = GPT_OSS_MXFP4_QUANTIZATION
+    with open(path, "w") as fh:
+        json.dump(cfg, fh, indent=2)
+
+
+def load_gpt_oss_mxfp4_reference(directory):
+    """transformers' own reading of a release-layout (MXFP4) gpt-oss checkpoint on the CPU: with
+    `Mxfp4Config(dequantize=True)` it dequantizes the blocks into the dense fp32 experts."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True),
+    )
+    return model.eval()
+
+
+def tiny_qwen3_5_moe_config(**overrides):
+    """A tiny `Qwen3_5MoeTextConfig`: DeltaNet and gated-attention layers mixed (a linear layer after a full
+    one), dk != dv, Hv = 2 Hk, partial RoPE (8 of 32 head dims), a shared expert narrower than the routed."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    kw = dict(
+        vocab_size=160, hidden_size=64, num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=24, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    kw.update(overrides)
+    return Qwen3_5MoeTextConfig(**kw)
+
+
+def gated_delta_rule_float64(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                             use_qk_l2norm_in_kernel=False, **_):
+    """The gated delta rule one token at a time in float64, with the signature of transformers'
+    `torch_recurrent_gated_delta_rule` (whose fallbacks always compute in float32):
+    q, k L2-normalized (`x / sqrt(sum x^2 + 1e-6)`) when asked, q scaled by dk^-0.5; value head j reads key
+    head j // (Hv / Hk); per step `S <- e^g S; S <- S + k (beta (v - S^T k))^T; o = S^T q`."""
+    q, k, v, g, beta = (t.double() for t in (query, key, value, g, beta))
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    b, t, h, dk = k.shape
+    state = (torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float64) if initial_state is None
+             else initial_state.double())
+    out = torch.empty_like(v)
+    for i in range(t):
+        state = state * g[:, i].exp()[..., None, None]
+        delta = beta[:, i, :, None] * (v[:, i] - torch.einsum("bhkv,bhk->bhv", state, k[:, i]))
+        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+        out[:, i] = torch.einsum("bhkv,bhk->bhv", state, q[:, i])
+    return out, (state if output_final_state else None)
+
+
+class Float64Reference:
+    """transformers' model of a checkpoint directory run entirely in float64: float64 weights, eager
+    attention and experts, and `gated_delta_rule_float64` in place of the (float32-only) delta-rule
+    fallbacks. The exact answer that both float32 implementations approximate."""
+
+    def __init__(self, directory):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+        ).eval()
+
+    @torch.no_grad()
+    def __call__(self, tokens: np.ndarray, *, hidden_states: bool = False):
+        """Logits [1, T, V]; with `hidden_states`, also the HF hidden states (as `hf_forward`)."""
+        import importlib
+
+        module = importlib.import_module(type(self.model).__module__)
+        names = [n for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule") if hasattr(module, n)]
+        saved = {n: getattr(module, n) for n in names}
+        try:
+            for n in names:
+                setattr(module, n, gated_delta_rule_float64)
+            ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+            out = self.model(ids[None] if ids.ndim == 1 else ids, output_hidden_states=hidden_states)
+            if hidden_states:
+                return out.logits.numpy(), tuple(h.numpy() for h in out.hidden_states)
+            return out.logits.numpy()
+        finally:
+            for n, fn in saved.items():
+                setattr(module, n, fn)

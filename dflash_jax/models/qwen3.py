@@ -141,14 +141,83 @@ def _attention_block(x, attn, k_buf, v_buf, positions, starts, cos, sin, window,
     return out, k_buf, v_buf
 
 
-def _mlp_block(h, mlp, cfg: Qwen3Config, implementation):
+@struct.dataclass
+class BlockContext:
+    """What every layer of one forward shares: the block's absolute positions [b, T], where its rows are
+    written (`starts` [b], the cache lengths before the call), the RoPE tables and `num_valid` [b]."""
+
+    positions: jax.Array
+    starts: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    num_valid: jax.Array
+
+
+@struct.dataclass
+class Routing:
+    """One MoE layer's exact routing of a block: `weights` [b*T, k] fp32 (renormalized when configured),
+    `experts` [b*T, k] int32, router `logits` [b*T, E] fp32."""
+
+    weights: jax.Array
+    experts: jax.Array
+    logits: jax.Array
+
+
+# The layer-wise pieces below compose `forward`; the host-offload path (`dflash_jax.offload`) calls them one
+# layer at a time so that it can read a layer's exact routing before that layer's experts run.
+
+
+def block_context(
+    weights: Qwen3Weights, tokens: jax.Array, cache: KVCache, cfg: Qwen3Config, num_valid: jax.Array | None = None
+) -> tuple[jax.Array, BlockContext]:
+    """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`)."""
+    b, t = tokens.shape
+    starts = cache.lengths
+    if num_valid is None:
+        num_valid = jnp.full((b,), t, jnp.int32)
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
+    x = embed_tokens(weights, tokens)
+    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
+    return x, BlockContext(positions=positions, starts=starts, cos=cos, sin=sin, num_valid=num_valid)
+
+
+def attention_sublayer(
+    layer: DecoderLayerWeights, x: jax.Array, k_buf: jax.Array, v_buf: jax.Array, ctx: BlockContext,
+    window: int | None, cfg: Qwen3Config,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`x + attn(input_norm(x))`, writing the block's K/V rows at `ctx.starts`; returns (x, k_buf, v_buf)."""
+    h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+    attn_out, k_buf, v_buf = _attention_block(
+        h, layer.attn, k_buf, v_buf, ctx.positions, ctx.starts, ctx.cos, ctx.sin, window, cfg)
+    return x + attn_out, k_buf, v_buf
+
+
+def mlp_input(layer: DecoderLayerWeights, x: jax.Array, cfg: Qwen3Config) -> jax.Array:
+    """`post_norm(x)` flattened to [b*T, H]: the router's and the experts' input."""
+    return rms_norm(x, layer.post_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
+
+
+def route(mlp: MoEWeights, h: jax.Array, cfg: Qwen3Config) -> Routing:
+    """The exact routing of `h` [b*T, H] (fp32 softmax over all experts, top-k, renormalized if configured)."""
+    weights, experts, logits = softmax_topk_router(h, mlp.router, cfg.moe.top_k, normalize=cfg.moe.norm_topk_prob)
+    return Routing(weights=weights, experts=experts, logits=logits)
+
+
+def mlp_sublayer(
+    layer: DecoderLayerWeights, x: jax.Array, h: jax.Array, cfg: Qwen3Config, implementation: str = "auto", *,
+    routing: Routing | None = None, gate_up=None, down=None, slot_of: jax.Array | None = None,
+) -> jax.Array:
+    """`x + mlp(h)` with h = `mlp_input(layer, x)`. For MoE layers the experts run on `routing` (computed here
+    when None) over the weight operands `gate_up` / `down` (default: the layer's full tables), a slot pool
+    `[S, ...]` addressed through `slot_of` [E] int32 (identity when None; see `nn.moe.swiglu_experts`)."""
+    mlp = layer.mlp
     if isinstance(mlp, MLPWeights):
-        return swiglu(h, mlp.gate, mlp.up, mlp.down), None, None
-    b, t, hidden = h.shape
-    flat = h.reshape(b * t, hidden)
-    weights, experts, logits = softmax_topk_router(flat, mlp.router, cfg.moe.top_k, normalize=cfg.moe.norm_topk_prob)
-    out = swiglu_experts(flat, experts, weights, mlp.gate_up, mlp.down, implementation=implementation)
-    return out.reshape(b, t, hidden), experts.reshape(b, t, -1), logits.reshape(b, t, -1)
+        return x + swiglu(h.reshape(x.shape), mlp.gate, mlp.up, mlp.down)
+    routing = route(mlp, h, cfg) if routing is None else routing
+    out = swiglu_experts(
+        h, routing.experts, routing.weights, mlp.gate_up if gate_up is None else gate_up,
+        mlp.down if down is None else down, slot_of=slot_of, implementation=implementation)
+    return x + out.reshape(x.shape)
 
 
 def forward(
@@ -162,6 +231,8 @@ def forward(
     logits: LogitsMode = "all",
     implementation: str = "auto",
     return_router_logits: bool = False,
+    expert_pools: tuple | None = None,
+    slot_of: tuple | None = None,
 ) -> ForwardOutput:
     """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`.
 
@@ -170,46 +241,35 @@ def forward(
     tap_layers: static tuple of layer indices i whose output `h[i+1]` to return (the DFlash taps).
     The cache must have room: `cache.lengths + T <= cache.max_len` (rows past the end are dropped).
     return_router_logits: also return each MoE layer's router logits (training's load-balancing loss).
+    expert_pools / slot_of: optional per-layer overrides of the MoE weight operands: `expert_pools[i]` a
+    `(gate_up, down)` slot pool `[S, ...]` (None: the layer's own tables) addressed through `slot_of[i]`
+    [E] int32 (None: identity). Every routed expert must be resident in its layer's pool.
     """
+    x, ctx = block_context(weights, tokens, cache, cfg, num_valid)
     b, t = tokens.shape
-    starts = cache.lengths
-    if num_valid is None:
-        num_valid = jnp.full((b,), t, jnp.int32)
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
-    x = embed_tokens(weights, tokens)
-    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
     taps: dict[int, jax.Array] = {}
     routers, router_logits = [], []
     new_k, new_v = [], []
     last = cfg.num_layers - 1
     for i, layer in enumerate(weights.layers):
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        attn_out, k_buf, v_buf = _attention_block(
-            h, layer.attn, cache.keys[i], cache.values[i], positions, starts, cos, sin, cfg.layer_windows[i], cfg
-        )
+        x, k_buf, v_buf = attention_sublayer(layer, x, cache.keys[i], cache.values[i], ctx, cfg.layer_windows[i], cfg)
         new_k.append(k_buf)
         new_v.append(v_buf)
-        x = x + attn_out
-        mlp_out, experts, r_logits = _mlp_block(
-            rms_norm(x, layer.post_norm, cfg.rms_norm_eps), layer.mlp, cfg, implementation)
-        x = x + mlp_out
-        routers.append(experts)
-        router_logits.append(r_logits)
+        h = mlp_input(layer, x, cfg)
+        routing = route(layer.mlp, h, cfg) if isinstance(layer.mlp, MoEWeights) else None
+        pool = expert_pools[i] if expert_pools is not None else None
+        x = mlp_sublayer(layer, x, h, cfg, implementation, routing=routing,
+                         gate_up=None if pool is None else pool[0], down=None if pool is None else pool[1],
+                         slot_of=None if slot_of is None else slot_of[i])
+        routers.append(None if routing is None else routing.experts.reshape(b, t, -1))
+        router_logits.append(None if routing is None else routing.logits.reshape(b, t, -1))
         if i in tap_layers and i != last:
             taps[i] = x
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     if last in tap_layers:
         taps[last] = x
-    if logits == "all":
-        out_logits = lm_head_logits(weights, x)
-    elif logits == "last":
-        idx = jnp.clip(num_valid - 1, 0, t - 1)
-        out_logits = lm_head_logits(weights, x[jnp.arange(b), idx])
-    elif logits == "none":
-        out_logits = None
-    else:
-        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-    new_cache = KVCache(keys=tuple(new_k), values=tuple(new_v), lengths=starts + num_valid.astype(jnp.int32))
+    out_logits = select_logits(weights, x, ctx.num_valid, logits)
+    new_cache = KVCache(keys=tuple(new_k), values=tuple(new_v), lengths=ctx.starts + ctx.num_valid.astype(jnp.int32))
     return ForwardOutput(
         logits=out_logits,
         taps=tuple(taps[i] for i in tap_layers),
@@ -217,6 +277,20 @@ def forward(
         cache=new_cache,
         router_logits=tuple(router_logits) if return_router_logits else None,
     )
+
+
+def select_logits(weights: Qwen3Weights, normed: jax.Array, num_valid: jax.Array, logits: LogitsMode):
+    """Logits of final-normed hidden states [b, T, H]: every row ("all"), each sequence's last valid row
+    ("last", [b, V]) or None ("none")."""
+    b, t = normed.shape[:2]
+    if logits == "all":
+        return lm_head_logits(weights, normed)
+    if logits == "last":
+        idx = jnp.clip(num_valid - 1, 0, t - 1)
+        return lm_head_logits(weights, normed[jnp.arange(b), idx])
+    if logits == "none":
+        return None
+    raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
 
 
 forward_jit = jax.jit(

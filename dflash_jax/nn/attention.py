@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.cache import write_rows
+
 _NEG_INF = -1e30
 
 
@@ -67,3 +69,31 @@ def gqa_attention(
     probs = jnp.where(mask[:, None, None], probs, 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def cached_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_buf: jax.Array,
+    v_buf: jax.Array,
+    positions: jax.Array,
+    *,
+    window: int | None,
+    scale: float,
+    sinks: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal (optionally sliding-window) attention of a block over a slot = position KV cache.
+
+    q: [b, T, Hq, d]; k, v: [b, T, Hkv, d] for the tokens at `positions` [b, T] (consecutive, starting at
+    each sequence's cache length); k_buf, v_buf: [b, S, Hkv, d]. The block's keys/values are written at
+    slots `positions[:, 0] + [0, T)`, then every query attends to the slots `p` with `p <= q` (and
+    `q - p < window`); slots at or past the length hold stale rows that causality never shows.
+    Returns (out [b, T, Hq, d], k_buf, v_buf).
+    """
+    starts = positions[:, 0]
+    k_buf = write_rows(k_buf, k, starts)
+    v_buf = write_rows(v_buf, v, starts)
+    slots = jnp.broadcast_to(jnp.arange(k_buf.shape[1], dtype=jnp.int32), (q.shape[0], k_buf.shape[1]))
+    mask = attention_mask(positions, slots, causal=True, window=window)
+    return gqa_attention(q, k_buf, v_buf, mask, scale=scale, sinks=sinks), k_buf, v_buf

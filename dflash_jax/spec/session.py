@@ -29,7 +29,7 @@ import numpy as np
 from flax import struct
 
 from dflash_jax.cache import KVCache
-from dflash_jax.config import DraftConfig, Qwen3Config
+from dflash_jax.config import DraftConfig, GptOssConfig, Qwen3Config
 from dflash_jax.models import draft as draft_model
 from dflash_jax.spec.accept import match_accept, rejection_accept
 from dflash_jax.spec.sampling import SamplingParams, next_token, sample_from, sampling_probs
@@ -42,6 +42,10 @@ def target_family(cfg):
         from dflash_jax.models import qwen3
 
         return qwen3
+    if isinstance(cfg, GptOssConfig):
+        from dflash_jax.models import gpt_oss
+
+        return gpt_oss
     raise TypeError(f"no target family for {type(cfg).__name__}")
 
 
@@ -84,6 +88,7 @@ class Draft:
     tokens: jax.Array  # [b, B-1] proposals
     probs: jax.Array | None  # [b, B-1, V] the proposal distributions (rejection mode only)
     draft_cache: KVCache | None  # with this round's context rows appended
+    hidden: jax.Array | None = None  # [b, B, H] the draft's final-normed hidden states (route-ahead input)
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,9 +132,15 @@ def _emit(state: SpecState, accepted, bonus, proposals, spec: SpecConfig):
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _begin(target_w, draft_w, tokens, lengths, stop_ids, key, spec: SpecConfig) -> SpecState:
     fam = target_family(spec.target)
-    b = tokens.shape[0]
-    cache = fam.init_cache(spec.target, b, spec.max_len, target_w.embed.dtype)
+    cache = fam.init_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype)
     out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last")
+    return start_state(target_w, draft_w, out, lengths, stop_ids, key, spec)
+
+
+def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig) -> SpecState:
+    """The state after a prefill `out` (a ForwardOutput with "last" logits and the draft taps): the first
+    token, the draft's context cache fed with the prompt taps. `target_w` is read for `embed.dtype` only."""
+    b = lengths.shape[0]
     key, k_first = jax.random.split(key)
     first = next_token(k_first, out.logits, spec.sampling)
     feat = spec.draft.num_taps * spec.target.hidden_size
@@ -167,23 +178,36 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
         return Draft(tokens=jnp.zeros((b, 0), jnp.int32), probs=None, draft_cache=state.draft_cache)
     block = jnp.concatenate(
         [state.anchor[:, None], jnp.full((b, gamma), spec.draft.mask_token_id, jnp.int32)], axis=1)
-    logits, _, draft_cache = draft_model.draft_forward(
+    logits, hidden, draft_cache = draft_model.draft_forward(
         draft_w, spec.draft, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=block,
         context_features=state.context, num_context=state.num_context, cache=state.draft_cache)
     logits = logits[:, 1:]
     if spec.sampling.greedy or spec.sampling.mode == "exact_match":
-        return Draft(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32), probs=None, draft_cache=draft_cache)
+        return Draft(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32), probs=None, draft_cache=draft_cache,
+                     hidden=hidden)
     probs = sampling_probs(logits, spec.sampling)
     key = jax.random.fold_in(state.key, 1)
-    return Draft(tokens=sample_from(key, probs), probs=probs, draft_cache=draft_cache)
+    return Draft(tokens=sample_from(key, probs), probs=probs, draft_cache=draft_cache, hidden=hidden)
 
 
 def verify_round(target_w, state: SpecState, draft: Draft, spec: SpecConfig) -> SpecState:
     """Width-B target forward over [anchor, proposals], acceptance, emission, commit/rollback."""
     fam = target_family(spec.target)
-    block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)
+    out = fam.forward(target_w, verify_block(state, draft), state.target_cache, spec.target, tap_layers=spec.taps,
+                      logits="all")
+    return commit_verify(state, draft, out, spec)
+
+
+def verify_block(state: SpecState, draft: Draft) -> jax.Array:
+    """[b, B] the tokens a verify runs: `[anchor, d_1 .. d_{B-1}]`."""
+    return jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)
+
+
+def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> SpecState:
+    """Acceptance, emission and commit/rollback from the verify forward's output `out` (a ForwardOutput of
+    `verify_block(state, draft)` with "all" logits and the draft taps, run on `state.target_cache`)."""
+    fam = target_family(spec.target)
     start = state.target_cache.lengths
-    out = fam.forward(target_w, block, state.target_cache, spec.target, tap_layers=spec.taps, logits="all")
     key, k_acc = jax.random.split(state.key)
     if spec.sampling.greedy:
         accepted, bonus = match_accept(draft.tokens, jnp.argmax(out.logits, axis=-1).astype(jnp.int32))
