@@ -1,0 +1,158 @@
+"""The DFlash training objective on tiny cases (mask, anchor rule, loss weights), a smoke training run
+that lowers the loss, HF export round trips, and the shipped pair."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import testing
+from dflash_jax.models import draft as draft_model
+from dflash_jax.models import qwen3
+from dflash_jax.train.common import TrainConfig, train_loop
+from dflash_jax.train.objectives import dflash_loss, draft_blocks, lm_loss, sample_anchors, slot_weights
+
+TCFG = testing.tiny_qwen3_moe_config(vocab_size=64, num_layers=2, max_position_embeddings=512)
+DCFG = testing.tiny_draft_config(TCFG, target_layer_ids=(0,), block_size=4, mask_token_id=63)
+
+
+def test_blocks_labels_and_weights():
+    tokens = jnp.arange(20, dtype=jnp.int32)[None] + 100
+    blocks, labels = draft_blocks(tokens, jnp.array([[3, 10]]), 4, mask_token_id=7)
+    np.testing.assert_array_equal(np.asarray(blocks[0]), [[103, 7, 7, 7], [110, 7, 7, 7]])
+    np.testing.assert_array_equal(np.asarray(labels[0]), [[103, 104, 105, 106], [110, 111, 112, 113]])
+    w = np.asarray(slot_weights(4, gamma=2.0))
+    np.testing.assert_allclose(w, [0.0, 1.0, np.exp(-0.5), np.exp(-1.0)], rtol=1e-6)
+    a = sample_anchors(np.random.default_rng(0), 50, 8, 5, 9)
+    assert a.min() == 5 and a.max() == 9
+
+
+def _features(target_w, tokens):
+    out = qwen3.forward(target_w, tokens, qwen3.init_cache(TCFG, *tokens.shape), TCFG,
+                        tap_layers=DCFG.target_layer_ids, logits="none")
+    return draft_model.context_features(out.taps)
+
+
+def test_context_is_strictly_before_the_anchor_and_loss_matches_inference():
+    """The loss of a block equals the weighted CE of the inference draft forward run on the prefix only:
+    tokens at or after the anchor never influence it, except through the anchor token itself."""
+    target_w = testing.random_qwen3_weights(TCFG, jax.random.key(0))
+    draft_w = testing.random_draft_weights(DCFG, jax.random.key(1))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 60, (1, 24)), jnp.int32)
+    s = 9
+    loss, _ = dflash_loss(draft_w, target_w, tokens, _features(target_w, tokens), jnp.array([[s]]), DCFG,
+                          block_size=4, gamma=3.0)
+    # changing the text after the labels changes nothing; changing the context before the anchor does
+    later = tokens.at[0, s + 4:].set(0)
+    loss_later, _ = dflash_loss(draft_w, target_w, later, _features(target_w, later), jnp.array([[s]]), DCFG,
+                                block_size=4, gamma=3.0)
+    assert float(loss_later) == pytest.approx(float(loss), abs=1e-6)
+    earlier = tokens.at[0, 2].set((int(tokens[0, 2]) + 1) % 60)
+    loss_earlier, _ = dflash_loss(draft_w, target_w, earlier, _features(target_w, earlier), jnp.array([[s]]),
+                                  DCFG, block_size=4, gamma=3.0)
+    assert abs(float(loss_earlier) - float(loss)) > 1e-5
+    # the same number from the inference path: prefix-only context, block [x_s, MASK...]
+    prefix_feats = _features(target_w, tokens[:, :s])
+    block = jnp.array([[int(tokens[0, s]), 63, 63, 63]], jnp.int32)
+    logits, _, _ = draft_model.draft_forward(
+        draft_w, DCFG, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=block,
+        context_features=prefix_feats, num_context=jnp.array([s]), cache=draft_model.init_draft_cache(DCFG, 1, 32))
+    logp = jax.nn.log_softmax(logits[0], axis=-1)
+    nll = -np.array([float(logp[k, int(tokens[0, s + k])]) for k in range(4)])
+    w = np.asarray(slot_weights(4, 3.0))
+    assert float(loss) == pytest.approx(float((nll * w).sum() / w.sum()), rel=1e-5)
+
+
+def test_smoke_training_lowers_both_losses(tmp_path):
+    target_w = testing.random_qwen3_weights(TCFG, jax.random.key(2), norm_jitter=0.0)
+    rng = np.random.default_rng(1)
+    pattern = rng.integers(0, 60, 16)
+    data = np.tile(pattern, 8)  # a repeating stream: learnable in a few steps
+
+    def batch(step):
+        r = np.random.default_rng(step)
+        starts = r.integers(0, len(data) - 33, 4)
+        return jnp.asarray(np.stack([data[s: s + 32] for s in starts]), jnp.int32)
+
+    cfg = TrainConfig(steps=30, learning_rate=1e-2, warmup_steps=3, log_every=1, save_every=15)
+    target_w, losses = train_loop(target_w, lambda p, b: lm_loss(p, b, TCFG), batch, cfg,
+                                  checkpoint_dir=str(tmp_path / "t"), desc="t", progress=False)
+    assert losses[-1] < 0.5 * losses[0]
+    # resuming from the final checkpoint does no more steps and returns the same weights
+    again, more = train_loop(testing.random_qwen3_weights(TCFG, jax.random.key(9), norm_jitter=0.0),
+                             lambda p, b: lm_loss(p, b, TCFG), batch, cfg, checkpoint_dir=str(tmp_path / "t"),
+                             desc="t", progress=False)
+    assert more == []
+    np.testing.assert_array_equal(np.asarray(again.embed), np.asarray(target_w.embed))
+
+    draft_w = testing.random_draft_weights(DCFG, jax.random.key(3), norm_jitter=0.0)
+
+    def draft_batch(step):
+        tokens = batch(step)
+        anchors = sample_anchors(np.random.default_rng(step), 4, 2, 1, 32 - 4)
+        return tokens, _features(target_w, tokens), jnp.asarray(anchors)
+
+    def loss(p, b):
+        return dflash_loss(p, target_w, *b, DCFG, block_size=4, gamma=3.0)
+
+    _, dlosses = train_loop(draft_w, loss, draft_batch, dataclasses_replace(cfg, steps=40), checkpoint_dir=None,
+                            desc="d", progress=False)
+    assert dlosses[-1] < 0.5 * dlosses[0]
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_hf_export_round_trip(tmp_path):
+    """Exported weights load back through the HF loaders bit for bit (and transformers reads the target)."""
+    from convert.draft import load_hf_draft
+    from dflash_jax import load_hf_target
+    from dflash_jax.train.export import save_hf_draft, save_hf_target
+
+    target_w = testing.random_qwen3_weights(TCFG, jax.random.key(4))
+    draft_w = testing.random_draft_weights(DCFG, jax.random.key(5))
+    save_hf_target(target_w, TCFG, str(tmp_path / "t"), eos_token_id=62)
+    save_hf_draft(draft_w, DCFG, str(tmp_path / "d"))
+    cfg, loaded = load_hf_target(tmp_path / "t")
+    assert cfg.moe == TCFG.moe and cfg.eos_token_ids == (62,)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(target_w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    dcfg, dloaded = load_hf_draft(tmp_path / "d")
+    assert dcfg.target_layer_ids == DCFG.target_layer_ids and dcfg.block_size == 4
+    for a, b in zip(jax.tree.leaves(dloaded), jax.tree.leaves(draft_w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+SHIPPED = os.path.join(os.path.dirname(draft_model.__file__), "..", "assets", "tiny_pair")
+
+
+def test_shipped_pair_is_small_and_loads():
+    import dflash_jax
+
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(SHIPPED) for f in fs)
+    assert 0 < size <= 25 * 2**20
+    pair = dflash_jax.load(SHIPPED)
+    assert pair.expert_format == "mxfp4" and pair.tokenizer_path
+    assert pair.target_cfg.moe.num_experts == 8 and pair.target_cfg.moe.top_k == 2
+    split = json.load(open(os.path.join(SHIPPED, "split.json")))
+    assert split["held_out_files"] and split["train_files"] > 10 * len(split["held_out_files"])
+
+
+def test_dflash_generate_default_pair_prints_code(capsys):
+    from dflash_jax.cli.generate import main
+
+    assert main(["--prompt", "def fib(n):", "--max-new-tokens", "48", "--json", "--block-size", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["tokens"]) >= 8
+    text = out["text"]
+    assert any(s in text for s in ("return", "(", ":", "\n", "self", "="))
+    assert out["stats"]["mean_acceptance"] > 1.5  # the trained draft is accepted
