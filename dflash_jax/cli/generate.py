@@ -6,6 +6,10 @@
 `--json` prints one object: `tokens` (generated ids), `acceptance_lengths` (tokens committed per round),
 `stats` (tokens/s, mean acceptance tau, rounds, time split), and with `--trace` a per-round `trace` of
 `proposal` (the B-1 draft tokens), `accepted` and `bonus`.
+
+`--offload --expert-budget-mb X [--predictor NAME]` keeps the routed experts in pinned host memory and
+verifies through a device pool of X MB (`dflash_jax.offload`); `stats` then also has `offload` (budget,
+slots, pinned experts) and `route_ahead` (coverage, waste, hit rate, bytes moved, transfer vs hide window).
 """
 
 from __future__ import annotations
@@ -65,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: python with --trace, else jit)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
+    off = p.add_argument_group("expert offload (experts in pinned host memory, a device pool of a fixed budget)")
+    off.add_argument("--offload", action="store_true",
+                     help="keep the target's routed experts in host memory; lossless (same tokens)")
+    off.add_argument("--expert-budget-mb", type=float, default=None,
+                     help="device memory for the expert pool in MB (1e6 bytes); required with --offload")
+    off.add_argument("--predictor", default="draft_router",
+                     help="route-ahead prefetch: none | previous | draft_router | previous+draft_router")
+    off.add_argument("--predictor-width", type=int, default=None,
+                     help="experts per token the predictor prefetches (default: the target's top-k)")
     return p
 
 
@@ -78,7 +91,18 @@ def run(args) -> dict:
                          "(a convert-weights output) or reinstall dflash_jax")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    pair = dflash_jax.load(directory)
+    if args.offload:
+        from dflash_jax.offload import PREDICTORS
+
+        if args.expert_budget_mb is None or args.expert_budget_mb <= 0:
+            raise UsageError("--offload needs --expert-budget-mb X (device MB for the expert pool, X > 0)")
+        if args.predictor not in PREDICTORS:
+            raise UsageError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {args.predictor!r}")
+        if args.trace or args.loop == "jit":
+            raise UsageError("--offload runs its own stepping loop: drop --trace / --loop jit")
+    elif args.expert_budget_mb is not None:
+        raise UsageError("--expert-budget-mb only applies with --offload")
+    pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device")
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
         if tokenizer is None:
@@ -99,7 +123,15 @@ def run(args) -> dict:
     loop = args.loop or ("python" if args.trace else "jit")
     kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
                   stop_ids=stops, seed=args.seed, warmup=True)
-    if loop == "jit":
+    if args.offload:
+        from dflash_jax.offload import PoolTooSmall, generate_offloaded
+
+        try:
+            result = generate_offloaded(pair, [prompt], budget_bytes=int(args.expert_budget_mb * 1e6),
+                                        predictor=args.predictor, width=args.predictor_width, **kwargs)
+        except PoolTooSmall as e:
+            raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
+    elif loop == "jit":
         if args.trace:
             raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
         result = generate(pair, [prompt], **kwargs)
@@ -134,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     s = out["stats"]
-    print(out.get("text", " ".join(map(str, out["tokens"]))))
+    print(out.get("text", " ".join(map(str, out["tokens"]))), flush=True)
     split = s.get("time_split")
     split_text = (f", draft {split['draft_s']:.3f}s / verify {split['verify_s']:.3f}s / host {split['host_s']:.3f}s"
                   if split else "")

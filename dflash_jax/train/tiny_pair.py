@@ -59,7 +59,7 @@ class Recipe:
     prompts: int = 1536
     prompt_len: int = 64
     continuation: int = 192
-    draft_steps: int = 1000
+    draft_steps: int = 3000
     draft_batch: int = 8
     anchors_per_seq: int = 8
     draft_lr: float = 3e-3
