@@ -1,0 +1,323 @@
+"""Qwen3.5-MoE: a hybrid of Gated DeltaNet (linear attention) and gated full-attention layers, MoE MLPs.
+
+Layer i (pre-norm residual, zero-centred `rms(x) * (1 + w)` norms everywhere except the DeltaNet output):
+  h = x + mixer_i(norm(x));   out = h + moe(norm(h))
+  mixer = Gated DeltaNet (`linear_attention`) or gated attention (`full_attention`), see below;
+  moe(x) = sum_j p_j SwiGLU_{e_j}(x) + sigmoid(x . w_sg) SwiGLU_shared(x), with (p, e) = top-k of
+           softmax(x W_r), p renormalized to sum 1.
+
+Gated attention: `q_proj` rows per head are `[q_h | gate_h]`; q and k get per-head zero-centred RMSNorm,
+then RoPE on the first `rotary_dim` dims; `o = softmax(q k^T / sqrt(d)) v` (causal, GQA);
+`out = o_proj(o * sigmoid(gate))`.
+
+Gated DeltaNet: `[q|k|v] = silu(causal_conv(x W_qkv))` (depthwise, kernel K, no bias), q and k
+L2-normalized (q also times dk^-0.5), `beta = sigmoid(x W_b)`, `g = -exp(A_log) softplus(x W_a + dt_bias)`,
+the gated delta rule (`dflash_jax.nn.gated_deltanet`) per value head, then
+`out = out_proj(rms_norm(o) * w * silu(x W_z))`.
+
+Cache (`Qwen3_5Cache`): K/V buffers for the full-attention layers (slot = position, as `KVCache`), and for
+each DeltaNet layer a `GatedDeltaNetCache`: the fp32 state at `linear_lengths` plus the inputs of the last
+extension (up to `rollback_width` rows). A forward of width T <= rollback_width starts from the committed
+state, keeps that state as the new checkpoint and keeps its own T rows; so any later length inside the
+block is one masked replay away. Rolling back is therefore exact, inside jit and with static shapes:
+`rollback(cache, lengths)` replays each sequence's accepted rows onto the checkpoint (and picks the conv tail
+out of the kept pre-conv rows). Moving `lengths` alone (e.g. `dflash_jax.cache.rollback`) is also correct:
+the next forward replays the accepted rows before it runs.
+
+Memory kept for rollback, per sequence and DeltaNet layer, W = rollback_width, C = 2 Hk dk + Hv dv:
+  (K-1+W) C activations (conv window) + W (Hk dk + Hv dv + 2 Hv) fp32 (k, v, g, beta).
+For Qwen3.5-35B-A3B (30 DeltaNet layers, Hk 16, Hv 32, dk = dv = 128, C 8192, bf16 activations), W = 16:
+(19 * 8192 * 2 B + 16 * 6208 * 4 B) * 30 = 20.3 MiB, against 60 MiB for the recurrent states themselves
+(32 * 128 * 128 * 4 B * 30) and 960 MiB for keeping every per-step state of a width-16 block. No second copy
+of the state is kept: the checkpoint IS the state, and the committed state is rebuilt from it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.cache import write_rows
+from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
+from dflash_jax.models.qwen3 import ForwardOutput, LogitsMode, MLPWeights, embed_tokens, lm_head_logits
+from dflash_jax.nn import gated_deltanet as gdn
+from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.mlp import swiglu
+from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
+from dflash_jax.nn.norms import rms_norm
+from dflash_jax.nn.rope import apply_rope, rope_cos_sin
+
+DEFAULT_ROLLBACK_WIDTH = 16
+
+
+@struct.dataclass
+class GatedAttentionWeights:
+    q: jax.Array  # [H, Hq*2d]: per head [q_h | gate_h]
+    k: jax.Array  # [H, Hkv*d]
+    v: jax.Array  # [H, Hkv*d]
+    o: jax.Array  # [Hq*d, H]
+    q_norm: jax.Array  # [d], zero-centred
+    k_norm: jax.Array  # [d], zero-centred
+
+
+@struct.dataclass
+class GatedDeltaNetWeights:
+    qkv: jax.Array  # [H, C], C = 2*Hk*dk + Hv*dv (q, k, v channels)
+    z: jax.Array  # [H, Hv*dv]
+    b: jax.Array  # [H, Hv]
+    a: jax.Array  # [H, Hv]
+    conv: jax.Array  # [K, C]
+    a_log: jax.Array  # [Hv]
+    dt_bias: jax.Array  # [Hv]
+    norm: jax.Array  # [dv], plain weight
+    out: jax.Array  # [Hv*dv, H]
+
+
+@struct.dataclass
+class SparseMoEWeights:
+    router: jax.Array  # [H, E]
+    gate_up: jax.Array  # [E, H, 2I] (gate columns first)
+    down: jax.Array  # [E, I, H]
+    shared: MLPWeights  # the shared SwiGLU expert
+    shared_gate: jax.Array  # [H, 1]
+
+
+@struct.dataclass
+class DecoderLayerWeights:
+    input_norm: jax.Array
+    mixer: GatedDeltaNetWeights | GatedAttentionWeights
+    post_norm: jax.Array
+    mlp: SparseMoEWeights
+
+
+@struct.dataclass
+class Qwen3_5Weights:
+    embed: jax.Array  # [V, H]
+    layers: tuple[DecoderLayerWeights, ...]
+    final_norm: jax.Array  # [H], zero-centred
+    lm_head: jax.Array | None  # [H, V]; None when tied
+
+
+@struct.dataclass
+class Qwen3_5Cache:
+    """keys/values: one `[b, max_len, Hkv, d]` buffer per full-attention layer (in layer order).
+    linear: one `GatedDeltaNetCache` per DeltaNet layer (in layer order), valid at `linear_lengths`.
+    lengths: [b] committed tokens per sequence; `linear_lengths <= lengths <= linear_lengths + W`."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    linear: tuple[gdn.GatedDeltaNetCache, ...]
+    lengths: jax.Array
+    linear_lengths: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def rollback_width(self) -> int:
+        return self.linear[0].width if self.linear else 0
+
+
+def init_cache(
+    cfg: Qwen3_5Config, batch: int, max_len: int, dtype=jnp.float32, *, rollback_width: int = DEFAULT_ROLLBACK_WIDTH
+) -> Qwen3_5Cache:
+    """An empty cache. `rollback_width` W: forwards of width <= W can be rolled back to any prefix (use the
+    verify block size); a wider forward (a prefill) commits its rows. W = 0 keeps nothing (plain decoding).
+    Set W >= the verify width: a verify wider than W commits, and rolling it back is then clamped (`rollback`)
+    or, through a bare move of `lengths`, leaves the DeltaNet states ahead of the KV cache.
+    """
+    kv_shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    num_full = len(cfg.full_layers)
+    linear = tuple(
+        gdn.init_gated_deltanet_cache(
+            batch=batch, num_key_heads=cfg.linear_num_key_heads, num_value_heads=cfg.linear_num_value_heads,
+            key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
+            conv_dim=cfg.linear_conv_dim, kernel_size=cfg.linear_conv_kernel, width=rollback_width, dtype=dtype,
+        )
+        for _ in cfg.linear_layers
+    )
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return Qwen3_5Cache(
+        keys=tuple(jnp.zeros(kv_shape, dtype) for _ in range(num_full)),
+        values=tuple(jnp.zeros(kv_shape, dtype) for _ in range(num_full)),
+        linear=linear,
+        lengths=zeros,
+        linear_lengths=zeros,
+    )
+
+
+def _norm(x, w, cfg: Qwen3_5Config):
+    return rms_norm(x, w, cfg.rms_norm_eps, zero_centered=True)
+
+
+def _gated_attention(x, w: GatedAttentionWeights, k_buf, v_buf, positions, starts, cos, sin, cfg: Qwen3_5Config):
+    b, t, _ = x.shape
+    d = cfg.head_dim
+    q_and_gate = (x @ w.q).reshape(b, t, cfg.num_heads, 2 * d)
+    q, gate = q_and_gate[..., :d], q_and_gate[..., d:].reshape(b, t, cfg.num_heads * d)
+    k = (x @ w.k).reshape(b, t, cfg.num_kv_heads, d)
+    v = (x @ w.v).reshape(b, t, cfg.num_kv_heads, d)
+    q = apply_rope(_norm(q, w.q_norm, cfg), cos, sin)
+    k = apply_rope(_norm(k, w.k_norm, cfg), cos, sin)
+    k_buf = write_rows(k_buf, k, starts)
+    v_buf = write_rows(v_buf, v, starts)
+    slots = jnp.broadcast_to(jnp.arange(k_buf.shape[1], dtype=jnp.int32), (b, k_buf.shape[1]))
+    mask = attention_mask(positions, slots, causal=True)
+    out = gqa_attention(q, k_buf, v_buf, mask, scale=d**-0.5).reshape(b, t, -1)
+    return (out * jax.nn.sigmoid(gate)) @ w.o, k_buf, v_buf
+
+
+def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, steps, num_valid, cfg: Qwen3_5Config):
+    """One DeltaNet layer on x [b, T, H]; returns (out, new layer cache). `steps` = rows of the kept extension
+    that are committed (lengths - linear_lengths)."""
+    b, t, _ = x.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    ksize = cfg.linear_conv_kernel
+    state, tail = gdn.committed_state(lin, steps)
+    mixed = x @ w.qkv  # [b, T, C] pre-conv rows
+    window = jnp.concatenate([tail, mixed.astype(tail.dtype)], axis=1)
+    conv = jax.nn.silu(gdn.causal_depthwise_conv(window, w.conv)).astype(x.dtype)
+    q = conv[..., : hk * dk].reshape(b, t, hk, dk)
+    k = conv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
+    v = conv[..., 2 * hk * dk :].reshape(b, t, hv, dv).astype(lin.v.dtype)
+    q = gdn.l2_normalize(q) * dk**-0.5
+    k = gdn.l2_normalize(k)
+    g, beta = gdn.decay_and_beta(x @ w.a, x @ w.b, w.a_log, w.dt_bias)
+    g, beta = gdn.mask_steps(g, beta, num_valid)  # padded rows leave the state alone
+    o, new_state = gdn.gated_delta_rule(q, k, v, g, beta, state)
+    z = (x @ w.z).reshape(b, t, hv, dv)
+    out = gdn.gated_rms_norm(o.astype(x.dtype), z, w.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv) @ w.out
+
+    width = lin.width
+    if t <= width:  # keep the checkpoint and this block's rows: any prefix can be rebuilt
+        pad = lambda a: jnp.pad(a, [(0, 0), (0, width - t)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        new = gdn.GatedDeltaNetCache(
+            state=state, conv_window=pad(window), k=pad(k), v=pad(v), g=pad(g), beta=pad(beta)
+        )
+    else:  # too wide to keep: commit the valid rows
+        new_tail = gdn.conv_tail(window, num_valid, ksize)
+        new = lin.replace(state=new_state, conv_window=lin.conv_window.at[:, : ksize - 1].set(new_tail))
+    return out, new
+
+
+def _sparse_moe(h, mlp: SparseMoEWeights, cfg: Qwen3_5Config, implementation):
+    b, t, hidden = h.shape
+    flat = h.reshape(b * t, hidden)
+    weights, experts, _ = softmax_topk_router(flat, mlp.router, cfg.moe.top_k, normalize=True)
+    routed = swiglu_experts(flat, experts, weights, mlp.gate_up, mlp.down, implementation=implementation)
+    shared = swiglu(flat, mlp.shared.gate, mlp.shared.up, mlp.shared.down)
+    shared = jax.nn.sigmoid(flat @ mlp.shared_gate) * shared
+    return (routed + shared).reshape(b, t, hidden), experts.reshape(b, t, -1)
+
+
+def forward(
+    weights: Qwen3_5Weights,
+    tokens: jax.Array,
+    cache: Qwen3_5Cache,
+    cfg: Qwen3_5Config,
+    *,
+    num_valid: jax.Array | None = None,
+    tap_layers: tuple[int, ...] = (),
+    logits: LogitsMode = "all",
+    implementation: str = "auto",
+) -> ForwardOutput:
+    """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`; same contract as `qwen3.forward`.
+
+    num_valid: [b] real tokens per row (right padding), default T. Padded rows never touch a sequence's
+    DeltaNet state or conv tail, and their K/V rows sit past its length.
+    If T <= cache.rollback_width the returned cache can be rolled back to any length in
+    `[old length, new length]` (`rollback`); a wider forward commits.
+    """
+    b, t = tokens.shape
+    starts = cache.lengths
+    if num_valid is None:
+        num_valid = jnp.full((b,), t, jnp.int32)
+    num_valid = num_valid.astype(jnp.int32)
+    steps = starts - cache.linear_lengths
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
+    x = embed_tokens(weights, tokens)
+    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
+    taps: dict[int, jax.Array] = {}
+    routers = []
+    new_k, new_v, new_linear = [], [], []
+    last = cfg.num_layers - 1
+    for i, layer in enumerate(weights.layers):
+        h = _norm(x, layer.input_norm, cfg)
+        if cfg.layer_types[i] == FULL_ATTENTION:
+            j = len(new_k)
+            mixed, k_buf, v_buf = _gated_attention(
+                h, layer.mixer, cache.keys[j], cache.values[j], positions, starts, cos, sin, cfg
+            )
+            new_k.append(k_buf)
+            new_v.append(v_buf)
+        else:
+            mixed, lin = _gated_deltanet(h, layer.mixer, cache.linear[len(new_linear)], steps, num_valid, cfg)
+            new_linear.append(lin)
+        x = x + mixed
+        mlp_out, experts = _sparse_moe(_norm(x, layer.post_norm, cfg), layer.mlp, cfg, implementation)
+        x = x + mlp_out
+        routers.append(experts)
+        if i in tap_layers and i != last:
+            taps[i] = x
+    x = _norm(x, weights.final_norm, cfg)
+    if last in tap_layers:
+        taps[last] = x
+    if logits == "all":
+        out_logits = lm_head_logits(weights, x)
+    elif logits == "last":
+        idx = jnp.clip(num_valid - 1, 0, t - 1)
+        out_logits = lm_head_logits(weights, x[jnp.arange(b), idx])
+    elif logits == "none":
+        out_logits = None
+    else:
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+    lengths = starts + num_valid
+    keeps_block = t <= cache.rollback_width
+    new_cache = Qwen3_5Cache(
+        keys=tuple(new_k),
+        values=tuple(new_v),
+        linear=tuple(new_linear),
+        lengths=lengths,
+        linear_lengths=starts if keeps_block else lengths,
+    )
+    return ForwardOutput(
+        logits=out_logits,
+        taps=tuple(taps[i] for i in tap_layers),
+        router_experts=tuple(routers),
+        cache=new_cache,
+    )
+
+
+def rollback(cache: Qwen3_5Cache, lengths: jax.Array) -> Qwen3_5Cache:
+    """Keeps the first `lengths[b]` tokens of each sequence, exactly: afterwards every DeltaNet layer's
+    `state` and conv tail are those after exactly `lengths[b]` tokens, as a fresh prefill would leave them.
+
+    `lengths` is clamped to `[linear_lengths, current lengths]`: only rows of the last forward of width
+    <= rollback_width can be forgotten. Full-attention layers roll back by the length alone (slot = position).
+    """
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.lengths.shape)
+    lengths = jnp.clip(lengths, cache.linear_lengths, cache.lengths)
+    steps = lengths - cache.linear_lengths
+    linear = []
+    for lin in cache.linear:
+        state, tail = gdn.committed_state(lin, steps)
+        ksize = lin.kernel_size
+        linear.append(lin.replace(state=state, conv_window=lin.conv_window.at[:, : ksize - 1].set(tail)))
+    return cache.replace(linear=tuple(linear), lengths=lengths, linear_lengths=lengths)
+
+
+def committed_linear_states(cache: Qwen3_5Cache) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """(state [b, Hv, dk, dv] fp32, conv tail [b, K-1, C]) of every DeltaNet layer at `cache.lengths`."""
+    steps = cache.lengths - cache.linear_lengths
+    return tuple(gdn.committed_state(lin, steps) for lin in cache.linear)
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "logits", "implementation"))
+rollback_jit = jax.jit(rollback)

@@ -1,0 +1,147 @@
+"""Gated DeltaNet pieces: chunked == step form, both == the transformers torch fallbacks; conv and its tail;
+masking of padded steps; replay of a kept extension to any prefix; the gated output norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.nn import gated_deltanet as gdn
+
+B, HK, HV, DK, DV = 2, 2, 4, 8, 6
+
+
+def _inputs(t, seed, *, strong_decay=False):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, t, HK, DK)).astype(np.float32)
+    k = rng.standard_normal((B, t, HK, DK)).astype(np.float32)
+    v = rng.standard_normal((B, t, HV, DV)).astype(np.float32)
+    a = rng.standard_normal((B, t, HV)).astype(np.float32)
+    b = rng.standard_normal((B, t, HV)).astype(np.float32)
+    a_log = (rng.standard_normal(HV) + (2.0 if strong_decay else 0.0)).astype(np.float32)
+    dt_bias = (0.1 * rng.standard_normal(HV)).astype(np.float32)
+    state = rng.standard_normal((B, HV, DK, DV)).astype(np.float32)
+    g, beta = gdn.decay_and_beta(jnp.asarray(a), jnp.asarray(b), jnp.asarray(a_log), jnp.asarray(dt_bias))
+    qn = gdn.l2_normalize(jnp.asarray(q)) * DK**-0.5
+    kn = gdn.l2_normalize(jnp.asarray(k))
+    return dict(q=q, k=k, v=v, g=np.asarray(g), beta=np.asarray(beta), state=state, qn=qn, kn=kn)
+
+
+@pytest.mark.parametrize("t, chunk, strong_decay", [(150, 64, False), (37, 16, True), (5, 64, False)])
+def test_chunked_equals_step_exactly_in_float64(t, chunk, strong_decay):
+    """The two forms are the same math: in float64 they agree to 1e-10 (chunks padded or not, decays
+    strong enough to underflow within a chunk or not)."""
+    with jax.enable_x64(True):
+        x = _inputs(t, seed=t, strong_decay=strong_decay)
+        names = ("qn", "kn", "v", "g", "beta", "state")
+        args = [jnp.asarray(np.asarray(x[n]), jnp.float64) for n in names]
+        o_step, s_step = gdn.gated_delta_rule_step(*args)
+        o_chunk, s_chunk = gdn.gated_delta_rule_chunked(*args, chunk_size=chunk)
+        assert o_chunk.dtype == s_chunk.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(o_chunk), np.asarray(o_step), atol=1e-10, rtol=0)
+        np.testing.assert_allclose(np.asarray(s_chunk), np.asarray(s_step), atol=1e-10, rtol=0)
+        _, s_only = gdn.gated_delta_rule_chunked(None, *args[1:], chunk_size=chunk)  # the state-only variant
+        np.testing.assert_allclose(np.asarray(s_only), np.asarray(s_chunk), atol=1e-10, rtol=0)
+
+
+def test_chunked_equals_step_in_float32():
+    x = _inputs(150, seed=2)
+    args = (x["qn"], x["kn"], jnp.asarray(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]), jnp.asarray(x["state"]))
+    o_step, s_step = jax.jit(gdn.gated_delta_rule_step)(*args)
+    o_chunk, s_chunk = jax.jit(gdn.gated_delta_rule_chunked)(*args)
+    assert s_chunk.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(o_chunk), np.asarray(o_step), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(s_chunk), np.asarray(s_step), atol=2e-5, rtol=0)
+
+
+def test_matches_transformers_torch_fallbacks():
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref
+
+    x = _inputs(130, seed=1)
+    tt = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    kw = dict(initial_state=tt(x["state"]), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref_c, s_ref_c = ref.torch_chunk_gated_delta_rule(tt(x["q"]), tt(x["k"]), tt(x["v"]), g=tt(x["g"]),
+                                                        beta=tt(x["beta"]), **kw)
+    o_ref_r, s_ref_r = ref.torch_recurrent_gated_delta_rule(tt(x["q"]), tt(x["k"]), tt(x["v"]), g=tt(x["g"]),
+                                                            beta=tt(x["beta"]), **kw)
+    args = (x["qn"], x["kn"], jnp.asarray(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]), jnp.asarray(x["state"]))
+    o, s = gdn.gated_delta_rule_chunked(*args)
+    o1, s1 = gdn.gated_delta_rule_step(*args)
+    for ours in (o, o1):
+        np.testing.assert_allclose(np.asarray(ours), o_ref_c.numpy(), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(ours), o_ref_r.numpy(), atol=2e-5, rtol=0)
+    for ours in (s, s1):
+        np.testing.assert_allclose(np.asarray(ours), s_ref_c.numpy(), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(ours), s_ref_r.numpy(), atol=2e-5, rtol=0)
+
+
+def test_masked_steps_leave_the_state_unchanged():
+    x = _inputs(40, seed=3)
+    n = jnp.asarray([17, 40])
+    g, beta = gdn.mask_steps(jnp.asarray(x["g"]), jnp.asarray(x["beta"]), n)
+    args = (x["qn"], x["kn"], jnp.asarray(x["v"]), g, beta, jnp.asarray(x["state"]))
+    o_ref, s_ref = gdn.gated_delta_rule_step(
+        x["qn"][:1, :17], x["kn"][:1, :17], x["v"][:1, :17], x["g"][:1, :17], x["beta"][:1, :17], x["state"][:1]
+    )
+    for form in (gdn.gated_delta_rule_step, gdn.gated_delta_rule_chunked):
+        o, s = form(*args)
+        np.testing.assert_allclose(np.asarray(s[0]), np.asarray(s_ref[0]), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(o[0, :17]), np.asarray(o_ref[0]), atol=2e-5, rtol=0)
+
+
+def test_causal_conv_and_tail_match_torch_conv1d():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    ksize, c, t = 4, 10, 23
+    x = rng.standard_normal((1, t, c)).astype(np.float32)
+    w = rng.standard_normal((c, 1, ksize)).astype(np.float32)  # HF layout [C, 1, K]
+    ref = torch.nn.functional.conv1d(torch.from_numpy(x).transpose(1, 2), torch.from_numpy(w), padding=ksize - 1,
+                                     groups=c)[:, :, :t].transpose(1, 2).numpy()
+    weight = jnp.asarray(w[:, 0, :].T)  # [K, C]
+    window = jnp.concatenate([jnp.zeros((1, ksize - 1, c)), jnp.asarray(x)], axis=1)
+    np.testing.assert_allclose(np.asarray(gdn.causal_depthwise_conv(window, weight)), ref, atol=1e-5, rtol=0)
+    # split at every point: first part, then second part fed with the first part's tail
+    for n in (1, 2, 3, 10):
+        tail = gdn.conv_tail(window[:, : ksize - 1 + n], jnp.asarray([n]), ksize)
+        np.testing.assert_array_equal(np.asarray(tail), np.asarray(window[:, n : n + ksize - 1]))
+        second = jnp.concatenate([tail, jnp.asarray(x[:, n:])], axis=1)
+        np.testing.assert_allclose(np.asarray(gdn.causal_depthwise_conv(second, weight)), ref[:, n:], atol=1e-5,
+                                   rtol=0)
+
+
+def test_committed_state_replays_any_prefix():
+    width, ksize, conv_dim = 8, 4, 5
+    x = _inputs(width, seed=5)
+    rng = np.random.default_rng(6)
+    cache = gdn.GatedDeltaNetCache(
+        state=jnp.asarray(x["state"]),
+        conv_window=jnp.asarray(rng.standard_normal((B, ksize - 1 + width, conv_dim)), jnp.float32),
+        k=x["kn"], v=jnp.asarray(x["v"]), g=jnp.asarray(x["g"]), beta=jnp.asarray(x["beta"]),
+    )
+    assert cache.width == width and cache.kernel_size == ksize
+    fn = jax.jit(gdn.committed_state)
+    for steps in ([0, 0], [0, 3], [width, 1], [5, width]):
+        state, tail = fn(cache, jnp.asarray(steps))
+        for i, m in enumerate(steps):
+            _, ref = gdn.gated_delta_rule_step(None, x["kn"][i:i + 1, :m], x["v"][i:i + 1, :m],
+                                               x["g"][i:i + 1, :m], x["beta"][i:i + 1, :m], x["state"][i:i + 1])
+            np.testing.assert_allclose(np.asarray(state[i]), np.asarray(ref[0]), atol=2e-5, rtol=0)
+            np.testing.assert_array_equal(np.asarray(tail[i]), np.asarray(cache.conv_window[i, m:m + ksize - 1]))
+
+
+def test_gated_rms_norm_matches_reference():
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNormGated
+
+    rng = np.random.default_rng(7)
+    x, z = (rng.standard_normal((6, DV)).astype(np.float32) for _ in range(2))
+    w = (1 + 0.3 * rng.standard_normal(DV)).astype(np.float32)
+    ref = Qwen3_5MoeRMSNormGated(DV, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(w))
+        expected = ref(torch.from_numpy(x), torch.from_numpy(z)).numpy()
+    out = gdn.gated_rms_norm(jnp.asarray(x), jnp.asarray(z), jnp.asarray(w), 1e-6)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-6, rtol=0)
