@@ -9,16 +9,14 @@ stop token or `max_new_tokens`.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflash_jax.cache import KVCache
 from dflash_jax.config import Qwen3Config
-from dflash_jax.models import qwen3
 
 
 @struct.dataclass
@@ -26,7 +24,7 @@ class DecodeState:
     tokens: jax.Array  # [b, max_new] generated ids (-1 past the end)
     num_generated: jax.Array  # [b]
     done: jax.Array  # [b] bool
-    cache: KVCache
+    cache: Any  # the target family's cache
     step: jax.Array  # scalar
 
 
@@ -47,13 +45,18 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len"))
 def _prefill(weights, tokens, lengths, cfg: Qwen3Config, max_len: int):
-    cache = qwen3.init_cache(cfg, tokens.shape[0], max_len, weights.embed.dtype)
-    out = qwen3.forward(weights, tokens, cache, cfg, num_valid=lengths, logits="last")
+    from dflash_jax.spec.session import init_target_cache, target_family
+
+    cache = init_target_cache(cfg, tokens.shape[0], max_len, weights.embed.dtype, verify_width=1)
+    out = target_family(cfg).forward(weights, tokens, cache, cfg, num_valid=lengths, logits="last")
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens"))
 def _decode_loop(weights, first, cache, stop_ids, cfg: Qwen3Config, max_new_tokens: int):
+    from dflash_jax.spec.session import target_family
+
+    fam = target_family(cfg)
     b = first.shape[0]
     is_stop = lambda tok: jnp.isin(tok, stop_ids)  # noqa: E731
     state = DecodeState(
@@ -69,8 +72,8 @@ def _decode_loop(weights, first, cache, stop_ids, cfg: Qwen3Config, max_new_toke
 
     def body(s: DecodeState):
         last = s.tokens[jnp.arange(b), s.num_generated - 1]
-        out = qwen3.forward(weights, last[:, None], s.cache, cfg, num_valid=(~s.done).astype(jnp.int32),
-                            logits="last")
+        out = fam.forward(weights, last[:, None], s.cache, cfg, num_valid=(~s.done).astype(jnp.int32),
+                          logits="last")
         nxt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
         write = jnp.where(s.done, s.tokens[:, -1], nxt)
         col = jnp.where(s.done, max_new_tokens - 1, s.num_generated)

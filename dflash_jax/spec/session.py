@@ -38,6 +38,8 @@ from dflash_jax.spec.sampling import SamplingParams, next_token, sample_from, sa
 def target_family(cfg):
     """The model module of a target config: `init_cache`, `forward`, `rollback`; weights with
     `.embed` [V, H] and `.lm_head` [H, V] (None when tied)."""
+    from dflash_jax.config import Qwen3_5Config
+
     if isinstance(cfg, Qwen3Config):
         from dflash_jax.models import qwen3
 
@@ -46,7 +48,20 @@ def target_family(cfg):
         from dflash_jax.models import gpt_oss
 
         return gpt_oss
+    if isinstance(cfg, Qwen3_5Config):
+        from dflash_jax.models import qwen3_5
+
+        return qwen3_5
     raise TypeError(f"no target family for {type(cfg).__name__}")
+
+
+def init_target_cache(cfg, batch: int, max_len: int, dtype, *, verify_width: int):
+    """A target cache that can roll a width-`verify_width` forward back to any prefix. Linear-attention
+    families (Qwen3.5) keep the verify block's inputs for that, sized by the verify width."""
+    fam = target_family(cfg)
+    if fam.__name__.endswith("qwen3_5"):
+        return fam.init_cache(cfg, batch, max_len, dtype, rollback_width=verify_width)
+    return fam.init_cache(cfg, batch, max_len, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +147,8 @@ def _emit(state: SpecState, accepted, bonus, proposals, spec: SpecConfig):
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _begin(target_w, draft_w, tokens, lengths, stop_ids, key, spec: SpecConfig) -> SpecState:
     fam = target_family(spec.target)
-    cache = fam.init_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype)
+    cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
+                              verify_width=spec.block_size)
     out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last")
     return start_state(target_w, draft_w, out, lengths, stop_ids, key, spec)
 
