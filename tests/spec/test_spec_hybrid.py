@@ -48,3 +48,23 @@ def test_greedy_dflash_equals_plain_greedy_on_hybrid_target(hybrid_pair, block):
     assert spec.tokens == plain
     accepted = [a for seq in spec.acceptance_lengths for a in seq]
     assert max(accepted) > 1 and min(accepted) == 1  # rollbacks of every kind happened
+
+
+def test_converted_qwen3_5_pair_runs_losslessly(tmp_path):
+    """convert-weights on a Qwen3.5 target (fused experts -> MXFP4) + a z-lab draft; DFlash on the result."""
+    pytest.importorskip("dflash")
+    import dflash_jax
+    from convert.cli import convert
+    from tests.hf_reference import build_and_save_draft, tiny_draft_config
+
+    build_and_save(tiny_qwen3_5_moe_config(), tmp_path / "t", seed=3)
+    build_and_save_draft(tiny_draft_config(target_layers=4, taps=(0, 2)), tmp_path / "d", seed=4)
+    convert(str(tmp_path / "t"), str(tmp_path / "d"), str(tmp_path / "out"), expert_format="mxfp4", dtype="fp32",
+            progress=False)
+    pair = dflash_jax.load(tmp_path / "out")
+    assert type(pair.target.layers[0].mlp.gate_up).__name__ == "MXFP4Tensor"
+    cfg = pair.target_cfg
+    assert pair.expert_bytes == cfg.num_layers * cfg.moe.num_experts * 3 * cfg.hidden_size * cfg.moe.intermediate_size * 17 // 32
+    prompts = [np.random.default_rng(1).integers(0, 159, 120).tolist()]
+    plain = greedy_generate(pair.target, cfg, prompts, max_new_tokens=40)
+    assert generate(pair, prompts, max_new_tokens=40, block_size=8).tokens == plain
