@@ -1,0 +1,147 @@
+"""Route-ahead statistics, measured per round and per MoE layer against the verify's exact routing.
+
+For one layer in one round, with P the predicted expert set, R the routed set (the distinct experts the
+verify's rows were routed to, every computed row counted) and H the experts already resident when the
+layer ran (after any prefetch, before any on-demand fetch):
+  covered  = |P & R|                  coverage = covered / |R|       (1 when R is empty)
+  wasted   = |P - R|                  waste    = wasted / |P|        (0 when P is empty)
+  hits     = |R & H|                  hit rate = hits / |R|          (1 when R is empty)
+  on-demand fetches = |R - H| (moved after the routing was known, exposed latency)
+  prefetched = experts the prefetch actually moved (predicted and not yet resident)
+Bytes are the expert counts times the layer's bytes per expert (FP4 blocks + scales when FP4).
+Aggregates over layers and rounds are expert-weighted (micro averages): sum(covered) / sum(routed), etc.
+
+Per round also: bytes moved by prefetch and on demand, the estimated transfer time of each at a host->device
+bandwidth, and the hide window (the wall time the prefetch could overlap: see `RoundStats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import numpy as np
+
+
+def _set(values) -> np.ndarray:
+    return np.unique(np.asarray(list(values) if not isinstance(values, np.ndarray) else values, np.int64).reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRoundStats:
+    layer: int
+    predicted: int
+    routed: int
+    covered: int
+    wasted: int
+    hits: int
+    on_demand: int
+    prefetched: int
+    expert_bytes: int
+
+    @property
+    def coverage(self) -> float:
+        return self.covered / self.routed if self.routed else 1.0
+
+    @property
+    def waste(self) -> float:
+        return self.wasted / self.predicted if self.predicted else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.routed if self.routed else 1.0
+
+    @property
+    def bytes_moved(self) -> int:
+        return (self.on_demand + self.prefetched) * self.expert_bytes
+
+
+def layer_round_stats(layer: int, *, predicted: Iterable[int], routed: Iterable[int], resident: Iterable[int],
+                      prefetched: Iterable[int] = (), expert_bytes: int = 0) -> LayerRoundStats:
+    """The stats of one layer in one round from sets of expert ids (see module doc): `resident` = experts
+    on the device when the layer ran, before on-demand fetches; `prefetched` = experts the prefetch moved."""
+    p, r, h = _set(predicted), _set(routed), _set(resident)
+    return LayerRoundStats(
+        layer=layer, predicted=len(p), routed=len(r), covered=len(np.intersect1d(p, r)),
+        wasted=len(np.setdiff1d(p, r)), hits=len(np.intersect1d(r, h)), on_demand=len(np.setdiff1d(r, h)),
+        prefetched=len(_set(prefetched)), expert_bytes=int(expert_bytes))
+
+
+_SUMS = ("predicted", "routed", "covered", "wasted", "hits", "on_demand", "prefetched")
+
+
+def _totals(layers: Iterable[LayerRoundStats]) -> dict:
+    layers = list(layers)
+    t = {k: int(sum(getattr(s, k) for s in layers)) for k in _SUMS}
+    b = {f"{k}_bytes": int(sum(getattr(s, k) * s.expert_bytes for s in layers)) for k in _SUMS}
+    t.update(b)
+    t["coverage"] = t["covered"] / t["routed"] if t["routed"] else 1.0
+    t["waste"] = t["wasted"] / t["predicted"] if t["predicted"] else 0.0
+    t["hit_rate"] = t["hits"] / t["routed"] if t["routed"] else 1.0
+    t["coverage_bytes"] = t["covered_bytes"] / t["routed_bytes"] if t["routed_bytes"] else 1.0
+    t["waste_bytes"] = t["wasted_bytes"] / t["predicted_bytes"] if t["predicted_bytes"] else 0.0
+    t["bytes_moved"] = t["on_demand_bytes"] + t["prefetched_bytes"]
+    return t
+
+
+@dataclasses.dataclass
+class RoundStats:
+    """One round. `layers`: per MoE layer. Times in seconds: `draft_s` / `verify_s` measured wall times of
+    the draft forward and of the offloaded verify (including on-demand fetches); `hide_window_s` the wall
+    time between issuing the prefetch and the end of the verify (what prefetch copies can overlap with);
+    `bandwidth` the host->device bytes/s used for the transfer estimates."""
+
+    round: int
+    layers: list[LayerRoundStats]
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    hide_window_s: float = 0.0
+    bandwidth: float = 0.0
+
+    def totals(self) -> dict:
+        t = _totals(self.layers)
+        bw = self.bandwidth
+        t["prefetch_transfer_s"] = t["prefetched_bytes"] / bw if bw else 0.0
+        t["on_demand_transfer_s"] = t["on_demand_bytes"] / bw if bw else 0.0
+        # prefetch copies hide behind the window; whatever does not fit, and every on-demand copy, is exposed
+        t["exposed_transfer_s"] = max(0.0, t["prefetch_transfer_s"] - self.hide_window_s) + t["on_demand_transfer_s"]
+        t.update(round=self.round, draft_s=self.draft_s, verify_s=self.verify_s, hide_window_s=self.hide_window_s)
+        return t
+
+
+@dataclasses.dataclass
+class RouteAheadStats:
+    """All rounds of a run (`rounds`), with expert-weighted summaries overall and per layer."""
+
+    rounds: list[RoundStats] = dataclasses.field(default_factory=list)
+
+    def add(self, round_stats: RoundStats) -> None:
+        self.rounds.append(round_stats)
+
+    def summary(self) -> dict:
+        out = _totals(s for r in self.rounds for s in r.layers)
+        per_round = [r.totals() for r in self.rounds]
+        for key in ("prefetch_transfer_s", "on_demand_transfer_s", "exposed_transfer_s", "hide_window_s", "draft_s",
+                    "verify_s"):
+            out[key] = float(sum(r[key] for r in per_round))
+        out["rounds"] = len(self.rounds)
+        # rounds in which no layer had to fetch on demand: a single-program verify on the pool as it stood after
+        # the prefetch would have been exact in those rounds
+        out["rounds_without_misses"] = sum(1 for r in self.rounds if all(s.on_demand == 0 for s in r.layers))
+        out["bytes_moved_per_round"] = out["bytes_moved"] / len(self.rounds) if self.rounds else 0.0
+        return out
+
+    def per_layer(self) -> dict[int, dict]:
+        layers: dict[int, list[LayerRoundStats]] = {}
+        for r in self.rounds:
+            for s in r.layers:
+                layers.setdefault(s.layer, []).append(s)
+        return {layer: _totals(v) for layer, v in sorted(layers.items())}
+
+    def to_json(self, *, rounds: bool = False) -> dict:
+        out = {"summary": self.summary(),
+               "per_layer": {str(k): {m: v[m] for m in ("coverage", "waste", "hit_rate", "bytes_moved")}
+                             for k, v in self.per_layer().items()}}
+        if rounds:
+            out["rounds"] = [r.totals() for r in self.rounds]
+        return out

@@ -1,0 +1,254 @@
+"""Host-offloaded experts: stats arithmetic, placement, pool eviction, the layer-wise forward's exactness
+and residency invariant, predictors, and lossless offloaded generation (B1/B2/B3) on a tiny random pair."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import testing
+from dflash_jax.config import MoEConfig
+from dflash_jax.models import qwen3
+from dflash_jax.offload import (
+    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, NonResidentExpert, PoolTooSmall, PreviousRound,
+    RoundInputs, RoundStats, RouteAheadStats, Union, forward_layerwise, generate_offloaded, layer_round_stats,
+    plan_placement, ranked_union, strip_experts, warm_set,
+)
+from dflash_jax.spec import generate
+
+E = 16
+CFG = testing.tiny_qwen3_moe_config(
+    num_layers=3, moe=MoEConfig(num_experts=E, top_k=2, intermediate_size=32, norm_topk_prob=True))
+
+
+# ---- stats -----------------------------------------------------------------------------------------------
+def test_layer_stats_arithmetic():
+    s = layer_round_stats(0, predicted=[1, 2, 3, 4], routed=[3, 4, 5, 3], resident=[4, 5, 9], prefetched=[1, 3],
+                          expert_bytes=10)
+    assert (s.predicted, s.routed, s.covered, s.wasted, s.hits, s.on_demand, s.prefetched) == (4, 3, 2, 2, 2, 1, 2)
+    assert s.coverage == 2 / 3 and s.waste == 0.5 and s.hit_rate == 2 / 3 and s.bytes_moved == 30
+    empty = layer_round_stats(1, predicted=[], routed=[], resident=[])
+    assert (empty.coverage, empty.waste, empty.hit_rate, empty.bytes_moved) == (1.0, 0.0, 1.0, 0)
+
+
+def test_round_and_run_stats_are_expert_weighted():
+    a = layer_round_stats(0, predicted=[1, 2], routed=[1], resident=[1], expert_bytes=100)  # cov 1, waste 1/2
+    b = layer_round_stats(1, predicted=[7], routed=[5, 6, 7], resident=[7], prefetched=[7], expert_bytes=10)
+    r = RoundStats(round=0, layers=[a, b], draft_s=0.1, verify_s=0.2, hide_window_s=0.25, bandwidth=100.0)
+    t = r.totals()
+    assert t["covered"] == 2 and t["routed"] == 4 and t["coverage"] == 0.5
+    assert t["wasted"] == 1 and t["predicted"] == 3 and t["waste"] == 1 / 3
+    assert t["covered_bytes"] == 110 and t["routed_bytes"] == 130 and t["coverage_bytes"] == 110 / 130
+    assert t["wasted_bytes"] == 100 and t["waste_bytes"] == 100 / 210
+    assert t["hits"] == 2 and t["hit_rate"] == 0.5 and t["on_demand"] == 2
+    assert t["prefetched_bytes"] == 10 and t["on_demand_bytes"] == 20 and t["bytes_moved"] == 30
+    assert t["prefetch_transfer_s"] == 0.1 and t["on_demand_transfer_s"] == 0.2
+    assert t["exposed_transfer_s"] == pytest.approx(0.2)  # the prefetch (0.1 s) hides in the 0.25 s window
+    slow = RoundStats(round=1, layers=[b], hide_window_s=0.04, bandwidth=100.0).totals()
+    assert slow["exposed_transfer_s"] == pytest.approx(0.06 + 0.2)
+    run = RouteAheadStats([r, RoundStats(round=1, layers=[b], bandwidth=100.0)])
+    summary = run.summary()
+    assert summary["routed"] == 7 and summary["covered"] == 3 and summary["coverage"] == 3 / 7
+    assert summary["rounds"] == 2 and summary["bytes_moved"] == 60
+    assert run.per_layer()[1]["coverage"] == 1 / 3
+
+
+# ---- placement and predictors ------------------------------------------------------------------------------
+def test_placement_pins_the_hottest_under_the_budget():
+    profile = {0: np.array([5, 0, 5, 1]), 3: np.array([0, 2, 1, 9])}
+    pinned = plan_placement(profile, slots=3, reserve=1)
+    assert pinned[0].tolist() == [0, 2] and pinned[3].tolist() == [1, 3]
+    assert plan_placement(profile, slots=4, reserve=4)[0].tolist() == [0, 1, 2, 3]  # S >= E: everything
+    assert plan_placement(profile, slots=2, reserve=2)[0].tolist() == []
+    assert warm_set(profile, 2)[3].tolist() == [1, 3]
+
+
+def test_predictor_rankings():
+    assert ranked_union(np.array([[3, 1], [1, 2], [3, 1]])).tolist() == [1, 3, 2]
+    assert ranked_union(np.array([[3, 1]]), np.array([[0.2, 0.8]])).tolist() == [1, 3]
+    inputs = RoundInputs(round=1, layers=(0,), top_k=2, previous_routed={0: np.array([[4, 2], [4, 6]])},
+                         previous_logits={0: np.log(np.array([[0.1, 0.2, 0.3, 0.05, 0.35]]))})
+    assert PreviousRound().predict(inputs)[0].tolist() == [4, 2, 6]
+    assert PreviousRound(width=3).predict(inputs)[0].tolist() == [4, 2, 1]
+    assert PreviousRound().predict(RoundInputs(round=0, layers=(0,), top_k=2)) == {}
+
+    class Fixed:
+        needs_draft, name = False, "fixed"
+
+        def __init__(self, ids):
+            self.ids = ids
+
+        def predict(self, inputs):
+            return {0: np.array(self.ids)}
+
+    assert Union(Fixed([1, 2, 3]), Fixed([2, 5])).predict(inputs)[0].tolist() == [1, 2, 5, 3]
+
+
+def test_draft_router_applies_each_layers_router():
+    weights = testing.random_qwen3_weights(CFG, jax.random.key(3))
+    hidden = jax.random.normal(jax.random.key(4), (2, 4, CFG.hidden_size))
+    pred = DraftRouter(weights, CFG, width=3).predict(
+        RoundInputs(round=0, layers=(0, 1, 2), top_k=2, draft_hidden=hidden))
+    for layer in range(CFG.num_layers):
+        h = qwen3.rms_norm(hidden.reshape(-1, CFG.hidden_size), weights.layers[layer].post_norm, CFG.rms_norm_eps)
+        probs = jax.nn.softmax(h @ weights.layers[layer].mlp.router, axis=-1)
+        top = np.asarray(jax.lax.top_k(probs, 3)[1])
+        assert set(pred[layer].tolist()) == set(top.reshape(-1).tolist())
+
+
+# ---- pool ----------------------------------------------------------------------------------------------------
+def _rows(pool, layer, expert):
+    le = pool.store.layers[layer]
+    slot = pool.layers[layer].slot_of[expert]
+    return [np.asarray(p)[slot] for p, i in zip(pool.layers[layer].leaves, le.per_expert) if i]
+
+
+def _host_rows(store, layer, expert):
+    le = store.layers[layer]
+    return [np.asarray(t)[expert] for t, i in zip(le.leaves, le.per_expert) if i]
+
+
+@pytest.mark.parametrize("expert_format", ["dense", "mxfp4", "nvfp4"])
+def test_pool_holds_the_stores_rows_and_evicts_by_rule(expert_format):
+    weights = testing.random_qwen3_weights(CFG, jax.random.key(0))
+    if expert_format != "dense":
+        weights = testing.quantize_experts(weights, expert_format)
+    store = HostExpertStore(weights)
+    assert all(store.layers[0].leaves[j].sharding.memory_kind == "pinned_host"
+               for j, i in enumerate(store.layers[0].per_expert) if i)
+    pool = ExpertPool(store, 3, pinned={0: [0]}, poison=True)
+    pool.fetch(0, [1, 2])
+    assert np.flatnonzero(pool.resident(0)).tolist() == [0, 1, 2]
+    for e in (0, 1, 2):
+        for got, want in zip(_rows(pool, 0, e), _host_rows(store, 0, e)):
+            np.testing.assert_array_equal(got, want)
+    pool.touch(0, [1])
+    pool.advance()
+    pool.touch(0, [1, 2])  # expert 1 used twice, expert 2 once: 2 has the lower CRF score
+    pool.fetch(0, [3])
+    assert np.flatnonzero(pool.resident(0)).tolist() == [0, 1, 3]  # pinned 0 stays, 2 leaves
+    np.testing.assert_array_equal(_rows(pool, 0, 3)[0], _host_rows(store, 0, 3)[0])
+    pool.fetch(0, [4], protect=[1])
+    assert np.flatnonzero(pool.resident(0)).tolist() == [0, 1, 4]
+    with pytest.raises(PoolTooSmall, match="raise the expert budget"):
+        pool.fetch(0, [5, 6, 7])  # three unpinned experts at once, two unpinned slots
+    moved = pool.prefetch(0, [9, 8, 7], protect=[1])  # room for one: the most likely
+    assert moved.experts.tolist() == [9] and pool.resident(0)[[0, 1, 9]].all()
+    assert pool.slot_table(0).shape == (E,) and int(pool.slot_table(0)[5]) == 3  # sentinel = S
+
+
+# ---- the layer-wise forward --------------------------------------------------------------------------------
+def _pool_provider(pool, record=None):
+    def provide(layer, experts):
+        pool.fetch(layer, experts)
+        if record is not None:
+            record[layer] = np.unique(experts)
+        gate_up, down = pool.operands(layer)
+        return ExpertOperands(gate_up, down, pool.slot_table(layer), pool.resident(layer))
+    return provide
+
+
+@pytest.mark.parametrize("expert_format", ["dense", "mxfp4"])
+def test_layerwise_forward_equals_resident_and_reads_only_resident_experts(expert_format):
+    weights = testing.random_qwen3_weights(CFG, jax.random.key(0))
+    if expert_format != "dense":
+        weights = testing.quantize_experts(weights, expert_format)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 24)), jnp.int32)
+    prompt_out = qwen3.forward_jit(weights, tokens, qwen3.init_cache(CFG, 2, 40), CFG)
+    block = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
+    want = qwen3.forward_jit(weights, block, prompt_out.cache, CFG, tap_layers=(0, 2))
+    store = HostExpertStore(weights)
+    pool = ExpertPool(store, E, poison=True)  # filled in routing order: slot != expert id
+    got = forward_layerwise(strip_experts(weights), block, prompt_out.cache, CFG, provider=_pool_provider(pool),
+                            tap_layers=(0, 2))
+    # Same math; fp32 sums may associate differently: XLA's CPU ragged_dot is one dense dot over all slots'
+    # [S * K] contraction, so an expert's position in the pool changes the blocking of its sum (~1e-6).
+    tol = dict(rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got.out.logits), np.asarray(want.logits), **tol)
+    for a, b in zip(got.out.taps, want.taps):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+    np.testing.assert_allclose(np.asarray(got.out.cache.keys[2]), np.asarray(want.cache.keys[2]), **tol)
+    for layer in range(CFG.num_layers):
+        np.testing.assert_array_equal(got.routed[layer], np.asarray(want.router_experts[layer]).reshape(-1, 2))
+
+    # A provider that does not fetch is caught before the expert GEMM runs ...
+    empty = ExpertPool(store, E, poison=True)
+
+    def lazy(layer, experts):
+        gate_up, down = empty.operands(layer)
+        return ExpertOperands(gate_up, down, empty.slot_table(layer), empty.resident(layer))
+
+    with pytest.raises(NonResidentExpert):
+        forward_layerwise(strip_experts(weights), block, prompt_out.cache, CFG, provider=lazy)
+
+    # ... and a provider that lies about residency computes on poison: the trap makes the output blow up,
+    # so the equality above really means no non-resident expert was read.
+    def lying(layer, experts):
+        gate_up, down = empty.operands(layer)
+        return ExpertOperands(gate_up, down, empty.slot_table(layer), np.ones(E, bool))
+
+    bad = forward_layerwise(strip_experts(weights), block, prompt_out.cache, CFG, provider=lying)
+    logits = np.asarray(bad.out.logits)
+    assert not np.isfinite(logits).all() or np.abs(logits - np.asarray(want.logits)).max() > 1e3
+
+
+# ---- offloaded generation: lossless for every budget and predictor ---------------------------------------------
+@pytest.fixture(scope="module")
+def pair():
+    return testing.random_pair(CFG)
+
+
+PROMPTS = [np.random.default_rng(i).integers(0, 500, n).tolist() for i, n in enumerate((40, 23))]
+PREDICTORS = ["none", "previous", "draft_router", "previous+draft_router"]
+
+
+def _per_slot(pair):
+    store = HostExpertStore(pair.target)
+    return sum(store.expert_bytes(layer) for layer in store.layer_ids), store
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, block):
+    want = generate(pair, PROMPTS, max_new_tokens=20, block_size=block)
+    if block > 1:
+        assert want.stats["mean_acceptance"] > 1.5  # proposals get accepted: rollback paths run
+    per_slot, store = _per_slot(pair)
+    full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, block_size=block, max_new_tokens=20,
+                              store=store, poison=True, bandwidth=1e9)
+    assert full.tokens == want.tokens
+    assert full.stats["route_ahead"]["summary"]["bytes_moved"] == 0  # everything pinned: B0 residency
+    # the smallest pool that can run: the largest routed union of one layer in one block
+    smallest = max(s.routed for r in full.route_ahead.rounds for s in r.layers)
+    with pytest.raises(PoolTooSmall):
+        generate_offloaded(pair, PROMPTS, budget_bytes=(smallest - 1) * per_slot, block_size=block,
+                           max_new_tokens=20, store=store, bandwidth=1e9, pin=False)
+    for slots in sorted({smallest, (smallest + E) // 2}):
+        for name in PREDICTORS if block > 1 else ["none", "previous"]:
+            got = generate_offloaded(pair, PROMPTS, budget_bytes=slots * per_slot, predictor=name, block_size=block,
+                                     max_new_tokens=20, store=store, poison=True, bandwidth=1e9)
+            assert got.tokens == want.tokens, (slots, name)
+            assert got.acceptance_lengths == want.acceptance_lengths
+            summary = got.stats["route_ahead"]["summary"]
+            assert summary["on_demand"] + summary["prefetched"] > 0  # the pool really was too small to hold all
+            if name == "none":
+                assert summary["predicted"] == 0 and summary["prefetched"] == 0
+    wide = generate_offloaded(pair, PROMPTS, budget_bytes=smallest * per_slot, predictor="previous", width=4,
+                              block_size=block, max_new_tokens=20, store=store, poison=True, bandwidth=1e9)
+    assert wide.tokens == want.tokens
+
+
+def test_learned_router_starts_as_the_draft_router_and_learns(pair):
+    from dflash_jax.offload import LearnedRouter
+    from dflash_jax.train.route_predictor import collect_route_data, init_from_target, train_route_predictor
+
+    hidden, targets, layers = collect_route_data(pair, PROMPTS, block_size=4, max_new_tokens=12)
+    assert targets.shape == (CFG.num_layers, hidden.shape[0], E) and (targets.sum(-1) == 2).all()
+    start = init_from_target(pair.target, layers)
+    inputs = RoundInputs(round=0, layers=layers, top_k=2, draft_hidden=jnp.asarray(hidden[:8]).reshape(2, 4, -1))
+    learned = LearnedRouter(start, layers, eps=CFG.rms_norm_eps).predict(inputs)
+    draft = DraftRouter(pair.target, CFG).predict(inputs)
+    assert all(set(learned[l].tolist()) == set(draft[l].tolist()) for l in layers)  # same top-k per row
+    _, losses = train_route_predictor(start, hidden, targets, eps=CFG.rms_norm_eps, steps=40, batch=64)
+    assert np.mean(losses[-5:]) < 0.8 * losses[0]
