@@ -49,6 +49,26 @@ def _mxfp4_to_dense_bf16(table: MXFP4Tensor) -> np.ndarray:
     return out
 
 
+def _quantize_per_expert(table: np.ndarray, expert_format: str):
+    """Quantizes a dense `[E, K, N]` table expert by expert (temporaries stay one expert in size).
+
+    MXFP4: OCP scale rule per 32-element block. NVFP4: a per-expert fp32 tensor scale `amax_e / (6 * 448)`
+    (each expert is one tensor in NVFP4 releases), E4M3 block scales per 16 elements."""
+    experts = table.shape[0]
+    parts = []
+    for e in range(experts):
+        oriented = np.ascontiguousarray(table[e].T).astype(np.float32)  # [N, K]: blocks along K
+        if expert_format == "mxfp4":
+            parts.append(quantize_mxfp4_np(oriented))
+        else:
+            scale = np.float32(np.abs(oriented).max() / np.float32(6.0 * 448.0))
+            parts.append(quantize_nvfp4_np(oriented, scale))
+    stacked = [np.stack([p[i] for p in parts]) for i in range(len(parts[0]))]
+    if expert_format == "mxfp4":
+        return MXFP4Tensor(blocks=stacked[0], scales=stacked[1])
+    return NVFP4Tensor(packed=stacked[0], block_scales=stacked[1], tensor_scale=stacked[2].reshape(experts))
+
+
 def expert_finalizer(expert_format: str):
     """Turns a finished stacked expert table into its stored form; other arrays pass through.
 
@@ -69,14 +89,7 @@ def expert_finalizer(expert_format: str):
                              "quantize them twice. Use --expert-format mxfp4 (kept as shipped) or bf16")
         if expert_format == "bf16":
             return array.astype(ml_dtypes.bfloat16)
-        oriented = np.ascontiguousarray(np.swapaxes(array, 1, 2)).astype(np.float32)  # [E, N, K]
-        if expert_format == "mxfp4":
-            blocks, scales = quantize_mxfp4_np(oriented)
-            return MXFP4Tensor(blocks=blocks, scales=scales)
-        amax = np.abs(oriented).reshape(oriented.shape[0], -1).max(axis=1)
-        per_expert_scale = (amax / np.float32(6.0 * 448.0)).astype(np.float32)
-        packed, block_scales, tensor_scale = quantize_nvfp4_np(oriented, per_expert_scale)
-        return NVFP4Tensor(packed=packed, block_scales=block_scales, tensor_scale=tensor_scale)
+        return _quantize_per_expert(array, expert_format)
 
     return finalize
 
