@@ -19,10 +19,11 @@ import jax
 from convert.errors import CheckpointError
 from convert.loader import resolve_dtype
 from convert.safetensors_io import HFCheckpoint
-from convert.table import Placement, Target, assemble, iter_with_progress, rule
+from convert.qwen3 import attention_weights
+from convert.table import Placement, Target, assemble, attention_targets, iter_with_progress, rule
 from dflash_jax.config import ConfigError, DraftConfig, from_hf_config
 from dflash_jax.models import draft as model
-from dflash_jax.models.qwen3 import AttentionWeights, DecoderLayerWeights, MLPWeights
+from dflash_jax.models.qwen3 import DecoderLayerWeights, MLPWeights
 
 _P = r"(?:model\.)?"
 _L = _P + r"layers\.(\d+)\."
@@ -30,8 +31,7 @@ _T2 = (1, 0)
 
 
 def targets(cfg: DraftConfig) -> dict[str, Target]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    h = cfg.hidden_size
     out = {
         "fc": Target((cfg.num_taps * cfg.target_hidden_size, h)),
         "hidden_norm": Target((h,)),
@@ -42,23 +42,12 @@ def targets(cfg: DraftConfig) -> dict[str, Target]:
         out.update({
             p + "input_norm": Target((h,)),
             p + "post_norm": Target((h,)),
-            p + "attn.q": Target((h, qd)),
-            p + "attn.k": Target((h, kvd)),
-            p + "attn.v": Target((h, kvd)),
-            p + "attn.o": Target((qd, h)),
-            p + "attn.q_norm": Target((d,)),
-            p + "attn.k_norm": Target((d,)),
             p + "mlp.gate": Target((h, cfg.intermediate_size)),
             p + "mlp.up": Target((h, cfg.intermediate_size)),
             p + "mlp.down": Target((cfg.intermediate_size, h)),
         })
-        if cfg.attention_bias:
-            out.update({
-                p + "attn.q_bias": Target((qd,)),
-                p + "attn.k_bias": Target((kvd,)),
-                p + "attn.v_bias": Target((kvd,)),
-                p + "attn.o_bias": Target((h,)),
-            })
+        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, bias=cfg.attention_bias))
     return out
 
 
@@ -82,11 +71,7 @@ def build_weights(flat: dict[str, Any], cfg: DraftConfig) -> model.DraftWeights:
     layers = []
     for i in range(cfg.num_layers):
         g = lambda k: flat.get(f"layers.{i}.{k}")  # noqa: E731,B023
-        attn = AttentionWeights(
-            q=g("attn.q"), k=g("attn.k"), v=g("attn.v"), o=g("attn.o"), q_norm=g("attn.q_norm"),
-            k_norm=g("attn.k_norm"), q_bias=g("attn.q_bias"), k_bias=g("attn.k_bias"),
-            v_bias=g("attn.v_bias"), o_bias=g("attn.o_bias"),
-        )
+        attn = attention_weights(g)
         mlp = MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
         layers.append(DecoderLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
     return model.DraftWeights(

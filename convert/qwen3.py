@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from convert.table import Placement, Target, rule
+from convert.table import Placement, Target, attention_targets, rule
 from dflash_jax.config import Qwen3Config
 from dflash_jax.models import qwen3 as model
 
@@ -25,7 +25,6 @@ _T2 = (1, 0)
 
 def targets(cfg: Qwen3Config) -> dict[str, Target]:
     h, d = cfg.hidden_size, cfg.head_dim
-    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
     out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,))}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = Target((h, cfg.vocab_size))
@@ -34,20 +33,9 @@ def targets(cfg: Qwen3Config) -> dict[str, Target]:
         out.update({
             p + "input_norm": Target((h,)),
             p + "post_norm": Target((h,)),
-            p + "attn.q": Target((h, qd)),
-            p + "attn.k": Target((h, kvd)),
-            p + "attn.v": Target((h, kvd)),
-            p + "attn.o": Target((qd, h)),
-            p + "attn.q_norm": Target((d,)),
-            p + "attn.k_norm": Target((d,)),
         })
-        if cfg.attention_bias:
-            out.update({
-                p + "attn.q_bias": Target((qd,)),
-                p + "attn.k_bias": Target((kvd,)),
-                p + "attn.v_bias": Target((kvd,)),
-                p + "attn.o_bias": Target((h,)),
-            })
+        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=d, bias=cfg.attention_bias))
         if cfg.moe_layers[i]:
             e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
             out.update({
@@ -100,15 +88,17 @@ def ignore(cfg: Qwen3Config):
     return lambda name: cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
+def attention_weights(g) -> model.AttentionWeights:
+    """A Qwen3-style attention block from a getter of its flat target names (`attn.q`, ...)."""
+    names = ("q", "k", "v", "o", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias", "o_bias")
+    return model.AttentionWeights(**{n: g(f"attn.{n}") for n in names})
+
+
 def build_weights(flat: dict[str, Any], cfg: Qwen3Config) -> model.Qwen3Weights:
     layers = []
     for i in range(cfg.num_layers):
         g = lambda k: flat.get(f"layers.{i}.{k}")  # noqa: E731,B023
-        attn = model.AttentionWeights(
-            q=g("attn.q"), k=g("attn.k"), v=g("attn.v"), o=g("attn.o"), q_norm=g("attn.q_norm"),
-            k_norm=g("attn.k_norm"), q_bias=g("attn.q_bias"), k_bias=g("attn.k_bias"),
-            v_bias=g("attn.v_bias"), o_bias=g("attn.o_bias"),
-        )
+        attn = attention_weights(g)
         if cfg.moe_layers[i]:
             mlp = model.MoEWeights(router=g("mlp.router"), gate_up=g("mlp.gate_up"), down=g("mlp.down"))
         else:

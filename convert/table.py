@@ -187,3 +187,26 @@ def table_targets(table: Any, cfg: Any, keys: Iterable[str]) -> dict[str, Target
     checkpoint (gpt-oss experts: packed MXFP4 or dense) define `targets_for_checkpoint(cfg, keys)`."""
     for_checkpoint = getattr(table, "targets_for_checkpoint", None)
     return for_checkpoint(cfg, list(keys)) if for_checkpoint else table.targets(cfg)
+
+
+def attention_targets(prefix: str, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                      qk_norm: bool = True) -> dict[str, Target]:
+    """Targets of one GQA attention block stored `[in, out]`: q/k/v/o (+ biases, + per-head q/k norms)."""
+    qd, kvd = num_heads * head_dim, num_kv_heads * head_dim
+    out = {
+        prefix + "attn.q": Target((hidden, qd)),
+        prefix + "attn.k": Target((hidden, kvd)),
+        prefix + "attn.v": Target((hidden, kvd)),
+        prefix + "attn.o": Target((qd, hidden)),
+    }
+    if qk_norm:
+        out[prefix + "attn.q_norm"] = Target((head_dim,))
+        out[prefix + "attn.k_norm"] = Target((head_dim,))
+    if bias:
+        out.update({
+            prefix + "attn.q_bias": Target((qd,)),
+            prefix + "attn.k_bias": Target((kvd,)),
+            prefix + "attn.v_bias": Target((kvd,)),
+            prefix + "attn.o_bias": Target((hidden,)),
+        })
+    return out
