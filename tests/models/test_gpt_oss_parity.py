@@ -362,3 +362,42 @@ def test_greedy_speculative_decoding_equals_plain_decoding(gpt_oss_pair):
     plain = generate(pair, prompts, max_new_tokens=20, block_size=1)
     spec = generate(pair, prompts, max_new_tokens=20, block_size=4)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+
+
+def test_rounds_equal_reference_dflash_generate(fixture, gpt_oss_pair, monkeypatch):
+    """z-lab's loop on transformers' gpt-oss (read from the same MXFP4 release files) with the gpt_oss-type
+    draft: per-round proposals and acceptance lengths equal ours on the converted pair, outputs identical."""
+    import time
+
+    reference = pytest.importorskip("dflash.model")
+    from dflash_jax.spec.loop import generate_stepping
+
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # return_stats without CUDA
+    ddir, converted = gpt_oss_pair
+    draft_ref = reference.DFlashDraftModel.from_pretrained(ddir).float().eval()
+    proposals = []
+    original = draft_ref.compute_logits
+
+    def recording(hidden, head):
+        logits = original(hidden, head)
+        proposals.append(logits.argmax(-1)[0].tolist())
+        return logits
+
+    monkeypatch.setattr(draft_ref, "compute_logits", recording)
+    pair = dflash_jax.load(converted["mxfp4"])
+    prompt = list(map(int, _tokens(60, pair.target_cfg.vocab_size, 8)))
+    n, block = 24, 4
+    with torch.no_grad():
+        ref = reference.dflash_generate(draft_ref, fixture["ref"], torch.tensor([prompt]), max_new_tokens=n,
+                                        stop_token_ids=None, temperature=0.0, block_size=block, return_stats=True)
+    ours = generate_stepping(pair, [prompt], max_new_tokens=n, block_size=block, trace=True)
+    assert ours.tokens[0] == ref.output_ids[0, len(prompt):].tolist()
+    start, compared = 0, 0
+    for round_, (ref_acc, our_acc) in enumerate(zip(ref.acceptance_lengths, ours.acceptance_lengths[0])):
+        if start + block > n:  # the reference narrows its last blocks
+            break
+        assert our_acc == ref_acc, f"round {round_}"
+        assert ours.trace[round_][0]["proposal"] == proposals[round_], f"round {round_}"
+        start += ref_acc
+        compared += 1
+    assert compared >= 4
