@@ -56,10 +56,10 @@ class Recipe:
     target_batch: int = 8
     target_seq: int = 256
     target_lr: float = 3e-3
-    prompts: int = 1536
+    prompts: int = 4096
     prompt_len: int = 64
     continuation: int = 192
-    draft_steps: int = 3000
+    draft_steps: int = 5000
     draft_batch: int = 8
     anchors_per_seq: int = 8
     draft_lr: float = 3e-3
