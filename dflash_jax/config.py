@@ -21,6 +21,17 @@ class ConfigError(ValueError):
     """A configuration the library cannot run exactly; the message names the cause and the fix."""
 
 
+def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+
+
+def _default_per_layer(cfg, field: str, value) -> None:
+    """Fills an empty per-layer tuple field of a frozen config with `value` for every layer."""
+    if not getattr(cfg, field):
+        object.__setattr__(cfg, field, (value,) * cfg.num_layers)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeConfig:
     """Rotary position embedding, rotate-half convention.
@@ -96,12 +107,8 @@ class Qwen3Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if not self.layer_windows:
-            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        _check_heads(self.num_heads, self.num_kv_heads)
+        _default_per_layer(self, "layer_windows", None)
         if not self.moe_layers:
             object.__setattr__(self, "moe_layers", (self.moe is not None,) * self.num_layers)
         if len(self.layer_windows) != self.num_layers or len(self.moe_layers) != self.num_layers:
@@ -346,10 +353,7 @@ class Qwen3_5Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+        _check_heads(self.num_heads, self.num_kv_heads)
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError(
                 f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
@@ -555,12 +559,8 @@ class GptOssConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if not self.layer_windows:
-            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        _check_heads(self.num_heads, self.num_kv_heads)
+        _default_per_layer(self, "layer_windows", None)
         if len(self.layer_windows) != self.num_layers:
             raise ConfigError("layer_windows needs one entry per layer")
         if any(w is not None and w < 1 for w in self.layer_windows):
@@ -791,12 +791,8 @@ class DraftConfig:
     max_position_embeddings: int = 32768
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if not self.layer_windows:
-            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        _check_heads(self.num_heads, self.num_kv_heads)
+        _default_per_layer(self, "layer_windows", None)
         if not self.layer_causal:
             object.__setattr__(self, "layer_causal", (False,) * self.num_layers)
         if len(self.layer_windows) != self.num_layers or len(self.layer_causal) != self.num_layers:
