@@ -52,10 +52,11 @@ def targets(cfg: Qwen3Config) -> dict[str, Target]:
     return out
 
 
-def rules(cfg: Qwen3Config):
-    inter = cfg.moe.intermediate_size if cfg.moe else 0
+def per_expert_placement(inter: int):
+    """Placement of `...experts.{e}.{gate,up,down}_proj.weight` (groups: layer, expert, part) into the
+    stacked `gate_up [E, H, 2I]` (gate columns first) and `down [E, I, H]` tables."""
 
-    def expert_part(m):
+    def place(m):
         layer, e, part = m.group(1), int(m.group(2)), m.group(3)
         if part == "down":
             return Placement(f"layers.{layer}.mlp.down", region=e, cover=e, transpose=_T2)
@@ -63,6 +64,12 @@ def rules(cfg: Qwen3Config):
         cols = slice(half * inter, (half + 1) * inter)
         return Placement(f"layers.{layer}.mlp.gate_up", region=(e, slice(None), cols), cover=(e, half),
                          transpose=_T2)
+
+    return place
+
+
+def rules(cfg: Qwen3Config):
+    expert_part = per_expert_placement(cfg.moe.intermediate_size if cfg.moe else 0)
 
     return [
         rule(r"model\.embed_tokens\.weight", lambda m: Placement("embed")),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from convert.qwen3 import per_expert_placement
 from convert.table import Placement, Target, rule
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
 from dflash_jax.models import qwen3 as qwen3_model
@@ -83,14 +84,7 @@ _LINEAR_PROJ = {"in_proj_qkv": "qkv", "in_proj_z": "z", "in_proj_a": "a", "in_pr
 def rules(cfg: Qwen3_5Config):
     inter = cfg.moe.intermediate_size
 
-    def expert_part(m):
-        layer, e, part = m.group(1), int(m.group(2)), m.group(3)
-        if part == "down":
-            return Placement(f"layers.{layer}.mlp.down", region=e, cover=e, transpose=_T2)
-        half = 0 if part == "gate" else 1
-        cols = slice(half * inter, (half + 1) * inter)
-        return Placement(f"layers.{layer}.mlp.gate_up", region=(e, slice(None), cols), cover=(e, half),
-                         transpose=_T2)
+    expert_part = per_expert_placement(inter)
 
     return [
         rule(_P + r"embed_tokens\.weight", lambda m: Placement("embed")),
