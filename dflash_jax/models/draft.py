@@ -53,6 +53,7 @@ __all__ = [
     "append_context",
     "draft_forward",
     "draft_forward_jit",
+    "draft_forward_blocks",
     "draft_logits",
 ]
 
@@ -197,6 +198,68 @@ def draft_forward(
         x = x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     return draft_logits(hidden, cfg, embed=embed, lm_head=lm_head), hidden, cache
+
+
+def draft_forward_blocks(
+    weights: DraftWeights,
+    cfg: DraftConfig,
+    *,
+    embed: jax.Array,
+    lm_head: Head,
+    block_tokens: jax.Array,
+    context_features: jax.Array,
+    anchors: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Many blocks over ONE context per sequence at once: the training form of `draft_forward`.
+
+    block_tokens [n, A, B] (block a of sequence i sits at positions `anchors[i, a] + [0, B)`);
+    context_features [n, L, n_taps * H_t], the target's taps at positions 0 .. L-1; anchors [n, A].
+    Block a sees exactly what `draft_forward` shows it at inference with `anchors[i, a]` committed tokens:
+    the context rows strictly before its anchor (under the layer's causal / window rule) and its own B
+    keys; never another block. The context K/V are projected once per sequence and shared by its A blocks
+    (the inference form would project them A times). Returns (logits [n, A, B, V] fp32, hidden [n, A, B, H]).
+    """
+    n, a, width = block_tokens.shape
+    length = context_features.shape[1]
+    ctx = project_context(weights, cfg, context_features)
+    ctx_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
+    ctx_cos, ctx_sin = rope_cos_sin(cfg.rope, ctx_pos, ctx.dtype)
+    q_pos = (anchors[..., None] + jnp.arange(width, dtype=jnp.int32)).reshape(n, a * width).astype(jnp.int32)
+    block_id = jnp.repeat(jnp.arange(a, dtype=jnp.int32), width)
+    q_anchor = jnp.repeat(anchors.astype(jnp.int32), width, axis=1)  # [n, A*B]
+    k_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
+    visible = jnp.concatenate([
+        ctx_pos[:, None, :] < q_anchor[:, :, None],                                   # context before the anchor
+        jnp.broadcast_to(block_id[:, None] == block_id[None, :], (n, a * width, a * width)),  # own block
+    ], axis=2)
+    x = jnp.take(embed, block_tokens.reshape(n, a * width), axis=0)
+    if cfg.input_embedding_scale != 1.0:
+        x = (x * cfg.input_embedding_scale).astype(embed.dtype)
+    cos, sin = rope_cos_sin(cfg.rope, q_pos, x.dtype)
+    masks = {}
+    for i, layer in enumerate(weights.layers):
+        kind = (cfg.layer_causal[i], cfg.layer_windows[i])
+        if kind not in masks:
+            causal, window = kind
+            mask = attention_mask(q_pos, k_pos, causal=causal, window=window)
+            if window is not None and not causal:
+                mask &= k_pos[:, None, :] - q_pos[:, :, None] < window
+            masks[kind] = mask & visible
+        k_ctx, v_ctx = _context_kv(ctx, layer.attn, ctx_cos, ctx_sin, cfg)
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        q, k, v = qkv_projection(
+            h, layer.attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+        )
+        keys = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], axis=1)
+        values = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], axis=1)
+        out = gqa_attention(q, keys, values, masks[kind], scale=cfg.head_dim**-0.5)
+        x = x + _linear(out.reshape(n, a * width, -1), layer.attn.o, layer.attn.o_bias)
+        mlp: MLPWeights = layer.mlp
+        x = x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
+    hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    logits = draft_logits(hidden, cfg, embed=embed, lm_head=lm_head)
+    return logits.reshape(n, a, width, -1), hidden.reshape(n, a, width, -1)
 
 
 # lm_head must be an array or None here (a function would have to be static); wrap `draft_forward` in

@@ -6,7 +6,8 @@ DFlash objective (one block per (sequence, anchor)):
   - the context is the frozen target's taps at positions strictly before the anchor (0 .. s-1), exactly
     what the draft sees at inference when the target cache holds s committed tokens;
   - attention inside the block is whatever the draft's layers do at inference (bidirectional for
-    full-attention layers), because the loss runs the inference forward itself (`draft_forward`);
+    full-attention layers): `draft_forward_blocks` runs all A blocks of a sequence over one shared
+    context projection with the inference masks (tested equal to `draft_forward` block by block);
   - the loss is cross-entropy on slots k = 1 .. B-1 (slot k predicts x_{s+k}), weighted by
     w_k = exp(-(k - 1) / gamma): early slots matter most, since a block is accepted only up to the first
     miss.
@@ -59,14 +60,13 @@ def dflash_loss(draft_w, target_w, tokens: jax.Array, features: jax.Array, ancho
                 dcfg: DraftConfig, *, block_size: int, gamma: float):
     """tokens [n, L]; features [n, L, F] (the target's taps over tokens); anchors [n, A] with
     1 <= s <= L - B. Returns (weighted mean CE, {"ce": unweighted CE, "acc1": slot-1 accuracy})."""
-    n, length = tokens.shape
+    n, _ = tokens.shape
     a = anchors.shape[1]
     blocks, labels = draft_blocks(tokens, anchors, block_size, dcfg.mask_token_id)
-    ctx = jnp.repeat(features, a, axis=0)  # [n*A, L, F]: rows >= s are padding the draft never sees
-    cache = draft_model.init_draft_cache(dcfg, n * a, length + block_size, features.dtype)
-    logits, _, _ = draft_model.draft_forward(
-        draft_w, dcfg, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=blocks.reshape(n * a, -1),
-        context_features=ctx, num_context=anchors.reshape(-1).astype(jnp.int32), cache=cache)
+    logits, _ = draft_model.draft_forward_blocks(
+        draft_w, dcfg, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=blocks,
+        context_features=features, anchors=anchors.astype(jnp.int32))
+    logits = logits.reshape(n * a, block_size, -1)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, labels.reshape(n * a, -1, 1), axis=-1)[..., 0]  # [n*A, B]
     w = slot_weights(block_size, gamma)

@@ -156,3 +156,37 @@ def test_dflash_generate_default_pair_prints_code(capsys):
     text = out["text"]
     assert any(s in text for s in ("return", "(", ":", "\n", "self", "="))
     assert out["stats"]["mean_acceptance"] > 1.5  # the trained draft is accepted
+
+
+@pytest.mark.parametrize("variant", [
+    {},                                                         # full attention, bidirectional block
+    {"layer_windows": (None, 6)},                               # a sliding layer whose window hides context
+    {"layer_windows": (5, 5), "layer_causal": (True, True)},    # causal, windowed
+    {"attention_bias": True, "layer_causal": (False, True)},
+])
+def test_packed_blocks_equal_the_inference_forward_block_by_block(variant):
+    """`draft_forward_blocks` (all anchors of a sequence over one shared context) gives, for every block,
+    the logits of `draft_forward` run on that block alone with only the context before its anchor."""
+    dcfg = testing.tiny_draft_config(TCFG, target_layer_ids=(0,), block_size=4, mask_token_id=63, **variant)
+    target_w = testing.random_qwen3_weights(TCFG, jax.random.key(0))
+    draft_w = testing.random_draft_weights(dcfg, jax.random.key(1))
+    if dcfg.attention_bias:  # non-zero biases, so a dropped bias term would show
+        draft_w = jax.tree.map(lambda a: a + 0.05 if a.ndim == 1 else a, draft_w)
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, 60, (2, 40)), jnp.int32)
+    anchors = jnp.array([[1, 9, 9, 30], [36, 17, 3, 22]], jnp.int32)  # repeats and overlapping blocks too
+    feats = _features(target_w, tokens)
+    blocks, _ = draft_blocks(tokens, anchors, 4, 63)
+    logits, hidden = draft_model.draft_forward_blocks(
+        draft_w, dcfg, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=blocks,
+        context_features=feats, anchors=anchors)
+    assert logits.shape == (2, 4, 4, 64) and hidden.shape == (2, 4, 4, dcfg.hidden_size)
+    for i in range(2):
+        for a in range(4):
+            s = int(anchors[i, a])
+            ref, ref_hidden, _ = draft_model.draft_forward(
+                draft_w, dcfg, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=blocks[i:i + 1, a],
+                context_features=feats[i:i + 1, :s], num_context=jnp.array([s]),
+                cache=draft_model.init_draft_cache(dcfg, 1, 48))
+            np.testing.assert_allclose(np.asarray(logits[i, a]), np.asarray(ref[0]), atol=2e-5, rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(hidden[i, a]), np.asarray(ref_hidden[0]), atol=2e-5, rtol=1e-5)
