@@ -8,7 +8,6 @@ route-ahead coverage B3 needs. Pure arithmetic (no device needed).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from dflash_jax.offload import cost_model as cm
@@ -24,8 +23,8 @@ def _cell(r: cm.RoundEstimate, with_block: bool = True) -> str:
 
 def mode_table(model_key: str, hardware: list[str], *, acceptance: float, skew: float, prediction) -> list[str]:
     model = cm.MODELS[model_key]
-    lines = [f"| machine | expert budget | pool GB | B0 resident | B1 plain offload | B2 DFlash on-demand | "
-             f"B3 DFlash + prefetch | GB moved / round (B3) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| machine | expert budget | pool GB | B0 resident | B1 plain offload | B2 DFlash on-demand | "
+             "B3 DFlash + prefetch | GB moved / round (B3) |", "|---|---|---|---|---|---|---|---|"]
     for hw_key in hardware:
         hw = cm.HARDWARE[hw_key]
         b0 = cm.best_block(model, hw, mode="B0", budget_bytes=0, acceptance=acceptance, skew=skew)

@@ -26,32 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
 
 
-def heldout_prompts(pair, n: int, length: int, seed: int = 0) -> list[list[int]]:
-    from tokenizers import Tokenizer
-
-    from dflash_jax.train.data import stdlib_root
-
-    with open(os.path.join(pair.directory, "split.json")) as fh:
-        files = json.load(fh)["held_out_files"]
-    tok = Tokenizer.from_file(pair.tokenizer_path)
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for rel in rng.permutation(files):
-        path = os.path.join(stdlib_root(), rel)
-        if not os.path.exists(path):
-            continue
-        ids = tok.encode(open(path, encoding="utf-8", errors="replace").read()).ids
-        if len(ids) < length + 8:
-            continue
-        start = int(rng.integers(0, len(ids) - length))
-        prompts.append(ids[start: start + length])
-        if len(prompts) == n:
-            break
-    if not prompts:
-        raise SystemExit("no held-out file is long enough for --prompt-len; lower it")
-    return prompts
-
-
 def timed(fn, repeats: int = 2):
     fn()  # compile
     best = None
@@ -83,7 +57,12 @@ def main(argv=None) -> int:
     from dflash_jax.spec import generate, generate_stepping
 
     pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR)
-    prompts = heldout_prompts(pair, args.prompts, args.prompt_len)
+    from dflash_jax.train.data import file_windows
+
+    try:
+        prompts = file_windows(pair, "held_out", args.prompts, args.prompt_len)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(str(e))
     blocks = [int(b) for b in args.blocks.split(",")]
     n = args.max_new
     rows = []

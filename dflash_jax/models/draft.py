@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax.cache import KVCache, init_kv_cache, write_rows
-from dflash_jax.config import ConfigError, DraftConfig
+from dflash_jax.config import DraftConfig
 from dflash_jax.models.qwen3 import AttentionWeights, DecoderLayerWeights, MLPWeights, qkv_projection
 from dflash_jax.nn.attention import attention_mask, gqa_attention
 from dflash_jax.nn.mlp import swiglu
@@ -209,6 +209,7 @@ def draft_forward_blocks(
     block_tokens: jax.Array,
     context_features: jax.Array,
     anchors: jax.Array,
+    widths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Many blocks over ONE context per sequence at once: the training form of `draft_forward`.
 
@@ -217,7 +218,9 @@ def draft_forward_blocks(
     Block a sees exactly what `draft_forward` shows it at inference with `anchors[i, a]` committed tokens:
     the context rows strictly before its anchor (under the layer's causal / window rule) and its own B
     keys; never another block. The context K/V are projected once per sequence and shared by its A blocks
-    (the inference form would project them A times). Returns (logits [n, A, B, V] fp32, hidden [n, A, B, H]).
+    (the inference form would project them A times). widths [n, A] (optional, 1..B): block a acts as a
+    width-`widths[i, a]` block, its first w slots seeing only each other (inference at block size w); slots
+    past w are computed but meaningless. Returns (logits [n, A, B, V] fp32, hidden [n, A, B, H]).
     """
     n, a, width = block_tokens.shape
     length = context_features.shape[1]
@@ -228,10 +231,11 @@ def draft_forward_blocks(
     block_id = jnp.repeat(jnp.arange(a, dtype=jnp.int32), width)
     q_anchor = jnp.repeat(anchors.astype(jnp.int32), width, axis=1)  # [n, A*B]
     k_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
-    visible = jnp.concatenate([
-        ctx_pos[:, None, :] < q_anchor[:, :, None],                                   # context before the anchor
-        jnp.broadcast_to(block_id[:, None] == block_id[None, :], (n, a * width, a * width)),  # own block
-    ], axis=2)
+    own_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (n, a * width, a * width))
+    if widths is not None:  # keys past their block's width are invisible
+        slot = jnp.tile(jnp.arange(width, dtype=jnp.int32), a)
+        own_block = own_block & (slot[None, :] < jnp.repeat(widths.astype(jnp.int32), width, axis=1))[:, None, :]
+    visible = jnp.concatenate([ctx_pos[:, None, :] < q_anchor[:, :, None], own_block], axis=2)
     x = jnp.take(embed, block_tokens.reshape(n, a * width), axis=0)
     if cfg.input_embedding_scale != 1.0:
         x = (x * cfg.input_embedding_scale).astype(embed.dtype)

@@ -83,3 +83,41 @@ def encode_files(tok, paths: list[str]) -> np.ndarray:
 def random_windows(stream: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
     starts = rng.integers(0, len(stream) - length, batch)
     return np.stack([stream[s: s + length] for s in starts])
+
+
+def file_windows(pair, split: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Up to `n` prompts of `length` tokens, one random window per standard-library file, files in a seeded
+    random order. split "held_out": the pair's `split.json` held-out files (never trained on); "train": the
+    training side of `stdlib_files()` minus those. `pair` needs `.directory` and `.tokenizer_path`."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    if split not in ("held_out", "train"):
+        raise ValueError(f"split must be 'held_out' or 'train', not {split!r}")
+    split_file = os.path.join(pair.directory, "split.json")
+    if not os.path.exists(split_file):
+        raise FileNotFoundError(f"{split_file} not found: file windows need a pair trained by "
+                                f"dflash_jax.train (its split.json lists the held-out files)")
+    with open(split_file) as fh:
+        held_out = list(json.load(fh)["held_out_files"])
+    root = stdlib_root()
+    files = held_out if split == "held_out" else sorted(
+        set(os.path.relpath(f, root) for f in stdlib_files()[0]) - set(held_out))
+    tok = Tokenizer.from_file(pair.tokenizer_path)
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for rel in rng.permutation(np.asarray(files, dtype=object)):
+        path = os.path.join(root, str(rel))
+        if not os.path.exists(path):
+            continue
+        ids = tok.encode(open(path, encoding="utf-8", errors="replace").read()).ids
+        if len(ids) < length + 8:
+            continue
+        start = int(rng.integers(0, len(ids) - length))
+        prompts.append(ids[start: start + length])
+        if len(prompts) == n:
+            break
+    if not prompts:
+        raise ValueError(f"no {split} file has {length + 8} tokens or more: use a shorter prompt length")
+    return prompts

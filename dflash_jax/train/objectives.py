@@ -57,23 +57,28 @@ def draft_blocks(tokens: jax.Array, anchors: jax.Array, block_size: int, mask_to
 
 
 def dflash_loss(draft_w, target_w, tokens: jax.Array, features: jax.Array, anchors: jax.Array,
-                dcfg: DraftConfig, *, block_size: int, gamma: float):
+                dcfg: DraftConfig, *, block_size: int, gamma: float, widths: jax.Array | None = None):
     """tokens [n, L]; features [n, L, F] (the target's taps over tokens); anchors [n, A] with
-    1 <= s <= L - B. Returns (weighted mean CE, {"ce": unweighted CE, "acc1": slot-1 accuracy})."""
+    1 <= s <= L - B; widths [n, A] (optional): block a is run and scored as a width-w block (slots 1..w-1),
+    so one draft learns every block size it will serve. Returns (weighted mean CE over the scored slots,
+    {"ce": unweighted CE, "acc1": slot-1 accuracy})."""
     n, _ = tokens.shape
     a = anchors.shape[1]
     blocks, labels = draft_blocks(tokens, anchors, block_size, dcfg.mask_token_id)
     logits, _ = draft_model.draft_forward_blocks(
         draft_w, dcfg, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=blocks,
-        context_features=features, anchors=anchors.astype(jnp.int32))
+        context_features=features, anchors=anchors.astype(jnp.int32), widths=widths)
     logits = logits.reshape(n * a, block_size, -1)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, labels.reshape(n * a, -1, 1), axis=-1)[..., 0]  # [n*A, B]
-    w = slot_weights(block_size, gamma)
-    loss = jnp.sum(nll * w) / (n * a * jnp.sum(w))
+    w = jnp.broadcast_to(slot_weights(block_size, gamma), (n * a, block_size))
+    scored = jnp.ones_like(w, bool) if widths is None else jnp.arange(block_size) < widths.reshape(-1, 1)
+    scored = scored & (jnp.arange(block_size) >= 1)
+    w = jnp.where(scored, w, 0.0)
+    loss = jnp.sum(nll * w) / jnp.sum(w)
     pred = jnp.argmax(logits, axis=-1)
     acc1 = jnp.mean(pred[:, 1] == labels.reshape(n * a, -1)[:, 1])
-    return loss, {"ce": jnp.mean(nll[:, 1:]), "acc1": acc1}
+    return loss, {"ce": jnp.sum(jnp.where(scored, nll, 0.0)) / jnp.sum(scored), "acc1": acc1}
 
 
 def sample_anchors(rng, n: int, per_seq: int, low: int, high: int):

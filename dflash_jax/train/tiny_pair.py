@@ -32,11 +32,12 @@ VOCAB = 1024
 EOS_ID, MASK_ID = VOCAB - 2, VOCAB - 1
 
 
-def target_config() -> Qwen3Config:
+def target_config(num_experts: int = 8, top_k: int = 2, expert_intermediate: int = 256) -> Qwen3Config:
     return Qwen3Config(
         model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, intermediate_size=512, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=32),
-        max_position_embeddings=4096, moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=256, norm_topk_prob=True),
+        max_position_embeddings=4096, moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=expert_intermediate,
+                      norm_topk_prob=True),
         eos_token_ids=(EOS_ID,),
     )
 
@@ -56,21 +57,33 @@ class Recipe:
     target_batch: int = 8
     target_seq: int = 256
     target_lr: float = 3e-3
-    prompts: int = 4096
+    prompts: int = 8192
     prompt_len: int = 64
     continuation: int = 192
-    draft_steps: int = 5000
-    draft_batch: int = 8
-    anchors_per_seq: int = 8
+    draft_steps: int = 3000
+    draft_batch: int = 16
+    anchors_per_seq: int = 16
     draft_lr: float = 3e-3
     gamma: float = 7.0
+    block_widths: tuple[int, ...] = (4, 8, 16)  # each training block acts as one of these widths (uniform)
     seed: int = 0
+    num_experts: int = 8
+    top_k: int = 2
+    expert_intermediate: int = 256
 
     @classmethod
     def quick(cls) -> "Recipe":
         """A smoke-test recipe (seconds): the same stages at toy sizes."""
         return cls(target_steps=6, target_batch=2, target_seq=64, prompts=4, prompt_len=16, continuation=48,
                    draft_steps=6, draft_batch=2, anchors_per_seq=2)
+
+    @classmethod
+    def route_study(cls) -> "Recipe":
+        """A pair with many small experts (64, top-4: the expert count / top-k ratio of the real MoE targets is
+        what makes route prediction hard) for the route-ahead predictor study (`benchmarks/route_ahead.py`);
+        shorter than the shipped pair's recipe (~20 minutes on 2 CPU cores)."""
+        return cls(num_experts=64, top_k=4, expert_intermediate=32, target_steps=600, prompts=1024,
+                   draft_steps=800)
 
 
 def _log(msg: str, progress: bool) -> None:
@@ -104,7 +117,7 @@ def build_tokens(work: str, progress: bool):
 def train_target(work: str, stream: np.ndarray, recipe: Recipe, progress: bool):
     from dflash_jax.testing import random_qwen3_weights
 
-    cfg = target_config()
+    cfg = target_config(recipe.num_experts, recipe.top_k, recipe.expert_intermediate)
     params = random_qwen3_weights(cfg, jax.random.key(recipe.seed), norm_jitter=0.0)
 
     def next_batch(step):
@@ -146,6 +159,9 @@ def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray,
     from dflash_jax.testing import random_draft_weights
 
     dcfg = draft_config()
+    bad = [w for w in recipe.block_widths if not 2 <= w <= dcfg.block_size]
+    if bad:
+        raise ValueError(f"block_widths {bad} outside [2, {dcfg.block_size}] (the draft's block size)")
     params = random_draft_weights(dcfg, jax.random.key(recipe.seed + 1), norm_jitter=0.0)
     block = dcfg.block_size
     length = corpus.shape[1]
@@ -156,17 +172,27 @@ def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray,
         out = qwen3.forward(target_params, tokens, cache, tcfg, tap_layers=dcfg.target_layer_ids, logits="none")
         return draft_model.context_features(out.taps)
 
+    # The target is frozen: its taps over the whole corpus are computed once (a few minutes), not per step.
+    chunk = 64
+    feats = np.empty((len(corpus), length, dcfg.num_taps * tcfg.hidden_size), np.float32)
+    for i in range(0, len(corpus), chunk):
+        if i % (chunk * 16) == 0:
+            _log(f"target features {i}/{len(corpus)}", progress)
+        feats[i: i + chunk] = np.asarray(features(jnp.asarray(corpus[i: i + chunk])))
+
     def next_batch(step):
         rng = batch_rng(recipe.seed + 1, step)
-        tokens = corpus[rng.integers(0, len(corpus), recipe.draft_batch)]
+        rows = rng.integers(0, len(corpus), recipe.draft_batch)
         # anchors in the continuation: the text the draft proposes at inference is the target's own
         anchors = sample_anchors(rng, recipe.draft_batch, recipe.anchors_per_seq, recipe.prompt_len - 1, length - block)
-        tokens = jnp.asarray(tokens)
-        return tokens, features(tokens), jnp.asarray(anchors)
+        # one draft serves every block size <= its trained one: blocks are scored at mixed widths
+        widths = rng.choice(np.asarray(recipe.block_widths, np.int32), (recipe.draft_batch, recipe.anchors_per_seq))
+        return jnp.asarray(corpus[rows]), jnp.asarray(feats[rows]), jnp.asarray(anchors), jnp.asarray(widths)
 
     def loss(p, batch):
-        tokens, feats, anchors = batch
-        return dflash_loss(p, target_params, tokens, feats, anchors, dcfg, block_size=block, gamma=recipe.gamma)
+        tokens, taps, anchors, widths = batch
+        return dflash_loss(p, target_params, tokens, taps, anchors, dcfg, block_size=block, gamma=recipe.gamma,
+                           widths=widths)
 
     tc = TrainConfig(steps=recipe.draft_steps, learning_rate=recipe.draft_lr, seed=recipe.seed + 1,
                      warmup_steps=min(100, recipe.draft_steps // 10 + 1))

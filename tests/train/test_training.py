@@ -190,3 +190,32 @@ def test_packed_blocks_equal_the_inference_forward_block_by_block(variant):
                 cache=draft_model.init_draft_cache(dcfg, 1, 48))
             np.testing.assert_allclose(np.asarray(logits[i, a]), np.asarray(ref[0]), atol=2e-5, rtol=1e-5)
             np.testing.assert_allclose(np.asarray(hidden[i, a]), np.asarray(ref_hidden[0]), atol=2e-5, rtol=1e-5)
+
+
+def test_packed_blocks_of_mixed_widths_equal_inference_at_each_width():
+    """A block trained as width w sees only its first w slots: its outputs there equal the inference forward
+    of a width-w block; and the loss scores exactly those slots."""
+    dcfg = testing.tiny_draft_config(TCFG, target_layer_ids=(0,), block_size=4, mask_token_id=63)
+    target_w = testing.random_qwen3_weights(TCFG, jax.random.key(0))
+    draft_w = testing.random_draft_weights(dcfg, jax.random.key(1))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 60, (1, 30)), jnp.int32)
+    anchors = jnp.array([[5, 5, 12, 20]], jnp.int32)
+    widths = jnp.array([[2, 4, 3, 2]], jnp.int32)
+    feats = _features(target_w, tokens)
+    blocks, labels = draft_blocks(tokens, anchors, 4, 63)
+    logits, _ = draft_model.draft_forward_blocks(
+        draft_w, dcfg, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=blocks,
+        context_features=feats, anchors=anchors, widths=widths)
+    expected_nll, weights = [], np.asarray(slot_weights(4, 3.0))
+    for a in range(4):
+        s, w = int(anchors[0, a]), int(widths[0, a])
+        ref, _, _ = draft_model.draft_forward(
+            draft_w, dcfg, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=blocks[:, a, :w],
+            context_features=feats[:, :s], num_context=jnp.array([s]), cache=draft_model.init_draft_cache(dcfg, 1, 40))
+        np.testing.assert_allclose(np.asarray(logits[0, a, :w]), np.asarray(ref[0]), atol=2e-5, rtol=1e-5)
+        logp = jax.nn.log_softmax(ref[0], axis=-1)
+        expected_nll += [(weights[k], -float(logp[k, int(labels[0, a, k])])) for k in range(1, w)]
+    loss, aux = dflash_loss(draft_w, target_w, tokens, feats, anchors, dcfg, block_size=4, gamma=3.0, widths=widths)
+    wsum = sum(w for w, _ in expected_nll)
+    assert float(loss) == pytest.approx(sum(w * v for w, v in expected_nll) / wsum, rel=1e-5)
+    assert float(aux["ce"]) == pytest.approx(np.mean([v for _, v in expected_nll]), rel=1e-5)
