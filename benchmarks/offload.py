@@ -34,36 +34,6 @@ DOCS = os.path.join(ROOT, "docs", "benchmarks")
 sys.path.insert(0, ROOT)
 
 
-def file_prompts(pair, split: str, n: int, length: int, seed: int) -> list[list[int]]:
-    """Windows of `length` tokens of standard-library sources, one window per file, files in a seeded random
-    order: split "held_out" = the pair's `split.json` held-out files (never trained on), "train" = the
-    training side of `train.data.stdlib_files` minus those."""
-    from tokenizers import Tokenizer
-
-    from dflash_jax.train.data import stdlib_files, stdlib_root
-
-    with open(os.path.join(pair.directory, "split.json")) as fh:
-        held_out = list(json.load(fh)["held_out_files"])
-    if split == "held_out":
-        files = held_out
-    else:
-        files = sorted(set(os.path.relpath(f, stdlib_root()) for f in stdlib_files()[0]) - set(held_out))
-    tok = Tokenizer.from_file(pair.tokenizer_path)
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for rel in rng.permutation(np.asarray(files, dtype=object)):
-        path = os.path.join(stdlib_root(), str(rel))
-        if not os.path.exists(path):
-            continue
-        ids = tok.encode(open(path, encoding="utf-8", errors="replace").read()).ids
-        if len(ids) >= length + 8:
-            start = int(rng.integers(0, len(ids) - length))
-            prompts.append(ids[start: start + length])
-        if len(prompts) == n:
-            break
-    return prompts
-
-
 def learned_predictor(pair, args, train_prompts):
     """Trains `train.route_predictor` on rounds over `train_prompts`; returns (LearnedRouter, info)."""
     from dflash_jax.offload import LearnedRouter
@@ -97,8 +67,7 @@ def verify_overhead(pair, store, prompts, block: int, repeats: int = 30) -> dict
     tables = tuple(pool.slot_table(l) if l in pool.layers else None for l in range(cfg.num_layers))
 
     def provide(layer, experts):
-        gate_up, down = pool.operands(layer)
-        return ExpertOperands(gate_up, down, pool.slot_table(layer), pool.resident(layer))
+        return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
 
     runs = {
         "single": lambda: qwen3.forward_jit(stripped, blk, cache, cfg, expert_pools=pools, slot_of=tables).logits,
@@ -122,12 +91,13 @@ def load_model(args):
     import dflash_jax
     from dflash_jax import testing
     from dflash_jax.config import MoEConfig
+    from dflash_jax.train.data import file_windows
 
     if args.checkpoint:
         pair = dflash_jax.load(args.checkpoint)  # resident for B0; the offloaded runs copy experts to pinned host
         if os.path.exists(os.path.join(pair.directory, "split.json")):
-            train = file_prompts(pair, "train", args.train_prompts, args.prompt_len, args.seed + 1)
-            return (pair, file_prompts(pair, "held_out", args.prompts, args.prompt_len, args.seed),
+            train = file_windows(pair, "train", args.train_prompts, args.prompt_len, args.seed + 1)
+            return (pair, file_windows(pair, "held_out", args.prompts, args.prompt_len, args.seed),
                     "held-out stdlib text", train)
         source = "random token prompts"
     else:

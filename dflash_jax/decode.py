@@ -43,17 +43,19 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
     return tokens, lengths
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len"))
-def _prefill(weights, tokens, lengths, cfg: Qwen3Config, max_len: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "implementation"))
+def _prefill(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, implementation: str = "auto"):
     from dflash_jax.spec.session import init_target_cache, target_family
 
     cache = init_target_cache(cfg, tokens.shape[0], max_len, weights.embed.dtype, verify_width=1)
-    out = target_family(cfg).forward(weights, tokens, cache, cfg, num_valid=lengths, logits="last")
+    out = target_family(cfg).forward(weights, tokens, cache, cfg, num_valid=lengths, logits="last",
+                                     implementation=implementation)
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens"))
-def _decode_loop(weights, first, cache, stop_ids, cfg: Qwen3Config, max_new_tokens: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "implementation"))
+def _decode_loop(weights, first, cache, stop_ids, cfg: Qwen3Config, max_new_tokens: int,
+                 implementation: str = "auto"):
     from dflash_jax.spec.session import target_family
 
     fam = target_family(cfg)
@@ -73,7 +75,7 @@ def _decode_loop(weights, first, cache, stop_ids, cfg: Qwen3Config, max_new_toke
     def body(s: DecodeState):
         last = s.tokens[jnp.arange(b), s.num_generated - 1]
         out = fam.forward(weights, last[:, None], s.cache, cfg, num_valid=(~s.done).astype(jnp.int32),
-                          logits="last")
+                          logits="last", implementation=implementation)
         nxt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
         write = jnp.where(s.done, s.tokens[:, -1], nxt)
         col = jnp.where(s.done, max_new_tokens - 1, s.num_generated)
@@ -93,14 +95,16 @@ def greedy_generate(
     *,
     max_new_tokens: int,
     stop_ids: Sequence[int] = (),
+    implementation: str = "auto",
 ) -> list[list[int]]:
-    """Greedy continuation of each prompt (stop tokens included in the output, then generation stops)."""
+    """Greedy continuation of each prompt (stop tokens included in the output, then generation stops).
+    `implementation`: the MoE experts' (see `nn.moe.swiglu_experts`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     tokens, lengths = pad_prompts(prompts, cfg.vocab_size)
     max_len = int(lengths.max()) + max_new_tokens
-    first, cache = _prefill(weights, jnp.asarray(tokens), jnp.asarray(lengths), cfg, max_len)
+    first, cache = _prefill(weights, jnp.asarray(tokens), jnp.asarray(lengths), cfg, max_len, implementation)
     stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-    out, num = _decode_loop(weights, first, cache, stops, cfg, max_new_tokens)
+    out, num = _decode_loop(weights, first, cache, stops, cfg, max_new_tokens, implementation)
     out, num = np.asarray(out), np.asarray(num)
     return [list(map(int, out[i, : num[i]])) for i in range(len(prompts))]

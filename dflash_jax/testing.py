@@ -154,25 +154,91 @@ def random_gpt_oss_weights(cfg, key: jax.Array, dtype=jnp.float32, *, expert_for
     return gpt_oss.GptOssWeights(embed=embed, layers=tuple(layers), final_norm=norm(h), lm_head=lm_head)
 
 
-def make_agreeable(target_w: qwen3.Qwen3Weights, draft_w: draft.DraftWeights, *, strength: float = 2.0,
-                   tokens: tuple[int, int] = (7, 9)):
+def tiny_qwen3_5_config(**overrides):
+    """A tiny Qwen3.5-MoE: DeltaNet and gated-attention layers mixed (linear, linear, full, linear), dk != dv,
+    Hv = 2 Hk, partial RoPE (8 of 32 head dims), 8 experts top-2 and a narrower shared expert."""
+    from dflash_jax.config import LINEAR_ATTENTION, FULL_ATTENTION, Qwen3_5Config
+
+    kw = dict(
+        vocab_size=512, hidden_size=64, num_layers=4,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION),
+        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel=4,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
+        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
+        max_position_embeddings=2048,
+    )
+    kw.update(overrides)
+    return Qwen3_5Config(**kw)
+
+
+def random_qwen3_5_weights(cfg, key: jax.Array, dtype=jnp.float32):
+    """Random Qwen3.5-MoE weights: matrices N(0, 1/fan_in) (the conv N(0, 1/K)), zero-centred norm weights
+    0.2 N(0, 1) (so the scale 1 + w is jittered like `random_qwen3_weights`' norms), the DeltaNet output norm
+    1 + 0.2 N(0, 1), A_log / dt_bias 0.1 N(0, 1). Drawn with numpy on the host."""
+    import numpy as np
+
+    from dflash_jax.config import FULL_ATTENTION
+    from dflash_jax.models import qwen3_5
+
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+
+    def arr(x):
+        return jnp.asarray(np.asarray(x, np.float32), dtype)
+
+    def mat(*shape):
+        return arr(rng.standard_normal(shape) / np.sqrt(shape[-2]))
+
+    def vec(n, scale=0.1, offset=0.0):
+        return arr(offset + scale * rng.standard_normal(n))
+
+    h, d, e, inter = cfg.hidden_size, cfg.head_dim, cfg.moe.num_experts, cfg.moe.intermediate_size
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    conv_dim, shared = cfg.linear_conv_dim, cfg.shared_expert_intermediate_size  # conv_dim = 2 Hk dk + Hv dv
+    layers = []
+    for kind in cfg.layer_types:
+        if kind == FULL_ATTENTION:
+            mixer = qwen3_5.GatedAttentionWeights(
+                q=mat(h, cfg.num_heads * 2 * d), k=mat(h, cfg.num_kv_heads * d), v=mat(h, cfg.num_kv_heads * d),
+                o=mat(cfg.num_heads * d, h), q_norm=vec(d, 0.2), k_norm=vec(d, 0.2))
+        else:
+            mixer = qwen3_5.GatedDeltaNetWeights(
+                qkv=mat(h, conv_dim), z=mat(h, hv * dv), b=mat(h, hv), a=mat(h, hv),
+                conv=mat(cfg.linear_conv_kernel, conv_dim), a_log=vec(hv), dt_bias=vec(hv), norm=vec(dv, 0.2, 1.0),
+                out=mat(hv * dv, h))
+        mlp = qwen3_5.SparseMoEWeights(
+            router=mat(h, e), gate_up=mat(e, h, 2 * inter), down=mat(e, inter, h),
+            shared=qwen3.MLPWeights(gate=mat(h, shared), up=mat(h, shared), down=mat(shared, h)),
+            shared_gate=mat(h, 1))
+        layers.append(qwen3_5.DecoderLayerWeights(input_norm=vec(h, 0.2), mixer=mixer, post_norm=vec(h, 0.2), mlp=mlp))
+    embed = arr(rng.standard_normal((cfg.vocab_size, h)))
+    lm_head = None if cfg.tie_word_embeddings else mat(h, cfg.vocab_size)
+    return qwen3_5.Qwen3_5Weights(embed=embed, layers=tuple(layers), final_norm=vec(h, 0.2), lm_head=lm_head)
+
+
+def make_agreeable(target_w, draft_w: draft.DraftWeights, *, strength: float = 2.0, tokens: tuple[int, int] = (7, 9)):
     """(target, draft) weights that agree on something, so speculative rounds accept a mix of 0..B-1
     proposals: both final norms amplify hidden dim 0 and the target's lm_head (which the draft shares)
-    maps its sign to one of two tokens. Needs an untied lm_head."""
+    maps its sign to one of two tokens. Needs an untied lm_head. Any target family."""
+    from dflash_jax.models import qwen3_5
+
     head = target_w.lm_head.at[0, :].set(0.0).at[0, tokens[0]].set(strength).at[0, tokens[1]].set(-strength)
-    target_w = target_w.replace(final_norm=target_w.final_norm.at[0].set(30.0), lm_head=head)
+    scale = 29.0 if isinstance(target_w, qwen3_5.Qwen3_5Weights) else 30.0  # zero-centred norm: 1 + 29
+    target_w = target_w.replace(final_norm=target_w.final_norm.at[0].set(scale), lm_head=head)
     return target_w, draft_w.replace(final_norm=draft_w.final_norm.at[0].set(30.0))
 
 
-def quantize_experts(weights: qwen3.Qwen3Weights, expert_format: str = "mxfp4") -> qwen3.Qwen3Weights:
-    """The same weights with every MoE layer's expert tables quantized to `expert_format` ("mxfp4" /
-    "nvfp4"; logical `[E, out, in]` FP4 tensors, as `convert-weights` writes them)."""
+def quantize_experts(weights, expert_format: str = "mxfp4"):
+    """The same Qwen3 / Qwen3.5 weights with every MoE layer's routed expert tables quantized to
+    `expert_format` ("mxfp4" / "nvfp4"; logical `[E, out, in]` FP4 tensors, as `convert-weights` writes them)."""
     from dflash_jax.quant import quantize_mxfp4, quantize_nvfp4
 
     quantize = {"mxfp4": quantize_mxfp4, "nvfp4": quantize_nvfp4}[expert_format]
+    from dflash_jax.models import qwen3_5
+
     layers = []
     for layer in weights.layers:
-        if isinstance(layer.mlp, qwen3.MoEWeights):
+        if isinstance(layer.mlp, (qwen3.MoEWeights, qwen3_5.SparseMoEWeights)):
             mlp = layer.mlp.replace(gate_up=quantize(jnp.swapaxes(layer.mlp.gate_up, 1, 2)),
                                     down=quantize(jnp.swapaxes(layer.mlp.down, 1, 2)))
             layer = layer.replace(mlp=mlp)
@@ -180,20 +246,31 @@ def quantize_experts(weights: qwen3.Qwen3Weights, expert_format: str = "mxfp4") 
     return weights.replace(layers=tuple(layers))
 
 
-def random_pair(cfg: Qwen3Config | None = None, *, seed: int = 0, agreeable: bool = True,
-                expert_format: str = "dense", **draft_overrides):
-    """A `dflash_jax.pair.Pair` of random tiny weights (`tiny_qwen3_moe_config()` by default), made agreeable
-    (`make_agreeable`) unless told otherwise, experts dense or quantized (`quantize_experts`)."""
+def random_pair(cfg=None, *, seed: int = 0, agreeable: bool = True, expert_format: str = "dense",
+                **draft_overrides):
+    """A `dflash_jax.pair.Pair` of random tiny weights (`tiny_qwen3_moe_config()` by default; a
+    `GptOssConfig` or `Qwen3_5Config` builds that family's target), made agreeable (`make_agreeable`) unless
+    told otherwise, experts dense or quantized ("mxfp4" / "nvfp4" for the Qwen families; gpt-oss experts are
+    "dense" or "mxfp4", the release's packed form, drawn directly in it)."""
+    from dflash_jax.config import GptOssConfig, Qwen3_5Config
     from dflash_jax.pair import Pair, check_pair
 
     cfg = cfg or tiny_qwen3_moe_config()
     dcfg = tiny_draft_config(cfg, **draft_overrides)
     check_pair(cfg, dcfg)
-    target_w = random_qwen3_weights(cfg, jax.random.key(seed))
+    key = jax.random.key(seed)
+    if isinstance(cfg, GptOssConfig):
+        if expert_format not in ("dense", "mxfp4"):
+            raise ValueError(f"gpt-oss experts are 'dense' or 'mxfp4', got {expert_format!r}")
+        target_w = random_gpt_oss_weights(cfg, key, expert_format=expert_format)
+    elif isinstance(cfg, Qwen3_5Config):
+        target_w = random_qwen3_5_weights(cfg, key)
+    else:
+        target_w = random_qwen3_weights(cfg, key)
     draft_w = random_draft_weights(dcfg, jax.random.key(seed + 1))
     if agreeable:
         target_w, draft_w = make_agreeable(target_w, draft_w)
-    if expert_format != "dense":
+    if expert_format != "dense" and not isinstance(cfg, GptOssConfig):
         target_w = quantize_experts(target_w, expert_format)
     return Pair(target_cfg=cfg, target=target_w, draft_cfg=dcfg, draft=draft_w,
                 manifest={"expert_format": expert_format, "tensors": {"target": {}}}, directory="")

@@ -18,7 +18,10 @@ permutation of the packed blocks, exact and cheap) so that every family shares t
 convention of `nn.moe.swiglu_experts`; the biases `gate_up_bias` [E, 2I] are permuted the same way.
 
 `forward` has Qwen3's contract (`dflash_jax.models.qwen3.forward`): prefill, width-B extension and one-token
-decoding in one function; rollback of a rejected suffix is `dflash_jax.cache.rollback`.
+decoding in one function; rollback of a rejected suffix is `dflash_jax.cache.rollback`. It is composed of
+layer-wise pieces (`block_context`, `attention_sublayer`, `mlp_input`, `route`, `mlp_sublayer`, `final_norm`)
+that the host-offload path (`dflash_jax.offload`) also runs one layer at a time, with the per-expert leaves
+(`EXPERT_FIELDS`: packed tables and biases) from a device slot pool (`forward(..., expert_pools=, slot_of=)`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from flax import struct
 
 from dflash_jax.cache import KVCache, init_kv_cache, rollback
 from dflash_jax.config import GptOssConfig
-from dflash_jax.models.qwen3 import ForwardOutput, embed_tokens, lm_head_logits
+from dflash_jax.models.qwen3 import BlockContext, ForwardOutput, Routing, embed_tokens, lm_head_logits
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.decoder import LogitsMode, block_positions, layer_taps, select_logits
 from dflash_jax.nn.moe import clamped_swiglu, swiglu_experts, topk_softmax_router
@@ -45,7 +48,14 @@ __all__ = [
     "GptOssLayerWeights",
     "GptOssWeights",
     "ForwardOutput",
+    "EXPERT_FIELDS",
     "init_cache",
+    "block_context",
+    "attention_sublayer",
+    "mlp_input",
+    "route",
+    "mlp_sublayer",
+    "final_norm",
     "forward",
     "rollback",
     "forward_jit",
@@ -117,16 +127,74 @@ def _attention(h, attn: GptOssAttentionWeights, k_buf, v_buf, positions, cos, si
     return _linear(out.reshape(b, t, -1), attn.o, attn.o_bias), k_buf, v_buf
 
 
-def _moe(h, mlp: GptOssMoEWeights, cfg: GptOssConfig, implementation):
-    b, t, hidden = h.shape
-    flat = h.reshape(b * t, hidden)
-    weights, experts, logits = topk_softmax_router(flat, mlp.router, mlp.router_bias, cfg.moe.top_k)
+# The layer-wise pieces below compose `forward`; the host-offload path (`dflash_jax.offload`) calls them one
+# layer at a time so that it can read a layer's exact routing before that layer's experts run. They share
+# `qwen3`'s shapes: `BlockContext`, `Routing`, h = the post-attention-normed rows [b*T, H].
+
+# The per-expert fields of `GptOssMoEWeights`, in the order of an expert pool `(gate_up, down, gate_up_bias,
+# down_bias)` (`forward(expert_pools=...)`, `dflash_jax.offload`).
+EXPERT_FIELDS = ("gate_up", "down", "gate_up_bias", "down_bias")
+
+
+def block_context(
+    weights: GptOssWeights, tokens: jax.Array, cache: KVCache, cfg: GptOssConfig, num_valid: jax.Array | None = None
+) -> tuple[jax.Array, BlockContext]:
+    """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`)."""
+    b, t = tokens.shape
+    starts = cache.lengths
+    if num_valid is None:
+        num_valid = jnp.full((b,), t, jnp.int32)
+    positions = block_positions(starts, t)
+    x = embed_tokens(weights, tokens)
+    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
+    return x, BlockContext(positions=positions, starts=starts, cos=cos, sin=sin, num_valid=num_valid)
+
+
+def attention_sublayer(
+    layer: GptOssLayerWeights, x: jax.Array, k_buf: jax.Array, v_buf: jax.Array, ctx: BlockContext,
+    window: int | None, cfg: GptOssConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`x + attn(input_norm(x))` (sinks, sliding `window` or full), writing the block's K/V rows at the cache
+    lengths; returns (x, k_buf, v_buf)."""
+    attn_out, k_buf, v_buf = _attention(
+        _norm(x, layer.input_norm, cfg), layer.attn, k_buf, v_buf, ctx.positions, ctx.cos, ctx.sin, window, cfg)
+    return x + attn_out, k_buf, v_buf
+
+
+def mlp_input(layer: GptOssLayerWeights, x: jax.Array, cfg: GptOssConfig) -> jax.Array:
+    """`post_norm(x)` flattened to [b*T, H]: the router's and the experts' input."""
+    return _norm(x, layer.post_norm, cfg).reshape(-1, x.shape[-1])
+
+
+def route(mlp: GptOssMoEWeights, h: jax.Array, cfg: GptOssConfig) -> Routing:
+    """The exact routing of `h` [b*T, H]: top-k of the biased logits, softmax over those k."""
+    weights, experts, logits = topk_softmax_router(h, mlp.router, mlp.router_bias, cfg.moe.top_k)
+    return Routing(weights=weights, experts=experts, logits=logits)
+
+
+def mlp_sublayer(
+    layer: GptOssLayerWeights, x: jax.Array, h: jax.Array, cfg: GptOssConfig, implementation: str = "auto", *,
+    routing: Routing | None = None, gate_up=None, down=None, gate_up_bias=None, down_bias=None,
+    slot_of: jax.Array | None = None,
+) -> jax.Array:
+    """`x + moe(h)` with h = `mlp_input(layer, x)`: the experts run on `routing` (computed here when None) over
+    the operands `gate_up` / `down` / `gate_up_bias` / `down_bias` (default: the layer's own tables), a slot
+    pool `[S, ...]` addressed through `slot_of` [E] int32 (identity when None; `nn.moe.swiglu_experts`)."""
+    mlp = layer.mlp
+    routing = route(mlp, h, cfg) if routing is None else routing
+    pick = lambda given, own: own if given is None else given  # noqa: E731
     out = swiglu_experts(
-        flat, experts, weights, mlp.gate_up, mlp.down, gate_up_bias=mlp.gate_up_bias, down_bias=mlp.down_bias,
+        h, routing.experts, routing.weights, pick(gate_up, mlp.gate_up), pick(down, mlp.down),
+        gate_up_bias=pick(gate_up_bias, mlp.gate_up_bias), down_bias=pick(down_bias, mlp.down_bias),
         activation=functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit),
-        implementation=implementation,
+        slot_of=slot_of, implementation=implementation,
     )
-    return out.reshape(b, t, hidden), experts.reshape(b, t, -1), logits.reshape(b, t, -1)
+    return x + out.reshape(x.shape)
+
+
+def final_norm(weights: GptOssWeights, x: jax.Array, cfg: GptOssConfig) -> jax.Array:
+    """The final RMSNorm of the last layer's output (what the logits and the last layer's tap read)."""
+    return _norm(x, weights.final_norm, cfg)
 
 
 def forward(
@@ -140,37 +208,35 @@ def forward(
     logits: LogitsMode = "all",
     implementation: str = "auto",
     return_router_logits: bool = False,
+    expert_pools: tuple | None = None,
+    slot_of: tuple | None = None,
 ) -> ForwardOutput:
     """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`; see `dflash_jax.models.qwen3.forward`
     for the contract (num_valid = right padding, tap_layers = DFlash taps `h[i+1]`, logits modes,
-    return_router_logits = each layer's biased router logits [b, T, E] fp32)."""
+    return_router_logits = each layer's biased router logits [b, T, E] fp32, expert_pools / slot_of = per-layer
+    slot pools `(gate_up, down, gate_up_bias, down_bias)` `[S, ...]` and slot tables [E])."""
+    x, ctx = block_context(weights, tokens, cache, cfg, num_valid)
     b, t = tokens.shape
-    starts = cache.lengths
-    if num_valid is None:
-        num_valid = jnp.full((b,), t, jnp.int32)
-    positions = block_positions(starts, t)
-    x = embed_tokens(weights, tokens)
-    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
     outputs, routers, router_logits, new_k, new_v = [], [], [], [], []
     for i, layer in enumerate(weights.layers):
-        attn_out, k_buf, v_buf = _attention(
-            _norm(x, layer.input_norm, cfg), layer.attn, cache.keys[i], cache.values[i], positions, cos, sin,
-            cfg.layer_windows[i], cfg,
-        )
+        x, k_buf, v_buf = attention_sublayer(layer, x, cache.keys[i], cache.values[i], ctx, cfg.layer_windows[i], cfg)
         new_k.append(k_buf)
         new_v.append(v_buf)
-        x = x + attn_out
-        mlp_out, experts, r_logits = _moe(_norm(x, layer.post_norm, cfg), layer.mlp, cfg, implementation)
-        x = x + mlp_out
+        h = mlp_input(layer, x, cfg)
+        routing = route(layer.mlp, h, cfg)
+        pool = expert_pools[i] if expert_pools is not None else None
+        x = mlp_sublayer(layer, x, h, cfg, implementation, routing=routing,
+                         **({} if pool is None else dict(zip(EXPERT_FIELDS, pool))),
+                         slot_of=None if slot_of is None else slot_of[i])
         outputs.append(x)
-        routers.append(experts)
-        router_logits.append(r_logits)
-    x = _norm(x, weights.final_norm, cfg)
+        routers.append(routing.experts.reshape(b, t, -1))
+        router_logits.append(routing.logits.reshape(b, t, -1))
+    x = final_norm(weights, x, cfg)
     return ForwardOutput(
-        logits=select_logits(x, num_valid, logits, functools.partial(lm_head_logits, weights)),
+        logits=select_logits(x, ctx.num_valid, logits, functools.partial(lm_head_logits, weights)),
         taps=layer_taps(outputs, x, tap_layers),
         router_experts=tuple(routers),
-        cache=KVCache(keys=tuple(new_k), values=tuple(new_v), lengths=starts + num_valid.astype(jnp.int32)),
+        cache=KVCache(keys=tuple(new_k), values=tuple(new_v), lengths=ctx.starts + ctx.num_valid.astype(jnp.int32)),
         router_logits=tuple(router_logits) if return_router_logits else None,
     )
 

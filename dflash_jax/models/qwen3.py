@@ -166,6 +166,10 @@ class Routing:
 # The layer-wise pieces below compose `forward`; the host-offload path (`dflash_jax.offload`) calls them one
 # layer at a time so that it can read a layer's exact routing before that layer's experts run.
 
+# The per-expert fields of `MoEWeights`, in the order of an expert pool `(gate_up, down)` (`forward(expert_pools=
+# ...)`, `dflash_jax.offload`).
+EXPERT_FIELDS = ("gate_up", "down")
+
 
 def block_context(
     weights: Qwen3Weights, tokens: jax.Array, cache: KVCache, cfg: Qwen3Config, num_valid: jax.Array | None = None

@@ -30,9 +30,17 @@ For Qwen3.5-35B-A3B (30 DeltaNet layers, Hk 16, Hv 32, dk = dv = 128, C 8192, bf
 (19 * 8192 * 2 B + 16 * 6208 * 4 B) * 30 = 20.3 MiB, against 60 MiB for the recurrent states themselves
 (32 * 128 * 128 * 4 B * 30) and 960 MiB for keeping every per-step state of a width-16 block. No second copy
 of the state is kept: the checkpoint IS the state, and the committed state is rebuilt from it.
+
+`forward` is composed of layer-wise pieces (`block_context`, `layer_cache`, `mixer_sublayer`, `mlp_input`,
+`route`, `mlp_sublayer`, `final_norm`, `select_logits`, `assemble_cache`) that the host-offload path
+(`dflash_jax.offload`) also runs one layer at a time, the routed experts (`EXPERT_FIELDS`) from a device slot
+pool (`forward(..., expert_pools=, slot_of=)`); the shared expert and the DeltaNet states stay with the layer
+and the cache, exactly as here.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +48,10 @@ from flax import struct
 
 from dflash_jax.cache import write_rows
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
-from dflash_jax.models.qwen3 import ForwardOutput, LogitsMode, MLPWeights, embed_tokens, lm_head_logits
+from dflash_jax.models.qwen3 import ForwardOutput, LogitsMode, MLPWeights, Routing, embed_tokens, lm_head_logits
 from dflash_jax.nn import gated_deltanet as gdn
 from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.decoder import select_logits as _select_logits
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
 from dflash_jax.nn.norms import rms_norm
@@ -207,14 +216,119 @@ def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, ste
     return out, new
 
 
-def _sparse_moe(h, mlp: SparseMoEWeights, cfg: Qwen3_5Config, implementation):
-    b, t, hidden = h.shape
-    flat = h.reshape(b * t, hidden)
-    weights, experts, _ = softmax_topk_router(flat, mlp.router, cfg.moe.top_k, normalize=True)
-    routed = swiglu_experts(flat, experts, weights, mlp.gate_up, mlp.down, implementation=implementation)
-    shared = swiglu(flat, mlp.shared.gate, mlp.shared.up, mlp.shared.down)
-    shared = jax.nn.sigmoid(flat @ mlp.shared_gate) * shared
-    return (routed + shared).reshape(b, t, hidden), experts.reshape(b, t, -1)
+# The layer-wise pieces below compose `forward`; the host-offload path (`dflash_jax.offload`) calls them one
+# layer at a time so that it can read a layer's exact routing before that layer's routed experts run.
+
+# The per-expert (routed) fields of `SparseMoEWeights`, in the order of an expert pool `(gate_up, down)`;
+# the router, the shared expert and its gate are not per expert and stay with the layer.
+EXPERT_FIELDS = ("gate_up", "down")
+
+
+@struct.dataclass
+class BlockContext:
+    """What every layer of one forward shares: the block's positions [b, T], where its rows are written
+    (`starts` [b], the cache lengths before the call), the RoPE tables, `num_valid` [b] int32 and `steps` [b]
+    (the committed rows of each DeltaNet layer's kept extension, `starts - linear_lengths`)."""
+
+    positions: jax.Array
+    starts: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    num_valid: jax.Array
+    steps: jax.Array
+
+
+def block_context(
+    weights: Qwen3_5Weights, tokens: jax.Array, cache: Qwen3_5Cache, cfg: Qwen3_5Config,
+    num_valid: jax.Array | None = None,
+) -> tuple[jax.Array, BlockContext]:
+    """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`)."""
+    b, t = tokens.shape
+    starts = cache.lengths
+    if num_valid is None:
+        num_valid = jnp.full((b,), t, jnp.int32)
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
+    x = embed_tokens(weights, tokens)
+    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
+    return x, BlockContext(positions=positions, starts=starts, cos=cos, sin=sin, num_valid=num_valid.astype(jnp.int32),
+                           steps=starts - cache.linear_lengths)
+
+
+def layer_cache(cache: Qwen3_5Cache, i: int, cfg: Qwen3_5Config):
+    """Layer i's part of the cache: `(k_buf, v_buf)` of a full-attention layer, the `GatedDeltaNetCache` of a
+    DeltaNet layer."""
+    if cfg.layer_types[i] == FULL_ATTENTION:
+        j = cfg.full_layers.index(i)
+        return cache.keys[j], cache.values[j]
+    return cache.linear[cfg.linear_layers.index(i)]
+
+
+def mixer_sublayer(
+    layer: DecoderLayerWeights, x: jax.Array, state, ctx: BlockContext, layer_type: str, cfg: Qwen3_5Config
+):
+    """`x + mixer(input_norm(x))` for a layer of `layer_type`; `state` = the layer's cache part (`layer_cache`).
+    Returns (x, the layer's new cache part)."""
+    h = _norm(x, layer.input_norm, cfg)
+    if layer_type == FULL_ATTENTION:
+        k_buf, v_buf = state
+        mixed, k_buf, v_buf = _gated_attention(
+            h, layer.mixer, k_buf, v_buf, ctx.positions, ctx.starts, ctx.cos, ctx.sin, cfg)
+        return x + mixed, (k_buf, v_buf)
+    mixed, lin = _gated_deltanet(h, layer.mixer, state, ctx.steps, ctx.num_valid, cfg)
+    return x + mixed, lin
+
+
+def assemble_cache(cache: Qwen3_5Cache, ctx: BlockContext, states, cfg: Qwen3_5Config) -> Qwen3_5Cache:
+    """The cache after a forward of width T from every layer's new cache part (`mixer_sublayer`, in layer
+    order): lengths advanced by `num_valid`; the DeltaNet checkpoint stays at the old lengths when the block was
+    kept for rollback (T <= rollback_width) and moves with them otherwise (the forward committed)."""
+    t = ctx.positions.shape[1]
+    full = [s for s, kind in zip(states, cfg.layer_types) if kind == FULL_ATTENTION]
+    lengths = ctx.starts + ctx.num_valid
+    return Qwen3_5Cache(
+        keys=tuple(k for k, _ in full),
+        values=tuple(v for _, v in full),
+        linear=tuple(s for s, kind in zip(states, cfg.layer_types) if kind != FULL_ATTENTION),
+        lengths=lengths,
+        linear_lengths=ctx.starts if t <= cache.rollback_width else lengths,
+    )
+
+
+def mlp_input(layer: DecoderLayerWeights, x: jax.Array, cfg: Qwen3_5Config) -> jax.Array:
+    """`post_norm(x)` flattened to [b*T, H]: the router's, the experts' and the shared expert's input."""
+    return _norm(x, layer.post_norm, cfg).reshape(-1, x.shape[-1])
+
+
+def route(mlp: SparseMoEWeights, h: jax.Array, cfg: Qwen3_5Config) -> Routing:
+    """The exact routing of `h` [b*T, H]: fp32 softmax over all experts, top-k, renormalized."""
+    weights, experts, logits = softmax_topk_router(h, mlp.router, cfg.moe.top_k, normalize=True)
+    return Routing(weights=weights, experts=experts, logits=logits)
+
+
+def mlp_sublayer(
+    layer: DecoderLayerWeights, x: jax.Array, h: jax.Array, cfg: Qwen3_5Config, implementation: str = "auto", *,
+    routing: Routing | None = None, gate_up=None, down=None, slot_of: jax.Array | None = None,
+) -> jax.Array:
+    """`x + routed(h) + sigmoid(h w_sg) shared(h)` with h = `mlp_input(layer, x)`. The routed experts run on
+    `routing` (computed here when None) over `gate_up` / `down` (default: the layer's own tables), a slot pool
+    `[S, ...]` addressed through `slot_of` [E] int32 (identity when None); the shared expert is the layer's."""
+    mlp = layer.mlp
+    routing = route(mlp, h, cfg) if routing is None else routing
+    routed = swiglu_experts(h, routing.experts, routing.weights, mlp.gate_up if gate_up is None else gate_up,
+                            mlp.down if down is None else down, slot_of=slot_of, implementation=implementation)
+    shared = swiglu(h, mlp.shared.gate, mlp.shared.up, mlp.shared.down)
+    shared = jax.nn.sigmoid(h @ mlp.shared_gate) * shared
+    return x + (routed + shared).reshape(x.shape)
+
+
+def final_norm(weights: Qwen3_5Weights, x: jax.Array, cfg: Qwen3_5Config) -> jax.Array:
+    """The final (zero-centred) RMSNorm of the last layer's output."""
+    return _norm(x, weights.final_norm, cfg)
+
+
+def select_logits(weights: Qwen3_5Weights, normed: jax.Array, num_valid: jax.Array, logits: LogitsMode):
+    """Logits of final-normed hidden states [b, T, H] in mode `logits` ("all" / "last" / "none")."""
+    return _select_logits(normed, num_valid, logits, functools.partial(lm_head_logits, weights))
 
 
 def forward(
@@ -227,6 +341,9 @@ def forward(
     tap_layers: tuple[int, ...] = (),
     logits: LogitsMode = "all",
     implementation: str = "auto",
+    return_router_logits: bool = False,
+    expert_pools: tuple | None = None,
+    slot_of: tuple | None = None,
 ) -> ForwardOutput:
     """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`; same contract as `qwen3.forward`.
 
@@ -234,64 +351,36 @@ def forward(
     DeltaNet state or conv tail, and their K/V rows sit past its length.
     If T <= cache.rollback_width the returned cache can be rolled back to any length in
     `[old length, new length]` (`rollback`); a wider forward commits.
+    expert_pools / slot_of: optional per-layer `(gate_up, down)` slot pools `[S, ...]` of the routed experts and
+    slot tables [E] int32 (see `qwen3.forward`); the shared expert always comes from the layer.
     """
+    x, ctx = block_context(weights, tokens, cache, cfg, num_valid)
     b, t = tokens.shape
-    starts = cache.lengths
-    if num_valid is None:
-        num_valid = jnp.full((b,), t, jnp.int32)
-    num_valid = num_valid.astype(jnp.int32)
-    steps = starts - cache.linear_lengths
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
-    x = embed_tokens(weights, tokens)
-    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
     taps: dict[int, jax.Array] = {}
-    routers = []
-    new_k, new_v, new_linear = [], [], []
+    routers, router_logits, states = [], [], []
     last = cfg.num_layers - 1
     for i, layer in enumerate(weights.layers):
-        h = _norm(x, layer.input_norm, cfg)
-        if cfg.layer_types[i] == FULL_ATTENTION:
-            j = len(new_k)
-            mixed, k_buf, v_buf = _gated_attention(
-                h, layer.mixer, cache.keys[j], cache.values[j], positions, starts, cos, sin, cfg
-            )
-            new_k.append(k_buf)
-            new_v.append(v_buf)
-        else:
-            mixed, lin = _gated_deltanet(h, layer.mixer, cache.linear[len(new_linear)], steps, num_valid, cfg)
-            new_linear.append(lin)
-        x = x + mixed
-        mlp_out, experts = _sparse_moe(_norm(x, layer.post_norm, cfg), layer.mlp, cfg, implementation)
-        x = x + mlp_out
-        routers.append(experts)
+        x, state = mixer_sublayer(layer, x, layer_cache(cache, i, cfg), ctx, cfg.layer_types[i], cfg)
+        states.append(state)
+        h = mlp_input(layer, x, cfg)
+        routing = route(layer.mlp, h, cfg)
+        pool = expert_pools[i] if expert_pools is not None else None
+        x = mlp_sublayer(layer, x, h, cfg, implementation, routing=routing,
+                         **({} if pool is None else dict(zip(EXPERT_FIELDS, pool))),
+                         slot_of=None if slot_of is None else slot_of[i])
+        routers.append(routing.experts.reshape(b, t, -1))
+        router_logits.append(routing.logits.reshape(b, t, -1))
         if i in tap_layers and i != last:
             taps[i] = x
-    x = _norm(x, weights.final_norm, cfg)
+    x = final_norm(weights, x, cfg)
     if last in tap_layers:
         taps[last] = x
-    if logits == "all":
-        out_logits = lm_head_logits(weights, x)
-    elif logits == "last":
-        idx = jnp.clip(num_valid - 1, 0, t - 1)
-        out_logits = lm_head_logits(weights, x[jnp.arange(b), idx])
-    elif logits == "none":
-        out_logits = None
-    else:
-        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-    lengths = starts + num_valid
-    keeps_block = t <= cache.rollback_width
-    new_cache = Qwen3_5Cache(
-        keys=tuple(new_k),
-        values=tuple(new_v),
-        linear=tuple(new_linear),
-        lengths=lengths,
-        linear_lengths=starts if keeps_block else lengths,
-    )
     return ForwardOutput(
-        logits=out_logits,
+        logits=select_logits(weights, x, ctx.num_valid, logits),
         taps=tuple(taps[i] for i in tap_layers),
         router_experts=tuple(routers),
-        cache=new_cache,
+        cache=assemble_cache(cache, ctx, states, cfg),
+        router_logits=tuple(router_logits) if return_router_logits else None,
     )
 
 
@@ -319,5 +408,6 @@ def committed_linear_states(cache: Qwen3_5Cache) -> tuple[tuple[jax.Array, jax.A
     return tuple(gdn.committed_state(lin, steps) for lin in cache.linear)
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "tap_layers", "logits", "implementation"))
+forward_jit = jax.jit(
+    forward, static_argnames=("cfg", "tap_layers", "logits", "implementation", "return_router_logits"))
 rollback_jit = jax.jit(rollback)

@@ -86,6 +86,20 @@ def _read_after(token: jax.Array, *tables):
     return tuple(jax.tree.map(tie, t) if ops.is_fp4(t) else t for t in tables)
 
 
+def _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation):
+    combine = jnp.einsum("tk,tks->ts", weights.astype(jnp.float32),
+                         jax.nn.one_hot(slots, num_slots, dtype=jnp.float32))  # [T, S] routing weights
+    gu = jnp.einsum("th,shn->tsn", x, ops.dense_weight(gate_up, x.dtype), preferred_element_type=jnp.float32)
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias.astype(jnp.float32)
+    inter = gu.shape[-1] // 2
+    act = activation(gu[..., :inter], gu[..., inter:]).astype(x.dtype)
+    y = jnp.einsum("tsi,sih->tsh", act, ops.dense_weight(down, x.dtype), preferred_element_type=jnp.float32)
+    if down_bias is not None:
+        y = y + down_bias.astype(jnp.float32)
+    return jnp.einsum("tsh,ts->th", y, combine).astype(x.dtype)
+
+
 def swiglu_experts(
     x: jax.Array,
     experts: jax.Array,
@@ -105,10 +119,16 @@ def swiglu_experts(
     (or FP4 tensors of logical shape [S, 2I, H] / [S, H, I]; see `pallas_kernels.ops`).
     gate_up_bias [S, 2I] / down_bias [S, H] (optional, gate half first like the columns): added to each
     row's grouped-matmul output, by the row's slot. activation(gate, up): `silu_glu` when None.
+    implementation "dense": every token through every slot's expert, combined by the routing weights (the
+    same sum; k-sparse FLOPs traded for dense einsums: for training small many-expert models on CPU, where
+    `ragged_dot`'s cost grows with the number of groups). Otherwise sorted dispatch + `ops.grouped_matmul`.
     """
     t, k = experts.shape
     num_slots, _, two_inter = ops.weight_dims(gate_up)
     slots = experts if slot_of is None else slot_of[experts]
+    if implementation == "dense":
+        return _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
+                              activation or silu_glu)
     flat = slots.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token_of_row = order // k

@@ -1,9 +1,10 @@
 """Host-offloaded experts with route-ahead prefetch (lossless).
 
-  store.py        HostExpertStore: per-layer stacked expert tables (dense or FP4 parts) in pinned_host memory
+  store.py        HostExpertStore: per-layer stacked expert tables (dense / FP4 parts, biases) in pinned_host memory
   pool.py         ExpertPool: per MoE layer S device slots, slot table, LRFU eviction, pinning
   placement.py    pin the hottest experts of a routing profile under the budget, warm the cache slots
   forward.py      forward_layerwise: the verify layer by layer, exact routing read before each expert GEMM
+  families.py     per-family adapters (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): expert fields, layer steps, caches
   predictors.py   route-ahead predictors (previous round, target routers on draft hidden states, union)
   stats.py        RouteAheadStats: coverage / waste / hit rate / bytes / transfer time vs hide window
   loop.py         generate_offloaded: B1 / B2 / B3 through one stepping loop

@@ -1,8 +1,9 @@
 """The target forward run layer by layer from Python, with each MoE layer's experts from a provider.
 
 This is the lossless offloaded forward. For every decoder layer l, in order:
-  1. a jitted call runs the attention sub-layer, the post-attention norm and the router: the layer's
-     EXACT routing (the same router on the same input as the resident forward);
+  1. a jitted call runs the attention (or, for Qwen3.5, the DeltaNet / gated-attention) sub-layer, the
+     post-attention norm and the router: the layer's EXACT routing (the same router on the same input as
+     the resident forward);
   2. the host reads the routed expert ids (a [b*T, k] int32 transfer) and asks the provider for weight
      operands covering them (the provider fetches what is missing into the device pool);
   3. the runner checks on the host that every routed expert is resident in those operands; the experts
@@ -11,33 +12,36 @@ This is the lossless offloaded forward. For every decoder layer l, in order:
 So an expert GEMM never runs before the experts it reads are on the device, by construction and checked,
 whatever any prediction said. Dense (non-MoE) layers run whole in one call.
 
-The math is `models.qwen3.forward`'s, composed from the same functions (`block_context`,
-`attention_sublayer`, `mlp_input`, `route`, `mlp_sublayer`); only the program boundaries differ.
+One driver serves every family: the maths is the model module's own layer-wise pieces (`block_context`,
+the attention / mixer sub-layer, `mlp_input`, `route`, `mlp_sublayer`), reached through the family adapter
+of `offload.families`; only the program boundaries differ from the model's `forward`. Each layer's part of
+the cache (K/V buffers, or a DeltaNet layer's state and rollback buffer) flows through its jitted call and
+the adapter assembles the same cache object as the jitted forward, so `spec.session.commit_verify` and the
+family's `rollback` work on it unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.cache import KVCache
-from dflash_jax.models import qwen3
-from dflash_jax.models.qwen3 import ForwardOutput, MoEWeights
+from dflash_jax.models.qwen3 import ForwardOutput
+from dflash_jax.offload.families import family_of_config
 
 
 @dataclasses.dataclass
 class ExpertOperands:
-    """What a provider hands the runner for one MoE layer: the `(gate_up, down)` slot pools, the device slot
-    table (None: identity, the pools are the whole tables) and `resident` [E] bool, the host's record of
-    which experts those pools hold (the runner asserts every routed expert is resident)."""
+    """What a provider hands the runner for one MoE layer: `tables`, the layer's expert slot pools in the
+    family's `expert_fields` order (`(gate_up, down)`; gpt-oss: `(gate_up, down, gate_up_bias, down_bias)`),
+    the device slot table `slot_of` (None: identity, the pools are the whole tables) and `resident` [E] bool,
+    the host's record of which experts those pools hold (the runner asserts every routed expert is resident)."""
 
-    gate_up: Any
-    down: Any
+    tables: tuple
     slot_of: jax.Array | None
     resident: np.ndarray
 
@@ -50,44 +54,42 @@ class NonResidentExpert(AssertionError):
     """An expert GEMM was about to read an expert that is not on the device (a provider bug)."""
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _begin(weights, tokens, cache, num_valid, cfg):
-    return qwen3.block_context(weights, tokens, cache, cfg, num_valid)
+@functools.partial(jax.jit, static_argnames=("fam", "cfg"))
+def _begin(fam, weights, tokens, cache, num_valid, cfg):
+    return fam.begin(weights, tokens, cache, num_valid, cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"))
-def _attend_and_route(layer, x, k_buf, v_buf, ctx, cfg, window):
-    x, k_buf, v_buf = qwen3.attention_sublayer(layer, x, k_buf, v_buf, ctx, window, cfg)
-    h = qwen3.mlp_input(layer, x, cfg)
-    return x, h, qwen3.route(layer.mlp, h, cfg), k_buf, v_buf
+def _attend_and_route_impl(fam, layer, x, state, ctx, cfg, kind):
+    x, state = fam.mixer(layer, x, state, ctx, kind, cfg)
+    h = fam.mlp_input(layer, x, cfg)
+    return x, h, fam.route(layer, h, cfg), state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
-def _experts(layer, x, h, routing, gate_up, down, slot_of, cfg, implementation):
-    return qwen3.mlp_sublayer(layer, x, h, cfg, implementation, routing=routing, gate_up=gate_up, down=down,
-                              slot_of=slot_of)
+_attend_and_route = jax.jit(_attend_and_route_impl, static_argnames=("fam", "cfg", "kind"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "implementation"))
-def _experts_then_attend(prev, layer, x, h, routing, gate_up, down, slot_of, k_buf, v_buf, ctx, cfg, window,
-                         implementation):
+@functools.partial(jax.jit, static_argnames=("fam", "cfg", "implementation"))
+def _experts(fam, layer, x, h, routing, tables, slot_of, cfg, implementation):
+    return fam.experts(layer, x, h, routing, tables, slot_of, cfg, implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("fam", "cfg", "kind", "implementation"))
+def _experts_then_attend(fam, prev, layer, x, h, routing, tables, slot_of, state, ctx, cfg, kind, implementation):
     """Layer l's experts, then layer l+1's attention and router: one dispatch per MoE layer instead of two."""
-    done = qwen3.mlp_sublayer(prev, x, h, cfg, implementation, routing=routing, gate_up=gate_up, down=down,
-                              slot_of=slot_of)
-    x, h, routing, k_buf, v_buf = _attend_and_route(layer, done, k_buf, v_buf, ctx, cfg, window)
-    return done, x, h, routing, k_buf, v_buf
+    done = fam.experts(prev, x, h, routing, tables, slot_of, cfg, implementation)
+    x, h, routing, state = _attend_and_route_impl(fam, layer, done, state, ctx, cfg, kind)
+    return done, x, h, routing, state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "implementation"))
-def _dense_layer(layer, x, k_buf, v_buf, ctx, cfg, window, implementation):
-    x, k_buf, v_buf = qwen3.attention_sublayer(layer, x, k_buf, v_buf, ctx, window, cfg)
-    return qwen3.mlp_sublayer(layer, x, qwen3.mlp_input(layer, x, cfg), cfg, implementation), k_buf, v_buf
+@functools.partial(jax.jit, static_argnames=("fam", "cfg", "kind", "implementation"))
+def _dense_layer(fam, layer, x, state, ctx, cfg, kind, implementation):
+    x, state = fam.mixer(layer, x, state, ctx, kind, cfg)
+    return fam.dense(layer, x, fam.mlp_input(layer, x, cfg), cfg, implementation), state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "logits"))
-def _finish(weights, x, num_valid, cfg, logits):
-    normed = qwen3.rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    return normed, qwen3.select_logits(weights, normed, num_valid, logits)
+@functools.partial(jax.jit, static_argnames=("fam", "cfg", "logits"))
+def _finish(fam, weights, x, num_valid, cfg, logits):
+    return fam.finish(weights, x, num_valid, cfg, logits)
 
 
 @dataclasses.dataclass
@@ -102,25 +104,29 @@ class LayerwiseOutput:
 
 
 def forward_layerwise(
-    weights, tokens: jax.Array, cache: KVCache, cfg, *, provider: ExpertProvider,
+    weights, tokens: jax.Array, cache, cfg, *, provider: ExpertProvider,
     num_valid: jax.Array | None = None, tap_layers: tuple[int, ...] = (), logits: str = "all",
     implementation: str = "auto",
 ) -> LayerwiseOutput:
-    """`models.qwen3.forward` layer by layer; MoE layer experts come from `provider` (see module doc).
+    """The family's `forward` (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE) layer by layer; MoE layer experts
+    come from `provider` (see module doc).
 
     weights: target weights whose MoE layers need not carry expert tables (`store.strip_experts`).
-    Arguments and results otherwise as `qwen3.forward` (router logits always returned)."""
+    Arguments and results otherwise as the family's `forward` (router logits always returned; the cache is
+    the family's cache type, e.g. `Qwen3_5Cache` with the DeltaNet states and rollback buffers)."""
     import time
 
-    if not isinstance(cfg, qwen3.Qwen3Config):
-        raise NotImplementedError(f"layer-wise offloaded forward covers Qwen3 / Qwen3-MoE targets, not "
-                                  f"{type(cfg).__name__}")
+    fam = family_of_config(cfg)
+    if not isinstance(weights, fam.weights_type):
+        raise TypeError(f"{type(cfg).__name__} needs {fam.weights_type.__name__} weights, got {type(weights).__name__}")
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
     b, t = tokens.shape
     if num_valid is None:
         num_valid = jnp.full((b,), t, jnp.int32)
-    x, ctx = _begin(weights, tokens, cache, num_valid, cfg)
+    x, ctx = _begin(fam, weights, tokens, cache, num_valid, cfg)
     last = cfg.num_layers - 1
-    taps, routers, router_logits, new_k, new_v = {}, [], [], [], []
+    taps, routers, router_logits, states = {}, [], [], []
     routed: dict[int, np.ndarray] = {}
     seconds = []
     pending = None  # (index, layer, h, routing, operands) of a MoE layer routed and supplied, experts not yet run
@@ -131,29 +137,31 @@ def forward_layerwise(
 
     for i, layer in enumerate(weights.layers):
         t0 = time.perf_counter()
-        window = cfg.layer_windows[i]
-        if not isinstance(layer.mlp, MoEWeights):
+        kind = fam.kind(cfg, i)
+        state = fam.layer_cache(cache, i, cfg)
+        if not fam.is_moe(layer):
             if pending is not None:
                 j, prev, h, routing, ops = pending
-                x = _experts(prev, x, h, routing, ops.gate_up, ops.down, ops.slot_of, cfg, implementation)
+                x = _experts(fam, prev, x, h, routing, ops.tables, ops.slot_of, cfg, implementation)
                 finished(j, x)
                 pending = None
-            x, k_buf, v_buf = _dense_layer(layer, x, cache.keys[i], cache.values[i], ctx, cfg, window, implementation)
+            x, state = _dense_layer(fam, layer, x, state, ctx, cfg, kind, implementation)
             finished(i, x)
             routers.append(None)
             router_logits.append(None)
         else:
             if pending is None:
-                x, h, routing, k_buf, v_buf = _attend_and_route(layer, x, cache.keys[i], cache.values[i], ctx, cfg,
-                                                                window)
+                x, h, routing, state = _attend_and_route(fam, layer, x, state, ctx, cfg, kind)
             else:  # the previous layer's experts and this layer's attention + router in one call
                 j, prev, h, routing, ops = pending
-                done, x, h, routing, k_buf, v_buf = _experts_then_attend(
-                    prev, layer, x, h, routing, ops.gate_up, ops.down, ops.slot_of, cache.keys[i], cache.values[i],
-                    ctx, cfg, window, implementation)
+                done, x, h, routing, state = _experts_then_attend(
+                    fam, prev, layer, x, h, routing, ops.tables, ops.slot_of, state, ctx, cfg, kind, implementation)
                 finished(j, done)
             experts = np.asarray(routing.experts)  # waits for this layer's routing: the exact expert set
             ops = provider(i, experts)
+            if len(ops.tables) != len(fam.expert_fields):
+                raise ValueError(f"layer {i}: the provider gave {len(ops.tables)} expert tables, {fam.name} needs "
+                                 f"{len(fam.expert_fields)} ({', '.join(fam.expert_fields)})")
             if not ops.resident[experts].all():
                 bad = np.setdiff1d(experts, np.flatnonzero(ops.resident))
                 raise NonResidentExpert(f"layer {i}: experts {bad.tolist()} are routed but not resident")
@@ -161,18 +169,16 @@ def forward_layerwise(
             routed[i] = experts
             routers.append(routing.experts.reshape(b, t, -1))
             router_logits.append(routing.logits.reshape(b, t, -1))
-        new_k.append(k_buf)
-        new_v.append(v_buf)
+        states.append(state)
         seconds.append(time.perf_counter() - t0)
     if pending is not None:
         j, prev, h, routing, ops = pending
-        x = _experts(prev, x, h, routing, ops.gate_up, ops.down, ops.slot_of, cfg, implementation)
+        x = _experts(fam, prev, x, h, routing, ops.tables, ops.slot_of, cfg, implementation)
         finished(j, x)
-    normed, out_logits = _finish(weights, x, num_valid, cfg, logits)
+    normed, out_logits = _finish(fam, weights, x, num_valid, cfg, logits)
     if last in tap_layers:
         taps[last] = normed
     out = ForwardOutput(
         logits=out_logits, taps=tuple(taps[i] for i in tap_layers), router_experts=tuple(routers),
-        cache=KVCache(keys=tuple(new_k), values=tuple(new_v), lengths=ctx.starts + num_valid.astype(jnp.int32)),
-        router_logits=tuple(router_logits))
+        cache=fam.new_cache(cache, ctx, states, cfg), router_logits=tuple(router_logits))
     return LayerwiseOutput(out=out, routed=routed, layer_seconds=seconds)

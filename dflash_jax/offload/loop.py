@@ -45,7 +45,9 @@ from dflash_jax.offload.stats import RoundStats, RouteAheadStats, layer_round_st
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 from dflash_jax.spec.loop import GenerationResult, _result
 from dflash_jax.spec.sampling import SamplingParams
-from dflash_jax.spec.session import commit_verify, draft_round_jit, make_spec, start_state, target_family, verify_block
+from dflash_jax.spec.session import (
+    commit_verify, draft_round_jit, init_target_cache, make_spec, start_state, target_family, verify_block,
+)
 
 _commit_verify_jit = jax.jit(commit_verify, static_argnames=("spec",))
 _start_state_jit = jax.jit(start_state, static_argnames=("spec",))
@@ -67,7 +69,8 @@ class OffloadResult(GenerationResult):
 
 
 def _init_cache(spec, batch, dtype):
-    return target_family(spec.target).init_cache(spec.target, batch, spec.max_len, dtype)
+    """The cache `spec.session.begin` prefills (Qwen3.5: DeltaNet rollback buffers sized by the verify width)."""
+    return init_target_cache(spec.target, batch, spec.max_len, dtype, verify_width=spec.block_size)
 
 
 def generate_offloaded(
@@ -127,8 +130,7 @@ def generate_offloaded(
 
     # ---- prefill: every layer's table streamed through the device once ----
     def whole_table(layer, experts):
-        gate_up, down = store.device_tables(layer)
-        return ExpertOperands(gate_up, down, None, np.ones(store.num_experts, bool))
+        return ExpertOperands(store.device_tables(layer), None, np.ones(store.num_experts, bool))
 
     tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
     prefill = forward_layerwise(stripped, tokens_d, _init_cache(spec, batch, pair.target.embed.dtype), cfg,
@@ -187,6 +189,7 @@ def generate_offloaded(
         t1 = time.perf_counter()
         if predictor.needs_draft:
             inputs.draft_tokens, inputs.draft_hidden = draft.tokens, draft.hidden
+            inputs.block_tokens = verify_block(state, draft)
             t_issue = time.perf_counter()
             prefetch(predictor.predict(inputs))
         layer_stats = {}
@@ -198,8 +201,7 @@ def generate_offloaded(
             layer_stats[layer] = layer_round_stats(
                 layer, predicted=predicted.get(layer, ()), routed=experts, resident=np.flatnonzero(resident),
                 prefetched=prefetched.get(layer, ()), expert_bytes=store.expert_bytes(layer))
-            gate_up, down = pool.operands(layer)
-            return ExpertOperands(gate_up, down, pool.slot_table(layer), pool.resident(layer))
+            return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
 
         t2 = time.perf_counter()
         if full_pool:

@@ -149,8 +149,9 @@ class ExpertPool:
             lp.device_slot_of = jax.device_put(lp.slot_of, memory_sharding("device"))
         return lp.device_slot_of
 
-    def operands(self, layer: int):
-        """`(gate_up, down)` slot pools `[S(+1), ...]` of `layer` for `swiglu_experts(..., slot_of=slot_table)`."""
+    def operands(self, layer: int) -> tuple:
+        """The expert slot pools `[S(+1), ...]` of `layer` in the family's `expert_fields` order (`(gate_up, down)`;
+        gpt-oss adds the biases) for the model's `mlp_sublayer(..., slot_of=slot_table)` / `forward(expert_pools=)`."""
         return self.store.layers[layer].tables(self.layers[layer].leaves)
 
     # ---- updates -----------------------------------------------------------------------------------------

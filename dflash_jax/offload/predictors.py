@@ -10,9 +10,11 @@ Predictions never affect correctness: the verify computes the exact routing and 
 - `PreviousRound(width)`: the experts the previous verify routed to (width > top_k: each previous row's
   top-`width` experts by router probability).
 - `DraftRouter(weights, cfg, width)`: every target layer's router applied to the draft's final hidden states
-  of the block (each row's top-`width` experts), after that layer's post-attention RMSNorm weights.
-- `LearnedRouter(params, layers, eps, width)`: a per-layer linear map trained on (draft hidden, verify routing)
-  pairs (`train.route_predictor`), initialized from the target routers.
+  of the block (each row's top-`width` experts), after that layer's post-attention RMSNorm weights; each
+  family's router as its model applies it (gpt-oss: router bias, top-k then softmax).
+- `LearnedRouter(params, layers, eps, width | threshold, embed)`: a per-layer linear map trained on (draft
+  hidden [+ verify-block token], verify routing) pairs (`train.route_predictor`), initialized from the target
+  routers; a block-level probability threshold as the alternative knob to the width.
 - `Union(a, b, ...)`: the union, in interleaved priority order.
 """
 
@@ -42,6 +44,7 @@ class RoundInputs:
     top_k: int
     draft_tokens: jax.Array | None = None
     draft_hidden: jax.Array | None = None
+    block_tokens: jax.Array | None = None  # [b, B] the verify block [anchor, d_1 .. d_{B-1}]
     previous_routed: dict[int, np.ndarray] | None = None
     previous_logits: dict[int, np.ndarray] | None = None
 
@@ -104,73 +107,113 @@ class PreviousRound:
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("width", "eps"))
-def _draft_router_topk(hidden, norms, routers, width, eps):
-    """hidden [rows, H]; norms [L, H]; routers [L, H, E] -> (experts [L, rows, width], probs [L, rows, width])."""
+@functools.partial(jax.jit, static_argnames=("width", "eps", "norm", "topk_first"))
+def _draft_router_topk(hidden, norms, routers, biases, width, eps, norm, topk_first):
+    """hidden [rows, H]; norms [L, H]; routers [L, H, E]; biases [L, E] or None; norm: `rms_norm` options as
+    sorted (name, value) pairs; topk_first: gpt-oss routing (top-`width` logits, softmax over them) instead
+    of a softmax over all experts -> (experts [L, rows, width], probs [L, rows, width])."""
 
-    def one(norm, router):
-        h = rms_norm(hidden, norm, eps) if norm is not None else hidden
-        p = jax.nn.softmax(jnp.dot(h, router, preferred_element_type=jnp.float32), axis=-1)
-        probs, experts = jax.lax.top_k(p, width)
+    def one(norm_w, router, bias):
+        h = rms_norm(hidden, norm_w, eps, **dict(norm))
+        logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
+        if bias is not None:
+            logits = logits + bias.astype(jnp.float32)
+        if topk_first:
+            top, experts = jax.lax.top_k(logits, width)
+            return experts, jax.nn.softmax(top, axis=-1)
+        probs, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), width)
         return experts, probs
 
-    return jax.vmap(one)(norms, routers)
+    return jax.vmap(one)(norms, routers, biases)
 
 
 class DraftRouter:
-    """Target routers on the draft's hidden states: for MoE layer l, `softmax(RMSNorm_l(h_draft) @ W_router_l)`
-    over the block's B draft rows, each row's top-`width` experts (width None: top_k), ranked by summed
-    probability. `renorm=False` uses unit norm weights instead of the layer's post-attention norm weights
-    (the draft hidden is already RMS-normalized by the draft's final norm)."""
+    """Target routers on the draft's hidden states: for MoE layer l, the layer's router applied to
+    `RMSNorm_l(h_draft)` (the layer's post-attention norm as its family defines it: plain for Qwen3, fp32
+    scale for gpt-oss, zero-centred for Qwen3.5) over the block's B draft rows, each row's top-`width` experts
+    (width None: top_k) by the family's routing (Qwen: softmax over all experts; gpt-oss: biased logits,
+    softmax over the top `width`), ranked by summed probability. `renorm=False` uses a plain RMS
+    normalization without the layer's norm weights (the draft hidden is already RMS-normalized by the
+    draft's final norm)."""
 
     needs_draft = True
 
     def __init__(self, weights, cfg, *, width: int | None = None, renorm: bool = True, name: str = "draft_router"):
+        from dflash_jax.offload.families import family_of_weights
         from dflash_jax.offload.store import moe_layer_ids
 
+        fam = family_of_weights(weights)
         self.name, self.width, self.renorm, self.cfg = name, width, renorm, cfg
         self.layers = moe_layer_ids(weights)
-        self.routers = jnp.stack([weights.layers[i].mlp.router for i in self.layers])
+        mlps = [weights.layers[i].mlp for i in self.layers]
+        self.routers = jnp.stack([mlp.router for mlp in mlps])
         self.norms = jnp.stack([weights.layers[i].post_norm for i in self.layers])
+        biases = [fam.router_bias(mlp) for mlp in mlps]
+        self.biases = None if all(b is None for b in biases) else jnp.stack(biases)
+        self.norm_options = tuple(sorted(fam.router_norm.items()))
+        self.topk_first = fam.router_topk_first
 
     def predict(self, inputs: RoundInputs) -> dict[int, np.ndarray]:
         if inputs.draft_hidden is None:
             return {}
         width = self.width or inputs.top_k
         hidden = inputs.draft_hidden.reshape(-1, inputs.draft_hidden.shape[-1])
-        norms = self.norms if self.renorm else jnp.ones_like(self.norms)
-        experts, probs = _draft_router_topk(hidden, norms, self.routers.astype(hidden.dtype), width,
-                                            self.cfg.rms_norm_eps)
+        norms, options = (self.norms, self.norm_options) if self.renorm else (jnp.ones_like(self.norms), ())
+        experts, probs = _draft_router_topk(hidden, norms, self.routers.astype(hidden.dtype), self.biases, width,
+                                            self.cfg.rms_norm_eps, options, self.topk_first)
         experts, probs = np.asarray(experts), np.asarray(probs)
         return {layer: ranked_union(experts[j], probs[j]) for j, layer in enumerate(self.layers)}
 
 
 class LearnedRouter:
-    """A trained per-layer linear predictor (`train.route_predictor.LinearRouteWeights`) on the draft's
-    hidden states: each row's top-`width` experts by `sigmoid(RMSNorm_l(h) W_l + b_l)`, ranked by summed
-    probability."""
+    """A trained per-layer predictor (`train.route_predictor.LinearRouteWeights`) on the draft's hidden
+    states (and, for weights with token features, the verify block's tokens through `embed`, the target's
+    embedding): per row and expert p = sigmoid(logit), an estimate of P(row routed to e).
+    Selection: `threshold` t -> every expert with P(some row of the block routes to e) = 1 - prod_rows(1 - p)
+    >= t, most probable first (one knob for the whole block's set); otherwise each row's top-`width`
+    experts (None: top_k), ranked by summed probability."""
 
     needs_draft = True
 
     def __init__(self, params, layers: tuple[int, ...], *, eps: float, width: int | None = None,
-                 name: str = "learned"):
+                 threshold: float | None = None, embed: jax.Array | None = None, name: str = "learned"):
+        if threshold is not None and not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+        if params.u is not None and embed is None:
+            raise ValueError("these route-predictor weights read the verify block's tokens: pass the target's "
+                             "embedding as embed=")
         self.params, self.layers, self.eps, self.width, self.name = params, tuple(layers), eps, width, name
+        self.threshold, self.embed = threshold, embed
 
     def predict(self, inputs: RoundInputs) -> dict[int, np.ndarray]:
         if inputs.draft_hidden is None:
             return {}
-        experts, probs = _learned_topk(self.params, inputs.draft_hidden.reshape(-1, inputs.draft_hidden.shape[-1]),
-                                       self.width or inputs.top_k, self.eps)
-        experts, probs = np.asarray(experts), np.asarray(probs)
-        return {layer: ranked_union(experts[j], probs[j]) for j, layer in enumerate(self.layers)}
+        hidden = inputs.draft_hidden.reshape(-1, inputs.draft_hidden.shape[-1])
+        tokens = None
+        if self.params.u is not None:
+            if inputs.block_tokens is None:
+                return {}
+            tokens = jnp.asarray(inputs.block_tokens).reshape(-1)
+        probs = np.asarray(_learned_probs(self.params, hidden, tokens, self.embed, self.eps), np.float64)
+        out = {}
+        for j, layer in enumerate(self.layers):
+            if self.threshold is not None:
+                block_p = 1.0 - np.prod(1.0 - probs[j], axis=0)
+                order = np.lexsort((np.arange(block_p.size), -block_p))
+                out[layer] = order[block_p[order] >= self.threshold].astype(np.int32)
+            else:
+                width = self.width or inputs.top_k
+                idx = np.argsort(-probs[j], axis=-1, kind="stable")[:, :width]
+                out[layer] = ranked_union(idx, np.take_along_axis(probs[j], idx, axis=-1))
+        return out
 
 
-@functools.partial(jax.jit, static_argnames=("width", "eps"))
-def _learned_topk(params, hidden, width, eps):
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _learned_probs(params, hidden, tokens, embed, eps):
     from dflash_jax.train.route_predictor import route_logits
 
-    probs, experts = jax.lax.top_k(jax.nn.sigmoid(route_logits(params, hidden, eps)), width)
-    return experts, probs
+    token_embeds = None if tokens is None else jnp.take(embed, tokens, axis=0)
+    return jax.nn.sigmoid(route_logits(params, hidden, eps, token_embeds))
 
 
 class Union:

@@ -1,9 +1,12 @@
 """The host expert store: every MoE layer's stacked expert tables, kept in host memory.
 
-A layer's routed experts are the pytree `(gate_up, down)` of `MoEWeights`: dense `[E, K, N]` arrays or FP4
-tensors (`MXFP4Tensor` / `NVFP4Tensor`) whose parts are stacked along a leading expert axis. A leaf whose
-leading axis has length E is *per expert* (dense tables, FP4 codes and block scales, a per-expert NVFP4
-tensor scale); any other leaf (a scalar NVFP4 tensor scale) is *shared* by all experts. Per-expert leaves
+A layer's routed experts are the pytree of its family's expert fields (`offload.families`): `(gate_up, down)`
+for Qwen3-MoE and Qwen3.5-MoE (whose shared expert is not routed and stays resident), `(gate_up, down,
+gate_up_bias, down_bias)` for gpt-oss. Tables are dense `[E, K, N]` arrays or FP4 tensors (`MXFP4Tensor` /
+`NVFP4Tensor`, e.g. gpt-oss's packed release experts) whose parts are stacked along a leading expert axis;
+biases are `[E, N]`. A leaf whose leading axis has length E is *per expert* (dense tables, FP4 codes and
+block scales, a per-expert NVFP4 tensor scale, expert biases); any other leaf (a scalar NVFP4 tensor scale)
+is *shared* by all experts. Per-expert leaves
 live in `pinned_host` memory (placed with `jax.device_put` and a memory-kind sharding, as `dflash_jax.load(...,
 expert_memory="pinned_host")` already does); shared leaves stay on the device (they are a few bytes).
 
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.qwen3 import MoEWeights
+from dflash_jax.offload.families import family_of_weights, is_moe_layer  # noqa: F401 (re-exported)
 
 HOST_MEMORY = "pinned_host"
 
@@ -36,21 +39,19 @@ def memory_kind(x: jax.Array) -> str | None:
     return getattr(getattr(x, "sharding", None), "memory_kind", None)
 
 
-def is_moe_layer(layer) -> bool:
-    return isinstance(layer.mlp, MoEWeights)
-
-
 def moe_layer_ids(weights) -> tuple[int, ...]:
-    """Indices of the routed-MoE decoder layers of a target weight pytree."""
-    return tuple(i for i, layer in enumerate(weights.layers) if is_moe_layer(layer))
+    """Indices of the routed-MoE decoder layers of a target weight pytree (every layer for gpt-oss and
+    Qwen3.5-MoE; Qwen3 may mix dense and MoE layers)."""
+    fam = family_of_weights(weights)
+    return tuple(i for i, layer in enumerate(weights.layers) if fam.is_moe(layer))
 
 
 def strip_experts(weights):
-    """The target weights without routed expert tables (`gate_up = down = None` in every MoE layer): what
-    stays resident on the device in offloaded inference (attention, norms, routers, embeddings, head)."""
-    layers = tuple(
-        layer.replace(mlp=layer.mlp.replace(gate_up=None, down=None)) if is_moe_layer(layer) else layer
-        for layer in weights.layers)
+    """The target weights without routed expert tables (every per-expert field of every MoE layer set to
+    None): what stays resident on the device in offloaded inference (attention / DeltaNet, norms, routers,
+    shared experts, embeddings, head)."""
+    fam = family_of_weights(weights)
+    layers = tuple(layer.replace(mlp=fam.strip(layer.mlp)) if fam.is_moe(layer) else layer for layer in weights.layers)
     return weights.replace(layers=layers)
 
 
@@ -59,8 +60,9 @@ class LayerExperts:
     """One MoE layer's expert tables split into leaves.
 
     leaves[j]: per-expert leaves `[E, ...]` in host memory, shared leaves on the device; `per_expert[j]` says
-    which. `treedef` rebuilds `(gate_up, down)` from leaves. `expert_bytes`: bytes of one expert (the
-    per-expert leaves' bytes / E), what a fetch of one expert moves."""
+    which. `treedef` rebuilds the expert tables (the family's `expert_fields`, e.g. `(gate_up, down)`) from
+    leaves. `expert_bytes`: bytes of one expert (the per-expert leaves' bytes / E, biases included), what a
+    fetch of one expert moves."""
 
     treedef: Any
     leaves: list[jax.Array]
@@ -68,8 +70,8 @@ class LayerExperts:
     num_experts: int
     expert_bytes: int
 
-    def tables(self, leaves) -> tuple[Any, Any]:
-        """`(gate_up, down)` rebuilt from `leaves` (same order and kinds as `self.leaves`)."""
+    def tables(self, leaves) -> tuple:
+        """The expert tables (`expert_fields` order) rebuilt from `leaves` (same order and kinds as `self.leaves`)."""
         return jax.tree.unflatten(self.treedef, list(leaves))
 
 
@@ -81,14 +83,22 @@ class HostExpertStore:
 
     def __init__(self, weights, *, memory: str = HOST_MEMORY):
         self.memory = memory
+        self.family = family_of_weights(weights)
+        self.expert_fields = self.family.expert_fields
         self.layers: dict[int, LayerExperts] = {}
         host = memory_sharding(memory)
         for i in moe_layer_ids(weights):
             mlp = weights.layers[i].mlp
-            if mlp.gate_up is None:
-                raise ValueError(f"layer {i} has no expert tables (weights passed through strip_experts?)")
+            tables = self.family.expert_tables(mlp)
+            missing = [f for f, t in zip(self.expert_fields, tables) if t is None]
+            if missing:
+                raise ValueError(f"layer {i} has no expert tables {missing} (weights passed through strip_experts?)")
             num_experts = mlp.router.shape[-1]
-            leaves, treedef = jax.tree.flatten((mlp.gate_up, mlp.down))
+            leaves, treedef = jax.tree.flatten(tables)
+            bad = [leaf.shape for leaf in leaves if leaf.ndim >= 1 and leaf.shape[0] != num_experts and leaf.size > 1]
+            if bad:
+                raise ValueError(f"layer {i}: expert table parts of shapes {bad} are neither per expert (leading axis "
+                                 f"{num_experts}, the router's width) nor scalars")
             per_expert = tuple(leaf.ndim >= 1 and leaf.shape[0] == num_experts for leaf in leaves)
             placed = [
                 (leaf if memory_kind(leaf) == memory else jax.device_put(leaf, host)) if indexed
@@ -114,8 +124,8 @@ class HostExpertStore:
         """Bytes of every routed expert of every layer (what B0 keeps on the device)."""
         return sum(le.expert_bytes * le.num_experts for le in self.layers.values())
 
-    def device_tables(self, layer: int) -> tuple[Any, Any]:
-        """A device copy of layer `layer`'s whole `(gate_up, down)` (prefill streams tables one layer at a time)."""
+    def device_tables(self, layer: int) -> tuple:
+        """A device copy of layer `layer`'s whole expert tables (prefill streams tables one layer at a time)."""
         dev = memory_sharding("device")
         le = self.layers[layer]
         return le.tables([jax.device_put(leaf, dev) if indexed else leaf

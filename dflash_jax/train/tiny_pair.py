@@ -70,6 +70,7 @@ class Recipe:
     num_experts: int = 8
     top_k: int = 2
     expert_intermediate: int = 256
+    moe_implementation: str = "auto"  # "dense" trains many small experts faster on CPU (`nn.moe`)
 
     @classmethod
     def quick(cls) -> "Recipe":
@@ -82,8 +83,8 @@ class Recipe:
         """A pair with many small experts (64, top-4: the expert count / top-k ratio of the real MoE targets is
         what makes route prediction hard) for the route-ahead predictor study (`benchmarks/route_ahead.py`);
         shorter than the shipped pair's recipe (~20 minutes on 2 CPU cores)."""
-        return cls(num_experts=64, top_k=4, expert_intermediate=32, target_steps=600, prompts=1024,
-                   draft_steps=800)
+        return cls(num_experts=64, top_k=4, expert_intermediate=32, moe_implementation="dense", target_steps=600,
+                   prompts=1024, draft_steps=800)
 
 
 def _log(msg: str, progress: bool) -> None:
@@ -126,7 +127,8 @@ def train_target(work: str, stream: np.ndarray, recipe: Recipe, progress: bool):
 
     tc = TrainConfig(steps=recipe.target_steps, learning_rate=recipe.target_lr, seed=recipe.seed,
                      warmup_steps=min(100, recipe.target_steps // 10 + 1))
-    params, losses = train_loop(params, lambda p, b: lm_loss(p, b, cfg), next_batch, tc,
+    params, losses = train_loop(params, lambda p, b: lm_loss(p, b, cfg, implementation=recipe.moe_implementation),
+                                next_batch, tc,
                                 checkpoint_dir=os.path.join(work, "target_ckpt"), desc="target", progress=progress)
     return cfg, params, losses
 
@@ -144,7 +146,8 @@ def greedy_corpus(work: str, params, cfg: Qwen3Config, stream: np.ndarray, recip
     chunk = 256
     for i in range(0, len(prompts), chunk):
         _log(f"greedy continuations {i}/{len(prompts)}", progress)
-        out = greedy_generate(params, cfg, prompts[i: i + chunk].tolist(), max_new_tokens=recipe.continuation)
+        out = greedy_generate(params, cfg, prompts[i: i + chunk].tolist(), max_new_tokens=recipe.continuation,
+                              implementation=recipe.moe_implementation)
         for p, o in zip(prompts[i: i + chunk], out):
             o = (o + [EOS_ID] * recipe.continuation)[: recipe.continuation]  # a stop token ends a row early
             rows.append(np.concatenate([p, o]))
@@ -169,7 +172,8 @@ def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray,
     @jax.jit
     def features(tokens):
         cache = qwen3.init_cache(tcfg, tokens.shape[0], tokens.shape[1])
-        out = qwen3.forward(target_params, tokens, cache, tcfg, tap_layers=dcfg.target_layer_ids, logits="none")
+        out = qwen3.forward(target_params, tokens, cache, tcfg, tap_layers=dcfg.target_layer_ids, logits="none",
+                            implementation=recipe.moe_implementation)
         return draft_model.context_features(out.taps)
 
     # The target is frozen: its taps over the whole corpus are computed once (a few minutes), not per step.

@@ -183,6 +183,12 @@ def test_swiglu_experts_against_per_token_reference(tokens):
     pooled = swiglu_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights),
                             jnp.asarray(gate_up[perm]), jnp.asarray(down[perm]), slot_of=jnp.asarray(slot_of))
     np.testing.assert_allclose(np.asarray(pooled), ref, atol=1e-5)
+    # every expert evaluated densely, combined by the routing weights: the same sum
+    for kw in ({}, {"slot_of": jnp.asarray(slot_of)}):
+        perm_ = perm if kw else np.arange(e)
+        dense = swiglu_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights),
+                               jnp.asarray(gate_up[perm_]), jnp.asarray(down[perm_]), implementation="dense", **kw)
+        np.testing.assert_allclose(np.asarray(dense), ref, atol=1e-5)
 
 
 def test_grouped_matmul_dispatcher_rejects_bad_input():
@@ -205,3 +211,22 @@ def test_cache_rows_and_rollback():
     rolled = rollback(cache, jnp.array([2, 9]))
     np.testing.assert_array_equal(np.asarray(rolled.lengths), [2, 6])  # never past what was written
     jax.jit(rollback)(cache, jnp.array([1, 1]))
+
+
+def test_dense_experts_equal_grouped_with_biases_and_clamped_activation():
+    from functools import partial
+
+    from dflash_jax.nn.moe import clamped_swiglu
+
+    rng = np.random.default_rng(3)
+    e, k, h, inter, t = 6, 3, 16, 8, 11
+    args = [jnp.asarray(rng.standard_normal((t, h)), jnp.float32),
+            jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32),
+            jnp.asarray(rng.standard_normal((e, h, 2 * inter)) / 3, jnp.float32),
+            jnp.asarray(rng.standard_normal((e, inter, h)) / 3, jnp.float32)]
+    kw = dict(gate_up_bias=jnp.asarray(rng.standard_normal((e, 2 * inter)), jnp.float32),
+              down_bias=jnp.asarray(rng.standard_normal((e, h)), jnp.float32),
+              activation=partial(clamped_swiglu, alpha=1.702, limit=1.5))
+    grouped = swiglu_experts(*args, implementation="xla", **kw)
+    dense = swiglu_experts(*args, implementation="dense", **kw)
+    np.testing.assert_allclose(np.asarray(dense), np.asarray(grouped), atol=2e-5)

@@ -62,3 +62,48 @@ def test_offload_json_has_route_ahead_stats_and_the_resident_tokens(checkpoint, 
 def test_offload_flag_errors(checkpoint, capsys, argv, message):
     code, _, err = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 4, *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen3_5"])
+def converted_family_pair(request, tmp_path_factory):
+    """A converted pair of another target family, built by transformers (so through the real checkpoint
+    path): gpt-oss in the release layout (MXFP4 experts kept packed, expert biases), Qwen3.5-MoE (DeltaNet +
+    gated attention, shared expert; experts converted to MXFP4); 16 experts so a budget can hold part of them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("dflash")
+    from tests.hf_reference import (
+        build_and_save, build_and_save_draft, build_gpt_oss, save_gpt_oss_mxfp4_release, tiny_draft_config,
+        tiny_gpt_oss_config, tiny_qwen3_5_moe_config,
+    )
+
+    root = tmp_path_factory.mktemp(f"offload_cli_{request.param}")
+    if request.param == "gpt_oss":
+        save_gpt_oss_mxfp4_release(build_gpt_oss(tiny_gpt_oss_config(num_local_experts=16), seed=3), root / "target")
+    else:
+        build_and_save(tiny_qwen3_5_moe_config(num_experts=16), root / "target", seed=3)
+    build_and_save_draft(tiny_draft_config(target_layers=4, taps=(0, 2)), root / "draft", seed=4)
+    convert(str(root / "target"), str(root / "draft"), str(root / "pair"), expert_format="mxfp4", dtype="fp32",
+            progress=False)
+    return root / "pair"
+
+
+@pytest.mark.slow
+def test_offload_cli_on_every_family(converted_family_pair, capsys):
+    from dflash_jax.offload import HostExpertStore
+
+    pair = dflash_jax.load(converted_family_pair, expert_memory="pinned_host")
+    store = HostExpertStore(pair.target)
+    per_slot = sum(store.expert_bytes(layer) for layer in store.layer_ids)
+    budget_mb = (12 * per_slot + 1) / 1e6  # 12 of 16 experts per layer; one block of 4 routes to at most 8
+    prompt = [int(t) for t in PROMPT.split(",")]
+    code, out, err = _run(capsys, "--checkpoint", converted_family_pair, "--prompt-ids", PROMPT, "--max-new-tokens",
+                          16, "--block-size", 4, "--json", "--ignore-eos", "--offload", "--expert-budget-mb", budget_mb,
+                          "--predictor", "previous+draft_router")
+    assert code == 0, err
+    result = json.loads(out)
+    want = generate(dflash_jax.load(converted_family_pair), [prompt], max_new_tokens=16, block_size=4)
+    assert result["tokens"] == want.tokens[0]
+    assert result["acceptance_lengths"] == want.acceptance_lengths[0]
+    offload = result["stats"]["offload"]
+    assert offload["slots_per_layer"] == 12 and offload["num_experts"] == 16
+    assert result["stats"]["route_ahead"]["summary"]["bytes_moved"] > 0

@@ -145,8 +145,7 @@ def _pool_provider(pool, record=None):
         pool.fetch(layer, experts)
         if record is not None:
             record[layer] = np.unique(experts)
-        gate_up, down = pool.operands(layer)
-        return ExpertOperands(gate_up, down, pool.slot_table(layer), pool.resident(layer))
+        return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
     return provide
 
 
@@ -177,8 +176,7 @@ def test_layerwise_forward_equals_resident_and_reads_only_resident_experts(exper
     empty = ExpertPool(store, E, poison=True)
 
     def lazy(layer, experts):
-        gate_up, down = empty.operands(layer)
-        return ExpertOperands(gate_up, down, empty.slot_table(layer), empty.resident(layer))
+        return ExpertOperands(empty.operands(layer), empty.slot_table(layer), empty.resident(layer))
 
     with pytest.raises(NonResidentExpert):
         forward_layerwise(strip_experts(weights), block, prompt_out.cache, CFG, provider=lazy)
@@ -186,8 +184,7 @@ def test_layerwise_forward_equals_resident_and_reads_only_resident_experts(exper
     # ... and a provider that lies about residency computes on poison: the trap makes the output blow up,
     # so the equality above really means no non-resident expert was read.
     def lying(layer, experts):
-        gate_up, down = empty.operands(layer)
-        return ExpertOperands(gate_up, down, empty.slot_table(layer), np.ones(E, bool))
+        return ExpertOperands(empty.operands(layer), empty.slot_table(layer), np.ones(E, bool))
 
     bad = forward_layerwise(strip_experts(weights), block, prompt_out.cache, CFG, provider=lying)
     logits = np.asarray(bad.out.logits)
@@ -252,3 +249,46 @@ def test_learned_router_starts_as_the_draft_router_and_learns(pair):
     assert all(set(learned[l].tolist()) == set(draft[l].tolist()) for l in layers)  # same top-k per row
     _, losses = train_route_predictor(start, hidden, targets, eps=CFG.rms_norm_eps, steps=40, batch=64)
     assert np.mean(losses[-5:]) < 0.8 * losses[0]
+
+
+def test_learned_router_with_token_features_and_threshold(pair):
+    """Token features read the verify block's tokens; the threshold knob selects exactly the experts whose
+    block-level probability 1 - prod_rows(1 - p) reaches it, most probable first; generation with it stays
+    lossless at a pool too small to hold every expert."""
+    from dflash_jax.offload import LearnedRouter
+    from dflash_jax.train.route_predictor import (init_from_target, record_rounds, rounds_to_arrays,
+                                                  route_logits, train_route_predictor)
+
+    rounds = record_rounds(pair, PROMPTS[:1], block_size=4, max_new_tokens=12)
+    layers = tuple(sorted(rounds[0]["routed"]))
+    hidden, tokens, targets = rounds_to_arrays(rounds, layers, E)
+    assert tokens.shape == (hidden.shape[0],) and (targets.sum(-1) == 2).all()
+    embeds = np.asarray(pair.target.embed)[tokens]
+    start = init_from_target(pair.target, layers, token_features=True)
+    with pytest.raises(ValueError, match="embed"):
+        LearnedRouter(start, layers, eps=CFG.rms_norm_eps, threshold=0.5)
+    params, losses = train_route_predictor(start, hidden, targets, eps=CFG.rms_norm_eps, steps=30, batch=32,
+                                           token_embeds=embeds)
+    assert np.mean(losses[-5:]) < losses[0]
+    r = rounds[1]
+    inputs = RoundInputs(round=1, layers=layers, top_k=2, draft_hidden=jnp.asarray(r["hidden"]).reshape(1, 4, -1),
+                         block_tokens=jnp.asarray(r["tokens"]).reshape(1, 4))
+    # large token weights: a predictor reading the wrong tokens (or none) would pick other sets
+    strong = params.replace(u=params.u + 3.0 * jax.random.normal(jax.random.key(5), params.u.shape))
+    t = 0.3
+    got = LearnedRouter(strong, layers, eps=CFG.rms_norm_eps, threshold=t, embed=pair.target.embed).predict(inputs)
+    logits = route_logits(strong, jnp.asarray(r["hidden"]), CFG.rms_norm_eps,
+                          jnp.asarray(np.asarray(pair.target.embed)[r["tokens"]]))
+    p = np.asarray(jax.nn.sigmoid(logits), np.float64)  # fp32 like the predictor: saturated ties go by id
+    for j, layer in enumerate(layers):
+        block_p = 1 - np.prod(1 - p[j], axis=0)
+        want = [e for e in np.argsort(-block_p, kind="stable") if block_p[e] >= t]
+        assert got[layer].tolist() == want
+    want_tokens = generate(pair, PROMPTS[:1], max_new_tokens=16, block_size=4).tokens
+    per_slot, store = _per_slot(pair)
+    for predictor in (LearnedRouter(params, layers, eps=CFG.rms_norm_eps, threshold=0.2, embed=pair.target.embed),
+                      LearnedRouter(params, layers, eps=CFG.rms_norm_eps, width=3, embed=pair.target.embed)):
+        got = generate_offloaded(pair, PROMPTS[:1], budget_bytes=(E // 2) * per_slot, predictor=predictor, block_size=4,
+                                 max_new_tokens=16, store=store, poison=True, bandwidth=1e9)
+        assert got.tokens == want_tokens
+        assert got.stats["route_ahead"]["summary"]["predicted"] > 0

@@ -1,0 +1,245 @@
+"""Host-offloaded experts for every target family beyond Qwen3-MoE: gpt-oss (expert biases, clamped SwiGLU,
+MXFP4 packed experts, biased top-k-then-softmax router, sliding/full layers with sinks) and Qwen3.5-MoE
+(Gated DeltaNet + gated attention, shared expert, exact rollback state).
+
+- the layer-wise forward on a poisoned pool equals the family's jitted forward after a prefill (logits,
+  taps, routing and every cache leaf: K/V buffers, DeltaNet states, conv windows and rollback buffers), and
+  rolling both caches back gives the same cache;
+- a provider that lies about residency computes on poison and the output is wrecked;
+- offloaded greedy generation equals the resident `spec.generate` token for token and round for round at
+  the smallest budget that runs, an intermediate one and all experts, with every predictor, poisoned pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import testing
+from dflash_jax.config import MoEConfig
+from dflash_jax.offload import (
+    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
+    forward_layerwise, generate_offloaded, moe_layer_ids, strip_experts,
+)
+from dflash_jax.spec import generate
+from dflash_jax.spec.session import init_target_cache, target_family
+
+E = 16
+
+
+def _config(family: str):
+    """Three layers: both layer kinds (sliding / full; DeltaNet / gated attention), a DeltaNet layer after a
+    full one; 16 experts top-2 so that one block's routed union leaves room for budgets below all experts."""
+    moe = dict(num_experts=E, top_k=2, intermediate_size=32, norm_topk_prob=True)
+    if family == "gpt_oss":
+        return testing.tiny_gpt_oss_config(num_layers=3, layer_windows=(16, None, 16),
+                                           moe=MoEConfig(router="topk_softmax", **moe))
+    from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION
+
+    return testing.tiny_qwen3_5_config(num_layers=3, layer_types=(LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION),
+                                       moe=MoEConfig(**moe))
+
+
+FAMILIES = ["gpt_oss", "qwen3_5"]
+EXPERT_FORMAT = {"gpt_oss": "mxfp4", "qwen3_5": "dense"}  # gpt-oss as released: packed MXFP4 experts
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request):
+    family = request.param
+    return testing.random_pair(_config(family), seed=2, expert_format=EXPERT_FORMAT[family])
+
+
+PROMPTS = [np.random.default_rng(i).integers(0, 500, n).tolist() for i, n in enumerate((40, 23))]
+NEW = 16
+MAX_LEN = 40 + NEW + 4  # the generation runs' cache (prompt + new tokens + block): shared compiled programs
+
+
+def _provider(pool):
+    def provide(layer, experts):
+        pool.fetch(layer, experts)
+        return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+    return provide
+
+
+def _assert_trees_close(got, want, **tol):
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(got_leaves, want_leaves):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+
+
+def test_store_holds_every_per_expert_leaf(pair):
+    store = HostExpertStore(pair.target)
+    cfg = pair.target_cfg
+    assert store.layer_ids == moe_layer_ids(pair.target) == tuple(range(cfg.num_layers))
+    mlp = pair.target.layers[0].mlp
+    tables = tuple(getattr(mlp, f) for f in store.expert_fields)
+    assert store.expert_bytes(0) * E == sum(leaf.nbytes for leaf in jax.tree.leaves(tables))
+    if cfg.model_type == "gpt_oss":  # packed codes + scales + both biases
+        assert store.expert_fields == ("gate_up", "down", "gate_up_bias", "down_bias")
+        h, i = cfg.hidden_size, cfg.moe.intermediate_size
+        assert store.expert_bytes(0) == 3 * h * i * 17 // 32 + 4 * (2 * i + h)
+    stripped = strip_experts(pair.target).layers[0].mlp
+    assert all(getattr(stripped, f) is None for f in store.expert_fields)
+    assert stripped.router is not None
+    if cfg.model_type == "qwen3_5":
+        assert stripped.shared is not None and stripped.shared_gate is not None  # the shared expert stays
+    with pytest.raises(ValueError, match="strip_experts"):
+        HostExpertStore(strip_experts(pair.target))
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """The resident greedy run, and the offloaded run with every expert in a poisoned pool verifying layer by
+    layer (the layer-wise programs of the equality test below then have the same shapes: compiled once)."""
+    want = generate(pair, PROMPTS, max_new_tokens=NEW, block_size=4)
+    assert max(a for seq in want.acceptance_lengths for a in seq) > 1  # proposals accepted: rollbacks run
+    per_slot, store = _per_slot(pair)
+    full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, single_program_when_full=False, **_run(store))
+    assert full.tokens == want.tokens and full.acceptance_lengths == want.acceptance_lengths
+    assert full.stats["route_ahead"]["summary"]["bytes_moved"] == 0  # everything pinned
+    smallest = max(s.routed for r in full.route_ahead.rounds for s in r.layers)  # one layer's routed union
+    return want, store, per_slot, smallest
+
+
+def _run(store, **kw):
+    return dict(dict(block_size=4, max_new_tokens=NEW, store=store, poison=True, bandwidth=1e9), **kw)
+
+
+def test_layerwise_forward_equals_the_jitted_forward(pair, reference):
+    cfg, weights = pair.target_cfg, pair.target
+    store = reference[1]
+    fam = target_family(cfg)
+    tokens = np.zeros((2, 40), np.int32)
+    for row, p in enumerate(PROMPTS):
+        tokens[row, :len(p)] = p
+    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    cache = init_target_cache(cfg, 2, MAX_LEN, jnp.float32, verify_width=4)
+    # Committed like the generation loop's verify inputs (jit caches key on it): the layer-wise programs
+    # compiled by the `reference` run are reused.
+    device = jax.devices()[0]
+    prompt = fam.forward_jit(weights, jnp.asarray(tokens), jax.device_put(cache, device), cfg, num_valid=lengths,
+                             logits="last")
+    block = jax.device_put(jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32), device)
+    taps = (0, 1, cfg.num_layers - 1)
+    want = fam.forward_jit(weights, block, prompt.cache, cfg, tap_layers=taps)
+    pool = ExpertPool(store, E, poison=True)  # filled in routing order: slot != expert id
+    stripped = strip_experts(weights)
+    got = forward_layerwise(stripped, block, prompt.cache, cfg, provider=_provider(pool), tap_layers=taps)
+    # Same math; fp32 sums may associate differently (an expert's slot position changes the blocking of XLA's
+    # CPU ragged_dot), so ~1e-6 relative.
+    tol = dict(rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got.out.logits), np.asarray(want.logits), **tol)
+    for a, b in zip(got.out.taps, want.taps):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+    for layer in range(cfg.num_layers):
+        np.testing.assert_array_equal(got.routed[layer], np.asarray(want.router_experts[layer]).reshape(-1, 2))
+    # the whole cache: K/V buffers; for Qwen3.5 also every DeltaNet state, conv window and rollback buffer
+    _assert_trees_close(got.out.cache, want.cache, **tol)
+    # ... so the verify's commit (a rollback to an accepted prefix) gives the same cache too
+    keep = prompt.cache.lengths + jnp.asarray([1, 3], jnp.int32)
+    rollback = jax.jit(fam.rollback)
+    _assert_trees_close(rollback(got.out.cache, keep), rollback(want.cache, keep), **tol)
+
+    # The prefill itself, layer by layer with whole tables (what generate_offloaded does).
+    def whole(layer, experts):
+        return ExpertOperands(store.device_tables(layer), None, np.ones(E, bool))
+
+    pre = forward_layerwise(stripped, jnp.asarray(tokens), cache, cfg, provider=whole, num_valid=lengths,
+                            logits="last")
+    np.testing.assert_allclose(np.asarray(pre.out.logits), np.asarray(prompt.logits), **tol)
+    _assert_trees_close(pre.out.cache, prompt.cache, **tol)
+
+    # The model's own forward on the pool (expert_pools / slot_of: the single-program verify of a full budget).
+    layers = range(cfg.num_layers)
+    on_pool = fam.forward_jit(stripped, block, prompt.cache, cfg, tap_layers=taps,
+                              expert_pools=tuple(pool.operands(l) for l in layers),
+                              slot_of=tuple(pool.slot_table(l) for l in layers))
+    np.testing.assert_allclose(np.asarray(on_pool.logits), np.asarray(want.logits), **tol)
+    _assert_trees_close(on_pool.cache, want.cache, **tol)
+
+    # A provider that lies about residency computes on poison: the output is wrecked (inf / NaN, or - through
+    # the clamped SwiGLU and the norms - finite but far from the exact logits; an honest run is within 1e-4).
+    empty = ExpertPool(store, E, poison=True)
+
+    def lying(layer, experts):
+        return ExpertOperands(empty.operands(layer), empty.slot_table(layer), np.ones(E, bool))
+
+    bad = np.asarray(forward_layerwise(stripped, block, prompt.cache, cfg, provider=lying).out.logits)
+    assert not np.isfinite(bad).all() or np.abs(bad - np.asarray(want.logits)).max() > 1.0
+
+
+def test_draft_router_applies_the_familys_router(pair):
+    cfg, weights = pair.target_cfg, pair.target
+    fam = target_family(cfg)
+    hidden = jax.random.normal(jax.random.key(4), (2, 4, cfg.hidden_size))
+    flat = hidden.reshape(-1, cfg.hidden_size)
+    pred = DraftRouter(weights, cfg).predict(RoundInputs(round=0, layers=moe_layer_ids(weights), top_k=2,
+                                                         draft_hidden=hidden))
+    for layer in range(cfg.num_layers):
+        lw = weights.layers[layer]
+        routed = fam.route(lw.mlp, fam.mlp_input(lw, flat[None], cfg), cfg).experts  # the model's own router
+        assert set(pred[layer].tolist()) == set(np.asarray(routed).reshape(-1).tolist())
+
+
+def _predictors(pair):
+    from dflash_jax.train.route_predictor import init_from_target
+
+    layers = moe_layer_ids(pair.target)
+    learned = LearnedRouter(init_from_target(pair.target, layers), layers, eps=pair.target_cfg.rms_norm_eps)
+    return ["none", "previous", "draft_router", "previous+draft_router", learned]
+
+
+def _per_slot(pair):
+    store = HostExpertStore(pair.target)
+    return sum(store.expert_bytes(layer) for layer in store.layer_ids), store
+
+
+def test_offloaded_generation_is_lossless(pair, reference):
+    """The smallest budget that runs (every predictor), an intermediate one, all experts (the fixture)."""
+    want, store, per_slot, smallest = reference
+    assert smallest < E
+    budgets = {smallest: _predictors(pair), (smallest + E) // 2: ["none", "previous+draft_router"]}
+    for slots, predictors in budgets.items():
+        for predictor in predictors:
+            got = generate_offloaded(pair, PROMPTS, budget_bytes=slots * per_slot, predictor=predictor, **_run(store))
+            name = getattr(predictor, "name", predictor)
+            assert got.tokens == want.tokens, (slots, name)
+            assert got.acceptance_lengths == want.acceptance_lengths, (slots, name)
+            summary = got.stats["route_ahead"]["summary"]
+            assert summary["on_demand"] + summary["prefetched"] > 0  # the pool really was too small
+            if name != "none":
+                assert summary["predicted"] > 0
+
+
+@pytest.mark.slow
+def test_smallest_budget_is_the_smallest_and_full_budget_runs_as_one_program(pair, reference):
+    want, store, per_slot, smallest = reference
+    with pytest.raises(PoolTooSmall):
+        generate_offloaded(pair, PROMPTS, budget_bytes=(smallest - 1) * per_slot, **_run(store, pin=False))
+    full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, **_run(store))
+    assert full.tokens == want.tokens and full.acceptance_lengths == want.acceptance_lengths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [1, 4])
+def test_offloaded_generation_sweep(pair, block):
+    """Budgets from the smallest that runs to all experts, every predictor, widths top_k and 4."""
+    want = generate(pair, PROMPTS, max_new_tokens=24, block_size=block)
+    per_slot, store = _per_slot(pair)
+    run = dict(block_size=block, max_new_tokens=24, store=store, poison=True, bandwidth=1e9)
+    full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, **run)
+    assert full.tokens == want.tokens
+    smallest = max(s.routed for r in full.route_ahead.rounds for s in r.layers)
+    predictors = _predictors(pair) if block > 1 else ["none", "previous"]
+    for slots in sorted({smallest, smallest + 1, (smallest + E) // 2, E - 1}):
+        for predictor in predictors:
+            for width in (None, 4) if isinstance(predictor, str) else (None,):
+                got = generate_offloaded(pair, PROMPTS, budget_bytes=slots * per_slot, predictor=predictor,
+                                         width=width, **run)
+                assert got.tokens == want.tokens, (slots, getattr(predictor, "name", predictor), width)
+                assert got.acceptance_lengths == want.acceptance_lengths
