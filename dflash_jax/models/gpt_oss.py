@@ -35,12 +35,13 @@ from flax import struct
 
 from dflash_jax.cache import KVCache, init_kv_cache, rollback
 from dflash_jax.config import GptOssConfig
-from dflash_jax.models.qwen3 import BlockContext, ForwardOutput, Routing, embed_tokens, lm_head_logits
+from dflash_jax.models.qwen3 import BlockContext, ForwardOutput, Routing, lm_head_logits
+from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn.attention import cached_causal_attention
-from dflash_jax.nn.decoder import LogitsMode, block_positions, layer_taps, select_logits
+from dflash_jax.nn.decoder import LogitsMode, layer_taps, select_logits
 from dflash_jax.nn.moe import clamped_swiglu, swiglu_experts, topk_softmax_router
 from dflash_jax.nn.norms import rms_norm
-from dflash_jax.nn.rope import apply_rope, rope_cos_sin
+from dflash_jax.nn.rope import apply_rope
 
 __all__ = [
     "GptOssAttentionWeights",
@@ -139,15 +140,9 @@ EXPERT_FIELDS = ("gate_up", "down", "gate_up_bias", "down_bias")
 def block_context(
     weights: GptOssWeights, tokens: jax.Array, cache: KVCache, cfg: GptOssConfig, num_valid: jax.Array | None = None
 ) -> tuple[jax.Array, BlockContext]:
-    """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`)."""
-    b, t = tokens.shape
-    starts = cache.lengths
-    if num_valid is None:
-        num_valid = jnp.full((b,), t, jnp.int32)
-    positions = block_positions(starts, t)
-    x = embed_tokens(weights, tokens)
-    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
-    return x, BlockContext(positions=positions, starts=starts, cos=cos, sin=sin, num_valid=num_valid)
+    """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`): the same
+    as Qwen3's (gpt-oss's YaRN attention scaling lives in its RoPE tables)."""
+    return qwen3_block_context(weights, tokens, cache, cfg, num_valid)
 
 
 def attention_sublayer(

@@ -21,6 +21,7 @@ from flax import struct
 from dflash_jax.cache import KVCache, init_kv_cache, write_rows
 from dflash_jax.config import Qwen3Config
 from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.decoder import block_positions
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
 from dflash_jax.nn.norms import rms_norm
@@ -179,7 +180,7 @@ def block_context(
     starts = cache.lengths
     if num_valid is None:
         num_valid = jnp.full((b,), t, jnp.int32)
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
+    positions = block_positions(starts, t)
     x = embed_tokens(weights, tokens)
     cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
     return x, BlockContext(positions=positions, starts=starts, cos=cos, sin=sin, num_valid=num_valid)

@@ -48,14 +48,15 @@ from flax import struct
 
 from dflash_jax.cache import write_rows
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
-from dflash_jax.models.qwen3 import ForwardOutput, LogitsMode, MLPWeights, Routing, embed_tokens, lm_head_logits
+from dflash_jax.models.qwen3 import ForwardOutput, LogitsMode, MLPWeights, Routing, lm_head_logits
+from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn import gated_deltanet as gdn
 from dflash_jax.nn.attention import attention_mask, gqa_attention
 from dflash_jax.nn.decoder import select_logits as _select_logits
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
 from dflash_jax.nn.norms import rms_norm
-from dflash_jax.nn.rope import apply_rope, rope_cos_sin
+from dflash_jax.nn.rope import apply_rope
 
 DEFAULT_ROLLBACK_WIDTH = 16
 
@@ -243,15 +244,9 @@ def block_context(
     num_valid: jax.Array | None = None,
 ) -> tuple[jax.Array, BlockContext]:
     """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`)."""
-    b, t = tokens.shape
-    starts = cache.lengths
-    if num_valid is None:
-        num_valid = jnp.full((b,), t, jnp.int32)
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
-    x = embed_tokens(weights, tokens)
-    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
-    return x, BlockContext(positions=positions, starts=starts, cos=cos, sin=sin, num_valid=num_valid.astype(jnp.int32),
-                           steps=starts - cache.linear_lengths)
+    x, base = qwen3_block_context(weights, tokens, cache, cfg, num_valid)
+    return x, BlockContext(positions=base.positions, starts=base.starts, cos=base.cos, sin=base.sin,
+                           num_valid=base.num_valid.astype(jnp.int32), steps=base.starts - cache.linear_lengths)
 
 
 def layer_cache(cache: Qwen3_5Cache, i: int, cfg: Qwen3_5Config):
