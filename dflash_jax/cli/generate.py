@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--expert-budget-mb", type=float, default=None,
                      help="device memory for the expert pool in MB (1e6 bytes); required with --offload")
     off.add_argument("--predictor", default="draft_router",
-                     help="route-ahead prefetch: none | previous | draft_router | previous+draft_router")
+                     help="route-ahead prefetch: none | previous | draft_router | residual (next layer's router on "
+                          "the verify's residual, one layer ahead) | a '+'-joined union, e.g. previous+residual")
     off.add_argument("--predictor-width", type=int, default=None,
                      help="experts per token the predictor prefetches (default: the target's top-k)")
     return p

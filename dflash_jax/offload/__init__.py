@@ -5,7 +5,8 @@
   placement.py    pin the hottest experts of a routing profile under the budget, warm the cache slots
   forward.py      forward_layerwise: the verify layer by layer, exact routing read before each expert GEMM
   families.py     per-family adapters (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): expert fields, layer steps, caches
-  predictors.py   route-ahead predictors (previous round, target routers on draft hidden states, union)
+  predictors.py   route-ahead predictors (previous round, target routers on draft hidden states, learned, the next
+                  layer's router on the verify's residual, union)
   stats.py        RouteAheadStats: coverage / waste / hit rate / bytes / transfer time vs hide window
   loop.py         generate_offloaded: B1 / B2 / B3 through one stepping loop
   cost_model.py   round-time model of B0-B3 for real configs and links; bandwidth probe
@@ -16,17 +17,17 @@ from dflash_jax.offload.loop import OffloadResult, generate_offloaded
 from dflash_jax.offload.placement import cache_reserve, plan_placement, routing_profile, warm_set
 from dflash_jax.offload.pool import ExpertPool, PoolTooSmall, slots_for_budget
 from dflash_jax.offload.predictors import (
-    PREDICTORS, DraftRouter, LearnedRouter, NoPrediction, PreviousRound, RoundInputs, Union, make_predictor,
-    ranked_union,
+    PREDICTORS, DraftRouter, LearnedRouter, NextLayerResidual, NoPrediction, PreviousRound, RoundInputs, Union,
+    in_verify_part, make_predictor, ranked_union,
 )
 from dflash_jax.offload.stats import LayerRoundStats, RoundStats, RouteAheadStats, layer_round_stats
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 
 __all__ = [
     "DraftRouter", "ExpertOperands", "LearnedRouter", "ExpertPool", "HostExpertStore", "LayerRoundStats",
-    "NoPrediction",
+    "NextLayerResidual", "NoPrediction",
     "NonResidentExpert", "OffloadResult", "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundStats",
-    "RouteAheadStats", "Union", "cache_reserve", "forward_layerwise", "generate_offloaded", "layer_round_stats",
+    "RouteAheadStats", "Union", "cache_reserve", "forward_layerwise", "generate_offloaded", "in_verify_part", "layer_round_stats",
     "make_predictor", "moe_layer_ids", "plan_placement", "ranked_union", "routing_profile", "slots_for_budget",
     "strip_experts", "warm_set",
 ]

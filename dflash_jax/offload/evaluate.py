@@ -7,6 +7,11 @@ experts (union over the block's rows), P = the predicted set; sums over rounds a
 coverage = sum |P & R| / sum |R| and waste = sum |P - R| / sum |P| (expert-weighted, the definitions of
 `offload.stats`), the mean |P| and |R|, and `random_coverage` = mean |P| / E (what a uniformly random set
 of the same size covers on average).
+
+A predictor with an in-verify part (`predictors.NextLayerResidual`, alone or in a `Union`) needs rounds recorded
+with `record_rounds(..., ahead=True)`: their "ahead_logits" hold, per MoE layer j after the first, layer j's
+router logits on the previous MoE layer's post-attention residual in the verify, from which the part's
+prediction is taken (each row's top-`width`) and added to the before-verify prediction, as the loop does.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.offload.predictors import RoundInputs
+from dflash_jax.offload.predictors import RoundInputs, in_verify_part
 
 
 def score_predictor(predictor, sequences: list[list[dict]], layers: tuple[int, ...], *, num_experts: int,
@@ -23,6 +28,7 @@ def score_predictor(predictor, sequences: list[list[dict]], layers: tuple[int, .
     in the same list). Returns coverage, waste, mean_predicted, mean_routed, random_coverage, cases."""
     covered = routed_total = predicted_total = 0
     cases = 0
+    late = in_verify_part(predictor)
     for rounds in sequences:
         previous = None
         for t, r in enumerate(rounds):
@@ -35,7 +41,14 @@ def score_predictor(predictor, sequences: list[list[dict]], layers: tuple[int, .
                 block_tokens=jnp.asarray(r["tokens"].reshape(b, width)),
                 previous_routed=None if previous is None else previous["routed"],
                 previous_logits=None if previous is None else previous["logits"])
-            prediction = predictor.predict(inputs)
+            prediction = dict(predictor.predict(inputs))
+            if late is not None:
+                if "ahead_logits" not in r:
+                    raise ValueError(f"predictor {predictor.name!r} predicts inside the verify: score it on rounds "
+                                     "recorded with record_rounds(..., ahead=True)")
+                for layer, logits in r["ahead_logits"].items():
+                    before = np.asarray(prediction.get(layer, np.zeros(0, np.int32)), np.int32)
+                    prediction[layer] = np.union1d(before, late.from_logits(logits, top_k))
             for layer in layers:
                 routed = np.unique(r["routed"][layer])
                 pred = np.unique(np.asarray(prediction.get(layer, np.zeros(0, np.int32))))

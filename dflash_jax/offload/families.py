@@ -14,7 +14,10 @@ store (`offload.store`) and the predictors (`offload.predictors`) use:
   layer_cache(cache, i, cfg) / mixer(...) / new_cache(...)   each layer's part of the cache in and out
   experts(...)        the MoE sub-layer on expert pools; dense(...): a dense MLP sub-layer
   finish(...)         final norm and logits
-  router_norm / router_topk_first   how `DraftRouter` applies the family's routers to draft hidden states
+  router_norm / router_bias / router_topk_first   how a layer's router is applied outside the layer (`DraftRouter`
+                      on draft hidden states, the in-verify route-ahead on the previous MoE layer's residual)
+  router_parts(layer) (post-attention norm weights, router, router bias or None) of a MoE layer
+  norm_scale(w)       the effective fp32 scale of the post-attention norm (Qwen3.5: 1 + w)
 
 Adapters are module-level singletons, hashable by identity, so the driver passes them to `jax.jit` as static
 arguments.
@@ -58,6 +61,16 @@ class Family:
 
     def router_bias(self, mlp):
         return None
+
+    def router_parts(self, layer) -> tuple:
+        """(post-attention norm weights, router [H, E], router bias [E] or None) of a MoE layer: with
+        `router_norm` and `router_topk_first`, everything needed to apply its router to another hidden state."""
+        return layer.post_norm, layer.mlp.router, self.router_bias(layer.mlp)
+
+    def norm_scale(self, weight) -> jnp.ndarray:
+        """The post-attention norm's effective fp32 scale s, so that on fp32 inputs the family's norm is
+        `s * x / rms(x)` (plain and fp32-scaled norms: w; Qwen3.5's zero-centred norm: 1 + w)."""
+        return weight.astype(jnp.float32)
 
     # ---- layer-wise steps (all traced inside jit; `kind` is static) ----
     def begin(self, weights, tokens, cache, num_valid, cfg):
@@ -125,6 +138,9 @@ class _Qwen3_5(Family):
     name, module, weights_type, config_type, moe_type = (
         "qwen3_5", qwen3_5, qwen3_5.Qwen3_5Weights, qwen3_5.Qwen3_5Config, qwen3_5.SparseMoEWeights)
     router_norm = {"zero_centered": True}
+
+    def norm_scale(self, weight):
+        return 1.0 + weight.astype(jnp.float32)
 
     def kind(self, cfg, i):
         return cfg.layer_types[i]

@@ -14,6 +14,9 @@ One round:
   3. predictors that read the draft predict; their prefetch is issued;
   4. the verify runs layer by layer (`offload.forward.forward_layerwise`): each MoE layer's exact routing is
      read on the host, missing experts are fetched on demand into the pool, and only then its experts run;
+     with an in-verify predictor ("residual", `predictors.NextLayerResidual`) the next MoE layer's router on
+     this layer's residual is read with the routing and the next layer's predicted experts are prefetched
+     before this layer's experts are dispatched (hidden behind one layer's compute);
   5. acceptance / emission / rollback (`spec.session.commit_verify`, jitted), stats.
 When the budget holds every expert (all pinned), nothing can miss and steps 4-5 run as one jitted program
 on the pool instead (no per-layer host round trips).
@@ -40,7 +43,7 @@ import numpy as np
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
 from dflash_jax.offload.placement import cache_reserve, plan_placement, routing_profile, warm_set
 from dflash_jax.offload.pool import ExpertPool, PoolTooSmall, slots_for_budget
-from dflash_jax.offload.predictors import NoPrediction, RoundInputs, make_predictor
+from dflash_jax.offload.predictors import NoPrediction, RoundInputs, in_verify_part, make_predictor
 from dflash_jax.offload.stats import RoundStats, RouteAheadStats, layer_round_stats
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 from dflash_jax.spec.loop import GenerationResult, _result
@@ -83,7 +86,9 @@ def generate_offloaded(
     """Speculative (or, with block_size 1, plain) generation with the target's routed experts in host memory
     and a device pool of `budget_bytes` (see module doc). Lossless: the output equals the resident run's.
 
-    predictor: a name (`offload.predictors.PREDICTORS`) or an object with `predict` / `needs_draft` / `name`;
+    predictor: a name (`offload.predictors.PREDICTORS`) or an object with `predict` / `needs_draft` / `name`
+    (and `in_verify` / `rank` / `width` for a predictor that prefetches one layer ahead inside the verify,
+    `predictors.NextLayerResidual`, alone or in a `Union`);
     width: experts per token a named predictor predicts (default top_k). pin: pin the prefill's hottest
     experts in the slots the cache reserve leaves (`placement.plan_placement`) and start the cache slots with
     the next hottest (`placement.warm_set`); False: the pool starts empty. poison: fill free slots and a
@@ -114,6 +119,7 @@ def generate_offloaded(
     if isinstance(predictor, str):
         predictor = make_predictor(predictor, pair.target, cfg, width=width)
     predictor = predictor or NoPrediction()
+    late = in_verify_part(predictor)  # the in-verify (one layer ahead) part, e.g. "residual"
     store = store or HostExpertStore(pair.target)
     stripped = strip_experts(pair.target)
     layers = moe_layer_ids(pair.target)
@@ -172,6 +178,8 @@ def generate_offloaded(
                              previous_logits=previous_logits)
         prefetched: dict[int, np.ndarray] = {}
         predicted: dict[int, np.ndarray] = {}
+        late_moved: dict[int, np.ndarray] = {}  # what the in-verify hook moved, per target layer
+        late_issued: dict[int, float] = {}  # when it was issued (its hide window ends when the layer is routed)
 
         def prefetch(prediction):
             for layer in layers:
@@ -195,13 +203,31 @@ def generate_offloaded(
         layer_stats = {}
 
         def on_demand(layer, experts):
+            window = time.perf_counter() - late_issued[layer] if layer in late_issued else 0.0
             resident = pool.resident(layer).copy()
             pool.fetch(layer, experts)
             pool.touch(layer, experts)
             layer_stats[layer] = layer_round_stats(
                 layer, predicted=predicted.get(layer, ()), routed=experts, resident=np.flatnonzero(resident),
-                prefetched=prefetched.get(layer, ()), expert_bytes=store.expert_bytes(layer))
+                prefetched=prefetched.get(layer, ()), expert_bytes=store.expert_bytes(layer),
+                prefetched_in_verify=late_moved.get(layer, ()), in_verify_window_s=window)
             return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+
+        def in_verify(layer, experts, probs):
+            """The in-verify hook (before the previous MoE layer's experts are dispatched): prefetch `layer`'s
+            predicted experts. It adds to the before-verify prediction: never evicts what that predicted (nor,
+            with protect_previous, what the previous verify routed to); it writes only `layer`'s pool, so the
+            experts of the layer about to run are untouched."""
+            ids = late.rank(experts, probs)
+            before = np.asarray(predicted.get(layer, ()), np.int32)
+            keep = [before]
+            if protect_previous and previous_routed:
+                keep.append(np.asarray(previous_routed[layer], np.int32).reshape(-1))
+            late_issued[layer] = time.perf_counter()
+            moved = pool.prefetch(layer, ids, protect=np.unique(np.concatenate(keep))).experts
+            predicted[layer] = np.concatenate([before, ids[~np.isin(ids, before)]])
+            prefetched[layer] = np.concatenate([np.asarray(prefetched.get(layer, ()), np.int32), moved])
+            late_moved[layer] = moved
 
         t2 = time.perf_counter()
         if full_pool:
@@ -214,7 +240,8 @@ def generate_offloaded(
         else:
             verify = forward_layerwise(stripped, verify_block(state, draft), state.target_cache, cfg,
                                        provider=on_demand, tap_layers=spec.taps, logits="all",
-                                       implementation=implementation)
+                                       implementation=implementation, ahead=in_verify if late is not None else None,
+                                       ahead_width=(late.width or top_k) if late is not None else None)
             state = _commit_verify_jit(state, draft, verify.out, spec)
             routed = verify.routed
         done = np.asarray(state.done)

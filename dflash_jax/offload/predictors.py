@@ -15,7 +15,9 @@ Predictions never affect correctness: the verify computes the exact routing and 
 - `LearnedRouter(params, layers, eps, width | threshold, embed)`: a per-layer linear map trained on (draft
   hidden [+ verify-block token], verify routing) pairs (`train.route_predictor`), initialized from the target
   routers; a block-level probability threshold as the alternative knob to the width.
-- `Union(a, b, ...)`: the union, in interleaved priority order.
+- `NextLayerResidual(width)` ("residual"): predicts INSIDE the verify: the next MoE layer's router on the current
+  MoE layer's post-attention residual, prefetched one layer ahead (`in_verify`; `predict` gives {}).
+- `Union(a, b, ...)`: the union, in interleaved priority order (its in-verify part, if any, adds to it).
 """
 
 from __future__ import annotations
@@ -107,22 +109,30 @@ class PreviousRound:
         return out
 
 
+def router_topk(hidden, norm_w, router, bias, width: int, eps: float, norm: tuple, topk_first: bool):
+    """One MoE layer's router applied to `hidden` [rows, H] as its family applies it: the layer's post-attention
+    norm (`norm_w`, `rms_norm` options `norm` as sorted (name, value) pairs), `hidden @ router` in fp32, the
+    router `bias` (gpt-oss; None otherwise), then each row's top-`width` experts: Qwen softmax over all experts
+    then top-`width`; `topk_first` (gpt-oss) top-`width` logits then a softmax over them.
+    -> (experts [rows, width] int32, probs [rows, width] fp32, logits [rows, E] fp32). Traced (call in jit)."""
+    h = rms_norm(hidden, norm_w, eps, **dict(norm))
+    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if topk_first:
+        top, experts = jax.lax.top_k(logits, width)
+        return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1), logits
+    probs, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), width)
+    return experts.astype(jnp.int32), probs, logits
+
+
 @functools.partial(jax.jit, static_argnames=("width", "eps", "norm", "topk_first"))
 def _draft_router_topk(hidden, norms, routers, biases, width, eps, norm, topk_first):
-    """hidden [rows, H]; norms [L, H]; routers [L, H, E]; biases [L, E] or None; norm: `rms_norm` options as
-    sorted (name, value) pairs; topk_first: gpt-oss routing (top-`width` logits, softmax over them) instead
-    of a softmax over all experts -> (experts [L, rows, width], probs [L, rows, width])."""
+    """hidden [rows, H]; norms [L, H]; routers [L, H, E]; biases [L, E] or None -> (experts [L, rows, width],
+    probs [L, rows, width]) of `router_topk` for every layer."""
 
     def one(norm_w, router, bias):
-        h = rms_norm(hidden, norm_w, eps, **dict(norm))
-        logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
-        if bias is not None:
-            logits = logits + bias.astype(jnp.float32)
-        if topk_first:
-            top, experts = jax.lax.top_k(logits, width)
-            return experts, jax.nn.softmax(top, axis=-1)
-        probs, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), width)
-        return experts, probs
+        return router_topk(hidden, norm_w, router, bias, width, eps, norm, topk_first)[:2]
 
     return jax.vmap(one)(norms, routers, biases)
 
@@ -148,7 +158,7 @@ class DraftRouter:
         mlps = [weights.layers[i].mlp for i in self.layers]
         self.routers = jnp.stack([mlp.router for mlp in mlps])
         self.norms = jnp.stack([weights.layers[i].post_norm for i in self.layers])
-        biases = [fam.router_bias(mlp) for mlp in mlps]
+        biases = [fam.router_bias(mlp) for mlp in mlps]  # the family's router parts (see `router_parts`)
         self.biases = None if all(b is None for b in biases) else jnp.stack(biases)
         self.norm_options = tuple(sorted(fam.router_norm.items()))
         self.topk_first = fam.router_topk_first
@@ -223,6 +233,7 @@ class Union:
         self.predictors = predictors
         self.name = name or "+".join(p.name for p in predictors)
         self.needs_draft = any(p.needs_draft for p in predictors)
+        self.in_verify = any(getattr(p, "in_verify", False) for p in predictors)  # see `NextLayerResidual`
 
     def predict(self, inputs: RoundInputs) -> dict[int, np.ndarray]:
         parts = [p.predict(inputs) for p in self.predictors]
@@ -239,17 +250,72 @@ class Union:
         return out
 
 
-PREDICTORS = ("none", "previous", "draft_router", "previous+draft_router")
+@dataclasses.dataclass
+class NextLayerResidual:
+    """"Previous-layer residual inside the verify": during the layer-wise verify, as soon as MoE layer i's
+    attention and router have run, the NEXT MoE layer j's router (with layer j's post-attention norm, as its
+    family applies it: `router_topk`) is applied to layer i's post-attention residual stream (the hidden state
+    entering layer i's MoE sub-layer), and each row's top-`width` experts (None: top_k) are layer j's
+    prediction. It is computed inside the jitted call that routes layer i and read on the host together with
+    layer i's exact routing (`offload.forward.forward_layerwise(ahead=, ahead_width=)`), so the loop can
+    prefetch layer j's missing experts while layer i's experts and layer j's attention compute: the hide
+    window is one layer. `predict` returns {}: nothing is predicted before the verify (`in_verify` tells the
+    loop to enable the hook); the first MoE layer gets no prediction. Composes with `Union`: the union's
+    before-verify parts prefetch as usual and this part adds to them."""
+
+    width: int | None = None
+    name: str = "residual"
+    needs_draft: bool = False
+    in_verify: bool = True
+
+    def predict(self, inputs: RoundInputs) -> dict[int, np.ndarray]:
+        return {}
+
+    def rank(self, experts: np.ndarray, probs: np.ndarray) -> np.ndarray:
+        """The in-verify prediction of one layer: rows' top-`width` experts [rows, width] (and their routing
+        probabilities) -> distinct ids ranked by summed probability."""
+        return ranked_union(experts, probs)
+
+    def from_logits(self, logits: np.ndarray, top_k: int) -> np.ndarray:
+        """Offline (`offload.evaluate`): the prediction from recorded next-layer router logits [rows, E] (each
+        row's top-`width` by logit order: the set `rank` gets in the verify for every family; the priority
+        order may differ for gpt-oss, which ranks by the softmax over the top `width`)."""
+        idx, p = _top_width(np.asarray(logits, np.float64), self.width or top_k)
+        return ranked_union(idx, p)
+
+
+def in_verify_part(predictor):
+    """The in-verify part of a predictor (a `NextLayerResidual`, possibly inside a `Union`), or None."""
+    if predictor is None:
+        return None
+    for part in getattr(predictor, "predictors", ()):
+        found = in_verify_part(part)
+        if found is not None:
+            return found
+    if getattr(predictor, "in_verify", False) and not hasattr(predictor, "predictors"):
+        return predictor
+    return None
+
+
+_PARTS = ("previous", "draft_router", "residual")
+PREDICTORS = ("none", "previous", "draft_router", "residual", "previous+draft_router", "previous+residual",
+              "draft_router+residual", "previous+draft_router+residual")
 
 
 def make_predictor(name: str, weights, cfg, *, width: int | None = None):
-    """A predictor by name (`PREDICTORS`); `width` = experts per token predicted (default: top_k)."""
+    """A predictor by name (`PREDICTORS`: "none" or a "+"-joined union of previous, draft_router, residual);
+    `width` = experts per token predicted (default: top_k)."""
     if name == "none":
         return NoPrediction()
-    if name == "previous":
-        return PreviousRound(width=width)
-    if name == "draft_router":
-        return DraftRouter(weights, cfg, width=width)
-    if name == "previous+draft_router":
-        return Union(PreviousRound(width=width), DraftRouter(weights, cfg, width=width))
-    raise ValueError(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
+    parts = name.split("+")
+    if not parts or any(p not in _PARTS for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
+    made = []
+    for part in parts:
+        if part == "previous":
+            made.append(PreviousRound(width=width))
+        elif part == "draft_router":
+            made.append(DraftRouter(weights, cfg, width=width))
+        else:
+            made.append(NextLayerResidual(width=width))
+    return made[0] if len(made) == 1 else Union(*made)

@@ -8,11 +8,17 @@ layer ran (after any prefetch, before any on-demand fetch):
   hits     = |R & H|                  hit rate = hits / |R|          (1 when R is empty)
   on-demand fetches = |R - H| (moved after the routing was known, exposed latency)
   prefetched = experts the prefetch actually moved (predicted and not yet resident)
+P counts every prediction for the layer: the before-verify predictors' and, with an in-verify predictor
+("residual"), the prediction made one layer earlier inside the verify; `prefetched` likewise counts both, and
+`prefetched_in_verify` the part the in-verify hook moved.
 Bytes are the expert counts times the layer's bytes per expert (FP4 blocks + scales when FP4).
 Aggregates over layers and rounds are expert-weighted (micro averages): sum(covered) / sum(routed), etc.
 
 Per round also: bytes moved by prefetch and on demand, the estimated transfer time of each at a host->device
-bandwidth, and the hide window (the wall time the prefetch could overlap: see `RoundStats`).
+bandwidth, and the hide window (the wall time the prefetch could overlap: see `RoundStats`). Before-verify
+prefetches hide behind the round's window (issue -> end of the verify); an in-verify prefetch of layer j hides
+only behind one layer: `in_verify_window_s`, the wall time from its issue (right after the previous MoE layer
+was routed) to layer j's routing being read (the previous layer's experts + layer j's attention and router).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class LayerRoundStats:
     on_demand: int
     prefetched: int
     expert_bytes: int
+    prefetched_in_verify: int = 0  # the part of `prefetched` moved by the in-verify hook
+    in_verify_window_s: float = 0.0  # that prefetch's hide window (issue -> this layer's routing read)
 
     @property
     def coverage(self) -> float:
@@ -57,17 +65,23 @@ class LayerRoundStats:
 
 
 def layer_round_stats(layer: int, *, predicted: Iterable[int], routed: Iterable[int], resident: Iterable[int],
-                      prefetched: Iterable[int] = (), expert_bytes: int = 0) -> LayerRoundStats:
+                      prefetched: Iterable[int] = (), expert_bytes: int = 0, prefetched_in_verify: Iterable[int] = (),
+                      in_verify_window_s: float = 0.0) -> LayerRoundStats:
     """The stats of one layer in one round from sets of expert ids (see module doc): `resident` = experts
-    on the device when the layer ran, before on-demand fetches; `prefetched` = experts the prefetch moved."""
+    on the device when the layer ran, before on-demand fetches; `prefetched` = experts any prefetch moved
+    (before-verify and in-verify); `prefetched_in_verify` = those the in-verify hook moved, with its hide
+    window `in_verify_window_s`."""
     p, r, h = _set(predicted), _set(routed), _set(resident)
+    late = _set(prefetched_in_verify)
+    moved = np.union1d(_set(prefetched), late)
     return LayerRoundStats(
         layer=layer, predicted=len(p), routed=len(r), covered=len(np.intersect1d(p, r)),
         wasted=len(np.setdiff1d(p, r)), hits=len(np.intersect1d(r, h)), on_demand=len(np.setdiff1d(r, h)),
-        prefetched=len(_set(prefetched)), expert_bytes=int(expert_bytes))
+        prefetched=len(moved), expert_bytes=int(expert_bytes), prefetched_in_verify=len(late),
+        in_verify_window_s=float(in_verify_window_s))
 
 
-_SUMS = ("predicted", "routed", "covered", "wasted", "hits", "on_demand", "prefetched")
+_SUMS = ("predicted", "routed", "covered", "wasted", "hits", "on_demand", "prefetched", "prefetched_in_verify")
 
 
 def _totals(layers: Iterable[LayerRoundStats]) -> dict:
@@ -88,7 +102,8 @@ def _totals(layers: Iterable[LayerRoundStats]) -> dict:
 class RoundStats:
     """One round. `layers`: per MoE layer. Times in seconds: `draft_s` / `verify_s` measured wall times of
     the draft forward and of the offloaded verify (including on-demand fetches); `hide_window_s` the wall
-    time between issuing the prefetch and the end of the verify (what prefetch copies can overlap with);
+    time between issuing the before-verify prefetch and the end of the verify (what its copies can overlap
+    with); in-verify prefetches hide only behind their layer's `in_verify_window_s` (one layer's compute);
     `bandwidth` the host->device bytes/s used for the transfer estimates."""
 
     round: int
@@ -102,9 +117,16 @@ class RoundStats:
         t = _totals(self.layers)
         bw = self.bandwidth
         t["prefetch_transfer_s"] = t["prefetched_bytes"] / bw if bw else 0.0
+        t["in_verify_prefetch_transfer_s"] = t["prefetched_in_verify_bytes"] / bw if bw else 0.0
         t["on_demand_transfer_s"] = t["on_demand_bytes"] / bw if bw else 0.0
-        # prefetch copies hide behind the window; whatever does not fit, and every on-demand copy, is exposed
-        t["exposed_transfer_s"] = max(0.0, t["prefetch_transfer_s"] - self.hide_window_s) + t["on_demand_transfer_s"]
+        # before-verify prefetch copies hide behind the round's window, each layer's in-verify copies behind that
+        # layer's one-layer window (link contention between them ignored); whatever does not fit, and every
+        # on-demand copy, is exposed
+        early = t["prefetch_transfer_s"] - t["in_verify_prefetch_transfer_s"]
+        late = sum(max(0.0, s.prefetched_in_verify * s.expert_bytes / bw - s.in_verify_window_s)
+                   for s in self.layers) if bw else 0.0
+        t["exposed_transfer_s"] = max(0.0, early - self.hide_window_s) + late + t["on_demand_transfer_s"]
+        t["in_verify_window_s"] = float(sum(s.in_verify_window_s for s in self.layers))
         t.update(round=self.round, draft_s=self.draft_s, verify_s=self.verify_s, hide_window_s=self.hide_window_s)
         return t
 
@@ -121,8 +143,8 @@ class RouteAheadStats:
     def summary(self) -> dict:
         out = _totals(s for r in self.rounds for s in r.layers)
         per_round = [r.totals() for r in self.rounds]
-        for key in ("prefetch_transfer_s", "on_demand_transfer_s", "exposed_transfer_s", "hide_window_s", "draft_s",
-                    "verify_s"):
+        for key in ("prefetch_transfer_s", "in_verify_prefetch_transfer_s", "on_demand_transfer_s",
+                    "exposed_transfer_s", "hide_window_s", "in_verify_window_s", "draft_s", "verify_s"):
             out[key] = float(sum(r[key] for r in per_round))
         out["rounds"] = len(self.rounds)
         # rounds in which no layer had to fetch on demand: a single-program verify on the pool as it stood after

@@ -37,14 +37,14 @@ def _run(capsys, *argv):
 def test_offload_json_has_route_ahead_stats_and_the_resident_tokens(checkpoint, capsys):
     code, out, err = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 16,
                           "--block-size", 4, "--json", "--ignore-eos", "--offload", "--expert-budget-mb", 0.05,
-                          "--predictor", "previous+draft_router")
+                          "--predictor", "previous+draft_router+residual")
     assert code == 0, err
     result = json.loads(out)
     want = generate(dflash_jax.load(checkpoint), [[int(t) for t in PROMPT.split(",")]], max_new_tokens=16,
                     block_size=4)
     assert result["tokens"] == want.tokens[0]
     stats = result["stats"]
-    assert stats["loop"] == "offloaded" and stats["offload"]["predictor"] == "previous+draft_router"
+    assert stats["loop"] == "offloaded" and stats["offload"]["predictor"] == "previous+draft_router+residual"
     assert stats["offload"]["slots_per_layer"] < stats["offload"]["num_experts"]
     summary = stats["route_ahead"]["summary"]
     for key in ("coverage", "waste", "hit_rate", "bytes_moved", "prefetched_bytes", "on_demand_bytes",
@@ -98,7 +98,7 @@ def test_offload_cli_on_every_family(converted_family_pair, capsys):
     prompt = [int(t) for t in PROMPT.split(",")]
     code, out, err = _run(capsys, "--checkpoint", converted_family_pair, "--prompt-ids", PROMPT, "--max-new-tokens",
                           16, "--block-size", 4, "--json", "--ignore-eos", "--offload", "--expert-budget-mb", budget_mb,
-                          "--predictor", "previous+draft_router")
+                          "--predictor", "previous+draft_router+residual")
     assert code == 0, err
     result = json.loads(out)
     want = generate(dflash_jax.load(converted_family_pair), [prompt], max_new_tokens=16, block_size=4)

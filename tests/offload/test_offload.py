@@ -12,9 +12,9 @@ from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.models import qwen3
 from dflash_jax.offload import (
-    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, NonResidentExpert, PoolTooSmall, PreviousRound,
-    RoundInputs, RoundStats, RouteAheadStats, Union, forward_layerwise, generate_offloaded, layer_round_stats,
-    plan_placement, ranked_union, strip_experts, warm_set,
+    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, NextLayerResidual, NonResidentExpert, PoolTooSmall,
+    PreviousRound, RoundInputs, RoundStats, RouteAheadStats, Union, forward_layerwise, generate_offloaded,
+    in_verify_part, layer_round_stats, make_predictor, plan_placement, ranked_union, strip_experts, warm_set,
 )
 from dflash_jax.spec import generate
 
@@ -55,6 +55,27 @@ def test_round_and_run_stats_are_expert_weighted():
     assert run.per_layer()[1]["coverage"] == 1 / 3
 
 
+def test_in_verify_prefetch_hides_behind_its_layer_window_only():
+    """In-verify prefetches count as predicted / prefetched for the layer they target; their transfer hides only
+    behind that layer's one-layer window, the before-verify part behind the round's window."""
+    a = layer_round_stats(0, predicted=[1, 2], routed=[1, 3], resident=[1, 2], prefetched=[2], expert_bytes=10)
+    b = layer_round_stats(1, predicted=[4, 5, 6], routed=[4, 5], resident=[4, 5, 6], prefetched=[4],
+                          prefetched_in_verify=[5, 6], in_verify_window_s=0.1, expert_bytes=10)
+    assert (b.predicted, b.covered, b.wasted, b.hits, b.on_demand) == (3, 2, 1, 2, 0)
+    assert b.prefetched == 3 and b.prefetched_in_verify == 2 and b.bytes_moved == 30  # in-verify is part of it
+    t = RoundStats(round=0, layers=[a, b], hide_window_s=0.5, bandwidth=100.0).totals()
+    assert t["prefetched"] == 4 and t["prefetched_in_verify"] == 2 and t["prefetched_in_verify_bytes"] == 20
+    assert t["prefetch_transfer_s"] == pytest.approx(0.4) and t["in_verify_prefetch_transfer_s"] == pytest.approx(0.2)
+    assert t["in_verify_window_s"] == pytest.approx(0.1)
+    # early 0.2 s hides in the 0.5 s round window; late 0.2 s against a 0.1 s layer window: 0.1 exposed;
+    # on demand: expert 3 of layer 0 (0.1 s)
+    assert t["exposed_transfer_s"] == pytest.approx(0.1 + 0.1)
+    assert t["coverage"] == 3 / 4 and t["waste"] == 2 / 5
+    summary = RouteAheadStats([RoundStats(round=0, layers=[a, b], hide_window_s=0.5, bandwidth=100.0)]).summary()
+    assert summary["prefetched_in_verify"] == 2 and summary["in_verify_window_s"] == pytest.approx(0.1)
+    assert summary["exposed_transfer_s"] == pytest.approx(0.2)
+
+
 # ---- placement and predictors ------------------------------------------------------------------------------
 def test_placement_pins_the_hottest_under_the_budget():
     profile = {0: np.array([5, 0, 5, 1]), 3: np.array([0, 2, 1, 9])}
@@ -84,6 +105,17 @@ def test_predictor_rankings():
             return {0: np.array(self.ids)}
 
     assert Union(Fixed([1, 2, 3]), Fixed([2, 5])).predict(inputs)[0].tolist() == [1, 2, 5, 3]
+    # the in-verify predictor predicts nothing before the verify; unions expose it to the loop
+    residual = NextLayerResidual(width=3)
+    assert residual.predict(inputs) == {} and not residual.needs_draft and in_verify_part(residual) is residual
+    both = make_predictor("previous+residual", None, CFG)
+    assert isinstance(both, Union) and both.in_verify and not both.needs_draft
+    assert both.predict(inputs)[0].tolist() == [4, 2, 6] and isinstance(in_verify_part(both), NextLayerResidual)
+    assert in_verify_part(make_predictor("previous", None, CFG)) is None
+    assert residual.rank(np.array([[3, 1], [1, 2]]), np.array([[0.6, 0.3], [0.5, 0.4]])).tolist() == [1, 3, 2]
+    assert residual.from_logits(np.log(np.array([[0.1, 0.2, 0.3, 0.05, 0.35]])), 2).tolist() == [4, 2, 1]
+    with pytest.raises(ValueError, match="unknown predictor"):
+        make_predictor("residual+residual", None, CFG)
 
 
 def test_draft_router_applies_each_layers_router():
@@ -191,6 +223,47 @@ def test_layerwise_forward_equals_resident_and_reads_only_resident_experts(exper
     assert not np.isfinite(logits).all() or np.abs(logits - np.asarray(want.logits)).max() > 1e3
 
 
+def test_in_verify_prediction_is_the_next_router_on_the_residual():
+    """Layer i+1's in-verify prediction = layer i+1's post-attention norm and router applied to layer i's
+    post-attention residual (checked by hand with the model's own pieces), each row's top-`width`; read with
+    layer i's routing and handed to the hook before layer i's experts ran; none for the first MoE layer."""
+    weights = testing.random_qwen3_weights(CFG, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 24)), jnp.int32)
+    cache = qwen3.forward_jit(weights, tokens, qwen3.init_cache(CFG, 2, 40), CFG).cache
+    block = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
+    pool = ExpertPool(HostExpertStore(weights), E)
+    calls = []
+    seen = {}
+
+    def provide(layer, experts):
+        calls.append(("provider", layer))
+        return _pool_provider(pool)(layer, experts)
+
+    def hook(layer, experts, probs):
+        calls.append(("ahead", layer))
+        seen[layer] = (experts, probs)
+
+    got = forward_layerwise(strip_experts(weights), block, cache, CFG, provider=provide, ahead=hook, ahead_width=3)
+    assert calls == [("provider", 0), ("ahead", 1), ("provider", 1), ("ahead", 2), ("provider", 2)]
+    assert sorted(got.ahead) == [1, 2] and all(seen[j][0].shape == (8, 3) for j in (1, 2))
+    # by hand: the resident model's pieces, layer by layer
+    x, ctx = qwen3.block_context(weights, block, cache, CFG)
+    for i, lw in enumerate(weights.layers):
+        x, _, _ = qwen3.attention_sublayer(lw, x, cache.keys[i], cache.values[i], ctx, CFG.layer_windows[i], CFG)
+        if i + 1 < CFG.num_layers:
+            nxt = weights.layers[i + 1]
+            logits = qwen3.mlp_input(nxt, x, CFG) @ nxt.mlp.router  # the residual x, layer i+1's norm
+            probs, top = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), 3)
+            np.testing.assert_array_equal(seen[i + 1][0], np.asarray(top))
+            np.testing.assert_allclose(seen[i + 1][1], np.asarray(probs), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(got.ahead_logits[i + 1]), np.asarray(logits), rtol=1e-5, atol=1e-5)
+        x = qwen3.mlp_sublayer(lw, x, qwen3.mlp_input(lw, x, CFG), CFG)
+    # and without the hook the forward is unchanged (no prediction computed)
+    plain = forward_layerwise(strip_experts(weights), block, cache, CFG, provider=_pool_provider(pool))
+    assert plain.ahead == {} and plain.ahead_logits == {}
+    np.testing.assert_array_equal(np.asarray(plain.out.logits), np.asarray(got.out.logits))
+
+
 # ---- offloaded generation: lossless for every budget and predictor ---------------------------------------------
 @pytest.fixture(scope="module")
 def pair():
@@ -198,7 +271,7 @@ def pair():
 
 
 PROMPTS = [np.random.default_rng(i).integers(0, 500, n).tolist() for i, n in enumerate((40, 23))]
-PREDICTORS = ["none", "previous", "draft_router", "previous+draft_router"]
+PREDICTORS = ["none", "previous", "draft_router", "previous+draft_router", "residual", "previous+residual"]
 
 
 def _per_slot(pair):
@@ -231,9 +304,13 @@ def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, b
             assert summary["on_demand"] + summary["prefetched"] > 0  # the pool really was too small to hold all
             if name == "none":
                 assert summary["predicted"] == 0 and summary["prefetched"] == 0
-    wide = generate_offloaded(pair, PROMPTS, budget_bytes=smallest * per_slot, predictor="previous", width=4,
-                              block_size=block, max_new_tokens=20, store=store, poison=True, bandwidth=1e9)
-    assert wide.tokens == want.tokens
+            if name == "residual":  # predicts only inside the verify, for every MoE layer but the first
+                assert summary["predicted"] > 0 and summary["prefetched"] == summary["prefetched_in_verify"]
+                assert got.route_ahead.per_layer()[0]["predicted"] == 0
+    for name in ("previous", "draft_router+residual") if block > 1 else ("previous",):
+        wide = generate_offloaded(pair, PROMPTS, budget_bytes=smallest * per_slot, predictor=name, width=4,
+                                  block_size=block, max_new_tokens=20, store=store, poison=True, bandwidth=1e9)
+        assert wide.tokens == want.tokens, name
 
 
 def test_learned_router_starts_as_the_draft_router_and_learns(pair):
@@ -292,3 +369,31 @@ def test_learned_router_with_token_features_and_threshold(pair):
                                  max_new_tokens=16, store=store, poison=True, bandwidth=1e9)
         assert got.tokens == want_tokens
         assert got.stats["route_ahead"]["summary"]["predicted"] > 0
+
+
+def test_residual_predictor_scores_offline_as_in_the_loop(pair):
+    """`record_rounds(ahead=True)` keeps the in-verify prediction inputs (the next layer's router logits on the
+    residual) and the same rounds; `score_predictor` then scores "residual" (alone or in a union) exactly as the
+    loop's stats count it."""
+    from dflash_jax.offload.evaluate import score_predictor
+    from dflash_jax.train.route_predictor import record_rounds
+
+    plain = record_rounds(pair, PROMPTS, block_size=4, max_new_tokens=12)
+    rounds = record_rounds(pair, PROMPTS, block_size=4, max_new_tokens=12, ahead=True)
+    assert len(rounds) == len(plain) and all(sorted(r["ahead_logits"]) == [1, 2] for r in rounds)
+    for a, b in zip(rounds, plain):
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+        assert all((a["routed"][l] == b["routed"][l]).all() for l in range(CFG.num_layers))
+        assert a["ahead_logits"][1].shape == (a["hidden"].shape[0], E)
+    layers = tuple(range(CFG.num_layers))
+    with pytest.raises(ValueError, match="ahead=True"):
+        score_predictor(NextLayerResidual(), [plain], layers, num_experts=E, top_k=2)
+    _, store = _per_slot(pair)
+    for name in ("residual", "previous+residual"):
+        offline = score_predictor(make_predictor(name, pair.target, CFG), [rounds], layers, num_experts=E, top_k=2)
+        online = generate_offloaded(pair, PROMPTS, budget_bytes=store.total_bytes, predictor=name, block_size=4,
+                                    max_new_tokens=12, store=store, bandwidth=1e9, single_program_when_full=False)
+        summary = online.stats["route_ahead"]["summary"]
+        assert offline["cases"] == summary["rounds"] * len(layers)
+        assert offline["coverage"] == pytest.approx(summary["coverage"])
+        assert offline["waste"] == pytest.approx(summary["waste"])

@@ -7,7 +7,10 @@ MXFP4 packed experts, biased top-k-then-softmax router, sliding/full layers with
   rolling both caches back gives the same cache;
 - a provider that lies about residency computes on poison and the output is wrecked;
 - offloaded greedy generation equals the resident `spec.generate` token for token and round for round at
-  the smallest budget that runs, an intermediate one and all experts, with every predictor, poisoned pool.
+  the smallest budget that runs, an intermediate one and all experts, with every predictor (the in-verify
+  "residual" alone and in unions included), poisoned pool;
+- the in-verify prediction is the next layer's router on the previous layer's post-attention residual; the
+  learned predictor starts exactly at the family's router (gpt-oss bias, Qwen3.5 zero-centred norm).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dflash_jax.offload import (
     DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
     forward_layerwise, generate_offloaded, moe_layer_ids, strip_experts,
 )
+from dflash_jax.offload.families import family_of_config
 from dflash_jax.spec import generate
 from dflash_jax.spec.session import init_target_cache, target_family
 
@@ -186,12 +190,72 @@ def test_draft_router_applies_the_familys_router(pair):
         assert set(pred[layer].tolist()) == set(np.asarray(routed).reshape(-1).tolist())
 
 
+def test_learned_router_starts_exactly_at_the_familys_router(pair):
+    """`init_from_target` + `route_logits` reproduce the family's router logits at step 0 (gpt-oss: router bias;
+    Qwen3.5: zero-centred norm as 1 + w), so LearnedRouter(width=top_k) picks DraftRouter's per-row sets (gpt-oss
+    softmaxes after the top-k: sets compared by logit order)."""
+    from dflash_jax.train.route_predictor import init_from_target, route_logits
+
+    cfg, weights = pair.target_cfg, pair.target
+    fam = target_family(cfg)
+    layers = moe_layer_ids(weights)
+    params = init_from_target(weights, layers)
+    hidden = jax.random.normal(jax.random.key(7), (2, 4, cfg.hidden_size))
+    flat = hidden.reshape(-1, cfg.hidden_size)
+    logits = np.asarray(route_logits(params, flat, cfg.rms_norm_eps))
+    for j, layer in enumerate(layers):
+        lw = weights.layers[layer]
+        routing = fam.route(lw.mlp, fam.mlp_input(lw, flat[None], cfg), cfg)  # the model's own router
+        np.testing.assert_allclose(logits[j], np.asarray(routing.logits), rtol=1e-5, atol=1e-5)
+        top = np.argsort(-logits[j], axis=-1, kind="stable")[:, :2]
+        for row in range(flat.shape[0]):
+            assert set(top[row].tolist()) == set(np.asarray(routing.experts)[row].tolist()), (layer, row)
+    inputs = RoundInputs(round=0, layers=layers, top_k=2, draft_hidden=hidden)
+    learned = LearnedRouter(params, layers, eps=cfg.rms_norm_eps, width=2).predict(inputs)
+    draft = DraftRouter(weights, cfg, width=2).predict(inputs)
+    assert all(set(learned[l].tolist()) == set(draft[l].tolist()) for l in layers)
+
+
+def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference):
+    """The family's next-layer router (norm, bias, top-k rule) on the previous layer's post-attention residual,
+    checked by hand with the family's layer pieces; width top_k: the prediction is exactly the routing the next
+    layer would give that residual."""
+    cfg, weights = pair.target_cfg, pair.target
+    store = reference[1]
+    ofam = family_of_config(cfg)
+    tokens = np.zeros((2, 40), np.int32)
+    for row, p in enumerate(PROMPTS):
+        tokens[row, :len(p)] = p
+    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    cache = target_family(cfg).forward_jit(weights, jnp.asarray(tokens),
+                                           init_target_cache(cfg, 2, MAX_LEN, jnp.float32, verify_width=4), cfg,
+                                           num_valid=lengths, logits="last").cache
+    block = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
+    pool = ExpertPool(store, E)
+    seen = {}
+    got = forward_layerwise(strip_experts(weights), block, cache, cfg, provider=_provider(pool), ahead_width=2,
+                            ahead=lambda j, experts, probs: seen.__setitem__(j, experts))
+    assert sorted(seen) == sorted(got.ahead) == [1, 2]
+    x, ctx = ofam.begin(weights, block, cache, jnp.full((2,), 4, jnp.int32), cfg)
+    for i, lw in enumerate(weights.layers):
+        x, _ = ofam.mixer(lw, x, ofam.layer_cache(cache, i, cfg), ctx, ofam.kind(cfg, i), cfg)
+        if i + 1 < cfg.num_layers:
+            nxt = weights.layers[i + 1]
+            want = ofam.route(nxt, ofam.mlp_input(nxt, x, cfg), cfg)
+            for row in range(8):
+                assert set(seen[i + 1][row].tolist()) == set(np.asarray(want.experts)[row].tolist()), (i + 1, row)
+            np.testing.assert_allclose(np.asarray(got.ahead_logits[i + 1]), np.asarray(want.logits), rtol=1e-5,
+                                       atol=1e-4)
+        h = ofam.mlp_input(lw, x, cfg)
+        x = ofam.experts(lw, x, h, ofam.route(lw, h, cfg), ofam.expert_tables(lw.mlp), None, cfg, "auto")
+
+
 def _predictors(pair):
     from dflash_jax.train.route_predictor import init_from_target
 
     layers = moe_layer_ids(pair.target)
     learned = LearnedRouter(init_from_target(pair.target, layers), layers, eps=pair.target_cfg.rms_norm_eps)
-    return ["none", "previous", "draft_router", "previous+draft_router", learned]
+    return ["none", "previous", "draft_router", "previous+draft_router", learned, "residual", "draft_router+residual"]
 
 
 def _per_slot(pair):
@@ -203,7 +267,7 @@ def test_offloaded_generation_is_lossless(pair, reference):
     """The smallest budget that runs (every predictor), an intermediate one, all experts (the fixture)."""
     want, store, per_slot, smallest = reference
     assert smallest < E
-    budgets = {smallest: _predictors(pair), (smallest + E) // 2: ["none", "previous+draft_router"]}
+    budgets = {smallest: _predictors(pair), (smallest + E) // 2: ["none", "previous+draft_router", "previous+residual"]}
     for slots, predictors in budgets.items():
         for predictor in predictors:
             got = generate_offloaded(pair, PROMPTS, budget_bytes=slots * per_slot, predictor=predictor, **_run(store))
