@@ -9,8 +9,10 @@ Model: `--checkpoint DIR` (a convert-weights pair with split.json), else the rou
 block) cannot separate predictors from chance; 64 experts top-4 has the ratio of the real targets.
 
 Data: speculative rounds with every expert resident (batch 1, greedy), recording per round the draft's
-hidden states and the verify block's tokens (what a predictor may read before the verify) and each MoE
-layer's exact routing and router logits (what the verify then did). Learned predictors train on rounds over
+hidden states and the verify block's tokens (what a predictor may read before the verify), each MoE
+layer's exact routing and router logits (what the verify then did), and what the in-verify "residual"
+predictor reads (the next MoE layer's router on each MoE layer's residual; its copies have only a
+one-layer window to hide behind, the others the draft + verify window). Learned predictors train on rounds over
 windows of TRAINING files and are scored on windows of the pair's HELD-OUT files (split.json).
 
 Per (round, MoE layer): R = the experts the verify routed (union over the block's rows), P = the predicted
@@ -46,7 +48,7 @@ def record_rounds(pair, prompts, *, block_size: int, max_new_tokens: int, progre
     for i, prompt in enumerate(prompts):
         if progress and i % 8 == 0:
             print(f"[route_ahead] recording rounds: prompt {i}/{len(prompts)}", flush=True)
-        out.append(record(pair, [prompt], block_size=block_size, max_new_tokens=max_new_tokens))
+        out.append(record(pair, [prompt], block_size=block_size, max_new_tokens=max_new_tokens, ahead=True))
     return out, layers
 
 
@@ -71,7 +73,7 @@ def fit_predictors(pair, sequences, layers, *, steps: int) -> dict:
 
 def predictor_grid(pair, learned):
     """(name, knob, predictor) of every predictor scored."""
-    from dflash_jax.offload import DraftRouter, LearnedRouter, PreviousRound, Union
+    from dflash_jax.offload import DraftRouter, LearnedRouter, NextLayerResidual, PreviousRound, Union
 
     k, e = pair.target_cfg.moe.top_k, pair.target_cfg.moe.num_experts
     layers = learned["layers"]
@@ -80,6 +82,8 @@ def predictor_grid(pair, learned):
     grid = []
     for w in widths[:2]:
         grid.append(("previous", f"w={w}", PreviousRound(width=w)))
+    for w in widths[:3]:
+        grid.append(("residual (in verify, one-layer window)", f"w={w}", NextLayerResidual(width=w)))
     for w in widths:
         grid.append(("draft_router", f"w={w}", DraftRouter(pair.target, pair.target_cfg, width=w)))
         grid.append(("learned (hidden)", f"w={w}", LearnedRouter(learned["linear"], layers, eps=eps, width=w)))
@@ -93,6 +97,9 @@ def predictor_grid(pair, learned):
         grid.append(("previous + learned (hidden + token)", f"w={k} / t={t}", Union(
             PreviousRound(width=k),
             LearnedRouter(learned["token"], layers, eps=eps, threshold=t, embed=pair.target.embed))))
+    grid.append(("learned (hidden + token) + residual", f"t=0.3 / w={k}", Union(
+        LearnedRouter(learned["token"], layers, eps=eps, threshold=0.3, embed=pair.target.embed),
+        NextLayerResidual(width=k))))
     return grid
 
 
@@ -175,7 +182,9 @@ def markdown(info, rows) -> str:
         "Per (round, MoE layer): R = experts the verify routed (union over the block's rows), P = predicted set. "
         "coverage = sum |P & R| / sum |R|; waste = sum |P - R| / sum |P|; `random cov.` = mean |P| / E (a random "
         "set of the same size). Knobs: `w=K` predicts each row's top-K experts; `t=X` predicts every expert whose "
-        "probability of being routed by some row of the block, 1 - prod_rows(1 - p_row), is >= X.", "",
+        "probability of being routed by some row of the block, 1 - prod_rows(1 - p_row), is >= X. `residual` predicts "
+        "nothing for the first MoE layer (it has no layer before it), which its coverage counts as misses; its copies "
+        "have one layer of compute to hide behind, the others the draft forward plus the verify.", "",
         "| predictor | knob | coverage | waste | mean P | mean R | random cov. |",
         "|---|---|---|---|---|---|---|",
     ]

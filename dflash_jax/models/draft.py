@@ -123,14 +123,21 @@ def append_context(
     )
 
 
+def _kind_mask(q_positions, k_positions, *, causal: bool, window: int | None):
+    """A layer kind's position rule: causal or not; a window hides `q - k >= W` and, when not causal, also
+    `k - q >= W`."""
+    mask = attention_mask(q_positions, k_positions, causal=causal, window=window)
+    if window is not None and not causal:
+        mask &= k_positions[:, None, :] - q_positions[:, :, None] < window
+    return mask
+
+
 def _block_mask(q_positions, start, max_len, *, causal: bool, window: int | None):
     """[b, B, max_len + B]: cached context slots (< start) then the block's own keys."""
     b = q_positions.shape[0]
     slots = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
     k_positions = jnp.concatenate([slots, q_positions], axis=1)
-    mask = attention_mask(q_positions, k_positions, causal=causal, window=window)
-    if window is not None and not causal:
-        mask &= k_positions[:, None, :] - q_positions[:, :, None] < window
+    mask = _kind_mask(q_positions, k_positions, causal=causal, window=window)
     valid = jnp.concatenate([slots < start[:, None], jnp.ones_like(q_positions, bool)], axis=1)
     return mask & valid[:, None, :]
 
@@ -149,6 +156,30 @@ def draft_logits(hidden: jax.Array, cfg: DraftConfig, *, embed: jax.Array, lm_he
         cap = cfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
     return logits
+
+
+def _embed_block(embed: jax.Array, tokens: jax.Array, cfg: DraftConfig) -> jax.Array:
+    x = jnp.take(embed, tokens, axis=0)
+    if cfg.input_embedding_scale != 1.0:
+        x = (x * cfg.input_embedding_scale).astype(embed.dtype)
+    return x
+
+
+def _block_layer(layer: DecoderLayerWeights, x, cos, sin, ctx_keys, ctx_values, mask, cfg: DraftConfig):
+    """One draft layer on the block stream x [b, T, H]: queries from the block, keys / values = the given
+    context K/V then the block's own, under `mask` [b, T, S_ctx + T]."""
+    b, t, _ = x.shape
+    h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+    q, k, v = qkv_projection(
+        h, layer.attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+    )
+    keys = jnp.concatenate([ctx_keys, k.astype(ctx_keys.dtype)], axis=1)
+    values = jnp.concatenate([ctx_values, v.astype(ctx_values.dtype)], axis=1)
+    out = gqa_attention(q, keys, values, mask, scale=cfg.head_dim**-0.5)
+    x = x + _linear(out.reshape(b, t, -1), layer.attn.o, layer.attn.o_bias)
+    mlp: MLPWeights = layer.mlp
+    return x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
 
 
 def draft_forward(
@@ -176,26 +207,14 @@ def draft_forward(
     start = cache.lengths
     b, width = block_tokens.shape
     positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)
-    x = jnp.take(embed, block_tokens, axis=0)
-    if cfg.input_embedding_scale != 1.0:
-        x = (x * cfg.input_embedding_scale).astype(embed.dtype)
+    x = _embed_block(embed, block_tokens, cfg)
     cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
     masks = {}
     for i, layer in enumerate(weights.layers):
         kind = (cfg.layer_causal[i], cfg.layer_windows[i])
         if kind not in masks:
             masks[kind] = _block_mask(positions, start, cache.max_len, causal=kind[0], window=kind[1])
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        q, k, v = qkv_projection(
-            h, layer.attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-        )
-        keys = jnp.concatenate([cache.keys[i], k.astype(cache.keys[i].dtype)], axis=1)
-        values = jnp.concatenate([cache.values[i], v.astype(cache.values[i].dtype)], axis=1)
-        out = gqa_attention(q, keys, values, masks[kind], scale=cfg.head_dim**-0.5)
-        x = x + _linear(out.reshape(b, width, -1), layer.attn.o, layer.attn.o_bias)
-        mlp: MLPWeights = layer.mlp
-        x = x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
+        x = _block_layer(layer, x, cos, sin, cache.keys[i], cache.values[i], masks[kind], cfg)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     return draft_logits(hidden, cfg, embed=embed, lm_head=lm_head), hidden, cache
 
@@ -236,31 +255,15 @@ def draft_forward_blocks(
         slot = jnp.tile(jnp.arange(width, dtype=jnp.int32), a)
         own_block = own_block & (slot[None, :] < jnp.repeat(widths.astype(jnp.int32), width, axis=1))[:, None, :]
     visible = jnp.concatenate([ctx_pos[:, None, :] < q_anchor[:, :, None], own_block], axis=2)
-    x = jnp.take(embed, block_tokens.reshape(n, a * width), axis=0)
-    if cfg.input_embedding_scale != 1.0:
-        x = (x * cfg.input_embedding_scale).astype(embed.dtype)
+    x = _embed_block(embed, block_tokens.reshape(n, a * width), cfg)
     cos, sin = rope_cos_sin(cfg.rope, q_pos, x.dtype)
     masks = {}
     for i, layer in enumerate(weights.layers):
         kind = (cfg.layer_causal[i], cfg.layer_windows[i])
         if kind not in masks:
-            causal, window = kind
-            mask = attention_mask(q_pos, k_pos, causal=causal, window=window)
-            if window is not None and not causal:
-                mask &= k_pos[:, None, :] - q_pos[:, :, None] < window
-            masks[kind] = mask & visible
+            masks[kind] = _kind_mask(q_pos, k_pos, causal=kind[0], window=kind[1]) & visible
         k_ctx, v_ctx = _context_kv(ctx, layer.attn, ctx_cos, ctx_sin, cfg)
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        q, k, v = qkv_projection(
-            h, layer.attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-        )
-        keys = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], axis=1)
-        values = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], axis=1)
-        out = gqa_attention(q, keys, values, masks[kind], scale=cfg.head_dim**-0.5)
-        x = x + _linear(out.reshape(n, a * width, -1), layer.attn.o, layer.attn.o_bias)
-        mlp: MLPWeights = layer.mlp
-        x = x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
+        x = _block_layer(layer, x, cos, sin, k_ctx, v_ctx, masks[kind], cfg)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     logits = draft_logits(hidden, cfg, embed=embed, lm_head=lm_head)
     return logits.reshape(n, a, width, -1), hidden.reshape(n, a, width, -1)

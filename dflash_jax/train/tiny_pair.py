@@ -162,9 +162,6 @@ def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray,
     from dflash_jax.testing import random_draft_weights
 
     dcfg = draft_config()
-    bad = [w for w in recipe.block_widths if not 2 <= w <= dcfg.block_size]
-    if bad:
-        raise ValueError(f"block_widths {bad} outside [2, {dcfg.block_size}] (the draft's block size)")
     params = random_draft_weights(dcfg, jax.random.key(recipe.seed + 1), norm_jitter=0.0)
     block = dcfg.block_size
     length = corpus.shape[1]
@@ -209,6 +206,10 @@ def train_tiny_pair(work: str, out: str | None, *, recipe: Recipe = Recipe(), pr
     """Runs every stage; returns a summary (losses, sizes, timings). `out` gets the converted pair."""
     from dflash_jax.train.export import save_hf_draft, save_hf_target
 
+    block = draft_config().block_size
+    bad = [w for w in recipe.block_widths if not 2 <= w <= block]
+    if bad:
+        raise ValueError(f"block_widths {bad} outside [2, {block}] (2 up to the draft's block size)")
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()
     tok, streams = build_tokens(work, progress)

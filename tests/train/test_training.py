@@ -219,3 +219,25 @@ def test_packed_blocks_of_mixed_widths_equal_inference_at_each_width():
     wsum = sum(w for w, _ in expected_nll)
     assert float(loss) == pytest.approx(sum(w * v for w, v in expected_nll) / wsum, rel=1e-5)
     assert float(aux["ce"]) == pytest.approx(np.mean([v for _, v in expected_nll]), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_quick_recipe_runs_every_stage_and_the_pair_generates(tmp_path):
+    """examples/train_tiny_pair.py's pipeline at toy sizes: tokenizer, target, continuations, draft (packed
+    blocks at mixed widths), export, convert; the converted pair loads and decodes losslessly."""
+    import dataclasses
+
+    import dflash_jax
+    from dflash_jax.decode import greedy_generate
+    from dflash_jax.spec import generate
+    from dflash_jax.train.tiny_pair import Recipe, train_tiny_pair
+
+    with pytest.raises(ValueError, match="block_widths"):
+        train_tiny_pair(str(tmp_path / "bad"), None, recipe=dataclasses.replace(Recipe.quick(), block_widths=(1, 32)),
+                        progress=False)
+    summary = train_tiny_pair(str(tmp_path / "work"), str(tmp_path / "pair"), recipe=Recipe.quick(), progress=False)
+    assert summary["draft_loss"]["last"] and summary["target_loss"]["last"]
+    pair = dflash_jax.load(str(tmp_path / "pair"))
+    prompt = list(range(5, 25))
+    want = greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=12)
+    assert generate(pair, [prompt], max_new_tokens=12, block_size=4).tokens == want
