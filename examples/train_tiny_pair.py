@@ -1,7 +1,7 @@
 """Reproduces the small trained pair shipped with the package (dflash_jax/assets/tiny_pair).
 
   python examples/train_tiny_pair.py                    # full recipe (under an hour on 2 CPU cores)
-  python examples/train_tiny_pair.py --quick --out /tmp/pair   # smoke run in seconds
+  python examples/train_tiny_pair.py --quick --work quick_work --out quick_pair   # smoke run
 
 A Qwen3-MoE target (4 layers, 8 experts top-2, ~2.5M parameters) trained on the Python standard library's
 source with a BPE tokenizer, then a 2-layer DFlash draft trained with the DFlash objective on the target's

@@ -236,4 +236,23 @@ def train_tiny_pair(work: str, out: str | None, *, recipe: Recipe = Recipe(), pr
         convert(hf_target, hf_draft, out, expert_format="mxfp4", dtype="fp32", overwrite=True, progress=progress)
         shutil.copy2(os.path.join(work, "split.json"), os.path.join(out, "split.json"))
         shutil.copy2(os.path.join(work, "summary.json"), os.path.join(out, "train_summary.json"))
+        make_portable(out)
     return summary
+
+
+def make_portable(pair_dir: str) -> None:
+    """Strips what names the machine a pair was converted on, so it can ship: the manifest's source paths
+    become the source directories' names (their files' sha256 stay), and orbax's commit_success.txt
+    markers (which hold the absolute write path; only object stores need them) are removed."""
+    path = os.path.join(pair_dir, "manifest.json")
+    with open(path) as fh:
+        manifest = json.load(fh)
+    sources = manifest.get("sources", {})
+    for key in ("target", "draft"):
+        if isinstance(sources.get(key), str):
+            sources[key] = os.path.basename(os.path.normpath(sources[key]))
+    with open(path, "w") as fh:
+        json.dump(manifest, fh, indent=1)
+    for root, _, files in os.walk(pair_dir):
+        if "commit_success.txt" in files:
+            os.remove(os.path.join(root, "commit_success.txt"))

@@ -145,6 +145,11 @@ def test_shipped_pair_is_small_and_loads():
     assert pair.target_cfg.moe.num_experts == 8 and pair.target_cfg.moe.top_k == 2
     split = json.load(open(os.path.join(SHIPPED, "split.json")))
     assert split["held_out_files"] and split["train_files"] > 10 * len(split["held_out_files"])
+    # nothing in it names the machine it was built on (`train.tiny_pair.make_portable`)
+    for d, _, fs in os.walk(SHIPPED):
+        assert "commit_success.txt" not in fs
+    sources = json.load(open(os.path.join(SHIPPED, "manifest.json")))["sources"]
+    assert not os.path.isabs(sources["target"]) and not os.path.isabs(sources["draft"])
 
 
 def test_dflash_generate_default_pair_prints_code(capsys):
@@ -238,6 +243,7 @@ def test_quick_recipe_runs_every_stage_and_the_pair_generates(tmp_path):
     summary = train_tiny_pair(str(tmp_path / "work"), str(tmp_path / "pair"), recipe=Recipe.quick(), progress=False)
     assert summary["draft_loss"]["last"] and summary["target_loss"]["last"]
     pair = dflash_jax.load(str(tmp_path / "pair"))
+    assert json.load(open(tmp_path / "pair" / "manifest.json"))["sources"]["target"] == "hf_target"
     prompt = list(range(5, 25))
     want = greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=12)
     assert generate(pair, [prompt], max_new_tokens=12, block_size=4).tokens == want
