@@ -360,3 +360,18 @@ class fast_torch_cpu:  # noqa: N801 - used as a context manager, like a function
         if self._flush:
             torch.set_flush_denormal(False)
         return False
+
+
+def record_reference_proposals(monkeypatch, draft_ref) -> list[list[int]]:
+    """Patches z-lab's draft so each of its `compute_logits` calls appends that round's greedy proposals
+    (batch row 0) to the returned list."""
+    proposals: list[list[int]] = []
+    original = draft_ref.compute_logits
+
+    def recording(hidden, head):
+        logits = original(hidden, head)
+        proposals.append(logits.argmax(-1)[0].tolist())
+        return logits
+
+    monkeypatch.setattr(draft_ref, "compute_logits", recording)
+    return proposals

@@ -33,7 +33,7 @@ from dflash_jax.pair import check_pair  # noqa: E402
 from dflash_jax.quant import MXFP4Tensor  # noqa: E402
 from tests.hf_reference import (  # noqa: E402
     build_and_save_draft, build_gpt_oss, hf_forward, load_gpt_oss_mxfp4_reference, save_gpt_oss_mxfp4_release,
-    tiny_draft_config, tiny_gpt_oss_config,
+    record_reference_proposals, tiny_draft_config, tiny_gpt_oss_config,
 )
 
 FP32_TOL = 1e-4
@@ -375,15 +375,7 @@ def test_rounds_equal_reference_dflash_generate(fixture, gpt_oss_pair, monkeypat
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # return_stats without CUDA
     ddir, converted = gpt_oss_pair
     draft_ref = reference.DFlashDraftModel.from_pretrained(ddir).float().eval()
-    proposals = []
-    original = draft_ref.compute_logits
-
-    def recording(hidden, head):
-        logits = original(hidden, head)
-        proposals.append(logits.argmax(-1)[0].tolist())
-        return logits
-
-    monkeypatch.setattr(draft_ref, "compute_logits", recording)
+    proposals = record_reference_proposals(monkeypatch, draft_ref)
     pair = dflash_jax.load(converted["mxfp4"])
     prompt = list(map(int, _tokens(60, pair.target_cfg.vocab_size, 8)))
     n, block = 24, 4

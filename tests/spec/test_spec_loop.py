@@ -20,7 +20,7 @@ from dflash_jax.pair import load_hf_pair  # noqa: E402
 from dflash_jax.spec import SamplingParams, generate, generate_stepping  # noqa: E402
 from tests.hf_reference import (  # noqa: E402
     build_and_save, build_and_save_draft, hf_greedy, make_agreeable_, reference_with_experts, tiny_draft_config,
-    tiny_qwen3_moe_config,
+    record_reference_proposals, tiny_qwen3_moe_config,
 )
 
 LAYERS = 3
@@ -80,15 +80,7 @@ def test_rounds_equal_reference_dflash_generate(converted, hf_pair, block, monke
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # return_stats without CUDA
     target_ref = reference_with_experts(hf_pair[0], converted)
     draft_ref = hf_pair[1]
-    proposals = []
-    original = draft_ref.compute_logits
-
-    def recording(hidden, head):
-        logits = original(hidden, head)
-        proposals.append(logits.argmax(-1)[0].tolist())
-        return logits
-
-    monkeypatch.setattr(draft_ref, "compute_logits", recording)
+    proposals = record_reference_proposals(monkeypatch, draft_ref)
     prompt = _prompts(1)[0]
     n = 40
     with torch.no_grad():
