@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax.cache import KVCache, init_kv_cache, write_rows
+from dflash_jax.cache import KVCache, init_kv_cache
 from dflash_jax.config import Qwen3Config
-from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.decoder import block_positions
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
@@ -133,11 +133,8 @@ def _attention_block(x, attn, k_buf, v_buf, positions, starts, cos, sin, window,
         x, attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         eps=cfg.rms_norm_eps,
     )
-    k_buf = write_rows(k_buf, k, starts)
-    v_buf = write_rows(v_buf, v, starts)
-    slots = jnp.broadcast_to(jnp.arange(k_buf.shape[1], dtype=jnp.int32), (x.shape[0], k_buf.shape[1]))
-    mask = attention_mask(positions, slots, causal=True, window=window)
-    out = gqa_attention(q, k_buf, v_buf, mask, scale=cfg.head_dim**-0.5)
+    out, k_buf, v_buf = cached_causal_attention(q, k, v, k_buf, v_buf, positions, window=window,
+                                                scale=cfg.head_dim**-0.5)
     out = _project(out.reshape(x.shape[0], x.shape[1], -1), attn.o, attn.o_bias)
     return out, k_buf, v_buf
 

@@ -46,12 +46,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax.cache import write_rows
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
 from dflash_jax.models.qwen3 import ForwardOutput, LogitsMode, MLPWeights, Routing, lm_head_logits
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn import gated_deltanet as gdn
-from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.decoder import select_logits as _select_logits
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
@@ -175,11 +174,8 @@ def _gated_attention(x, w: GatedAttentionWeights, k_buf, v_buf, positions, start
     v = (x @ w.v).reshape(b, t, cfg.num_kv_heads, d)
     q = apply_rope(_norm(q, w.q_norm, cfg), cos, sin)
     k = apply_rope(_norm(k, w.k_norm, cfg), cos, sin)
-    k_buf = write_rows(k_buf, k, starts)
-    v_buf = write_rows(v_buf, v, starts)
-    slots = jnp.broadcast_to(jnp.arange(k_buf.shape[1], dtype=jnp.int32), (b, k_buf.shape[1]))
-    mask = attention_mask(positions, slots, causal=True)
-    out = gqa_attention(q, k_buf, v_buf, mask, scale=d**-0.5).reshape(b, t, -1)
+    out, k_buf, v_buf = cached_causal_attention(q, k, v, k_buf, v_buf, positions, window=None, scale=d**-0.5)
+    out = out.reshape(b, t, -1)
     return (out * jax.nn.sigmoid(gate)) @ w.o, k_buf, v_buf
 
 
