@@ -7,7 +7,7 @@ weight of group g (HF `[out, in]` orientation, FP4 blocks along K):
     y[m, n] = sum_k x[m, k] * Wq[g(m), n, k]      for start_g <= m < end_g
     y[m, n] = 0                                   for m >= sum(group_sizes)
 
-where `Wq = dequant(W).astype(x.dtype)`: the weight is dequantized exactly as `dflash_jax.quant` does and
+where `Wq = dequant(W).astype(x.dtype)`: the weight is dequantized exactly as `pallas_kernels.formats` does and
 rounded once to the activation dtype, the products are accumulated in float32 and the sum is rounded once
 to the output dtype (`preferred_element_type`, default `x.dtype`). Formats:
 
@@ -66,7 +66,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dflash_jax.quant import MXFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE, MXFP4Tensor, NVFP4Tensor
+from pallas_kernels.formats import MXFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE, MXFP4Tensor, NVFP4Tensor
 
 try:  # the Triton backend's Python API imports without a GPU; guard anyway (exotic builds)
     from jax.experimental.pallas import triton as _pl_triton

@@ -29,12 +29,11 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
 from pallas_kernels import fp4_grouped_matmul as _fp4
+from pallas_kernels.formats import FP4Tensor
 
 Implementation = Literal["auto", "xla", "pallas"]
 _IMPLEMENTATIONS = ("auto", "xla", "pallas")
-FP4Tensor = (MXFP4Tensor, NVFP4Tensor)
 
 
 def resolve_implementation(implementation: str, w: Any = None, x_dtype: Any = None) -> str:

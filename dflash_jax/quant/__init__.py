@@ -4,6 +4,10 @@
 * :mod:`dflash_jax.quant.mxfp4` -- MXFP4 (OCP MX v1.0; gpt-oss checkpoints);
 * :mod:`dflash_jax.quant.nvfp4` -- NVFP4 (E4M3 block scales + fp32 tensor scale).
 
+The containers ``MXFP4Tensor`` / ``NVFP4Tensor`` and their jnp dequantization are defined in
+:mod:`pallas_kernels.formats` (the kernels' operand types; the bottom layer) and re-exported here
+unchanged: ``dflash_jax.quant.MXFP4Tensor is pallas_kernels.formats.MXFP4Tensor``.
+
 Quantized axes are always the LAST axis (the contraction / input axis of a weight
 stored HF-style as ``[..., out, in]``).
 """

@@ -16,13 +16,15 @@ release and NVIDIA's NVFP4 checkpoints.
 
 Every routine here is written once against an array namespace ``xp`` (``numpy`` or
 ``jax.numpy``) so the host-side (numpy, no jax arrays) converter helpers and the
-jit-able JAX path share one implementation. Nothing relies on the
-``float4_e2m1fn`` / ``float8_*`` dtypes for rounding: encoding is done with
-exact comparisons and decoding with integer bit arithmetic, so results are
-identical on every backend and immune to flush-to-zero of float32 subnormals
-(XLA:CPU flushes subnormal results of float arithmetic; see tests). Divisions go
-through :func:`_true_divide` because XLA otherwise turns them into reciprocal
-multiplies that are not correctly rounded.
+jit-able JAX path share one implementation. The decode side (bit-exact decode,
+unpacking) lives with the FP4 containers in :mod:`pallas_kernels.formats`, which
+the kernels own; this module adds the encoder, packing and the public codec API.
+Nothing relies on the ``float4_e2m1fn`` / ``float8_*`` dtypes for rounding:
+encoding is done with exact comparisons and decoding with integer bit arithmetic,
+so results are identical on every backend and immune to flush-to-zero of float32
+subnormals (XLA:CPU flushes subnormal results of float arithmetic; see tests).
+Divisions go through :func:`_true_divide` because XLA otherwise turns them into
+reciprocal multiplies that are not correctly rounded.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import ml_dtypes
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from pallas_kernels.formats import _bitcast, _decode_xp, _unpack_xp
 
 # ----------------------------------------------------------------------------------
 # The code table (single source of truth).
@@ -64,17 +70,8 @@ def _encode_thresholds() -> tuple[tuple[float, bool], ...]:
 _THRESHOLDS = _encode_thresholds()
 
 # ----------------------------------------------------------------------------------
-# Backend helpers.
+# Backend helpers (the decode side's are in pallas_kernels.formats).
 # ----------------------------------------------------------------------------------
-
-
-def _bitcast(xp: Any, a: Any, dtype: Any) -> Any:
-    """Same-width bit reinterpretation for numpy or jax arrays."""
-    if xp is np:
-        return np.asarray(a).view(dtype)
-    from jax import lax
-
-    return lax.bitcast_convert_type(a, dtype)
 
 
 def _true_divide(xp: Any, a: Any, b: Any) -> Any:
@@ -87,33 +84,11 @@ def _true_divide(xp: Any, a: Any, b: Any) -> Any:
     """
     if xp is np:
         return np.divide(a, b)
-    from jax import lax
-
     # The select makes the divisor depend on ``a`` -- so it is materialized at full shape
     # and stays batched under vmap (an unbatched divisor would be broadcast again by the
     # batching rule) -- without changing any quotient (NaN / 1 == NaN / b).
     b_full = xp.where(xp.isnan(a), xp.ones_like(b), b)
     return a / lax.optimization_barrier(b_full)
-
-
-def _is_bf16(dtype: Any) -> bool:
-    return np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
-
-
-def _f32_bits_to(xp: Any, bits: Any, dtype: Any) -> Any:
-    """float32 bit patterns (uint32) -> array of ``dtype``.
-
-    bfloat16 is produced by taking the top 16 bits, which is exact for every value
-    the FP4 decoders emit (at most 2 significant bits, exponent within float32's);
-    other dtypes go through float32 and an ordinary (round-to-nearest-even) cast.
-    """
-    if _is_bf16(dtype):
-        return _bitcast(xp, (bits >> 16).astype(xp.uint16), ml_dtypes.bfloat16)
-    f = _bitcast(xp, bits.astype(xp.uint32), xp.float32)
-    if np.dtype(dtype) == np.float32:
-        return f
-    with np.errstate(over="ignore"):  # e.g. float16: overflow to inf is the intended result
-        return f.astype(dtype)
 
 
 def _f32_exponent_field(xp: Any, x: Any) -> Any:
@@ -150,44 +125,6 @@ def _encode_xp(xp: Any, y: Any) -> Any:
     return mag | (xp.signbit(y).astype(xp.uint8) << 3)
 
 
-def _scaled_decode_bits_xp(xp: Any, codes: Any, exp_biased: Any) -> Any:
-    """float32 bit patterns (uint32) of ``E2M1(code) * 2^(exp_biased - 127)``.
-
-    ``exp_biased`` is an E8M0 byte (int32 array in [0, 255], broadcast against
-    ``codes``); 255 encodes NaN. The result is computed exactly without float
-    arithmetic (so subnormal results are not flushed):
-
-    * ``|E2M1(code)| = (1 + M/2) * 2^E`` with (mag code -> E, M):
-      1 -> (-1, 0), 2 -> (0, 0), 3 -> (0, 1), 4 -> (1, 0), 5 -> (1, 1),
-      6 -> (2, 0), 7 -> (2, 1); mag code 0 is zero.
-    * float32 and E8M0 share the bias 127, so the product has float32 biased
-      exponent ``b = E + exp_biased``:
-
-      - ``1 <= b <= 254``: normal, bits ``b << 23 | M << 22``;
-      - ``b >= 255``: overflow -> inf (what an IEEE float32 multiply returns);
-      - ``b in {-1, 0}``: subnormal; value ``(2 + M) * 2^(b - 128)`` equals
-        ``((2 + M) << (b + 21))`` units of 2^-149.
-    * sign bit copied from the code; ``exp_biased == 255`` -> canonical NaN.
-    """
-    c = codes.astype(xp.int32)
-    mag = c & 7
-    e = xp.where(mag >= 2, (mag >> 1) - 1, -1)
-    m = xp.where(mag >= 2, mag & 1, 0)
-    s = exp_biased.astype(xp.int32)
-    b = e + s
-    normal = (xp.clip(b, 0, 254) << 23) | (m << 22)
-    sub = (2 + m) << xp.clip(b + 21, 0, 21)
-    mag_bits = xp.where(b >= 255, 0x7F800000, xp.where(b >= 1, normal, sub))
-    mag_bits = xp.where(mag == 0, 0, mag_bits).astype(xp.uint32)
-    bits = mag_bits | (((c >> 3) & 1).astype(xp.uint32) << 31)
-    return xp.where(s == 255, xp.uint32(0x7FC00000), bits)
-
-
-def _decode_xp(xp: Any, codes: Any, dtype: Any) -> Any:
-    bits = _scaled_decode_bits_xp(xp, codes, xp.full((), 127, xp.int32))
-    return _f32_bits_to(xp, bits, dtype)
-
-
 def _pack_xp(xp: Any, codes: Any) -> Any:
     if codes.ndim == 0 or codes.shape[-1] % 2:
         raise ValueError(
@@ -195,19 +132,6 @@ def _pack_xp(xp: Any, codes: Any) -> Any:
         )
     c = codes.astype(xp.uint8) & 0x0F
     return c[..., 0::2] | (c[..., 1::2] << 4)
-
-
-def _unpack_xp(xp: Any, packed: Any) -> Any:
-    if packed.ndim == 0:
-        raise ValueError("unpack_fp4: expected an array with at least one axis")
-    p = packed.astype(xp.uint8)
-    pair = xp.stack([p & 0x0F, p >> 4], axis=-1)
-    return pair.reshape(*p.shape[:-1], p.shape[-1] * 2)
-
-
-def _check_uint8(name: str, a: Any) -> None:
-    if np.dtype(a.dtype) != np.uint8:
-        raise TypeError(f"{name} must be uint8; got {a.dtype}")
 
 
 def _check_block_multiple(fn: str, shape: tuple[int, ...], block: int) -> int:
@@ -223,18 +147,10 @@ def _check_block_multiple(fn: str, shape: tuple[int, ...], block: int) -> int:
 # ----------------------------------------------------------------------------------
 
 
-@functools.cache
-def _jitted() -> dict[str, Any]:
-    """jit-compiled JAX entry points (built lazily so this module imports without jax)."""
-    import jax
-    import jax.numpy as jnp
-
-    return {
-        "encode": jax.jit(functools.partial(_encode_xp, jnp)),
-        "decode": jax.jit(functools.partial(_decode_xp, jnp), static_argnums=1),
-        "pack": jax.jit(functools.partial(_pack_xp, jnp)),
-        "unpack": jax.jit(functools.partial(_unpack_xp, jnp)),
-    }
+_encode_jit = jax.jit(functools.partial(_encode_xp, jnp))
+_decode_jit = jax.jit(functools.partial(_decode_xp, jnp), static_argnums=1)
+_pack_jit = jax.jit(functools.partial(_pack_xp, jnp))
+_unpack_jit = jax.jit(functools.partial(_unpack_xp, jnp))
 
 
 def e2m1_encode(x: Any) -> Any:
@@ -244,16 +160,12 @@ def e2m1_encode(x: Any) -> Any:
     ``0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4, +-100->+-6``.
     The sign of zero is kept (``-0.0 -> code 8``); NaN -> a zero code.
     """
-    import jax.numpy as jnp
-
-    return _jitted()["encode"](jnp.asarray(x, jnp.float32))
+    return _encode_jit(jnp.asarray(x, jnp.float32))
 
 
 def e2m1_decode(codes: Any, dtype: Any = np.float32) -> Any:
     """E2M1 codes (integer array, values 0..15) -> values, exactly :data:`E2M1_VALUES`."""
-    import jax.numpy as jnp
-
-    return _jitted()["decode"](jnp.asarray(codes), np.dtype(dtype))
+    return _decode_jit(jnp.asarray(codes), np.dtype(dtype))
 
 
 def pack_fp4(codes: Any) -> Any:
@@ -261,16 +173,12 @@ def pack_fp4(codes: Any) -> Any:
 
     ``packed[..., i] = codes[..., 2i] | codes[..., 2i+1] << 4`` (low nibble first).
     """
-    import jax.numpy as jnp
-
-    return _jitted()["pack"](jnp.asarray(codes))
+    return _pack_jit(jnp.asarray(codes))
 
 
 def unpack_fp4(packed: Any) -> Any:
     """Inverse of :func:`pack_fp4`: bytes ``[..., K//2]`` -> uint8 codes ``[..., K]``."""
-    import jax.numpy as jnp
-
-    return _jitted()["unpack"](jnp.asarray(packed))
+    return _unpack_jit(jnp.asarray(packed))
 
 
 # ----------------------------------------------------------------------------------

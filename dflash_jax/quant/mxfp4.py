@@ -30,36 +30,29 @@ Quantization (the OCP MX v1.0 shared-scale conversion rule), per block of 32 val
 ``amax`` (inf/NaN in the block) gives ``s = 255`` (NaN). Since ``2^X`` is a power of
 two, ``x / 2^X`` is exact and ``|x / 2^X| < 8``; values in ``(6, 8)`` saturate to 6 as
 the spec prescribes.
+
+The container (:class:`MXFP4Tensor`) and :func:`dequantize_mxfp4` are defined in
+:mod:`pallas_kernels.formats` (the kernels read them) and re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.quant.fp4 import (
-    _check_block_multiple,
-    _check_uint8,
-    _encode_xp,
-    _f32_bits_to,
-    _f32_exponent_field,
-    _pack_xp,
-    _pow2_f32,
-    _scaled_decode_bits_xp,
-    _unpack_xp,
+from dflash_jax.quant.fp4 import _check_block_multiple, _encode_xp, _f32_exponent_field, _pack_xp, _pow2_f32
+from pallas_kernels.formats import (  # the container and its decode belong to the kernels that read it
+    E8M0_BIAS,
+    E8M0_NAN,
+    MXFP4_BLOCK_SIZE,
+    MXFP4Tensor,
+    _dequantize_mxfp4_xp,
+    dequantize_mxfp4,
 )
 
-#: Elements per MXFP4 block (one E8M0 scale each).
-MXFP4_BLOCK_SIZE = 32
-#: E8M0 bias: a scale byte ``s`` means ``2^(s - 127)``.
-E8M0_BIAS = 127
-#: E8M0 byte that encodes NaN.
-E8M0_NAN = 0xFF
 #: Exponent of the largest E2M1 normal (6 = 1.5 * 2^2), ``emax_elem`` in the OCP spec.
 E2M1_EMAX = 2
 
@@ -76,56 +69,9 @@ def _quantize_xp(xp: Any, x: Any, fn: str) -> tuple[Any, Any]:
     return _pack_xp(xp, codes), s.astype(xp.uint8)
 
 
-def _dequantize_xp(xp: Any, blocks: Any, scales: Any, dtype: Any) -> Any:
-    _check_uint8("MXFP4 blocks", blocks)
-    _check_uint8("MXFP4 scales", scales)
-    if blocks.ndim < 2 or blocks.shape[-1] != MXFP4_BLOCK_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(
-            "MXFP4 expects blocks [..., K//32, 16] and scales [..., K//32]; "
-            f"got blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}"
-        )
-    codes = _unpack_xp(xp, blocks)  # [..., G, 32]
-    bits = _scaled_decode_bits_xp(xp, codes, scales[..., None])
-    out = _f32_bits_to(xp, bits, dtype)
-    return out.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK_SIZE)
-
-
 @jax.jit
 def _quantize_jit(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _quantize_xp(jnp, x, "quantize_mxfp4")
-
-
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _dequantize_jit(blocks: jax.Array, scales: jax.Array, dtype: np.dtype) -> jax.Array:
-    return _dequantize_xp(jnp, blocks, scales, dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MXFP4Tensor:
-    """An MXFP4-quantized array with logical shape ``[..., K]`` (a pytree).
-
-    Attributes:
-      blocks: uint8 ``[..., K//32, 16]``, packed E2M1 codes (low nibble = even element).
-      scales: uint8 ``[..., K//32]``, E8M0 block scale bytes (value ``2^(s-127)``).
-    """
-
-    blocks: Any
-    scales: Any
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Logical (dequantized) shape ``(..., K)``."""
-        *lead, g = self.scales.shape
-        return (*lead, g * MXFP4_BLOCK_SIZE)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.scales.shape)
-
-    def dequantize(self, dtype: Any = jnp.bfloat16) -> jax.Array:
-        """See :func:`dequantize_mxfp4`."""
-        return dequantize_mxfp4(self.blocks, self.scales, dtype)
 
 
 def quantize_mxfp4(x: Any) -> MXFP4Tensor:
@@ -142,16 +88,6 @@ def quantize_mxfp4(x: Any) -> MXFP4Tensor:
     return MXFP4Tensor(blocks=blocks, scales=scales)
 
 
-def dequantize_mxfp4(blocks: Any, scales: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
-    """``blocks`` uint8 ``[..., G, 16]`` + ``scales`` uint8 ``[..., G]`` -> ``[..., 32*G]``.
-
-    ``out = E2M1(code) * 2^(s - 127)`` exactly (NaN where ``s == 255``), rounded once
-    to ``dtype`` (a no-op for float32/bfloat16 except overflow to inf; float16 may
-    round/overflow as any cast). Jit-able.
-    """
-    return _dequantize_jit(jnp.asarray(blocks), jnp.asarray(scales), dtype=np.dtype(dtype))
-
-
 def quantize_mxfp4_np(x: Any) -> tuple[np.ndarray, np.ndarray]:
     """Host-side (numpy) :func:`quantize_mxfp4`; returns ``(blocks, scales)``, bit-identical."""
     return _quantize_xp(np, np.asarray(x), "quantize_mxfp4_np")
@@ -159,4 +95,4 @@ def quantize_mxfp4_np(x: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_mxfp4_np(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarray:
     """Host-side (numpy) :func:`dequantize_mxfp4`, bit-identical; dtype may be ``ml_dtypes.bfloat16``."""
-    return _dequantize_xp(np, np.asarray(blocks), np.asarray(scales), dtype)
+    return _dequantize_mxfp4_xp(np, np.asarray(blocks), np.asarray(scales), dtype)

@@ -29,12 +29,13 @@ tensor scale the block scale lies in [0, 448]. All three divisions are correctly
 rounded float32 divisions (as in torch/numpy), not XLA's reciprocal-multiply rewrite. A zero tensor scale (all-zero input) or
 a block scale that rounds to zero (``amax_g`` below ~2^-10 / 448 of the tensor amax)
 gives zero codes (keeping the sign of x) instead of NaN.
+
+The container (:class:`NVFP4Tensor`) and :func:`dequantize_nvfp4` are defined in
+:mod:`pallas_kernels.formats` (the kernels read them) and re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -44,20 +45,21 @@ import numpy as np
 
 from dflash_jax.quant.fp4 import (
     E2M1_MAX,
-    _bitcast,
     _check_block_multiple,
-    _check_uint8,
-    _decode_xp,
     _encode_xp,
     _f32_exponent_field,
     _pack_xp,
     _pow2_f32,
     _true_divide,
-    _unpack_xp,
+)
+from pallas_kernels.formats import (  # the container and its decode belong to the kernels that read it
+    NVFP4_BLOCK_SIZE,
+    NVFP4Tensor,
+    _dequantize_nvfp4_xp,
+    _expand_prefix,
+    dequantize_nvfp4,
 )
 
-#: Elements per NVFP4 block (one E4M3 scale each).
-NVFP4_BLOCK_SIZE = 16
 #: Largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0
 #: Smallest E4M3 normal exponent (2^-6); subnormal spacing is 2^-9.
@@ -78,16 +80,6 @@ def _round_to_e4m3_xp(xp: Any, v: Any) -> Any:
     r = xp.round(a * _pow2_f32(xp, _E4M3_MANT_BITS - e)) * _pow2_f32(xp, e - _E4M3_MANT_BITS)
     r = xp.minimum(r, xp.float32(E4M3_MAX))
     return xp.where(xp.signbit(v), -r, r)
-
-
-def _expand_prefix(xp: Any, ts: Any, ndim: int, lead: tuple[int, ...], fn: str) -> Any:
-    """Reshape a scalar / leading-prefix tensor scale so it broadcasts over ``ndim`` dims."""
-    if ts.ndim > len(lead) or tuple(ts.shape) != tuple(lead[: ts.ndim]):
-        raise ValueError(
-            f"{fn}: tensor_scale must be a scalar or match a prefix of the leading shape {tuple(lead)}; "
-            f"got shape {tuple(ts.shape)}"
-        )
-    return ts.reshape(*ts.shape, *([1] * (ndim - ts.ndim)))
 
 
 def _quantize_xp(xp: Any, x: Any, tensor_scale: Any, fn: str) -> tuple[Any, Any, Any]:
@@ -114,72 +106,9 @@ def _quantize_xp(xp: Any, x: Any, tensor_scale: Any, fn: str) -> tuple[Any, Any,
     return packed, bs.astype(ml_dtypes.float8_e4m3fn), ts
 
 
-def _dequantize_xp(xp: Any, packed: Any, block_scales: Any, tensor_scale: Any, dtype: Any) -> Any:
-    _check_uint8("NVFP4 packed", packed)
-    if np.dtype(block_scales.dtype) == np.uint8:  # raw bytes, e.g. straight from safetensors
-        block_scales = _bitcast(xp, block_scales, ml_dtypes.float8_e4m3fn)
-    if np.dtype(block_scales.dtype) != np.dtype(ml_dtypes.float8_e4m3fn):
-        raise TypeError(f"NVFP4 block_scales must be float8_e4m3fn (or its uint8 bytes); got {block_scales.dtype}")
-    if (
-        packed.ndim < 1
-        or tuple(packed.shape[:-1]) != tuple(block_scales.shape[:-1])
-        or packed.shape[-1] * 2 != block_scales.shape[-1] * NVFP4_BLOCK_SIZE
-    ):
-        raise ValueError(
-            "NVFP4 expects packed [..., K//2] and block_scales [..., K//16]; "
-            f"got packed {tuple(packed.shape)} and block_scales {tuple(block_scales.shape)}"
-        )
-    ts = xp.asarray(tensor_scale, xp.float32)
-    tsb = _expand_prefix(xp, ts, block_scales.ndim, tuple(block_scales.shape[:-1]), "dequantize_nvfp4")
-    *lead, g = block_scales.shape
-    codes = _unpack_xp(xp, packed).reshape(*lead, g, NVFP4_BLOCK_SIZE)
-    vals = _decode_xp(xp, codes, np.float32)
-    out = (vals * block_scales.astype(xp.float32)[..., None]) * tsb[..., None]
-    out = out.reshape(*lead, g * NVFP4_BLOCK_SIZE)
-    if np.dtype(dtype) == np.float32:
-        return out
-    with np.errstate(over="ignore"):
-        return out.astype(dtype)
-
-
 @jax.jit
 def _quantize_jit(x: jax.Array, tensor_scale: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     return _quantize_xp(jnp, x, tensor_scale, "quantize_nvfp4")
-
-
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _dequantize_jit(packed: jax.Array, block_scales: jax.Array, tensor_scale: Any, dtype: np.dtype) -> jax.Array:
-    return _dequantize_xp(jnp, packed, block_scales, tensor_scale, dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class NVFP4Tensor:
-    """An NVFP4-quantized array with logical shape ``[..., K]`` (a pytree).
-
-    Attributes:
-      packed: uint8 ``[..., K//2]``, E2M1 codes (low nibble = even element).
-      block_scales: float8_e4m3fn ``[..., K//16]``.
-      tensor_scale: float32 scalar (or a prefix of the leading shape, see module doc).
-    """
-
-    packed: Any
-    block_scales: Any
-    tensor_scale: Any
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Logical (dequantized) shape ``(..., K)``."""
-        *lead, kp = self.packed.shape
-        return (*lead, kp * 2)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.packed.shape)
-
-    def dequantize(self, dtype: Any = jnp.bfloat16) -> jax.Array:
-        """See :func:`dequantize_nvfp4`."""
-        return dequantize_nvfp4(self.packed, self.block_scales, self.tensor_scale, dtype)
 
 
 def quantize_nvfp4(x: Any, tensor_scale: Any = None) -> NVFP4Tensor:
@@ -196,16 +125,6 @@ def quantize_nvfp4(x: Any, tensor_scale: Any = None) -> NVFP4Tensor:
     return NVFP4Tensor(packed=packed, block_scales=bs, tensor_scale=ts)
 
 
-def dequantize_nvfp4(packed: Any, block_scales: Any, tensor_scale: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
-    """``(E2M1(code) * float(block_scale)) * tensor_scale`` in float32, cast to ``dtype``.
-
-    ``packed`` uint8 ``[..., K//2]``, ``block_scales`` float8_e4m3fn (or raw uint8
-    bytes) ``[..., K//16]``, ``tensor_scale`` float32 scalar/prefix. Returns
-    ``[..., K]``. Jit-able.
-    """
-    return _dequantize_jit(jnp.asarray(packed), jnp.asarray(block_scales), tensor_scale, dtype=np.dtype(dtype))
-
-
 def quantize_nvfp4_np(x: Any, tensor_scale: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host-side (numpy) :func:`quantize_nvfp4`; returns ``(packed, block_scales, tensor_scale)``."""
     return _quantize_xp(np, np.asarray(x), tensor_scale, "quantize_nvfp4_np")
@@ -213,4 +132,4 @@ def quantize_nvfp4_np(x: Any, tensor_scale: Any = None) -> tuple[np.ndarray, np.
 
 def dequantize_nvfp4_np(packed: Any, block_scales: Any, tensor_scale: Any, dtype: Any = np.float32) -> np.ndarray:
     """Host-side (numpy) :func:`dequantize_nvfp4`."""
-    return _dequantize_xp(np, np.asarray(packed), np.asarray(block_scales), tensor_scale, dtype)
+    return _dequantize_nvfp4_xp(np, np.asarray(packed), np.asarray(block_scales), tensor_scale, dtype)
