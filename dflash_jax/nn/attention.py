@@ -1,9 +1,29 @@
-"""Grouped-query attention over a KV cache, with causal, sliding-window and learned-sink variants."""
+"""Grouped-query attention over a KV cache, with causal, sliding-window and learned-sink variants.
+
+Two implementations of the same attention over a `[b, S, Hkv, d]` cache buffer, chosen statically:
+- dense: one softmax over all S slots under a position mask (`gqa_attention`). Cost follows the buffer.
+  Reverse-differentiable; used for small buffers and whenever the block fills the buffer (training,
+  full-sequence prefill), where nothing could be skipped anyway.
+- chunked (flash-decoding style): a `lax.fori_loop` with a traced trip count over fixed-size KV chunks,
+  from the first chunk any query's window can see up to `ceil(max(kv_lengths) / chunk)`, with an online
+  fp32 softmax (running max / sum; gpt-oss sinks are the initial state of the running max and sum). Cost
+  follows the live length, not the buffer. A while loop has no reverse-mode rule, so the chunked path's
+  backward is the dense path's (`jax.custom_vjp`): gradients are exact, only slower.
+`AttentionTuning` (chunk rows, the largest buffer kept dense) is a process-wide setting read when a
+function is traced; `attention_tuning(...)` changes it and clears jit caches so that the next call
+retraces.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from dflash_jax.cache import write_rows
 
@@ -71,6 +91,215 @@ def gqa_attention(
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Which path, and its chunk size
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTuning:
+    """chunk: KV rows per step of the chunked path. dense_max_rows: buffers of at most this many rows take
+    the dense path (also any buffer with fewer than `chunk` rows beyond the block: nothing to skip).
+    `dense_max_rows=None` forces the dense path everywhere; 0 forces the chunked path where it applies."""
+
+    chunk: int = 256
+    dense_max_rows: int | None = 512
+
+    def __post_init__(self):
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+
+    def use_chunked(self, buffer_rows: int, block_rows: int) -> bool:
+        if self.dense_max_rows is None or buffer_rows <= self.dense_max_rows:
+            return False
+        return buffer_rows >= block_rows + min(self.chunk, buffer_rows)
+
+
+_TUNING = AttentionTuning()
+
+
+def get_attention_tuning() -> AttentionTuning:
+    return _TUNING
+
+
+def set_attention_tuning(tuning: AttentionTuning) -> AttentionTuning:
+    """Sets the process-wide tuning; returns the previous one. The path is chosen when a function is traced,
+    so a change clears jit caches (every jitted function retraces on its next call)."""
+    global _TUNING
+    previous = _TUNING
+    if tuning != previous:
+        _TUNING = tuning
+        jax.clear_caches()
+    return previous
+
+
+@contextlib.contextmanager
+def attention_tuning(**fields):
+    """`with attention_tuning(dense_max_rows=None): ...` runs the block under a modified tuning."""
+    previous = set_attention_tuning(dataclasses.replace(_TUNING, **fields))
+    try:
+        yield get_attention_tuning()
+    finally:
+        set_attention_tuning(previous)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention of queries over a cache buffer's live rows (plus, optionally, keys that live outside the cache)
+
+
+def _visible(q_positions, k_positions, kv_lengths, *, causal: bool, window: int | None):
+    """[b, T, S]: key slots below the live length, under the causal / window rule; a window on non-causal
+    attention also hides keys `k - q >= W`."""
+    mask = attention_mask(q_positions, k_positions, causal=causal, window=window, kv_length=kv_lengths)
+    if window is not None and not causal:
+        mask &= k_positions[:, None, :] - q_positions[:, :, None] < window
+    return mask
+
+
+class _Online(NamedTuple):
+    """Running softmax state per (b, kv head, group, query): max m, sum l [b, Hkv, G, T] fp32 and the
+    unnormalized output acc [b, Hkv, G, T, d] fp32."""
+
+    m: jax.Array
+    l: jax.Array
+    acc: jax.Array
+
+
+def _online_init(b, t, hkv, g, d, sinks) -> _Online:
+    shape = (b, hkv, g, t)
+    if sinks is None:
+        m, l = jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32)
+    else:  # the sink column: a logit whose probability mass is counted in the sum but reads no value
+        m = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1), shape)
+        l = jnp.ones(shape, jnp.float32)
+    return _Online(m=m, l=l, acc=jnp.zeros(shape + (d,), jnp.float32))
+
+
+def _online_step(state: _Online, qg, k, v, mask, scale) -> _Online:
+    """Folds keys k, v [b, C, Hkv, d] under mask [b, T, C] into the running softmax. Masked keys add exactly
+    nothing; their values must be finite (the caller zeroes rows that may hold garbage)."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = mask[:, None, None]
+    scores = jnp.where(visible, scores, _NEG_INF)
+    m_new = jnp.maximum(state.m, jnp.max(scores, axis=-1))
+    p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+    alpha = jnp.exp(state.m - m_new)
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _Online(m=m_new, l=state.l * alpha + jnp.sum(p, axis=-1), acc=state.acc * alpha[..., None] + pv)
+
+
+def _online_finish(state: _Online, dtype) -> jax.Array:
+    """[b, T, Hq, d]: acc / l; a query with nothing visible (l == 0, or only a sink) gets zeros."""
+    out = state.acc / jnp.where(state.l > 0, state.l, 1.0)[..., None]
+    b, hkv, g, t, d = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d).astype(dtype)
+
+
+def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, window, scale, chunk):
+    b, t, hq, d = q.shape
+    rows, hkv = k_buf.shape[1], k_buf.shape[2]
+    g = hq // hkv
+    chunk = min(chunk, rows)
+    qg = q.reshape(b, t, hkv, g, d)
+    state = _online_init(b, t, hkv, g, d, sinks)
+    stop = (jnp.minimum(jnp.max(kv_lengths), rows) + chunk - 1) // chunk
+    first = jnp.int32(0)
+    if window is not None:  # chunks wholly before every query's window are never read
+        first = jnp.minimum(jnp.maximum(jnp.min(q_positions) - window + 1, 0) // chunk, stop)
+    lengths = kv_lengths[:, None]
+
+    def body(i, state):
+        base = i * chunk
+        # the last chunk of a buffer that is not a multiple of `chunk` is read from `rows - chunk`; its
+        # slots below `base` belong to the previous chunk and are masked here
+        offset = jnp.minimum(base, rows - chunk)
+        kc = lax.dynamic_slice_in_dim(k_buf, offset, chunk, axis=1)
+        vc = lax.dynamic_slice_in_dim(v_buf, offset, chunk, axis=1)
+        slots = offset + jnp.arange(chunk, dtype=jnp.int32)
+        live = (slots[None, :] >= base) & (slots[None, :] < lengths)  # [b, C]
+        vc = jnp.where(live[:, :, None, None], vc, jnp.zeros((), vc.dtype))  # stale rows past the length
+        k_positions = jnp.broadcast_to(slots, (b, chunk))
+        mask = live[:, None, :] & _visible(q_positions, k_positions, None, causal=causal, window=window)
+        return _online_step(state, qg, kc, vc, mask, scale)
+
+    state = lax.fori_loop(first, stop, body, state)
+    if extra is not None:
+        k_x, v_x, mask_x = extra
+        state = _online_step(state, qg, k_x.astype(k_buf.dtype), v_x.astype(v_buf.dtype), mask_x, scale)
+    return _online_finish(state, q.dtype)
+
+
+def _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, window, scale):
+    b, rows = k_buf.shape[:2]
+    slots = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (b, rows))
+    mask = _visible(q_positions, slots, kv_lengths, causal=causal, window=window)
+    keys, values = k_buf, v_buf
+    if extra is not None:
+        k_x, v_x, mask_x = extra
+        keys = jnp.concatenate([k_buf, k_x.astype(k_buf.dtype)], axis=1)
+        values = jnp.concatenate([v_buf, v_x.astype(v_buf.dtype)], axis=1)
+        mask = jnp.concatenate([mask, mask_x], axis=2)
+    return gqa_attention(q, keys, values, mask, scale=scale, sinks=sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _chunked_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window, scale, chunk):
+    return _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
+                    scale=scale, chunk=chunk)
+
+
+def _chunked_fwd(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window, scale, chunk):
+    out = _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
+                   scale=scale, chunk=chunk)
+    return out, (q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra)
+
+
+def _chunked_bwd(causal, window, scale, chunk, residuals, g):
+    q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra = residuals
+    dense = lambda q_, k_, v_, s_, x_: _dense(  # noqa: E731
+        q_, k_, v_, q_positions, kv_lengths, s_, x_, causal=causal, window=window, scale=scale)
+    _, vjp = jax.vjp(dense, q, k_buf, v_buf, sinks, extra)
+    dq, dk, dv, dsinks, dextra = vjp(g)
+    if extra is not None:  # the mask of the extra keys is boolean: no cotangent
+        dextra = (dextra[0], dextra[1], None)
+    return dq, dk, dv, None, None, dsinks, dextra
+
+
+_chunked_with_dense_grad.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def kv_cache_attention(
+    q: jax.Array,
+    k_buf: jax.Array,
+    v_buf: jax.Array,
+    q_positions: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
+    extra: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    tuning: AttentionTuning | None = None,
+) -> jax.Array:
+    """Attention of queries over the live rows of a slot = position cache buffer.
+
+    q: [b, T, Hq, d] at `q_positions` [b, T]; k_buf, v_buf: [b, S, Hkv, d], slot p holding position p;
+    kv_lengths [b]: slots `>= kv_lengths[b]` are not live (never seen, and in the chunked path chunks past
+    `max(kv_lengths)` are never read). A live slot p is visible to query q under `causal` (p <= q) and
+    `window` W (q - p < W; without causality also p - q < W). extra: optional (k [b, X, Hkv, d], v, mask
+    [b, T, X] bool), keys outside the cache (the draft's block) under their own mask. sinks: [Hq] logits
+    (see `gqa_attention`). A query with nothing visible gets zeros. The path (dense or chunked, same
+    result) follows `tuning` (default: the process-wide `get_attention_tuning()`).
+    """
+    tuning = tuning or _TUNING
+    block_rows = q.shape[1]
+    if not tuning.use_chunked(k_buf.shape[1], block_rows):
+        return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
+                      scale=scale)
+    return _chunked_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window,
+                                    scale, tuning.chunk)
+
+
 def cached_causal_attention(
     q: jax.Array,
     k: jax.Array,
@@ -82,18 +311,20 @@ def cached_causal_attention(
     window: int | None,
     scale: float,
     sinks: jax.Array | None = None,
+    tuning: AttentionTuning | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal (optionally sliding-window) attention of a block over a slot = position KV cache.
 
     q: [b, T, Hq, d]; k, v: [b, T, Hkv, d] for the tokens at `positions` [b, T] (consecutive, starting at
     each sequence's cache length); k_buf, v_buf: [b, S, Hkv, d]. The block's keys/values are written at
     slots `positions[:, 0] + [0, T)`, then every query attends to the slots `p` with `p <= q` (and
-    `q - p < window`); slots at or past the length hold stale rows that causality never shows.
+    `q - p < window`); slots at or past the length hold stale rows that causality never shows, and that the
+    chunked path never reads beyond the chunk holding the last live row (`kv_cache_attention`).
     Returns (out [b, T, Hq, d], k_buf, v_buf).
     """
     starts = positions[:, 0]
     k_buf = write_rows(k_buf, k, starts)
     v_buf = write_rows(v_buf, v, starts)
-    slots = jnp.broadcast_to(jnp.arange(k_buf.shape[1], dtype=jnp.int32), (q.shape[0], k_buf.shape[1]))
-    mask = attention_mask(positions, slots, causal=True, window=window)
-    return gqa_attention(q, k_buf, v_buf, mask, scale=scale, sinks=sinks), k_buf, v_buf
+    out = kv_cache_attention(q, k_buf, v_buf, positions, starts + q.shape[1], scale=scale, causal=True,
+                             window=window, sinks=sinks, tuning=tuning)
+    return out, k_buf, v_buf
