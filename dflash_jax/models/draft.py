@@ -37,7 +37,7 @@ from flax import struct
 from dflash_jax.cache import KVCache, init_kv_cache, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.models.qwen3 import AttentionWeights, DecoderLayerWeights, MLPWeights, qkv_projection
-from dflash_jax.nn.attention import attention_mask, gqa_attention
+from dflash_jax.nn.attention import attention_mask, gqa_attention, kv_cache_attention
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, rope_cos_sin
@@ -132,14 +132,28 @@ def _kind_mask(q_positions, k_positions, *, causal: bool, window: int | None):
     return mask
 
 
-def _block_mask(q_positions, start, max_len, *, causal: bool, window: int | None):
-    """[b, B, max_len + B]: cached context slots (< start) then the block's own keys."""
-    b = q_positions.shape[0]
-    slots = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (b, max_len))
-    k_positions = jnp.concatenate([slots, q_positions], axis=1)
-    mask = _kind_mask(q_positions, k_positions, causal=causal, window=window)
-    valid = jnp.concatenate([slots < start[:, None], jnp.ones_like(q_positions, bool)], axis=1)
-    return mask & valid[:, None, :]
+def _cache_attend(k_buf, v_buf, positions, start, block_mask, *, causal: bool, window: int | None,
+                  cfg: DraftConfig):
+    """The inference attention of a block at `positions` [b, B]: the live context slots (< start) of the
+    layer's cache under the kind's rule, then the block's own keys under `block_mask` [b, B, B]. Reads the
+    cache only up to the live length (`kv_cache_attention`)."""
+
+    def attend(q, k, v):
+        return kv_cache_attention(q, k_buf, v_buf, positions, start, scale=cfg.head_dim**-0.5, causal=causal,
+                                  window=window, extra=(k, v, block_mask))
+
+    return attend
+
+
+def _concat_attend(ctx_keys, ctx_values, mask, cfg: DraftConfig):
+    """Dense attention over given context K/V then the block's own, under `mask` [b, T, S_ctx + T]."""
+
+    def attend(q, k, v):
+        keys = jnp.concatenate([ctx_keys, k.astype(ctx_keys.dtype)], axis=1)
+        values = jnp.concatenate([ctx_values, v.astype(ctx_values.dtype)], axis=1)
+        return gqa_attention(q, keys, values, mask, scale=cfg.head_dim**-0.5)
+
+    return attend
 
 
 def draft_logits(hidden: jax.Array, cfg: DraftConfig, *, embed: jax.Array, lm_head: Head) -> jax.Array:
@@ -165,18 +179,16 @@ def _embed_block(embed: jax.Array, tokens: jax.Array, cfg: DraftConfig) -> jax.A
     return x
 
 
-def _block_layer(layer: DecoderLayerWeights, x, cos, sin, ctx_keys, ctx_values, mask, cfg: DraftConfig):
-    """One draft layer on the block stream x [b, T, H]: queries from the block, keys / values = the given
-    context K/V then the block's own, under `mask` [b, T, S_ctx + T]."""
+def _block_layer(layer: DecoderLayerWeights, x, cos, sin, attend, cfg: DraftConfig):
+    """One draft layer on the block stream x [b, T, H]: queries from the block; `attend(q, k, v)` attends
+    them over the context and the block's own keys / values k, v (`_cache_attend`, `_concat_attend`)."""
     b, t, _ = x.shape
     h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
     q, k, v = qkv_projection(
         h, layer.attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
     )
-    keys = jnp.concatenate([ctx_keys, k.astype(ctx_keys.dtype)], axis=1)
-    values = jnp.concatenate([ctx_values, v.astype(ctx_values.dtype)], axis=1)
-    out = gqa_attention(q, keys, values, mask, scale=cfg.head_dim**-0.5)
+    out = attend(q, k, v)
     x = x + _linear(out.reshape(b, t, -1), layer.attn.o, layer.attn.o_bias)
     mlp: MLPWeights = layer.mlp
     return x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
@@ -211,10 +223,12 @@ def draft_forward(
     cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
     masks = {}
     for i, layer in enumerate(weights.layers):
-        kind = (cfg.layer_causal[i], cfg.layer_windows[i])
-        if kind not in masks:
-            masks[kind] = _block_mask(positions, start, cache.max_len, causal=kind[0], window=kind[1])
-        x = _block_layer(layer, x, cos, sin, cache.keys[i], cache.values[i], masks[kind], cfg)
+        causal, window = kind = (cfg.layer_causal[i], cfg.layer_windows[i])
+        if kind not in masks:  # the block's own keys
+            masks[kind] = _kind_mask(positions, positions, causal=causal, window=window)
+        attend = _cache_attend(cache.keys[i], cache.values[i], positions, start, masks[kind], causal=causal,
+                               window=window, cfg=cfg)
+        x = _block_layer(layer, x, cos, sin, attend, cfg)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     return draft_logits(hidden, cfg, embed=embed, lm_head=lm_head), hidden, cache
 
@@ -263,7 +277,7 @@ def draft_forward_blocks(
         if kind not in masks:
             masks[kind] = _kind_mask(q_pos, k_pos, causal=kind[0], window=kind[1]) & visible
         k_ctx, v_ctx = _context_kv(ctx, layer.attn, ctx_cos, ctx_sin, cfg)
-        x = _block_layer(layer, x, cos, sin, k_ctx, v_ctx, masks[kind], cfg)
+        x = _block_layer(layer, x, cos, sin, _concat_attend(k_ctx, v_ctx, masks[kind], cfg), cfg)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     logits = draft_logits(hidden, cfg, embed=embed, lm_head=lm_head)
     return logits.reshape(n, a, width, -1), hidden.reshape(n, a, width, -1)
