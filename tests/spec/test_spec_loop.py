@@ -120,20 +120,20 @@ def test_stop_tokens_and_budget(pair):
         ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
         ({"prompts": [[]]}, "at least one token"),
         ({"prompts": [[3, 160]]}, "token id 160 outside the vocabulary"),
-        ({"sampling": "temp"}, None),
+        ({"sampling": dict(temperature=-1.0)}, "temperature must be >= 0"),
+        ({"sampling": dict(temperature=1.0, top_p=0.0)}, "top_p must be in (0, 1]"),
+        ({"sampling": dict(temperature=1.0, top_p=1.5)}, "top_p must be in (0, 1]"),
+        ({"sampling": dict(temperature=1.0, top_k=-1)}, "top_k must be >= 0"),
+        ({"sampling": dict(temperature=1.0, mode="greedy")}, "mode must be 'exact_match' or 'rejection'"),
     ],
 )
 def test_bad_input(pair, kwargs, message):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
     args.update(kwargs)
-    if message is None:
-        with pytest.raises(ValueError, match="temperature must be >= 0"):
-            SamplingParams(temperature=-1.0)
-        with pytest.raises(ValueError, match="top_p"):
-            SamplingParams(temperature=1.0, top_p=0.0)
-        return
     prompts = args.pop("prompts")
     with pytest.raises(ValueError) as e:
+        if "sampling" in args:  # bad settings are refused where they are made, before any generation
+            args["sampling"] = SamplingParams(**args["sampling"])
         generate(pair, prompts, **args)
     assert message in str(e.value)
 
