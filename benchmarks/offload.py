@@ -37,7 +37,9 @@ sys.path.insert(0, ROOT)
 def learned_predictor(pair, args, train_prompts):
     """Trains `train.route_predictor` on rounds over `train_prompts`; returns (LearnedRouter, info)."""
     from dflash_jax.offload import LearnedRouter
-    from dflash_jax.train.route_predictor import collect_route_data, init_from_target, train_route_predictor
+    from dflash_jax.offload.route_model import init_from_target
+    from dflash_jax.study.rounds import collect_route_data
+    from dflash_jax.train.route_predictor import train_route_predictor
 
     block = max(int(b) for b in args.blocks.split(","))
     hidden, targets, layers = collect_route_data(pair, train_prompts, block_size=block, max_new_tokens=args.max_new)
@@ -63,14 +65,13 @@ def verify_overhead(pair, store, prompts, block: int, repeats: int = 30) -> dict
     tokens = jnp.asarray([prompts[0]], jnp.int32)
     cache = qwen3.forward_jit(pair.target, tokens, qwen3.init_cache(cfg, 1, tokens.shape[1] + block), cfg).cache
     blk = tokens[:, :block]
-    pools = tuple(pool.operands(l) if l in pool.layers else None for l in range(cfg.num_layers))
-    tables = tuple(pool.slot_table(l) if l in pool.layers else None for l in range(cfg.num_layers))
+    pooled = pool.pooled_weights(stripped)
 
     def provide(layer, experts):
         return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
 
     runs = {
-        "single": lambda: qwen3.forward_jit(stripped, blk, cache, cfg, expert_pools=pools, slot_of=tables).logits,
+        "single": lambda: qwen3.forward_jit(pooled, blk, cache, cfg).logits,
         "layerwise": lambda: forward_layerwise(stripped, blk, cache, cfg, provider=provide).out.logits,
     }
     best = {}
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     import jax
 
     from dflash_jax.offload import HostExpertStore, generate_offloaded
-    from dflash_jax.offload.cost_model import probe_host_to_device_bandwidth
+    from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
     from dflash_jax.spec import generate, generate_stepping
 
     pair, prompts, source, train_prompts = load_model(args)

@@ -38,6 +38,7 @@ from dflash_jax.cache import KVCache, init_kv_cache, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.models.qwen3 import AttentionWeights, DecoderLayerWeights, MLPWeights, qkv_projection
 from dflash_jax.nn.attention import attention_mask, gqa_attention, kv_cache_attention
+from dflash_jax.nn.init import ParamInit
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, rope_cos_sin
@@ -287,3 +288,22 @@ def draft_forward_blocks(
 # your own jit to close over a head function.
 draft_forward_jit = jax.jit(draft_forward, static_argnames=("cfg",))
 
+
+def random_weights(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, *,
+                   norm_jitter: float = 0.2) -> DraftWeights:
+    """Random draft weights (`nn.init.ParamInit`; zero attention biases when the config has them)."""
+    init = ParamInit(key, 8 + 16 * cfg.num_layers, dtype, norm_jitter)
+    h, d = cfg.hidden_size, cfg.head_dim
+    layers = []
+    for _ in range(cfg.num_layers):
+        bias = (lambda n: jnp.zeros((n,), dtype)) if cfg.attention_bias else (lambda n: None)
+        attn = AttentionWeights(
+            q=init.mat(h, cfg.num_heads * d), k=init.mat(h, cfg.num_kv_heads * d), v=init.mat(h, cfg.num_kv_heads * d),
+            o=init.mat(cfg.num_heads * d, h), q_norm=init.norm(d), k_norm=init.norm(d),
+            q_bias=bias(cfg.num_heads * d), k_bias=bias(cfg.num_kv_heads * d), v_bias=bias(cfg.num_kv_heads * d),
+            o_bias=bias(h))
+        mlp = MLPWeights(gate=init.mat(h, cfg.intermediate_size), up=init.mat(h, cfg.intermediate_size),
+                               down=init.mat(cfg.intermediate_size, h))
+        layers.append(DecoderLayerWeights(input_norm=init.norm(h), attn=attn, post_norm=init.norm(h), mlp=mlp))
+    return DraftWeights(fc=init.mat(cfg.num_taps * cfg.target_hidden_size, h), hidden_norm=init.norm(h),
+                        layers=tuple(layers), final_norm=init.norm(h))

@@ -17,11 +17,10 @@ array; `down` is an `MXFP4Tensor` [E, H, I] or dense [E, I, H]. The release inte
 permutation of the packed blocks, exact and cheap) so that every family shares the "gate half first"
 convention of `nn.moe.swiglu_experts`; the biases `gate_up_bias` [E, 2I] are permuted the same way.
 
-`forward` has Qwen3's contract (`dflash_jax.models.qwen3.forward`): prefill, width-B extension and one-token
-decoding in one function; rollback of a rejected suffix is `dflash_jax.cache.rollback`. It is composed of
-layer-wise pieces (`block_context`, `attention_sublayer`, `mlp_input`, `route`, `mlp_sublayer`, `final_norm`)
-that the host-offload path (`dflash_jax.offload`) also runs one layer at a time, with the per-expert leaves
-(`EXPERT_FIELDS`: packed tables and biases) from a device slot pool (`forward(..., expert_pools=, slot_of=)`).
+The registered `GPT_OSS` family runs these pieces through the one decoder loop (`models.decoder`): `forward`
+has Qwen3's contract (prefill, width-B extension and one-token decoding in one function); rollback of a
+rejected suffix is a counter move. Its per-expert leaves (`expert_fields`: packed tables and biases) may be a
+device slot pool addressed through the layer's `slot_of` (expert offload).
 """
 
 from __future__ import annotations
@@ -31,17 +30,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from dflash_jax.cache import KVCache, init_kv_cache, rollback
 from dflash_jax.config import GptOssConfig
-from dflash_jax.models.qwen3 import BlockContext, ForwardOutput, Routing, lm_head_logits
+from dflash_jax.models import decoder
+from dflash_jax.models.decoder import BlockContext, ForwardOutput, Routing, lm_head_logits
+from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn.attention import cached_causal_attention
-from dflash_jax.nn.decoder import LogitsMode, layer_taps, select_logits
 from dflash_jax.nn.moe import clamped_swiglu, swiglu_experts, topk_softmax_router
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope
+from dflash_jax.quant import MXFP4Tensor, quantize_mxfp4_np
 
 __all__ = [
     "GptOssAttentionWeights",
@@ -49,7 +50,7 @@ __all__ = [
     "GptOssLayerWeights",
     "GptOssWeights",
     "ForwardOutput",
-    "EXPERT_FIELDS",
+    "GPT_OSS",
     "init_cache",
     "block_context",
     "attention_sublayer",
@@ -60,6 +61,7 @@ __all__ = [
     "forward",
     "rollback",
     "forward_jit",
+    "random_weights",
 ]
 
 
@@ -84,6 +86,7 @@ class GptOssMoEWeights:
     gate_up_bias: jax.Array  # [E, 2I], gate half first
     down: Any  # MXFP4Tensor logical [E, H, I] or dense [E, I, H]
     down_bias: jax.Array  # [E, H]
+    slot_of: jax.Array | None = None  # [E] int32 slot of each expert in a pool; None: the tables are whole
 
 
 @struct.dataclass
@@ -100,11 +103,6 @@ class GptOssWeights:
     layers: tuple[GptOssLayerWeights, ...]
     final_norm: jax.Array  # [H] fp32
     lm_head: jax.Array | None  # [H, V]; None when tied to the embedding
-
-
-def init_cache(cfg: GptOssConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    return init_kv_cache(num_layers=cfg.num_layers, batch=batch, max_len=max_len, num_kv_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, dtype=dtype)
 
 
 def _linear(x, w, b):
@@ -128,17 +126,12 @@ def _attention(h, attn: GptOssAttentionWeights, k_buf, v_buf, positions, cos, si
     return _linear(out.reshape(b, t, -1), attn.o, attn.o_bias), k_buf, v_buf
 
 
-# The layer-wise pieces below compose `forward`; the host-offload path (`dflash_jax.offload`) calls them one
-# layer at a time so that it can read a layer's exact routing before that layer's experts run. They share
-# `qwen3`'s shapes: `BlockContext`, `Routing`, h = the post-attention-normed rows [b*T, H].
-
-# The per-expert fields of `GptOssMoEWeights`, in the order of an expert pool `(gate_up, down, gate_up_bias,
-# down_bias)` (`forward(expert_pools=...)`, `dflash_jax.offload`).
-EXPERT_FIELDS = ("gate_up", "down", "gate_up_bias", "down_bias")
+# The layer-wise pieces below are what the decoder loop runs (`GptOssFamily`); they share the shapes of every
+# family: `BlockContext`, `Routing`, h = the post-attention-normed rows [b*T, H].
 
 
 def block_context(
-    weights: GptOssWeights, tokens: jax.Array, cache: KVCache, cfg: GptOssConfig, num_valid: jax.Array | None = None
+    weights: GptOssWeights, tokens: jax.Array, cache, cfg: GptOssConfig, num_valid: jax.Array | None = None
 ) -> tuple[jax.Array, BlockContext]:
     """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`): the same
     as Qwen3's (gpt-oss's YaRN attention scaling lives in its RoPE tables)."""
@@ -169,20 +162,17 @@ def route(mlp: GptOssMoEWeights, h: jax.Array, cfg: GptOssConfig) -> Routing:
 
 def mlp_sublayer(
     layer: GptOssLayerWeights, x: jax.Array, h: jax.Array, cfg: GptOssConfig, implementation: str = "auto", *,
-    routing: Routing | None = None, gate_up=None, down=None, gate_up_bias=None, down_bias=None,
-    slot_of: jax.Array | None = None,
+    routing: Routing | None = None,
 ) -> jax.Array:
     """`x + moe(h)` with h = `mlp_input(layer, x)`: the experts run on `routing` (computed here when None) over
-    the operands `gate_up` / `down` / `gate_up_bias` / `down_bias` (default: the layer's own tables), a slot
-    pool `[S, ...]` addressed through `slot_of` [E] int32 (identity when None; `nn.moe.swiglu_experts`)."""
+    the layer's tables and biases, a slot pool when `layer.mlp.slot_of` is set (`nn.moe.swiglu_experts`)."""
     mlp = layer.mlp
     routing = route(mlp, h, cfg) if routing is None else routing
-    pick = lambda given, own: own if given is None else given  # noqa: E731
     out = swiglu_experts(
-        h, routing.experts, routing.weights, pick(gate_up, mlp.gate_up), pick(down, mlp.down),
-        gate_up_bias=pick(gate_up_bias, mlp.gate_up_bias), down_bias=pick(down_bias, mlp.down_bias),
-        activation=functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit),
-        slot_of=slot_of, implementation=implementation,
+        h, routing.experts, routing.weights, mlp.gate_up, mlp.down, gate_up_bias=mlp.gate_up_bias,
+        down_bias=mlp.down_bias, activation=functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha,
+                                                             limit=cfg.swiglu_limit),
+        slot_of=mlp.slot_of, implementation=implementation,
     )
     return x + out.reshape(x.shape)
 
@@ -192,49 +182,98 @@ def final_norm(weights: GptOssWeights, x: jax.Array, cfg: GptOssConfig) -> jax.A
     return _norm(x, weights.final_norm, cfg)
 
 
-def forward(
-    weights: GptOssWeights,
-    tokens: jax.Array,
-    cache: KVCache,
-    cfg: GptOssConfig,
-    *,
-    num_valid: jax.Array | None = None,
-    tap_layers: tuple[int, ...] = (),
-    logits: LogitsMode = "all",
-    implementation: str = "auto",
-    return_router_logits: bool = False,
-    expert_pools: tuple | None = None,
-    slot_of: tuple | None = None,
-) -> ForwardOutput:
-    """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`; see `dflash_jax.models.qwen3.forward`
-    for the contract (num_valid = right padding, tap_layers = DFlash taps `h[i+1]`, logits modes,
-    return_router_logits = each layer's biased router logits [b, T, E] fp32, expert_pools / slot_of = per-layer
-    slot pools `(gate_up, down, gate_up_bias, down_bias)` `[S, ...]` and slot tables [E])."""
-    x, ctx = block_context(weights, tokens, cache, cfg, num_valid)
-    b, t = tokens.shape
-    outputs, routers, router_logits, new_k, new_v = [], [], [], [], []
-    for i, layer in enumerate(weights.layers):
-        x, k_buf, v_buf = attention_sublayer(layer, x, cache.keys[i], cache.values[i], ctx, cfg.layer_windows[i], cfg)
-        new_k.append(k_buf)
-        new_v.append(v_buf)
-        h = mlp_input(layer, x, cfg)
-        routing = route(layer.mlp, h, cfg)
-        pool = expert_pools[i] if expert_pools is not None else None
-        x = mlp_sublayer(layer, x, h, cfg, implementation, routing=routing,
-                         **({} if pool is None else dict(zip(EXPERT_FIELDS, pool))),
-                         slot_of=None if slot_of is None else slot_of[i])
-        outputs.append(x)
-        routers.append(routing.experts.reshape(b, t, -1))
-        router_logits.append(routing.logits.reshape(b, t, -1))
-    x = final_norm(weights, x, cfg)
-    return ForwardOutput(
-        logits=select_logits(x, ctx.num_valid, logits, functools.partial(lm_head_logits, weights)),
-        taps=layer_taps(outputs, x, tap_layers),
-        router_experts=tuple(routers),
-        cache=KVCache(keys=tuple(new_k), values=tuple(new_v), lengths=ctx.starts + ctx.num_valid.astype(jnp.int32)),
-        router_logits=tuple(router_logits) if return_router_logits else None,
-    )
+class GptOssFamily(ModelFamily):
+    """gpt-oss: every layer MoE, alternating sliding / full attention with sinks, biased top-k router."""
+
+    name = "gpt_oss"
+    config_type, weights_type, moe_type = GptOssConfig, GptOssWeights, GptOssMoEWeights
+    model_types = ("gpt_oss",)
+    expert_fields = ("gate_up", "down", "gate_up_bias", "down_bias")
+    router_norm = {"scale_in_fp32": True}
+    router_topk_first = True
+
+    def random_weights(self, cfg, key, dtype=jnp.float32, *, expert_format: str = "dense"):
+        if expert_format not in ("dense", "mxfp4"):
+            raise ValueError(f"gpt-oss experts are 'dense' or 'mxfp4' (the release's packed form), got "
+                             f"{expert_format!r}")
+        return random_weights(cfg, key, dtype, expert_format=expert_format)
+
+    def router_bias(self, mlp):
+        return mlp.router_bias
+
+    def block_context(self, weights, tokens, cache, num_valid, cfg):
+        return block_context(weights, tokens, cache, cfg, num_valid)
+
+    def mixer(self, layer, x, state, ctx, kind, cfg):
+        x, k_buf, v_buf = attention_sublayer(layer, x, state[0], state[1], ctx, kind, cfg)
+        return x, (k_buf, v_buf)
+
+    def mlp_input(self, layer, x, cfg):
+        return mlp_input(layer, x, cfg)
+
+    def route(self, layer, h, cfg):
+        return route(layer.mlp, h, cfg)
+
+    def experts(self, layer, x, h, routing, cfg, implementation):
+        return mlp_sublayer(layer, x, h, cfg, implementation, routing=routing)
+
+    def finish(self, weights, x, num_valid, cfg, logits):
+        normed = final_norm(weights, x, cfg)
+        return normed, decoder.select_logits(normed, num_valid, logits, functools.partial(lm_head_logits, weights))
 
 
-forward_jit = jax.jit(
-    forward, static_argnames=("cfg", "tap_layers", "logits", "implementation", "return_router_logits"))
+GPT_OSS = register(GptOssFamily())
+
+
+def init_cache(cfg: GptOssConfig, batch: int, max_len: int, dtype=jnp.float32):
+    return GPT_OSS.init_cache(cfg, batch, max_len, dtype)
+
+
+forward, forward_jit = decoder.family_forwards(GPT_OSS)
+rollback = GPT_OSS.rollback
+
+
+def random_weights(cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str = "mxfp4"):
+    """Random gpt-oss weights (scales as in `random_qwen3_weights`; sinks N(0, 1), biases N(0, 0.1^2));
+    experts as MXFP4 tensors (`expert_format="mxfp4"`, the release's form) or dense tables ("dense").
+    Norm weights are fp32, as in the release. Drawn with numpy on the host (fast for many small arrays)."""
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+
+    def arr(x, dt=dtype):
+        return jnp.asarray(np.asarray(x, np.float32), dt)
+
+    def mat(*shape):
+        return arr(rng.standard_normal(shape) / np.sqrt(shape[-2]))
+
+    def vec(*shape, scale=0.1):
+        return arr(scale * rng.standard_normal(shape))
+
+    def norm(n):
+        return arr(1.0 + 0.2 * rng.standard_normal(n), jnp.float32)
+
+    h, d, e, inter = cfg.hidden_size, cfg.head_dim, cfg.moe.num_experts, cfg.moe.intermediate_size
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def experts(n_out, k_in):  # logical [E, out, in]
+        w = (rng.standard_normal((e, n_out, k_in)) / np.sqrt(k_in)).astype(np.float32)
+        if expert_format == "mxfp4":
+            blocks, scales = quantize_mxfp4_np(w)
+            return MXFP4Tensor(blocks=jnp.asarray(blocks), scales=jnp.asarray(scales))
+        return arr(np.swapaxes(w, 1, 2))
+
+    layers = []
+    for _ in range(cfg.num_layers):
+        bias = cfg.attention_bias
+        attn = GptOssAttentionWeights(
+            q=mat(h, qd), k=mat(h, kvd), v=mat(h, kvd), o=mat(qd, h), sinks=vec(cfg.num_heads, scale=1.0),
+            q_bias=vec(qd) if bias else None, k_bias=vec(kvd) if bias else None,
+            v_bias=vec(kvd) if bias else None, o_bias=vec(h) if bias else None,
+        )
+        mlp = GptOssMoEWeights(
+            router=mat(h, e), router_bias=vec(e), gate_up=experts(2 * inter, h), gate_up_bias=vec(e, 2 * inter),
+            down=experts(h, inter), down_bias=vec(e, h),
+        )
+        layers.append(GptOssLayerWeights(input_norm=norm(h), attn=attn, post_norm=norm(h), mlp=mlp))
+    embed = arr(rng.standard_normal((cfg.vocab_size, h)))
+    lm_head = None if cfg.tie_word_embeddings else mat(h, cfg.vocab_size)
+    return GptOssWeights(embed=embed, layers=tuple(layers), final_norm=norm(h), lm_head=lm_head)

@@ -31,11 +31,10 @@ For Qwen3.5-35B-A3B (30 DeltaNet layers, Hk 16, Hv 32, dk = dv = 128, C 8192, bf
 (32 * 128 * 128 * 4 B * 30) and 960 MiB for keeping every per-step state of a width-16 block. No second copy
 of the state is kept: the checkpoint IS the state, and the committed state is rebuilt from it.
 
-`forward` is composed of layer-wise pieces (`block_context`, `layer_cache`, `mixer_sublayer`, `mlp_input`,
-`route`, `mlp_sublayer`, `final_norm`, `select_logits`, `assemble_cache`) that the host-offload path
-(`dflash_jax.offload`) also runs one layer at a time, the routed experts (`EXPERT_FIELDS`) from a device slot
-pool (`forward(..., expert_pools=, slot_of=)`); the shared expert and the DeltaNet states stay with the layer
-and the cache, exactly as here.
+The registered `QWEN3_5` family runs the layer-wise pieces (`block_context`, `layer_cache`, `mixer_sublayer`,
+`mlp_input`, `route`, `mlp_sublayer`, `final_norm`, `assemble_cache`) through the one decoder loop
+(`models.decoder`), resident or layer by layer (expert offload, the routed experts from a device slot pool
+through the layer's `slot_of`); the shared expert and the DeltaNet states stay with the layer and the cache.
 """
 
 from __future__ import annotations
@@ -44,14 +43,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
-from dflash_jax.models.qwen3 import ForwardOutput, LogitsMode, MLPWeights, Routing, lm_head_logits
+from dflash_jax.models import decoder
+from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, Routing, lm_head_logits
+from dflash_jax.models.family import ModelFamily, register
+from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn import gated_deltanet as gdn
 from dflash_jax.nn.attention import cached_causal_attention
-from dflash_jax.nn.decoder import select_logits as _select_logits
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
 from dflash_jax.nn.norms import rms_norm
@@ -90,6 +92,7 @@ class SparseMoEWeights:
     down: jax.Array  # [E, I, H]
     shared: MLPWeights  # the shared SwiGLU expert
     shared_gate: jax.Array  # [H, 1]
+    slot_of: jax.Array | None = None  # [E] int32 slot of each routed expert in a pool; None: the tables are whole
 
 
 @struct.dataclass
@@ -213,26 +216,7 @@ def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, ste
     return out, new
 
 
-# The layer-wise pieces below compose `forward`; the host-offload path (`dflash_jax.offload`) calls them one
-# layer at a time so that it can read a layer's exact routing before that layer's routed experts run.
-
-# The per-expert (routed) fields of `SparseMoEWeights`, in the order of an expert pool `(gate_up, down)`;
-# the router, the shared expert and its gate are not per expert and stay with the layer.
-EXPERT_FIELDS = ("gate_up", "down")
-
-
-@struct.dataclass
-class BlockContext:
-    """What every layer of one forward shares: the block's positions [b, T], where its rows are written
-    (`starts` [b], the cache lengths before the call), the RoPE tables, `num_valid` [b] int32 and `steps` [b]
-    (the committed rows of each DeltaNet layer's kept extension, `starts - linear_lengths`)."""
-
-    positions: jax.Array
-    starts: jax.Array
-    cos: jax.Array
-    sin: jax.Array
-    num_valid: jax.Array
-    steps: jax.Array
+# The layer-wise pieces below are what the decoder loop runs (`Qwen3_5Family`).
 
 
 def block_context(
@@ -241,8 +225,7 @@ def block_context(
 ) -> tuple[jax.Array, BlockContext]:
     """The embedded block `x` [b, T, H] and its `BlockContext` (positions `cache.lengths + [0, T)`)."""
     x, base = qwen3_block_context(weights, tokens, cache, cfg, num_valid)
-    return x, BlockContext(positions=base.positions, starts=base.starts, cos=base.cos, sin=base.sin,
-                           num_valid=base.num_valid.astype(jnp.int32), steps=base.starts - cache.linear_lengths)
+    return x, base.replace(steps=base.starts - cache.linear_lengths)
 
 
 def layer_cache(cache: Qwen3_5Cache, i: int, cfg: Qwen3_5Config):
@@ -298,15 +281,15 @@ def route(mlp: SparseMoEWeights, h: jax.Array, cfg: Qwen3_5Config) -> Routing:
 
 def mlp_sublayer(
     layer: DecoderLayerWeights, x: jax.Array, h: jax.Array, cfg: Qwen3_5Config, implementation: str = "auto", *,
-    routing: Routing | None = None, gate_up=None, down=None, slot_of: jax.Array | None = None,
+    routing: Routing | None = None,
 ) -> jax.Array:
     """`x + routed(h) + sigmoid(h w_sg) shared(h)` with h = `mlp_input(layer, x)`. The routed experts run on
-    `routing` (computed here when None) over `gate_up` / `down` (default: the layer's own tables), a slot pool
-    `[S, ...]` addressed through `slot_of` [E] int32 (identity when None); the shared expert is the layer's."""
+    `routing` (computed here when None) over the layer's tables, a slot pool when `layer.mlp.slot_of` is set;
+    the shared expert is always the layer's own."""
     mlp = layer.mlp
     routing = route(mlp, h, cfg) if routing is None else routing
-    routed = swiglu_experts(h, routing.experts, routing.weights, mlp.gate_up if gate_up is None else gate_up,
-                            mlp.down if down is None else down, slot_of=slot_of, implementation=implementation)
+    routed = swiglu_experts(h, routing.experts, routing.weights, mlp.gate_up, mlp.down, slot_of=mlp.slot_of,
+                            implementation=implementation)
     shared = swiglu(h, mlp.shared.gate, mlp.shared.up, mlp.shared.down)
     shared = jax.nn.sigmoid(h @ mlp.shared_gate) * shared
     return x + (routed + shared).reshape(x.shape)
@@ -317,62 +300,55 @@ def final_norm(weights: Qwen3_5Weights, x: jax.Array, cfg: Qwen3_5Config) -> jax
     return _norm(x, weights.final_norm, cfg)
 
 
-def select_logits(weights: Qwen3_5Weights, normed: jax.Array, num_valid: jax.Array, logits: LogitsMode):
-    """Logits of final-normed hidden states [b, T, H] in mode `logits` ("all" / "last" / "none")."""
-    return _select_logits(normed, num_valid, logits, functools.partial(lm_head_logits, weights))
+class Qwen3_5Family(ModelFamily):
+    """Qwen3.5-MoE: DeltaNet and gated-attention mixers, MoE with a shared expert, exact in-jit rollback."""
 
+    name = "qwen3_5"
+    config_type, weights_type, moe_type = Qwen3_5Config, Qwen3_5Weights, SparseMoEWeights
+    model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
+    expert_fields = ("gate_up", "down")
+    router_norm = {"zero_centered": True}
+    needs_rollback_width = True
 
-def forward(
-    weights: Qwen3_5Weights,
-    tokens: jax.Array,
-    cache: Qwen3_5Cache,
-    cfg: Qwen3_5Config,
-    *,
-    num_valid: jax.Array | None = None,
-    tap_layers: tuple[int, ...] = (),
-    logits: LogitsMode = "all",
-    implementation: str = "auto",
-    return_router_logits: bool = False,
-    expert_pools: tuple | None = None,
-    slot_of: tuple | None = None,
-) -> ForwardOutput:
-    """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)`; same contract as `qwen3.forward`.
+    def init_cache(self, cfg, batch, max_len, dtype=jnp.float32, *, verify_width: int = 0):
+        return init_cache(cfg, batch, max_len, dtype, rollback_width=verify_width)
 
-    num_valid: [b] real tokens per row (right padding), default T. Padded rows never touch a sequence's
-    DeltaNet state or conv tail, and their K/V rows sit past its length.
-    If T <= cache.rollback_width the returned cache can be rolled back to any length in
-    `[old length, new length]` (`rollback`); a wider forward commits.
-    expert_pools / slot_of: optional per-layer `(gate_up, down)` slot pools `[S, ...]` of the routed experts and
-    slot tables [E] int32 (see `qwen3.forward`); the shared expert always comes from the layer.
-    """
-    x, ctx = block_context(weights, tokens, cache, cfg, num_valid)
-    b, t = tokens.shape
-    taps: dict[int, jax.Array] = {}
-    routers, router_logits, states = [], [], []
-    last = cfg.num_layers - 1
-    for i, layer in enumerate(weights.layers):
-        x, state = mixer_sublayer(layer, x, layer_cache(cache, i, cfg), ctx, cfg.layer_types[i], cfg)
-        states.append(state)
-        h = mlp_input(layer, x, cfg)
-        routing = route(layer.mlp, h, cfg)
-        pool = expert_pools[i] if expert_pools is not None else None
-        x = mlp_sublayer(layer, x, h, cfg, implementation, routing=routing,
-                         **({} if pool is None else dict(zip(EXPERT_FIELDS, pool))),
-                         slot_of=None if slot_of is None else slot_of[i])
-        routers.append(routing.experts.reshape(b, t, -1))
-        router_logits.append(routing.logits.reshape(b, t, -1))
-        if i in tap_layers and i != last:
-            taps[i] = x
-    x = final_norm(weights, x, cfg)
-    if last in tap_layers:
-        taps[last] = x
-    return ForwardOutput(
-        logits=select_logits(weights, x, ctx.num_valid, logits),
-        taps=tuple(taps[i] for i in tap_layers),
-        router_experts=tuple(routers),
-        cache=assemble_cache(cache, ctx, states, cfg),
-        router_logits=tuple(router_logits) if return_router_logits else None,
-    )
+    def rollback(self, cache, lengths):
+        return rollback(cache, lengths)
+
+    def random_weights(self, cfg, key, dtype=jnp.float32, *, expert_format: str = "dense"):
+        return quantize_expert_tables(random_weights(cfg, key, dtype), expert_format)
+
+    def norm_scale(self, weight):
+        return 1.0 + weight.astype(jnp.float32)
+
+    def block_context(self, weights, tokens, cache, num_valid, cfg):
+        return block_context(weights, tokens, cache, cfg, num_valid)
+
+    def kind(self, cfg, i):
+        return cfg.layer_types[i]
+
+    def layer_cache(self, cache, i, cfg):
+        return layer_cache(cache, i, cfg)
+
+    def mixer(self, layer, x, state, ctx, kind, cfg):
+        return mixer_sublayer(layer, x, state, ctx, kind, cfg)
+
+    def new_cache(self, cache, ctx, states, cfg):
+        return assemble_cache(cache, ctx, states, cfg)
+
+    def mlp_input(self, layer, x, cfg):
+        return mlp_input(layer, x, cfg)
+
+    def route(self, layer, h, cfg):
+        return route(layer.mlp, h, cfg)
+
+    def experts(self, layer, x, h, routing, cfg, implementation):
+        return mlp_sublayer(layer, x, h, cfg, implementation, routing=routing)
+
+    def finish(self, weights, x, num_valid, cfg, logits):
+        normed = final_norm(weights, x, cfg)
+        return normed, decoder.select_logits(normed, num_valid, logits, functools.partial(lm_head_logits, weights))
 
 
 def rollback(cache: Qwen3_5Cache, lengths: jax.Array) -> Qwen3_5Cache:
@@ -399,6 +375,49 @@ def committed_linear_states(cache: Qwen3_5Cache) -> tuple[tuple[jax.Array, jax.A
     return tuple(gdn.committed_state(lin, steps) for lin in cache.linear)
 
 
-forward_jit = jax.jit(
-    forward, static_argnames=("cfg", "tap_layers", "logits", "implementation", "return_router_logits"))
+QWEN3_5 = register(Qwen3_5Family())
+# If T <= cache.rollback_width, `forward`'s cache can be rolled back to any length in [old length, new length]
+# (`rollback`); a wider forward commits. Padded rows (num_valid) never touch a sequence's DeltaNet state or conv
+# tail, and their K/V rows sit past its length.
+forward, forward_jit = decoder.family_forwards(QWEN3_5)
 rollback_jit = jax.jit(rollback)
+
+
+def random_weights(cfg, key: jax.Array, dtype=jnp.float32):
+    """Random Qwen3.5-MoE weights: matrices N(0, 1/fan_in) (the conv N(0, 1/K)), zero-centred norm weights
+    0.2 N(0, 1) (so the scale 1 + w is jittered like `random_qwen3_weights`' norms), the DeltaNet output norm
+    1 + 0.2 N(0, 1), A_log / dt_bias 0.1 N(0, 1). Drawn with numpy on the host."""
+
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+
+    def arr(x):
+        return jnp.asarray(np.asarray(x, np.float32), dtype)
+
+    def mat(*shape):
+        return arr(rng.standard_normal(shape) / np.sqrt(shape[-2]))
+
+    def vec(n, scale=0.1, offset=0.0):
+        return arr(offset + scale * rng.standard_normal(n))
+
+    h, d, e, inter = cfg.hidden_size, cfg.head_dim, cfg.moe.num_experts, cfg.moe.intermediate_size
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    conv_dim, shared = cfg.linear_conv_dim, cfg.shared_expert_intermediate_size  # conv_dim = 2 Hk dk + Hv dv
+    layers = []
+    for kind in cfg.layer_types:
+        if kind == FULL_ATTENTION:
+            mixer = GatedAttentionWeights(
+                q=mat(h, cfg.num_heads * 2 * d), k=mat(h, cfg.num_kv_heads * d), v=mat(h, cfg.num_kv_heads * d),
+                o=mat(cfg.num_heads * d, h), q_norm=vec(d, 0.2), k_norm=vec(d, 0.2))
+        else:
+            mixer = GatedDeltaNetWeights(
+                qkv=mat(h, conv_dim), z=mat(h, hv * dv), b=mat(h, hv), a=mat(h, hv),
+                conv=mat(cfg.linear_conv_kernel, conv_dim), a_log=vec(hv), dt_bias=vec(hv), norm=vec(dv, 0.2, 1.0),
+                out=mat(hv * dv, h))
+        mlp = SparseMoEWeights(
+            router=mat(h, e), gate_up=mat(e, h, 2 * inter), down=mat(e, inter, h),
+            shared=MLPWeights(gate=mat(h, shared), up=mat(h, shared), down=mat(shared, h)),
+            shared_gate=mat(h, 1))
+        layers.append(DecoderLayerWeights(input_norm=vec(h, 0.2), mixer=mixer, post_norm=vec(h, 0.2), mlp=mlp))
+    embed = arr(rng.standard_normal((cfg.vocab_size, h)))
+    lm_head = None if cfg.tie_word_embeddings else mat(h, cfg.vocab_size)
+    return Qwen3_5Weights(embed=embed, layers=tuple(layers), final_norm=vec(h, 0.2), lm_head=lm_head)

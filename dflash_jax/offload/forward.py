@@ -1,39 +1,36 @@
 """The target forward run layer by layer from Python, with each MoE layer's experts from a provider.
 
-This is the lossless offloaded forward. For every decoder layer l, in order:
-  1. a jitted call runs the attention (or, for Qwen3.5, the DeltaNet / gated-attention) sub-layer, the
+This is the lossless offloaded forward: the one decoder loop (`models.decoder.run_layers`) with its pieces
+as separately jitted steps (`LayerwiseSteps`) and an expert hook. For every decoder layer l, in order:
+  1. a jitted call runs the mixer sub-layer (attention, or Qwen3.5's DeltaNet / gated attention), the
      post-attention norm and the router: the layer's EXACT routing (the same router on the same input as
      the resident forward);
-  2. the host reads the routed expert ids (a [b*T, k] int32 transfer) and asks the provider for weight
-     operands covering them (the provider fetches what is missing into the device pool);
-  3. the runner checks on the host that every routed expert is resident in those operands; the experts
-     then run on the pool through the slot table, in the same jitted call as step 1 of the next layer
-     (one dispatch and one host sync per MoE layer).
+  2. the hook reads the routed expert ids on the host (a [b*T, k] int32 transfer) and asks the provider for
+     weight operands covering them (the provider fetches what is missing into the device pool), checks that
+     every routed expert is resident in them, and hands the loop the layer with its experts on the pool
+     (`ModelFamily.with_expert_pool`: the slot table travels inside the layer's weights);
+  3. a jitted call runs the layer's experts on the pool.
 So an expert GEMM never runs before the experts it reads are on the device, by construction and checked,
 whatever any prediction said. Optionally (`ahead_width`), step 1 also applies the next MoE layer's router to
 this layer's post-attention residual and step 2 hands that prediction to a hook that can prefetch the next
-layer's experts one layer ahead (see `forward_layerwise`). Dense (non-MoE) layers run whole in one call.
-
-One driver serves every family: the maths is the model module's own layer-wise pieces (`block_context`,
-the attention / mixer sub-layer, `mlp_input`, `route`, `mlp_sublayer`), reached through the family adapter
-of `offload.families`; only the program boundaries differ from the model's `forward`. Each layer's part of
-the cache (K/V buffers, or a DeltaNet layer's state and rollback buffer) flows through its jitted call and
-the adapter assembles the same cache object as the jitted forward, so `spec.session.commit_verify` and the
-family's `rollback` work on it unchanged.
+layer's experts one layer ahead (see `forward_layerwise`). Dense (non-MoE) layers run without a host read.
+Each layer's part of the cache flows through its jitted call and the family assembles the same cache object
+as the resident forward, so `spec.session.commit_verify` and the family's `rollback` work on it unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.qwen3 import ForwardOutput
-from dflash_jax.offload.families import family_of_config
+from dflash_jax.models.decoder import ForwardOutput, Steps, run_layers
+from dflash_jax.models.family import family_of
 from dflash_jax.offload.predictors import router_topk
 
 
@@ -63,7 +60,7 @@ class NonResidentExpert(AssertionError):
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg"))
 def _begin(fam, weights, tokens, cache, num_valid, cfg):
-    return fam.begin(weights, tokens, cache, num_valid, cfg)
+    return fam.block_context(weights, tokens, cache, num_valid, cfg)
 
 
 def _route_ahead(fam, nxt, x, cfg, width):
@@ -77,39 +74,55 @@ def _route_ahead(fam, nxt, x, cfg, width):
                        tuple(sorted(fam.router_norm.items())), fam.router_topk_first)
 
 
-def _attend_and_route_impl(fam, layer, x, state, ctx, cfg, kind, nxt=None, width=0):
+@functools.partial(jax.jit, static_argnames=("fam", "cfg", "kind", "moe", "width"))
+def _attend(fam, layer, x, state, ctx, cfg, kind, moe, nxt=None, width=0):
     x, state = fam.mixer(layer, x, state, ctx, kind, cfg)
     h = fam.mlp_input(layer, x, cfg)
-    return x, h, fam.route(layer, h, cfg), state, _route_ahead(fam, nxt, x, cfg, width)
-
-
-_attend_and_route = jax.jit(_attend_and_route_impl, static_argnames=("fam", "cfg", "kind", "width"))
+    routing = fam.route(layer, h, cfg) if moe else None
+    return x, h, routing, state, _route_ahead(fam, nxt, x, cfg, width)
 
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg", "implementation"))
-def _experts(fam, layer, x, h, routing, tables, slot_of, cfg, implementation):
-    return fam.experts(layer, x, h, routing, tables, slot_of, cfg, implementation)
-
-
-@functools.partial(jax.jit, static_argnames=("fam", "cfg", "kind", "implementation", "width"))
-def _experts_then_attend(fam, prev, layer, x, h, routing, tables, slot_of, state, ctx, cfg, kind, implementation,
-                         nxt=None, width=0):
-    """Layer l's experts, then layer l+1's attention and router (and, with `nxt`, the route-ahead prediction
-    of the MoE layer after it): one dispatch per MoE layer instead of two."""
-    done = fam.experts(prev, x, h, routing, tables, slot_of, cfg, implementation)
-    x, h, routing, state, guess = _attend_and_route_impl(fam, layer, done, state, ctx, cfg, kind, nxt, width)
-    return done, x, h, routing, state, guess
-
-
-@functools.partial(jax.jit, static_argnames=("fam", "cfg", "kind", "implementation"))
-def _dense_layer(fam, layer, x, state, ctx, cfg, kind, implementation):
-    x, state = fam.mixer(layer, x, state, ctx, kind, cfg)
-    return fam.dense(layer, x, fam.mlp_input(layer, x, cfg), cfg, implementation), state
+def _mlp(fam, layer, x, h, routing, cfg, implementation):
+    if routing is None:
+        return fam.dense(layer, x, h, cfg, implementation)
+    return fam.experts(layer, x, h, routing, cfg, implementation)
 
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg", "logits"))
 def _finish(fam, weights, x, num_valid, cfg, logits):
     return fam.finish(weights, x, num_valid, cfg, logits)
+
+
+class LayerwiseSteps(Steps):
+    """The decoder loop's pieces as separately jitted programs (shared by all layers of a kind: the layer's
+    weights are traced arguments), timing each layer on the host and, with `next_moe`, computing the in-verify
+    route-ahead prediction of the next MoE layer with each MoE layer's routing."""
+
+    def __init__(self, fam, cfg, implementation, weights, next_moe: dict[int, int], width: int):
+        super().__init__(fam, cfg, implementation)
+        self.weights, self.next_moe, self.width = weights, next_moe, width
+        self.guess = None  # (target MoE layer, (experts, probs, logits)) of the last attend, if any
+        self.starts: list[float] = []
+
+    def begin(self, weights, tokens, cache, num_valid):
+        return _begin(self.fam, weights, tokens, cache, num_valid, self.cfg)
+
+    def attend(self, i, layer, x, state, ctx, moe):
+        self.starts.append(time.perf_counter())
+        target = self.next_moe.get(i) if moe else None
+        nxt = None if target is None else self.fam.router_parts(self.weights.layers[target])
+        x, h, routing, state, guess = _attend(self.fam, layer, x, state, ctx, self.cfg, self.fam.kind(self.cfg, i),
+                                              moe, nxt, 0 if target is None else self.width)
+        self.guess = None if guess is None else (target, guess)
+        return x, h, routing, state
+
+    def mlp(self, i, layer, x, h, routing):
+        return _mlp(self.fam, layer, x, h, routing, self.cfg, self.implementation)
+
+    def finish(self, weights, x, num_valid, logits):
+        self.starts.append(time.perf_counter())
+        return _finish(self.fam, weights, x, num_valid, self.cfg, logits)
 
 
 @dataclasses.dataclass
@@ -148,87 +161,41 @@ def forward_layerwise(
     provider call and before layer i's experts are dispatched, so copies issued there overlap layer i's
     experts and layer j's attention. The first MoE layer gets no prediction; the programs are shared by all
     layers of a kind (the next layer's weights are traced arguments)."""
-    import time
-
-    fam = family_of_config(cfg)
+    fam = family_of(cfg)
     if not isinstance(weights, fam.weights_type):
         raise TypeError(f"{type(cfg).__name__} needs {fam.weights_type.__name__} weights, got {type(weights).__name__}")
-    if logits not in ("all", "last", "none"):
-        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
     b, t = tokens.shape
     if num_valid is None:
         num_valid = jnp.full((b,), t, jnp.int32)
-    x, ctx = _begin(fam, weights, tokens, cache, num_valid, cfg)
-    last = cfg.num_layers - 1
-    taps, routers, router_logits, states = {}, [], [], []
-    routed: dict[int, np.ndarray] = {}
-    seconds = []
-    pending = None  # (index, layer, h, routing, operands) of a MoE layer routed and supplied, experts not yet run
-
-    def finished(i, x):  # layer i's output h[i+1]
-        if i in tap_layers and i != last:
-            taps[i] = x
-
-    moe_ids = [i for i, layer in enumerate(weights.layers) if fam.is_moe(layer)]
+    moe_ids = fam.moe_layer_ids(weights)
     next_moe = dict(zip(moe_ids, moe_ids[1:])) if ahead_width else {}
+    steps = LayerwiseSteps(fam, cfg, implementation, weights, next_moe, int(ahead_width or 0))
+    routed: dict[int, np.ndarray] = {}
     ahead_out: dict[int, np.ndarray] = {}
     ahead_logits: dict[int, jax.Array] = {}
 
-    for i, layer in enumerate(weights.layers):
-        t0 = time.perf_counter()
-        kind = fam.kind(cfg, i)
-        state = fam.layer_cache(cache, i, cfg)
-        if not fam.is_moe(layer):
-            if pending is not None:
-                j, prev, h, routing, ops = pending
-                x = _experts(fam, prev, x, h, routing, ops.tables, ops.slot_of, cfg, implementation)
-                finished(j, x)
-                pending = None
-            x, state = _dense_layer(fam, layer, x, state, ctx, cfg, kind, implementation)
-            finished(i, x)
-            routers.append(None)
-            router_logits.append(None)
-        else:
-            target = next_moe.get(i)
-            nxt = None if target is None else fam.router_parts(weights.layers[target])
-            width = 0 if target is None else int(ahead_width)
-            if pending is None:
-                x, h, routing, state, guess = _attend_and_route(fam, layer, x, state, ctx, cfg, kind, nxt, width)
-            else:  # the previous layer's experts and this layer's attention + router in one call
-                j, prev, h, routing, ops = pending
-                done, x, h, routing, state, guess = _experts_then_attend(
-                    fam, prev, layer, x, h, routing, ops.tables, ops.slot_of, state, ctx, cfg, kind, implementation,
-                    nxt, width)
-                finished(j, done)
-            # waits for this layer's routing (the exact expert set) and, in the same transfer, the prediction
-            experts, guessed = jax.device_get((routing.experts, None if guess is None else guess[:2]))
-            experts = np.asarray(experts)
-            ops = provider(i, experts)
-            if len(ops.tables) != len(fam.expert_fields):
-                raise ValueError(f"layer {i}: the provider gave {len(ops.tables)} expert tables, {fam.name} needs "
-                                 f"{len(fam.expert_fields)} ({', '.join(fam.expert_fields)})")
-            if not ops.resident[experts].all():
-                bad = np.setdiff1d(experts, np.flatnonzero(ops.resident))
-                raise NonResidentExpert(f"layer {i}: experts {bad.tolist()} are routed but not resident")
-            if guessed is not None:  # before layer i's experts are dispatched (next iteration / after the loop)
-                ahead_out[target] = np.asarray(guessed[0])
-                ahead_logits[target] = guess[2]
-                if ahead is not None:
-                    ahead(target, ahead_out[target], np.asarray(guessed[1]))
-            pending = (i, layer, h, routing, ops)
-            routed[i] = experts
-            routers.append(routing.experts.reshape(b, t, -1))
-            router_logits.append(routing.logits.reshape(b, t, -1))
-        states.append(state)
-        seconds.append(time.perf_counter() - t0)
-    if pending is not None:
-        j, prev, h, routing, ops = pending
-        x = _experts(fam, prev, x, h, routing, ops.tables, ops.slot_of, cfg, implementation)
-        finished(j, x)
-    normed, out_logits = _finish(fam, weights, x, num_valid, cfg, logits)
-    if last in tap_layers:
-        taps[last] = normed
-    out = ForwardOutput(
-        logits=out_logits, taps=tuple(taps[i] for i in tap_layers), router_experts=tuple(routers),
-        cache=fam.new_cache(cache, ctx, states, cfg), router_logits=tuple(router_logits))
+    def place_experts(i, layer, routing):
+        # waits for this layer's routing (the exact expert set) and, in the same transfer, the prediction
+        guess = steps.guess
+        experts, guessed = jax.device_get((routing.experts, None if guess is None else guess[1][:2]))
+        experts = np.asarray(experts)
+        ops = provider(i, experts)
+        if len(ops.tables) != len(fam.expert_fields):
+            raise ValueError(f"layer {i}: the provider gave {len(ops.tables)} expert tables, {fam.name} needs "
+                             f"{len(fam.expert_fields)} ({', '.join(fam.expert_fields)})")
+        if not ops.resident[experts].all():
+            bad = np.setdiff1d(experts, np.flatnonzero(ops.resident))
+            raise NonResidentExpert(f"layer {i}: experts {bad.tolist()} are routed but not resident")
+        if guessed is not None:  # before layer i's experts are dispatched
+            target = guess[0]
+            ahead_out[target] = np.asarray(guessed[0])
+            ahead_logits[target] = guess[1][2]
+            if ahead is not None:
+                ahead(target, ahead_out[target], np.asarray(guessed[1]))
+        routed[i] = experts
+        return layer.replace(mlp=fam.with_expert_pool(layer.mlp, ops.tables, ops.slot_of))
+
+    out = run_layers(steps, weights, tokens, cache, num_valid=num_valid, tap_layers=tap_layers, logits=logits,
+                     return_router_logits=True, expert_hook=place_experts)
+    seconds = list(np.diff(steps.starts))
     return LayerwiseOutput(out=out, routed=routed, layer_seconds=seconds, ahead=ahead_out, ahead_logits=ahead_logits)

@@ -57,12 +57,13 @@ _start_state_jit = jax.jit(start_state, static_argnames=("spec",))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "implementation"))
-def _verify_on_full_pool(target_w, state, draft, pools, slot_tables, spec, implementation):
-    """The verify as ONE program on a pool that holds every expert of every layer (nothing can miss, so the
-    layer-wise host round trips would buy nothing); returns (state, per-layer router experts)."""
+def _verify_on_full_pool(pooled_w, state, draft, spec, implementation):
+    """The verify as ONE program on target weights whose MoE layers read a pool that holds every expert of
+    every layer (nothing can miss, so the layer-wise host round trips would buy nothing); returns (state,
+    per-layer router experts)."""
     out = target_family(spec.target).forward(
-        target_w, verify_block(state, draft), state.target_cache, spec.target, tap_layers=spec.taps, logits="all",
-        implementation=implementation, expert_pools=pools, slot_of=slot_tables)
+        pooled_w, verify_block(state, draft), state.target_cache, spec.target, tap_layers=spec.taps, logits="all",
+        implementation=implementation)
     return commit_verify(state, draft, out, spec), out.router_experts
 
 
@@ -231,9 +232,8 @@ def generate_offloaded(
 
         t2 = time.perf_counter()
         if full_pool:
-            pools = tuple(pool.operands(l) if l in pool.layers else None for l in range(cfg.num_layers))
-            tables = tuple(pool.slot_table(l) if l in pool.layers else None for l in range(cfg.num_layers))
-            state, router_experts = _verify_on_full_pool(stripped, state, draft, pools, tables, spec, implementation)
+            state, router_experts = _verify_on_full_pool(pool.pooled_weights(stripped), state, draft, spec,
+                                                         implementation)
             routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
             for l in layers:
                 on_demand(l, routed[l])

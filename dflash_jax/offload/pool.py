@@ -151,8 +151,17 @@ class ExpertPool:
 
     def operands(self, layer: int) -> tuple:
         """The expert slot pools `[S(+1), ...]` of `layer` in the family's `expert_fields` order (`(gate_up, down)`;
-        gpt-oss adds the biases) for the model's `mlp_sublayer(..., slot_of=slot_table)` / `forward(expert_pools=)`."""
+        gpt-oss adds the biases), read through `slot_table(layer)` (`ModelFamily.with_expert_pool`)."""
         return self.store.layers[layer].tables(self.layers[layer].leaves)
+
+    def pooled_weights(self, weights):
+        """`weights` (e.g. `store.strip_experts` of the target) with every MoE layer reading its experts from
+        this pool: the model's own forward then runs on the pool (every routed expert must be resident)."""
+        fam = self.store.family
+        layers = tuple(
+            layer.replace(mlp=fam.with_expert_pool(layer.mlp, self.operands(i), self.slot_table(i)))
+            if i in self.layers else layer for i, layer in enumerate(weights.layers))
+        return weights.replace(layers=layers)
 
     # ---- updates -----------------------------------------------------------------------------------------
     def _score(self, lp: _LayerPool, experts: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from dflash_jax.offload import (
     DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
     forward_layerwise, generate_offloaded, moe_layer_ids, strip_experts,
 )
-from dflash_jax.offload.families import family_of_config
+from dflash_jax.models.family import family_of
 from dflash_jax.spec import generate
 from dflash_jax.spec.session import init_target_cache, target_family
 
@@ -158,11 +158,9 @@ def test_layerwise_forward_equals_the_jitted_forward(pair, reference):
     np.testing.assert_allclose(np.asarray(pre.out.logits), np.asarray(prompt.logits), **tol)
     _assert_trees_close(pre.out.cache, prompt.cache, **tol)
 
-    # The model's own forward on the pool (expert_pools / slot_of: the single-program verify of a full budget).
-    layers = range(cfg.num_layers)
-    on_pool = fam.forward_jit(stripped, block, prompt.cache, cfg, tap_layers=taps,
-                              expert_pools=tuple(pool.operands(l) for l in layers),
-                              slot_of=tuple(pool.slot_table(l) for l in layers))
+    # The model's own forward on weights that read the pool (slot tables inside the weights: the
+    # single-program verify of a full budget).
+    on_pool = fam.forward_jit(pool.pooled_weights(stripped), block, prompt.cache, cfg, tap_layers=taps)
     np.testing.assert_allclose(np.asarray(on_pool.logits), np.asarray(want.logits), **tol)
     _assert_trees_close(on_pool.cache, want.cache, **tol)
 
@@ -186,7 +184,7 @@ def test_draft_router_applies_the_familys_router(pair):
                                                          draft_hidden=hidden))
     for layer in range(cfg.num_layers):
         lw = weights.layers[layer]
-        routed = fam.route(lw.mlp, fam.mlp_input(lw, flat[None], cfg), cfg).experts  # the model's own router
+        routed = fam.route(lw, fam.mlp_input(lw, flat[None], cfg), cfg).experts  # the model's own router
         assert set(pred[layer].tolist()) == set(np.asarray(routed).reshape(-1).tolist())
 
 
@@ -194,7 +192,7 @@ def test_learned_router_starts_exactly_at_the_familys_router(pair):
     """`init_from_target` + `route_logits` reproduce the family's router logits at step 0 (gpt-oss: router bias;
     Qwen3.5: zero-centred norm as 1 + w), so LearnedRouter(width=top_k) picks DraftRouter's per-row sets (gpt-oss
     softmaxes after the top-k: sets compared by logit order)."""
-    from dflash_jax.train.route_predictor import init_from_target, route_logits
+    from dflash_jax.offload.route_model import init_from_target, route_logits
 
     cfg, weights = pair.target_cfg, pair.target
     fam = target_family(cfg)
@@ -205,7 +203,7 @@ def test_learned_router_starts_exactly_at_the_familys_router(pair):
     logits = np.asarray(route_logits(params, flat, cfg.rms_norm_eps))
     for j, layer in enumerate(layers):
         lw = weights.layers[layer]
-        routing = fam.route(lw.mlp, fam.mlp_input(lw, flat[None], cfg), cfg)  # the model's own router
+        routing = fam.route(lw, fam.mlp_input(lw, flat[None], cfg), cfg)  # the model's own router
         np.testing.assert_allclose(logits[j], np.asarray(routing.logits), rtol=1e-5, atol=1e-5)
         top = np.argsort(-logits[j], axis=-1, kind="stable")[:, :2]
         for row in range(flat.shape[0]):
@@ -222,7 +220,7 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference
     layer would give that residual."""
     cfg, weights = pair.target_cfg, pair.target
     store = reference[1]
-    ofam = family_of_config(cfg)
+    ofam = family_of(cfg)
     tokens = np.zeros((2, 40), np.int32)
     for row, p in enumerate(PROMPTS):
         tokens[row, :len(p)] = p
@@ -236,7 +234,7 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference
     got = forward_layerwise(strip_experts(weights), block, cache, cfg, provider=_provider(pool), ahead_width=2,
                             ahead=lambda j, experts, probs: seen.__setitem__(j, experts))
     assert sorted(seen) == sorted(got.ahead) == [1, 2]
-    x, ctx = ofam.begin(weights, block, cache, jnp.full((2,), 4, jnp.int32), cfg)
+    x, ctx = ofam.block_context(weights, block, cache, jnp.full((2,), 4, jnp.int32), cfg)
     for i, lw in enumerate(weights.layers):
         x, _ = ofam.mixer(lw, x, ofam.layer_cache(cache, i, cfg), ctx, ofam.kind(cfg, i), cfg)
         if i + 1 < cfg.num_layers:
@@ -247,11 +245,11 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference
             np.testing.assert_allclose(np.asarray(got.ahead_logits[i + 1]), np.asarray(want.logits), rtol=1e-5,
                                        atol=1e-4)
         h = ofam.mlp_input(lw, x, cfg)
-        x = ofam.experts(lw, x, h, ofam.route(lw, h, cfg), ofam.expert_tables(lw.mlp), None, cfg, "auto")
+        x = ofam.experts(lw, x, h, ofam.route(lw, h, cfg), cfg, "auto")
 
 
 def _predictors(pair):
-    from dflash_jax.train.route_predictor import init_from_target
+    from dflash_jax.offload.route_model import init_from_target
 
     layers = moe_layer_ids(pair.target)
     learned = LearnedRouter(init_from_target(pair.target, layers), layers, eps=pair.target_cfg.rms_norm_eps)

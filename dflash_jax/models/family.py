@@ -1,0 +1,209 @@
+"""The one model-family interface and its registry.
+
+A target family (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE, ...) is one `ModelFamily` subclass, registered once
+from its model module with `register(...)`. Everything outside the model modules asks the registry
+(`family_of(cfg)`, `family_of_weights(weights)`, `family_named(name)`) instead of dispatching on types:
+the speculative rounds, plain decoding, expert offload, the converter, the test helpers.
+
+What a family declares:
+  name, config_type, weights_type, moe_type, model_types   identity (HF `model_type`s it parses)
+  expert_fields        the per-expert fields of a MoE layer's weights, in expert-pool order
+                       (Qwen3 / Qwen3.5: gate_up, down; gpt-oss: gate_up, down, gate_up_bias, down_bias)
+  init_cache(cfg, batch, max_len, dtype, verify_width=)   an empty cache that can roll a width-
+                       `verify_width` forward back to any prefix
+  rollback(cache, lengths)                                 keep each sequence's first `lengths` tokens
+  random_weights(cfg, key, dtype, expert_format=)          random tiny weights (tests, examples)
+  the layer pieces the decoder loop (`models.decoder`) runs, all traceable:
+    block_context(weights, tokens, cache, num_valid, cfg) -> (x, ctx)
+    kind(cfg, i)             a hashable static description of layer i (its window / mixer type): layers of
+                             one kind share compiled programs in the layer-wise (offloaded) forward
+    layer_cache(cache, i, cfg), mixer(layer, x, state, ctx, kind, cfg) -> (x, state),
+    new_cache(cache, ctx, states, cfg)                       each layer's part of the cache in and out
+    mlp_input(layer, x, cfg), route(layer, h, cfg) -> Routing,
+    experts(layer, x, h, routing, cfg, implementation)     the MoE sub-layer on `layer.mlp`'s tables,
+                             which may be a device slot pool addressed through `layer.mlp.slot_of`
+    dense(layer, x, h, cfg, implementation)                 a dense MLP sub-layer
+    finish(weights, x, num_valid, cfg, logits) -> (final-normed x, logits)
+  router_norm / router_topk_first / router_bias / router_parts / norm_scale: how a layer's router is applied
+                       outside the layer (route-ahead predictors on draft hidden states or on a residual)
+
+An expert pool is just different MoE weights: `with_expert_pool(layer_mlp, tables, slot_of)` swaps the
+per-expert tables for a `[S, ...]` slot pool and sets the layer's `slot_of` [E] table (see `nn.moe`), so
+the forward has no offload-only parameters.
+
+Families are module-level singletons, hashable by identity, so they pass to `jax.jit` as static arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.cache import KVCache, init_kv_cache
+from dflash_jax.cache import rollback as _counter_rollback
+from dflash_jax.models import decoder
+
+
+class ModelFamily:
+    """Base family: a decoder whose every layer is a KV-cached attention mixer (slot = position cache).
+    Families with other mixers (Qwen3.5's DeltaNet) override the cache pieces."""
+
+    name: str = ""
+    config_type: type = type(None)
+    weights_type: type = type(None)
+    moe_type: type = type(None)
+    model_types: tuple[str, ...] = ()
+    expert_fields: tuple[str, ...] = ("gate_up", "down")
+    router_norm: dict = {}  # keyword arguments of `nn.norms.rms_norm` for the post-attention norm
+    router_topk_first: bool = False  # gpt-oss: top-k of the (biased) logits, then softmax over those k
+    needs_rollback_width: bool = False  # the cache must be sized by the verify width (linear attention)
+
+    # ---- caches ------------------------------------------------------------------------------------------
+    def init_cache(self, cfg, batch: int, max_len: int, dtype=jnp.float32, *, verify_width: int = 0) -> Any:
+        return init_kv_cache(num_layers=cfg.num_layers, batch=batch, max_len=max_len,
+                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
+
+    def rollback(self, cache, lengths):
+        """Keeps each sequence's first `lengths` positions (slot = position: a counter move)."""
+        return _counter_rollback(cache, lengths)
+
+    def layer_cache(self, cache, i: int, cfg):
+        return cache.keys[i], cache.values[i]
+
+    def new_cache(self, cache, ctx, states, cfg):
+        return KVCache(keys=tuple(k for k, _ in states), values=tuple(v for _, v in states),
+                       lengths=ctx.starts + ctx.num_valid.astype(jnp.int32))
+
+    # ---- weights -----------------------------------------------------------------------------------------
+    def random_weights(self, cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str = "dense"):
+        """Random tiny weights with the expert tables in `expert_format` ("dense", "mxfp4", ...)."""
+        raise NotImplementedError(f"{self.name}: no random weights")
+
+    def is_moe(self, layer) -> bool:
+        return isinstance(layer.mlp, self.moe_type)
+
+    def moe_layer_ids(self, weights) -> tuple[int, ...]:
+        return tuple(i for i, layer in enumerate(weights.layers) if self.is_moe(layer))
+
+    def expert_tables(self, mlp) -> tuple:
+        """The per-expert tables of a MoE layer's weights, in `expert_fields` order."""
+        return tuple(getattr(mlp, f) for f in self.expert_fields)
+
+    def strip(self, mlp):
+        """The MoE weights without their per-expert tables (router, shared expert, ... stay)."""
+        return mlp.replace(**{f: None for f in self.expert_fields}, slot_of=None)
+
+    def with_expert_pool(self, mlp, tables, slot_of):
+        """The MoE weights with their per-expert tables replaced by a slot pool `tables` (in `expert_fields`
+        order, `[S, ...]`) addressed through `slot_of` [E] int32 (None: the tables are the whole table)."""
+        if len(tables) != len(self.expert_fields):
+            raise ValueError(f"{self.name} expert pools have {len(self.expert_fields)} tables "
+                             f"({', '.join(self.expert_fields)}), got {len(tables)}")
+        return mlp.replace(**dict(zip(self.expert_fields, tables)), slot_of=slot_of)
+
+    def router_bias(self, mlp):
+        return None
+
+    def router_parts(self, layer) -> tuple:
+        """(post-attention norm weights, router [H, E], router bias [E] or None) of a MoE layer: with
+        `router_norm` and `router_topk_first`, everything needed to apply its router to another hidden state."""
+        return layer.post_norm, layer.mlp.router, self.router_bias(layer.mlp)
+
+    def norm_scale(self, weight) -> jnp.ndarray:
+        """The post-attention norm's effective fp32 scale s, so that on fp32 inputs the family's norm is
+        `s * x / rms(x)` (plain and fp32-scaled norms: w; Qwen3.5's zero-centred norm: 1 + w)."""
+        return weight.astype(jnp.float32)
+
+    # ---- layer pieces (traced) ---------------------------------------------------------------------------
+    def block_context(self, weights, tokens, cache, num_valid, cfg):
+        raise NotImplementedError
+
+    def kind(self, cfg, i: int):
+        return cfg.layer_windows[i]
+
+    def mixer(self, layer, x, state, ctx, kind, cfg):
+        raise NotImplementedError
+
+    def mlp_input(self, layer, x, cfg):
+        raise NotImplementedError
+
+    def route(self, layer, h, cfg):
+        raise NotImplementedError
+
+    def experts(self, layer, x, h, routing, cfg, implementation):
+        raise NotImplementedError
+
+    def dense(self, layer, x, h, cfg, implementation):
+        raise NotImplementedError(f"{self.name} has no dense MLP layers")
+
+    def finish(self, weights, x, num_valid, cfg, logits):
+        """(final-normed x, logits in mode `logits`)."""
+        raise NotImplementedError
+
+    # ---- whole forwards ----------------------------------------------------------------------------------
+    def forward(self, weights, tokens, cache, cfg, **kwargs):
+        """The family's forward through the one decoder loop (`models.decoder.forward`)."""
+        return decoder.forward(self, weights, tokens, cache, cfg, **kwargs)
+
+    def forward_jit(self, weights, tokens, cache, cfg, **kwargs):
+        """`forward`, jitted with the family, config and modes static (`models.decoder.forward_jit`)."""
+        return decoder.forward_jit(self, weights, tokens, cache, cfg, **kwargs)
+
+    def __repr__(self):
+        return f"<model family {self.name}>"
+
+
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Registers a family (once per name); returns it."""
+    if not family.name:
+        raise ValueError("a model family needs a name")
+    if family.name in _REGISTRY and _REGISTRY[family.name] is not family:
+        raise ValueError(f"model family {family.name!r} is registered twice")
+    _REGISTRY[family.name] = family
+    return family
+
+
+def _ensure_loaded() -> None:
+    # The built-in families register when their modules are imported, which importing `dflash_jax.models`
+    # does; a caller holding only this module (imported first by a family module) gets them here.
+    import dflash_jax.models  # noqa: F401  (justified: the package imports this module, not the reverse)
+
+
+def families() -> tuple[ModelFamily, ...]:
+    _ensure_loaded()
+    return tuple(_REGISTRY.values())
+
+
+def family_named(name: str) -> ModelFamily:
+    _ensure_loaded()
+    if name not in _REGISTRY:
+        raise KeyError(f"no model family {name!r} (registered: {', '.join(sorted(_REGISTRY))})")
+    return _REGISTRY[name]
+
+
+def family_of(cfg) -> ModelFamily:
+    """The family of a target config; a clear error for configs of no registered family."""
+    for fam in families():
+        if isinstance(cfg, fam.config_type):
+            return fam
+    raise TypeError(f"no registered target family for {type(cfg).__name__} (registered: "
+                    f"{', '.join(f.config_type.__name__ for f in families())})")
+
+
+def family_of_weights(weights) -> ModelFamily:
+    """The family of a target weight pytree."""
+    for fam in families():
+        if isinstance(weights, fam.weights_type):
+            return fam
+    raise TypeError(f"no registered target family for weights of type {type(weights).__name__} (registered: "
+                    f"{', '.join(f.weights_type.__name__ for f in families())})")
+
+
+def is_moe_layer(layer) -> bool:
+    """Whether a decoder layer of any registered family has routed experts."""
+    return any(fam.is_moe(layer) for fam in families())
