@@ -7,9 +7,13 @@
   families.py     per-family adapters (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): expert fields, layer steps, caches
   predictors.py   route-ahead predictors (previous round, target routers on draft hidden states, learned, the next
                   layer's router on the verify's residual, union)
+  route_model.py  the learned predictor's model: weights, init from the target routers, logits / probabilities
+                  (fitted by `train.route_predictor`)
   stats.py        RouteAheadStats: coverage / waste / hit rate / bytes / transfer time vs hide window
   loop.py         generate_offloaded: B1 / B2 / B3 through one stepping loop
-  cost_model.py   round-time model of B0-B3 for real configs and links; bandwidth probe
+  bandwidth.py    the measured host->device bandwidth the stats compare transfer times with
+
+Study code (the B0-B3 cost model, offline scoring, round recording) lives in `dflash_jax.study`.
 """
 
 from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise

@@ -12,9 +12,9 @@ Predictions never affect correctness: the verify computes the exact routing and 
 - `DraftRouter(weights, cfg, width)`: every target layer's router applied to the draft's final hidden states
   of the block (each row's top-`width` experts), after that layer's post-attention RMSNorm weights; each
   family's router as its model applies it (gpt-oss: router bias, top-k then softmax).
-- `LearnedRouter(params, layers, eps, width | threshold, embed)`: a per-layer linear map trained on (draft
-  hidden [+ verify-block token], verify routing) pairs (`train.route_predictor`), initialized from the target
-  routers; a block-level probability threshold as the alternative knob to the width.
+- `LearnedRouter(params, layers, eps, width | threshold, embed)`: a per-layer linear map (`route_model`) on the
+  draft hidden [+ verify-block token], fitted to the verify's routing by `train.route_predictor`, initialized
+  from the target routers; a block-level probability threshold as the alternative knob to the width.
 - `NextLayerResidual(width)` ("residual"): predicts INSIDE the verify: the next MoE layer's router on the current
   MoE layer's post-attention residual, prefetched one layer ahead (`in_verify`; `predict` gives {}).
 - `Union(a, b, ...)`: the union, in interleaved priority order (its in-verify part, if any, adds to it).
@@ -31,6 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.nn.norms import rms_norm
+from dflash_jax.offload.families import family_of_weights
+from dflash_jax.offload.route_model import route_probs
+from dflash_jax.offload.store import moe_layer_ids
 
 
 @dataclasses.dataclass
@@ -149,9 +152,6 @@ class DraftRouter:
     needs_draft = True
 
     def __init__(self, weights, cfg, *, width: int | None = None, renorm: bool = True, name: str = "draft_router"):
-        from dflash_jax.offload.families import family_of_weights
-        from dflash_jax.offload.store import moe_layer_ids
-
         fam = family_of_weights(weights)
         self.name, self.width, self.renorm, self.cfg = name, width, renorm, cfg
         self.layers = moe_layer_ids(weights)
@@ -176,7 +176,7 @@ class DraftRouter:
 
 
 class LearnedRouter:
-    """A trained per-layer predictor (`train.route_predictor.LinearRouteWeights`) on the draft's hidden
+    """A trained per-layer predictor (`route_model.LinearRouteWeights`) on the draft's hidden
     states (and, for weights with token features, the verify block's tokens through `embed`, the target's
     embedding): per row and expert p = sigmoid(logit), an estimate of P(row routed to e).
     Selection: `threshold` t -> every expert with P(some row of the block routes to e) = 1 - prod_rows(1 - p)
@@ -204,7 +204,7 @@ class LearnedRouter:
             if inputs.block_tokens is None:
                 return {}
             tokens = jnp.asarray(inputs.block_tokens).reshape(-1)
-        probs = np.asarray(_learned_probs(self.params, hidden, tokens, self.embed, self.eps), np.float64)
+        probs = np.asarray(route_probs(self.params, hidden, tokens, self.embed, self.eps), np.float64)
         out = {}
         for j, layer in enumerate(self.layers):
             if self.threshold is not None:
@@ -216,14 +216,6 @@ class LearnedRouter:
                 idx = np.argsort(-probs[j], axis=-1, kind="stable")[:, :width]
                 out[layer] = ranked_union(idx, np.take_along_axis(probs[j], idx, axis=-1))
         return out
-
-
-@functools.partial(jax.jit, static_argnames=("eps",))
-def _learned_probs(params, hidden, tokens, embed, eps):
-    from dflash_jax.train.route_predictor import route_logits
-
-    token_embeds = None if tokens is None else jnp.take(embed, tokens, axis=0)
-    return jax.nn.sigmoid(route_logits(params, hidden, eps, token_embeds))
 
 
 class Union:
@@ -277,7 +269,7 @@ class NextLayerResidual:
         return ranked_union(experts, probs)
 
     def from_logits(self, logits: np.ndarray, top_k: int) -> np.ndarray:
-        """Offline (`offload.evaluate`): the prediction from recorded next-layer router logits [rows, E] (each
+        """Offline (`study.evaluate`): the prediction from recorded next-layer router logits [rows, E] (each
         row's top-`width` by logit order: the set `rank` gets in the verify for every family; the priority
         order may differ for gpt-oss, which ranks by the softmax over the top `width`)."""
         idx, p = _top_width(np.asarray(logits, np.float64), self.width or top_k)

@@ -25,16 +25,14 @@ across rounds, which the LRFU cache adds on top, is not modeled: hit rates are l
 `sync` is the per-MoE-layer host round trip of the layer-wise verify (read the routing, issue the copies,
 launch the expert GEMM); it is 0 when the pool holds every expert (the verify then runs as one program).
 The defaults for real models and machines are in MODELS / HARDWARE with their
-sources; assumptions are marked.
+sources; assumptions are marked. Study code (`benchmarks/offload_cost_model.py`): the runtime measures its own
+link instead (`offload.bandwidth.probe_host_to_device_bandwidth`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 
-import jax
 import numpy as np
 
 MB = 1e6
@@ -222,21 +220,3 @@ def best_block(model: ModelSpec, hw: Hardware, *, mode: str, budget_bytes: float
         return estimate(model, hw, mode=mode, block=1, budget_bytes=budget_bytes, **kw)
     return max((estimate(model, hw, mode=mode, block=b, budget_bytes=budget_bytes, **kw) for b in blocks),
                key=lambda r: r.tokens_per_second)
-
-
-@functools.lru_cache(maxsize=None)
-def probe_host_to_device_bandwidth(nbytes: int = 32 << 20, repeats: int = 3) -> float:
-    """Measured host->device bytes/s: the best of `repeats` timed `device_put`s of an `nbytes` uint8 array
-    from `pinned_host` to `device` memory (after one warm-up copy). On the CPU backend both memories are
-    host RAM and this measures a memcpy. Cached per process."""
-    from dflash_jax.offload.store import memory_sharding
-
-    src = jax.device_put(np.ones(nbytes, np.uint8), memory_sharding("pinned_host"))
-    dev = memory_sharding("device")
-    jax.block_until_ready(jax.device_put(src, dev))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(jax.device_put(src, dev))
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best

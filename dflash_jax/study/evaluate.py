@@ -1,4 +1,4 @@
-"""Offline scoring of route-ahead predictors on recorded rounds (`train.route_predictor.record_rounds`).
+"""Offline scoring of route-ahead predictors on recorded rounds (`study.rounds.record_rounds`).
 
 Each recorded round is replayed to a predictor exactly as the offloaded loop would show it (`RoundInputs`:
 this round's draft hidden states and verify-block tokens, the previous round's routing and router logits),

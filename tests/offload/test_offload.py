@@ -315,7 +315,9 @@ def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, b
 
 def test_learned_router_starts_as_the_draft_router_and_learns(pair):
     from dflash_jax.offload import LearnedRouter
-    from dflash_jax.train.route_predictor import collect_route_data, init_from_target, train_route_predictor
+    from dflash_jax.offload.route_model import init_from_target
+    from dflash_jax.study.rounds import collect_route_data
+    from dflash_jax.train.route_predictor import train_route_predictor
 
     hidden, targets, layers = collect_route_data(pair, PROMPTS, block_size=4, max_new_tokens=12)
     assert targets.shape == (CFG.num_layers, hidden.shape[0], E) and (targets.sum(-1) == 2).all()
@@ -333,8 +335,9 @@ def test_learned_router_with_token_features_and_threshold(pair):
     block-level probability 1 - prod_rows(1 - p) reaches it, most probable first; generation with it stays
     lossless at a pool too small to hold every expert."""
     from dflash_jax.offload import LearnedRouter
-    from dflash_jax.train.route_predictor import (init_from_target, record_rounds, rounds_to_arrays,
-                                                  route_logits, train_route_predictor)
+    from dflash_jax.offload.route_model import init_from_target, route_logits
+    from dflash_jax.study.rounds import record_rounds, rounds_to_arrays
+    from dflash_jax.train.route_predictor import train_route_predictor
 
     rounds = record_rounds(pair, PROMPTS[:1], block_size=4, max_new_tokens=12)
     layers = tuple(sorted(rounds[0]["routed"]))
@@ -375,8 +378,8 @@ def test_residual_predictor_scores_offline_as_in_the_loop(pair):
     """`record_rounds(ahead=True)` keeps the in-verify prediction inputs (the next layer's router logits on the
     residual) and the same rounds; `score_predictor` then scores "residual" (alone or in a union) exactly as the
     loop's stats count it."""
-    from dflash_jax.offload.evaluate import score_predictor
-    from dflash_jax.train.route_predictor import record_rounds
+    from dflash_jax.study.evaluate import score_predictor
+    from dflash_jax.study.rounds import record_rounds
 
     plain = record_rounds(pair, PROMPTS, block_size=4, max_new_tokens=12)
     rounds = record_rounds(pair, PROMPTS, block_size=4, max_new_tokens=12, ahead=True)
