@@ -131,11 +131,12 @@ def main(argv=None) -> int:
     if args.checkpoint:
         directory = args.checkpoint
     else:
+        from convert.cli import convert
         from dflash_jax.train.tiny_pair import Recipe, train_tiny_pair
 
         directory = os.path.join(args.work, "pair")
         if not os.path.exists(os.path.join(directory, "manifest.json")):
-            train_tiny_pair(args.work, directory, recipe=Recipe.route_study())
+            train_tiny_pair(args.work, directory, recipe=Recipe.route_study(), convert=convert)
     pair = dflash_jax.load(directory)
     cfg = pair.target_cfg
     if cfg.moe is None:

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-steps", type=int)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    from convert.cli import convert
     from dflash_jax.train.tiny_pair import Recipe, train_tiny_pair
 
     recipe = Recipe.quick() if args.quick else Recipe()
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
         if v < 0:
             p.error(f"--{k.replace('_', '-')} must be >= 0")
     recipe = dataclasses.replace(recipe, **overrides)
-    summary = train_tiny_pair(args.work, args.out, recipe=recipe)
+    summary = train_tiny_pair(args.work, args.out, recipe=recipe, convert=convert)
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,8 +49,6 @@ def train_loop(
     `next_batch(step)` must be a pure function of the step (seeded from it), so a resumed run sees the same
     batches as an uninterrupted one. Returns (params, per-step losses of this run).
     """
-    import orbax.checkpoint as ocp
-
     opt = make_optimizer(cfg)
     opt_state = opt.init(params)
     start = 0
@@ -71,8 +71,6 @@ def train_loop(
     losses: list[float] = []
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step")
     for step in range(start, cfg.steps):
         params, opt_state, loss, aux = step_fn(params, opt_state, next_batch(step))

@@ -8,11 +8,13 @@ The tokenizer is a byte-level BPE trained with the `tokenizers` package on the t
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 from typing import Iterator
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
@@ -56,8 +58,6 @@ def read_texts(paths: list[str]) -> Iterator[str]:
 
 def train_tokenizer(paths: list[str], vocab_size: int, out_file: str):
     """Byte-level BPE with `<|endoftext|>` and `<|mask|>` as the last two ids; saved as tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -89,10 +89,6 @@ def file_windows(pair, split: str, n: int, length: int, seed: int = 0) -> list[l
     """Up to `n` prompts of `length` tokens, one random window per standard-library file, files in a seeded
     random order. split "held_out": the pair's `split.json` held-out files (never trained on); "train": the
     training side of `stdlib_files()` minus those. `pair` needs `.directory` and `.tokenizer_path`."""
-    import json
-
-    from tokenizers import Tokenizer
-
     if split not in ("held_out", "train"):
         raise ValueError(f"split must be 'held_out' or 'train', not {split!r}")
     split_file = os.path.join(pair.directory, "split.json")

@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from dflash_jax.config import DraftConfig, Qwen3Config
 from dflash_jax.models import qwen3
@@ -36,8 +37,6 @@ def _attention_tensors(prefix: str, attn: qwen3.AttentionWeights) -> dict[str, n
 
 
 def _save(directory: str, config: dict, tensors: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
-
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)

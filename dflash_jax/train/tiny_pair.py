@@ -9,6 +9,9 @@ last orbax checkpoint):
   4. corpus      the target's greedy continuations of training windows -> work/continuations.npy
   5. draft       the DFlash objective on those continuations      -> work/hf_draft (HF layout)
   6. convert     convert-weights (MXFP4 experts)                 -> out
+
+Stage 6 runs the converter the caller passes (`convert=convert.convert`): the `convert` package builds on
+`dflash_jax`, so `dflash_jax` never imports it.
 """
 
 from __future__ import annotations
@@ -18,14 +21,21 @@ import json
 import os
 import shutil
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tokenizers import Tokenizer
 
 from dflash_jax.config import DraftConfig, MoEConfig, Qwen3Config, RopeConfig
+from dflash_jax.decode import greedy_generate
+from dflash_jax.models import draft as draft_model
+from dflash_jax.models import qwen3
+from dflash_jax.testing import random_draft_weights, random_qwen3_weights
 from dflash_jax.train import data
 from dflash_jax.train.common import TrainConfig, batch_rng, train_loop
+from dflash_jax.train.export import save_hf_draft, save_hf_target
 from dflash_jax.train.objectives import dflash_loss, lm_loss, sample_anchors
 
 VOCAB = 1024
@@ -98,8 +108,6 @@ def build_tokens(work: str, progress: bool):
     if not os.path.exists(tok_path):
         _log(f"training the BPE tokenizer on {len(train_files)} stdlib files ({len(held_files)} held out)", progress)
         data.train_tokenizer(train_files, VOCAB, tok_path)
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(tok_path)
     streams = {}
     for name, files in (("train", train_files), ("heldout", held_files)):
@@ -116,8 +124,6 @@ def build_tokens(work: str, progress: bool):
 
 
 def train_target(work: str, stream: np.ndarray, recipe: Recipe, progress: bool):
-    from dflash_jax.testing import random_qwen3_weights
-
     cfg = target_config(recipe.num_experts, recipe.top_k, recipe.expert_intermediate)
     params = random_qwen3_weights(cfg, jax.random.key(recipe.seed), norm_jitter=0.0)
 
@@ -135,8 +141,6 @@ def train_target(work: str, stream: np.ndarray, recipe: Recipe, progress: bool):
 
 def greedy_corpus(work: str, params, cfg: Qwen3Config, stream: np.ndarray, recipe: Recipe, progress: bool):
     """The target's own greedy continuations of random training windows (what the draft will face)."""
-    from dflash_jax.decode import greedy_generate
-
     path = os.path.join(work, "continuations.npy")
     if os.path.exists(path):
         return np.load(path)
@@ -157,10 +161,6 @@ def greedy_corpus(work: str, params, cfg: Qwen3Config, stream: np.ndarray, recip
 
 
 def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray, recipe: Recipe, progress: bool):
-    from dflash_jax.models import draft as draft_model
-    from dflash_jax.models import qwen3
-    from dflash_jax.testing import random_draft_weights
-
     dcfg = draft_config()
     params = random_draft_weights(dcfg, jax.random.key(recipe.seed + 1), norm_jitter=0.0)
     block = dcfg.block_size
@@ -202,10 +202,12 @@ def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray,
     return dcfg, params, losses
 
 
-def train_tiny_pair(work: str, out: str | None, *, recipe: Recipe = Recipe(), progress: bool = True) -> dict:
-    """Runs every stage; returns a summary (losses, sizes, timings). `out` gets the converted pair."""
-    from dflash_jax.train.export import save_hf_draft, save_hf_target
-
+def train_tiny_pair(work: str, out: str | None, *, recipe: Recipe = Recipe(), progress: bool = True,
+                    convert: Callable[..., Any] | None = None) -> dict:
+    """Runs every stage; returns a summary (losses, sizes, timings). `out` gets the pair converted by `convert`
+    (`convert.convert`, required with `out`; see the module doc)."""
+    if out and convert is None:
+        raise ValueError("train_tiny_pair(out=...) converts the trained pair: pass convert=convert.convert")
     block = draft_config().block_size
     bad = [w for w in recipe.block_widths if not 2 <= w <= block]
     if bad:
@@ -231,8 +233,6 @@ def train_tiny_pair(work: str, out: str | None, *, recipe: Recipe = Recipe(), pr
     with open(os.path.join(work, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     if out:
-        from convert.cli import convert
-
         convert(hf_target, hf_draft, out, expert_format="mxfp4", dtype="fp32", overwrite=True, progress=progress)
         shutil.copy2(os.path.join(work, "split.json"), os.path.join(out, "split.json"))
         shutil.copy2(os.path.join(work, "summary.json"), os.path.join(out, "train_summary.json"))

@@ -235,12 +235,16 @@ def test_quick_recipe_runs_every_stage_and_the_pair_generates(tmp_path):
     import dflash_jax
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate
+    from convert.cli import convert
     from dflash_jax.train.tiny_pair import Recipe, train_tiny_pair
 
+    with pytest.raises(ValueError, match="convert="):  # dflash_jax never imports the converter: it is passed in
+        train_tiny_pair(str(tmp_path / "bad"), str(tmp_path / "pair"), recipe=Recipe.quick(), progress=False)
     with pytest.raises(ValueError, match="block_widths"):
         train_tiny_pair(str(tmp_path / "bad"), None, recipe=dataclasses.replace(Recipe.quick(), block_widths=(1, 32)),
                         progress=False)
-    summary = train_tiny_pair(str(tmp_path / "work"), str(tmp_path / "pair"), recipe=Recipe.quick(), progress=False)
+    summary = train_tiny_pair(str(tmp_path / "work"), str(tmp_path / "pair"), recipe=Recipe.quick(), progress=False,
+                              convert=convert)
     assert summary["draft_loss"]["last"] and summary["target_loss"]["last"]
     pair = dflash_jax.load(str(tmp_path / "pair"))
     assert json.load(open(tmp_path / "pair" / "manifest.json"))["sources"]["target"] == "hf_target"
