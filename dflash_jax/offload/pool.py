@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.offload.store import HostExpertStore, as_int32, memory_sharding, power_of_two_chunks, pull_rows
+from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
 
 
 class PoolTooSmall(RuntimeError):
@@ -43,8 +44,6 @@ def _poison_leaves(le, rows: int) -> list[jax.Array]:
     zero stays zero. Finite matters: XLA's CPU `ragged_dot` is a dense dot over all slots with the unrouted
     ones multiplied by zero, so NaN poison would leak into every row. Dense tables: 1e30 (fp16: 1e3);
     MXFP4: codes +6 and E8M0 scale 2^73; NVFP4: codes +6, block scale 448 (per-expert tensor scale 1e30)."""
-    from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
-
     def full(a, value):
         return jnp.full((rows,) + tuple(a.shape[1:]), value, a.dtype)
 
