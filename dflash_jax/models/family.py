@@ -36,6 +36,7 @@ Families are module-level singletons, hashable by identity, so they pass to `jax
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -116,31 +117,43 @@ class ModelFamily:
         `s * x / rms(x)` (plain and fp32-scaled norms: w; Qwen3.5's zero-centred norm: 1 + w)."""
         return weight.astype(jnp.float32)
 
-    # ---- layer pieces (traced) ---------------------------------------------------------------------------
+    # ---- layer pieces (traced) ----------------------------------------------------------------------------
+    # A family's model module defines module-level pieces; the family names them here (staticmethods) and the
+    # methods below adapt them to the decoder loop. Families with other mixers override the methods.
+    block_context_fn = None  # (weights, tokens, cache, cfg, num_valid) -> (x, BlockContext)
+    attention_fn = None  # (layer, x, k_buf, v_buf, ctx, window, cfg) -> (x, k_buf, v_buf)
+    mlp_input_fn = None  # (layer, x, cfg) -> h [b*T, H]
+    route_fn = None  # (mlp, h, cfg) -> Routing
+    mlp_fn = None  # (layer, x, h, cfg, implementation, *, routing=None) -> x
+    final_norm_fn = None  # (weights, x, cfg) -> final-normed x
+
     def block_context(self, weights, tokens, cache, num_valid, cfg):
-        raise NotImplementedError
+        return self.block_context_fn(weights, tokens, cache, cfg, num_valid)
 
     def kind(self, cfg, i: int):
         return cfg.layer_windows[i]
 
     def mixer(self, layer, x, state, ctx, kind, cfg):
-        raise NotImplementedError
+        x, k_buf, v_buf = self.attention_fn(layer, x, state[0], state[1], ctx, kind, cfg)
+        return x, (k_buf, v_buf)
 
     def mlp_input(self, layer, x, cfg):
-        raise NotImplementedError
+        return self.mlp_input_fn(layer, x, cfg)
 
     def route(self, layer, h, cfg):
-        raise NotImplementedError
+        return self.route_fn(layer.mlp, h, cfg)
 
     def experts(self, layer, x, h, routing, cfg, implementation):
-        raise NotImplementedError
+        return self.mlp_fn(layer, x, h, cfg, implementation, routing=routing)
 
     def dense(self, layer, x, h, cfg, implementation):
-        raise NotImplementedError(f"{self.name} has no dense MLP layers")
+        return self.mlp_fn(layer, x, h, cfg, implementation)
 
     def finish(self, weights, x, num_valid, cfg, logits):
         """(final-normed x, logits in mode `logits`)."""
-        raise NotImplementedError
+        normed = self.final_norm_fn(weights, x, cfg)
+        return normed, decoder.select_logits(normed, num_valid, logits,
+                                             functools.partial(decoder.lm_head_logits, weights))
 
     # ---- whole forwards ----------------------------------------------------------------------------------
     def forward(self, weights, tokens, cache, cfg, **kwargs):
@@ -186,22 +199,28 @@ def family_named(name: str) -> ModelFamily:
     return _REGISTRY[name]
 
 
+def _family_by_type(obj, attr: str, what: str) -> ModelFamily:
+    # An exact type match wins over a subclass match, so a family registered for a subclass of another
+    # family's config (or weights) type gets its own objects.
+    registered = families()
+    for fam in registered:
+        if type(obj) is getattr(fam, attr):
+            return fam
+    for fam in registered:
+        if isinstance(obj, getattr(fam, attr)):
+            return fam
+    raise TypeError(f"no registered target family for {what} of type {type(obj).__name__} (registered: "
+                    f"{', '.join(getattr(f, attr).__name__ for f in registered)})")
+
+
 def family_of(cfg) -> ModelFamily:
     """The family of a target config; a clear error for configs of no registered family."""
-    for fam in families():
-        if isinstance(cfg, fam.config_type):
-            return fam
-    raise TypeError(f"no registered target family for {type(cfg).__name__} (registered: "
-                    f"{', '.join(f.config_type.__name__ for f in families())})")
+    return _family_by_type(cfg, "config_type", "a config")
 
 
 def family_of_weights(weights) -> ModelFamily:
     """The family of a target weight pytree."""
-    for fam in families():
-        if isinstance(weights, fam.weights_type):
-            return fam
-    raise TypeError(f"no registered target family for weights of type {type(weights).__name__} (registered: "
-                    f"{', '.join(f.weights_type.__name__ for f in families())})")
+    return _family_by_type(weights, "weights_type", "weights")
 
 
 def is_moe_layer(layer) -> bool:

@@ -171,28 +171,12 @@ class Qwen3Family(ModelFamily):
     def random_weights(self, cfg, key, dtype=jnp.float32, *, expert_format: str = "dense"):
         return quantize_expert_tables(random_weights(cfg, key, dtype), expert_format)
 
-    def block_context(self, weights, tokens, cache, num_valid, cfg):
-        return block_context(weights, tokens, cache, cfg, num_valid)
-
-    def mixer(self, layer, x, state, ctx, kind, cfg):
-        x, k_buf, v_buf = attention_sublayer(layer, x, state[0], state[1], ctx, kind, cfg)
-        return x, (k_buf, v_buf)
-
-    def mlp_input(self, layer, x, cfg):
-        return mlp_input(layer, x, cfg)
-
-    def route(self, layer, h, cfg):
-        return route(layer.mlp, h, cfg)
-
-    def experts(self, layer, x, h, routing, cfg, implementation):
-        return mlp_sublayer(layer, x, h, cfg, implementation, routing=routing)
-
-    def dense(self, layer, x, h, cfg, implementation):
-        return mlp_sublayer(layer, x, h, cfg, implementation)
-
-    def finish(self, weights, x, num_valid, cfg, logits):
-        normed = final_norm(weights, x, cfg)
-        return normed, decoder.select_logits(normed, num_valid, logits, functools.partial(lm_head_logits, weights))
+    block_context_fn = staticmethod(block_context)
+    attention_fn = staticmethod(attention_sublayer)
+    mlp_input_fn = staticmethod(mlp_input)
+    route_fn = staticmethod(route)
+    mlp_fn = staticmethod(mlp_sublayer)
+    final_norm_fn = staticmethod(final_norm)
 
 
 QWEN3 = register(Qwen3Family())

@@ -322,8 +322,11 @@ class Qwen3_5Family(ModelFamily):
     def norm_scale(self, weight):
         return 1.0 + weight.astype(jnp.float32)
 
-    def block_context(self, weights, tokens, cache, num_valid, cfg):
-        return block_context(weights, tokens, cache, cfg, num_valid)
+    block_context_fn = staticmethod(block_context)
+    mlp_input_fn = staticmethod(mlp_input)
+    route_fn = staticmethod(route)
+    mlp_fn = staticmethod(mlp_sublayer)
+    final_norm_fn = staticmethod(final_norm)
 
     def kind(self, cfg, i):
         return cfg.layer_types[i]
@@ -336,19 +339,6 @@ class Qwen3_5Family(ModelFamily):
 
     def new_cache(self, cache, ctx, states, cfg):
         return assemble_cache(cache, ctx, states, cfg)
-
-    def mlp_input(self, layer, x, cfg):
-        return mlp_input(layer, x, cfg)
-
-    def route(self, layer, h, cfg):
-        return route(layer.mlp, h, cfg)
-
-    def experts(self, layer, x, h, routing, cfg, implementation):
-        return mlp_sublayer(layer, x, h, cfg, implementation, routing=routing)
-
-    def finish(self, weights, x, num_valid, cfg, logits):
-        normed = final_norm(weights, x, cfg)
-        return normed, decoder.select_logits(normed, num_valid, logits, functools.partial(lm_head_logits, weights))
 
 
 def rollback(cache: Qwen3_5Cache, lengths: jax.Array) -> Qwen3_5Cache:
