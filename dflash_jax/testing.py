@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DraftConfig, MoEConfig, Qwen3Config, RopeConfig
+from dflash_jax.config import (FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, GptOssConfig, MoEConfig, Qwen3_5Config,
+                               Qwen3Config, RopeConfig)
 from dflash_jax.models import draft, gpt_oss, qwen3, qwen3_5
 from dflash_jax.models.family import family_of
 
@@ -39,8 +40,6 @@ def tiny_draft_config(target: Qwen3Config, **overrides) -> DraftConfig:
 
 def tiny_gpt_oss_config(**overrides):
     """A tiny gpt-oss: alternating sliding (window 16) / full layers, the release's YaRN, 8 experts top-2."""
-    from dflash_jax.config import GptOssConfig
-
     kw = dict(
         vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=150000.0, rotary_dim=16, kind="yarn", factor=32.0, original_max_position_embeddings=4096,
@@ -55,8 +54,6 @@ def tiny_gpt_oss_config(**overrides):
 def tiny_qwen3_5_config(**overrides):
     """A tiny Qwen3.5-MoE: DeltaNet and gated-attention layers mixed (linear, linear, full, linear), dk != dv,
     Hv = 2 Hk, partial RoPE (8 of 32 head dims), 8 experts top-2 and a narrower shared expert."""
-    from dflash_jax.config import LINEAR_ATTENTION, FULL_ATTENTION, Qwen3_5Config
-
     kw = dict(
         vocab_size=512, hidden_size=64, num_layers=4,
         layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION),
