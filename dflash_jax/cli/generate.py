@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Sequence
 
+from dflash_jax.cli.errors import run_cli
+
 SHIPPED_PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny_pair")
 
 
@@ -34,6 +36,9 @@ def _parse_ids(text: str) -> list[int]:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
     if not ids:
         raise UsageError("--prompt-ids is empty: give at least one token id")
+    huge = [i for i in ids if abs(i) >= 2**31]
+    if huge:
+        raise UsageError(f"token id {huge[0]} is far outside any vocabulary; ids are 0 .. vocab size - 1")
     return ids
 
 
@@ -92,6 +97,13 @@ def run(args) -> dict:
                          "(a convert-weights output) or reinstall dflash_jax")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not -2**63 <= args.seed < 2**63:
+        raise UsageError(f"--seed must fit in 64 bits (-2^63 .. 2^63 - 1), got {args.seed}")
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--prompt is not valid UTF-8 text; check the terminal's (or the file's) encoding") from None
     if args.offload:
         from dflash_jax.offload import PREDICTORS
 
@@ -155,14 +167,12 @@ def run(args) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        out = run(args)
-    except UsageError as e:
-        print(f"dflash-generate: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # bad block size, token ids, sampling values, bad checkpoints
-        print(f"dflash-generate: error: {e}", file=sys.stderr)
-        return 2
+    # bad block size, token ids, sampling values, bad checkpoints raise ValueError: one line, exit 2
+    return run_cli("dflash-generate", lambda: _run_and_print(args), known=(UsageError, ValueError))
+
+
+def _run_and_print(args) -> int:
+    out = run(args)
     if args.json:
         print(json.dumps(out))
         return 0
