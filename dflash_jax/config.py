@@ -26,6 +26,21 @@ def _check_heads(num_heads: int, num_kv_heads: int) -> None:
         raise ConfigError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
 
 
+def _require_positive(cfg, *names: str) -> None:
+    """Sizes must be positive integers and eps-like floats positive and finite: a zero size or a negative
+    eps is a model that computes NaNs or nothing, never a model."""
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, float) or name in _POSITIVE_FLOAT_ATTRS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+_POSITIVE_FLOAT_ATTRS = frozenset({"rms_norm_eps", "theta", "factor"})
+
+
 def _default_per_layer(cfg, field: str, value) -> None:
     """Fills an empty per-layer tuple field of a frozen config with `value` for every layer."""
     if not getattr(cfg, field):
@@ -53,6 +68,7 @@ class RopeConfig:
     mscale_all_dim: float | None = None
 
     def __post_init__(self):
+        _require_positive(self, "theta", "factor")
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ConfigError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
         if self.kind == "yarn" and not self.original_max_position_embeddings:
@@ -75,6 +91,9 @@ class MoEConfig:
     router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
 
     def __post_init__(self):
+        _require_positive(self, "num_experts", "intermediate_size")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
         if not 0 < self.top_k <= self.num_experts:
             raise ConfigError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
@@ -107,6 +126,8 @@ class Qwen3Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        _require_positive(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                          "intermediate_size", "rms_norm_eps")
         _check_heads(self.num_heads, self.num_kv_heads)
         _default_per_layer(self, "layer_windows", None)
         if not self.moe_layers:
@@ -156,8 +177,88 @@ _IGNORED_EVERYWHERE = frozenset(
 )
 
 
+# Integer fields a config may set: (smallest, largest). The upper bounds lie far above every released
+# model; they exist so that a damaged config (`"num_hidden_layers": 1e9`, `"vocab_size": 1e15`) is refused
+# before anything is allocated.
+_LAYERS, _HEADS, _WIDTH, _POSITIONS, _VOCAB = 1024, 1024, 2**20, 2**26, 2**22
+_INT_FIELDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, _VOCAB), "hidden_size": (1, 2**16), "num_hidden_layers": (1, _LAYERS),
+    "num_attention_heads": (1, _HEADS), "num_key_value_heads": (1, _HEADS), "head_dim": (1, 4096),
+    "intermediate_size": (1, _WIDTH), "moe_intermediate_size": (1, _WIDTH),
+    "shared_expert_intermediate_size": (0, _WIDTH), "num_experts": (1, 2**14), "num_local_experts": (1, 2**14),
+    "num_experts_per_tok": (1, 2**14), "experts_per_token": (1, 2**14),
+    "max_position_embeddings": (1, _POSITIONS), "original_max_position_embeddings": (1, _POSITIONS),
+    "sliding_window": (0, _POSITIONS), "max_window_layers": (0, _LAYERS), "decoder_sparse_step": (0, _LAYERS),
+    "full_attention_interval": (1, _LAYERS), "num_target_layers": (1, _LAYERS), "mask_token_id": (0, _VOCAB),
+    "block_size": (1, 1024), "linear_num_key_heads": (1, _HEADS), "linear_num_value_heads": (1, _HEADS),
+    "linear_key_head_dim": (1, 4096), "linear_value_head_dim": (1, 4096), "linear_conv_kernel_dim": (1, 256),
+}
+_BOOL_FIELDS = frozenset({"norm_topk_prob", "tie_word_embeddings", "attention_bias", "use_sliding_window",
+                          "attn_output_gate", "is_causal", "truncate", "mrope_interleaved"})
+# Float fields: (must be > 0, upper bound or None). Every float must be finite.
+_FLOAT_FIELDS: dict[str, tuple[bool, float | None]] = {
+    "rms_norm_eps": (True, 1.0), "rope_theta": (True, None), "factor": (True, None), "beta_fast": (True, None),
+    "beta_slow": (True, None), "partial_rotary_factor": (True, 1.0), "swiglu_limit": (True, None),
+    "swiglu_alpha": (False, None), "attention_factor": (True, None), "mscale": (False, None),
+    "mscale_all_dim": (False, None), "input_embedding_scale": (False, None), "output_multiplier": (False, None),
+    "final_logit_softcapping": (False, None),
+}
+_INT_LIST_FIELDS = {"mlp_only_layers": (0, _LAYERS), "target_layer_ids": (0, _LAYERS), "eos_token_id": (0, 2**31)}
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", str: "a string", list: "a list", dict: "an object", float: "a number",
+            int: "an integer"}.get(type(value), type(value).__name__)
+
+
+def _check_field(source: str, key: str, value: Any, name: str | None = None) -> None:
+    """Type and range of one config value (`name` is how the message shows it, e.g. `rope_parameters.factor`).
+    A string "false" where a boolean belongs, a size of 1e9 layers, a negative eps: one error naming the
+    file, the field and the fix, before the value is used."""
+    name = name or key
+    fix = f"fix {name} in {source}"
+    if value is None:
+        return
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {name} must be true or false (a JSON boolean), got {value!r} "
+                              f"({_type_name(value)}); {fix}")
+    elif key in _INT_FIELDS:
+        lo, hi = _INT_FIELDS[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+            raise ConfigError(f"{source}: {name} must be a whole number, got {value!r} ({_type_name(value)}); {fix}")
+        if not lo <= value <= hi:
+            raise ConfigError(f"{source}: {name} = {value!r} is outside [{lo}, {hi}], the range dflash_jax accepts "
+                              f"(no released model comes close); the config is damaged: {fix}")
+    elif key in _FLOAT_FIELDS:
+        positive, hi = _FLOAT_FIELDS[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{source}: {name} must be a finite number, got {value!r} ({_type_name(value)}); {fix}")
+        if positive and value <= 0:
+            raise ConfigError(f"{source}: {name} must be > 0, got {value!r} (it would make the model compute NaNs "
+                              f"or nonsense); {fix}")
+        if hi is not None and value > hi:
+            raise ConfigError(f"{source}: {name} = {value!r} is above {hi}; {fix}")
+    elif key in _INT_LIST_FIELDS:
+        lo, hi = _INT_LIST_FIELDS[key]
+        items = value if isinstance(value, list) else [value] if key == "eos_token_id" else None
+        if items is None or not all(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi for v in items):
+            raise ConfigError(f"{source}: {name} must be a list of integers in [{lo}, {hi}], got {value!r}; {fix}")
+    elif key == "layer_types":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{source}: layer_types must be a list of layer type names, got {value!r}; {fix}")
+    elif key in ("rope_parameters", "rope_scaling", "dflash_config", "text_config", "quantization_config"):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source}: {name} must be an object, got {value!r} ({_type_name(value)}); {fix}")
+        if key != "text_config" and key != "quantization_config":
+            for k, v in value.items():
+                _check_field(source, k, v, f"{name}.{k}")
+
+
 class _Fields:
-    """Reads fields of an HF config dict and remembers which were used, to reject the rest."""
+    """Reads fields of an HF config dict and remembers which were used, to reject the rest. Every value read
+    is type- and range-checked (`_check_field`)."""
 
     def __init__(self, raw: Mapping[str, Any], source: str):
         self.raw = dict(raw)
@@ -166,12 +267,15 @@ class _Fields:
 
     def get(self, key: str, default: Any = None) -> Any:
         self.used.add(key)
+        if key in self.raw:
+            _check_field(self.source, key, self.raw[key])
         return self.raw.get(key, default)
 
     def require(self, key: str) -> Any:
         self.used.add(key)
         if key not in self.raw or self.raw[key] is None:
             raise ConfigError(f"{self.source}: required field '{key}' is missing")
+        _check_field(self.source, key, self.raw[key])
         return self.raw[key]
 
     def ignore(self, *keys: str) -> None:
@@ -353,6 +457,9 @@ class Qwen3_5Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        _require_positive(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                          "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                          "linear_value_head_dim", "rms_norm_eps")
         _check_heads(self.num_heads, self.num_kv_heads)
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError(
@@ -559,6 +666,8 @@ class GptOssConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        _require_positive(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                          "rms_norm_eps")
         _check_heads(self.num_heads, self.num_kv_heads)
         _default_per_layer(self, "layer_windows", None)
         if len(self.layer_windows) != self.num_layers:
@@ -701,34 +810,60 @@ _PLANNED: tuple[str, ...] = ()
 
 
 def load_hf_config_dict(path: str | os.PathLike) -> dict[str, Any]:
-    """Reads `config.json` from a checkpoint directory (or the file itself)."""
+    """Reads `config.json` from a checkpoint directory (or the file itself); it must be a regular file
+    holding a JSON object."""
+    from dflash_jax.errors import open_regular
+
     path = os.fspath(path)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
+    named = os.path.basename(os.path.normpath(path)) == "config.json"  # the file itself (even if it is broken)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) and not named else path
+    if not os.path.lexists(file):
         raise ConfigError(f"no config.json at {file}: point at a HuggingFace checkpoint directory")
+    if not os.path.exists(file):
+        raise ConfigError(f"{file} is a broken symbolic link (to {os.readlink(file)}); re-download the checkpoint")
     try:
-        with open(file) as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file} is not valid JSON ({e}); re-download or re-export the checkpoint") from e
+        with open_regular(file, ConfigError, what="config file") as fh:
+            config = json.loads(fh.read().decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSON syntax and UTF-8 errors
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{file} is not valid JSON ({e}); re-download or re-export the checkpoint") from None
+    if not isinstance(config, dict):
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(config), "null")
+        raise ConfigError(f"{file} holds a JSON {kind}, not an object: it is not a model config; re-download or "
+                          "re-export the checkpoint")
+    return config
 
 
 def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, *, source: str | None = None):
-    """Parses an HF `config.json` (a dict, a file, or a checkpoint directory) into a frozen config."""
-    if not isinstance(config, Mapping):
+    """Parses an HF `config.json` (a dict, a file, or a checkpoint directory) into a frozen config.
+
+    Every error is a `ConfigError` that starts with `source` (the file): a wrong type anywhere in the
+    config is reported as such, never as a traceback from the parser."""
+    if isinstance(config, (str, os.PathLike)):
         source = source or os.fspath(config)
         config = load_hf_config_dict(config)
     source = source or "config"
-    if _is_draft_config(config):  # DFlash drafts: see the draft section at the end of this file
-        return _parse_draft(_Fields(config, source))
-    model_type = config.get("model_type")
-    if model_type not in _PARSERS:
-        if model_type in _PLANNED:
-            raise ConfigError(f"{source}: model_type '{model_type}' is not supported yet by this version "
-                              f"of dflash_jax (supported: {', '.join(sorted(_PARSERS))})")
-        raise ConfigError(f"{source}: unknown model_type {model_type!r} "
-                          f"(supported: {', '.join(sorted(_PARSERS))})")
-    return _PARSERS[model_type](_Fields(config, source))
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{source}: a config must be a JSON object, got {_type_name(config)}")
+    try:
+        if _is_draft_config(config):  # DFlash drafts: see the draft section at the end of this file
+            return _parse_draft(_Fields(config, source))
+        model_type = config.get("model_type")
+        if model_type not in _PARSERS:
+            if model_type in _PLANNED:
+                raise ConfigError(f"{source}: model_type '{model_type}' is not supported yet by this version "
+                                  f"of dflash_jax (supported: {', '.join(sorted(_PARSERS))})")
+            raise ConfigError(f"{source}: unknown model_type {model_type!r} "
+                              f"(supported: {', '.join(sorted(_PARSERS))})")
+        return _PARSERS[model_type](_Fields(config, source))
+    except ConfigError as e:
+        if str(e).startswith(source):
+            raise
+        raise ConfigError(f"{source}: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, IndexError) as e:
+        raise ConfigError(f"{source}: a field has the wrong type or form ({type(e).__name__}: {e}); compare it "
+                          "with the model's release config.json") from None
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -791,6 +926,8 @@ class DraftConfig:
     max_position_embeddings: int = 32768
 
     def __post_init__(self):
+        _require_positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                          "intermediate_size", "rms_norm_eps")
         _check_heads(self.num_heads, self.num_kv_heads)
         _default_per_layer(self, "layer_windows", None)
         if not self.layer_causal:
@@ -847,7 +984,8 @@ _DRAFT_IGNORED = (
 
 
 def _is_draft_config(config: Mapping[str, Any]) -> bool:
-    return any(a in _DRAFT_ARCHITECTURES for a in (config.get("architectures") or ()))
+    architectures = config.get("architectures") or ()
+    return isinstance(architectures, (list, tuple)) and any(a in _DRAFT_ARCHITECTURES for a in architectures)
 
 
 def _parse_draft(f: _Fields) -> DraftConfig:
@@ -875,6 +1013,7 @@ def _parse_draft(f: _Fields) -> DraftConfig:
         f.used.add(name)
         if dflash.get(name) is not None:
             return dflash[name]
+        _check_field(f.source, name, f.raw.get(name))
         return f.raw[name] if f.raw.get(name) is not None else default
 
     hidden = int(f.require("hidden_size"))
