@@ -1,2 +1,5 @@
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as asked; the message names the cause and the fix."""
+"""Kept for imports written before the error classes moved to `dflash_jax.errors`."""
+
+from dflash_jax.errors import CheckpointError, UsageError
+
+__all__ = ["CheckpointError", "UsageError"]

@@ -61,6 +61,10 @@ def assemble(
 
     `on_complete(name, array)` is called as soon as a target's last piece arrives (e.g. to move it to
     the device and drop the host copy); its result is what is returned for that name.
+
+    `dtype` is the dtype of targets that do not fix their own, or a function `(target name, source dtype)
+    -> dtype` (e.g. to keep each tensor's source precision); a later piece of wider dtype widens its target.
+    A float target takes only floating-point sources (a float tensor labelled as integers is refused).
     """
     buffers: dict[str, np.ndarray] = {}
     coverage = {k: np.zeros(t.coverage, bool) for k, t in targets.items()}
@@ -92,19 +96,29 @@ def assemble(
         piece = np.asarray(tensor)
         if placement.transpose is not None:
             piece = piece.transpose(placement.transpose)
-        buf = buffers.get(key)
-        if buf is None:
-            own = targets[key].dtype
-            buf = buffers[key] = np.empty(targets[key].shape, dtype if own is None else own)
-        if np.issubdtype(buf.dtype, np.integer) and piece.dtype != buf.dtype:
-            raise CheckpointError(f"{source}: tensor {name!r} has dtype {piece.dtype}, but {key!r} holds packed "
-                                  f"{buf.dtype} codes; the checkpoint is not in the layout its names say")
-        region_shape = buf[placement.region].shape
-        if piece.shape != region_shape:
+        target = targets[key]
+        region_shape = _region_shape(target.shape, placement.region)
+        if piece.shape != region_shape:  # checked before the target is allocated
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(np.shape(tensor))}, but the config implies "
                 f"{_source_shape(region_shape, placement.transpose)}; the config does not match the weights"
             )
+        want = np.dtype(target.dtype if target.dtype is not None else
+                        (dtype(key, piece.dtype) if callable(dtype) else dtype))
+        where = getattr(tensor, "filename", None) or source  # a memory-mapped source names its file
+        if np.issubdtype(want, np.integer):
+            if piece.dtype != want:
+                raise CheckpointError(f"{where}: tensor {name!r} has dtype {piece.dtype}, but {key!r} holds packed "
+                                      f"{want} codes; the checkpoint is not in the layout its names say")
+        elif not _is_float(piece.dtype):
+            raise CheckpointError(f"{where}: tensor {name!r} is stored as {piece.dtype}, but {key!r} holds "
+                                  "floating-point weights; the file's header has the wrong dtype (a damaged or "
+                                  "hand-edited file): re-download it")
+        buf = buffers.get(key)
+        if buf is None:
+            buf = buffers[key] = np.empty(target.shape, want)
+        elif want.itemsize > buf.dtype.itemsize and target.dtype is None:  # a wider piece: keep its precision
+            buf = buffers[key] = buf.astype(want)
         buf[placement.region] = piece.astype(buf.dtype)
         cov[placement.cover] = True
         if cov.all():
@@ -115,6 +129,17 @@ def assemble(
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: missing tensors for {shown} (incomplete or truncated checkpoint)")
     return done
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    """numpy floats and the ml_dtypes ones (bfloat16, float8_*), which numpy reports as kind 'V'."""
+    return dtype.kind == "f" or (dtype.kind == "V" and "float" in dtype.name)
+
+
+def _region_shape(shape: tuple[int, ...], region: Any) -> tuple[int, ...]:
+    """The shape of `target[region]`, computed on a zero-stride view (nothing the target's size is allocated)."""
+    view = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=shape, strides=(0,) * len(shape))
+    return view[region].shape
 
 
 def _source_shape(region_shape: tuple[int, ...], transpose: tuple[int, ...] | None) -> tuple[int, ...]:

@@ -1,22 +1,18 @@
 """dflash_jax: lossless DFlash speculative decoding for Mixture-of-Experts LLMs in JAX."""
 
 from dflash_jax.config import ConfigError, from_hf_config
+from dflash_jax.errors import CheckpointError
 
 __version__ = "0.1.0"
 
 
-def load_hf_target(directory, *, dtype="fp32", progress: bool = False):
-    """`(config, weights)` of a target model from a HuggingFace checkpoint directory."""
-    from convert.loader import load_hf_model
-
-    return load_hf_model(directory, dtype=dtype, progress=progress)
-
-
-def load(directory, *, expert_memory: str = "device"):
-    """A converted target + draft pair (`dflash_jax.pair.Pair`) from a `convert-weights` checkpoint."""
+def load(directory, *, expert_memory: str = "device", verify: bool = True):
+    """A converted target + draft pair (`dflash_jax.pair.Pair`) from a `convert-weights` checkpoint; `verify`
+    checks every file's sha256 first (see `dflash_jax.pair.load`). HuggingFace directories load with
+    `convert.load_hf_target` / `convert.load_hf_pair`."""
     from dflash_jax.pair import load as _load
 
-    return _load(directory, expert_memory=expert_memory)
+    return _load(directory, expert_memory=expert_memory, verify=verify)
 
 
-__all__ = ["ConfigError", "from_hf_config", "load", "load_hf_target", "__version__"]
+__all__ = ["CheckpointError", "ConfigError", "from_hf_config", "load", "__version__"]

@@ -32,6 +32,9 @@ import dataclasses  # noqa: E402
 import os  # noqa: E402
 from typing import Any  # noqa: E402
 
+from dflash_jax import checkpoint as ckpt_io  # noqa: E402
+from dflash_jax.errors import CheckpointError, UsageError  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class Pair:
@@ -53,11 +56,9 @@ class Pair:
         """Bytes of the target's stacked expert tables as stored (FP4 blocks + scales when FP4)."""
         import jax
 
-        from convert.checkpoint import is_expert_table
-
         total = 0
         for key, info in self.manifest["tensors"]["target"].items():
-            if is_expert_table(key, info):
+            if ckpt_io.is_expert_table(key, info):
                 total += info["bytes"]
         leaves_total = sum(int(x.nbytes) for x in jax.tree.leaves(self._expert_tables()))
         assert leaves_total == total, (leaves_total, total)
@@ -74,45 +75,88 @@ class Pair:
         return path if os.path.exists(path) else None
 
 
-def load(directory: str | os.PathLike, *, expert_memory: str = "device") -> Pair:
+def _family_tables(target_cfg, directory: str):
+    """The weight declarations (targets) and pytree builders of the target's family and of the draft.
+
+    They live in the `convert` tables today; this is the one place the runtime reaches into `convert`,
+    to move with the family registry's weight declarations."""
+    from convert import draft as draft_table
+    from convert.loader import table_for
+
+    return table_for(target_cfg, directory), draft_table
+
+
+def _declared_shapes(targets: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{stored name: dense `[.., K, N]` shape} of a table's targets; a packed MXFP4 pair `NAME#blocks` /
+    `NAME#scales` (logical `[E, N, K]`, K = 32 per scale) counts as the dense table NAME."""
+    shapes = {}
+    for key, target in targets.items():
+        base, _, part = key.partition("#")
+        if not part:
+            shapes[key] = tuple(target.shape)
+        elif part == "scales":
+            *lead, n, groups = target.shape
+            shapes[base] = (*lead, groups * 32, n)
+    return shapes
+
+
+def _check_tensors_match_config(directory: str, model: str, cfg, table, stored: dict[str, dict]) -> None:
+    """The manifest's config must describe exactly the stored tensors: an edited config (one layer fewer,
+    a smaller vocabulary) would otherwise load and silently drop or misread weights."""
+    where = os.path.join(directory, ckpt_io.MANIFEST)
+    declared = _declared_shapes(table.targets(cfg))
+    extra, missing = sorted(set(stored) - set(declared)), sorted(set(declared) - set(stored))
+    if extra or missing:
+        parts = []
+        if extra:
+            parts.append(f"{len(extra)} stored tensors it does not describe (e.g. {', '.join(extra[:3])})")
+        if missing:
+            parts.append(f"{len(missing)} tensors it needs that are not stored (e.g. {', '.join(missing[:3])})")
+        raise CheckpointError(f"{where}: the {model} config does not match the stored tensors: {'; '.join(parts)}; "
+                              f"the manifest was edited or belongs to another checkpoint: {ckpt_io.REDO}")
+    for key, shape in declared.items():
+        info = stored[key]
+        want = list(shape) if info["format"] == "dense" else [*shape[:-2], shape[-1], shape[-2]]
+        if info["shape"] != want:
+            raise CheckpointError(f"{where}: {model} tensor {key} is stored with shape {info['shape']}, but the "
+                                  f"{model} config implies {want}; the manifest was edited or belongs to another "
+                                  f"checkpoint: {ckpt_io.REDO}")
+
+
+def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify: bool = True) -> Pair:
     """Loads a checkpoint written by `convert-weights`.
 
     expert_memory: "device" or "pinned_host" - where the target's stacked expert tables are placed (the
     host expert store of offloaded inference reads them from pinned host memory).
+    verify: check every file's sha256 against the manifest before reading it (docs/reliability.md has the
+    measured cost per GB). With verify=False only the files' sizes are checked. Either way the manifest's
+    configs must describe exactly the stored tensors, and each restored tensor must have the manifest's
+    shape, dtype and format.
     """
-    from convert import checkpoint as ckpt_io
-    from convert import draft as draft_table
-    from convert.loader import table_for
     from dflash_jax.config import from_hf_config
 
     if expert_memory not in ("device", "pinned_host"):
-        raise ValueError(f"expert_memory must be 'device' or 'pinned_host', got {expert_memory!r}")
+        raise UsageError(f"expert_memory must be 'device' or 'pinned_host', got {expert_memory!r}")
     directory = os.fspath(directory)
     manifest = ckpt_io.read_manifest(directory)
+    ckpt_io.verify_files(directory, manifest, checksums=verify)
     target_cfg = from_hf_config(manifest["target_config"], source=f"{directory} (target config)")
     draft_cfg = from_hf_config(manifest["draft_config"], source=f"{directory} (draft config)")
+    if not isinstance(draft_cfg, DraftConfig):
+        raise CheckpointError(f"{directory}: {ckpt_io.MANIFEST}'s draft_config is not a DFlash draft; {ckpt_io.REDO}")
     check_pair(target_cfg, draft_cfg)
-    place = ckpt_io.ExpertPlacement(expert_memory)
+    target_table, draft_table = _family_tables(target_cfg, directory)
     tensors = manifest["tensors"]
+    _check_tensors_match_config(directory, "target", target_cfg, target_table, tensors["target"])
+    _check_tensors_match_config(directory, "draft", draft_cfg, draft_table, tensors["draft"])
+    place = ckpt_io.ExpertPlacement(expert_memory)
     target_flat = ckpt_io.read_model(os.path.join(directory, "target"), tensors["target"], place)
     draft_flat = ckpt_io.read_model(os.path.join(directory, "draft"), tensors["draft"], place)
     return Pair(
         target_cfg=target_cfg,
-        target=table_for(target_cfg, directory).build_weights(target_flat, target_cfg),
+        target=target_table.build_weights(target_flat, target_cfg),
         draft_cfg=draft_cfg,
         draft=draft_table.build_weights(draft_flat, draft_cfg),
         manifest=manifest,
         directory=directory,
     )
-
-
-def load_hf_pair(target_dir: str | os.PathLike, draft_dir: str | os.PathLike, *, dtype="fp32") -> Pair:
-    """A pair straight from the HuggingFace directories (dense experts, no conversion step)."""
-    from convert.draft import load_hf_draft
-    from convert.loader import load_hf_model
-
-    target_cfg, target = load_hf_model(target_dir, dtype=dtype)
-    draft_cfg, draft = load_hf_draft(draft_dir, dtype)
-    check_pair(target_cfg, draft_cfg)
-    return Pair(target_cfg=target_cfg, target=target, draft_cfg=draft_cfg, draft=draft,
-                manifest={"expert_format": "dense", "tensors": {"target": {}}}, directory=os.fspath(target_dir))

@@ -27,11 +27,12 @@ def main(argv=None) -> int:
     if args.prompt_len < 1 or args.max_new_tokens < 1:
         parser.error("--prompt-len and --max-new-tokens must be >= 1")
 
-    from dflash_jax import ConfigError, load_hf_target, testing
+    from convert import load_hf_target
+    from dflash_jax import ConfigError, testing
     from dflash_jax.decode import greedy_generate
 
     if args.checkpoint:
-        from convert.errors import CheckpointError
+        from dflash_jax import CheckpointError
 
         try:
             cfg, weights = load_hf_target(args.checkpoint, dtype=args.dtype, progress=True)

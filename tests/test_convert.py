@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import dflash_jax  # noqa: E402
-from convert.cli import convert, main  # noqa: E402
-from convert.errors import CheckpointError  # noqa: E402
+from convert.cli import main  # noqa: E402
+from convert.pipeline import convert  # noqa: E402
+from dflash_jax.errors import CheckpointError, UsageError  # noqa: E402
 from dflash_jax.config import ConfigError  # noqa: E402
 from dflash_jax.models import qwen3  # noqa: E402
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor  # noqa: E402
@@ -177,9 +178,18 @@ def test_existing_output_is_kept_unless_overwrite(hf_pair, tmp_path):
     (out / "keep").write_text("x")
     with pytest.raises(CheckpointError, match="already exists"):
         convert(str(tdir), str(ddir), str(out), progress=False)
-    assert (out / "keep").exists()
+    # --overwrite replaces only a previous convert-weights output, never another directory
+    with pytest.raises(UsageError, match="replaces only a dflash_jax checkpoint"):
+        convert(str(tdir), str(ddir), str(out), overwrite=True, progress=False)
+    assert (out / "keep").read_text() == "x"
+    (out / "keep").unlink()
+    out.rmdir()
+    convert(str(tdir), str(ddir), str(out), expert_format="bf16", progress=False)
+    (out / "extra").write_text("y")
     convert(str(tdir), str(ddir), str(out), overwrite=True, progress=False)
-    assert (out / "manifest.json").exists() and not (out / "keep").exists()
+    assert (out / "manifest.json").exists() and not (out / "extra").exists()
+    assert json.loads((out / "manifest.json").read_text())["expert_format"] == "mxfp4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial, old or lock files left
 
 
 def test_cli_exit_codes_and_messages(hf_pair, tmp_path, capsys):

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dflash_jax import load_hf_target  # noqa: E402
+from convert import load_hf_target  # noqa: E402
 from dflash_jax.decode import greedy_generate  # noqa: E402
 from tests.hf_reference import build_and_save, hf_greedy, tiny_qwen3_moe_config  # noqa: E402
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
-from convert.errors import CheckpointError  # noqa: E402
-from dflash_jax import ConfigError, load_hf_target  # noqa: E402
+from convert import load_hf_target  # noqa: E402
+from dflash_jax import CheckpointError, ConfigError  # noqa: E402
 from dflash_jax.models import qwen3  # noqa: E402
 from tests.hf_reference import build_and_save, hf_forward, tiny_qwen3_moe_config  # noqa: E402
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from convert.draft import load_hf_draft  # noqa: E402
 from convert.errors import CheckpointError  # noqa: E402
-from dflash_jax import load_hf_target  # noqa: E402
+from convert import load_hf_target  # noqa: E402
 from dflash_jax.config import ConfigError, DraftConfig, default_target_layer_ids, from_hf_config  # noqa: E402
 from dflash_jax.pair import check_pair  # noqa: E402
 from dflash_jax.models import draft, qwen3  # noqa: E402

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import dflash_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
 from convert.gpt_oss import deinterleave_index  # noqa: E402
-from dflash_jax import load_hf_target  # noqa: E402
+from convert import load_hf_target  # noqa: E402
 from dflash_jax.cache import rollback  # noqa: E402
 from dflash_jax.config import ConfigError, DraftConfig, GptOssConfig, MoEConfig, from_hf_config  # noqa: E402
 from dflash_jax.models import gpt_oss  # noqa: E402

@@ -25,7 +25,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from convert.errors import CheckpointError  # noqa: E402
-from dflash_jax import ConfigError, from_hf_config, load_hf_target  # noqa: E402
+from convert import load_hf_target  # noqa: E402
+from dflash_jax import ConfigError, from_hf_config  # noqa: E402
 from dflash_jax.cache import rollback as move_lengths  # noqa: E402
 from dflash_jax.config import Qwen3_5Config  # noqa: E402
 from dflash_jax.models import qwen3_5  # noqa: E402

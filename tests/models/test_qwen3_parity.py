@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dflash_jax import load_hf_target  # noqa: E402
+from convert import load_hf_target  # noqa: E402
 from dflash_jax.cache import rollback  # noqa: E402
 from dflash_jax.models import qwen3  # noqa: E402
 from tests.hf_reference import build_and_save, hf_forward, tiny_qwen3_config, tiny_qwen3_moe_config  # noqa: E402

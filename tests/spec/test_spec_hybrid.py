@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dflash_jax import load_hf_target, testing  # noqa: E402
+from convert import load_hf_target  # noqa: E402
+from dflash_jax import testing  # noqa: E402
 from dflash_jax.decode import greedy_generate  # noqa: E402
 from dflash_jax.pair import Pair, check_pair  # noqa: E402
 from dflash_jax.spec import generate  # noqa: E402

@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import dflash_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
 from dflash_jax.decode import greedy_generate  # noqa: E402
-from dflash_jax.pair import load_hf_pair  # noqa: E402
+from convert import load_hf_pair  # noqa: E402
 from dflash_jax.spec import SamplingParams, generate, generate_stepping  # noqa: E402
 from tests.hf_reference import (  # noqa: E402
     build_and_save, build_and_save_draft, hf_greedy, make_agreeable_, reference_with_experts, tiny_draft_config,

@@ -115,7 +115,7 @@ def dataclasses_replace(cfg, **kw):
 def test_hf_export_round_trip(tmp_path):
     """Exported weights load back through the HF loaders bit for bit (and transformers reads the target)."""
     from convert.draft import load_hf_draft
-    from dflash_jax import load_hf_target
+    from convert import load_hf_target
     from dflash_jax.train.export import save_hf_draft, save_hf_target
 
     target_w = testing.random_qwen3_weights(TCFG, jax.random.key(4))
