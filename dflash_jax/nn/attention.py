@@ -194,6 +194,23 @@ def _online_finish(state: _Online, dtype) -> jax.Array:
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d).astype(dtype)
 
 
+def live_chunks(q_positions, kv_lengths, *, rows: int, chunk: int, window: int | None = None):
+    """(first, stop) int32 scalars: the chunked path reads chunks `first <= i < stop` of `chunk` rows, i.e.
+    up to the chunk holding the last live row of any sequence (`max(kv_lengths)`), starting, under a window
+    W, at the chunk holding the earliest key any query can see (`min(q_positions) - W + 1`)."""
+    chunk = min(chunk, rows)
+    stop = (jnp.minimum(jnp.max(kv_lengths), rows).astype(jnp.int32) + chunk - 1) // chunk
+    first = jnp.int32(0)
+    if window is not None:
+        first = jnp.minimum(jnp.maximum(jnp.min(q_positions).astype(jnp.int32) - window + 1, 0) // chunk, stop)
+    return first, stop
+
+
+def _read_chunk(buf, offset, chunk):
+    """Rows `offset + [0, chunk)` of a [b, S, ...] buffer: the chunked path's only read of a cache."""
+    return lax.dynamic_slice_in_dim(buf, offset, chunk, axis=1)
+
+
 def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, window, scale, chunk):
     b, t, hq, d = q.shape
     rows, hkv = k_buf.shape[1], k_buf.shape[2]
@@ -201,10 +218,7 @@ def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, 
     chunk = min(chunk, rows)
     qg = q.reshape(b, t, hkv, g, d)
     state = _online_init(b, t, hkv, g, d, sinks)
-    stop = (jnp.minimum(jnp.max(kv_lengths), rows) + chunk - 1) // chunk
-    first = jnp.int32(0)
-    if window is not None:  # chunks wholly before every query's window are never read
-        first = jnp.minimum(jnp.maximum(jnp.min(q_positions) - window + 1, 0) // chunk, stop)
+    first, stop = live_chunks(q_positions, kv_lengths, rows=rows, chunk=chunk, window=window)
     lengths = kv_lengths[:, None]
 
     def body(i, state):
@@ -212,8 +226,8 @@ def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, 
         # the last chunk of a buffer that is not a multiple of `chunk` is read from `rows - chunk`; its
         # slots below `base` belong to the previous chunk and are masked here
         offset = jnp.minimum(base, rows - chunk)
-        kc = lax.dynamic_slice_in_dim(k_buf, offset, chunk, axis=1)
-        vc = lax.dynamic_slice_in_dim(v_buf, offset, chunk, axis=1)
+        kc = _read_chunk(k_buf, offset, chunk)
+        vc = _read_chunk(v_buf, offset, chunk)
         slots = offset + jnp.arange(chunk, dtype=jnp.int32)
         live = (slots[None, :] >= base) & (slots[None, :] < lengths)  # [b, C]
         vc = jnp.where(live[:, :, None, None], vc, jnp.zeros((), vc.dtype))  # stale rows past the length
