@@ -15,4 +15,10 @@ def load(directory, *, expert_memory: str = "device", verify: bool = True):
     return _load(directory, expert_memory=expert_memory, verify=verify)
 
 
+def __getattr__(name):
+    if name == "load_hf_target":  # moved: the runtime never imports the converter
+        raise AttributeError("dflash_jax.load_hf_target moved to convert.load_hf_target")
+    raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
+
+
 __all__ = ["CheckpointError", "ConfigError", "from_hf_config", "load", "__version__"]

@@ -160,3 +160,9 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
         manifest=manifest,
         directory=directory,
     )
+
+
+def __getattr__(name):
+    if name == "load_hf_pair":  # moved: the runtime never imports the converter
+        raise AttributeError("dflash_jax.pair.load_hf_pair moved to convert.load_hf_pair")
+    raise AttributeError(f"module 'dflash_jax.pair' has no attribute {name!r}")
