@@ -3,7 +3,8 @@ against, and the reference for "greedy speculative output equals the target's ow
 
 `prefill` runs a right-padded batch of prompts; `decode_loop` is one jitted `lax.while_loop` that feeds
 one token per step with static shapes, writes into a fixed-size output buffer and stops per sequence at a
-stop token or `max_new_tokens`.
+stop token or its budget. Shapes follow `spec.requests.Buckets` (batch, prompt, output, cache, stop ids);
+budgets and stop ids are traced, so requests of one bucket share the compiled programs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from dflash_jax.config import Qwen3Config
+from dflash_jax.spec import requests as rq
 
 
 @struct.dataclass
@@ -29,18 +31,10 @@ class DecodeState:
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads prompts into [b, T] int32 and returns (tokens, lengths); validates ids and lengths."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
-    for i, p in enumerate(prompts):
-        arr = np.asarray(p, np.int64)
-        if arr.min() < 0 or arr.max() >= vocab_size:
-            bad = int(arr[(arr < 0) | (arr >= vocab_size)][0])
-            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
-        tokens[i, : len(p)] = arr
-    return tokens, lengths
+    """Right-pads prompts into [b, T] int32 (T = the longest) and returns (tokens, lengths); validates the
+    ids (integers inside the vocabulary: `spec.requests.check_prompts`)."""
+    checked = rq.check_prompts(prompts, vocab_size)
+    return rq.pad_prompts(checked, max(len(p) for p in checked), len(checked))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "implementation"))
@@ -53,35 +47,35 @@ def _prefill(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, implement
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "implementation"))
-def _decode_loop(weights, first, cache, stop_ids, cfg: Qwen3Config, max_new_tokens: int,
+@functools.partial(jax.jit, static_argnames=("cfg", "output_len", "implementation"))
+def _decode_loop(weights, first, cache, stop_ids, budgets, cfg: Qwen3Config, output_len: int,
                  implementation: str = "auto"):
+    """stop_ids [S] (-1 = unused), budgets [b] (tokens per sequence, the first included, <= output_len)."""
     from dflash_jax.spec.session import target_family
 
     fam = target_family(cfg)
     b = first.shape[0]
     is_stop = lambda tok: jnp.isin(tok, stop_ids)  # noqa: E731
     state = DecodeState(
-        tokens=jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first),
+        tokens=jnp.full((b, output_len), -1, jnp.int32).at[:, 0].set(first),
         num_generated=jnp.ones((b,), jnp.int32),
-        done=is_stop(first) | (max_new_tokens <= 1),
+        done=is_stop(first) | (budgets <= 1),
         cache=cache,
         step=jnp.int32(1),
     )
 
     def cond(s: DecodeState):
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+        return (s.step < output_len) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
         last = s.tokens[jnp.arange(b), s.num_generated - 1]
         out = fam.forward(weights, last[:, None], s.cache, cfg, num_valid=(~s.done).astype(jnp.int32),
                           logits="last", implementation=implementation)
         nxt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
-        write = jnp.where(s.done, s.tokens[:, -1], nxt)
-        col = jnp.where(s.done, max_new_tokens - 1, s.num_generated)
-        tokens = s.tokens.at[jnp.arange(b), col].set(jnp.where(s.done, s.tokens[jnp.arange(b), col], write))
+        col = jnp.where(s.done, output_len, s.num_generated)  # out of range: dropped
+        tokens = s.tokens.at[jnp.arange(b), col].set(nxt, mode="drop")
         num = s.num_generated + (~s.done).astype(jnp.int32)
-        done = s.done | is_stop(nxt) | (num >= max_new_tokens)
+        done = s.done | is_stop(nxt) | (num >= budgets)
         return DecodeState(tokens=tokens, num_generated=num, done=done, cache=out.cache, step=s.step + 1)
 
     final = jax.lax.while_loop(cond, body, state)
@@ -93,18 +87,37 @@ def greedy_generate(
     cfg: Qwen3Config,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
+    max_new_tokens,
     stop_ids: Sequence[int] = (),
     implementation: str = "auto",
+    buckets: rq.Buckets | None = None,
 ) -> list[list[int]]:
     """Greedy continuation of each prompt (stop tokens included in the output, then generation stops).
-    `implementation`: the MoE experts' (see `nn.moe.swiglu_experts`)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, lengths = pad_prompts(prompts, cfg.vocab_size)
-    max_len = int(lengths.max()) + max_new_tokens
-    first, cache = _prefill(weights, jnp.asarray(tokens), jnp.asarray(lengths), cfg, max_len, implementation)
-    stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-    out, num = _decode_loop(weights, first, cache, stops, cfg, max_new_tokens, implementation)
+    max_new_tokens: one budget or one per prompt (traced). `implementation`: the MoE experts' (see
+    `nn.moe.swiglu_experts`). buckets: the compiled shapes (default: `spec.requests.Buckets` with the
+    batch padded)."""
+    from dflash_jax import compile_cache
+
+    buckets = rq.Buckets(pad_batch=True) if buckets is None else buckets
+    checked = rq.check_prompts(prompts, cfg.vocab_size)
+    n = len(checked)
+    budgets = rq.check_budgets(max_new_tokens, n)
+    stops = rq.check_stop_ids(stop_ids, 1, cfg.vocab_size)[0]
+    lengths_real = np.array([len(p) for p in checked])
+    need = int((lengths_real + budgets).max())
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"prompt + max_new_tokens ({need}) exceeds the target's {cfg.max_position_embeddings} "
+                         "positions")
+    batch = buckets.batch_size(n)
+    output_len = buckets.output_len(int(budgets.max()))
+    prompt_len = buckets.prompt_len(int(lengths_real.max()))
+    max_len = min(buckets.cache_len(prompt_len + output_len), cfg.max_position_embeddings)
+    tokens, lengths = rq.pad_prompts(checked, min(prompt_len, max_len), batch)
+    budgets = np.concatenate([budgets, np.ones(batch - n, np.int32)])
+    stop_arr = np.full((buckets.stops_len(len(stops)),), -1, np.int32)
+    stop_arr[: len(stops)] = stops
+    compile_cache.ensure_enabled()
+    first, cache = _prefill(weights, tokens, lengths, cfg, max_len, implementation)
+    out, num = _decode_loop(weights, first, cache, stop_arr, budgets, cfg, output_len, implementation)
     out, num = np.asarray(out), np.asarray(num)
-    return [list(map(int, out[i, : num[i]])) for i in range(len(prompts))]
+    return [list(map(int, out[i, : num[i]])) for i in range(n)]

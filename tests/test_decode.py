@@ -46,5 +46,11 @@ def test_bad_prompts(pair):
         greedy_generate(weights, cfg, [[]], max_new_tokens=4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         greedy_generate(weights, cfg, [[1, cfg.vocab_size]], max_new_tokens=4)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer, got 0"):
         greedy_generate(weights, cfg, [[1]], max_new_tokens=0)
+    with pytest.raises(TypeError, match="max_new_tokens must be a positive integer, got float 4.0"):
+        greedy_generate(weights, cfg, [[1]], max_new_tokens=4.0)
+    with pytest.raises(TypeError, match="prompt 0: token 1 must be an integer id, got float 2.0"):
+        greedy_generate(weights, cfg, [[1, 2.0]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="stop_ids entry must be a token id"):
+        greedy_generate(weights, cfg, [[1]], max_new_tokens=4, stop_ids=[cfg.vocab_size])

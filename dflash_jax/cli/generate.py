@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: python with --trace, else jit)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="skip the persistent compilation cache (also DFLASH_JAX_CACHE_DIR=off; default location: "
+                        "$DFLASH_JAX_CACHE_DIR, else $XDG_CACHE_HOME/dflash_jax/jax, else ~/.cache/dflash_jax/jax)")
     off = p.add_argument_group("expert offload (experts in pinned host memory, a device pool of a fixed budget)")
     off.add_argument("--offload", action="store_true",
                      help="keep the target's routed experts in host memory; lossless (same tokens)")
@@ -89,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     import dflash_jax
+    from dflash_jax import compile_cache
     from dflash_jax.spec import SamplingParams, generate, generate_stepping
 
     directory = args.checkpoint or SHIPPED_PAIR
@@ -115,6 +119,10 @@ def run(args) -> dict:
             raise UsageError("--offload runs its own stepping loop: drop --trace / --loop jit")
     elif args.expert_budget_mb is not None:
         raise UsageError("--expert-budget-mb only applies with --offload")
+    if args.no_compile_cache:
+        compile_cache.disable()
+    else:
+        compile_cache.ensure_enabled()
     pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device")
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
@@ -131,25 +139,29 @@ def run(args) -> dict:
     elif args.stop_ids:
         stops = _parse_ids(args.stop_ids)
     else:
-        stops = list(pair.target_cfg.eos_token_ids)
+        stops = [t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size]
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, mode=args.acceptance)
+    if sampling.greedy and sampling.filters:
+        print("dflash-generate: note: --top-p / --top-k do nothing at --temperature 0 (greedy decoding)",
+              file=sys.stderr)
     loop = args.loop or ("python" if args.trace else "jit")
     kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
                   stop_ids=stops, seed=args.seed, warmup=True)
-    if args.offload:
-        from dflash_jax.offload import PoolTooSmall, generate_offloaded
+    with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")):
+        if args.offload:
+            from dflash_jax.offload import PoolTooSmall, generate_offloaded
 
-        try:
-            result = generate_offloaded(pair, [prompt], budget_bytes=int(args.expert_budget_mb * 1e6),
-                                        predictor=args.predictor, width=args.predictor_width, **kwargs)
-        except PoolTooSmall as e:
-            raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
-    elif loop == "jit":
-        if args.trace:
-            raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
-        result = generate(pair, [prompt], **kwargs)
-    else:
-        result = generate_stepping(pair, [prompt], trace=args.trace, **kwargs)
+            try:
+                result = generate_offloaded(pair, [prompt], budget_bytes=int(args.expert_budget_mb * 1e6),
+                                            predictor=args.predictor, width=args.predictor_width, **kwargs)
+            except PoolTooSmall as e:
+                raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
+        elif loop == "jit":
+            if args.trace:
+                raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
+            result = generate(pair, [prompt], **kwargs)
+        else:
+            result = generate_stepping(pair, [prompt], trace=args.trace, **kwargs)
     out = {
         "tokens": result.tokens[0],
         "acceptance_lengths": result.acceptance_lengths[0],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.spec.sampling import sample_from
+from dflash_jax.spec.sampling import sample_probs_rows
 
 
 def _prefix_length(matches: jax.Array) -> jax.Array:
@@ -29,17 +29,19 @@ def match_accept(proposals: jax.Array, target_tokens: jax.Array) -> tuple[jax.Ar
 
 
 def rejection_accept(
-    key: jax.Array, proposals: jax.Array, target_probs: jax.Array, draft_probs: jax.Array
+    keys: jax.Array, proposals: jax.Array, target_probs: jax.Array, draft_probs: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Speculative sampling. target_probs [b, B, V] (p), draft_probs [b, B-1, V] (q, the distributions the
-    proposals were drawn from). Row j accepts d_{j+1} with probability min(1, p_j(d) / q_j(d)); the first
-    rejected row a draws the bonus from normalize(max(p_a - q_a, 0)) (p_a if that is all zero); when all
-    B-1 are accepted the bonus is drawn from p_{B-1}. The emitted tokens are distributed exactly as p."""
+    proposals were drawn from); keys [b], one per sequence (its draws do not depend on the batch). Row j
+    accepts d_{j+1} with probability min(1, p_j(d) / q_j(d)); the first rejected row a draws the bonus from
+    normalize(max(p_a - q_a, 0)) (p_a if that is all zero); when all B-1 are accepted the bonus is drawn
+    from p_{B-1}. The emitted tokens are distributed exactly as p."""
     b, gamma = proposals.shape
-    k_u, k_bonus = jax.random.split(key)
+    split = jax.vmap(jax.random.split)(keys)
+    k_u, k_bonus = split[:, 0], split[:, 1]
     p = jnp.take_along_axis(target_probs[:, :gamma], proposals[..., None], axis=-1)[..., 0]
     q = jnp.take_along_axis(draft_probs, proposals[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(k_u, (b, gamma))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(k_u)
     accepted = _prefix_length(u * q < p)
     rows = jnp.arange(b)
     p_a = target_probs[rows, accepted]
@@ -47,4 +49,4 @@ def rejection_accept(
     residual = jnp.maximum(p_a - q_a, 0.0)
     total = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(total > 0, residual / jnp.maximum(total, 1e-38), p_a)
-    return accepted, sample_from(k_bonus, residual)
+    return accepted, sample_probs_rows(k_bonus, residual)

@@ -15,12 +15,18 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import compile_cache
+from dflash_jax.spec.requests import Buckets
 from dflash_jax.spec.sampling import SamplingParams
 from dflash_jax.spec.session import (
-    SpecConfig, SpecState, begin, draft_round_jit, spec_round, verify_round_jit,
+    Prepared, SpecConfig, SpecState, begin_prepared, draft_round_jit, prepare, spec_round, verify_round_jit,
 )
+
+# The loops pad the batch to its bucket (they slice the padding off the result).
+LOOP_BUCKETS = Buckets(pad_batch=True)
 
 
 @dataclasses.dataclass
@@ -45,11 +51,14 @@ def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig) -> SpecState
     )
 
 
-def _result(state: SpecState, stats: dict, trace=None) -> GenerationResult:
+def _result(state: SpecState, stats: dict, trace=None, rows: int | None = None) -> GenerationResult:
+    """The first `rows` sequences (default: all) of a finished state."""
     out, num = np.asarray(state.output), np.asarray(state.num_generated)
     acc, rounds = np.asarray(state.acceptance), np.asarray(state.rounds)
-    tokens = [list(map(int, out[i, : num[i]])) for i in range(out.shape[0])]
-    acceptance = [list(map(int, acc[i, : rounds[i]])) for i in range(out.shape[0])]
+    rows = out.shape[0] if rows is None else rows
+    out, num, acc, rounds = out[:rows], num[:rows], acc[:rows], rounds[:rows]
+    tokens = [list(map(int, out[i, : num[i]])) for i in range(rows)]
+    acceptance = [list(map(int, acc[i, : rounds[i]])) for i in range(rows)]
     total_rounds = int(rounds.sum())
     emitted = int(sum(len(t) - 1 for t in tokens))
     stats = dict(stats)
@@ -58,36 +67,58 @@ def _result(state: SpecState, stats: dict, trace=None) -> GenerationResult:
                  mean_acceptance=(emitted / total_rounds) if total_rounds else 0.0)
     if stats.get("seconds"):
         stats["tokens_per_second"] = int(num.sum()) / stats["seconds"]
+    if trace is not None:
+        trace = [r[:rows] for r in trace]
     return GenerationResult(tokens=tokens, acceptance_lengths=acceptance, stats=stats, trace=trace)
 
 
-def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, block_size: int | None = None,
-             sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (), seed: int = 0,
-             warmup: bool = False) -> GenerationResult:
-    """DFlash generation in one jitted while_loop. `warmup=True` compiles first so `stats.seconds` times
-    only the run (prefill + decode)."""
-    if warmup:
-        generate(pair, prompts, max_new_tokens=max_new_tokens, block_size=block_size, sampling=sampling,
-                 stop_ids=stop_ids, seed=seed)
+def _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets) -> Prepared:
+    compile_cache.ensure_enabled()
+    return prepare(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                   stop_ids=stop_ids, seed=seed, buckets=LOOP_BUCKETS if buckets is None else buckets)
+
+
+def _shape_stats(prep: Prepared) -> dict:
+    spec = prep.spec
+    return {"block_size": spec.block_size, "method": spec.method,
+            "shapes": {"batch": int(prep.tokens.shape[0]), "prompt": int(prep.tokens.shape[1]),
+                       "output": spec.output_len, "cache": spec.max_len}}
+
+
+def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_size: int | None = None,
+             sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
+             buckets: Buckets | None = None) -> GenerationResult:
+    """DFlash generation in one jitted while_loop.
+
+    max_new_tokens, sampling, stop_ids, seed: one value for every prompt, or one per prompt (stop_ids:
+    one list of ids, or one list per prompt); they are traced, so requests that differ only in them (and
+    in prompt lengths inside one bucket) reuse one compiled program. `warmup=True` compiles first (without
+    running a round) so `stats.seconds` times only the run (prefill + decode)."""
+    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets)
+    if warmup:  # compile the prefill and the loop: a state with every sequence done runs no round
+        state = begin_prepared(pair, prep)
+        jax.block_until_ready(run_loop(pair.target, pair.draft, state.replace(done=jnp.ones_like(state.done)),
+                                       prep.spec).output)
     t0 = time.perf_counter()
-    spec, state = begin(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
-                        stop_ids=stop_ids, seed=seed)
-    state = run_loop(pair.target, pair.draft, state, spec)
+    state = begin_prepared(pair, prep)
+    state = run_loop(pair.target, pair.draft, state, prep.spec)
     jax.block_until_ready(state.output)
     seconds = time.perf_counter() - t0
-    return _result(state, {"loop": "jit", "seconds": seconds, "block_size": spec.block_size})
+    return _result(state, dict(_shape_stats(prep), loop="jit", seconds=seconds), rows=prep.num_prompts)
 
 
-def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, block_size: int | None = None,
-                      sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (), seed: int = 0,
-                      trace: bool = False, warmup: bool = False) -> GenerationResult:
+def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_size: int | None = None,
+                      sampling=SamplingParams(), stop_ids=(), seed=0, trace: bool = False, warmup: bool = False,
+                      buckets: Buckets | None = None) -> GenerationResult:
     """The same rounds driven from Python; times draft and verify separately (each synchronized)."""
-    if warmup:
-        generate_stepping(pair, prompts, max_new_tokens=min(max_new_tokens, 2 * (block_size or 2)),
-                          block_size=block_size, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets)
+    spec = prep.spec
+    if warmup:  # one round compiles the prefill, the draft and the verify
+        state = begin_prepared(pair, prep)
+        jax.block_until_ready(verify_round_jit(pair.target, state, draft_round_jit(pair.target, pair.draft, state, spec),
+                                               spec).output)
     t0 = time.perf_counter()
-    spec, state = begin(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
-                        stop_ids=stop_ids, seed=seed)
+    state = begin_prepared(pair, prep)
     jax.block_until_ready(state.anchor)
     t_prefill = time.perf_counter() - t0
     t_draft = t_verify = 0.0
@@ -120,6 +151,6 @@ def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         done = np.asarray(state.done)
     seconds = time.perf_counter() - t0
     host = seconds - t_prefill - t_draft - t_verify
-    stats = {"loop": "python", "seconds": seconds, "block_size": spec.block_size,
-             "time_split": {"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host}}
-    return _result(state, stats, trace=rounds if trace else None)
+    stats = dict(_shape_stats(prep), loop="python", seconds=seconds,
+                 time_split={"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host})
+    return _result(state, stats, trace=rounds if trace else None, rows=prep.num_prompts)

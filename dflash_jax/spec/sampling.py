@@ -1,30 +1,53 @@
 """The target distribution a sampled run must reproduce, and draws from it.
 
-`sampling_probs` defines the distribution: logits / temperature, restricted to the top-k logits (k > 0),
-then to the smallest set of most likely tokens whose mass reaches top_p (a token is kept when the mass of
-the tokens ranked before it is < top_p), renormalized. Plain decoding with the same parameters samples
-each token from exactly this distribution; speculative sampling must emit tokens with the same law.
+The processed distribution of one row with temperature T > 0, top-k k and top-p p:
+  scores  = (logits - max(logits)) / T          in fp32; T below the smallest normal fp32 (1.2e-38) counts
+                                                as 1.2e-38, so no T > 0 overflows (`--temperature 1e-45`)
+  top-k   = keep the scores >= the k-th largest (k = 0 or k >= V: off; ties at the k-th are kept)
+  top-p   = keep the scores >= the smallest one of the shortest prefix of the sorted distribution whose
+            mass reaches p (a token is kept when the mass ranked strictly before it is < p; ties kept)
+  probs   = softmax of the kept scores.
+Temperature 0 is greedy (argmax). Plain decoding with the same settings samples each token from exactly
+this distribution; speculative sampling must emit tokens with the same law.
+
+The settings are traced values, one per sequence (`RowSampling`: arrays [b]), so one compiled program
+serves a batch whose rows use different temperatures, top-k and top-p, greedy rows included. What stays
+static is the acceptance *method* (`SamplingParams.mode`): "exact_match" or "rejection".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 AcceptanceMode = Literal["exact_match", "rejection"]
+MODES = ("exact_match", "rejection")
+_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+
+
+def _real(value, name: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """temperature 0 = greedy. For temperature > 0:
+    """One sequence's sampling settings. temperature 0 = greedy (top_p / top_k then do nothing).
+    For temperature > 0:
     mode "exact_match": the draft proposes its argmax; the target samples each block row and a proposal
     is accepted when it equals the target's sample (lossless: a one-hot proposal under rejection sampling).
     mode "rejection": the draft samples each slot from its own (processed) distribution q; proposal d at
     a row is accepted with probability min(1, p(d) / q(d)); the first rejection resamples from
-    normalize(max(p - q, 0)) (speculative sampling; exact in distribution)."""
+    normalize(max(p - q, 0)) (speculative sampling; exact in distribution).
+    The values are traced (changing them never recompiles); the mode picks the compiled program."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -32,48 +55,134 @@ class SamplingParams:
     mode: AcceptanceMode = "exact_match"
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        temperature = _real(self.temperature, "temperature")
+        if not temperature >= 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        top_p = _real(self.top_p, "top_p")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if isinstance(self.top_k, (bool, np.bool_)) or not isinstance(self.top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an integer (0 = off), got {type(self.top_k).__name__} {self.top_k!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.mode not in ("exact_match", "rejection"):
+        if self.mode not in MODES:
             raise ValueError(f"mode must be 'exact_match' or 'rejection', got {self.mode!r}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-p or top-k is set (they act only when temperature > 0)."""
+        return self.top_p < 1 or self.top_k > 0
 
-def sampling_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+
+@struct.dataclass
+class RowSampling:
+    """Per-sequence sampling settings as traced arrays [b] (or scalars)."""
+
+    temperature: jax.Array  # f32, 0 = greedy
+    top_p: jax.Array  # f32 in (0, 1]
+    top_k: jax.Array  # int32, 0 = off
+
+    @staticmethod
+    def of(params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...]) -> "RowSampling":
+        rows = [params] if isinstance(params, SamplingParams) else list(params)
+        return RowSampling(temperature=np.array([p.temperature for p in rows], np.float32),
+                           top_p=np.array([p.top_p for p in rows], np.float32),
+                           top_k=np.array([p.top_k for p in rows], np.int32))
+
+    @property
+    def greedy(self) -> jax.Array:
+        return self.temperature == 0
+
+
+def _as_rows(params) -> RowSampling:
+    if isinstance(params, SamplingParams):
+        params = RowSampling.of(params)
+    return params
+
+
+def _row(x: jax.Array, ndim: int) -> jax.Array:
+    """[b] (or a scalar) -> broadcastable against [b, ..., V] with `ndim` dims, without the V axis."""
+    x = jnp.asarray(x)
+    return x.reshape(x.shape + (1,) * (ndim - 1 - x.ndim))
+
+
+def processed_scores(logits: jax.Array, params) -> jax.Array:
+    """fp32 scores [..., V] of the processed distribution (module doc): `softmax` of them is it; removed
+    tokens score -inf. `params`: a `SamplingParams` or a `RowSampling` whose arrays match logits'
+    leading dimension(s). Rows with temperature 0 get the T -> 0 limit (0 at the maximum, -inf elsewhere)."""
+    params = _as_rows(params)
+    x = logits.astype(jnp.float32)
+    nd = x.ndim
+    t = jnp.maximum(_row(params.temperature, nd).astype(jnp.float32), _SMALLEST_NORMAL)
+    gap = x - jnp.max(x, axis=-1, keepdims=True)  # <= 0: nothing can overflow
+    scores = jnp.where(gap < 0, gap / t[..., None], 0.0)
+    top_k = _row(params.top_k, nd).astype(jnp.int32)
+    top_p = _row(params.top_p, nd).astype(jnp.float32)
+    vocab = x.shape[-1]
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1
+
+    def restrict(scores):
+        ranked = -jnp.sort(-scores, axis=-1)  # descending
+        kth = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, vocab - 1)[..., None], axis=-1)
+        kth = jnp.where(k_on[..., None], kth, -jnp.inf)
+        ranked = jnp.where(ranked >= kth, ranked, -jnp.inf)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.sum((before < top_p[..., None]) & (ranked > -jnp.inf), axis=-1, keepdims=True)
+        pth = jnp.take_along_axis(ranked, jnp.maximum(kept - 1, 0), axis=-1)
+        pth = jnp.where(p_on[..., None], pth, -jnp.inf)
+        return jnp.where(scores >= jnp.maximum(kth, pth), scores, -jnp.inf)
+
+    # the sort runs only when some row asks for top-k / top-p (a real branch inside jit)
+    return jax.lax.cond(jnp.any(k_on | p_on), restrict, lambda s: s, scores)
+
+
+def sampling_probs(logits: jax.Array, params) -> jax.Array:
     """Probabilities [..., V] in fp32 of the processed distribution (see module doc)."""
-    scores = logits.astype(jnp.float32) / params.temperature
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = jax.lax.top_k(scores, params.top_k)[0][..., -1:]
-        scores = jnp.where(scores >= kth, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    if params.top_p < 1.0:
-        order = jnp.argsort(-probs, axis=-1)
-        sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-        keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < params.top_p
-        keep = jnp.zeros_like(keep_sorted).at[
-            tuple(jnp.indices(order.shape)[:-1]) + (order,)
-        ].set(keep_sorted)
-        probs = jnp.where(keep, probs, 0.0)
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return probs
+    return jax.nn.softmax(processed_scores(logits, params), axis=-1)
 
 
 def sample_from(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """One draw per row of probs [..., V] (int32 [...])."""
+    """One draw per row of probs [..., V] (int32 [...]) with one key."""
     logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
     return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
 
 
+def sample_rows(keys: jax.Array, scores: jax.Array) -> jax.Array:
+    """One draw per position from softmax(scores [b, ..., V]), sequence i drawing with its own key keys[i]
+    (so a sequence's draws do not depend on the batch it runs in)."""
+    return jax.vmap(lambda k, s: jax.random.categorical(k, s, axis=-1))(keys, scores).astype(jnp.int32)
+
+
+def sample_probs_rows(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """`sample_rows` for probabilities [b, ..., V]."""
+    logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+    return sample_rows(keys, logp)
+
+
+def next_token_rows(keys: jax.Array, logits: jax.Array, params: RowSampling) -> jax.Array:
+    """Per sequence: argmax where its temperature is 0, else a draw (with its own key) from its processed
+    distribution. logits [b, ..., V] -> [b, ...] int32. The sampling work is skipped when every row is
+    greedy."""
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = _row(params.temperature, logits.ndim) == 0
+
+    def sampled():
+        return jnp.where(greedy, greedy_tokens, sample_rows(keys, processed_scores(logits, params)))
+
+    return jax.lax.cond(jnp.all(greedy), lambda: greedy_tokens, sampled)
+
+
 def next_token(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Greedy argmax or a draw from the processed distribution."""
+    """Greedy argmax or a draw from the processed distribution (one key, one setting for all rows)."""
     if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return sample_from(key, sampling_probs(logits, params))
+    return jax.random.categorical(key, processed_scores(logits, params), axis=-1).astype(jnp.int32)

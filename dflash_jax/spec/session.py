@@ -1,20 +1,31 @@
 """One speculative round as pure functions over pytrees: `begin`, `draft_round`, `verify_round`.
 
-  state = begin(pair, prompts, ...)          prefill, first token (the first anchor), draft context
-  draft = draft_round(pair, state)           B-1 proposals from one draft forward
-  state = verify_round(pair, state, draft)   width-B target forward, accept, commit/rollback
+  spec, state = begin(pair, prompts, ...)    validate, prefill, first token (the first anchor), draft context
+  draft = draft_round(tw, dw, state, spec)   B-1 proposals from one draft forward
+  state = verify_round(tw, state, draft, spec)   width-B target forward, accept, commit/rollback
 
-Every array has a static shape (batch b, block B, output budget N): a verify is always width B and caches
-are fixed-size buffers with length counters, so the same compiled round serves every round and every
-sequence of the batch, each at its own length. Sequences that are done keep flowing through the round
-with nothing committed.
+Static vs traced. `SpecConfig` (a jit static argument) holds only what is a model or a compiled shape:
+the two configs, the block size B, the cache length, the output-buffer length and the acceptance method
+("exact_match" or "rejection"); the batch and prompt-bucket sizes are array shapes. Everything a request
+varies is traced data in the state, one value per sequence (`RowParams`): the token budget, temperature
+(0 = greedy for that sequence), top-p, top-k and stop ids, plus a PRNG key per sequence. So one compiled
+program serves every request of a bucket (`spec.requests.Buckets`), and one batch can mix greedy and
+sampled sequences with different budgets.
+
+Every array has a static shape: a verify is always width B and caches are fixed-size buffers with length
+counters, so the same compiled round serves every round and every sequence of the batch, each at its own
+length. Sequences that are done keep flowing through the round with nothing committed.
 
 Round arithmetic for one sequence whose target cache holds `start` committed tokens:
   block   = [anchor, d_1 .. d_{B-1}] at positions start .. start+B-1
   a       = accepted proposals (0 .. B-1), bonus = the target's token after d_a
-  emitted = d_1 .. d_a, bonus, cut at the output budget and after the first stop token (`produced` <= a+1)
+  emitted = d_1 .. d_a, bonus, cut at its budget and after its first stop token (`produced` <= a+1)
   commit  = target cache rolled back to start + produced (the anchor and d_1 .. d_{produced-1});
             the draft's next context rows are the verify taps of those rows; next anchor = last emitted.
+
+Inputs are checked at the non-jitted entry points (`begin`, `prepare`, the loops; `verify_round` and
+`draft_round` when called eagerly with concrete arrays). The jitted functions (`draft_round_jit`,
+`verify_round_jit`, `commit_verify` inside jit, the loop) trust their inputs.
 """
 
 from __future__ import annotations
@@ -29,55 +40,79 @@ import numpy as np
 from flax import struct
 
 from dflash_jax.cache import KVCache
-from dflash_jax.config import DraftConfig, GptOssConfig, Qwen3Config
+from dflash_jax.config import DraftConfig
 from dflash_jax.models import draft as draft_model
+from dflash_jax.models.family import family_of
 from dflash_jax.spec.accept import match_accept, rejection_accept
-from dflash_jax.spec.sampling import SamplingParams, next_token, sample_from, sampling_probs
+from dflash_jax.spec import requests as rq
+from dflash_jax.spec.sampling import (
+    AcceptanceMode, RowSampling, SamplingParams, next_token_rows, processed_scores, sample_probs_rows, sample_rows,
+    sampling_probs,
+)
 
 
 def target_family(cfg):
-    """The model module of a target config: `init_cache`, `forward`, `rollback`; weights with
-    `.embed` [V, H] and `.lm_head` [H, V] (None when tied)."""
-    from dflash_jax.config import Qwen3_5Config
-
-    if isinstance(cfg, Qwen3Config):
-        from dflash_jax.models import qwen3
-
-        return qwen3
-    if isinstance(cfg, GptOssConfig):
-        from dflash_jax.models import gpt_oss
-
-        return gpt_oss
-    if isinstance(cfg, Qwen3_5Config):
-        from dflash_jax.models import qwen3_5
-
-        return qwen3_5
-    raise TypeError(f"no target family for {type(cfg).__name__}")
+    """The registered `ModelFamily` of a target config (`models.family`): `init_cache`, `forward`,
+    `rollback`, ...; its weights have `.embed` [V, H] and `.lm_head` [H, V] (None when tied)."""
+    return family_of(cfg)
 
 
 def init_target_cache(cfg, batch: int, max_len: int, dtype, *, verify_width: int):
     """A target cache that can roll a width-`verify_width` forward back to any prefix. Linear-attention
     families (Qwen3.5) keep the verify block's inputs for that, sized by the verify width."""
-    fam = target_family(cfg)
-    if fam.__name__.endswith("qwen3_5"):
-        return fam.init_cache(cfg, batch, max_len, dtype, rollback_width=verify_width)
-    return fam.init_cache(cfg, batch, max_len, dtype)
+    return family_of(cfg).init_cache(cfg, batch, max_len, dtype, verify_width=verify_width)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticRequest:
+    """A budget and sampling settings baked into a `SpecConfig` for callers of `start_state` that pass no
+    per-sequence `RowParams` (the `make_spec` form): those compile once per value. New code passes
+    `RowParams`, which are traced."""
+
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+
+    def rows(self, batch: int, stop_ids: jax.Array) -> "RowParams":
+        stop_ids = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
+        s = self.sampling
+        return RowParams(
+            budget=jnp.full((batch,), self.max_new_tokens, jnp.int32),
+            sampling=RowSampling(temperature=jnp.full((batch,), s.temperature, jnp.float32),
+                                 top_p=jnp.full((batch,), s.top_p, jnp.float32),
+                                 top_k=jnp.full((batch,), s.top_k, jnp.int32)),
+            stop_ids=jnp.broadcast_to(stop_ids[None], (batch, stop_ids.shape[0])),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Static settings of a speculative run (a jit static argument)."""
+    """The static part of a speculative run (a jit static argument): models and compiled shapes only.
+
+    max_len: cache rows (a bucket: `Buckets.cache_len(prompt bucket + output_len + block_size)`).
+    output_len: output-buffer columns (a bucket >= every sequence's budget).
+    method: the acceptance rule of the sampled sequences; greedy sequences run in either.
+    static_request: only for the `make_spec` form (see `StaticRequest`); None when settings are traced."""
 
     target: Any
     draft: DraftConfig
     block_size: int
-    max_new_tokens: int
     max_len: int
-    sampling: SamplingParams = SamplingParams()
+    output_len: int
+    method: AcceptanceMode = "exact_match"
+    static_request: StaticRequest | None = None
 
     @property
     def taps(self) -> tuple[int, ...]:
         return tuple(self.draft.target_layer_ids) if self.block_size > 1 else ()
+
+
+@struct.dataclass
+class RowParams:
+    """Per-sequence request settings, traced (arrays with a leading batch dimension b)."""
+
+    budget: jax.Array  # [b] int32: tokens to generate, the first one included (<= spec.output_len)
+    sampling: RowSampling  # [b] temperature (0 = greedy), top_p, top_k
+    stop_ids: jax.Array  # [b, S] int32, -1 = unused slot
 
 
 @struct.dataclass
@@ -87,56 +122,155 @@ class SpecState:
     anchor: jax.Array  # [b] last emitted token: slot 0 of the next block
     context: jax.Array  # [b, B, F] target taps of committed rows the draft has not seen yet
     num_context: jax.Array  # [b]
-    output: jax.Array  # [b, N] emitted tokens, -1 past num_generated
+    output: jax.Array  # [b, N] emitted tokens, -1 past num_generated (N = spec.output_len)
     num_generated: jax.Array  # [b]
     done: jax.Array  # [b] bool
     acceptance: jax.Array  # [b, N] tokens emitted per round
     rounds: jax.Array  # [b] rounds run while not done
-    stop_ids: jax.Array  # [S]
-    key: jax.Array
+    params: RowParams  # per-sequence budget, sampling settings, stop ids
+    key: jax.Array  # [b] one PRNG key per sequence (its draws do not depend on the batch it runs in)
     last_accepted: jax.Array  # [b] proposals accepted in the last round (trace)
     last_bonus: jax.Array  # [b] the last round's bonus token (trace)
+
+    @property
+    def stop_ids(self) -> jax.Array:
+        return self.params.stop_ids
 
 
 @struct.dataclass
 class Draft:
     tokens: jax.Array  # [b, B-1] proposals
-    probs: jax.Array | None  # [b, B-1, V] the proposal distributions (rejection mode only)
+    probs: jax.Array | None  # [b, B-1, V] the proposal distributions (rejection method only)
     draft_cache: KVCache | None  # with this round's context rows appended
     hidden: jax.Array | None = None  # [b, B, H] the draft's final-normed hidden states (route-ahead input)
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    from dflash_jax.decode import pad_prompts
+# ----------------------------------------------------------------------------------------------------------
+# requests -> static config + traced rows
+# ----------------------------------------------------------------------------------------------------------
 
-    return pad_prompts(prompts, vocab_size)
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A validated request batch: the static `spec`, the right-padded prompt bucket and the traced rows.
+    Rows past `num_prompts` pad the batch to its bucket (one-token prompts, done from the start)."""
+
+    spec: SpecConfig
+    tokens: np.ndarray  # [b, T] int32 (T = the prompt bucket)
+    lengths: np.ndarray  # [b] int32
+    params: RowParams  # numpy arrays
+    key_data: np.ndarray  # [b, ...] uint32 base key per sequence
+    key_fold: np.ndarray  # [b] int32: sequence i draws from fold_in(base key i, key_fold[i])
+    num_prompts: int
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Checked prompts, right-padded to the longest: ([b, T] int32, lengths [b])."""
+    checked = rq.check_prompts(prompts, vocab_size)
+    return rq.pad_prompts(checked, max(len(p) for p in checked), len(checked))
+
+
+def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sampling=SamplingParams(),
+            stop_ids=(), seed=0, buckets: rq.Buckets | None = None) -> Prepared:
+    """Validates a request batch at the Python boundary and maps it to bucketed shapes.
+
+    max_new_tokens, sampling, stop_ids, seed: one value for every prompt or one per prompt (stop_ids: a
+    list of ids, or one list per prompt). Raises TypeError / ValueError naming the argument."""
+    buckets = rq.DEFAULT_BUCKETS if buckets is None else buckets
+    if not isinstance(buckets, rq.Buckets):
+        raise TypeError(f"buckets must be a spec.requests.Buckets, got {type(buckets).__name__}")
+    dcfg, tcfg = pair.draft_cfg, pair.target_cfg
+    if block_size is None:
+        block_size = dcfg.block_size
+    if not rq._is_int(block_size) or not 1 <= block_size <= dcfg.block_size:
+        raise ValueError(f"block size must be between 1 and the draft's trained block size {dcfg.block_size}, "
+                         f"got {block_size!r}")
+    block_size = int(block_size)
+    checked = rq.check_prompts(prompts, tcfg.vocab_size)
+    n = len(checked)
+    budgets = rq.check_budgets(max_new_tokens, n)
+    rows, method = rq.check_sampling(sampling, n)
+    stops = rq.check_stop_ids(stop_ids, n, tcfg.vocab_size)
+    seeds = rq.check_seeds(seed, n)
+    lengths_real = np.array([len(p) for p in checked], np.int64)
+    worst = int(np.argmax(lengths_real + budgets))
+    max_pos = tcfg.max_position_embeddings
+    if int(lengths_real[worst] + budgets[worst]) + block_size > max_pos:
+        raise ValueError(f"prompt ({int(lengths_real[worst])}) + max_new_tokens ({int(budgets[worst])}) exceeds the "
+                         f"target's {max_pos} positions (with the block size {block_size})")
+    batch = buckets.batch_size(n)
+    output_len = buckets.output_len(int(budgets.max()))
+    prompt_len = buckets.prompt_len(int(lengths_real.max()))
+    max_len = min(buckets.cache_len(prompt_len + output_len + block_size), max_pos)
+    prompt_len = min(prompt_len, max_len)
+    tokens, lengths = rq.pad_prompts(checked, prompt_len, batch)
+    pad = batch - n
+    params = RowParams(
+        budget=np.concatenate([budgets, np.ones(pad, np.int32)]),
+        sampling=RowSampling.of(rows + [SamplingParams()] * pad),
+        stop_ids=rq.pad_stop_ids(stops, buckets.stops_len(max(len(s) for s in stops)), batch),
+    )
+    if isinstance(seeds, int):
+        base = np.asarray(jax.random.key_data(jax.random.key(seeds)))
+        key_data = np.broadcast_to(base, (batch,) + base.shape).copy()
+        key_fold = np.arange(batch, dtype=np.int32)
+    else:
+        key_data = np.stack([np.asarray(jax.random.key_data(jax.random.key(s))) for s in seeds + [0] * pad])
+        key_fold = np.zeros(batch, np.int32)
+    spec = SpecConfig(target=tcfg, draft=dcfg, block_size=block_size, max_len=max_len, output_len=output_len,
+                      method=method)
+    return Prepared(spec=spec, tokens=tokens, lengths=lengths, params=params, key_data=key_data, key_fold=key_fold,
+                    num_prompts=n)
+
+
+def make_spec(pair, prompts, *, block_size, max_new_tokens, sampling=SamplingParams()):
+    """The form for callers that run their own prefill and call `start_state` without per-sequence settings
+    (the offload loop): returns (spec, tokens [b, T] right-padded to the prompt bucket, lengths [b]), with
+    the budget and sampling settings baked into `spec.static_request` (compiled per value)."""
+    prep = prepare(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
+    rq.check_int(max_new_tokens, "max_new_tokens", low=1, what="a positive integer")
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError("make_spec takes one SamplingParams for the whole batch")
+    spec = dataclasses.replace(prep.spec, static_request=StaticRequest(int(max_new_tokens), sampling))
+    return spec, prep.tokens, prep.lengths
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the round
+# ----------------------------------------------------------------------------------------------------------
+
+def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    split = jax.vmap(jax.random.split)(keys)
+    return split[:, 0], split[:, 1]
 
 
 def _emit(state: SpecState, accepted, bonus, proposals, spec: SpecConfig):
-    """Writes d_1..d_a, bonus (cut by budget and stop tokens) into the output; returns (state, produced)."""
+    """Writes d_1..d_a, bonus (cut by each sequence's budget and stop tokens) into the output; returns
+    (state, produced)."""
     b, width = proposals.shape[0], spec.block_size
+    n = spec.output_len
     j = jnp.arange(width)
     padded = jnp.concatenate([proposals, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(j[None] < accepted[:, None], padded, bonus[:, None])  # e_j for j <= a
-    remaining = spec.max_new_tokens - state.num_generated
+    budget = state.params.budget
+    remaining = budget - state.num_generated
     produced = jnp.minimum(accepted + 1, remaining)
-    is_stop = jnp.isin(emitted, state.stop_ids) & (j[None] < produced[:, None])
+    is_stop = _is_stop(emitted, state.params.stop_ids) & (j[None] < produced[:, None])
     first_stop = jnp.argmax(is_stop, axis=1)
     hit = jnp.any(is_stop, axis=1)
     produced = jnp.where(hit, first_stop + 1, produced)
     produced = jnp.where(state.done, 0, produced).astype(jnp.int32)
     cols = state.num_generated[:, None] + j[None]
-    cols = jnp.where(j[None] < produced[:, None], cols, spec.max_new_tokens)  # out of range: dropped
+    cols = jnp.where(j[None] < produced[:, None], cols, n)  # out of range: dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], cols.shape)
     output = state.output.at[rows, cols].set(emitted, mode="drop")
     num_generated = state.num_generated + produced
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
-    acceptance = state.acceptance.at[jnp.arange(b), jnp.where(state.done, spec.max_new_tokens, state.rounds)].set(
+    acceptance = state.acceptance.at[jnp.arange(b), jnp.where(state.done, n, state.rounds)].set(
         produced, mode="drop")
     new = state.replace(
         output=output,
         num_generated=num_generated,
-        done=state.done | hit | (num_generated >= spec.max_new_tokens),
+        done=state.done | hit | (num_generated >= budget),
         anchor=jnp.where(produced > 0, last, state.anchor),
         acceptance=acceptance,
         rounds=state.rounds + (~state.done).astype(jnp.int32),
@@ -144,21 +278,39 @@ def _emit(state: SpecState, accepted, bonus, proposals, spec: SpecConfig):
     return new, produced
 
 
+def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tokens [b, ...] against each sequence's stop ids [b, S] (-1 never matches)."""
+    stops = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens.ndim - 1) + stop_ids.shape[1:])
+    return jnp.any(tokens[..., None] == stops, axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _begin(target_w, draft_w, tokens, lengths, stop_ids, key, spec: SpecConfig) -> SpecState:
+def _begin(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig) -> SpecState:
     fam = target_family(spec.target)
+    keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
     cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
                               verify_width=spec.block_size)
     out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last")
-    return start_state(target_w, draft_w, out, lengths, stop_ids, key, spec)
+    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params)
 
 
-def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig) -> SpecState:
+def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig,
+                params: RowParams | None = None) -> SpecState:
     """The state after a prefill `out` (a ForwardOutput with "last" logits and the draft taps): the first
-    token, the draft's context cache fed with the prompt taps. `target_w` is read for `embed.dtype` only."""
+    token, the draft's context cache fed with the prompt taps. `target_w` is read for `embed.dtype` only.
+
+    params: the per-sequence settings; None = `spec.static_request` for every sequence with the shared
+    stop ids `stop_ids` [S] (the `make_spec` form). key: one key (sequence i draws from fold_in(key, i))
+    or one key per sequence [b]."""
     b = lengths.shape[0]
-    key, k_first = jax.random.split(key)
-    first = next_token(k_first, out.logits, spec.sampling)
+    if params is None:
+        if spec.static_request is None:
+            raise ValueError("start_state needs per-sequence `params` (RowParams) or a spec from make_spec")
+        params = spec.static_request.rows(b, stop_ids)
+    if key.ndim == 0:
+        key = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
+    key, k_first = _split_rows(key)
+    first = next_token_rows(k_first, out.logits, params.sampling)
     feat = spec.draft.num_taps * spec.target.hidden_size
     draft_cache = None
     if spec.block_size > 1:
@@ -166,8 +318,8 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
         draft_cache = draft_model.append_context(
             draft_w, spec.draft, context_features=draft_model.context_features(out.taps), num_context=lengths,
             cache=draft_cache)
-    n = spec.max_new_tokens
-    done = jnp.isin(first, stop_ids) | (n <= 1)
+    n = spec.output_len
+    done = _is_stop(first, params.stop_ids) | (params.budget <= 1)
     return SpecState(
         target_cache=out.cache,
         draft_cache=draft_cache,
@@ -179,15 +331,23 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
         done=done,
         acceptance=jnp.zeros((b, n), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
-        stop_ids=stop_ids,
+        params=params,
         key=key,
         last_accepted=jnp.zeros((b,), jnp.int32),
         last_bonus=jnp.zeros((b,), jnp.int32),
     )
 
 
+def _all_greedy(state: SpecState) -> jax.Array:
+    """True when no live sequence samples: the sampling work of a round is then skipped (a real branch)."""
+    return jnp.all(state.params.sampling.greedy | state.done)
+
+
 def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
-    """B-1 proposals from one draft forward over [anchor, MASK x (B-1)] (empty when B == 1)."""
+    """B-1 proposals from one draft forward over [anchor, MASK x (B-1)] (empty when B == 1). Greedy
+    sequences and the exact-match method propose the draft's argmax; sampled sequences under the rejection
+    method draw from the draft's processed distribution q (kept in `Draft.probs`)."""
+    _check_state(state, spec)
     b = state.anchor.shape[0]
     gamma = spec.block_size - 1
     if gamma == 0:
@@ -198,16 +358,28 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
         draft_w, spec.draft, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=block,
         context_features=state.context, num_context=state.num_context, cache=state.draft_cache)
     logits = logits[:, 1:]
-    if spec.sampling.greedy or spec.sampling.mode == "exact_match":
-        return Draft(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32), probs=None, draft_cache=draft_cache,
-                     hidden=hidden)
-    probs = sampling_probs(logits, spec.sampling)
-    key = jax.random.fold_in(state.key, 1)
-    return Draft(tokens=sample_from(key, probs), probs=probs, draft_cache=draft_cache, hidden=hidden)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if spec.method == "exact_match":
+        return Draft(tokens=argmax, probs=None, draft_cache=draft_cache, hidden=hidden)
+    rows = state.params.sampling
+
+    def sampled():
+        probs = sampling_probs(logits, rows)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(state.key)
+        return jnp.where(rows.greedy[:, None], argmax, sample_probs_rows(keys, probs)), probs
+
+    def greedy():
+        return argmax, jnp.zeros(logits.shape, jnp.float32)
+
+    tokens, probs = jax.lax.cond(_all_greedy(state), greedy, sampled)
+    return Draft(tokens=tokens, probs=probs, draft_cache=draft_cache, hidden=hidden)
 
 
 def verify_round(target_w, state: SpecState, draft: Draft, spec: SpecConfig) -> SpecState:
-    """Width-B target forward over [anchor, proposals], acceptance, emission, commit/rollback."""
+    """Width-B target forward over [anchor, proposals], acceptance, emission, commit/rollback.
+    Called eagerly with concrete arrays it checks the draft tokens (ids inside the vocabulary, shape
+    [b, B-1]); inside jit (`verify_round_jit`, the loop) it trusts them."""
+    _check_draft(state, draft, spec)
     fam = target_family(spec.target)
     out = fam.forward(target_w, verify_block(state, draft), state.target_cache, spec.target, tap_layers=spec.taps,
                       logits="all")
@@ -221,18 +393,30 @@ def verify_block(state: SpecState, draft: Draft) -> jax.Array:
 
 def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> SpecState:
     """Acceptance, emission and commit/rollback from the verify forward's output `out` (a ForwardOutput of
-    `verify_block(state, draft)` with "all" logits and the draft taps, run on `state.target_cache`)."""
+    `verify_block(state, draft)` with "all" logits and the draft taps, run on `state.target_cache`).
+    Greedy sequences accept the longest prefix matching the target's argmax; sampled ones use
+    `spec.method` (exact-match against the target's own draws, or rejection sampling)."""
     fam = target_family(spec.target)
     start = state.target_cache.lengths
-    key, k_acc = jax.random.split(state.key)
-    if spec.sampling.greedy:
-        accepted, bonus = match_accept(draft.tokens, jnp.argmax(out.logits, axis=-1).astype(jnp.int32))
+    key, k_acc = _split_rows(state.key)
+    rows = state.params.sampling
+    greedy = rows.greedy
+    target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    if spec.method == "exact_match" or spec.block_size == 1:
+        def sampled():
+            draws = sample_rows(k_acc, processed_scores(out.logits, rows))
+            return jnp.where(greedy[:, None], target_argmax, draws)
+
+        target_tokens = jax.lax.cond(_all_greedy(state), lambda: target_argmax, sampled)
+        accepted, bonus = match_accept(draft.tokens, target_tokens)
     else:
-        probs = sampling_probs(out.logits, spec.sampling)
-        if spec.sampling.mode == "exact_match" or spec.block_size == 1:
-            accepted, bonus = match_accept(draft.tokens, sample_from(k_acc, probs))
-        else:
-            accepted, bonus = rejection_accept(k_acc, draft.tokens, probs, draft.probs)
+        greedy_accepted, greedy_bonus = match_accept(draft.tokens, target_argmax)
+
+        def sampled():
+            acc, bon = rejection_accept(k_acc, draft.tokens, sampling_probs(out.logits, rows), draft.probs)
+            return jnp.where(greedy, greedy_accepted, acc), jnp.where(greedy, greedy_bonus, bon)
+
+        accepted, bonus = jax.lax.cond(_all_greedy(state), lambda: (greedy_accepted, greedy_bonus), sampled)
     new, produced = _emit(state.replace(key=key), accepted, bonus, draft.tokens, spec)
     context = draft_model.context_features(out.taps) if spec.taps else state.context
     return new.replace(
@@ -253,30 +437,61 @@ draft_round_jit = jax.jit(draft_round, static_argnames=("spec",))
 verify_round_jit = jax.jit(verify_round, static_argnames=("spec",), donate_argnames=("state",))
 
 
-def begin(pair, prompts: Sequence[Sequence[int]], *, block_size: int | None = None, max_new_tokens: int,
-          sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (), seed: int = 0):
-    """Validates inputs, prefills, and returns (SpecConfig, SpecState)."""
-    spec, tokens, lengths = make_spec(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
-                                      sampling=sampling)
-    stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-    state = _begin(pair.target, pair.draft, jnp.asarray(tokens), jnp.asarray(lengths), stops,
-                   jax.random.key(seed), spec)
-    return spec, state
+def _concrete(x) -> bool:
+    return x is not None and not isinstance(x, jax.core.Tracer)
 
 
-def make_spec(pair, prompts, *, block_size, max_new_tokens, sampling):
-    dcfg, tcfg = pair.draft_cfg, pair.target_cfg
-    block_size = dcfg.block_size if block_size is None else block_size
-    if not isinstance(block_size, int) or not 1 <= block_size <= dcfg.block_size:
-        raise ValueError(f"block size must be between 1 and the draft's trained block size {dcfg.block_size}, "
-                         f"got {block_size}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-    tokens, lengths = validate_prompts(prompts, tcfg.vocab_size)
-    max_len = int(lengths.max()) + max_new_tokens + block_size
-    if max_len > tcfg.max_position_embeddings:
-        raise ValueError(f"prompt ({int(lengths.max())}) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-                         f"{tcfg.max_position_embeddings} positions")
-    spec = SpecConfig(target=tcfg, draft=dcfg, block_size=block_size, max_new_tokens=max_new_tokens,
-                      max_len=max_len, sampling=sampling)
-    return spec, tokens, lengths
+def _check_state(state: SpecState, spec: SpecConfig) -> None:
+    if not isinstance(state, SpecState):
+        raise TypeError(f"state must be a SpecState (from begin), got {type(state).__name__}")
+    if not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be the SpecConfig that begin returned, got {type(spec).__name__}")
+    if _concrete(state.output) and state.output.shape[1] != spec.output_len:
+        raise ValueError(f"this state was built for another spec (output buffer {state.output.shape[1]}, spec "
+                         f"{spec.output_len}): pass the spec that begin returned with it")
+
+
+def _check_draft(state: SpecState, draft: Draft, spec: SpecConfig) -> None:
+    """Eager calls only: a verify of out-of-vocabulary proposals would index past the logits and emit a
+    wrong bonus without a word."""
+    _check_state(state, spec)
+    if not isinstance(draft, Draft):
+        raise TypeError(f"draft must be a Draft (from draft_round), got {type(draft).__name__}")
+    tokens = draft.tokens
+    if not _concrete(tokens):
+        return
+    b, gamma = state.anchor.shape[0], spec.block_size - 1
+    if tuple(tokens.shape) != (b, gamma):
+        raise ValueError(f"draft.tokens must have shape [batch, block_size - 1] = {[b, gamma]}, "
+                         f"got {list(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"draft.tokens must be integer token ids, got dtype {tokens.dtype}")
+    values = np.asarray(tokens)
+    vocab = spec.target.vocab_size
+    bad = (values < 0) | (values >= vocab)
+    if bad.any():
+        i, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"draft.tokens[{i}, {j}] = {int(values[i, j])} is outside the vocabulary [0, {vocab}): "
+                         "proposals must be token ids of the target")
+    if spec.method == "rejection" and gamma > 0 and draft.probs is None:
+        raise ValueError("the rejection method needs draft.probs (the proposal distributions)")
+
+
+def begin(pair, prompts, *, block_size: int | None = None, max_new_tokens, sampling=SamplingParams(),
+          stop_ids=(), seed=0, buckets: rq.Buckets | None = None):
+    """Validates the request batch (`prepare`), prefills it, and returns (SpecConfig, SpecState).
+
+    The state has one row per prompt (plus padding rows, done from the start, when `buckets.pad_batch`).
+    max_new_tokens, sampling, stop_ids, seed: one value for all prompts or one per prompt."""
+    prep = prepare(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                   stop_ids=stop_ids, seed=seed, buckets=buckets)
+    return prep.spec, begin_prepared(pair, prep)
+
+
+def begin_prepared(pair, prep: Prepared) -> SpecState:
+    """The prefill of a `prepare`d batch (one compiled program per spec and prompt bucket)."""
+    from dflash_jax import compile_cache
+
+    compile_cache.ensure_enabled()
+    return _begin(pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold,
+                  prep.spec)

@@ -17,7 +17,7 @@ import dflash_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
 from dflash_jax.decode import greedy_generate  # noqa: E402
 from convert import load_hf_pair  # noqa: E402
-from dflash_jax.spec import SamplingParams, generate, generate_stepping  # noqa: E402
+from dflash_jax.spec import Buckets, SamplingParams, generate, generate_stepping  # noqa: E402
 from tests.hf_reference import (  # noqa: E402
     build_and_save, build_and_save_draft, hf_greedy, make_agreeable_, reference_with_experts, tiny_draft_config,
     record_reference_proposals, tiny_qwen3_moe_config,
@@ -197,12 +197,18 @@ def _chi_square_pvalue(counts, expected):
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=6, top_p=0.9)],
                          ids=["plain", "topk-topp"])
 def test_sampling_reproduces_the_target_distribution(small_vocab_pair, mode, params):
+    """The sampled sequences share their batch with greedy ones (per-sequence settings): the greedy ones
+    still give the target's greedy output, the sampled ones the target's distribution."""
     pair = small_vocab_pair
     sampling = SamplingParams(mode=mode, **params)
     prompt = [3, 1, 4, 1, 5, 2]
-    n = 6000
-    result = generate(pair, [prompt] * n, max_new_tokens=N_TOKENS, block_size=4, sampling=sampling, seed=7)
-    draws = np.array(result.tokens)
+    n, n_greedy = 6000, 16
+    result = generate(pair, [prompt] * (n + n_greedy), max_new_tokens=N_TOKENS, block_size=4,
+                      sampling=[sampling] * n + [SamplingParams(mode=mode)] * n_greedy, seed=7,
+                      buckets=Buckets(prompt=8, output=4, cache=16, pad_batch=True))
+    greedy = greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=N_TOKENS)[0]
+    assert result.tokens[n:] == [greedy] * n_greedy
+    draws = np.array(result.tokens[:n])
     assert draws.shape == (n, N_TOKENS)
     # the speculative path is exercised: hundreds of first rounds accepted at least one proposal
     assert np.mean([a[0] >= 2 for a in result.acceptance_lengths]) > 0.05

@@ -1,0 +1,248 @@
+"""What a generation request may ask, checked at the Python boundary, and the shapes it compiles to.
+
+Inputs are validated here, before anything is traced: prompts are sequences of Python or numpy integers
+inside the vocabulary (floats, bools and strings are refused with a TypeError, never truncated), budgets
+and seeds are integers (numpy integers welcome), stop ids are integers inside the vocabulary. The jitted
+functions that run later trust what they are given.
+
+Shapes follow buckets, not requests (`Buckets`): the batch, the prompt length, the output buffer, the
+cache length and the stop-id list are rounded up to a few geometric sizes, so requests of one bucket
+share one compiled program. What varies inside a bucket (each prompt's length, each sequence's budget,
+sampling settings and stop ids) is traced data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflash_jax.spec.sampling import SamplingParams
+
+INT64 = 2**63
+
+
+def bucket(n: int, base: int, fine: bool = False) -> int:
+    """The smallest size >= n in {base * 2^k} (fine: also {1.5 * base * 2^k} when that is an integer)."""
+    if n < 1:
+        raise ValueError(f"a bucketed size must be >= 1, got {n}")
+    size = base
+    while True:
+        if size >= n:
+            return size
+        mid = size * 3 // 2
+        if fine and mid * 2 == size * 3 and mid >= n:
+            return mid
+        size *= 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Buckets:
+    """The compiled shapes. Every size rounds up to `base * 2^k`; with `fine`, the batch, prompt and cache
+    sizes also take the steps `1.5 * base * 2^k` (padding waste <= 1/3 instead of 1/2).
+
+    prompt: smallest prompt-length bucket (the prefill runs on the right-padded bucket).
+    output: smallest output-buffer bucket (holds every sequence's budget; budgets are traced).
+    cache:  smallest cache-length bucket; cache rows = bucket(prompt bucket + output bucket + block size),
+            capped at the target's max_position_embeddings.
+    stops:  smallest stop-id list bucket (padded with -1).
+    pad_batch: round the batch up (padded sequences are done from the start).
+    """
+
+    prompt: int = 16
+    output: int = 64
+    cache: int = 64
+    stops: int = 4
+    fine: bool = True
+    pad_batch: bool = True
+
+    def __post_init__(self):
+        for name in ("prompt", "output", "cache", "stops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"Buckets.{name} must be a positive integer, got {value!r}")
+
+    def batch_size(self, n: int) -> int:
+        return bucket(n, 1, self.fine) if self.pad_batch else n
+
+    def prompt_len(self, n: int) -> int:
+        return bucket(n, self.prompt, self.fine)
+
+    def output_len(self, n: int) -> int:
+        return bucket(n, self.output)
+
+    def cache_len(self, n: int) -> int:
+        return bucket(n, self.cache, self.fine)
+
+    def stops_len(self, n: int) -> int:
+        return bucket(max(n, 1), self.stops)
+
+
+DEFAULT_BUCKETS = Buckets()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------------------
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def check_int(value, name: str, *, low: int | None = None, high: int | None = None, what: str = "an integer") -> int:
+    """An integer (Python or numpy; not bool, not float) in [low, high); TypeError / ValueError naming `name`."""
+    if not _is_int(value):
+        hint = " (convert it with int() if that is what you mean)" if isinstance(value, (float, np.floating)) else ""
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}{hint}")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value >= high):
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return value
+
+
+def _is_sequence(x) -> bool:
+    return isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes))
+
+
+def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+    """Each prompt as an int32 array; a clear TypeError / ValueError naming the prompt otherwise."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts must be a list of token-id lists, got a string: tokenize it first")
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim != 2:
+            raise TypeError(f"prompts as an array must be 2-D [batch, length], got shape {prompts.shape}")
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    if _is_int(prompts[0]):
+        raise TypeError("prompts must be a list of prompts, each a list of token ids; got one flat list of "
+                        "integers: pass [prompt]")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError(f"prompt {i} is a {type(prompt).__name__}: tokenize it first (a list of token ids)")
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1:
+                raise TypeError(f"prompt {i} must be a 1-D sequence of token ids, got shape {prompt.shape}")
+            if prompt.dtype.kind not in "iu":
+                raise TypeError(f"prompt {i} must hold integer token ids, got dtype {prompt.dtype}")
+            arr = prompt.astype(np.int64)
+            ids = None
+        elif isinstance(prompt, Sequence):
+            ids = list(prompt)
+            for j, t in enumerate(ids):
+                if not _is_int(t):
+                    hint = " (convert with int() if that is what you mean)" if isinstance(t, (float, np.floating)) \
+                        else ""
+                    raise TypeError(f"prompt {i}: token {j} must be an integer id, got {type(t).__name__} {t!r}"
+                                    f"{hint}")
+            arr = None
+        else:
+            raise TypeError(f"prompt {i} must be a sequence of token ids, got {type(prompt).__name__}")
+        n = len(ids) if ids is not None else arr.shape[0]
+        if n == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if ids is not None:
+            bad = next((int(t) for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
+            arr = np.asarray([int(t) for t in ids], np.int64)
+        elif arr.min() < 0 or arr.max() >= vocab_size:
+            bad = int(arr[(arr < 0) | (arr >= vocab_size)][0])
+            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
+        out.append(arr.astype(np.int32))
+    return out
+
+
+def pad_prompts(prompts: list[np.ndarray], width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads checked prompts into [rows, width] int32 (extra rows: the one-token prompt [0])."""
+    tokens = np.zeros((rows, width), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        lengths[i] = len(p)
+    return tokens, lengths
+
+
+def per_row(value, n: int, name: str, is_single) -> list:
+    """`value` for every one of n sequences: one value shared, or a sequence of n values."""
+    if is_single(value):
+        return [value] * n
+    if not _is_sequence(value):
+        raise TypeError(f"{name} must be one value or a list of one per prompt, got {type(value).__name__}")
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts: give one value or one per prompt")
+    return value
+
+
+def check_budgets(max_new_tokens, n: int) -> np.ndarray:
+    """Tokens to generate per sequence (the first token included), int32 [n]."""
+    values = per_row(max_new_tokens, n, "max_new_tokens", lambda v: not _is_sequence(v))
+    names = ["max_new_tokens"] * n if not _is_sequence(max_new_tokens) else \
+        [f"max_new_tokens[{i}]" for i in range(n)]
+    return np.array([check_int(v, nm, low=1, high=2**31, what="a positive integer") for v, nm in zip(values, names)],
+                    np.int32)
+
+
+def check_seeds(seed, n: int) -> list[int] | int:
+    """One seed (sequence i draws from fold_in(key(seed), i)) or one per sequence."""
+    if not _is_sequence(seed):
+        return check_int(seed, "seed", low=-INT64, high=INT64, what="an integer in [-2**63, 2**63)")
+    values = per_row(seed, n, "seed", lambda v: False)
+    return [check_int(v, f"seed[{i}]", low=-INT64, high=INT64, what="an integer in [-2**63, 2**63)")
+            for i, v in enumerate(values)]
+
+
+def check_stop_ids(stop_ids, n: int, vocab_size: int) -> list[list[int]]:
+    """Stop ids shared by every sequence (a list of ints) or one list per sequence."""
+    if stop_ids is None:
+        return [[] for _ in range(n)]
+    if not _is_sequence(stop_ids):
+        raise TypeError(f"stop_ids must be a list of token ids (or one list per prompt), "
+                        f"got {type(stop_ids).__name__} {stop_ids!r}")
+    stop_ids = list(stop_ids)
+    nested = bool(stop_ids) and all(_is_sequence(s) for s in stop_ids)
+    rows = per_row(stop_ids, n, "stop_ids", lambda v: not nested)
+    out = []
+    for i, row in enumerate(rows):
+        ids = []
+        for t in row:
+            name = f"stop_ids[{i}]" if nested else "stop_ids"
+            if _is_sequence(t):
+                raise TypeError(f"{name} must hold token ids, got a nested {type(t).__name__}")
+            ids.append(check_int(t, f"{name} entry", low=0, high=vocab_size,
+                                 what=f"a token id in [0, {vocab_size})"))
+        out.append(ids)
+    return out
+
+
+def pad_stop_ids(rows: list[list[int]], width: int, total_rows: int) -> np.ndarray:
+    out = np.full((total_rows, width), -1, np.int32)
+    for i, ids in enumerate(rows):
+        out[i, : len(ids)] = ids
+    return out
+
+
+def check_sampling(sampling, n: int) -> tuple[list[SamplingParams], str]:
+    """One `SamplingParams` per sequence and the acceptance method they share (the static part): the mode
+    of the sampled sequences ("exact_match" when every sequence is greedy: greedy output is the same
+    under both, and exact-match is the cheaper program)."""
+    if not isinstance(sampling, SamplingParams) and not _is_sequence(sampling):
+        raise TypeError(f"sampling must be a SamplingParams (or one per prompt), got {type(sampling).__name__} "
+                        f"{sampling!r}")
+    rows = per_row(sampling, n, "sampling", lambda v: isinstance(v, SamplingParams))
+    for i, s in enumerate(rows):
+        if not isinstance(s, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams (or one per prompt), got {type(s).__name__} "
+                            f"at position {i}")
+    modes = {s.mode for s in rows if not s.greedy}
+    if len(modes) > 1:
+        raise ValueError("sampled sequences of one batch must share one acceptance mode, got "
+                         f"{sorted(modes)}: run them in separate batches")
+    return rows, (modes.pop() if modes else "exact_match")
+
