@@ -28,8 +28,7 @@ from convert.output import MARKER, StagedOutput, check_input_dir
 from convert.safetensors_io import HFCheckpoint, trusted_file
 from convert.table import FP4Joiner, assemble, iter_with_progress, joined_keys, table_targets
 from dflash_jax.checkpoint import CHECKSUM, FORMAT_VERSION, MANIFEST, file_sha256, is_expert_table
-from dflash_jax.config import (ConfigError, DraftConfig, GptOssConfig, Qwen3_5Config, Qwen3Config, from_hf_config,
-                               load_hf_config_dict)
+from dflash_jax.config import ConfigError, DraftConfig, GptOssConfig, from_hf_config, load_hf_config_dict
 from dflash_jax.errors import UsageError, open_regular
 from dflash_jax.pair import check_pair
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4_np, quantize_mxfp4_np, quantize_nvfp4_np
@@ -39,8 +38,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "generation_config.json", "chat_template.jinja")
 _BLOCK = {"mxfp4": 32, "nvfp4": 16}
 _BF16, _FP32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
-# A DFlash draft's config.json `model_type` names the family of the target it was trained on.
-DRAFT_TARGET_FAMILIES = {"qwen3": (Qwen3Config, Qwen3_5Config), "gpt_oss": (GptOssConfig,)}
+# Draft `model_type`s that name the family of the target they were built for: z-lab ships gpt-oss drafts
+# with the target's `gpt_oss` config class. A `qwen3` draft config is the generic DFlash container (Qwen3
+# layers), used for every family, so only the pair checks (sizes, layers, vocabulary) apply to it.
+DRAFT_TARGET_FAMILIES = {"gpt_oss": (GptOssConfig,)}
 
 
 def _stderr_note(message: str) -> None:
@@ -169,8 +170,8 @@ def _check_families(target_dir: str, draft_dir: str, target_cfg, draft_cfg) -> N
     if not isinstance(draft_cfg, DraftConfig):
         raise ConfigError(f"--draft {draft_dir} is not a DFlash draft (config.json architectures should list "
                           "DFlashDraftModel)")
-    families = DRAFT_TARGET_FAMILIES.get(draft_cfg.model_type, ())
-    if not isinstance(target_cfg, families):
+    families = DRAFT_TARGET_FAMILIES.get(draft_cfg.model_type)
+    if families is not None and not isinstance(target_cfg, families):
         raise ConfigError(f"--draft {draft_dir} was built for a {draft_cfg.model_type} target (its config.json "
                           f"model_type), but --target {target_dir} is {target_cfg.model_type}; pass the draft "
                           "trained for this target")
