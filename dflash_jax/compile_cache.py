@@ -93,7 +93,8 @@ _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 @contextlib.contextmanager
 def compile_notice(say: Callable[[], None], *, after_s: float = 1.0) -> Iterator[None]:
     """Calls `say()` once (from a timer thread) when an XLA compile inside this block runs longer than
-    `after_s` without being served by the persistent cache: the user sees why the first run waits."""
+    `after_s` without being served by the persistent cache: the user sees why the first run waits.
+    `after_s <= 0`: at the start of the first compile (cache hits included)."""
     from jax import monitoring
 
     said = threading.Event()
@@ -111,6 +112,9 @@ def compile_notice(say: Callable[[], None], *, after_s: float = 1.0) -> Iterator
     def on_start(event, value, **kwargs):
         if event == _COMPILE_EVENT and not said.is_set():
             cancel()
+            if after_s <= 0:
+                fire()
+                return
             t = threading.Timer(after_s, fire)
             t.daemon = True
             timer.append(t)

@@ -54,6 +54,24 @@ def test_json_contract(checkpoint, capsys):
     assert result["tokens"] == expected.tokens[0]
 
 
+def test_sampling_edges(checkpoint, capsys):
+    """Top-p / top-k at temperature 0 are named as doing nothing (one line); a positive temperature far
+    below fp32's range is stable and gives the greedy output; neither compiles a new program."""
+    args = ["--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 24, "--json", "--ignore-eos"]
+    code, out, err = _run(capsys, *args)
+    greedy = json.loads(out)["tokens"]
+    assert code == 0 and "do nothing" not in err
+    code, out, err = _run(capsys, *args, "--top-p", "0.5", "--top-k", "3")
+    assert code == 0 and json.loads(out)["tokens"] == greedy
+    assert err.count("note: --top-p / --top-k do nothing at --temperature 0") == 1
+    from dflash_jax.compile_cache import CompileCounter
+
+    with CompileCounter() as counter:
+        code, out, _ = _run(capsys, *args, "--temperature", "1e-45", "--seed", "3")
+    assert code == 0 and json.loads(out)["tokens"] == greedy
+    assert counter.compiles == 0
+
+
 def test_trace_and_time_split(checkpoint, capsys):
     code, out, _ = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 20,
                         "--json", "--trace", "--block-size", 4, "--ignore-eos")
