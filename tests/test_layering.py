@@ -154,8 +154,6 @@ def test_pallas_kernels_imports_neither_sibling():
             "pallas_kernels must import nothing from dflash_jax or convert (it owns the formats its kernels read)")
 
 
-@pytest.mark.xfail(strict=False, reason="dflash_jax/pair.py still reads HF directories through convert (moving into "
-                                        "convert); remove this mark when it lands")
 def test_dflash_jax_never_imports_convert():
     _report([f"{i.where()}: {i.importer} imports {i.target}" for i in _imports()
              if i.importer.split(".")[0] == "dflash_jax" and i.target.split(".")[0] == "convert"],
