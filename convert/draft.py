@@ -12,43 +12,19 @@ The draft has no embedding and no lm_head: it borrows the target's.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 
 from convert.errors import CheckpointError
 from convert.loader import resolve_dtype
 from convert.safetensors_io import HFCheckpoint
-from convert.qwen3 import attention_weights
-from convert.table import Placement, Target, assemble, attention_targets, iter_with_progress, rule
+from convert.table import Placement, assemble, iter_with_progress, rule
 from dflash_jax.config import ConfigError, DraftConfig, from_hf_config
 from dflash_jax.models import draft as model
-from dflash_jax.models.qwen3 import DecoderLayerWeights, MLPWeights
 
 _P = r"(?:model\.)?"
 _L = _P + r"layers\.(\d+)\."
 _T2 = (1, 0)
-
-
-def targets(cfg: DraftConfig) -> dict[str, Target]:
-    h = cfg.hidden_size
-    out = {
-        "fc": Target((cfg.num_taps * cfg.target_hidden_size, h)),
-        "hidden_norm": Target((h,)),
-        "final_norm": Target((h,)),
-    }
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out.update({
-            p + "input_norm": Target((h,)),
-            p + "post_norm": Target((h,)),
-            p + "mlp.gate": Target((h, cfg.intermediate_size)),
-            p + "mlp.up": Target((h, cfg.intermediate_size)),
-            p + "mlp.down": Target((cfg.intermediate_size, h)),
-        })
-        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                     head_dim=cfg.head_dim, bias=cfg.attention_bias))
-    return out
 
 
 def rules(cfg: DraftConfig):
@@ -67,16 +43,9 @@ def rules(cfg: DraftConfig):
     ]
 
 
-def build_weights(flat: dict[str, Any], cfg: DraftConfig) -> model.DraftWeights:
-    layers = []
-    for i in range(cfg.num_layers):
-        g = lambda k: flat.get(f"layers.{i}.{k}")  # noqa: E731,B023
-        attn = attention_weights(g)
-        mlp = MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
-        layers.append(DecoderLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
-    return model.DraftWeights(
-        fc=flat["fc"], hidden_norm=flat["hidden_norm"], layers=tuple(layers), final_norm=flat["final_norm"]
-    )
+# Declarations and the pytree builder live with the model (`dflash_jax.models.draft`).
+targets = model.declare_weights
+build_weights = model.weights_from_flat
 
 
 def load_hf_draft(directory: str | os.PathLike, dtype="fp32", *, progress: bool = False):

@@ -27,10 +27,9 @@ from typing import Any, Collection
 
 import numpy as np
 
-from convert.table import Placement, Target, fp4_part, rule
+from convert.table import Placement, Target, fp4_part, rule  # noqa: F401 (Target: the tables' return type)
 from dflash_jax.config import GptOssConfig
 from dflash_jax.models import gpt_oss as model
-from dflash_jax.quant import MXFP4_BLOCK_SIZE
 
 _L = r"model\.layers\.(\d+)\."
 _T2 = (1, 0)
@@ -45,55 +44,20 @@ def deinterleave_index(inter: int) -> np.ndarray:
     return j // 2 + (j % 2) * inter
 
 
-def _packed(cfg: GptOssConfig, keys: Collection[str] | None, layer: int, proj: str) -> bool:
-    """Whether layer `layer`'s `proj` experts are MXFP4-packed in the checkpoint (the release default)."""
-    return keys is None or _EXPERT_SOURCE.format(i=layer, proj=proj) in keys
+def _packed_in(keys: Collection[str] | None):
+    """Whether a layer's `proj` experts are MXFP4-packed in a checkpoint with tensor names `keys` (None: the
+    release layout, packed)."""
+    keys = None if keys is None else frozenset(keys)
+    return lambda layer, proj: keys is None or _EXPERT_SOURCE.format(i=layer, proj=proj) in keys
 
 
 def targets(cfg: GptOssConfig) -> dict[str, Target]:
     """Targets of the release layout (MXFP4 experts)."""
-    return targets_for_checkpoint(cfg, None)
+    return model.declare_weights(cfg)
 
 
 def targets_for_checkpoint(cfg: GptOssConfig, keys: Collection[str] | None) -> dict[str, Target]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
-    e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
-    keys = None if keys is None else frozenset(keys)
-    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,), dtype=_FP32)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = Target((h, cfg.vocab_size))
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out.update({
-            p + "input_norm": Target((h,), dtype=_FP32),
-            p + "post_norm": Target((h,), dtype=_FP32),
-            p + "attn.q": Target((h, qd)),
-            p + "attn.k": Target((h, kvd)),
-            p + "attn.v": Target((h, kvd)),
-            p + "attn.o": Target((qd, h)),
-            p + "attn.sinks": Target((cfg.num_heads,)),
-            p + "mlp.router": Target((h, e)),
-            p + "mlp.router_bias": Target((e,)),
-            p + "mlp.gate_up_bias": Target((e, 2 * inter)),
-            p + "mlp.down_bias": Target((e, h)),
-        })
-        if cfg.attention_bias:
-            out.update({
-                p + "attn.q_bias": Target((qd,)),
-                p + "attn.k_bias": Target((kvd,)),
-                p + "attn.v_bias": Target((kvd,)),
-                p + "attn.o_bias": Target((h,)),
-            })
-        # logical [out, in] of the packed tables, [in, out] of the dense ones
-        for proj, rows, cols in (("gate_up", 2 * inter, h), ("down", h, inter)):
-            if _packed(cfg, keys, i, proj):
-                groups = cols // MXFP4_BLOCK_SIZE
-                out[fp4_part(p + f"mlp.{proj}", "blocks")] = Target((e, rows, groups, MXFP4_BLOCK_SIZE // 2), dtype=_U8)
-                out[fp4_part(p + f"mlp.{proj}", "scales")] = Target((e, rows, groups), dtype=_U8)
-            else:
-                out[p + f"mlp.{proj}"] = Target((e, cols, rows))
-    return out
+    return model.declare_weights(cfg, packed=_packed_in(keys))
 
 
 def rules(cfg: GptOssConfig):
@@ -137,20 +101,4 @@ def ignore(cfg: GptOssConfig):
     return lambda name: cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
-def build_weights(flat: dict[str, Any], cfg: GptOssConfig) -> model.GptOssWeights:
-    layers = []
-    for i in range(cfg.num_layers):
-        g = lambda k: flat.get(f"layers.{i}.{k}")  # noqa: E731,B023
-        attn = model.GptOssAttentionWeights(
-            q=g("attn.q"), k=g("attn.k"), v=g("attn.v"), o=g("attn.o"), sinks=g("attn.sinks"),
-            q_bias=g("attn.q_bias"), k_bias=g("attn.k_bias"), v_bias=g("attn.v_bias"), o_bias=g("attn.o_bias"),
-        )
-        mlp = model.GptOssMoEWeights(
-            router=g("mlp.router"), router_bias=g("mlp.router_bias"), gate_up=g("mlp.gate_up"),
-            gate_up_bias=g("mlp.gate_up_bias"), down=g("mlp.down"), down_bias=g("mlp.down_bias"),
-        )
-        layers.append(model.GptOssLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"),
-                                               mlp=mlp))
-    return model.GptOssWeights(
-        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
-    )
+build_weights = model.weights_from_flat  # the pytree builder lives with the model

@@ -13,43 +13,12 @@ Release layout (`[out, in]` Linear weights, transposed here to `[in, out]`):
 
 from __future__ import annotations
 
-from typing import Any
-
-from convert.table import Placement, Target, attention_targets, rule
+from convert.table import Placement, rule
 from dflash_jax.config import Qwen3Config
 from dflash_jax.models import qwen3 as model
 
 _L = r"model\.layers\.(\d+)\."
 _T2 = (1, 0)
-
-
-def targets(cfg: Qwen3Config) -> dict[str, Target]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,))}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = Target((h, cfg.vocab_size))
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out.update({
-            p + "input_norm": Target((h,)),
-            p + "post_norm": Target((h,)),
-        })
-        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                     head_dim=d, bias=cfg.attention_bias))
-        if cfg.moe_layers[i]:
-            e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
-            out.update({
-                p + "mlp.router": Target((h, e)),
-                p + "mlp.gate_up": Target((e, h, 2 * inter), coverage=(e, 2)),
-                p + "mlp.down": Target((e, inter, h), coverage=(e,)),
-            })
-        else:
-            out.update({
-                p + "mlp.gate": Target((h, cfg.intermediate_size)),
-                p + "mlp.up": Target((h, cfg.intermediate_size)),
-                p + "mlp.down": Target((cfg.intermediate_size, h)),
-            })
-    return out
 
 
 def per_expert_placement(inter: int):
@@ -95,23 +64,7 @@ def ignore(cfg: Qwen3Config):
     return lambda name: cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
-def attention_weights(g) -> model.AttentionWeights:
-    """A Qwen3-style attention block from a getter of its flat target names (`attn.q`, ...)."""
-    names = ("q", "k", "v", "o", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias", "o_bias")
-    return model.AttentionWeights(**{n: g(f"attn.{n}") for n in names})
-
-
-def build_weights(flat: dict[str, Any], cfg: Qwen3Config) -> model.Qwen3Weights:
-    layers = []
-    for i in range(cfg.num_layers):
-        g = lambda k: flat.get(f"layers.{i}.{k}")  # noqa: E731,B023
-        attn = attention_weights(g)
-        if cfg.moe_layers[i]:
-            mlp = model.MoEWeights(router=g("mlp.router"), gate_up=g("mlp.gate_up"), down=g("mlp.down"))
-        else:
-            mlp = model.MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
-        layers.append(model.DecoderLayerWeights(
-            input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
-    return model.Qwen3Weights(
-        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
-    )
+# Declarations and the pytree builder live with the model (`dflash_jax.models.qwen3`).
+targets = model.declare_weights
+attention_weights = model.attention_weights_from
+build_weights = model.weights_from_flat

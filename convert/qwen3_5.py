@@ -18,64 +18,15 @@ transposed here to `[in, out]`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from convert.qwen3 import per_expert_placement
-from convert.table import Placement, Target, rule
+from convert.table import Placement, rule
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
-from dflash_jax.models import qwen3 as qwen3_model
 from dflash_jax.models import qwen3_5 as model
 
 _P = r"model\.(?:language_model\.)?"
 _L = _P + r"layers\.(\d+)\."
 _T2 = (1, 0)
 _IGNORED_PREFIXES = ("mtp.", "model.visual.")
-
-
-def targets(cfg: Qwen3_5Config) -> dict[str, Target]:
-    h = cfg.hidden_size
-    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,))}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = Target((h, cfg.vocab_size))
-    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    conv_dim = cfg.linear_conv_dim
-    d = cfg.head_dim
-    e, inter, shared = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.shared_expert_intermediate_size
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out[p + "input_norm"] = Target((h,))
-        out[p + "post_norm"] = Target((h,))
-        if cfg.layer_types[i] == FULL_ATTENTION:
-            out.update({
-                p + "mixer.q": Target((h, cfg.num_heads * 2 * d)),
-                p + "mixer.k": Target((h, cfg.num_kv_heads * d)),
-                p + "mixer.v": Target((h, cfg.num_kv_heads * d)),
-                p + "mixer.o": Target((cfg.num_heads * d, h)),
-                p + "mixer.q_norm": Target((d,)),
-                p + "mixer.k_norm": Target((d,)),
-            })
-        else:
-            out.update({
-                p + "mixer.qkv": Target((h, conv_dim)),
-                p + "mixer.z": Target((h, hv * dv)),
-                p + "mixer.b": Target((h, hv)),
-                p + "mixer.a": Target((h, hv)),
-                p + "mixer.conv": Target((cfg.linear_conv_kernel, 1, conv_dim)),
-                p + "mixer.a_log": Target((hv,)),
-                p + "mixer.dt_bias": Target((hv,)),
-                p + "mixer.norm": Target((dv,)),
-                p + "mixer.out": Target((hv * dv, h)),
-            })
-        out.update({
-            p + "mlp.router": Target((h, e)),
-            p + "mlp.gate_up": Target((e, h, 2 * inter), coverage=(e, 2)),
-            p + "mlp.down": Target((e, inter, h), coverage=(e,)),
-            p + "mlp.shared.gate": Target((h, shared)),
-            p + "mlp.shared.up": Target((h, shared)),
-            p + "mlp.shared.down": Target((shared, h)),
-            p + "mlp.shared_gate": Target((h, 1)),
-        })
-    return out
 
 
 _LINEAR_PROJ = {"in_proj_qkv": "qkv", "in_proj_z": "z", "in_proj_a": "a", "in_proj_b": "b", "out_proj": "out"}
@@ -129,30 +80,6 @@ def ignore(cfg: Qwen3_5Config):
     return ignored
 
 
-def build_weights(flat: dict[str, Any], cfg: Qwen3_5Config) -> model.Qwen3_5Weights:
-    layers = []
-    for i in range(cfg.num_layers):
-        g = lambda k: flat[f"layers.{i}.{k}"]  # noqa: E731,B023
-        if cfg.layer_types[i] == FULL_ATTENTION:
-            mixer = model.GatedAttentionWeights(
-                q=g("mixer.q"), k=g("mixer.k"), v=g("mixer.v"), o=g("mixer.o"),
-                q_norm=g("mixer.q_norm"), k_norm=g("mixer.k_norm"),
-            )
-        else:
-            conv = g("mixer.conv")
-            mixer = model.GatedDeltaNetWeights(
-                qkv=g("mixer.qkv"), z=g("mixer.z"), b=g("mixer.b"), a=g("mixer.a"),
-                conv=conv.reshape(conv.shape[0], conv.shape[2]), a_log=g("mixer.a_log"),
-                dt_bias=g("mixer.dt_bias"), norm=g("mixer.norm"), out=g("mixer.out"),
-            )
-        mlp = model.SparseMoEWeights(
-            router=g("mlp.router"), gate_up=g("mlp.gate_up"), down=g("mlp.down"),
-            shared=qwen3_model.MLPWeights(gate=g("mlp.shared.gate"), up=g("mlp.shared.up"),
-                                          down=g("mlp.shared.down")),
-            shared_gate=g("mlp.shared_gate"),
-        )
-        layers.append(model.DecoderLayerWeights(
-            input_norm=g("input_norm"), mixer=mixer, post_norm=g("post_norm"), mlp=mlp))
-    return model.Qwen3_5Weights(
-        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
-    )
+# Declarations and the pytree builder live with the model (`dflash_jax.models.qwen3_5`).
+targets = model.declare_weights
+build_weights = model.weights_from_flat

@@ -23,13 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from convert.errors import CheckpointError
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    shape: tuple[int, ...]
-    coverage: tuple[int, ...] = ()  # shape of the grid of pieces; () = one piece
-    dtype: Any = None  # None: the dtype the caller of `assemble` asks for
+from dflash_jax.models.declare import Target, attention_targets, fp4_part  # noqa: F401  (the tables' vocabulary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +158,6 @@ def iter_with_progress(items: Iterator, total: int, desc: str, enabled: bool) ->
 FP4_PARTS = ("blocks", "scales")
 
 
-def fp4_part(key: str, part: str) -> str:
-    """The target name of one part (`blocks` / `scales`) of an MXFP4 tensor kept packed from the source."""
-    return f"{key}#{part}"
-
-
 def joined_keys(keys: Iterable[str]) -> list[str]:
     """Target names after `FP4Joiner`: the `#blocks` / `#scales` pairs become one name, order kept."""
     out: dict[str, None] = {}
@@ -212,26 +201,3 @@ def table_targets(table: Any, cfg: Any, keys: Iterable[str]) -> dict[str, Target
     checkpoint (gpt-oss experts: packed MXFP4 or dense) define `targets_for_checkpoint(cfg, keys)`."""
     for_checkpoint = getattr(table, "targets_for_checkpoint", None)
     return for_checkpoint(cfg, list(keys)) if for_checkpoint else table.targets(cfg)
-
-
-def attention_targets(prefix: str, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                      qk_norm: bool = True) -> dict[str, Target]:
-    """Targets of one GQA attention block stored `[in, out]`: q/k/v/o (+ biases, + per-head q/k norms)."""
-    qd, kvd = num_heads * head_dim, num_kv_heads * head_dim
-    out = {
-        prefix + "attn.q": Target((hidden, qd)),
-        prefix + "attn.k": Target((hidden, kvd)),
-        prefix + "attn.v": Target((hidden, kvd)),
-        prefix + "attn.o": Target((qd, hidden)),
-    }
-    if qk_norm:
-        out[prefix + "attn.q_norm"] = Target((head_dim,))
-        out[prefix + "attn.k_norm"] = Target((head_dim,))
-    if bias:
-        out.update({
-            prefix + "attn.q_bias": Target((qd,)),
-            prefix + "attn.k_bias": Target((kvd,)),
-            prefix + "attn.v_bias": Target((kvd,)),
-            prefix + "attn.o_bias": Target((hidden,)),
-        })
-    return out

@@ -33,6 +33,8 @@ import os  # noqa: E402
 from typing import Any  # noqa: E402
 
 from dflash_jax import checkpoint as ckpt_io  # noqa: E402
+from dflash_jax.models import draft as draft_model  # noqa: E402
+from dflash_jax.models.family import family_of  # noqa: E402
 from dflash_jax.errors import CheckpointError, UsageError  # noqa: E402
 
 
@@ -65,25 +67,14 @@ class Pair:
         return total
 
     def _expert_tables(self):
-        # every family's routed MoE weights carry stacked `gate_up` / `down` tables (dense MLPs do not)
-        return [(layer.mlp.gate_up, layer.mlp.down) for layer in self.target.layers
-                if hasattr(layer.mlp, "gate_up")]
+        # the stacked gate_up / down tables of every routed MoE layer (biases are not expert tables here)
+        fam = family_of(self.target_cfg)
+        return [(layer.mlp.gate_up, layer.mlp.down) for layer in self.target.layers if fam.is_moe(layer)]
 
     @property
     def tokenizer_path(self) -> str | None:
         path = os.path.join(self.directory, "tokenizer.json")
         return path if os.path.exists(path) else None
-
-
-def _family_tables(target_cfg, directory: str):
-    """The weight declarations (targets) and pytree builders of the target's family and of the draft.
-
-    They live in the `convert` tables today; this is the one place the runtime reaches into `convert`,
-    to move with the family registry's weight declarations."""
-    from convert import draft as draft_table
-    from convert.loader import table_for
-
-    return table_for(target_cfg, directory), draft_table
 
 
 def _declared_shapes(targets: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -100,11 +91,11 @@ def _declared_shapes(targets: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_tensors_match_config(directory: str, model: str, cfg, table, stored: dict[str, dict]) -> None:
+def _check_tensors_match_config(directory: str, model: str, cfg, declared_targets: dict, stored: dict[str, dict]) -> None:
     """The manifest's config must describe exactly the stored tensors: an edited config (one layer fewer,
     a smaller vocabulary) would otherwise load and silently drop or misread weights."""
     where = os.path.join(directory, ckpt_io.MANIFEST)
-    declared = _declared_shapes(table.targets(cfg))
+    declared = _declared_shapes(declared_targets)
     extra, missing = sorted(set(stored) - set(declared)), sorted(set(declared) - set(stored))
     if extra or missing:
         parts = []
@@ -145,18 +136,19 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     if not isinstance(draft_cfg, DraftConfig):
         raise CheckpointError(f"{directory}: {ckpt_io.MANIFEST}'s draft_config is not a DFlash draft; {ckpt_io.REDO}")
     check_pair(target_cfg, draft_cfg)
-    target_table, draft_table = _family_tables(target_cfg, directory)
+    family = family_of(target_cfg)
     tensors = manifest["tensors"]
-    _check_tensors_match_config(directory, "target", target_cfg, target_table, tensors["target"])
-    _check_tensors_match_config(directory, "draft", draft_cfg, draft_table, tensors["draft"])
+    _check_tensors_match_config(directory, "target", target_cfg, family.declare_weights(target_cfg), tensors["target"])
+    _check_tensors_match_config(directory, "draft", draft_cfg, draft_model.declare_weights(draft_cfg),
+                                tensors["draft"])
     place = ckpt_io.ExpertPlacement(expert_memory)
     target_flat = ckpt_io.read_model(os.path.join(directory, "target"), tensors["target"], place)
     draft_flat = ckpt_io.read_model(os.path.join(directory, "draft"), tensors["draft"], place)
     return Pair(
         target_cfg=target_cfg,
-        target=target_table.build_weights(target_flat, target_cfg),
+        target=family.weights_from_flat(target_flat, target_cfg),
         draft_cfg=draft_cfg,
-        draft=draft_table.build_weights(draft_flat, draft_cfg),
+        draft=draft_model.weights_from_flat(draft_flat, draft_cfg),
         manifest=manifest,
         directory=directory,
     )

@@ -28,7 +28,7 @@ they change every round. `draft_forward` appends the new context rows and runs t
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,10 @@ from flax import struct
 
 from dflash_jax.cache import KVCache, init_kv_cache, write_rows
 from dflash_jax.config import DraftConfig
-from dflash_jax.models.qwen3 import AttentionWeights, DecoderLayerWeights, MLPWeights, qkv_projection
+from dflash_jax.models.declare import Target, attention_targets, layer_getter
+from dflash_jax.models.qwen3 import (
+    AttentionWeights, DecoderLayerWeights, MLPWeights, attention_weights_from, qkv_projection,
+)
 from dflash_jax.nn.attention import attention_mask, gqa_attention, kv_cache_attention
 from dflash_jax.nn.init import ParamInit
 from dflash_jax.nn.mlp import swiglu
@@ -307,3 +310,38 @@ def random_weights(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, *,
         layers.append(DecoderLayerWeights(input_norm=init.norm(h), attn=attn, post_norm=init.norm(h), mlp=mlp))
     return DraftWeights(fc=init.mat(cfg.num_taps * cfg.target_hidden_size, h), hidden_norm=init.norm(h),
                         layers=tuple(layers), final_norm=init.norm(h))
+
+
+def declare_weights(cfg: DraftConfig) -> dict[str, Target]:
+    """The declared arrays of DFlash draft weights (`models.declare`)."""
+    h = cfg.hidden_size
+    out = {
+        "fc": Target((cfg.num_taps * cfg.target_hidden_size, h)),
+        "hidden_norm": Target((h,)),
+        "final_norm": Target((h,)),
+    }
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_norm": Target((h,)),
+            p + "post_norm": Target((h,)),
+            p + "mlp.gate": Target((h, cfg.intermediate_size)),
+            p + "mlp.up": Target((h, cfg.intermediate_size)),
+            p + "mlp.down": Target((cfg.intermediate_size, h)),
+        })
+        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, bias=cfg.attention_bias))
+    return out
+
+
+def weights_from_flat(flat: dict[str, Any], cfg: DraftConfig) -> DraftWeights:
+    """The weight pytree from `{declared name: array}`."""
+    layers = []
+    for i in range(cfg.num_layers):
+        g = layer_getter(flat, i)
+        attn = attention_weights_from(g)
+        mlp = MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
+        layers.append(DecoderLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
+    return DraftWeights(
+        fc=flat["fc"], hidden_norm=flat["hidden_norm"], layers=tuple(layers), final_norm=flat["final_norm"]
+    )

@@ -13,6 +13,8 @@ What a family declares:
                        `verify_width` forward back to any prefix
   rollback(cache, lengths)                                 keep each sequence's first `lengths` tokens
   random_weights(cfg, key, dtype, expert_format=)          random tiny weights (tests, examples)
+  declare_weights(cfg), weights_from_flat(flat, cfg)       every array's stored name, shape and dtype, and
+                       the pytree built from them (checkpoint loading checks, the converter's targets)
   the layer pieces the decoder loop (`models.decoder`) runs, all traceable:
     block_context(weights, tokens, cache, num_valid, cfg) -> (x, ctx)
     kind(cfg, i)             a hashable static description of layer i (its window / mixer type): layers of
@@ -78,6 +80,17 @@ class ModelFamily:
                        lengths=ctx.starts + ctx.num_valid.astype(jnp.int32))
 
     # ---- weights -----------------------------------------------------------------------------------------
+    declare_fn = None  # (cfg) -> {stored name: models.declare.Target}
+    from_flat_fn = None  # ({stored name: array}, cfg) -> the weights pytree
+
+    def declare_weights(self, cfg) -> dict:
+        """Every array of the family's weights: stored name -> `models.declare.Target` (shape, dtype)."""
+        return self.declare_fn(cfg)
+
+    def weights_from_flat(self, flat: dict, cfg):
+        """The weights pytree from `{stored name: array}` (what a converted checkpoint holds)."""
+        return self.from_flat_fn(flat, cfg)
+
     def random_weights(self, cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str = "dense"):
         """Random tiny weights with the expert tables in `expert_format` ("dense", "mxfp4", ...)."""
         raise NotImplementedError(f"{self.name}: no random weights")

@@ -36,13 +36,14 @@ from flax import struct
 from dflash_jax.config import GptOssConfig
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, Routing, lm_head_logits
+from dflash_jax.models.declare import Target, fp4_part, layer_getter
 from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.moe import clamped_swiglu, swiglu_experts, topk_softmax_router
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope
-from dflash_jax.quant import MXFP4Tensor, quantize_mxfp4_np
+from dflash_jax.quant import MXFP4_BLOCK_SIZE, MXFP4Tensor, quantize_mxfp4_np
 
 __all__ = [
     "GptOssAttentionWeights",
@@ -62,6 +63,8 @@ __all__ = [
     "rollback",
     "forward_jit",
     "random_weights",
+    "declare_weights",
+    "weights_from_flat",
 ]
 
 
@@ -207,6 +210,8 @@ class GptOssFamily(ModelFamily):
     route_fn = staticmethod(route)
     mlp_fn = staticmethod(mlp_sublayer)
     final_norm_fn = staticmethod(final_norm)
+    declare_fn = staticmethod(lambda cfg: declare_weights(cfg))
+    from_flat_fn = staticmethod(lambda flat, cfg: weights_from_flat(flat, cfg))
 
 
 GPT_OSS = register(GptOssFamily())
@@ -264,3 +269,66 @@ def random_weights(cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str
     embed = arr(rng.standard_normal((cfg.vocab_size, h)))
     lm_head = None if cfg.tie_word_embeddings else mat(h, cfg.vocab_size)
     return GptOssWeights(embed=embed, layers=tuple(layers), final_norm=norm(h), lm_head=lm_head)
+
+
+def declare_weights(cfg: GptOssConfig, *, packed=None) -> dict[str, Target]:
+    """The declared arrays of gpt-oss weights (`models.declare`). `packed(layer, proj)`: whether that expert
+    table is kept MXFP4-packed (declared as `#blocks` / `#scales` parts, logical `[E, out, in]`) or dense
+    `[E, in, out]`; default: packed, as in the release."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
+    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,), dtype=np.float32)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = Target((h, cfg.vocab_size))
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_norm": Target((h,), dtype=np.float32),
+            p + "post_norm": Target((h,), dtype=np.float32),
+            p + "attn.q": Target((h, qd)),
+            p + "attn.k": Target((h, kvd)),
+            p + "attn.v": Target((h, kvd)),
+            p + "attn.o": Target((qd, h)),
+            p + "attn.sinks": Target((cfg.num_heads,)),
+            p + "mlp.router": Target((h, e)),
+            p + "mlp.router_bias": Target((e,)),
+            p + "mlp.gate_up_bias": Target((e, 2 * inter)),
+            p + "mlp.down_bias": Target((e, h)),
+        })
+        if cfg.attention_bias:
+            out.update({
+                p + "attn.q_bias": Target((qd,)),
+                p + "attn.k_bias": Target((kvd,)),
+                p + "attn.v_bias": Target((kvd,)),
+                p + "attn.o_bias": Target((h,)),
+            })
+        # logical [out, in] of the packed tables, [in, out] of the dense ones
+        for proj, rows, cols in (("gate_up", 2 * inter, h), ("down", h, inter)):
+            if packed is None or packed(i, proj):
+                groups = cols // MXFP4_BLOCK_SIZE
+                out[fp4_part(p + f"mlp.{proj}", "blocks")] = Target((e, rows, groups, MXFP4_BLOCK_SIZE // 2), dtype=np.uint8)
+                out[fp4_part(p + f"mlp.{proj}", "scales")] = Target((e, rows, groups), dtype=np.uint8)
+            else:
+                out[p + f"mlp.{proj}"] = Target((e, cols, rows))
+    return out
+
+
+def weights_from_flat(flat: dict[str, Any], cfg: GptOssConfig) -> GptOssWeights:
+    """The weight pytree from `{declared name: array}` (packed experts already joined into MXFP4Tensors)."""
+    layers = []
+    for i in range(cfg.num_layers):
+        g = layer_getter(flat, i)
+        attn = GptOssAttentionWeights(
+            q=g("attn.q"), k=g("attn.k"), v=g("attn.v"), o=g("attn.o"), sinks=g("attn.sinks"),
+            q_bias=g("attn.q_bias"), k_bias=g("attn.k_bias"), v_bias=g("attn.v_bias"), o_bias=g("attn.o_bias"),
+        )
+        mlp = GptOssMoEWeights(
+            router=g("mlp.router"), router_bias=g("mlp.router_bias"), gate_up=g("mlp.gate_up"),
+            gate_up_bias=g("mlp.gate_up_bias"), down=g("mlp.down"), down_bias=g("mlp.down_bias"),
+        )
+        layers.append(GptOssLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"),
+                                               mlp=mlp))
+    return GptOssWeights(
+        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
+    )

@@ -13,6 +13,7 @@ Weights are stored [in, out] so a projection is `x @ w`; expert tables are stack
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from dflash_jax.models import decoder
 from dflash_jax.models.decoder import (  # noqa: F401  (re-exported: the shapes every family shares)
     BlockContext, ForwardOutput, LogitsMode, Routing, block_positions, lm_head_logits,
 )
+from dflash_jax.models.declare import Target, attention_targets, layer_getter
 from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
@@ -177,6 +179,8 @@ class Qwen3Family(ModelFamily):
     route_fn = staticmethod(route)
     mlp_fn = staticmethod(mlp_sublayer)
     final_norm_fn = staticmethod(final_norm)
+    declare_fn = staticmethod(lambda cfg: declare_weights(cfg))
+    from_flat_fn = staticmethod(lambda flat, cfg: weights_from_flat(flat, cfg))
 
 
 QWEN3 = register(Qwen3Family())
@@ -238,3 +242,56 @@ def quantize_expert_tables(weights, expert_format: str):
             layer = layer.replace(mlp=mlp)
         layers.append(layer)
     return weights.replace(layers=tuple(layers))
+
+
+def declare_weights(cfg: Qwen3Config) -> dict[str, Target]:
+    """The declared arrays of Qwen3 / Qwen3-MoE weights (`models.declare`)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,))}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = Target((h, cfg.vocab_size))
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_norm": Target((h,)),
+            p + "post_norm": Target((h,)),
+        })
+        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=d, bias=cfg.attention_bias))
+        if cfg.moe_layers[i]:
+            e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
+            out.update({
+                p + "mlp.router": Target((h, e)),
+                p + "mlp.gate_up": Target((e, h, 2 * inter), coverage=(e, 2)),
+                p + "mlp.down": Target((e, inter, h), coverage=(e,)),
+            })
+        else:
+            out.update({
+                p + "mlp.gate": Target((h, cfg.intermediate_size)),
+                p + "mlp.up": Target((h, cfg.intermediate_size)),
+                p + "mlp.down": Target((cfg.intermediate_size, h)),
+            })
+    return out
+
+
+def attention_weights_from(g) -> AttentionWeights:
+    """A Qwen3-style attention block from a getter of its flat target names (`attn.q`, ...)."""
+    names = ("q", "k", "v", "o", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias", "o_bias")
+    return AttentionWeights(**{n: g(f"attn.{n}") for n in names})
+
+
+def weights_from_flat(flat: dict[str, Any], cfg: Qwen3Config) -> Qwen3Weights:
+    """The weight pytree from `{declared name: array}`."""
+    layers = []
+    for i in range(cfg.num_layers):
+        g = layer_getter(flat, i)
+        attn = attention_weights_from(g)
+        if cfg.moe_layers[i]:
+            mlp = MoEWeights(router=g("mlp.router"), gate_up=g("mlp.gate_up"), down=g("mlp.down"))
+        else:
+            mlp = MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
+        layers.append(DecoderLayerWeights(
+            input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
+    return Qwen3Weights(
+        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
+    )

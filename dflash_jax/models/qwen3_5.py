@@ -40,6 +40,7 @@ through the layer's `slot_of`); the shared expert and the DeltaNet states stay w
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ from flax import struct
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, Routing, lm_head_logits
+from dflash_jax.models.declare import Target, layer_getter
 from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
@@ -327,6 +329,8 @@ class Qwen3_5Family(ModelFamily):
     route_fn = staticmethod(route)
     mlp_fn = staticmethod(mlp_sublayer)
     final_norm_fn = staticmethod(final_norm)
+    declare_fn = staticmethod(lambda cfg: declare_weights(cfg))
+    from_flat_fn = staticmethod(lambda flat, cfg: weights_from_flat(flat, cfg))
 
     def kind(self, cfg, i):
         return cfg.layer_types[i]
@@ -411,3 +415,80 @@ def random_weights(cfg, key: jax.Array, dtype=jnp.float32):
     embed = arr(rng.standard_normal((cfg.vocab_size, h)))
     lm_head = None if cfg.tie_word_embeddings else mat(h, cfg.vocab_size)
     return Qwen3_5Weights(embed=embed, layers=tuple(layers), final_norm=vec(h, 0.2), lm_head=lm_head)
+
+
+def declare_weights(cfg: Qwen3_5Config) -> dict[str, Target]:
+    """The declared arrays of Qwen3.5-MoE weights (`models.declare`)."""
+    h = cfg.hidden_size
+    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,))}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = Target((h, cfg.vocab_size))
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    conv_dim = cfg.linear_conv_dim
+    d = cfg.head_dim
+    e, inter, shared = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.shared_expert_intermediate_size
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out[p + "input_norm"] = Target((h,))
+        out[p + "post_norm"] = Target((h,))
+        if cfg.layer_types[i] == FULL_ATTENTION:
+            out.update({
+                p + "mixer.q": Target((h, cfg.num_heads * 2 * d)),
+                p + "mixer.k": Target((h, cfg.num_kv_heads * d)),
+                p + "mixer.v": Target((h, cfg.num_kv_heads * d)),
+                p + "mixer.o": Target((cfg.num_heads * d, h)),
+                p + "mixer.q_norm": Target((d,)),
+                p + "mixer.k_norm": Target((d,)),
+            })
+        else:
+            out.update({
+                p + "mixer.qkv": Target((h, conv_dim)),
+                p + "mixer.z": Target((h, hv * dv)),
+                p + "mixer.b": Target((h, hv)),
+                p + "mixer.a": Target((h, hv)),
+                p + "mixer.conv": Target((cfg.linear_conv_kernel, 1, conv_dim)),
+                p + "mixer.a_log": Target((hv,)),
+                p + "mixer.dt_bias": Target((hv,)),
+                p + "mixer.norm": Target((dv,)),
+                p + "mixer.out": Target((hv * dv, h)),
+            })
+        out.update({
+            p + "mlp.router": Target((h, e)),
+            p + "mlp.gate_up": Target((e, h, 2 * inter), coverage=(e, 2)),
+            p + "mlp.down": Target((e, inter, h), coverage=(e,)),
+            p + "mlp.shared.gate": Target((h, shared)),
+            p + "mlp.shared.up": Target((h, shared)),
+            p + "mlp.shared.down": Target((shared, h)),
+            p + "mlp.shared_gate": Target((h, 1)),
+        })
+    return out
+
+
+def weights_from_flat(flat: dict[str, Any], cfg: Qwen3_5Config) -> Qwen3_5Weights:
+    """The weight pytree from `{declared name: array}`."""
+    layers = []
+    for i in range(cfg.num_layers):
+        g = layer_getter(flat, i, required=True)
+        if cfg.layer_types[i] == FULL_ATTENTION:
+            mixer = GatedAttentionWeights(
+                q=g("mixer.q"), k=g("mixer.k"), v=g("mixer.v"), o=g("mixer.o"),
+                q_norm=g("mixer.q_norm"), k_norm=g("mixer.k_norm"),
+            )
+        else:
+            conv = g("mixer.conv")
+            mixer = GatedDeltaNetWeights(
+                qkv=g("mixer.qkv"), z=g("mixer.z"), b=g("mixer.b"), a=g("mixer.a"),
+                conv=conv.reshape(conv.shape[0], conv.shape[2]), a_log=g("mixer.a_log"),
+                dt_bias=g("mixer.dt_bias"), norm=g("mixer.norm"), out=g("mixer.out"),
+            )
+        mlp = SparseMoEWeights(
+            router=g("mlp.router"), gate_up=g("mlp.gate_up"), down=g("mlp.down"),
+            shared=MLPWeights(gate=g("mlp.shared.gate"), up=g("mlp.shared.up"),
+                                          down=g("mlp.shared.down")),
+            shared_gate=g("mlp.shared_gate"),
+        )
+        layers.append(DecoderLayerWeights(
+            input_norm=g("input_norm"), mixer=mixer, post_norm=g("post_norm"), mlp=mlp))
+    return Qwen3_5Weights(
+        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
+    )
