@@ -5,14 +5,20 @@ from dflash_jax.errors import CheckpointError
 
 __version__ = "0.1.0"
 
+import os as _os  # noqa: E402
 
-def load(directory, *, expert_memory: str = "device", verify: bool = True):
-    """A converted target + draft pair (`dflash_jax.pair.Pair`) from a `convert-weights` checkpoint; `verify`
-    checks every file's sha256 first (see `dflash_jax.pair.load`). HuggingFace directories load with
-    `convert.load_hf_target` / `convert.load_hf_pair`."""
-    from dflash_jax.pair import load as _load
+# The small trained pair that ships with the package (a Qwen3-MoE target trained on the Python standard
+# library and its DFlash draft, MXFP4 experts): `dflash_jax.load()` and `dflash-generate` without a checkpoint.
+SHIPPED_PAIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "assets", "tiny_pair")
 
-    return _load(directory, expert_memory=expert_memory, verify=verify)
+
+def load(directory=None, *, expert_memory: str = "device", verify: bool = True):
+    """A converted target + draft pair (`dflash_jax.pair.Pair`) from a `convert-weights` checkpoint (None: the
+    shipped pair, `SHIPPED_PAIR`); `verify` checks every file's sha256 first (see `dflash_jax.pair.load`).
+    HuggingFace directories load with `convert.load_hf_target` / `convert.load_hf_pair`."""
+    from dflash_jax.pair import load as _load  # keeps `import dflash_jax` light (no model code until a load)
+
+    return _load(SHIPPED_PAIR if directory is None else directory, expert_memory=expert_memory, verify=verify)
 
 
 def __getattr__(name):
@@ -21,4 +27,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "ConfigError", "from_hf_config", "load", "__version__"]
+__all__ = ["CheckpointError", "ConfigError", "SHIPPED_PAIR", "from_hf_config", "load", "__version__"]
