@@ -48,12 +48,13 @@ def _config(family: str):
 
 FAMILIES = ["gpt_oss", "qwen3_5"]
 EXPERT_FORMAT = {"gpt_oss": "mxfp4", "qwen3_5": "dense"}  # gpt-oss as released: packed MXFP4 experts
+SEED = {"gpt_oss": 3, "qwen3_5": 4}  # pairs whose planted agreement is accepted (tau 2.0 and 2.14 at B=4)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request):
     family = request.param
-    return testing.random_pair(_config(family), seed=2, expert_format=EXPERT_FORMAT[family])
+    return testing.random_pair(_config(family), seed=SEED[family], expert_format=EXPERT_FORMAT[family])
 
 
 PROMPTS = [np.random.default_rng(i).integers(0, 500, n).tolist() for i, n in enumerate((40, 23))]
@@ -101,7 +102,9 @@ def reference(pair):
     """The resident greedy run, and the offloaded run with every expert in a poisoned pool verifying layer by
     layer (the layer-wise programs of the equality test below then have the same shapes: compiled once)."""
     want = generate(pair, PROMPTS, max_new_tokens=NEW, block_size=4)
-    assert max(a for seq in want.acceptance_lengths for a in seq) > 1  # proposals accepted: rollbacks run
+    # proposals really accepted, and rejected: rollbacks of every length run in the offloaded verify too
+    accepted = [a for seq in want.acceptance_lengths for a in seq]
+    assert want.stats["mean_acceptance"] >= 1.4 and min(accepted) == 1 and max(accepted) >= 3, accepted
     per_slot, store = _per_slot(pair)
     full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, single_program_when_full=False, **_run(store))
     assert full.tokens == want.tokens and full.acceptance_lengths == want.acceptance_lengths
