@@ -376,7 +376,8 @@ def _text_config():
         (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}),
          "unexpected rope parameters"),
         (lambda c: c.update(head_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                          "partial_rotary_factor": 4.0}), "exceeds head_dim"),
+                                                          "partial_rotary_factor": 4.0}),
+         "partial_rotary_factor = 4.0 is above 1.0"),
     ],
 )
 def test_bad_text_configs_raise(edit, message):
