@@ -9,29 +9,37 @@
                   layer's router on the verify's residual, union)
   route_model.py  the learned predictor's model: weights, init from the target routers, logits / probabilities
                   (fitted by `train.route_predictor`)
-  stats.py        RouteAheadStats: coverage / waste / hit rate / bytes / transfer time vs hide window
-  loop.py         generate_offloaded: B1 / B2 / B3 through one stepping loop
+  stats.py        RouteAheadStats: coverage / waste / hit rate / bytes / transfer time vs hide window; round observers
+                  (RoundObserver, TraceObserver)
+  loop.py         OffloadedGenerator (prefill / round / generate, a pluggable RoutePrefetcher, observers) and the
+                  one-call generate_offloaded: B1 / B2 / B3 through one stepping loop
   bandwidth.py    the measured host->device bandwidth the stats compare transfer times with
 
 Study code (the B0-B3 cost model, offline scoring, round recording) lives in `dflash_jax.study`.
 """
 
 from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise
-from dflash_jax.offload.loop import OffloadResult, generate_offloaded
+from dflash_jax.offload.loop import (
+    OffloadedGenerator, OffloadResult, OffloadSession, RoundPrefetch, RoutePrefetcher, commit_verify_jit,
+    generate_offloaded,
+)
 from dflash_jax.offload.placement import cache_reserve, plan_placement, routing_profile, warm_set
 from dflash_jax.offload.pool import ExpertPool, PoolTooSmall, slots_for_budget
 from dflash_jax.offload.predictors import (
     PREDICTORS, DraftRouter, LearnedRouter, NextLayerResidual, NoPrediction, PreviousRound, RoundInputs, Union,
     in_verify_part, make_predictor, ranked_union,
 )
-from dflash_jax.offload.stats import LayerRoundStats, RoundStats, RouteAheadStats, layer_round_stats
+from dflash_jax.offload.stats import (
+    LayerRoundStats, RoundObserver, RoundStats, RoundTokens, RouteAheadStats, TraceObserver, layer_round_stats,
+)
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 
 __all__ = [
-    "DraftRouter", "ExpertOperands", "LearnedRouter", "ExpertPool", "HostExpertStore", "LayerRoundStats",
-    "NextLayerResidual", "NoPrediction",
-    "NonResidentExpert", "OffloadResult", "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundStats",
-    "RouteAheadStats", "Union", "cache_reserve", "forward_layerwise", "generate_offloaded", "in_verify_part", "layer_round_stats",
+    "DraftRouter", "ExpertOperands", "ExpertPool", "HostExpertStore", "LayerRoundStats", "LearnedRouter",
+    "NextLayerResidual", "NoPrediction", "NonResidentExpert", "OffloadResult", "OffloadSession", "OffloadedGenerator",
+    "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundObserver", "RoundPrefetch", "RoundStats",
+    "RoundTokens", "RouteAheadStats", "RoutePrefetcher", "TraceObserver", "Union", "cache_reserve",
+    "commit_verify_jit", "forward_layerwise", "generate_offloaded", "in_verify_part", "layer_round_stats",
     "make_predictor", "moe_layer_ids", "plan_placement", "ranked_union", "routing_profile", "slots_for_budget",
     "strip_experts", "warm_set",
 ]

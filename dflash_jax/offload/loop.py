@@ -1,14 +1,27 @@
 """Offloaded generation: the speculative rounds driven from Python with the target's experts in host memory.
 
-  result = generate_offloaded(pair, prompts, budget_bytes=..., predictor="draft_router", block_size=8, ...)
+  gen = OffloadedGenerator(pair, budget_bytes=..., prefetcher="draft_router", block_size=8)
+  result = gen.generate(prompts, max_new_tokens=64)            # prefill + rounds until every sequence is done
+  session = gen.prefill(prompts, max_new_tokens=64, sampling=..., stop_ids=..., seed=...)
+  while not session.done:
+      stats = gen.round(session)                               # one round -> RoundStats (also to the observers)
+  result = gen.result(session)
+  result = generate_offloaded(pair, prompts, budget_bytes=..., predictor=..., max_new_tokens=...)   # one call
+
+The generator holds what does not depend on a request: the host expert store, the target without its expert
+tables, the pool size the budget buys, the prefetcher and the verify policy. A request is validated and
+mapped to bucketed shapes by `spec.session.prepare`: its token budgets, sampling settings, stop ids and keys
+are traced per-sequence data (`RowParams`), so every request of a bucket (batch, prompt length, output and
+cache length) runs the programs the first one compiled; only a pool row copy of a chunk size not seen before
+(`store.pull_rows`, at most log2(S) + 1 of them) compiles later.
 
 The baselines of the offload study, all through this one loop (B0, all experts resident, is the ordinary
 `spec.generate` / `spec.generate_stepping`):
-  B1  block_size=1, predictor "none": plain decoding, experts fetched on demand;
-  B2  block_size=B, predictor "none": DFlash, on-demand fetch only;
+  B1  block_size=1, prefetcher "none": plain decoding, experts fetched on demand;
+  B2  block_size=B, prefetcher "none": DFlash, on-demand fetch only;
   B3  block_size=B, a predictor: DFlash, the predicted experts prefetched BEFORE the verify is dispatched.
 
-One round:
+One round (`OffloadedGenerator.round`):
   1. predictors that do not read the draft predict and their prefetch is issued (before the draft);
   2. draft forward (`spec.session.draft_round`, jitted);
   3. predictors that read the draft predict; their prefetch is issued;
@@ -17,16 +30,18 @@ One round:
      with an in-verify predictor ("residual", `predictors.NextLayerResidual`) the next MoE layer's router on
      this layer's residual is read with the routing and the next layer's predicted experts are prefetched
      before this layer's experts are dispatched (hidden behind one layer's compute);
-  5. acceptance / emission / rollback (`spec.session.commit_verify`, jitted), stats.
-When the budget holds every expert (all pinned), nothing can miss and steps 4-5 run as one jitted program
-on the pool instead (no per-layer host round trips).
+  5. acceptance / emission / rollback (`spec.session.commit_verify`, jitted), stats to the observers.
+Steps 1, 3 and the in-verify part of 4 are the prefetcher's (`RoutePrefetcher`: a predictor plus the pool
+policy; pass another object with the same methods to change it). With verify="auto", when the budget holds
+every expert (all pinned) nothing can miss and steps 4-5 run as one jitted program on the pool instead (no
+per-layer host round trips).
 The output is the resident model's output: the same functions on the same inputs, experts read from the
 pool only when resident (checked per layer). Tested token for token against the resident run.
 
 Prefill streams each MoE layer's whole table to the device for that layer only (a prompt routes to nearly
 every expert, so moving the table once is the least a prefill can move); its routing is the profile that
-placement pins from. The pool budget covers the decode-time pool; the prefill's one-layer transient buffer
-is outside it.
+placement pins from. Each session owns its pool (placed from its own prefill); the pool budget covers that
+decode-time pool, the prefill's one-layer transient buffer is outside it.
 """
 
 from __future__ import annotations
@@ -34,37 +49,50 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import compile_cache
+from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
 from dflash_jax.offload.placement import cache_reserve, plan_placement, routing_profile, warm_set
 from dflash_jax.offload.pool import ExpertPool, PoolTooSmall, slots_for_budget
-from dflash_jax.offload.predictors import NoPrediction, RoundInputs, in_verify_part, make_predictor
-from dflash_jax.offload.stats import RoundStats, RouteAheadStats, layer_round_stats
+from dflash_jax.offload.predictors import NoPrediction, PreviousRound, RoundInputs, in_verify_part, make_predictor
+from dflash_jax.offload.stats import RoundStats, RoundTokens, RouteAheadStats, TraceObserver, layer_round_stats
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
-from dflash_jax.spec.loop import GenerationResult, _result
+from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, _result
+from dflash_jax.spec.requests import Buckets
 from dflash_jax.spec.sampling import SamplingParams
 from dflash_jax.spec.session import (
-    commit_verify, draft_round_jit, init_target_cache, make_spec, start_state, target_family, verify_block,
+    Prepared, SpecState, commit_verify, draft_round_jit, init_target_cache, prepare, start_state, target_family,
+    verify_block,
 )
 
-_commit_verify_jit = jax.jit(commit_verify, static_argnames=("spec",))
-_start_state_jit = jax.jit(start_state, static_argnames=("spec",))
+# Acceptance, emission and commit/rollback of a verify forward's output (`spec.session.commit_verify`), jitted:
+# the last step of a round whose verify ran outside one program (layer by layer, or recorded by `study.rounds`).
+commit_verify_jit = jax.jit(commit_verify, static_argnames=("spec",))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "implementation"))
-def _verify_on_full_pool(pooled_w, state, draft, spec, implementation):
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _start(target_w, draft_w, out, lengths, params, key_data, key_fold, spec):
+    """The state after the layer-wise prefill `out`, with the prepared per-sequence settings and keys (as
+    `spec.session.begin_prepared` makes them)."""
+    keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
+    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "implementation", "router_logits"))
+def _verify_on_full_pool(pooled_w, state, draft, spec, implementation, router_logits):
     """The verify as ONE program on target weights whose MoE layers read a pool that holds every expert of
     every layer (nothing can miss, so the layer-wise host round trips would buy nothing); returns (state,
-    per-layer router experts)."""
+    per-layer router experts, per-layer router logits or None)."""
     out = target_family(spec.target).forward(
         pooled_w, verify_block(state, draft), state.target_cache, spec.target, tap_layers=spec.taps, logits="all",
-        implementation=implementation)
-    return commit_verify(state, draft, out, spec), out.router_experts
+        implementation=implementation, return_router_logits=router_logits)
+    return commit_verify(state, draft, out, spec), out.router_experts, out.router_logits if router_logits else None
 
 
 @dataclasses.dataclass
@@ -72,205 +100,400 @@ class OffloadResult(GenerationResult):
     route_ahead: RouteAheadStats | None = None
 
 
-def _init_cache(spec, batch, dtype):
-    """The cache `spec.session.begin` prefills (Qwen3.5: DeltaNet rollback buffers sized by the verify width)."""
-    return init_target_cache(spec.target, batch, spec.max_len, dtype, verify_width=spec.block_size)
+# ----------------------------------------------------------------------------------------------------------
+# the prefetcher
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RoundPrefetch:
+    """One round's prefetch record: the predictor's inputs, per MoE layer what was predicted (P, before-verify
+    and in-verify parts together), what the prefetches moved, what the in-verify hook moved and when it was
+    issued, and `t_issue`, when the before-verify prefetch was issued (the start of its hide window)."""
+
+    inputs: RoundInputs
+    pool: ExpertPool
+    predicted: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    prefetched: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    late_moved: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    late_issued: dict[int, float] = dataclasses.field(default_factory=dict)
+    t_issue: float = 0.0
 
 
-def generate_offloaded(
-    pair, prompts: Sequence[Sequence[int]], *, budget_bytes: int, predictor="none", block_size: int | None = None,
-    max_new_tokens: int, width: int | None = None, sampling: SamplingParams = SamplingParams(),
-    stop_ids: Sequence[int] = (), seed: int = 0, pin: bool = True, poison: bool = False, crf_lambda: float = 0.5,
-    bandwidth: float | None = None, implementation: str = "auto", store: HostExpertStore | None = None,
-    protect_previous: bool = True, warmup: bool = False, single_program_when_full: bool = True,
-) -> OffloadResult:
+class RoutePrefetcher:
+    """Route-ahead prefetch into the pool from a predictor (`offload.predictors`). The generator calls, each
+    round: `begin_round(pool, inputs)` -> a `RoundPrefetch`; `before_draft(rec)`; after the draft (with the
+    draft's tokens / hidden states in `rec.inputs`) `after_draft(rec)`; and during the layer-wise verify, when
+    `in_verify_width` is not None, `in_verify(rec, layer, experts, probs)` for each MoE layer but the first.
+
+    Prefetches are best effort (`ExpertPool.prefetch`: as many of the most likely as fit); with
+    `protect_previous` a prefetch never evicts an expert the previous verify routed to (a prediction that is
+    wrong half the time would otherwise push out experts that are likely reused)."""
+
+    def __init__(self, predictor, *, protect_previous: bool = True):
+        self.predictor = predictor or NoPrediction()
+        self.protect_previous = protect_previous
+        self.late = in_verify_part(self.predictor)  # the in-verify (one layer ahead) part, e.g. "residual"
+
+    @property
+    def name(self) -> str:
+        return self.predictor.name
+
+    @property
+    def needs_draft(self) -> bool:
+        return bool(self.predictor.needs_draft)
+
+    def in_verify_width(self, top_k: int) -> int | None:
+        return None if self.late is None else (self.late.width or top_k)
+
+    def reads_previous_logits(self, top_k: int) -> bool:
+        """Whether a part predicts from the previous verify's router logits (`PreviousRound` wider than top_k)."""
+        def walk(p):
+            if isinstance(p, PreviousRound):
+                return bool(p.width and p.width > top_k)
+            return any(walk(q) for q in getattr(p, "predictors", ()))
+        return walk(self.predictor)
+
+    def begin_round(self, pool: ExpertPool, inputs: RoundInputs) -> RoundPrefetch:
+        return RoundPrefetch(inputs=inputs, pool=pool, t_issue=time.perf_counter())
+
+    def _keep(self, rec: RoundPrefetch, layer: int) -> list[np.ndarray]:
+        previous = rec.inputs.previous_routed
+        if self.protect_previous and previous:
+            return [np.asarray(previous[layer], np.int32).reshape(-1)]
+        return []
+
+    def _issue(self, rec: RoundPrefetch, prediction: dict) -> None:
+        for layer in rec.inputs.layers:
+            ids = np.asarray(prediction.get(layer, ()), np.int32)
+            rec.predicted[layer] = ids
+            keep = self._keep(rec, layer)
+            protect = np.unique(np.concatenate(keep)) if keep else ()
+            rec.prefetched[layer] = rec.pool.prefetch(layer, ids, protect=protect).experts
+
+    def before_draft(self, rec: RoundPrefetch) -> None:
+        if not self.needs_draft:
+            rec.t_issue = time.perf_counter()
+            self._issue(rec, self.predictor.predict(rec.inputs))
+
+    def after_draft(self, rec: RoundPrefetch) -> None:
+        if self.needs_draft:
+            rec.t_issue = time.perf_counter()
+            self._issue(rec, self.predictor.predict(rec.inputs))
+
+    def in_verify(self, rec: RoundPrefetch, layer: int, experts: np.ndarray, probs: np.ndarray) -> None:
+        """Called before the previous MoE layer's experts are dispatched: prefetch `layer`'s predicted experts.
+        It adds to the before-verify prediction: never evicts what that predicted (nor, with protect_previous,
+        what the previous verify routed to); it writes only `layer`'s pool, so the experts of the layer about
+        to run are untouched."""
+        ids = self.late.rank(experts, probs)
+        before = np.asarray(rec.predicted.get(layer, ()), np.int32)
+        keep = [before] + self._keep(rec, layer)
+        rec.late_issued[layer] = time.perf_counter()
+        moved = rec.pool.prefetch(layer, ids, protect=np.unique(np.concatenate(keep))).experts
+        rec.predicted[layer] = np.concatenate([before, ids[~np.isin(ids, before)]])
+        rec.prefetched[layer] = np.concatenate([np.asarray(rec.prefetched.get(layer, ()), np.int32), moved])
+        rec.late_moved[layer] = moved
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a request in flight
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class OffloadSession:
+    """One request batch between `OffloadedGenerator.prefill` and its last round: the prepared request
+    (`spec`, bucketed prompts, per-sequence settings), the speculative state, the session's expert pool and
+    placement, the route-ahead stats of its rounds so far (`route_ahead`) and its observers. `done` is True
+    when every sequence is finished; `gen.result(session)` gives the `OffloadResult` (any time)."""
+
+    prepared: Prepared
+    state: SpecState
+    pool: ExpertPool
+    pinned: dict[int, np.ndarray]
+    reserve: int
+    initial_bytes: int
+    full_pool: bool
+    observers: tuple
+    route_ahead: RouteAheadStats
+    trace: TraceObserver | None
+    host: dict  # host copies of the state after the last step: anchor, num_generated, done
+    t_start: float
+    prefill_s: float
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    t_last: float = 0.0
+    rounds: int = 0
+    previous_routed: dict[int, np.ndarray] | None = None
+    previous_logits: dict[int, np.ndarray] | None = None
+
+    @property
+    def spec(self):
+        return self.prepared.spec
+
+    @property
+    def done(self) -> bool:
+        return bool(self.host["done"].all())
+
+
+def _host_view(state: SpecState) -> dict:
+    anchor, num, done = jax.device_get((state.anchor, state.num_generated, state.done))
+    return {"anchor": np.asarray(anchor), "num_generated": np.asarray(num), "done": np.asarray(done)}
+
+
+_VERIFY = ("auto", "layerwise", "single")
+
+
+class OffloadedGenerator:
     """Speculative (or, with block_size 1, plain) generation with the target's routed experts in host memory
     and a device pool of `budget_bytes` (see module doc). Lossless: the output equals the resident run's.
 
-    predictor: a name (`offload.predictors.PREDICTORS`) or an object with `predict` / `needs_draft` / `name`
-    (and `in_verify` / `rank` / `width` for a predictor that prefetches one layer ahead inside the verify,
-    `predictors.NextLayerResidual`, alone or in a `Union`);
-    width: experts per token a named predictor predicts (default top_k). pin: pin the prefill's hottest
-    experts in the slots the cache reserve leaves (`placement.plan_placement`) and start the cache slots with
-    the next hottest (`placement.warm_set`); False: the pool starts empty. poison: fill free slots and a
-    trap slot with blow-up values (tests). bandwidth: host->device bytes/s for the transfer-time estimates
-    in the stats (default: `cost_model.probe_host_to_device_bandwidth()`, measured once). store: reuse a
-    `HostExpertStore` of `pair.target` (default: built here; a pair loaded with expert_memory="pinned_host"
-    is used in place). protect_previous: a prefetch never evicts an expert the previous verify routed to
-    (a prediction that is wrong half the time would otherwise push out experts that are likely reused);
-    prefetches are best effort (`ExpertPool.prefetch`: as many of the most likely as fit). warmup: run the
-    same call once first, so that `stats["seconds"]` times compiled code. single_program_when_full: with
-    every expert pinned, verify in one jitted program (False: layer-wise anyway, to measure its overhead).
+    prefetcher: a predictor name (`offload.predictors.PREDICTORS`), a predictor object (`predict` /
+      `needs_draft` / `name`, and `in_verify` / `rank` / `width` for one that prefetches one layer ahead
+      inside the verify, `predictors.NextLayerResidual`, alone or in a `Union`), or a `RoutePrefetcher`
+      (or an object with its methods) for another prefetch policy.
+    width: experts per token a named predictor predicts (default top_k).
+    block_size: the verify width B (default: the draft's trained block size; 1 = plain decoding).
+    pin: pin the prefill's hottest experts in the slots the cache reserve leaves (`placement.plan_placement`)
+      and start the cache slots with the next hottest (`placement.warm_set`); False: the pool starts empty.
+    crf_lambda: the pool's LRFU decay. protect_previous: see `RoutePrefetcher`.
+    verify: "auto" = one jitted program on the pool when every expert is pinned (nothing can miss), layer by
+      layer otherwise; "layerwise" = always layer by layer; "single" = one program (the budget must hold
+      every expert, with pin=True).
+    implementation: the MoE grouped-matmul implementation (`nn.moe`).
+    store: a `HostExpertStore` of `pair.target` to reuse (default: built here; a pair loaded with
+      expert_memory="pinned_host" is used in place).
+    pool_factory: `pool_factory(store, slots, *, pinned, crf_lambda)` -> the session's `ExpertPool` (tests pass
+      `functools.partial(ExpertPool, poison=True)`).
+    bandwidth: host->device bytes/s for the transfer-time estimates in the stats (default:
+      `bandwidth.probe_host_to_device_bandwidth()`, measured once per process).
+    buckets: the compiled shapes (`spec.requests.Buckets`; default the loops' buckets, batch padded).
+    observers: objects with `on_round(RoundStats)` called after every round of every request."""
 
-    Returns an `OffloadResult`: tokens, acceptance lengths, `stats` (time split; `offload`: budget, pool and
-    placement; `route_ahead`: `RouteAheadStats.to_json()`), and `route_ahead`, the per-round stats."""
-    if warmup:  # the same call once, so that `stats.seconds` times a compiled run
-        store = store or HostExpertStore(pair.target)
-        generate_offloaded(pair, prompts, budget_bytes=budget_bytes, predictor=predictor, block_size=block_size,
-                           max_new_tokens=max_new_tokens, width=width, sampling=sampling, stop_ids=stop_ids, seed=seed,
-                           pin=pin, poison=poison, crf_lambda=crf_lambda, bandwidth=bandwidth,
-                           implementation=implementation, store=store, protect_previous=protect_previous,
-                           single_program_when_full=single_program_when_full)
-    t_start = time.perf_counter()
-    spec, tokens, lengths = make_spec(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
-                                      sampling=sampling)
-    cfg = pair.target_cfg
-    if not getattr(cfg, "is_moe", False):
-        raise ValueError("offloaded generation needs an MoE target (this target has no routed experts)")
-    if isinstance(predictor, str):
-        predictor = make_predictor(predictor, pair.target, cfg, width=width)
-    predictor = predictor or NoPrediction()
-    late = in_verify_part(predictor)  # the in-verify (one layer ahead) part, e.g. "residual"
-    store = store or HostExpertStore(pair.target)
-    stripped = strip_experts(pair.target)
-    layers = moe_layer_ids(pair.target)
-    top_k = cfg.moe.top_k
-    if bandwidth is None:
-        from dflash_jax.offload.cost_model import probe_host_to_device_bandwidth
+    def __init__(self, pair, *, budget_bytes: int, prefetcher="none", width: int | None = None,
+                 block_size: int | None = None, pin: bool = True, crf_lambda: float = 0.5,
+                 protect_previous: bool = True, verify: str = "auto", implementation: str = "auto",
+                 store: HostExpertStore | None = None, pool_factory: Callable[..., ExpertPool] = ExpertPool,
+                 bandwidth: float | None = None, buckets: Buckets | None = None, observers: Sequence[Any] = ()):
+        cfg = pair.target_cfg
+        if not getattr(cfg, "is_moe", False):
+            raise ValueError("offloaded generation needs an MoE target (this target has no routed experts)")
+        if verify not in _VERIFY:
+            raise ValueError(f"verify must be one of {', '.join(_VERIFY)}, got {verify!r}")
+        self.pair, self.cfg = pair, cfg
+        self.store = store or HostExpertStore(pair.target)
+        self.stripped = strip_experts(pair.target)
+        self.layers = moe_layer_ids(pair.target)
+        self.top_k = cfg.moe.top_k
+        self.budget_bytes = int(budget_bytes)
+        self.slots = slots_for_budget(self.store, budget_bytes)
+        if self.slots < 1:
+            raise PoolTooSmall(f"expert budget {budget_bytes} bytes is below one expert per MoE layer "
+                               f"({sum(self.store.expert_bytes(l) for l in self.layers)} bytes)")
+        if isinstance(prefetcher, str):
+            prefetcher = make_predictor(prefetcher, pair.target, cfg, width=width)
+        if not hasattr(prefetcher, "begin_round"):  # a predictor
+            prefetcher = RoutePrefetcher(prefetcher, protect_previous=protect_previous)
+        self.prefetcher = prefetcher
+        self.width = width
+        self.block_size, self.pin, self.crf_lambda = block_size, pin, crf_lambda
+        self.implementation, self.pool_factory = implementation, pool_factory
+        self.bandwidth = probe_host_to_device_bandwidth() if bandwidth is None else float(bandwidth)
+        self.buckets = LOOP_BUCKETS if buckets is None else buckets
+        self.observers = tuple(observers)
+        # With every expert pinned nothing can miss: the verify runs as one program on the pool (B0 residency).
+        holds_all = pin and self.slots >= self.store.num_experts
+        if verify == "single" and not holds_all:
+            raise ValueError(
+                f"verify='single' needs every expert pinned: pin=True and a budget of at least "
+                f"{self.store.total_bytes} bytes (this one buys {self.slots} of {self.store.num_experts} slots per "
+                "layer)")
+        self.full_pool = holds_all and verify != "layerwise"
+        reads_logits = getattr(prefetcher, "reads_previous_logits", lambda top_k: False)
+        self.wants_logits = bool(width and width > self.top_k) or reads_logits(self.top_k)
 
-        bandwidth = probe_host_to_device_bandwidth()
-    slots = slots_for_budget(store, budget_bytes)
-    if slots < 1:
-        raise PoolTooSmall(f"expert budget {budget_bytes} bytes is below one expert per MoE layer "
-                           f"({sum(store.expert_bytes(l) for l in layers)} bytes)")
-    batch = tokens.shape[0]
+    # ---- a request -----------------------------------------------------------------------------------------
+    def _whole_table(self, layer, experts):
+        return ExpertOperands(self.store.device_tables(layer), None, np.ones(self.store.num_experts, bool))
 
-    # ---- prefill: every layer's table streamed through the device once ----
-    def whole_table(layer, experts):
-        return ExpertOperands(store.device_tables(layer), None, np.ones(store.num_experts, bool))
+    def prefill(self, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(),
+                stop_ids=(), seed=0, observers: Sequence[Any] = (), trace: bool = False) -> OffloadSession:
+        """Validates and buckets the request (`spec.session.prepare`: max_new_tokens, sampling, stop_ids, seed
+        one value for every prompt or one per prompt), prefills it layer by layer with whole expert tables,
+        builds the session's pool from the prefill's routing and returns the `OffloadSession`.
+        observers: more `on_round` observers for this request; trace: keep a `TraceObserver` (the result's
+        `trace`)."""
+        compile_cache.ensure_enabled()
+        t_start = time.perf_counter()
+        prep = prepare(self.pair, prompts, block_size=self.block_size, max_new_tokens=max_new_tokens,
+                       sampling=sampling, stop_ids=stop_ids, seed=seed, buckets=self.buckets)
+        spec, cfg, store = prep.spec, self.cfg, self.store
+        batch = prep.tokens.shape[0]
 
-    tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
-    prefill = forward_layerwise(stripped, tokens_d, _init_cache(spec, batch, pair.target.embed.dtype), cfg,
-                                provider=whole_table, num_valid=lengths_d, tap_layers=spec.taps, logits="last",
-                                implementation=implementation)
-    stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-    state = _start_state_jit(stripped, pair.draft, prefill.out, lengths_d, stops, jax.random.key(seed), spec)
-    jax.block_until_ready(state.anchor)
-    t_prefill = time.perf_counter() - t_start
+        # ---- prefill: every layer's table streamed through the device once ----
+        lengths = jnp.asarray(prep.lengths)
+        cache = init_target_cache(cfg, batch, spec.max_len, self.pair.target.embed.dtype, verify_width=spec.block_size)
+        pre = forward_layerwise(self.stripped, jnp.asarray(prep.tokens), cache, cfg, provider=self._whole_table,
+                                num_valid=lengths, tap_layers=spec.taps, logits="last",
+                                implementation=self.implementation)
+        state = _start(self.stripped, self.pair.draft, pre.out, lengths, prep.params, prep.key_data, prep.key_fold,
+                       spec)
+        host = _host_view(state)
+        prefill_s = time.perf_counter() - t_start
 
-    # ---- placement and pool ----
-    valid = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).reshape(-1)
-    profile = routing_profile({l: e[valid] for l, e in prefill.routed.items()}, store.num_experts)
-    reserve = cache_reserve(store.num_experts, top_k, batch, spec.block_size)
-    pinned = plan_placement(profile, slots, reserve) if pin else {l: np.zeros(0, np.int32) for l in layers}
-    pool = ExpertPool(store, slots, pinned=pinned, poison=poison, crf_lambda=crf_lambda)
-    warm = warm_set(profile, slots) if pin else {}
-    initial_bytes = 0
-    for layer, experts in warm.items():
-        pool.fetch(layer, experts)
-    for layer in layers:
-        initial_bytes += int(pool.resident(layer).sum()) * store.expert_bytes(layer)
-    pool.block_until_ready()
+        # ---- placement and pool ----
+        valid = (np.arange(prep.tokens.shape[1])[None, :] < prep.lengths[:, None]).reshape(-1)
+        profile = routing_profile({l: e[valid] for l, e in pre.routed.items()}, store.num_experts)
+        reserve = cache_reserve(store.num_experts, self.top_k, batch, spec.block_size)
+        if self.pin:
+            pinned = plan_placement(profile, self.slots, reserve)
+        else:
+            pinned = {l: np.zeros(0, np.int32) for l in self.layers}
+        pool = self.pool_factory(store, self.slots, pinned=pinned, crf_lambda=self.crf_lambda)
+        for layer, experts in (warm_set(profile, self.slots) if self.pin else {}).items():
+            pool.fetch(layer, experts)
+        initial_bytes = sum(int(pool.resident(l).sum()) * store.expert_bytes(l) for l in self.layers)
+        pool.block_until_ready()
+        full_pool = self.full_pool and all(pool.pinned(l).all() for l in self.layers)
+        tracer = TraceObserver() if trace else None
+        observers = self.observers + tuple(observers) + ((tracer,) if tracer else ())
+        return OffloadSession(prepared=prep, state=state, pool=pool, pinned=pinned, reserve=reserve,
+                              initial_bytes=initial_bytes, full_pool=full_pool, observers=observers,
+                              route_ahead=RouteAheadStats(), trace=tracer, host=host, t_start=t_start,
+                              prefill_s=prefill_s, t_last=time.perf_counter())
 
-    # With every expert pinned nothing can miss: the verify runs as one program on the pool (B0 residency).
-    full_pool = single_program_when_full and all(pool.pinned(l).all() for l in layers)
-    if full_pool and width and width > top_k:
-        full_pool = False  # wide previous-round predictions read the router logits of the layer-wise verify
-
-    # ---- rounds ----
-    stats = RouteAheadStats()
-    previous_routed = previous_logits = None
-    wants_logits = bool(width and width > top_k)
-    t_draft = t_verify = 0.0
-    done = np.asarray(state.done)
-    round_index = 0
-    while not done.all():
-        inputs = RoundInputs(round=round_index, layers=layers, top_k=top_k, previous_routed=previous_routed,
-                             previous_logits=previous_logits)
-        prefetched: dict[int, np.ndarray] = {}
-        predicted: dict[int, np.ndarray] = {}
-        late_moved: dict[int, np.ndarray] = {}  # what the in-verify hook moved, per target layer
-        late_issued: dict[int, float] = {}  # when it was issued (its hide window ends when the layer is routed)
-
-        def prefetch(prediction):
-            for layer in layers:
-                ids = np.asarray(prediction.get(layer, ()), np.int32)
-                predicted[layer] = ids
-                keep = previous_routed[layer] if (protect_previous and previous_routed) else ()
-                prefetched[layer] = pool.prefetch(layer, ids, protect=np.unique(keep)).experts
+    def round(self, session: OffloadSession) -> RoundStats:
+        """One round: prefetch -> draft -> prefetch -> verify (layer-wise, fetching what is missing) -> commit.
+        Updates the session, hands the `RoundStats` to the session's observers and returns it."""
+        if session.done:
+            raise ValueError("this session is finished (session.done): nothing left to generate")
+        spec, pool, state = session.spec, session.pool, session.state
+        layers, top_k, store = self.layers, self.top_k, self.store
+        inputs = RoundInputs(round=session.rounds, layers=layers, top_k=top_k,
+                             previous_routed=session.previous_routed, previous_logits=session.previous_logits)
+        rec = self.prefetcher.begin_round(pool, inputs)
 
         t0 = time.perf_counter()
-        t_issue = t0
-        if not predictor.needs_draft:
-            prefetch(predictor.predict(inputs))
-        draft = draft_round_jit(stripped, pair.draft, state, spec)
+        self.prefetcher.before_draft(rec)
+        draft = draft_round_jit(self.stripped, self.pair.draft, state, spec)
         jax.block_until_ready(draft.tokens)
         t1 = time.perf_counter()
-        if predictor.needs_draft:
+        if self.prefetcher.needs_draft:
             inputs.draft_tokens, inputs.draft_hidden = draft.tokens, draft.hidden
             inputs.block_tokens = verify_block(state, draft)
-            t_issue = time.perf_counter()
-            prefetch(predictor.predict(inputs))
+        self.prefetcher.after_draft(rec)
         layer_stats = {}
 
         def on_demand(layer, experts):
-            window = time.perf_counter() - late_issued[layer] if layer in late_issued else 0.0
+            window = time.perf_counter() - rec.late_issued[layer] if layer in rec.late_issued else 0.0
             resident = pool.resident(layer).copy()
             pool.fetch(layer, experts)
             pool.touch(layer, experts)
             layer_stats[layer] = layer_round_stats(
-                layer, predicted=predicted.get(layer, ()), routed=experts, resident=np.flatnonzero(resident),
-                prefetched=prefetched.get(layer, ()), expert_bytes=store.expert_bytes(layer),
-                prefetched_in_verify=late_moved.get(layer, ()), in_verify_window_s=window)
+                layer, predicted=rec.predicted.get(layer, ()), routed=experts, resident=np.flatnonzero(resident),
+                prefetched=rec.prefetched.get(layer, ()), expert_bytes=store.expert_bytes(layer),
+                prefetched_in_verify=rec.late_moved.get(layer, ()), in_verify_window_s=window)
             return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
 
-        def in_verify(layer, experts, probs):
-            """The in-verify hook (before the previous MoE layer's experts are dispatched): prefetch `layer`'s
-            predicted experts. It adds to the before-verify prediction: never evicts what that predicted (nor,
-            with protect_previous, what the previous verify routed to); it writes only `layer`'s pool, so the
-            experts of the layer about to run are untouched."""
-            ids = late.rank(experts, probs)
-            before = np.asarray(predicted.get(layer, ()), np.int32)
-            keep = [before]
-            if protect_previous and previous_routed:
-                keep.append(np.asarray(previous_routed[layer], np.int32).reshape(-1))
-            late_issued[layer] = time.perf_counter()
-            moved = pool.prefetch(layer, ids, protect=np.unique(np.concatenate(keep))).experts
-            predicted[layer] = np.concatenate([before, ids[~np.isin(ids, before)]])
-            prefetched[layer] = np.concatenate([np.asarray(prefetched.get(layer, ()), np.int32), moved])
-            late_moved[layer] = moved
-
         t2 = time.perf_counter()
-        if full_pool:
-            state, router_experts = _verify_on_full_pool(pool.pooled_weights(stripped), state, draft, spec,
-                                                         implementation)
+        logits = None
+        if session.full_pool:
+            state, router_experts, router_logits = _verify_on_full_pool(
+                pool.pooled_weights(self.stripped), state, draft, spec, self.implementation, self.wants_logits)
             routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
             for l in layers:
                 on_demand(l, routed[l])
+            logits = router_logits
         else:
-            verify = forward_layerwise(stripped, verify_block(state, draft), state.target_cache, cfg,
+            width = self.prefetcher.in_verify_width(top_k)
+            ahead = None if width is None else functools.partial(self.prefetcher.in_verify, rec)
+            verify = forward_layerwise(self.stripped, verify_block(state, draft), state.target_cache, self.cfg,
                                        provider=on_demand, tap_layers=spec.taps, logits="all",
-                                       implementation=implementation, ahead=in_verify if late is not None else None,
-                                       ahead_width=(late.width or top_k) if late is not None else None)
-            state = _commit_verify_jit(state, draft, verify.out, spec)
+                                       implementation=self.implementation, ahead=ahead, ahead_width=width)
+            state = commit_verify_jit(state, draft, verify.out, spec)
             routed = verify.routed
-        done = np.asarray(state.done)
+            logits = verify.out.router_logits
+        before = session.host
+        output, num, acc, bonus, anchor, done = jax.device_get(
+            (state.output, state.num_generated, state.last_accepted, state.last_bonus, state.anchor, state.done))
         t3 = time.perf_counter()
-        t_draft += t1 - t0
-        t_verify += t3 - t2
-        stats.add(RoundStats(round=round_index, layers=[layer_stats[l] for l in layers], draft_s=t1 - t0,
-                             verify_s=t3 - t2, hide_window_s=t3 - t_issue, bandwidth=bandwidth))
-        previous_routed = routed
-        if wants_logits and not full_pool:
-            previous_logits = {l: np.asarray(verify.out.router_logits[l]).reshape(-1, store.num_experts)
-                               for l in layers}
+
+        live = ~before["done"]
+        tokens = RoundTokens(
+            live=live, anchor=before["anchor"], proposals=np.asarray(draft.tokens), accepted=np.asarray(acc),
+            bonus=np.asarray(bonus),
+            emitted=[list(map(int, output[i, before["num_generated"][i]:num[i]])) if live[i] else []
+                     for i in range(len(live))])
+        stats = RoundStats(round=session.rounds, layers=[layer_stats[l] for l in layers], draft_s=t1 - t0,
+                           verify_s=t3 - t2, hide_window_s=t3 - rec.t_issue, bandwidth=self.bandwidth,
+                           tokens=tokens)
+        session.state = state
+        session.host = {"anchor": np.asarray(anchor), "num_generated": np.asarray(num), "done": np.asarray(done)}
+        session.draft_s += t1 - t0
+        session.verify_s += t3 - t2
+        session.previous_routed = routed
+        if self.wants_logits:
+            session.previous_logits = {l: np.asarray(logits[l]).reshape(-1, store.num_experts) for l in layers}
         pool.advance()
-        round_index += 1
-    seconds = time.perf_counter() - t_start
-    offload = {
-        "budget_bytes": int(budget_bytes), "pool_bytes": pool.bytes, "slots_per_layer": slots,
-        "num_experts": store.num_experts, "moe_layers": len(layers), "expert_bytes_all": store.total_bytes,
-        "pinned_per_layer": {str(l): int(len(p)) for l, p in pinned.items()}, "cache_reserve": reserve,
-        "predictor": predictor.name, "width": width or top_k, "prefill_bytes": store.total_bytes,
-        "initial_load_bytes": initial_bytes,
-        "bandwidth_bytes_per_s": bandwidth,
-    }
-    run_stats = {
-        "loop": "offloaded", "seconds": seconds, "block_size": spec.block_size,
-        "time_split": {"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify,
-                       "host_s": seconds - t_prefill - t_draft - t_verify},
-        "offload": offload, "route_ahead": stats.to_json(),
-    }
-    base = _result(state, run_stats)
-    return OffloadResult(tokens=base.tokens, acceptance_lengths=base.acceptance_lengths, stats=base.stats,
-                         route_ahead=stats)
+        session.rounds += 1
+        session.t_last = time.perf_counter()
+        session.route_ahead.on_round(stats)
+        for observer in session.observers:
+            observer.on_round(stats)
+        return stats
+
+    def result(self, session: OffloadSession) -> OffloadResult:
+        """The session's tokens, acceptance lengths and stats (`stats`: time split; `offload`: budget, pool and
+        placement; `route_ahead`: `RouteAheadStats.to_json()`), its per-round `route_ahead` and, with trace,
+        its `trace` (padding rows of the batch bucket sliced off)."""
+        spec, prep, store = session.spec, session.prepared, self.store
+        seconds = session.t_last - session.t_start
+        offload = {
+            "budget_bytes": self.budget_bytes, "pool_bytes": session.pool.bytes, "slots_per_layer": self.slots,
+            "num_experts": store.num_experts, "moe_layers": len(self.layers), "expert_bytes_all": store.total_bytes,
+            "pinned_per_layer": {str(l): int(len(p)) for l, p in session.pinned.items()},
+            "cache_reserve": session.reserve, "predictor": self.prefetcher.name, "width": self.width or self.top_k,
+            "prefill_bytes": store.total_bytes, "initial_load_bytes": session.initial_bytes,
+            "bandwidth_bytes_per_s": self.bandwidth, "verify": "single" if session.full_pool else "layerwise",
+        }
+        run_stats = {
+            "loop": "offloaded", "seconds": seconds, "block_size": spec.block_size, "method": spec.method,
+            "shapes": {"batch": int(prep.tokens.shape[0]), "prompt": int(prep.tokens.shape[1]),
+                       "output": spec.output_len, "cache": spec.max_len},
+            "time_split": {"prefill_s": session.prefill_s, "draft_s": session.draft_s, "verify_s": session.verify_s,
+                           "host_s": seconds - session.prefill_s - session.draft_s - session.verify_s},
+            "offload": offload, "route_ahead": session.route_ahead.to_json(),
+        }
+        trace = session.trace.rounds if session.trace is not None else None
+        base = _result(session.state, run_stats, trace=trace, rows=prep.num_prompts)
+        return OffloadResult(tokens=base.tokens, acceptance_lengths=base.acceptance_lengths, stats=base.stats,
+                             trace=base.trace, route_ahead=session.route_ahead)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(), stop_ids=(),
+                 seed=0, observers: Sequence[Any] = (), trace: bool = False) -> OffloadResult:
+        """`prefill`, rounds until every sequence is done, `result`."""
+        session = self.prefill(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                               seed=seed, observers=observers, trace=trace)
+        while not session.done:
+            self.round(session)
+        return self.result(session)
+
+
+_MOVED = {
+    "poison": "pass pool_factory=functools.partial(ExpertPool, poison=True)",
+    "warmup": "run the request twice on one OffloadedGenerator (the second call runs compiled code)",
+    "single_program_when_full": "pass verify='layerwise' (or 'auto')",
+}
+
+
+def generate_offloaded(pair, prompts: Sequence[Sequence[int]], *, budget_bytes: int, predictor="none",
+                       block_size: int | None = None, max_new_tokens, width: int | None = None,
+                       sampling=SamplingParams(), stop_ids=(), seed=0, **policy) -> OffloadResult:
+    """One request through a new `OffloadedGenerator` (`predictor` is its `prefetcher`; `policy`: its other
+    keyword arguments: pin, crf_lambda, protect_previous, verify, implementation, store, pool_factory,
+    bandwidth, buckets, observers). Serving several requests? Keep one `OffloadedGenerator`."""
+    for name, hint in _MOVED.items():
+        if name in policy:
+            raise TypeError(f"generate_offloaded no longer takes {name}=: {hint}")
+    gen = OffloadedGenerator(pair, budget_bytes=budget_bytes, prefetcher=predictor, width=width,
+                             block_size=block_size, **policy)
+    return gen.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)

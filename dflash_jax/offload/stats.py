@@ -19,12 +19,18 @@ bandwidth, and the hide window (the wall time the prefetch could overlap: see `R
 prefetches hide behind the round's window (issue -> end of the verify); an in-verify prefetch of layer j hides
 only behind one layer: `in_verify_window_s`, the wall time from its issue (right after the previous MoE layer
 was routed) to layer j's routing being read (the previous layer's experts + layer j's attention and router).
+
+Observers. The offloaded generator (`offload.loop.OffloadedGenerator`) hands every finished round's `RoundStats`
+to its observers, objects with `on_round(stats)` (`RoundObserver`): `RouteAheadStats` collects them for the
+summaries above (each session keeps one), `TraceObserver` keeps a per-round token trace (the stepping loop's
+format) with the bytes each round moved. `RoundStats.tokens` (`RoundTokens`) says what the round did to each
+sequence.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import numpy as np
 
@@ -99,12 +105,36 @@ def _totals(layers: Iterable[LayerRoundStats]) -> dict:
 
 
 @dataclasses.dataclass
+class RoundTokens:
+    """What one round did to each sequence of the batch (host copies): `live` [b] bool (False: the sequence was
+    done before the round and nothing was committed), `anchor` [b] (slot 0 of the verify block), `proposals`
+    [b, B-1], `accepted` [b] (proposals accepted), `bonus` [b] (the target's token after them), `emitted` the
+    tokens committed this round per sequence (cut by its budget and stop ids)."""
+
+    live: np.ndarray
+    anchor: np.ndarray
+    proposals: np.ndarray
+    accepted: np.ndarray
+    bonus: np.ndarray
+    emitted: list[list[int]]
+
+    def rows(self) -> list[dict | None]:
+        """One dict per sequence as in `spec.generate_stepping`'s trace (None for a sequence already done)."""
+        return [
+            {"anchor": int(self.anchor[i]), "proposal": list(map(int, self.proposals[i])),
+             "accepted": int(self.accepted[i]), "bonus": int(self.bonus[i]), "emitted": list(self.emitted[i])}
+            if self.live[i] else None
+            for i in range(len(self.live))]
+
+
+@dataclasses.dataclass
 class RoundStats:
     """One round. `layers`: per MoE layer. Times in seconds: `draft_s` / `verify_s` measured wall times of
     the draft forward and of the offloaded verify (including on-demand fetches); `hide_window_s` the wall
     time between issuing the before-verify prefetch and the end of the verify (what its copies can overlap
     with); in-verify prefetches hide only behind their layer's `in_verify_window_s` (one layer's compute);
-    `bandwidth` the host->device bytes/s used for the transfer estimates."""
+    `bandwidth` the host->device bytes/s used for the transfer estimates; `tokens` what the round did to each
+    sequence (`RoundTokens`; None when not recorded)."""
 
     round: int
     layers: list[LayerRoundStats]
@@ -112,6 +142,12 @@ class RoundStats:
     verify_s: float = 0.0
     hide_window_s: float = 0.0
     bandwidth: float = 0.0
+    tokens: RoundTokens | None = None
+
+    @property
+    def bytes_moved(self) -> int:
+        """Host->device expert bytes of the round (prefetched + on demand, every layer)."""
+        return int(sum(s.bytes_moved for s in self.layers))
 
     def totals(self) -> dict:
         t = _totals(self.layers)
@@ -140,6 +176,8 @@ class RouteAheadStats:
     def add(self, round_stats: RoundStats) -> None:
         self.rounds.append(round_stats)
 
+    on_round = add  # a `RoundObserver`
+
     def summary(self) -> dict:
         out = _totals(s for r in self.rounds for s in r.layers)
         per_round = [r.totals() for r in self.rounds]
@@ -167,3 +205,26 @@ class RouteAheadStats:
         if rounds:
             out["rounds"] = [r.totals() for r in self.rounds]
         return out
+
+
+class RoundObserver(Protocol):
+    """What the offloaded generator calls after every round (`OffloadedGenerator(observers=)`, or per request
+    `generate(..., observers=)` / `prefill(..., observers=)`)."""
+
+    def on_round(self, stats: RoundStats) -> None: ...
+
+
+class TraceObserver:
+    """A per-round trace: `rounds[r][i]` = sequence i in round r as in `spec.generate_stepping`'s trace
+    (`anchor`, `proposal`, `accepted`, `bonus`, `emitted`) plus `bytes_moved`, the host->device expert bytes of
+    that round (the whole batch's); None for a sequence already done. `bytes_moved[r]` the same per round."""
+
+    def __init__(self):
+        self.rounds: list[list[dict | None]] = []
+        self.bytes_moved: list[int] = []
+
+    def on_round(self, stats: RoundStats) -> None:
+        moved = stats.bytes_moved
+        self.bytes_moved.append(moved)
+        rows = stats.tokens.rows() if stats.tokens is not None else []
+        self.rounds.append([None if r is None else dict(r, bytes_moved=moved) for r in rows])

@@ -13,7 +13,7 @@ import numpy as np
 
 from dflash_jax.offload.families import family_of_config
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
-from dflash_jax.offload.loop import _commit_verify_jit  # TODO(loop-api): the loop's public commit step
+from dflash_jax.offload.loop import commit_verify_jit
 from dflash_jax.offload.store import moe_layer_ids
 from dflash_jax.spec.session import begin, commit_verify, draft_round_jit, target_family, verify_block
 
@@ -54,7 +54,7 @@ def record_rounds(pair, prompts, *, block_size: int | None = None, max_new_token
         lw = forward_layerwise(pair.target, block, state.target_cache, spec.target, provider=whole,
                                tap_layers=spec.taps, logits="all", ahead_width=spec.target.moe.top_k)
         out = lw.out
-        return (_commit_verify_jit(state, draft, out, spec), block, tuple(out.router_experts[i] for i in layers),
+        return (commit_verify_jit(state, draft, out, spec), block, tuple(out.router_experts[i] for i in layers),
                 tuple(out.router_logits[i] for i in layers), lw.ahead_logits)
 
     verify = layerwise_verify if ahead else resident_verify

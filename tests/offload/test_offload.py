@@ -3,6 +3,8 @@ and residency invariant, predictors, and lossless offloaded generation (B1/B2/B3
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,13 +14,17 @@ from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.models import qwen3
 from dflash_jax.offload import (
-    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, NextLayerResidual, NonResidentExpert, PoolTooSmall,
-    PreviousRound, RoundInputs, RoundStats, RouteAheadStats, Union, forward_layerwise, generate_offloaded,
-    in_verify_part, layer_round_stats, make_predictor, plan_placement, ranked_union, strip_experts, warm_set,
+    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, NextLayerResidual, NonResidentExpert,
+    OffloadedGenerator, PoolTooSmall, PreviousRound, RoundInputs, RoundStats, RouteAheadStats, TraceObserver, Union,
+    forward_layerwise, generate_offloaded, in_verify_part, layer_round_stats, make_predictor, plan_placement,
+    ranked_union, strip_experts, warm_set,
 )
-from dflash_jax.spec import generate
+from dflash_jax.spec import SamplingParams, generate, generate_stepping
 
 E = 16
+# the offloaded runs' pools: free slots and a trap slot hold blow-up values, so reading a non-resident expert
+# wrecks the output (`ExpertPool(poison=True)`)
+POISONED = functools.partial(ExpertPool, poison=True)
 CFG = testing.tiny_qwen3_moe_config(
     num_layers=3, moe=MoEConfig(num_experts=E, top_k=2, intermediate_size=32, norm_topk_prob=True))
 
@@ -286,7 +292,7 @@ def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, b
         assert want.stats["mean_acceptance"] > 1.5  # proposals get accepted: rollback paths run
     per_slot, store = _per_slot(pair)
     full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, block_size=block, max_new_tokens=20,
-                              store=store, poison=True, bandwidth=1e9)
+                              store=store, pool_factory=POISONED, bandwidth=1e9)
     assert full.tokens == want.tokens
     assert full.stats["route_ahead"]["summary"]["bytes_moved"] == 0  # everything pinned: B0 residency
     # the smallest pool that can run: the largest routed union of one layer in one block
@@ -297,7 +303,7 @@ def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, b
     for slots in sorted({smallest, (smallest + E) // 2}):
         for name in PREDICTORS if block > 1 else ["none", "previous"]:
             got = generate_offloaded(pair, PROMPTS, budget_bytes=slots * per_slot, predictor=name, block_size=block,
-                                     max_new_tokens=20, store=store, poison=True, bandwidth=1e9)
+                                     max_new_tokens=20, store=store, pool_factory=POISONED, bandwidth=1e9)
             assert got.tokens == want.tokens, (slots, name)
             assert got.acceptance_lengths == want.acceptance_lengths
             summary = got.stats["route_ahead"]["summary"]
@@ -309,8 +315,103 @@ def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, b
                 assert got.route_ahead.per_layer()[0]["predicted"] == 0
     for name in ("previous", "draft_router+residual") if block > 1 else ("previous",):
         wide = generate_offloaded(pair, PROMPTS, budget_bytes=smallest * per_slot, predictor=name, width=4,
-                                  block_size=block, max_new_tokens=20, store=store, poison=True, bandwidth=1e9)
+                                  block_size=block, max_new_tokens=20, store=store, pool_factory=POISONED,
+                                  bandwidth=1e9)
         assert wide.tokens == want.tokens, name
+
+
+class _Recorder:
+    def __init__(self):
+        self.rounds = []
+
+    def on_round(self, stats):
+        self.rounds.append(stats)
+
+
+def test_generator_rounds_observers_and_trace(pair):
+    """The object API: `prefill` + `round` until done = `generate` = the resident run; every round's `RoundStats`
+    reaches the generator's and the request's observers; the trace equals the resident stepping loop's (the
+    offloaded rounds propose, accept and emit the same tokens) and counts each round's bytes moved."""
+    per_slot, store = _per_slot(pair)
+    everywhere = _Recorder()
+    gen = OffloadedGenerator(pair, budget_bytes=(3 * E // 4) * per_slot, prefetcher="previous+residual",
+                             block_size=4, store=store, pool_factory=POISONED, bandwidth=1e9, observers=[everywhere])
+    want = generate_stepping(pair, PROMPTS, max_new_tokens=20, block_size=4, trace=True)
+    mine = _Recorder()
+    got = gen.generate(PROMPTS, max_new_tokens=20, trace=True, observers=[mine])
+    assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths
+    assert [[None if r is None else {k: v for k, v in r.items() if k != "bytes_moved"} for r in rnd]
+            for rnd in got.trace] == want.trace
+    assert len(mine.rounds) == got.stats["rounds"] == len(got.route_ahead.rounds)
+    assert all(a is b for a, b in zip(mine.rounds, got.route_ahead.rounds))
+    moved = [r.bytes_moved for r in mine.rounds]
+    assert [rnd[0]["bytes_moved"] for rnd in got.trace] == moved and sum(moved) > 0
+    assert sum(moved) == got.stats["route_ahead"]["summary"]["bytes_moved"]
+    for i, tokens in enumerate(got.tokens):  # the rounds' emitted tokens make up the output after the first
+        emitted = [t for r in mine.rounds if r.tokens.live[i] for t in r.tokens.emitted[i]]
+        assert [tokens[0]] + emitted == tokens
+
+    session = gen.prefill(PROMPTS, max_new_tokens=20)
+    assert session.rounds == 0 and not session.done
+    while not session.done:
+        stats = gen.round(session)
+        assert stats.round == session.rounds - 1 and len(stats.layers) == CFG.num_layers
+    stepped = gen.result(session)
+    assert stepped.tokens == want.tokens and stepped.acceptance_lengths == want.acceptance_lengths
+    assert stepped.trace is None and len(session.route_ahead.rounds) == stepped.stats["rounds"]
+    assert len(everywhere.rounds) == 2 * stepped.stats["rounds"]  # the generator's observer saw both requests
+    with pytest.raises(ValueError, match="finished"):
+        gen.round(session)
+
+
+def test_generator_policy_errors(pair):
+    per_slot, store = _per_slot(pair)
+    with pytest.raises(ValueError, match="verify='single' needs every expert pinned"):
+        OffloadedGenerator(pair, budget_bytes=(E - 1) * per_slot, verify="single", store=store, bandwidth=1e9)
+    with pytest.raises(ValueError, match="verify must be one of"):
+        OffloadedGenerator(pair, budget_bytes=E * per_slot, verify="fast", store=store, bandwidth=1e9)
+    with pytest.raises(PoolTooSmall):
+        OffloadedGenerator(pair, budget_bytes=per_slot - 1, store=store, bandwidth=1e9)
+    for moved, hint in (("poison", "pool_factory"), ("warmup", "twice"), ("single_program_when_full", "verify")):
+        with pytest.raises(TypeError, match=hint):
+            generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, max_new_tokens=4, **{moved: True})
+
+
+def test_one_generator_serves_requests_without_recompiling(pair):
+    """Requests with other prompt lengths (same bucket), token budgets, sampling settings, stop ids and seeds
+    through one `OffloadedGenerator` run the programs the first request compiled: the only compiles of a later
+    request are pool row copies of a chunk size not copied before (`store.pull_rows`, at most log2(S) + 1 sizes).
+    Each request equals its resident run (a sampled sequence included: same keys, same draws)."""
+    from dflash_jax.compile_cache import CompileCounter
+    from dflash_jax.offload.store import pull_rows
+
+    with CompileCounter() as probe:  # the counter sees a compile
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(5))
+    assert probe.compiles >= 1
+    per_slot, store = _per_slot(pair)
+    rng = np.random.default_rng(9)
+    later = [rng.integers(0, 500, n).tolist() for n in (33, 45)]  # the prompt bucket of PROMPTS (40, 23)
+    sampled = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20)]
+    free = generate(pair, later, max_new_tokens=[30, 12], block_size=4, sampling=sampled, seed=[3, 4])
+    stop = free.tokens[0][6]  # a stop id the first sequence meets
+    request = dict(max_new_tokens=[30, 12], sampling=sampled, stop_ids=[[stop], []], seed=[3, 4])
+    want = generate(pair, later, block_size=4, **request)
+    assert len(want.tokens[0]) < 30 and want.tokens[0][-1] == stop and len(want.tokens[1]) == 12
+    first_want = generate(pair, PROMPTS, max_new_tokens=20, block_size=4)
+    runs = ((3 * E // 4, "previous+draft_router+residual", "layerwise"), (E, "none", "single"))
+    for budget, predictor, verify in runs:
+        gen = OffloadedGenerator(pair, budget_bytes=budget * per_slot, prefetcher=predictor, block_size=4,
+                                 store=store, pool_factory=POISONED, bandwidth=1e9, verify=verify)
+        first = gen.generate(PROMPTS, max_new_tokens=20)
+        assert first.tokens == first_want.tokens and first.stats["offload"]["verify"] == verify
+        copies = pull_rows._cache_size()
+        with CompileCounter() as counter:
+            got = gen.generate(later, **request)
+        assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths, verify
+        assert got.stats["shapes"] == first.stats["shapes"]
+        assert counter.compiles == pull_rows._cache_size() - copies, (verify, counter.compiles)
+        if verify == "single":  # every expert pinned at once: one copy size, already compiled
+            assert counter.compiles == 0
 
 
 def test_learned_router_starts_as_the_draft_router_and_learns(pair):
@@ -369,7 +470,7 @@ def test_learned_router_with_token_features_and_threshold(pair):
     for predictor in (LearnedRouter(params, layers, eps=CFG.rms_norm_eps, threshold=0.2, embed=pair.target.embed),
                       LearnedRouter(params, layers, eps=CFG.rms_norm_eps, width=3, embed=pair.target.embed)):
         got = generate_offloaded(pair, PROMPTS[:1], budget_bytes=(E // 2) * per_slot, predictor=predictor, block_size=4,
-                                 max_new_tokens=16, store=store, poison=True, bandwidth=1e9)
+                                 max_new_tokens=16, store=store, pool_factory=POISONED, bandwidth=1e9)
         assert got.tokens == want_tokens
         assert got.stats["route_ahead"]["summary"]["predicted"] > 0
 
@@ -395,7 +496,7 @@ def test_residual_predictor_scores_offline_as_in_the_loop(pair):
     for name in ("residual", "previous+residual"):
         offline = score_predictor(make_predictor(name, pair.target, CFG), [rounds], layers, num_experts=E, top_k=2)
         online = generate_offloaded(pair, PROMPTS, budget_bytes=store.total_bytes, predictor=name, block_size=4,
-                                    max_new_tokens=12, store=store, bandwidth=1e9, single_program_when_full=False)
+                                    max_new_tokens=12, store=store, bandwidth=1e9, verify="layerwise")
         summary = online.stats["route_ahead"]["summary"]
         assert offline["cases"] == summary["rounds"] * len(layers)
         assert offline["coverage"] == pytest.approx(summary["coverage"])
