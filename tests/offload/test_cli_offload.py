@@ -68,20 +68,27 @@ def test_offload_flag_errors(checkpoint, capsys, argv, message):
 def converted_family_pair(request, tmp_path_factory):
     """A converted pair of another target family, built by transformers (so through the real checkpoint
     path): gpt-oss in the release layout (MXFP4 experts kept packed, expert biases), Qwen3.5-MoE (DeltaNet +
-    gated attention, shared expert; experts converted to MXFP4); 16 experts so a budget can hold part of them."""
+    gated attention, shared expert; experts converted to MXFP4); 16 experts so a budget can hold part of them.
+    Agreement is planted (`make_agreeable_`), so the draft's proposals are accepted (tau 2.14 and 1.88)."""
     pytest.importorskip("torch")
     pytest.importorskip("dflash")
     from tests.hf_reference import (
-        build_and_save, build_and_save_draft, build_gpt_oss, save_gpt_oss_mxfp4_release, tiny_draft_config,
-        tiny_gpt_oss_config, tiny_qwen3_5_moe_config,
+        build_and_save, build_and_save_draft, build_gpt_oss, make_agreeable_, save_gpt_oss_mxfp4_release,
+        tiny_draft_config, tiny_gpt_oss_config, tiny_qwen3_5_moe_config,
     )
 
     root = tmp_path_factory.mktemp(f"offload_cli_{request.param}")
     if request.param == "gpt_oss":
-        save_gpt_oss_mxfp4_release(build_gpt_oss(tiny_gpt_oss_config(num_local_experts=16), seed=3), root / "target")
+        target = build_gpt_oss(tiny_gpt_oss_config(num_local_experts=16), seed=3)
     else:
-        build_and_save(tiny_qwen3_5_moe_config(num_experts=16), root / "target", seed=3)
-    build_and_save_draft(tiny_draft_config(target_layers=4, taps=(0, 2)), root / "draft", seed=4)
+        target = build_and_save(tiny_qwen3_5_moe_config(num_experts=16), root / "target", seed=3)
+    draft = build_and_save_draft(tiny_draft_config(target_layers=4, taps=(0, 2)), root / "draft", seed=4)
+    make_agreeable_(target, draft)
+    draft.save_pretrained(root / "draft")
+    if request.param == "gpt_oss":
+        save_gpt_oss_mxfp4_release(target, root / "target")
+    else:
+        target.save_pretrained(root / "target")
     convert(str(root / "target"), str(root / "draft"), str(root / "pair"), expert_format="mxfp4", dtype="fp32",
             progress=False)
     return root / "pair"
@@ -104,6 +111,8 @@ def test_offload_cli_on_every_family(converted_family_pair, capsys):
     want = generate(dflash_jax.load(converted_family_pair), [prompt], max_new_tokens=16, block_size=4)
     assert result["tokens"] == want.tokens[0]
     assert result["acceptance_lengths"] == want.acceptance_lengths[0]
+    accepted = want.acceptance_lengths[0]
+    assert want.stats["mean_acceptance"] >= 1.5 and min(accepted) == 1 and max(accepted) >= 2, accepted  # real rounds
     offload = result["stats"]["offload"]
     assert offload["slots_per_layer"] == 12 and offload["num_experts"] == 16
     assert result["stats"]["route_ahead"]["summary"]["bytes_moved"] > 0
