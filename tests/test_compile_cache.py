@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import compile_cache
-from dflash_jax.compile_cache import CompileCounter, compile_notice
+from dflash_jax.compile_cache import compile_notice
 
 _SCRIPT = """
 import jax, jax.numpy as jnp

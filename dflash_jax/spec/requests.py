@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
