@@ -1,11 +1,11 @@
 """Benchmark: convert-weights on a synthetic multi-GB Qwen3-MoE checkpoint.
 
-  python benchmarks/convert_weights.py [--gb 2] [--expert-format mxfp4] [--keep]
+  python benchmarks/convert_weights.py [--gb 2] [--expert-format mxfp4] [--keep] [--out DIR | --write-docs]
 
 Writes a random bf16 checkpoint in the release layout (sharded safetensors + index, per-expert tensors),
 runs `convert-weights` in a child process, and reports the child's peak RSS against the checkpoint size
 and the largest tensor, and the conversion rate in MB/s of source bytes. Results go to
-docs/benchmarks/convert_weights.{json,md}.
+convert_weights.{json,md} in --out (default bench_out/, ignored by git) or, with --write-docs, docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import time
 import ml_dtypes
 import numpy as np
 
+from _output import add_output_args, output_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = os.path.join(ROOT, "docs", "benchmarks")
 
 
 def synthetic_config(gb: float) -> dict:
@@ -118,7 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "nvfp4", "bf16"])
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep", action="store_true")
+    add_output_args(p)
     args = p.parse_args(argv)
+    out_dir = output_dir(args)  # before the run: --out / --write-docs mistakes fail fast
     if args.gb <= 0:
         p.error("--gb must be > 0")
     work = args.workdir or tempfile.mkdtemp(prefix="convert_bench_")
@@ -145,8 +148,7 @@ def main(argv=None) -> int:
             "peak_rss_over_source": round(peak_rss / total, 3), "output_expert_bytes": out_expert,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         }
-        os.makedirs(DOCS, exist_ok=True)
-        path = os.path.join(DOCS, "convert_weights.json")
+        path = os.path.join(out_dir, "convert_weights.json")
         rows = []
         if os.path.exists(path):  # one row per (size, format): runs of other sizes are kept for the table
             with open(path) as fh:
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
         md = [
             "# convert-weights on a synthetic Qwen3-MoE checkpoint",
             "",
-            f"Command: `python benchmarks/convert_weights.py --gb N --expert-format FORMAT` ({row['machine']}). "
+            f"Command: `python benchmarks/convert_weights.py --gb N --expert-format FORMAT --write-docs` ({row['machine']}). "
             "The child process's peak RSS includes the Python/JAX/orbax runtime (~0.5 GB).",
             "",
             "| source | layers | largest tensor | one layer's experts (bf16) | format | time | rate | peak RSS | RSS / source |",
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
             "memory-mapped, each expert table is quantized expert by expert and written as soon as it is complete).",
             "",
         ]
-        with open(os.path.join(DOCS, "convert_weights.md"), "w") as fh:
+        with open(os.path.join(out_dir, "convert_weights.md"), "w") as fh:
             fh.write("\n".join(md))
         print(json.dumps(row, indent=1))
     finally:

@@ -1,6 +1,6 @@
 """Benchmark: Pallas FP4 grouped matmul vs the XLA path at verify widths.
 
-    python benchmarks/fp4_grouped_matmul.py            # full run (GPU): writes docs/benchmarks/
+    python benchmarks/fp4_grouped_matmul.py            # full run (GPU): writes bench_out/ (--write-docs: docs/benchmarks/)
     python benchmarks/fp4_grouped_matmul.py --quick    # fewer widths / formats / repetitions
     python benchmarks/fp4_grouped_matmul.py --tiny --interpret --quick   # CPU smoke run
 
@@ -35,6 +35,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from _output import add_output_args, output_dir
 
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
 from pallas_kernels import fp4_grouped_matmul as fgm
@@ -242,7 +244,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed calls per case (default 20)")
     p.add_argument("--skip-xla", action="store_true", help="do not time the XLA path")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
+    add_output_args(p)
     p.add_argument("--no-write", action="store_true", help="print only")
     a = p.parse_args(argv)
     a.models = [m.strip() for m in a.models.split(",") if m.strip()]
@@ -265,8 +267,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     report = run(args)
     if not args.no_write:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        out = Path(output_dir(args))
         tmp = out / ".fp4_grouped_matmul.json.tmp"
         tmp.write_text(json.dumps(report, indent=1) + "\n")
         os.replace(tmp, out / "fp4_grouped_matmul.json")

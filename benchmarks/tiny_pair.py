@@ -1,14 +1,15 @@
 """Benchmark on the shipped pair: acceptance (tau) by block size, DFlash vs plain decoding, jit vs Python loop.
 
   python benchmarks/tiny_pair.py [--checkpoint DIR] [--prompts 8] [--prompt-len 128] [--max-new 128]
+                                 [--out DIR | --write-docs]
 
 Prompts are windows of the held-out standard-library files (split.json of the pair, never trained on).
 In one run, with compiled (warmed-up) jitted loops and batch 1 as in interactive use:
   - tau = tokens committed per round, per block size 1, 2, 4, 8, 16;
   - tokens/s of the DFlash jitted loop vs the plain greedy jitted loop of the same target -> speedup;
   - rounds/s of the jitted while_loop vs the Python stepping loop, and the host share of a round.
-Every DFlash output is checked equal to the plain greedy output (lossless). Writes
-docs/benchmarks/tiny_pair.{json,md}.
+Every DFlash output is checked equal to the plain greedy output (lossless). Writes tiny_pair.{json,md} to
+--out (default bench_out/, ignored by git) or, with --write-docs, to docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import time
 
 import numpy as np
 
+from _output import add_output_args, output_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = os.path.join(ROOT, "docs", "benchmarks")
 
 
 def timed(fn, repeats: int = 2):
@@ -38,6 +40,38 @@ def timed(fn, repeats: int = 2):
     return out, best
 
 
+def plot(rows: list[dict], path: str) -> bool:
+    """tau and speedup by block size, and per block size the histogram of tokens committed per round."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels = [str(r["block_size"]) for r in rows]
+    ax1.bar(labels, [r["tau"] for r in rows], color="tab:blue")
+    ax1.set_xlabel("block size B")
+    ax1.set_ylabel("tokens per round (tau)", color="tab:blue")
+    twin = ax1.twinx()
+    twin.plot(labels, [r["speedup"] for r in rows], "o-", color="tab:red")
+    twin.set_ylabel("speedup over plain greedy", color="tab:red")
+    twin.set_ylim(bottom=0)
+    for r in rows:
+        hist = np.asarray(r["acceptance_histogram"], dtype=float)
+        if hist.sum():
+            ax2.step(np.arange(1, len(hist) + 1), hist / hist.sum(), where="mid", marker=".", label=f"B={r['block_size']}")
+    ax2.set_xlabel("tokens committed in a round")
+    ax2.set_ylabel("fraction of rounds")
+    ax2.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None, help="default: the shipped pair")
@@ -45,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--blocks", default="1,2,4,8,16")
+    add_output_args(p)
     args = p.parse_args(argv)
     if min(args.prompts, args.prompt_len, args.max_new) < 1:
         p.error("--prompts, --prompt-len and --max-new must be >= 1")
@@ -76,19 +111,22 @@ def main(argv=None) -> int:
     for block in blocks:
         # each prompt's plain and DFlash runs back to back, so a row's ratio compares runs made at the same
         # moment of a shared, noisy machine
-        total_time, plain_time, taus, lossless = 0.0, 0.0, [], True
+        total_time, plain_time, taus, lossless, lengths = 0.0, 0.0, [], True, []
         for prompt, ref in zip(prompts, plain_out):
             _, pdt = timed(lambda: plain(prompt))
             res, dt = timed(lambda: generate(pair, [prompt], max_new_tokens=n, block_size=block))
             total_time += dt
             plain_time += pdt
             taus.append(res.mean_acceptance())
+            lengths += res.acceptance_lengths[0]
             lossless &= res.tokens[0] == ref
         tps = len(prompts) * n / total_time
         plain_tps = len(prompts) * n / plain_time
         row = {"block_size": block, "tau": round(float(np.mean(taus)), 3), "tokens_per_s": round(tps, 1),
                "plain_tokens_per_s": round(plain_tps, 1), "speedup": round(tps / plain_tps, 2),
-               "lossless": bool(lossless)}
+               "lossless": bool(lossless),
+               # rounds that committed k tokens, k = 1..block (accepted proposals + the bonus)
+               "acceptance_histogram": np.bincount(lengths, minlength=block + 1)[1:].tolist()}
         rows.append(row)
         print(row, flush=True)
     # jit vs Python stepping at the draft's trained block size
@@ -108,11 +146,11 @@ def main(argv=None) -> int:
     result = {"checkpoint": os.path.basename(pair.directory.rstrip("/")), "prompts": len(prompts),
               "prompt_len": args.prompt_len, "max_new_tokens": n, "backend": jax.default_backend(),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "by_block_size": rows, "loops": loops}
-    os.makedirs(DOCS, exist_ok=True)
-    with open(os.path.join(DOCS, "tiny_pair.json"), "w") as fh:
+    out_dir = output_dir(args)
+    with open(os.path.join(out_dir, "tiny_pair.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     md = ["# The shipped pair: acceptance and speed (CPU)", "",
-          f"`python benchmarks/tiny_pair.py` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} tokens, "
+          f"`python benchmarks/tiny_pair.py --write-docs` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} tokens, "
           f"{n} new tokens each, greedy, batch 1, compiled loops, best of 2; {result['machine']}, "
           f"backend {result['backend']}. Speedup = DFlash jitted loop tokens/s over the plain greedy jitted loop "
           "of the same target, each prompt's plain and DFlash runs back to back (so each row's plain tok/s is its own).",
@@ -126,8 +164,11 @@ def main(argv=None) -> int:
            f"stepping loop {loops['python_rounds_per_s']} rounds/s; in the stepping loop the host (dispatch, "
            f"transfers, Python) takes {loops['host_share_of_round'] * 100:.0f}% of the decode time "
            f"(split: {loops['python_time_split_s']}).", ""]
-    with open(os.path.join(DOCS, "tiny_pair.md"), "w") as fh:
+    if plot(rows, os.path.join(out_dir, "tiny_pair.png")):
+        md += ["![tau and speedup by block size; tokens per round histograms](tiny_pair.png)", ""]
+    with open(os.path.join(out_dir, "tiny_pair.md"), "w") as fh:
         fh.write("\n".join(md))
+    print(f"wrote {out_dir}/tiny_pair.{{json,md}}")
     return 0
 
 
