@@ -62,7 +62,8 @@ def plot(rows: list[dict], path: str) -> bool:
     for r in rows:
         hist = np.asarray(r["acceptance_histogram"], dtype=float)
         if hist.sum():
-            ax2.step(np.arange(1, len(hist) + 1), hist / hist.sum(), where="mid", marker=".", label=f"B={r['block_size']}")
+            ax2.step(np.arange(1, len(hist) + 1), hist / hist.sum(), where="mid", marker=".",
+                     label=f"B={r['block_size']}")
     ax2.set_xlabel("tokens committed in a round")
     ax2.set_ylabel("fraction of rounds")
     ax2.legend(fontsize="small")

@@ -8,10 +8,10 @@ By default everything, the converted pair included, goes under --work (default `
 repository root, ignored by git; the pair in `<work>/pair`): the shipped pair is replaced only when --out
 names it explicitly.
 
-A Qwen3-MoE target (4 layers, 8 experts top-2, 3.6M parameters, 3.1M of them in the MXFP4 experts) trained on the Python standard library's
-source with a BPE tokenizer, then a 2-layer DFlash draft trained with the DFlash objective on the target's
-own greedy continuations. Every stage resumes from --work after an interruption. Held-out files (by name)
-are listed in split.json and never trained on.
+A Qwen3-MoE target (4 layers, 8 experts top-2, 3.6M parameters, 3.1M of them in the MXFP4 experts) trained on
+the Python standard library's source with a BPE tokenizer, then a 2-layer DFlash draft trained with the DFlash
+objective on the target's own greedy continuations. Every stage resumes from --work after an interruption.
+Held-out files (by name) are listed in split.json and never trained on.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ DEFAULT_WORK = os.path.join(ROOT, "tiny_pair_work")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default=DEFAULT_WORK,
-                   help="working directory (resumable; default: tiny_pair_work/ at the repository root, ignored by git)")
+                   help="working directory (resumable; default: tiny_pair_work/ at the repository root, "
+                        "ignored by git)")
     p.add_argument("--out", default=None,
                    help="where the converted pair is written (default: <work>/pair; the shipped pair, "
                         "dflash_jax/assets/tiny_pair, is replaced only when named here)")
-    p.add_argument("--quick", action="store_true", help="toy sizes: checks the whole pipeline (about 1.5 minutes on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="toy sizes: checks the whole pipeline (about 1.5 minutes on 2 idle CPU cores)")
     p.add_argument("--target-steps", type=int)
     p.add_argument("--draft-steps", type=int)
     p.add_argument("--seed", type=int, default=0)
