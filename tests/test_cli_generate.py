@@ -95,10 +95,17 @@ def test_text_prompt_through_tokenizer(checkpoint, tmp_path, capsys):
     d = tmp_path / "with_tok"
     shutil.copytree(checkpoint, d)
     tok.save(str(d / "tokenizer.json"))
-    code, out, err = _run(capsys, "--checkpoint", d, "--prompt", "def fib(n):", "--max-new-tokens", 8)
-    assert code == 0 and out.strip() and "tok/s" in err and "tau" in err
+    code, printed, err = _run(capsys, "--checkpoint", d, "--prompt", "def fib(n):", "--max-new-tokens", 8)
+    assert code == 0 and "tok/s" in err and "tau" in err
     code, out, _ = _run(capsys, "--checkpoint", d, "--prompt", "def fib(n):", "--max-new-tokens", 8, "--json")
-    assert "text" in json.loads(out)
+    result = json.loads(out)
+    # the prompt is the tokenizer's encoding, the output the pair's generation from it, decoded
+    ids = tok.encode("def fib(n):", add_special_tokens=False).ids
+    pair = dflash_jax.load(d)
+    stops = [t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size]
+    want = generate(pair, [ids], max_new_tokens=8, stop_ids=stops).tokens[0]
+    assert result["stats"]["prompt_tokens"] == len(ids) and result["tokens"] == want
+    assert result["text"] == tok.decode(want) and printed == result["text"] + "\n"
 
 
 @pytest.mark.parametrize(

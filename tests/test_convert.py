@@ -213,4 +213,5 @@ def test_python_dash_m_convert(hf_pair, tmp_path):
                         "--out", str(tmp_path / "m"), "--quiet", "--expert-format", "nvfp4"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "m" / "manifest.json").exists()
+    pair = dflash_jax.load(tmp_path / "m")  # a checkpoint that loads, in the format the flag asked for
+    assert pair.expert_format == "nvfp4" and type(pair.target.layers[0].mlp.gate_up).__name__ == "NVFP4Tensor"
