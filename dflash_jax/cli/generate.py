@@ -9,7 +9,8 @@
 
 `--offload --expert-budget-mb X [--predictor NAME]` keeps the routed experts in pinned host memory and
 verifies through a device pool of X MB (`dflash_jax.offload`); `stats` then also has `offload` (budget,
-slots, pinned experts) and `route_ahead` (coverage, waste, hit rate, bytes moved, transfer vs hide window).
+slots, pinned experts) and `route_ahead` (coverage, waste, hit rate, bytes moved, transfer vs hide window),
+and each `--trace` round its `bytes_moved` (host->device expert bytes).
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def run(args) -> dict:
             raise UsageError("--offload needs --expert-budget-mb X (device MB for the expert pool, X > 0)")
         if args.predictor not in PREDICTORS:
             raise UsageError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {args.predictor!r}")
-        if args.trace or args.loop == "jit":
-            raise UsageError("--offload runs its own stepping loop: drop --trace / --loop jit")
+        if args.loop == "jit":
+            raise UsageError("--offload runs its own stepping loop: drop --loop jit")
     elif args.expert_budget_mb is not None:
         raise UsageError("--expert-budget-mb only applies with --offload")
     if args.no_compile_cache:
@@ -149,11 +150,17 @@ def run(args) -> dict:
                   stop_ids=stops, seed=args.seed, warmup=True)
     with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")):
         if args.offload:
-            from dflash_jax.offload import PoolTooSmall, generate_offloaded
+            from dflash_jax.offload import OffloadedGenerator, PoolTooSmall
 
+            request = {k: v for k, v in kwargs.items() if k not in ("block_size", "warmup")}
             try:
-                result = generate_offloaded(pair, [prompt], budget_bytes=int(args.expert_budget_mb * 1e6),
-                                            predictor=args.predictor, width=args.predictor_width, **kwargs)
+                gen = OffloadedGenerator(pair, budget_bytes=int(args.expert_budget_mb * 1e6), prefetcher=args.predictor,
+                                         width=args.predictor_width, block_size=args.block_size)
+                warm = gen.prefill([prompt], **request)  # compiles the prefill and a round: the timed run is compiled
+                if not warm.done:
+                    gen.round(warm)
+                del warm
+                result = gen.generate([prompt], trace=args.trace, **request)
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
         elif loop == "jit":
@@ -171,7 +178,7 @@ def run(args) -> dict:
     if tokenizer is not None:
         out["text"] = tokenizer.decode(result.tokens[0])
     if args.trace:
-        out["trace"] = [{k: row[0][k] for k in ("proposal", "accepted", "bonus")}
+        out["trace"] = [{k: row[0][k] for k in ("proposal", "accepted", "bonus", "bytes_moved") if k in row[0]}
                         for row in result.trace if row[0] is not None]
     return out
 

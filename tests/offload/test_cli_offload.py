@@ -1,4 +1,5 @@
-"""`dflash-generate --offload`: same tokens as the resident run, route-ahead stats in --json, clear errors."""
+"""`dflash-generate --offload`: same tokens as the resident run, route-ahead stats in --json, a per-round
+--trace with the bytes each round moved, clear errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import dflash_jax
 from convert.cli import convert
 from dflash_jax import testing
 from dflash_jax.cli.generate import main
-from dflash_jax.spec import generate
+from dflash_jax.spec import generate, generate_stepping
 from dflash_jax.train.export import save_hf_draft, save_hf_target
 
 
@@ -37,12 +38,17 @@ def _run(capsys, *argv):
 def test_offload_json_has_route_ahead_stats_and_the_resident_tokens(checkpoint, capsys):
     code, out, err = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 16,
                           "--block-size", 4, "--json", "--ignore-eos", "--offload", "--expert-budget-mb", 0.05,
-                          "--predictor", "previous+draft_router+residual")
+                          "--predictor", "previous+draft_router+residual", "--trace")
     assert code == 0, err
     result = json.loads(out)
-    want = generate(dflash_jax.load(checkpoint), [[int(t) for t in PROMPT.split(",")]], max_new_tokens=16,
-                    block_size=4)
+    want = generate_stepping(dflash_jax.load(checkpoint), [[int(t) for t in PROMPT.split(",")]], max_new_tokens=16,
+                             block_size=4, trace=True)
     assert result["tokens"] == want.tokens[0]
+    # the offloaded rounds propose and accept what the resident rounds do, and say what each moved
+    assert [{k: r[k] for k in ("proposal", "accepted", "bonus")} for r in result["trace"]] == \
+        [{k: row[0][k] for k in ("proposal", "accepted", "bonus")} for row in want.trace if row[0] is not None]
+    moved = [r["bytes_moved"] for r in result["trace"]]
+    assert sum(moved) == result["stats"]["route_ahead"]["summary"]["bytes_moved"] > 0
     stats = result["stats"]
     assert stats["loop"] == "offloaded" and stats["offload"]["predictor"] == "previous+draft_router+residual"
     assert stats["offload"]["slots_per_layer"] < stats["offload"]["num_experts"]

@@ -15,6 +15,8 @@ MXFP4 packed experts, biased top-k-then-softmax router, sliding/full layers with
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,9 +30,13 @@ from dflash_jax.offload import (
 )
 from dflash_jax.models.family import family_of
 from dflash_jax.spec import generate
-from dflash_jax.spec.session import init_target_cache, target_family
+from dflash_jax.spec.loop import LOOP_BUCKETS
+from dflash_jax.spec.session import init_target_cache, prepare, target_family
 
 E = 16
+# the offloaded runs' pools: free slots and a trap slot hold blow-up values, so reading a non-resident expert
+# wrecks the output (`ExpertPool(poison=True)`)
+POISONED = functools.partial(ExpertPool, poison=True)
 
 
 def _config(family: str):
@@ -59,7 +65,13 @@ def pair(request):
 
 PROMPTS = [np.random.default_rng(i).integers(0, 500, n).tolist() for i, n in enumerate((40, 23))]
 NEW = 16
-MAX_LEN = 40 + NEW + 4  # the generation runs' cache (prompt + new tokens + block): shared compiled programs
+
+
+def _generation_shapes(pair):
+    """The prompt bucket (right-padded tokens, lengths) and cache rows the generation runs of PROMPTS use, so
+    the forwards below run the layer-wise programs those runs compiled."""
+    prep = prepare(pair, PROMPTS, block_size=4, max_new_tokens=NEW, buckets=LOOP_BUCKETS)
+    return prep.tokens, jnp.asarray(prep.lengths), prep.spec.max_len
 
 
 def _provider(pool):
@@ -106,7 +118,7 @@ def reference(pair):
     accepted = [a for seq in want.acceptance_lengths for a in seq]
     assert want.stats["mean_acceptance"] >= 1.4 and min(accepted) == 1 and max(accepted) >= 3, accepted
     per_slot, store = _per_slot(pair)
-    full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, single_program_when_full=False, **_run(store))
+    full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, verify="layerwise", **_run(store))
     assert full.tokens == want.tokens and full.acceptance_lengths == want.acceptance_lengths
     assert full.stats["route_ahead"]["summary"]["bytes_moved"] == 0  # everything pinned
     smallest = max(s.routed for r in full.route_ahead.rounds for s in r.layers)  # one layer's routed union
@@ -114,18 +126,15 @@ def reference(pair):
 
 
 def _run(store, **kw):
-    return dict(dict(block_size=4, max_new_tokens=NEW, store=store, poison=True, bandwidth=1e9), **kw)
+    return dict(dict(block_size=4, max_new_tokens=NEW, store=store, pool_factory=POISONED, bandwidth=1e9), **kw)
 
 
 def test_layerwise_forward_equals_the_jitted_forward(pair, reference):
     cfg, weights = pair.target_cfg, pair.target
     store = reference[1]
     fam = target_family(cfg)
-    tokens = np.zeros((2, 40), np.int32)
-    for row, p in enumerate(PROMPTS):
-        tokens[row, :len(p)] = p
-    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
-    cache = init_target_cache(cfg, 2, MAX_LEN, jnp.float32, verify_width=4)
+    tokens, lengths, max_len = _generation_shapes(pair)
+    cache = init_target_cache(cfg, 2, max_len, jnp.float32, verify_width=4)
     # Committed like the generation loop's verify inputs (jit caches key on it): the layer-wise programs
     # compiled by the `reference` run are reused.
     device = jax.devices()[0]
@@ -224,12 +233,9 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference
     cfg, weights = pair.target_cfg, pair.target
     store = reference[1]
     ofam = family_of(cfg)
-    tokens = np.zeros((2, 40), np.int32)
-    for row, p in enumerate(PROMPTS):
-        tokens[row, :len(p)] = p
-    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    tokens, lengths, max_len = _generation_shapes(pair)
     cache = target_family(cfg).forward_jit(weights, jnp.asarray(tokens),
-                                           init_target_cache(cfg, 2, MAX_LEN, jnp.float32, verify_width=4), cfg,
+                                           init_target_cache(cfg, 2, max_len, jnp.float32, verify_width=4), cfg,
                                            num_valid=lengths, logits="last").cache
     block = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
     pool = ExpertPool(store, E)
@@ -296,7 +302,7 @@ def test_offloaded_generation_sweep(pair, block):
     """Budgets from the smallest that runs to all experts, every predictor, widths top_k and 4."""
     want = generate(pair, PROMPTS, max_new_tokens=24, block_size=block)
     per_slot, store = _per_slot(pair)
-    run = dict(block_size=block, max_new_tokens=24, store=store, poison=True, bandwidth=1e9)
+    run = dict(block_size=block, max_new_tokens=24, store=store, pool_factory=POISONED, bandwidth=1e9)
     full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, **run)
     assert full.tokens == want.tokens
     smallest = max(s.routed for r in full.route_ahead.rounds for s in r.layers)
