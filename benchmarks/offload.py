@@ -4,7 +4,7 @@
                                [--blocks 1,4,8] [--budgets 0.25,0.5,1.0] [--predictors ...] [--tag NAME]
 
   B0  all experts resident: `spec.generate_stepping` (and the jitted `spec.generate`) at each block size
-  B1  block 1, experts offloaded, on-demand fetch (`offload.generate_offloaded`, predictor "none")
+  B1  block 1, experts offloaded, on-demand fetch (`offload.OffloadedGenerator`, prefetcher "none")
   B2  block B, offloaded, on-demand fetch only
   B3  block B, offloaded, route-ahead prefetch issued before the verify, for each predictor
 Budgets are fractions of all routed experts' bytes (slots per layer = fraction x E). Every offloaded
@@ -88,6 +88,17 @@ def verify_overhead(pair, store, prompts, block: int, repeats: int = 30) -> dict
                 per_layer_overhead_ms=(best["layerwise"] - best["single"]) * 1e3 / layers)
 
 
+def run_offloaded(pair, prompts, *, budget_bytes, block, **policy):
+    """One offloaded configuration: an `OffloadedGenerator` serves the request twice, the first run compiles
+    (its programs are the second's), the second is the row."""
+    from dflash_jax.offload import OffloadedGenerator
+
+    request = {k: policy.pop(k) for k in ("max_new_tokens", "stop_ids")}
+    gen = OffloadedGenerator(pair, budget_bytes=budget_bytes, block_size=block, **policy)
+    gen.generate(prompts, **request)
+    return gen.generate(prompts, **request)
+
+
 def load_model(args):
     import dflash_jax
     from dflash_jax import testing
@@ -165,7 +176,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from dflash_jax.offload import HostExpertStore, generate_offloaded
+    from dflash_jax.offload import HostExpertStore
     from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
     from dflash_jax.spec import generate, generate_stepping
 
@@ -214,8 +225,8 @@ def main(argv=None) -> int:
             for mode, name, width in runs:
                 label = name if isinstance(name, str) else name.name
                 try:
-                    r = generate_offloaded(pair, prompts, budget_bytes=budget, predictor=name, width=width,
-                                           block_size=block, store=store, bandwidth=bandwidth, warmup=True, **kw)
+                    r = run_offloaded(pair, prompts, budget_bytes=budget, prefetcher=name, width=width, block=block,
+                                      store=store, bandwidth=bandwidth, **kw)
                 except Exception as e:  # a budget below one block's routed union per layer
                     emit(dict(mode=mode, loop="offloaded", block=block, budget=frac, predictor=label, width=width,
                               error=f"{type(e).__name__}: {e}"))
@@ -227,8 +238,8 @@ def main(argv=None) -> int:
                   **verify_overhead(pair, store, prompts, block)))
         if block > 1:  # the layer-wise verify's own cost: a full pool, layer by layer vs one program
             budget = num_experts * per_slot
-            lw = generate_offloaded(pair, prompts, budget_bytes=budget, block_size=block, store=store,
-                                    bandwidth=bandwidth, warmup=True, single_program_when_full=False, **kw)
+            lw = run_offloaded(pair, prompts, budget_bytes=budget, block=block, store=store, bandwidth=bandwidth,
+                               verify="layerwise", **kw)
             emit(summarize(lw, reference, dict(mode="B2-layerwise-full", loop="offloaded", block=block, budget=1.0,
                                                predictor="none")))
     os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
