@@ -267,7 +267,10 @@ class OffloadedGenerator:
     bandwidth: host->device bytes/s for the transfer-time estimates in the stats (default:
       `bandwidth.probe_host_to_device_bandwidth()`, measured once per process).
     buckets: the compiled shapes (`spec.requests.Buckets`; default the loops' buckets, batch padded).
-    observers: objects with `on_round(RoundStats)` called after every round of every request."""
+    observers: objects with `on_round(RoundStats)` called after every round of every request.
+
+    Each session owns its pool: sessions alive at the same time hold `budget_bytes` each (drop a session, or
+    finish it, before the next when the device has room for one pool)."""
 
     def __init__(self, pair, *, budget_bytes: int, prefetcher="none", width: int | None = None,
                  block_size: int | None = None, pin: bool = True, crf_lambda: float = 0.5,
