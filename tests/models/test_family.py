@@ -114,7 +114,7 @@ def test_a_registered_family_runs_through_the_rounds_without_other_changes():
         spec = generate(pair, [prompt], max_new_tokens=24, block_size=4)
         ref = greedy_generate(pair.target, cfg, [prompt], max_new_tokens=24)
         assert len(spec.tokens[0]) == 24 and spec.tokens[0] == list(ref[0])
-        assert spec.stats["mean_acceptance"] > 1.0
+        assert spec.stats["mean_acceptance"] >= 1.3, spec.acceptance_lengths  # measured 1.44: proposals accepted
     finally:
         from dflash_jax.models import family as family_mod
 
