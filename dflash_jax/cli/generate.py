@@ -21,9 +21,8 @@ import os
 import sys
 from typing import Sequence
 
+from dflash_jax import SHIPPED_PAIR  # noqa: F401  (re-exported for scripts)
 from dflash_jax.cli.errors import run_cli
-
-SHIPPED_PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny_pair")
 
 
 class UsageError(Exception):
