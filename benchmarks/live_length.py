@@ -102,8 +102,10 @@ def main(argv=None) -> int:
                 jax.block_until_ready(final.output)
                 dt_spec = time.perf_counter() - t0
                 first, cache = plain_in[size]
+                cache = copy(cache)  # the loop takes its cache (donated)
+                jax.block_until_ready(cache)
                 t0 = time.perf_counter()
-                toks, num = plain_fn[mode, size](pair.target, first, cache, stops, budgets)
+                toks, num, _ = plain_fn[mode, size](pair.target, first, cache, stops, budgets)
                 jax.block_until_ready(toks)
                 dt_plain = time.perf_counter() - t0
                 rounds, generated = int(final.rounds[0]), int(final.num_generated[0])

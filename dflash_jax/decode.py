@@ -47,10 +47,12 @@ def _prefill(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, implement
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "output_len", "implementation"))
+@functools.partial(jax.jit, static_argnames=("cfg", "output_len", "implementation"), donate_argnames=("cache",))
 def _decode_loop(weights, first, cache, stop_ids, budgets, cfg: Qwen3Config, output_len: int,
                  implementation: str = "auto"):
-    """stop_ids [S] (-1 = unused), budgets [b] (tokens per sequence, the first included, <= output_len)."""
+    """stop_ids [S] (-1 = unused), budgets [b] (tokens per sequence, the first included, <= output_len).
+    The prefill's cache is donated and returned (the loop's carry reuses its buffers instead of holding a
+    second copy); callers drop it."""
     from dflash_jax.spec.session import target_family
 
     fam = target_family(cfg)
@@ -79,7 +81,7 @@ def _decode_loop(weights, first, cache, stop_ids, budgets, cfg: Qwen3Config, out
         return DecodeState(tokens=tokens, num_generated=num, done=done, cache=out.cache, step=s.step + 1)
 
     final = jax.lax.while_loop(cond, body, state)
-    return final.tokens, final.num_generated
+    return final.tokens, final.num_generated, final.cache
 
 
 def greedy_generate(
@@ -118,6 +120,6 @@ def greedy_generate(
     stop_arr[: len(stops)] = stops
     compile_cache.ensure_enabled()
     first, cache = _prefill(weights, tokens, lengths, cfg, max_len, implementation)
-    out, num = _decode_loop(weights, first, cache, stop_arr, budgets, cfg, output_len, implementation)
+    out, num, _ = _decode_loop(weights, first, cache, stop_arr, budgets, cfg, output_len, implementation)
     out, num = np.asarray(out), np.asarray(num)
     return [list(map(int, out[i, : num[i]])) for i in range(n)]
