@@ -117,6 +117,12 @@ class ModelFamily:
                              f"({', '.join(self.expert_fields)}), got {len(tables)}")
         return mlp.replace(**dict(zip(self.expert_fields, tables)), slot_of=slot_of)
 
+    def routed_only(self, mlp):
+        """The MoE weights with every non-routed part contributing exactly zero (a shared expert's weights
+        zeroed), so that `experts` adds only the routed experts' output: the offloaded forward's second and
+        later expert passes over one layer (the first pass adds the shared part)."""
+        return mlp
+
     def router_bias(self, mlp):
         return None
 

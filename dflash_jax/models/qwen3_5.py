@@ -332,6 +332,10 @@ class Qwen3_5Family(ModelFamily):
     declare_fn = staticmethod(lambda cfg: declare_weights(cfg))
     from_flat_fn = staticmethod(lambda flat, cfg: weights_from_flat(flat, cfg))
 
+    def routed_only(self, mlp):
+        zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+        return mlp.replace(shared=zeros(mlp.shared), shared_gate=zeros(mlp.shared_gate))
+
     def kind(self, cfg, i):
         return cfg.layer_types[i]
 
