@@ -1,6 +1,8 @@
-"""Reproduces the small trained pair shipped with the package (dflash_jax/assets/tiny_pair).
+"""Reproduces the small trained pairs shipped with the package (dflash_jax/assets/tiny_pair, and with
+`--family qwen3_5` the hybrid pair dflash_jax/assets/tiny_pair_qwen3_5).
 
   python examples/train_tiny_pair.py                    # full recipe (under an hour on 2 CPU cores)
+  python examples/train_tiny_pair.py --family qwen3_5 --work hybrid_work   # the hybrid Qwen3.5-MoE pair
   python examples/train_tiny_pair.py --quick --work quick_work   # smoke run (toy sizes)
   python examples/train_tiny_pair.py --out dflash_jax/assets/tiny_pair   # replace the shipped pair
 
@@ -36,6 +38,9 @@ def main(argv=None) -> int:
                         "dflash_jax/assets/tiny_pair, is replaced only when named here)")
     p.add_argument("--quick", action="store_true",
                    help="toy sizes: checks the whole pipeline (about 1.5 minutes on 2 idle CPU cores)")
+    p.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3",
+                   help="the target's family: qwen3 (Qwen3-MoE, the default pair) or qwen3_5 (Qwen3.5-MoE: "
+                        "Gated DeltaNet + gated attention + shared expert, `Recipe.hybrid()`)")
     p.add_argument("--target-steps", type=int)
     p.add_argument("--draft-steps", type=int)
     p.add_argument("--seed", type=int, default=0)
@@ -43,7 +48,9 @@ def main(argv=None) -> int:
     from convert.cli import convert
     from dflash_jax.train.tiny_pair import Recipe, train_tiny_pair
 
-    recipe = Recipe.quick() if args.quick else Recipe()
+    recipe = Recipe.hybrid() if args.family == "qwen3_5" else Recipe()
+    if args.quick:
+        recipe = dataclasses.replace(Recipe.quick(), family=recipe.family)
     overrides = {k: v for k, v in (("target_steps", args.target_steps), ("draft_steps", args.draft_steps),
                                    ("seed", args.seed)) if v is not None}
     for k, v in overrides.items():

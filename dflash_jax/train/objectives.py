@@ -20,15 +20,16 @@ import jax.numpy as jnp
 
 from dflash_jax.config import DraftConfig, Qwen3Config
 from dflash_jax.models import draft as draft_model
-from dflash_jax.models import qwen3
+from dflash_jax.models.family import family_of
 
 
 def lm_loss(weights, tokens: jax.Array, cfg: Qwen3Config, *, aux_coef: float = 0.01, implementation: str = "auto"):
     """Next-token cross-entropy plus a Switch-style load-balancing loss over the MoE layers:
     `E * sum_e f_e P_e` (f_e: share of routed slots sent to expert e, P_e: mean router probability)."""
     b, t = tokens.shape
-    cache = qwen3.init_cache(cfg, b, t, weights.embed.dtype)
-    out = qwen3.forward(weights, tokens, cache, cfg, return_router_logits=True, implementation=implementation)
+    fam = family_of(cfg)  # any registered target family
+    cache = fam.init_cache(cfg, b, t, weights.embed.dtype)
+    out = fam.forward(weights, tokens, cache, cfg, return_router_logits=True, implementation=implementation)
     logp = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
     ce = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
     aux = jnp.float32(0.0)

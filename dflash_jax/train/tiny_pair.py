@@ -1,5 +1,6 @@
-"""The small trained pair: a Qwen3-MoE target trained on the Python standard library's source, and its
-DFlash draft trained on the target's own greedy continuations.
+"""The small trained pairs: an MoE target of any registered family (Qwen3-MoE for the shipped pair,
+Qwen3.5-MoE for the hybrid one) trained on the Python standard library's source, and its DFlash draft
+trained on the target's own greedy continuations.
 
 Stages (each resumable: a finished stage's output is reused, an interrupted training resumes from its
 last orbax checkpoint):
@@ -28,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
-from dflash_jax.config import DraftConfig, MoEConfig, Qwen3Config, RopeConfig
+from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, MoEConfig, Qwen3_5Config, Qwen3Config, RopeConfig
 from dflash_jax.decode import greedy_generate
 from dflash_jax.models import draft as draft_model
-from dflash_jax.models import qwen3
+from dflash_jax.models.family import family_of
 from dflash_jax.testing import random_draft_weights, random_qwen3_weights
 from dflash_jax.train import data
 from dflash_jax.train.common import TrainConfig, batch_rng, train_loop
@@ -50,6 +51,23 @@ def target_config(num_experts: int = 8, top_k: int = 2, expert_intermediate: int
                       norm_topk_prob=True),
         eos_token_ids=(EOS_ID,),
     )
+
+
+def hybrid_target_config(num_experts: int = 8, top_k: int = 2, expert_intermediate: int = 256) -> Qwen3_5Config:
+    """A small Qwen3.5-MoE: three Gated DeltaNet layers then one gated full-attention layer (the release's
+    1-in-4 pattern), partial RoPE (a quarter of the head dims), a shared expert beside the routed ones."""
+    return Qwen3_5Config(
+        vocab_size=VOCAB, hidden_size=128, num_layers=4,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
+        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4,
+        moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=expert_intermediate, norm_topk_prob=True),
+        shared_expert_intermediate_size=256, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
+        max_position_embeddings=4096, eos_token_ids=(EOS_ID,),
+    )
+
+
+TARGET_CONFIGS = {"qwen3": target_config, "qwen3_5": hybrid_target_config}
 
 
 def draft_config(block_size: int = 16) -> DraftConfig:
@@ -81,12 +99,25 @@ class Recipe:
     top_k: int = 2
     expert_intermediate: int = 256
     moe_implementation: str = "auto"  # "dense" trains many small experts faster on CPU (`nn.moe`)
+    family: str = "qwen3"  # the target's registered family: a key of TARGET_CONFIGS
+
+    def target_config(self):
+        if self.family not in TARGET_CONFIGS:
+            raise ValueError(f"Recipe.family must be one of {sorted(TARGET_CONFIGS)}, got {self.family!r}")
+        return TARGET_CONFIGS[self.family](self.num_experts, self.top_k, self.expert_intermediate)
 
     @classmethod
     def quick(cls) -> "Recipe":
         """A smoke-test recipe (seconds): the same stages at toy sizes."""
         return cls(target_steps=6, target_batch=2, target_seq=64, prompts=4, prompt_len=16, continuation=48,
                    draft_steps=6, draft_batch=2, anchors_per_seq=2)
+
+    @classmethod
+    def hybrid(cls) -> "Recipe":
+        """The hybrid pair (`dflash_jax/assets/tiny_pair_qwen3_5`): a Qwen3.5-MoE target (DeltaNet + gated
+        attention + shared expert) and its draft on the same corpus, with a shorter schedule than the
+        Qwen3-MoE pair's (the DeltaNet layers train slower on CPU)."""
+        return cls(family="qwen3_5", target_steps=800, prompts=4096, draft_steps=2000)
 
     @classmethod
     def route_study(cls) -> "Recipe":
@@ -124,8 +155,11 @@ def build_tokens(work: str, progress: bool):
 
 
 def train_target(work: str, stream: np.ndarray, recipe: Recipe, progress: bool):
-    cfg = target_config(recipe.num_experts, recipe.top_k, recipe.expert_intermediate)
-    params = random_qwen3_weights(cfg, jax.random.key(recipe.seed), norm_jitter=0.0)
+    cfg = recipe.target_config()
+    if recipe.family == "qwen3":
+        params = random_qwen3_weights(cfg, jax.random.key(recipe.seed), norm_jitter=0.0)
+    else:
+        params = family_of(cfg).random_weights(cfg, jax.random.key(recipe.seed))
 
     def next_batch(step):
         return jnp.asarray(data.random_windows(stream, batch_rng(recipe.seed, step), recipe.target_batch,
@@ -139,7 +173,7 @@ def train_target(work: str, stream: np.ndarray, recipe: Recipe, progress: bool):
     return cfg, params, losses
 
 
-def greedy_corpus(work: str, params, cfg: Qwen3Config, stream: np.ndarray, recipe: Recipe, progress: bool):
+def greedy_corpus(work: str, params, cfg, stream: np.ndarray, recipe: Recipe, progress: bool):
     """The target's own greedy continuations of random training windows (what the draft will face)."""
     path = os.path.join(work, "continuations.npy")
     if os.path.exists(path):
@@ -160,16 +194,18 @@ def greedy_corpus(work: str, params, cfg: Qwen3Config, stream: np.ndarray, recip
     return corpus
 
 
-def train_draft(work: str, target_params, tcfg: Qwen3Config, corpus: np.ndarray, recipe: Recipe, progress: bool):
+def train_draft(work: str, target_params, tcfg, corpus: np.ndarray, recipe: Recipe, progress: bool):
     dcfg = draft_config()
     params = random_draft_weights(dcfg, jax.random.key(recipe.seed + 1), norm_jitter=0.0)
     block = dcfg.block_size
     length = corpus.shape[1]
 
+    fam = family_of(tcfg)
+
     @jax.jit
     def features(tokens):
-        cache = qwen3.init_cache(tcfg, tokens.shape[0], tokens.shape[1])
-        out = qwen3.forward(target_params, tokens, cache, tcfg, tap_layers=dcfg.target_layer_ids, logits="none",
+        cache = fam.init_cache(tcfg, tokens.shape[0], tokens.shape[1])
+        out = fam.forward(target_params, tokens, cache, tcfg, tap_layers=dcfg.target_layer_ids, logits="none",
                             implementation=recipe.moe_implementation)
         return draft_model.context_features(out.taps)
 

@@ -132,6 +132,42 @@ def test_hf_export_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_hf_export_round_trip_qwen3_5(tmp_path):
+    """A Qwen3.5-MoE target (DeltaNet + gated attention, shared expert) exports in the layout transformers
+    writes: it loads back bit for bit and transformers' own model of the directory gives our logits."""
+    import torch
+
+    from convert import load_hf_target
+    from dflash_jax.config import Qwen3_5Config, RopeConfig, MoEConfig
+    from dflash_jax.models.family import family_of
+    from dflash_jax.train.export import save_hf_target
+    from tests.hf_reference import hf_forward
+
+    cfg = Qwen3_5Config(
+        vocab_size=96, hidden_size=64, num_layers=3, layer_types=("linear_attention", "full_attention",
+                                                                  "linear_attention"),
+        num_heads=4, num_kv_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16,
+                                                                       norm_topk_prob=True),
+        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
+        max_position_embeddings=512, eos_token_ids=(90,))
+    fam = family_of(cfg)
+    weights = fam.random_weights(cfg, jax.random.key(7))
+    save_hf_target(weights, cfg, str(tmp_path / "t"), eos_token_id=90)
+    loaded_cfg, loaded = load_hf_target(tmp_path / "t")
+    assert loaded_cfg == cfg
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(weights)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, 96, (1, 40))
+    want = hf_forward(hf, tokens)[0]
+    cache = fam.init_cache(cfg, 1, 64, verify_width=0)
+    got = fam.forward(weights, jnp.asarray(tokens, jnp.int32), cache, cfg).logits
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
+
+
 SHIPPED = os.path.join(os.path.dirname(draft_model.__file__), "..", "assets", "tiny_pair")
 
 
