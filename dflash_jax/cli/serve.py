@@ -1,0 +1,141 @@
+"""`dflash-serve`: an OpenAI-compatible server (continuous batching, DFlash rounds) on a converted checkpoint.
+
+  dflash-serve                                   # the small trained pair shipped with the package, 127.0.0.1:8000
+  dflash-serve --checkpoint DIR --slots 8 --port 8080
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with "stream": true), GET /v1/models,
+/health, /metrics (Prometheus). Ctrl-C / SIGTERM: no new requests, in-flight ones finish (up to
+--grace-seconds), then the rest is cancelled. See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from dflash_jax import SHIPPED_PAIR
+from dflash_jax.cli.errors import run_cli
+from dflash_jax.errors import UsageError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-serve", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", help="a convert-weights checkpoint directory (default: the shipped tiny pair)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
+    p.add_argument("--slots", type=int, default=4, help="batch slots: requests decoded together (a compiled shape)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="verify width B (default: the draft's trained size; 1 = no speculation)")
+    p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt served, in tokens")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="largest max_tokens a request may ask")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--acceptance", choices=["exact_match", "rejection"], default="exact_match",
+                   help="acceptance rule of sampled requests (temperature > 0)")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="scheduler: verify tokens per round (default: unlimited, every live slot verifies)")
+    p.add_argument("--round-expert-mb", type=float, default=None,
+                   help="scheduler: expert MB (1e6 bytes) a round's verify may read, the union over its sequences "
+                        "(default: unlimited)")
+    p.add_argument("--grace-seconds", type=float, default=10.0,
+                   help="on shutdown, how long in-flight requests may run before they are cancelled")
+    p.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
+    p.add_argument("--no-compile-cache", action="store_true", help="skip the persistent compilation cache")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def check_args(args) -> None:
+    """Flag errors a user can make, before anything heavy is imported."""
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("slots", "max_prompt_len", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.token_budget is not None and args.token_budget < 1:
+        raise UsageError(f"--token-budget must be >= 1, got {args.token_budget}")
+    if args.round_expert_mb is not None and not args.round_expert_mb > 0:
+        raise UsageError(f"--round-expert-mb must be > 0, got {args.round_expert_mb}")
+    if args.grace_seconds < 0:
+        raise UsageError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
+    directory = args.checkpoint or SHIPPED_PAIR
+    if not os.path.exists(os.path.join(directory, "manifest.json")):
+        if args.checkpoint is None:
+            raise UsageError("the shipped pair is missing from this installation; pass --checkpoint DIR")
+        raise UsageError(f"{directory} is not a convert-weights checkpoint (no manifest.json): pass the directory "
+                         "convert-weights wrote")
+    try:
+        import fastapi  # noqa: F401  (optional dependency: the serve extra)
+        import uvicorn  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"dflash-serve needs the serve extra ({e.name} is missing): pip install 'dflash_jax[serve]'") \
+            from None
+
+
+def chat_template(directory: str) -> str | None:
+    """The checkpoint's chat template (tokenizer_config.json's `chat_template`), or None."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        template = json.load(f).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def build_app(args):
+    """(the FastAPI app, the engine) for parsed arguments: loads the pair and warms the engine up."""
+    import dflash_jax
+    from dflash_jax import compile_cache
+    from dflash_jax.cli.generate import load_tokenizer
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.server import create_app
+
+    if args.no_compile_cache:
+        compile_cache.disable()
+    else:
+        compile_cache.ensure_enabled()
+    directory = args.checkpoint or SHIPPED_PAIR
+    pair = dflash_jax.load(directory)
+    try:
+        engine = Engine(pair, slots=args.slots, block_size=args.block_size, max_prompt_len=args.max_prompt_len,
+                        max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
+                        expert_byte_budget=None if args.round_expert_mb is None else args.round_expert_mb * 1e6,
+                        max_queue=args.max_queue)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e).replace("block_size", "--block-size")) from None
+    if not args.no_warmup:
+        print(f"dflash-serve: compiling {args.slots} slots, prompts up to {engine.max_prompt_len} tokens ...",
+              file=sys.stderr, flush=True)
+        seconds = engine.warmup()
+        print(f"dflash-serve: ready in {seconds:.1f}s", file=sys.stderr, flush=True)
+    name = args.model_name or os.path.basename(os.path.normpath(directory))
+    eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
+    app = create_app(engine, load_tokenizer(pair), model_name=name, chat_template=chat_template(directory),
+                     eos_ids=eos, grace_s=args.grace_seconds)
+    return app, engine
+
+
+def _serve(args) -> int:
+    check_args(args)
+    import uvicorn
+
+    app, _ = build_app(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
+    server = uvicorn.Server(config)
+    server.run()  # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight requests, lifespan shutdown
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_cli("dflash-serve", lambda: _serve(args), known=(UsageError, ValueError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,545 @@
+"""Continuous batching on the round API: a fixed number of slots, requests joining and leaving between rounds.
+
+The engine keeps ONE batched `SpecState` of `slots` rows (a compiled shape) for its whole life. A request
+joins by a prefill of its prompt alone (`spec.session._begin` at batch 1, right-padded to its prompt
+bucket) whose rows are then written into a free slot of the batched state (`_insert`: one jitted scatter,
+the slot index traced). A free slot is a row that is done. Nothing a request varies (prompt length inside a
+bucket, budget, sampling settings, stop ids, seed, slot) is a compiled shape, so after `warmup()` no
+request compiles anything (tested with `compile_cache.CompileCounter`).
+
+One round (`step`):
+  1. admit queued requests into free slots (prefill + insert; their first token is emitted at once);
+  2. draft every live slot (`_draft`: the draft forward, plus each row's projected expert set: every MoE
+     layer's router on the draft's hidden states of the block, the route-ahead "draft router" projection);
+  3. the scheduler (`scheduler.schedule`, pure) picks the slots that verify under the round's budgets of
+     verify tokens and expert bytes;
+  4. verify (`_verify`): the width-B target forward over all slots, acceptance, commit, and then every row
+     the scheduler left out (or that is free) is put back exactly as it was before the round: the whole
+     row of every state leaf is selected from the old state (caches, draft cache, keys, counters). So a
+     row that sits out a round is bit-for-bit the row it was, and a row that verifies computes what it
+     computes alone: each request's output is its output run alone (greedy: the same tokens; sampled: the
+     same draws from its own per-request key, so the target's distribution).
+  5. new tokens go to each request's callback; finished or cancelled requests free their slots.
+
+`Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
+rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import compile_cache
+from dflash_jax.models.family import family_of
+from dflash_jax.offload.predictors import router_topk
+from dflash_jax.offload.store import moe_layer_ids
+from dflash_jax.serve import scheduler as sched
+from dflash_jax.spec import requests as rq
+from dflash_jax.spec.sampling import RowSampling, SamplingParams
+from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, _begin, draft_round, verify_round
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (the message names the cause and the fix): a 400 for the server."""
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue is full (a 429 for the server)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the jitted pieces (each compiled once per engine shape; the prefill once per prompt bucket)
+# ----------------------------------------------------------------------------------------------------------
+
+def _rowwise(fn, *trees):
+    """tree_map over state leaves with a leading batch axis; PRNG key arrays go through their data."""
+    def one(*xs):
+        if jnp.issubdtype(xs[0].dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(xs[0])
+            out = fn(*(jax.random.key_data(x) for x in xs))
+            return jax.random.wrap_key_data(out, impl=impl)
+        return fn(*xs)
+    return jax.tree.map(one, *trees)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert(state: SpecState, row: SpecState, slot) -> SpecState:
+    """Writes the one-row state `row` into row `slot` (traced) of the batched state."""
+    return _rowwise(lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, 0),
+                    state, row)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _release(state: SpecState, free) -> SpecState:
+    """Marks the rows where `free` [b] bool is set as done (a cancelled request stops at once)."""
+    return state.replace(done=state.done | free)
+
+
+def _project_experts(target_w, hidden, router_args, num_experts: int, top_k: int, eps: float):
+    """bool [b, L, E]: the experts each row's block is projected to route to, per MoE layer (the layer's
+    router on `hidden` [b, W, H] after the layer's post-attention norm, each row's top-k)."""
+    norms, routers, biases, options, topk_first = router_args
+    b, w, h = hidden.shape
+    flat = hidden.reshape(b * w, h)
+
+    def one(norm_w, router, bias):
+        experts, _, _ = router_topk(flat, norm_w, router.astype(flat.dtype), bias, top_k, eps, options, topk_first)
+        return experts
+
+    experts = jax.vmap(one)(norms, routers, biases)  # [L, b*W, k]
+    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.bool_).any(axis=2)  # [L, b*W, E]
+    return onehot.reshape(onehot.shape[0], b, w, num_experts).any(axis=2).transpose(1, 0, 2)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "options", "topk_first"))
+def _draft(target_w, draft_w, state: SpecState, norms, routers, biases, spec: SpecConfig, options, topk_first):
+    draft = draft_round(target_w, draft_w, state, spec)
+    hidden = draft.hidden if draft.hidden is not None else target_w.embed[state.anchor][:, None]
+    demand = _project_experts(target_w, hidden, (norms, routers, biases, options, topk_first),
+                              spec.target.moe.num_experts, spec.target.moe.top_k, spec.target.rms_norm_eps)
+    return draft, demand
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def _verify(target_w, state: SpecState, draft, active, spec: SpecConfig) -> SpecState:
+    """`verify_round` for the rows where `active` [b] is set; every other row keeps its old state exactly."""
+    run = state.replace(done=state.done | ~active)
+    new = verify_round(target_w, run, draft, spec)
+    new = new.replace(done=jnp.where(active, new.done, state.done))
+
+    def keep(n, o):
+        mask = active.reshape(active.shape + (1,) * (n.ndim - 1))
+        return jnp.where(mask, n, o)
+
+    return _rowwise(keep, new, state)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# requests
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Request:
+    """One generation request and what it produced. `on_tokens(request, new_ids)` is called from the engine's
+    thread with each round's new tokens; `on_finish(request)` once at the end."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: list[int]
+    seed: int
+    on_tokens: Callable | None = None
+    on_finish: Callable | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    acceptance: list[int] = dataclasses.field(default_factory=list)  # tokens committed per verify
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    slot: int | None = None
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    rounds_waited: int = 0  # rounds live but not admitted to verify
+    cancel_requested: bool = False
+    done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done_event.wait(timeout)
+
+
+@dataclasses.dataclass
+class RoundInfo:
+    """What one `step` did (also fed to the metrics)."""
+
+    admitted: int = 0  # requests prefilled into slots
+    live: int = 0  # slots with a live request at the draft
+    verified: int = 0  # slots the scheduler admitted to verify
+    tokens: int = 0  # tokens emitted (first tokens of new requests included)
+    committed: list = dataclasses.field(default_factory=list)  # tokens committed per verified sequence
+    verify_tokens: int = 0
+    expert_bytes: float = 0.0  # bytes of the union of the verified rows' projected experts
+    finished: list = dataclasses.field(default_factory=list)  # finish reasons of the requests that ended
+    how: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    compiles: int = 0
+
+
+class Engine:
+    """Continuous batching over `slots` rows of one compiled round (module docstring).
+
+    block_size: verify width B (1 = no speculation: one target token per round; default: the draft's).
+    max_prompt_len / max_new_tokens: the largest request served (requests beyond them get a RequestError);
+    they fix the cache and output-buffer shapes. method: acceptance rule of sampled requests
+    ("exact_match" | "rejection"). token_budget / expert_byte_budget: the scheduler's per-round budgets
+    (None: unlimited). max_queue: requests waiting for a slot before `submit` raises QueueFull."""
+
+    def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
+                 max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
+                 expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None):
+        tcfg, dcfg = pair.target_cfg, pair.draft_cfg
+        block_size = dcfg.block_size if block_size is None else block_size
+        rq.check_int(slots, "slots", low=1, what="a positive integer")
+        rq.check_int(block_size, "block_size", low=1, high=dcfg.block_size + 1,
+                     what=f"between 1 and the draft's trained block size {dcfg.block_size}")
+        rq.check_int(max_prompt_len, "max_prompt_len", low=1, what="a positive integer")
+        rq.check_int(max_new_tokens, "max_new_tokens", low=1, what="a positive integer")
+        rq.check_int(max_queue, "max_queue", low=0, what="a non-negative integer")
+        if method not in ("exact_match", "rejection"):
+            raise ValueError(f"method must be 'exact_match' or 'rejection', got {method!r}")
+        if getattr(tcfg, "moe", None) is None:
+            raise ValueError("the serving engine's scheduler needs an MoE target (num_experts); this target is dense")
+        self.pair, self.slots, self.block_size, self.method = pair, int(slots), int(block_size), method
+        self.buckets = rq.DEFAULT_BUCKETS if buckets is None else buckets
+        self.max_prompt_len = self.buckets.prompt_len(int(max_prompt_len))
+        max_pos = tcfg.max_position_embeddings
+        self.output_len = self.buckets.output_len(int(max_new_tokens))
+        max_len = min(self.buckets.cache_len(self.max_prompt_len + self.output_len + self.block_size), max_pos)
+        if max_len < self.max_prompt_len + 1 + self.block_size:
+            raise ValueError(f"max_prompt_len {max_prompt_len} leaves no room in the target's {max_pos} positions")
+        self.max_prompt_len = min(self.max_prompt_len, max_len - self.block_size - 1)
+        self.max_new_tokens = int(max_new_tokens)
+        self.stops_len = self.buckets.stops_len(4)
+        self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
+                               output_len=self.output_len, method=method)
+        self.budgets = sched.Budgets(tokens=token_budget, expert_bytes=expert_byte_budget)
+        self.max_queue = int(max_queue)
+        fam = family_of(tcfg)
+        layers = moe_layer_ids(pair.target)
+        self.moe_layers = layers
+        parts = [fam.router_parts(pair.target.layers[i]) for i in layers]
+        self._norms = jnp.stack([p[0] for p in parts])
+        self._routers = jnp.stack([p[1] for p in parts])
+        biases = [p[2] for p in parts]
+        self._biases = None if all(b is None for b in biases) else jnp.stack(biases)
+        self._options = tuple(sorted(fam.router_norm.items()))
+        self._topk_first = bool(fam.router_topk_first)
+        self.expert_bytes = self._expert_byte_table(pair, layers, tcfg.moe.num_experts)
+        self.sched_state = sched.SchedulerState()
+        self.state = None
+        self.requests: dict[int, Request] = {}  # slot -> request
+        self.queue: collections.deque[Request] = collections.deque()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread = None
+        self._stopping = False
+        self.observers: list[Callable[[RoundInfo], None]] = []
+        self.rounds = 0
+        self.warm = False
+
+    @staticmethod
+    def _expert_byte_table(pair, layers, num_experts) -> np.ndarray:
+        """[L, E]: the bytes of one expert's tables (gate_up + down, as stored) in each MoE layer."""
+        out = np.zeros((len(layers), num_experts))
+        for j, i in enumerate(layers):
+            mlp = pair.target.layers[i].mlp
+            total = sum(int(x.nbytes) for x in jax.tree.leaves((mlp.gate_up, mlp.down)))
+            out[j] = total / num_experts
+        return out
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    def validate(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_ids: Sequence[int] = (), seed: int = 0) -> None:
+        """Raises RequestError (naming the cause and the fix) for a request this engine cannot serve."""
+        vocab = self.spec.target.vocab_size
+        try:
+            rq.check_prompts([list(prompt)], vocab)
+            rq.check_int(max_new_tokens, "max_tokens", low=1, high=2**31, what="a positive integer")
+            rq.check_stop_ids(list(stop_ids), 1, vocab)
+            rq.check_seeds(seed, 1)
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from None
+        if not isinstance(sampling, SamplingParams):
+            raise RequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not sampling.greedy and sampling.mode != self.method:
+            raise RequestError(f"this engine samples with the {self.method!r} acceptance rule; the request asks "
+                               f"for {sampling.mode!r}")
+        if len(prompt) > self.max_prompt_len:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; this server takes at most "
+                               f"{self.max_prompt_len} (shorten the prompt or restart with a larger --max-prompt-len)")
+        if max_new_tokens > self.max_new_tokens:
+            raise RequestError(f"max_tokens {max_new_tokens} is beyond this server's context: at most "
+                               f"{self.max_new_tokens} new tokens (lower max_tokens or restart with a larger "
+                               "--max-new-tokens)")
+        if len(stop_ids) > self.stops_len:
+            raise RequestError(f"{len(stop_ids)} stop token ids; at most {self.stops_len} per request")
+
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               stop_ids: Sequence[int] = (), seed: int = 0, on_tokens=None, on_finish=None) -> Request:
+        """Queues a request (validated first: RequestError). Raises QueueFull when `max_queue` are waiting."""
+        self.validate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
+        req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], max_new_tokens=int(max_new_tokens),
+                      sampling=sampling, stop_ids=[int(t) for t in stop_ids], seed=int(seed), on_tokens=on_tokens,
+                      on_finish=on_finish, submitted_at=time.perf_counter())
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"{len(self.queue)} requests are already waiting (the queue holds {self.max_queue}):"
+                                " retry later")
+            self.queue.append(req)
+            self._wake.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stops a request: it leaves the queue, or its slot is freed before the next round."""
+        with self._wake:
+            req.cancel_requested = True
+            self._wake.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    @property
+    def slots_in_use(self) -> int:
+        return len(self.requests)
+
+    # -- the state -------------------------------------------------------------------------------------
+
+    def _row_inputs(self, req: Request | None):
+        """A one-row prefill batch (prompt padded to its bucket), its RowParams and key."""
+        prompt = req.prompt if req is not None else [0]
+        width = self.buckets.prompt_len(len(prompt))
+        tokens, lengths = rq.pad_prompts([np.asarray(prompt, np.int32)], width, 1)
+        sampling = req.sampling if req is not None else SamplingParams()
+        params = RowParams(budget=np.array([req.max_new_tokens if req is not None else 1], np.int32),
+                           sampling=RowSampling.of([sampling]),
+                           stop_ids=rq.pad_stop_ids([req.stop_ids if req is not None else []], self.stops_len, 1))
+        seed = req.seed if req is not None else 0
+        key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))[None]
+        return tokens, lengths, params, key_data, np.zeros(1, np.int32)
+
+    def _prefill(self, req: Request | None) -> SpecState:
+        tokens, lengths, params, key_data, key_fold = self._row_inputs(req)
+        return _begin(self.pair.target, self.pair.draft, tokens, lengths, params, key_data, key_fold, self.spec)
+
+    def _empty_state(self) -> SpecState:
+        row = self._prefill(None)
+        rows = jax.tree.map(lambda x: jnp.concatenate([x] * self.slots, axis=0), row)
+        return rows.replace(done=jnp.ones((self.slots,), bool))
+
+    def warmup(self, prompt_buckets: Sequence[int] | None = None) -> float:
+        """Compiles the prefill for every prompt bucket up to max_prompt_len (or the given lengths), the
+        insert, the draft and the verify. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        compile_cache.ensure_enabled()
+        if self.state is None:
+            self.state = self._empty_state()
+        if prompt_buckets is None:
+            sizes, n = [], 1
+            while True:
+                b = self.buckets.prompt_len(n)
+                if b > self.max_prompt_len:
+                    break
+                sizes.append(b)
+                n = b + 1
+        else:
+            sizes = sorted({self.buckets.prompt_len(n) for n in prompt_buckets})
+        idle = np.zeros(self.slots, bool)
+        for _ in range(2):  # the second pass runs on states that are outputs of the first (same cache keys)
+            for width in sizes:
+                req = Request(id=-1, prompt=[0] * width, max_new_tokens=1, sampling=SamplingParams(), stop_ids=[],
+                              seed=0)
+                row = self._prefill(req)
+                slot = next((s for s in range(self.slots) if s not in self.requests), None)
+                if slot is not None:  # a dummy row that is done: the slot stays free
+                    self.state = _insert(self.state, row, np.int32(slot))
+            self.state = _release(self.state, idle)
+            draft, demand = self._draft_call()
+            np.asarray(demand)
+            self.state = _verify(self.pair.target, self.state, draft, idle, self.spec)
+        jax.block_until_ready(self.state.done)
+        self.warm = True
+        return time.perf_counter() - t0
+
+    def _draft_call(self):
+        return _draft(self.pair.target, self.pair.draft, self.state, self._norms, self._routers, self._biases,
+                      self.spec, self._options, self._topk_first)
+
+    # -- one round -------------------------------------------------------------------------------------
+
+    def _finish(self, req: Request, reason: str, info: RoundInfo) -> None:
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        if req.slot is not None:
+            self.requests.pop(req.slot, None)
+            req.slot = None
+        info.finished.append(reason)
+        if req.on_finish is not None:
+            req.on_finish(req)
+        req.done_event.set()
+
+    def _emit(self, req: Request, new: list[int], info: RoundInfo) -> None:
+        if not new:
+            return
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.tokens.extend(new)
+        info.tokens += len(new)
+        if req.on_tokens is not None:
+            req.on_tokens(req, new)
+
+    def _reason(self, req: Request) -> str:
+        return "stop" if req.tokens and req.tokens[-1] in req.stop_ids else "length"
+
+    def step(self) -> RoundInfo:
+        """One round: admissions, draft, schedule, verify, emission. Returns what it did."""
+        info = RoundInfo()
+        t0 = time.perf_counter()
+        with compile_cache.CompileCounter() as counter:
+            self._step(info)
+        info.compiles = counter.compiles
+        info.seconds = time.perf_counter() - t0
+        self.rounds += 1
+        for obs in self.observers:
+            obs(info)
+        return info
+
+    def _step(self, info: RoundInfo) -> None:
+        if self.state is None:
+            self.state = self._empty_state()
+        # cancellations
+        with self._wake:
+            cancelled_queue = [r for r in self.queue if r.cancel_requested]
+            for r in cancelled_queue:
+                self.queue.remove(r)
+        for r in cancelled_queue:
+            self._finish(r, "cancelled", info)
+        free = np.zeros(self.slots, bool)
+        for slot, r in list(self.requests.items()):
+            if r.cancel_requested:
+                free[slot] = True
+                self._finish(r, "cancelled", info)
+        if free.any():
+            self.state = _release(self.state, free)
+        # admissions
+        while len(self.requests) < self.slots:
+            with self._wake:
+                if not self.queue:
+                    break
+                req = self.queue.popleft()
+            slot = next(s for s in range(self.slots) if s not in self.requests)
+            row = self._prefill(req)
+            self.state = _insert(self.state, row, np.int32(slot))
+            first, done = np.asarray(row.output)[0, 0], bool(np.asarray(row.done)[0])
+            req.slot = slot
+            self.requests[slot] = req
+            info.admitted += 1
+            self._emit(req, [int(first)], info)
+            if done:
+                self._finish(req, self._reason(req), info)
+                self.state = _release(self.state, np.arange(self.slots) == slot)
+        if not self.requests:
+            return
+        # draft, schedule, verify
+        draft, demand = self._draft_call()
+        demand = np.asarray(demand)
+        live = sorted(self.requests)
+        info.live = len(live)
+        demands = [sched.Demand(key=self.requests[s].id, tokens=self.block_size, experts=demand[s]) for s in live]
+        decision = sched.schedule(demands, self.sched_state, self.budgets, self.expert_bytes)
+        self.sched_state = decision.state
+        slot_of = {self.requests[s].id: s for s in live}
+        active = np.zeros(self.slots, bool)
+        for key in decision.admitted:
+            active[slot_of[key]] = True
+        for key in decision.waiting:
+            self.requests[slot_of[key]].rounds_waited += 1
+        info.verified, info.verify_tokens, info.expert_bytes = int(active.sum()), decision.tokens, decision.expert_bytes
+        info.how = {slot_of[k]: v for k, v in decision.how.items()}
+        before = np.asarray(self.state.num_generated)
+        self.state = _verify(self.pair.target, self.state, draft, active, self.spec)
+        after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
+        output = np.asarray(self.state.output)
+        for s in live:
+            req = self.requests[s]
+            if not active[s]:
+                continue
+            new = [int(t) for t in output[s, before[s]: after[s]]]
+            req.acceptance.append(len(new))
+            info.committed.append(len(new))
+            self._emit(req, new, info)
+            if done[s]:
+                self._finish(req, self._reason(req), info)
+
+    # -- loops -----------------------------------------------------------------------------------------
+
+    def run_until_idle(self, max_rounds: int | None = None) -> int:
+        """Steps until no request is queued or live; returns the rounds run."""
+        n = 0
+        while self.queue or self.requests:
+            self.step()
+            n += 1
+            if max_rounds is not None and n >= max_rounds:
+                break
+        return n
+
+    def start(self) -> None:
+        """Runs rounds on a background thread until `stop()` (sleeping while idle)."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.queue and not self.requests:
+                    self._wake.wait(0.5)
+                if self._stopping and not self.requests and not self.queue:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a failed round fails its requests, never the server
+                info = RoundInfo()
+                for r in list(self.requests.values()) + list(self.queue):
+                    r.error = f"{type(e).__name__}: {e}"
+                    self._finish(r, "error", info)
+                self.queue.clear()
+                self.requests.clear()
+                self.state = None
+
+    def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:
+        """Graceful shutdown: no new requests; in-flight ones finish (or are cancelled with `cancel`)."""
+        with self._wake:
+            self._stopping = True
+            if cancel:
+                for r in list(self.queue) + list(self.requests.values()):
+                    r.cancel_requested = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # still busy: cancel what is left and wait for the round to end
+                with self._wake:
+                    for r in list(self.queue) + list(self.requests.values()):
+                        r.cancel_requested = True
+                self._thread.join(timeout)
+            self._thread = None
+
+
+def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(),
+             stop_ids=(), seed=0) -> list[Request]:
+    """Submits every prompt and runs the engine until all are done (the synchronous form)."""
+    n = len(prompts)
+    budgets = rq.per_row(max_new_tokens, n, "max_new_tokens", lambda v: not rq._is_sequence(v))
+    samplings = rq.per_row(sampling, n, "sampling", lambda v: isinstance(v, SamplingParams))
+    seeds = rq.per_row(seed, n, "seed", lambda v: not rq._is_sequence(v))
+    nested = bool(stop_ids) and all(rq._is_sequence(s) for s in stop_ids)
+    stops = rq.per_row(list(stop_ids), n, "stop_ids", lambda v: not nested)
+    reqs = [engine.submit(p, max_new_tokens=m, sampling=s, stop_ids=st, seed=sd)
+            for p, m, s, st, sd in zip(prompts, budgets, samplings, stops, seeds)]
+    engine.run_until_idle()
+    return reqs

@@ -1,0 +1,63 @@
+"""Prometheus metrics of a serving engine (`prometheus_client`, one registry per server)."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """Acceptance length (tokens committed per verified sequence), tokens/s, queue depth, slots in use,
+    expert bytes per round, compile events, rounds and requests. `on_round` takes the engine's RoundInfo."""
+
+    def __init__(self, window_s: float = 10.0):
+        r = self.registry = CollectorRegistry()
+        self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per verified sequence and round",
+                                    buckets=tuple(range(1, 17)) + (32,), registry=r)
+        self.tokens = Counter("dflash_generated_tokens", "Tokens generated", registry=r)
+        self.tokens_per_second = Gauge("dflash_tokens_per_second", "Tokens generated per second (last 10 s)",
+                                       registry=r)
+        self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a slot", registry=r)
+        self.slots_in_use = Gauge("dflash_slots_in_use", "Batch slots holding a live request", registry=r)
+        self.expert_bytes = Histogram("dflash_round_expert_bytes",
+                                      "Bytes of the union of the verified rows' projected experts per round",
+                                      buckets=tuple(2.0 ** k for k in range(10, 40, 2)), registry=r)
+        self.verified = Histogram("dflash_round_verified_sequences", "Sequences verified per round",
+                                  buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.compiles = Counter("dflash_compile_events", "XLA compiles during serving rounds", registry=r)
+        self.rounds = Counter("dflash_rounds", "Engine rounds run", registry=r)
+        self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
+        self.finished = Counter("dflash_requests_finished", "Requests finished, by finish reason", ["reason"],
+                                registry=r)
+        self._recent = collections.deque()
+        self._window = window_s
+
+    def on_round(self, info, *, queue_depth: int, slots_in_use: int) -> None:
+        for n in info.committed:
+            self.acceptance.observe(n)
+        self.tokens.inc(info.tokens)
+        if info.verified:
+            self.expert_bytes.observe(info.expert_bytes)
+            self.verified.observe(info.verified)
+        self.compiles.inc(info.compiles)
+        self.rounds.inc()
+        self.round_seconds.observe(info.seconds)
+        for reason in info.finished:
+            self.finished.labels(reason=reason).inc()
+        now = time.monotonic()
+        self._recent.append((now, info.tokens))
+        while self._recent and self._recent[0][0] < now - self._window:
+            self._recent.popleft()
+        span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else None
+        self.tokens_per_second.set(sum(n for _, n in self._recent) / span if span else 0.0)
+        self.set_levels(queue_depth=queue_depth, slots_in_use=slots_in_use)
+
+    def set_levels(self, *, queue_depth: int, slots_in_use: int) -> None:
+        self.queue_depth.set(queue_depth)
+        self.slots_in_use.set(slots_in_use)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

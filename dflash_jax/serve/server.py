@@ -1,0 +1,385 @@
+"""An OpenAI-compatible HTTP server over the engine (FastAPI on uvicorn): `dflash-serve`.
+
+  POST /v1/completions        prompt (text, or token ids), max_tokens, temperature, top_p, seed, stop, stream
+  POST /v1/chat/completions   messages (the tokenizer's chat template when the checkpoint has one; a plain
+                              "role: content" template otherwise), same settings, stream
+  GET  /v1/models, /health, /metrics (Prometheus text format)
+
+Extensions (accepted in the request body, e.g. the `openai` client's `extra_body`): `top_k`, `stop_token_ids`
+(token ids that end the generation; the target's eos is one unless `ignore_eos`), `ignore_eos`. Each
+choice also carries `token_ids`, the generated ids.
+
+Bad requests get 400 with an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; a full queue
+429; a client that disconnects (streaming or not) cancels its request and frees its slot. Shutdown stops
+taking requests, lets in-flight ones finish for `grace_s`, then cancels what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from dflash_jax.serve.engine import Engine, QueueFull, Request, RequestError, RoundInfo
+from dflash_jax.serve.metrics import Metrics
+from dflash_jax.spec.sampling import SamplingParams
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(e: BadRequest) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status)
+
+
+PLAIN_TEMPLATE = "plain"
+
+
+class Tokens:
+    """Text <-> ids through the checkpoint's tokenizer (`tokenizers.Tokenizer`, or None: ids only)."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequest(f"this checkpoint has no tokenizer.json: send `{param}` as a list of token ids", param)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if self.chat_template is not None:
+            import jinja2  # a checkpoint's HF chat template is a jinja2 template
+
+            template = jinja2.Environment().from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=True)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def _number(body: dict, name: str, default, kind, low=None, high=None, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise BadRequest(f"`{name}` must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+    if low is not None and (value <= low if low_open else value < low):
+        raise BadRequest(f"`{name}` must be {'>' if low_open else '>='} {low}, got {value}", name)
+    if high is not None and value > high:
+        raise BadRequest(f"`{name}` must be <= {high}, got {value}", name)
+    return kind(value)
+
+
+class Server:
+    """The HTTP layer: parses requests, feeds the engine, streams its tokens back."""
+
+    def __init__(self, engine: Engine, tokens: Tokens, *, model_name: str, eos_ids: tuple[int, ...] = (),
+                 grace_s: float = 10.0):
+        self.engine, self.tokens, self.model_name = engine, tokens, model_name
+        self.eos_ids = tuple(eos_ids)
+        self.grace_s = grace_s
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        engine.observers.append(self._on_round)
+        self.app = self._build()
+
+    def _on_round(self, info: RoundInfo) -> None:
+        self.metrics.on_round(info, queue_depth=self.engine.queue_depth, slots_in_use=self.engine.slots_in_use)
+
+    # -- request parsing -------------------------------------------------------------------------------
+
+    def _settings(self, body: dict, *, default_max_tokens: int) -> dict:
+        if body.get("n", 1) != 1:
+            raise BadRequest("only n = 1 is supported: send one request per completion", "n")
+        for name in ("best_of", "logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+            if body.get(name) not in (None, False, 1 if name == "best_of" else None):
+                raise BadRequest(f"`{name}` is not supported by this server", name)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadRequest(f"`max_tokens` must be a positive integer, got {max_tokens!r}", "max_tokens")
+        temperature = _number(body, "temperature", 1.0, float, low=0, high=2)
+        top_p = _number(body, "top_p", 1.0, float, low=0, high=1, low_open=True)
+        top_k = _number(body, "top_k", 0, int, low=0)
+        seed = _number(body, "seed", 0, int, low=-2**63, high=2**63 - 1)
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise BadRequest("`stop` must be a string or a list of up to 4 non-empty strings", "stop")
+        stop_ids = body.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise BadRequest("`stop_token_ids` must be a list of token ids", "stop_token_ids")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest("`ignore_eos` must be true or false", "ignore_eos")
+        ids = list(stop_ids) + ([] if ignore_eos else [t for t in self.eos_ids if t not in stop_ids])
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("`stream` must be true or false", "stream")
+        try:
+            sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, mode=self.engine.method)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+        return dict(max_new_tokens=max_tokens, sampling=sampling, stop_ids=ids, seed=seed, stop=stop, stream=stream)
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model {model!r} is not served here; this server serves {self.model_name!r} "
+                             "(GET /v1/models)", "model", status=404, kind="not_found_error")
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokens.encode(prompt, "prompt")
+        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return self._prompt_ids(prompt[0])
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise BadRequest("one prompt per request: send the prompts as separate requests", "prompt")
+        else:
+            raise BadRequest("`prompt` must be a non-empty string or a list of token ids", "prompt")
+        if not ids:
+            raise BadRequest("the prompt is empty: give at least one token", "prompt")
+        return ids
+
+    def _chat_ids(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("`messages` must be a non-empty list of {role, content} objects", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"messages[{i}] must be an object with a `role` and a `content`", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+                content = "".join(p.get("text", "") for p in content)
+            if not isinstance(content, str):
+                raise BadRequest(f"messages[{i}].content must be a string", "messages")
+            clean.append({"role": m["role"], "content": content})
+        return self.tokens.encode(self.tokens.chat_prompt(clean), "messages")
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def _submit(self, ids: list[int], s: dict, on_tokens, on_finish) -> Request:
+        try:
+            return self.engine.submit(ids, max_new_tokens=s["max_new_tokens"], sampling=s["sampling"],
+                                      stop_ids=s["stop_ids"], seed=s["seed"], on_tokens=on_tokens, on_finish=on_finish)
+        except RequestError as e:
+            raise BadRequest(str(e)) from None
+        except QueueFull as e:
+            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded") from None
+
+    def _visible(self, req: Request, s: dict) -> tuple[list[int], str, bool]:
+        """(the ids shown, their text cut at the first stop string, whether a stop string ended it)."""
+        ids = list(req.tokens)
+        if ids and ids[-1] in s["stop_ids"]:
+            ids = ids[:-1]
+        text = self.tokens.decode(ids)
+        cut = [text.index(x) for x in s["stop"] if x in text]
+        if cut:
+            return ids, text[: min(cut)], True
+        return ids, text, False
+
+    async def _generate(self, http: HttpRequest, ids: list[int], s: dict):
+        """Async iterator of (new text, finish_reason or None, request) as the engine produces tokens."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_tokens(req, new):
+            loop.call_soon_threadsafe(queue.put_nowait, "tokens")
+
+        def on_finish(req):
+            loop.call_soon_threadsafe(queue.put_nowait, "finish")
+
+        req = self._submit(ids, s, on_tokens, on_finish)
+        sent, checked = "", time.monotonic()
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(queue.get(), timeout=0.25)
+                    timed_out = False
+                except asyncio.TimeoutError:
+                    timed_out = True
+                if timed_out or time.monotonic() - checked > 0.25:
+                    checked = time.monotonic()
+                    if await http.is_disconnected():  # the client went away: free the slot
+                        self.engine.cancel(req)
+                        return
+                    if timed_out:
+                        continue
+                _, text, stopped = self._visible(req, s)
+                if stopped:
+                    self.engine.cancel(req)
+                finished = req.done_event.is_set() or stopped
+                if not finished and text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the rest
+                    continue
+                reason = None
+                if finished:
+                    reason = "stop" if stopped else req.finish_reason
+                    if reason == "error":
+                        raise RuntimeError(req.error)
+                if text.startswith(sent) and (len(text) > len(sent) or reason):
+                    yield text[len(sent):], reason, req
+                    sent = text
+                elif not text.startswith(sent):
+                    sent = text
+                if finished:
+                    return
+        finally:
+            if not req.done_event.is_set():
+                self.engine.cancel(req)
+
+    # -- the app ---------------------------------------------------------------------------------------
+
+    def _build(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.engine.start()
+            try:
+                yield
+            finally:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: self.engine.stop(timeout=self.grace_s))
+
+        app = FastAPI(title="dflash_jax", lifespan=lifespan)
+
+        async def body_of(http: HttpRequest) -> dict:
+            try:
+                body = await http.json()
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                raise BadRequest("the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            return body
+
+        @app.exception_handler(BadRequest)
+        async def bad_request(http, e: BadRequest):
+            return _error(e)
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "slots": self.engine.slots, "slots_in_use": self.engine.slots_in_use,
+                    "queue_depth": self.engine.queue_depth}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                                 "owned_by": "dflash_jax"}]}
+
+        @app.get("/metrics")
+        async def metrics():
+            self.metrics.set_levels(queue_depth=self.engine.queue_depth, slots_in_use=self.engine.slots_in_use)
+            data, content_type = self.metrics.render()
+            return PlainTextResponse(data, media_type=content_type)
+
+        @app.post("/v1/completions")
+        async def completions(http: HttpRequest):
+            body = await body_of(http)
+            self._check_model(body)
+            if "prompt" not in body:
+                raise BadRequest("`prompt` is required", "prompt")
+            s = self._settings(body, default_max_tokens=16)
+            ids = self._prompt_ids(body["prompt"])
+            return await self._respond(http, ids, s, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(http: HttpRequest):
+            body = await body_of(http)
+            self._check_model(body)
+            if "messages" not in body:
+                raise BadRequest("`messages` is required", "messages")
+            s = self._settings(body, default_max_tokens=self.engine.max_new_tokens)
+            ids = self._chat_ids(body["messages"])
+            return await self._respond(http, ids, s, chat=True)
+
+        return app
+
+    async def _respond(self, http: HttpRequest, ids: list[int], s: dict, *, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        gen = self._generate(http, ids, s)
+        try:
+            first = await gen.__anext__()  # submits; a bad request / full queue raises here, before any byte is sent
+        except StopAsyncIteration:
+            first = None
+
+        def usage(req: Request) -> dict:
+            return {"prompt_tokens": len(ids), "completion_tokens": len(req.tokens),
+                    "total_tokens": len(ids) + len(req.tokens)}
+
+        if not s["stream"]:
+            text, reason, req = "", None, None
+            item = first
+            while item is not None:
+                piece, reason, req = item
+                text += piece
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            if req is None:  # the client went away
+                return JSONResponse(error_body("the request was cancelled", "cancelled"), status_code=499)
+            token_ids = self._visible(req, s)[0]
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+            choice["token_ids"] = token_ids
+            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice],
+                    "usage": usage(req)}
+
+        async def events():
+            item, started = first, False
+            try:
+                while item is not None:
+                    piece, reason, req = item
+                    if chat:
+                        delta: dict[str, Any] = {"content": piece}
+                        if not started:
+                            delta["role"] = "assistant"
+                        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                    else:
+                        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+                    started = True
+                    chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                             "model": self.model_name, "choices": [choice]}
+                    if reason is not None:
+                        chunk["usage"] = usage(req)
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    try:
+                        item = await gen.__anext__()
+                    except StopAsyncIteration:
+                        item = None
+                yield "data: [DONE]\n\n"
+            finally:
+                await gen.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_app(engine: Engine, tokenizer=None, *, model_name: str = "dflash", chat_template: str | None = None,
+               eos_ids=(), grace_s: float = 10.0) -> FastAPI:
+    """The FastAPI app serving `engine` (the engine thread starts and stops with the app's lifespan)."""
+    return Server(engine, Tokens(tokenizer, chat_template), model_name=model_name, eos_ids=eos_ids,
+                  grace_s=grace_s).app

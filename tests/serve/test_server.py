@@ -1,0 +1,187 @@
+"""The OpenAI-compatible server, driven by the real `openai` client over HTTP on 127.0.0.1 (one server per module,
+started in the test on a free port)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "def fib(n):"
+
+
+@pytest.fixture(scope="module")
+def server(engine, pair):
+    import uvicorn
+
+    from dflash_jax.cli.generate import load_tokenizer
+    from dflash_jax.serve.server import create_app
+
+    eos = tuple(pair.target_cfg.eos_token_ids)
+    app = create_app(engine, load_tokenizer(pair), model_name="tiny", eos_ids=eos, grace_s=5.0)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    yield base
+    srv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive(), "the server did not shut down"
+    assert engine._thread is None  # the lifespan stopped the engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_models_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    health = httpx.get(server + "/health").json()
+    assert health["status"] == "ok" and health["slots"] == 4
+
+
+def test_completion_equals_dflash_generate(client, capsys, pair):
+    from dflash_jax.cli.generate import main
+
+    assert main(["--prompt", PROMPT, "--max-new-tokens", "24", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    choice = out.choices[0]
+    tokens = expected["tokens"]
+    stopped = tokens[-1] in pair.target_cfg.eos_token_ids
+    assert choice.model_extra["token_ids"] == (tokens[:-1] if stopped else tokens)
+    assert choice.text == expected["text"]
+    assert choice.finish_reason == ("stop" if stopped else "length")
+    assert out.usage.completion_tokens == len(tokens)
+
+
+def test_streaming_equals_non_streaming(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
+    pieces, reasons = [], []
+    for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True):
+        pieces.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert len(pieces) > 1  # really streamed
+    assert "".join(pieces) == full.choices[0].text
+    assert reasons[-1] == full.choices[0].finish_reason and all(r is None for r in reasons[:-1])
+
+    messages = [{"role": "user", "content": "print hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0)
+    deltas = [c.choices[0].delta.content or "" for c in
+              client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0, stream=True)]
+    assert chat.choices[0].message.role == "assistant"
+    assert "".join(deltas) == chat.choices[0].message.content and chat.choices[0].message.content
+
+
+def test_concurrent_clients_equal_alone(client):
+    """Six clients at once on four slots (some queue, rows join and leave mid-decode): each gets what it gets
+    alone, greedy and sampled (the same seed)."""
+    prompts = ["def fib(n):", "import os\n", "class Foo:", "for i in range(", "return x +", "# comment\n"]
+    settings = [dict(max_tokens=20 + 7 * i, temperature=0 if i % 2 == 0 else 0.8, seed=i) for i in range(6)]
+    alone = [client.completions.create(model="tiny", prompt=p, **s).choices[0].model_extra["token_ids"]
+             for p, s in zip(prompts, settings)]
+    results = [None] * 6
+
+    def one(i):
+        results[i] = client.completions.create(model="tiny", prompt=prompts[i], **settings[i]).choices[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [r.model_extra["token_ids"] for r in results] == alone
+    assert any(len(a) > 10 for a in alone)
+
+
+def _cancelled(server) -> float:
+    text = httpx.get(server + "/metrics").text
+    line = [x for x in text.splitlines() if x.startswith('dflash_requests_finished_total{reason="cancelled"}')]
+    return float(line[0].rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_cancellation_frees_the_slot(client, server, engine):
+    """A streaming client that goes away after its first chunk: its request is cancelled mid-generation (rounds
+    slowed to >= 50 ms so 64 tokens cannot finish first) and its slot is free again."""
+    assert len(engine.requests) == 0
+    cancelled = _cancelled(server)
+    slow = lambda info: time.sleep(0.05)  # noqa: E731
+    engine.observers.append(slow)
+    try:
+        stream = client.completions.create(model="tiny", prompt="def main():", max_tokens=64, temperature=0,
+                                           extra_body={"ignore_eos": True}, stream=True)
+        next(iter(stream))
+        stream.close()  # the client goes away mid-generation
+        deadline = time.time() + 30
+        while (httpx.get(server + "/health").json()["slots_in_use"] or _cancelled(server) == cancelled) \
+                and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.observers.remove(slow)
+    assert httpx.get(server + "/health").json()["slots_in_use"] == 0
+    assert _cancelled(server) == cancelled + 1
+
+
+def test_bad_requests(client, server, engine):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10_000)
+    assert e.value.status_code == 400 and "max_tokens" in e.value.body["message"]
+    assert e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[5, 99999])
+    assert "vocabulary" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x " * 200)
+    assert "--max-prompt-len" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    engine.max_queue, saved = 0, engine.max_queue
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+        assert e.value.status_code == 429
+    finally:
+        engine.max_queue = saved
+
+
+def test_metrics_and_no_compiles(client, server):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    text = httpx.get(server + "/metrics").text
+    assert _metric(text, "dflash_acceptance_length_count") > 0
+    assert _metric(text, "dflash_generated_tokens_total") >= 8
+    assert _metric(text, "dflash_rounds_total") > 0
+    assert _metric(text, "dflash_round_expert_bytes_count") > 0
+    assert _metric(text, "dflash_slots_in_use") == 0 and _metric(text, "dflash_queue_depth") == 0
+    assert "dflash_tokens_per_second" in text
+    # every request of this module sat in the warmed prompt bucket: the server compiled nothing
+    assert _metric(text, "dflash_compile_events_total") == 0
