@@ -12,14 +12,16 @@ rounded once to the activation dtype, the products are accumulated in float32 an
 to the output dtype (`preferred_element_type`, default `x.dtype`). Formats:
 
   MXFP4   Wq[n, 32b + j] = E2M1(code) * 2^(s[n, b] - 127)           (E8M0 byte s; s == 255 -> NaN)
-  NVFP4   Wq[n, 16b + j] = E2M1(code) * (float(bs[n, b]) * tensor_scale[g])
+  NVFP4   Wq[n, 16b + j] = (E2M1(code) * float(bs[n, b])) * ts       ts = tensor_scale: a scalar,
+                                                                    per group [G] or per row [G, N]
 
 The kernel's dequantized weights are bit-identical to `dequantize_mxfp4` / `dequantize_nvfp4` followed
-by `.astype(x.dtype)`, with one exception at the edge of the MXFP4 range: scale bytes 2..240 (block
-scales 2^-125 .. 2^113; real checkpoints sit near 2^-10) are exact, bytes 0/1 can flush subnormal
-products to zero on GPUs, bytes 241..254 saturate to inf; 255 is NaN as in the reference. NVFP4 is exact
-for every input (`E2M1 * bs` is exact in float32, then one rounding multiply by the tensor scale, as the
-reference does).
+by `.astype(x.dtype)` for every code and scale byte, with one exception: MXFP4 scale bytes 0 and 1 (block
+scales 2^-127, 2^-126) give float32 subnormal products, which a GPU may flush to zero (the reference keeps
+them; real checkpoints sit near 2^-10). Scale bytes 241..254 give the reference's values: finite where
+`E2M1 * 2^(s - 127)` fits float32, inf where it does not, 0 for zero codes; 255 is NaN for every code, as
+in the reference. NVFP4 is exact for every input (`E2M1 * bs` is exact in float32, then one rounding
+multiply by the tensor scale, as the reference does).
 
 Kernel design (the width-B verify regime: M = tokens x top-k is small, a group holds a few rows, the
 kernel is bound by reading FP4 weight bytes).
@@ -42,15 +44,19 @@ kernel is bound by reading FP4 weight bytes).
     unpacked nibble planes, never shuffling the weight.
   * Dequantization in registers: a 4-bit code `c = s e e m` becomes the float16 bit pattern
     `s << 15 | (e e m) << 9`, which is exactly `E2M1(c) * 2^-14` (e == 0 lands on float16 subnormals);
-    the per-block float32 multiplier `2^14 * scale` restores the value with one multiply per element
-    (NVFP4: a second multiply by the tensor scale keeps the reference's rounding).
+    two float32 multiplies per element restore the value. MXFP4: `2^(min(s, 240) - 113)` (always finite)
+    then `2^(max(s, 240) - 240)` (1 for every s <= 240; both powers of two, so the product is exact and
+    overflows to inf exactly where the reference's value does). NVFP4: `2^14 * float(bs)` (exact) then
+    the tensor scale, the reference's one rounding multiply.
   * Output rows are written only by the item owning them (masked stores); the output buffer starts as
     zeros (aliased input), so rows past `sum(group_sizes)` stay zero. Activations are padded by
     `block_m` rows and to a whole number of K tiles (cheap, they are small); weights are never copied
     and partial N / K tiles of the weight are masked loads.
 
 Supported: activations bfloat16 (the model path) and float32 (testing; the in-kernel dot runs at
-float32 "highest" precision); outputs bfloat16 / float32. Anything else raises NotImplementedError.
+float32 "highest" precision); outputs bfloat16 / float32; NVFP4 tensor scales of shape (), [G] or [G, N].
+Anything else raises NotImplementedError (`supports(w, x_dtype)` says so up front; the dispatcher's
+"auto" asks it and falls back to XLA).
 On CPU the kernel runs with `interpret=True` (the default off-GPU).
 """
 
@@ -66,6 +72,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import target
 from pallas_kernels.formats import MXFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE, MXFP4Tensor, NVFP4Tensor
 
 try:  # the Triton backend's Python API imports without a GPU; guard anyway (exotic builds)
@@ -186,11 +193,21 @@ def _e2m1_times_2m14(codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 
 
-def _mx_block_multiplier(s: jax.Array) -> jax.Array:
-    """E8M0 bytes -> float32 `2^14 * 2^(s - 127)` (inf for s in 241..254, NaN for 255)."""
-    e = jnp.minimum(s.astype(jnp.int32) + _F16_TRICK_EXP, 255)
-    bits = jnp.where(s == 255, jnp.int32(0x7FC00000), e << 23)
-    return lax.bitcast_convert_type(bits, jnp.float32)
+# The largest scale byte whose multiplier `2^14 * 2^(s - 127)` is a finite float32.
+_MX_SPLIT = 254 - _F16_TRICK_EXP
+
+
+def _mx_block_multipliers(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """E8M0 bytes -> float32 `(2^14 * 2^(min(s, 240) - 127), 2^(max(s, 240) - 240))`, NaN first for 255.
+
+    Both are finite powers of two whose product is `2^14 * 2^(s - 127)`; applied one after the other to
+    `E2M1 * 2^-14` they give the exact value, inf where it overflows float32 (module doc).
+    """
+    s = s.astype(jnp.int32)
+    lo = (jnp.minimum(s, _MX_SPLIT) + _F16_TRICK_EXP) << 23
+    lo = jnp.where(s == 255, jnp.int32(0x7FC00000), lo)
+    hi = (jnp.maximum(s, _MX_SPLIT) - _MX_SPLIT + 127) << 23
+    return lax.bitcast_convert_type(lo, jnp.float32), lax.bitcast_convert_type(hi, jnp.float32)
 
 
 def _e4m3_to_f32(b: jax.Array) -> jax.Array:
@@ -206,15 +223,16 @@ def _e4m3_to_f32(b: jax.Array) -> jax.Array:
     return jnp.where((e == 15) & (m == 7), jnp.float32(jnp.nan), val)
 
 
-def _dequantize_codes(codes: jax.Array, block_mult: jax.Array, tensor_scale: jax.Array | None, dtype) -> jax.Array:
-    """Codes -> weights in `dtype`: `(E2M1 * 2^-14) * block_mult [* tensor_scale]` in float32, rounded once.
+def _dequantize_codes(codes: jax.Array, block_mult: jax.Array, second: jax.Array | None, dtype) -> jax.Array:
+    """Codes -> weights in `dtype`: `((E2M1 * 2^-14) * block_mult) [* second]` in float32, rounded once.
 
-    The first product is exact (E2M1 * block scale); NVFP4's tensor-scale multiply is the reference's
-    one rounding float32 multiply, in the reference's order.
+    The first product is exact (E2M1 * block scale). `second` is MXFP4's high power of two (exact unless
+    the value overflows) or NVFP4's tensor scale (the reference's one rounding float32 multiply, in the
+    reference's order).
     """
     v = _e2m1_times_2m14(codes) * block_mult
-    if tensor_scale is not None:
-        v = v * tensor_scale
+    if second is not None:
+        v = v * second
     return v.astype(dtype)
 
 
@@ -227,6 +245,7 @@ def _dequantize_codes(codes: jax.Array, block_mult: jax.Array, tensor_scale: jax
 class _Static:
     fmt: str  # "mxfp4" | "nvfp4"
     n: int
+    row_scale: bool  # NVFP4 tensor scale per output row ([G, N]) instead of per group ([G])
     kp: int  # K // 2 (bytes per weight row)
     compute_dtype: Any
     tuning: FP4GroupedMatmulTuning
@@ -258,7 +277,10 @@ def _kernel(st: _Static, group_ref, row_start_ref, row_end_ref, ts_ref, xe_ref, 
     n_mask = cols < st.n if st.n % bn else None
     k_ragged = st.kp % bkp != 0
     num_k = pl.cdiv(st.kp, bkp)
-    ts = ts_ref[g] if st.fmt == "nvfp4" else None
+    if st.fmt == "nvfp4" and st.row_scale:  # [bn] scales of this tile's output rows, one per weight row
+        ts = _load(ts_ref, (g, pl.ds(n0, bn)), n_mask)[:, None]
+    elif st.fmt == "nvfp4":
+        ts = ts_ref[g]
     rows = pl.ds(r0, bm)
     precision = lax.Precision.HIGHEST if st.compute_dtype == jnp.float32 else None
 
@@ -281,13 +303,17 @@ def _kernel(st: _Static, group_ref, row_start_ref, row_end_ref, ts_ref, xe_ref, 
         packed = _load(q_ref, (g, pl.ds(n0, bn), pl.ds(kb0, bkp)), tile_mask(kb0, bkp, st.kp))
         sb0 = kt * nsb
         scales = _load(s_ref, (g, pl.ds(n0, bn), pl.ds(sb0, nsb)), tile_mask(sb0, nsb, st.kp // bps))
+        def per_element(v):  # [bn, nsb] per-block values -> [bn, bkp]
+            return jnp.broadcast_to(v[:, :, None], (bn, nsb, bps)).reshape(bn, bkp)
+
         if st.fmt == "mxfp4":
-            mult = _mx_block_multiplier(scales)
+            mult, big = map(per_element, _mx_block_multipliers(scales))
+            second = big
         else:
-            mult = _e4m3_to_f32(scales) * jnp.float32(_F16_TRICK_SCALE)
-        mult = jnp.broadcast_to(mult[:, :, None], (bn, nsb, bps)).reshape(bn, bkp)
-        lo = _dequantize_codes(packed & 0xF, mult, ts, st.compute_dtype)
-        hi = _dequantize_codes(packed >> 4, mult, ts, st.compute_dtype)
+            mult = per_element(_e4m3_to_f32(scales) * jnp.float32(_F16_TRICK_SCALE))
+            second = ts
+        lo = _dequantize_codes(packed & 0xF, mult, second, st.compute_dtype)
+        hi = _dequantize_codes(packed >> 4, mult, second, st.compute_dtype)
         xe = xe_ref[rows, pl.ds(kb0, bkp)]
         xo = xo_ref[rows, pl.ds(kb0, bkp)]
         return acc + dot_nt(xe, lo) + dot_nt(xo, hi)
@@ -302,8 +328,31 @@ def _kernel(st: _Static, group_ref, row_start_ref, row_end_ref, ts_ref, xe_ref, 
     _pl_triton.store(o_ref.at[rows, pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=mask)
 
 
+def _tensor_scale_kind(w: NVFP4Tensor) -> str | None:
+    """"group" for a scalar / [G] NVFP4 tensor scale, "row" for [G, N], None for anything else."""
+    g, n = w.packed.shape[0], w.packed.shape[1]
+    shape = tuple(jnp.shape(w.tensor_scale))
+    if shape in ((), (g,)):
+        return "group"
+    if shape == (g, n):
+        return "row"
+    return None
+
+
+def supports(w: Any, x_dtype: Any = None) -> bool:
+    """Whether the kernel takes weight `w` (and activations of `x_dtype`, when given)."""
+    if x_dtype is not None and jnp.dtype(x_dtype) not in SUPPORTED_ACTIVATION_DTYPES:
+        return False
+    if isinstance(w, MXFP4Tensor):
+        return len(w.shape) == 3
+    if isinstance(w, NVFP4Tensor):
+        return len(w.shape) == 3 and _tensor_scale_kind(w) is not None
+    return False
+
+
 def _weight_operands(w: Any) -> tuple[str, jax.Array, jax.Array, jax.Array]:
-    """(format, packed bytes [G, N, K//2] u8, scale bytes [G, N, K//blk] u8, tensor scale [G] f32)."""
+    """(format, packed bytes [G, N, K//2] u8, scale bytes [G, N, K//blk] u8, tensor scale f32 [G] or
+    [G, N])."""
     if isinstance(w, MXFP4Tensor):
         g, n, nb, half = w.blocks.shape
         packed = w.blocks.reshape(g, n, nb * half)
@@ -314,12 +363,14 @@ def _weight_operands(w: Any) -> tuple[str, jax.Array, jax.Array, jax.Array]:
         if bs.dtype != jnp.uint8:
             bs = lax.bitcast_convert_type(bs, jnp.uint8)
         ts = jnp.asarray(w.tensor_scale, jnp.float32)
+        kind = _tensor_scale_kind(w)
+        if kind is None:
+            raise NotImplementedError(
+                f"fp4_grouped_matmul: NVFP4 tensor_scale must be a scalar, per group [{g}] or per output row "
+                f"[{g}, {w.packed.shape[1]}]; got {ts.shape}. Use implementation='xla'."
+            )
         if ts.ndim == 0:
             ts = jnp.broadcast_to(ts, (g,))
-        elif ts.shape != (g,):
-            raise NotImplementedError(
-                f"fp4_grouped_matmul: NVFP4 tensor_scale must be a scalar or per-group [{g}]; got {ts.shape}"
-            )
         return "nvfp4", w.packed, bs, ts
     raise TypeError(f"fp4_grouped_matmul: expected an MXFP4Tensor or NVFP4Tensor weight; got {type(w).__name__}")
 
@@ -366,7 +417,7 @@ def fp4_grouped_matmul(
     g, n, k = _check(x, w, group_sizes, out_dtype)
     m = x.shape[0]
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = target.platform() != "gpu"
     tuning = tuning or default_tuning(m, k, n)
     fmt = "mxfp4" if isinstance(w, MXFP4Tensor) else "nvfp4"
     blk = MXFP4_BLOCK_SIZE if fmt == "mxfp4" else NVFP4_BLOCK_SIZE
@@ -383,7 +434,7 @@ def _fp4_grouped_matmul_jit(x, w, group_sizes, *, out_dtype, tuning: FP4GroupedM
     g, n, kp = packed.shape
     m = x.shape[0]
     bm, bn, bkp = tuning.block_m, tuning.block_n, tuning.block_k // 2
-    st = _Static(fmt=fmt, n=n, kp=kp, compute_dtype=jnp.dtype(x.dtype), tuning=tuning)
+    st = _Static(fmt=fmt, n=n, row_scale=ts.ndim == 2, kp=kp, compute_dtype=jnp.dtype(x.dtype), tuning=tuning)
 
     # Even / odd activation columns (module doc), padded by one row tile and to whole K tiles so the
     # kernel's activation loads need no masks.

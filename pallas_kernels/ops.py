@@ -3,7 +3,9 @@
 `grouped_matmul(x, w, group_sizes)` computes, for rows sorted by group,
     y[rows of group g] = x[rows of group g] @ W[g]          W[g]: [K, N]
 Rows past `sum(group_sizes)` produce zeros. Every MoE layer of every family goes through here, so a kernel
-added later changes one place.
+added later changes one place. A group's weights reach only its own rows: a NaN / inf in an expert with no
+rows (a poisoned or never-written pool slot, a broken checkpoint's unused expert) changes no output, in
+every implementation.
 
 Weight operands (the "slot pool" of a layer's experts):
   - a dense array `[G, K, N]` ([in, out] per group);
@@ -12,14 +14,21 @@ Weight operands (the "slot pool" of a layer's experts):
 
 implementation:
   "xla"    -> dequantize (FP4) then `jax.lax.ragged_dot` (portable; the reference every other
-              implementation is tested against). Dequantizes the whole pool, routed or not.
+              implementation is tested against). Dequantizes the whole pool, routed or not. XLA's
+              ragged_dot on CPU multiplies every group's weights by a 0/1 row mask, so a non-finite
+              weight of any group would reach every row (0 * inf = NaN): the weights of groups without
+              rows are zeroed first (one select, fused into the dequantization for FP4) and rows past
+              sum(group_sizes) are zeroed after.
   "pallas" -> `pallas_kernels.fp4_grouped_matmul` for FP4 weights (Triton on GPU, interpret mode
               elsewhere): reads only the routed groups' FP4 bytes and dequantizes in registers.
               Activations bfloat16 / float32 only. Dense weights raise NotImplementedError: XLA's
               ragged_dot already streams dense bf16 weights, a Pallas dense kernel would add nothing
               the verify needs (the pool is FP4).
-  "auto"   -> "pallas" on GPU (`jax.default_backend() == "gpu"`) for FP4 weights with bfloat16 /
-              float32 activations, "xla" for everything else (CPU, TPU, dense weights).
+  "auto"   -> "pallas" on GPU (`target.platform() == "gpu"`) for the FP4 weights and activations
+              the kernel takes (`fp4_grouped_matmul.supports`: bfloat16 / float32 activations, NVFP4
+              tensor scales (), [G] or [G, N]), "xla" for everything else (CPU, TPU, dense weights).
+              On a backend without the kernel the XLA path dequantizes FP4 tables on every call;
+              `dflash_jax.load(..., dequantize_experts=...)` dequantizes them once at load instead.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fp4_grouped_matmul as _fp4
+from pallas_kernels import target
 from pallas_kernels.formats import FP4Tensor
 
 Implementation = Literal["auto", "xla", "pallas"]
@@ -42,14 +52,15 @@ def resolve_implementation(implementation: str, w: Any = None, x_dtype: Any = No
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "auto":
-        pallas_ok = (
-            jax.default_backend() == "gpu"
-            and is_fp4(w)
-            and x_dtype is not None
-            and jnp.dtype(x_dtype) in _fp4.SUPPORTED_ACTIVATION_DTYPES
-        )
+        pallas_ok = kernel_available() and x_dtype is not None and _fp4.supports(w, x_dtype)
         return "pallas" if pallas_ok else "xla"
     return implementation
+
+
+def kernel_available() -> bool:
+    """Whether the FP4 kernel runs compiled on the default backend (the GPU); elsewhere it only
+    interprets, far slower than XLA's dequantize + ragged_dot."""
+    return target.platform() == "gpu"
 
 
 def is_fp4(w: Any) -> bool:
@@ -96,6 +107,9 @@ def grouped_matmul(
             )
         return _fp4.fp4_grouped_matmul(x, w, group_sizes, preferred_element_type=preferred_element_type)
     out_dtype = preferred_element_type or x.dtype
-    return jax.lax.ragged_dot(
-        x, dense_weight(w, x.dtype), group_sizes.astype(jnp.int32), preferred_element_type=out_dtype
-    )
+    group_sizes = group_sizes.astype(jnp.int32)
+    routed = (group_sizes > 0)[:, None, None]
+    dense = jnp.where(routed, dense_weight(w, x.dtype), jnp.zeros((), x.dtype))
+    y = jax.lax.ragged_dot(x, dense, group_sizes, preferred_element_type=out_dtype)
+    live = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(jnp.maximum(group_sizes, 0))
+    return jnp.where(live[:, None], y, jnp.zeros((), y.dtype))

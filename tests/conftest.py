@@ -1,6 +1,13 @@
 """Test-session settings: the persistent compilation cache stays off (tests never write to the user's cache
-directory; a test that needs the cache points DFLASH_JAX_CACHE_DIR at a temp dir itself)."""
+directory; a test that needs the cache points DFLASH_JAX_CACHE_DIR at a temp dir itself); jax runs on the CPU
+on a machine without an NVIDIA GPU."""
 
+import glob
 import os
 
 os.environ["DFLASH_JAX_CACHE_DIR"] = "off"
+# Without an NVIDIA device the tests run on the CPU. Saying so up front also keeps an installed CUDA plugin (the
+# `gpu-compile` extra, tests/gpu_compile) from failing jax's backend start-up on missing CUDA libraries; the
+# plugin then only serves deviceless compiles for the H200 topology. A GPU machine keeps jax's own choice.
+if "JAX_PLATFORMS" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ["JAX_PLATFORMS"] = "cpu"

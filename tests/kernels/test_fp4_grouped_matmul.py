@@ -107,10 +107,10 @@ def check(y, exp: Expected, group_sizes: np.ndarray, out_dtype, impl: str, x_dty
         u_acc = 2.0**-11  # XLA:GPU float32 dots at default precision may use TF32
     tol = unit_roundoff(out_dtype) * np.abs(want) + (exp.k + 2) * u_acc * s + 1e-30
     err = np.abs(y - want)
-    bad = err > tol
+    bad = ~(err <= tol)  # NaN anywhere is out of tolerance too
     assert not bad.any(), (
-        f"{impl}: {bad.sum()} elements out of tolerance; worst err {err.max():.3g} "
-        f"(tol there {tol.flat[np.argmax(err - tol)]:.3g}), group_sizes {list(np.asarray(group_sizes))}"
+        f"{impl}: {bad.sum()} elements out of tolerance; worst err {np.nanmax(err):.3g} "
+        f"({np.isnan(y).sum()} NaN), group_sizes {list(np.asarray(group_sizes))}"
     )
 
 
@@ -220,35 +220,105 @@ def test_pallas_ragged_tiles_and_scalar_tensor_scale(fmt):
     check(y, Expected(x, w), gs, jnp.bfloat16, "pallas", jnp.bfloat16)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_pallas_ignores_unrouted_groups(fmt):
-    """NaN-poisoned experts without rows must not reach any output row."""
-    w = weights(fmt)
-    gs = np.array([0, 6, 0, 0, 9, 0, 3, 0], np.int32)
-    dead = jnp.asarray(gs == 0)[:, None, None]
+def poison(fmt: str, w, dead: np.ndarray, value: str):
+    """`w` with every weight of the `dead` groups NaN (`value="nan"`) or +-inf / NaN mixed ("inf")."""
+    dead = jnp.asarray(dead)[:, None, None]
     if fmt == "mxfp4":
-        poisoned = MXFP4Tensor(w.blocks, jnp.where(dead, jnp.uint8(255), w.scales))
-    else:
-        nan_e4m3 = jnp.asarray(np.array([np.nan], ml_dtypes.float8_e4m3fn))[0]
-        poisoned = NVFP4Tensor(w.packed, jnp.where(dead, nan_e4m3, w.block_scales), w.tensor_scale)
+        if value == "nan":
+            return MXFP4Tensor(w.blocks, jnp.where(dead, jnp.uint8(255), w.scales))
+        # scale byte 254 with codes of |E2M1| >= 2 overflows to +-inf; the zero codes stay 0 (but 0 * x)
+        big = jnp.where(dead[..., None], jnp.uint8(0x5F), w.blocks)  # codes 0xF (-6) and 0x5 (+3)
+        return MXFP4Tensor(big, jnp.where(dead, jnp.uint8(254), w.scales))
+    special = np.nan if value == "nan" else np.inf
+    bad = jnp.asarray(np.array([special], ml_dtypes.float8_e4m3fn))[0]  # e4m3fn has no inf: NaN as well
+    out = NVFP4Tensor(w.packed, jnp.where(dead, bad, w.block_scales), w.tensor_scale)
+    if value == "inf":  # an infinite tensor scale for the dead experts, finite block scales
+        ts = jnp.where(jnp.asarray(dead[:, 0, 0]), jnp.float32(np.inf), jnp.asarray(w.tensor_scale))
+        out = NVFP4Tensor(w.packed, w.block_scales, ts)
+    return out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_non_finite_weights_of_unrouted_groups_reach_no_output(impl, fmt, value):
+    """Experts without rows whose weights are NaN / inf must change no output row: neither the routed
+    groups' rows nor the rows past sum(group_sizes), which stay exactly zero. (XLA's ragged_dot alone
+    spreads them: it multiplies every group's weights by a 0/1 row mask.)"""
+    w = weights(fmt)
+    gs = np.array([0, 6, 0, 0, 9, 0, 3, 0], np.int32)  # sum 18 of 24 rows; the last group is dead too
+    poisoned = poison(fmt, w, gs == 0, value)
+    with np.errstate(invalid="ignore"):  # 0 x inf in the numpy decode of the poisoned experts
+        assert not np.isfinite(dequant_np(poisoned)[gs == 0]).any()
     x = activations(24, K, jnp.bfloat16)
-    y = runner("pallas")(x, poisoned, jnp.asarray(gs))
-    check(y, Expected(x, w), gs, jnp.bfloat16, "pallas", jnp.bfloat16)
+    y = runner(impl)(x, poisoned, jnp.asarray(gs))
+    check(y, Expected(x, w), gs, jnp.bfloat16, impl, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_mxfp4_scale_bytes_241_to_252_are_finite_and_exact(impl):
+    """Block scales 2^114 .. 2^125 keep every E2M1 value finite (the largest, 6 * 2^125, is below float32's
+    max): each implementation must give the reference's values, not inf / NaN (0 x inf)."""
+    g, n, k, m = 2, 16, 64, 12
+    rng = np.random.default_rng(21)
+    blocks = rng.integers(0, 256, size=(g, n, k // 32, 16), dtype=np.uint8)
+    blocks[:, :, :, 0] = 0  # zero codes in every block (0 x 2^s must be 0)
+    scales = rng.integers(241, 253, size=(g, n, k // 32), dtype=np.uint8)
+    w = MXFP4Tensor(jnp.asarray(blocks), jnp.asarray(scales))
+    assert np.isfinite(dequant_np(w)).all() and np.abs(dequant_np(w)).max() > 2.0**120
+    x = activations(m, k, jnp.bfloat16) * jnp.bfloat16(2.0**-122)  # products back near 1
+    gs = np.array([5, 6], np.int32)
+    check(runner(impl)(x, w, jnp.asarray(gs)), Expected(x, w), gs, jnp.bfloat16, impl, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_nvfp4_per_row_tensor_scale(impl, dtype):
+    """An NVFP4 tensor scale per output row ([G, N], a prefix of the leading shape) in every
+    implementation; "auto" takes the kernel for it where the kernel runs."""
+    rng = np.random.default_rng(22)
+    base = weights("nvfp4")
+    ts = jnp.asarray(rng.uniform(0.5, 3.0, size=(G, N)).astype(np.float32) * np.float32(1e-3))
+    w = NVFP4Tensor(base.packed, base.block_scales, ts)
+    x = activations(20, K, dtype)
+    gs = np.array([3, 0, 5, 0, 0, 7, 1, 0], np.int32)
+    check(runner(impl)(x, w, jnp.asarray(gs)), Expected(x, w), gs, dtype, impl, dtype)
+    assert fgm.supports(w, dtype)
+
+
+def test_auto_takes_the_kernel_only_for_what_it_supports(monkeypatch):
+    monkeypatch.setattr(ops, "kernel_available", lambda: True)
+    base = weights("nvfp4")
+    per_row = NVFP4Tensor(base.packed, base.block_scales, jnp.ones((G, N), jnp.float32))
+    scalar = NVFP4Tensor(base.packed, base.block_scales, jnp.float32(0.5))
+    for w in (weights("mxfp4"), base, per_row, scalar):
+        assert ops.resolve_implementation("auto", w, jnp.bfloat16) == "pallas"
+        assert ops.resolve_implementation("auto", w, jnp.float16) == "xla"
+    # a tensor scale the kernel cannot index (one per K element of a 2-D table) goes to XLA, not an error
+    odd = NVFP4Tensor(base.packed[0], base.block_scales[0], jnp.ones((N,), jnp.float32))
+    assert not fgm.supports(odd, jnp.bfloat16)
+    assert ops.resolve_implementation("auto", odd, jnp.bfloat16) == "xla"
+    assert ops.resolve_implementation("auto", jnp.ones((G, K, N), jnp.bfloat16), jnp.bfloat16) == "xla"
 
 
 def test_in_kernel_decode_is_bit_exact():
-    """The kernel's register decode equals the quant module's dequantization for every code x scale byte
-    in the supported domain (MXFP4 scale bytes 2..240 and 255; all finite NVFP4 scale bytes)."""
+    """The kernel's register decode equals the quant module's dequantization for every code x scale byte:
+    MXFP4 scale bytes 2..255 (241..254 included: finite where the value fits, inf where it overflows, 0 for
+    zero codes; 255 NaN; bytes 0..1 give subnormal products a backend may flush); every NVFP4 scale byte."""
     codes = np.arange(16, dtype=np.uint8)
     # MXFP4: one block per scale byte, the 16 codes twice
     s = np.arange(256, dtype=np.uint8)
     blocks = np.broadcast_to(np.tile(codes[0::2] | (codes[1::2] << 4), 2), (256, 16)).copy()
     want = dequantize_mxfp4_np(blocks, s, np.float32).reshape(256, 32)
     code_grid = np.broadcast_to(np.tile(codes, 2), (256, 32))
-    got = fgm._dequantize_codes(jnp.asarray(code_grid), fgm._mx_block_multiplier(jnp.asarray(s))[:, None], None,
-                                jnp.float32)
-    domain = (s >= 2) & (s <= 240) | (s == 255)
-    np.testing.assert_array_equal(np.asarray(got)[domain].view(np.uint32), want[domain].view(np.uint32))
+    lo, hi = fgm._mx_block_multipliers(jnp.asarray(s))
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        got = np.asarray(fgm._dequantize_codes(jnp.asarray(code_grid), lo[:, None], hi[:, None], dtype))
+        ref = want.astype(dtype)
+        domain = s >= 2  # bytes 0, 1: float32 subnormal products, flushed by XLA:CPU and maybe a GPU
+        np.testing.assert_array_equal(got[domain].astype(np.float32).view(np.uint32),
+                                      ref[domain].astype(np.float32).view(np.uint32))
+    assert np.isinf(want[254]).any() and np.isfinite(want[252]).all() and (want[241:255, 0] == 0).all()
     # NVFP4: every E4M3 byte as a block scale, a few tensor scales, rounded to bf16 and f32
     packed = np.broadcast_to(codes[0::2] | (codes[1::2] << 4), (256, 8)).copy()
     bs = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)

@@ -1,0 +1,97 @@
+"""The GPU path compiled for an H200 without a GPU: XLA:GPU + ptxas on abstract arrays (nothing allocated).
+
+Skipped unless the `gpu-compile` extra is installed (`pip install -e '.[gpu-compile]'`). The fast set compiles
+the FP4 kernel at the verify shapes of the three target models (about a second each); the real-size verify
+and draft rounds and the offloaded layer-wise pieces are `slow` (tens of seconds to minutes of XLA compile
+each on two cores). `benchmarks/h200_compile.py` writes the same compiles' report.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from tests.gpu_compile import deviceless as dl
+
+if not dl.plugin_available():
+    pytest.skip("needs the gpu-compile extra (jax-cuda12-plugin, jax-cuda12-pjrt, triton)", allow_module_level=True)
+if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present: the kernel suite runs on it instead", allow_module_level=True)
+
+from tests.gpu_compile import programs as pg  # noqa: E402
+
+GIB = 2**30
+VERIFY_SHAPES = [s for s in pg.kernel_shapes(("verify",))]
+PREFILL_SHAPES = [s for s in pg.kernel_shapes(("prefill",))]
+
+
+def _compile_kernel(shape):
+    return dl.compile_for_h200(pg.kernel_program, *pg.kernel_args(shape), name=shape.label,
+                               kernel_names=("grouped_matmul",))
+
+
+def _check_kernel(shape, c):
+    assert len(c.kernels) == 1, [k.name for k in c.kernels]
+    k = c.kernels[0]
+    assert k.name == "mxfp4_grouped_matmul"
+    # the launch grid is (work items, N tiles) as the wrapper computes it
+    from pallas_kernels import fp4_grouped_matmul as fgm
+
+    t = fgm.default_tuning(shape.m, shape.k, shape.n)
+    assert k.grid == (fgm.max_work_items(shape.m, shape.groups, t.block_m), -(-shape.n // t.block_n), 1)
+    assert k.threads == 32 * t.num_warps
+    # tensor cores: Hopper's warp-level bf16 MMA with fp32 accumulation
+    assert any(m.startswith("mma.sync") and "f32.bf16.bf16.f32" in m for m in k.mma), k.mma
+    # fits an SM: shared memory under the opt-in limit, registers under 64K per block
+    assert 0 < k.shared_memory_bytes <= dl.H200["shared_memory_per_block_optin"]
+    assert k.registers is not None and k.registers * k.threads <= dl.H200["registers_per_sm"]
+    # arguments are the whole weight table plus activations; temporaries stay small (no dequantized copy)
+    table = shape.groups * shape.n * (shape.k // 2 + shape.k // 32)
+    assert table <= c.argument_bytes < table + 4 * shape.m * shape.k + 4 * shape.groups + 1024
+    assert c.temp_bytes < table / 8
+    assert c.flops > 0 and c.bytes_accessed > 0
+
+
+@pytest.mark.parametrize("shape", VERIFY_SHAPES, ids=[f"{s.model}-{s.matrix}" for s in VERIFY_SHAPES])
+def test_fp4_kernel_compiles_for_h200_at_verify_shapes(shape):
+    _check_kernel(shape, _compile_kernel(shape))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=[f"{s.model}-{s.matrix}" for s in PREFILL_SHAPES])
+def test_fp4_kernel_compiles_for_h200_at_prefill_shapes(shape):
+    _check_kernel(shape, _compile_kernel(shape))
+
+
+def test_the_h200_is_a_cuda_sm90_target():
+    dev = dl.h200()
+    assert dev.platform in ("gpu", "cuda") and dev.device_kind == dl.H200["name"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(pg.MODELS))
+def test_verify_and_draft_rounds_compile_at_real_size(model):
+    spec, state, drafted = pg.round_inputs(model)
+    target, draft = pg.abstract_weights(model)
+    expert_bytes = pg.expert_bytes(model)
+    verify = dl.compile_for_h200(pg.verify_program, target, state, drafted, spec=spec, name=f"{model} verify",
+                                 kernel_names=("grouped_matmul",), donate_argnums=(1,))
+    # the verify reads the FP4 experts through the kernel (one launch per MoE matrix shape), never a dense copy
+    assert verify.kernels and all(k.name.endswith("grouped_matmul") for k in verify.kernels)
+    assert verify.argument_bytes > expert_bytes
+    assert verify.temp_bytes < 0.05 * expert_bytes, (verify.temp_bytes / GIB, expert_bytes / GIB)
+    assert verify.peak_bytes < dl.H200["memory_bytes"]
+    drafted_c = dl.compile_for_h200(pg.draft_program, target, draft, state, spec=spec, name=f"{model} draft")
+    assert drafted_c.peak_bytes < verify.peak_bytes and drafted_c.flops > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(pg.MODELS))
+def test_offloaded_layerwise_pieces_compile(model):
+    pieces = pg.offload_pieces(model)
+    assert any(name.startswith("experts") for name in pieces)
+    for name, (fn, args, kwargs) in pieces.items():
+        c = dl.compile_for_h200(fn, *args, name=f"{model} {name}", kernel_names=("grouped_matmul",), **kwargs)
+        if name.startswith("experts"):
+            assert c.kernels, f"{name}: the pooled experts run through the FP4 kernel"
+        assert c.peak_bytes < dl.H200["memory_bytes"]
