@@ -528,6 +528,8 @@ class Engine:
                         r.cancel_requested = True
                 self._thread.join(timeout)
             self._thread = None
+        with self._wake:
+            self._stopping = False  # stopped: the engine may be started (or stepped) again
 
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(),

@@ -15,9 +15,10 @@ admission was):
      deficit covers its cost in both dimensions (tokens; marginal bytes) and its cost fits what is left
      of both round budgets; the FIRST sequence whose deficits cover its cost is admitted even when its
      cost alone exceeds a budget (a sequence larger than the budget still runs, alone in its turn);
-  3. work-conserving pass: cyclically again, any sequence not yet admitted whose cost fits what is left of
+  3. work-conserving pass: by normalized credit (token deficit / token quantum + byte deficit / byte quantum,
+     largest first; ties in the cyclic order), any sequence not yet admitted whose cost fits what is left of
      both budgets is admitted (no capacity stays idle while someone could use it);
-  4. if nothing was admitted, the sequence with the largest normalized deficit is (every round with a live
+  4. if nothing was admitted, the sequence with the largest normalized credit is (every round with a live
      sequence verifies at least one);
   5. admitted sequences pay their cost (tokens, marginal bytes) from their deficits; the pointer moves
      just past the first sequence admitted by the deficit pass (step 2), else it stays.
@@ -75,6 +76,16 @@ class Decision:
     how: dict
     state: SchedulerState
     waiting: tuple[int, ...]
+
+
+def wait_bound(live: int, budgets: Budgets, max_tokens: int, expert_bytes: np.ndarray) -> int:
+    """The guarantee above: rounds a sequence may wait at most while `live` sequences (or fewer) share these
+    budgets, the widest verify being `max_tokens` (the sum over `live` when the token budget is unlimited)."""
+    all_bytes = float(np.asarray(expert_bytes).sum())
+    tok = budgets.tokens if budgets.tokens is not None else max_tokens * live
+    byte = budgets.expert_bytes if budgets.expert_bytes is not None else all_bytes
+    q_t, q_b = max(tok / live, 1.0), max(byte / live, 1.0)
+    return live + int(np.ceil(max(max_tokens, q_t) / q_t)) + int(np.ceil(max(all_bytes, q_b) / q_b))
 
 
 def union_bytes(masks: Sequence[np.ndarray], expert_bytes: np.ndarray) -> float:
@@ -137,15 +148,16 @@ def schedule(demands: Sequence[Demand], state: SchedulerState, budgets: Budgets,
             admit(k, "deficit", cost_b)
             if first_deficit is None:
                 first_deficit = k
-    for k in order:  # step 3: work conserving
+    credit = {k: dt[k] / q_t + db[k] / q_b for k in keys}  # normalized credit: who has waited most
+    by_credit = sorted(order, key=lambda k: -credit[k])  # stable: ties keep the cyclic order
+    for k in by_credit:  # step 3: work conserving
         if k in how:
             continue
         cost_t, cost_b = by_key[k].tokens, marginal(k)
         if used_t + cost_t <= tok_budget and used_b + cost_b <= byte_budget:
             admit(k, "work", cost_b)
     if not admitted:  # step 4: progress
-        k = max(order, key=lambda k: (min(dt[k] / max(by_key[k].tokens, 1), db[k] / max(marginal(k), 1.0)),
-                                      -order.index(k)))
+        k = by_credit[0]
         admit(k, "forced", marginal(k))
     for k, (cost_t, cost_b) in charged.items():
         dt[k] = max(dt[k] - cost_t, -cap_t)
