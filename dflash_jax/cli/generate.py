@@ -7,10 +7,12 @@
 `stats` (tokens/s, mean acceptance tau, rounds, time split), and with `--trace` a per-round `trace` of
 `proposal` (the B-1 draft tokens), `accepted` and `bonus`.
 
-`--offload --expert-budget-mb X [--predictor NAME]` keeps the routed experts in pinned host memory and
-verifies through a device pool of X MB (`dflash_jax.offload`); `stats` then also has `offload` (budget,
-slots, pinned experts) and `route_ahead` (coverage, waste, hit rate, bytes moved, transfer vs hide window),
-and each `--trace` round its `bytes_moved` (host->device expert bytes).
+`--offload --expert-budget-mb X [--predictor NAME] [--pin-experts auto|none|N] [--placement device|hybrid]`
+keeps the routed experts in pinned host memory and verifies through one device expert cache of X MB shared by
+every MoE layer (`dflash_jax.offload`; any X from one expert up runs, a smaller one is refused at once with the
+minimum); `stats` then also has `offload` (budget, cache slots, pinned experts) and `route_ahead` (coverage,
+waste, hit rate, bytes moved, transfer vs hide window), and each `--trace` round its `bytes_moved`
+(host->device expert bytes), `hits`, `misses`, `on_demand`, `host`, `prefetched`, `coverage` and `passes`.
 """
 
 from __future__ import annotations
@@ -81,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--offload", action="store_true",
                      help="keep the target's routed experts in host memory; lossless (same tokens)")
     off.add_argument("--expert-budget-mb", type=float, default=None,
-                     help="device memory for the expert pool in MB (1e6 bytes); required with --offload")
+                     help="device memory for the expert cache in MB (1e6 bytes), shared by every MoE layer; any value "
+                          "from one expert up runs (a layer whose routed experts do not fit runs in passes); "
+                          "required with --offload")
+    off.add_argument("--pin-experts", default="auto",
+                     help="auto: pin the prompt's hottest experts in what one layer's routed union leaves; none; or N: "
+                          "at most N pinned (layer, expert) pairs")
+    off.add_argument("--placement", default="device", choices=["device", "hybrid"],
+                     help="hybrid: cold experts computed on the host CPU when the cost model says that beats copying")
     off.add_argument("--predictor", default="draft_router",
                      help="route-ahead prefetch: none | previous | draft_router | residual (next layer's router on "
                           "the verify's residual, one layer ahead) | a '+'-joined union, e.g. previous+residual")
@@ -117,6 +126,8 @@ def run(args) -> dict:
             raise UsageError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {args.predictor!r}")
         if args.loop == "jit":
             raise UsageError("--offload runs its own stepping loop: drop --loop jit")
+        pin = _pin_experts(args.pin_experts)
+        _check_budget(directory, args.expert_budget_mb)  # before anything heavy: from the manifest alone
     elif args.expert_budget_mb is not None:
         raise UsageError("--expert-budget-mb only applies with --offload")
     if args.no_compile_cache:
@@ -153,8 +164,15 @@ def run(args) -> dict:
 
             request = {k: v for k, v in kwargs.items() if k not in ("block_size", "warmup")}
             try:
+                hybrid = None
+                if args.placement == "hybrid":
+                    from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
+                    from dflash_jax.offload.hybrid import HostCompute
+
+                    hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
                 gen = OffloadedGenerator(pair, budget_bytes=int(args.expert_budget_mb * 1e6), prefetcher=args.predictor,
-                                         width=args.predictor_width, block_size=args.block_size)
+                                         width=args.predictor_width, block_size=args.block_size, pin=pin,
+                                         hybrid=hybrid)
                 warm = gen.prefill([prompt], **request)  # compiles the prefill and a round: the timed run is compiled
                 if not warm.done:
                     gen.round(warm)
@@ -177,9 +195,35 @@ def run(args) -> dict:
     if tokenizer is not None:
         out["text"] = tokenizer.decode(result.tokens[0])
     if args.trace:
-        out["trace"] = [{k: row[0][k] for k in ("proposal", "accepted", "bonus", "bytes_moved") if k in row[0]}
+        out["trace"] = [{k: row[0][k] for k in ("proposal", "accepted", "bonus") + OFFLOAD_TRACE if k in row[0]}
                         for row in result.trace if row[0] is not None]
     return out
+
+
+# per-round offload fields of --trace (`offload.stats.TraceObserver`)
+OFFLOAD_TRACE = ("bytes_moved", "hits", "misses", "on_demand", "host", "prefetched", "coverage", "passes")
+
+
+def _pin_experts(value: str):
+    if value in ("auto", "none"):
+        return value == "auto"
+    if value.isdigit():
+        return int(value)
+    raise UsageError(f"--pin-experts must be auto, none or a count N >= 0, got {value!r}")
+
+
+def _check_budget(directory: str, budget_mb: float) -> None:
+    """Refuses a budget below the smallest that runs, from the checkpoint's manifest (no weights loaded)."""
+    from dflash_jax.checkpoint import read_manifest
+    from dflash_jax.offload.cache import min_budget_from_manifest
+
+    minimum, total = min_budget_from_manifest(read_manifest(directory))
+    if total == 0:
+        raise UsageError("--offload needs an MoE target (this checkpoint's target has no routed experts)")
+    if budget_mb * 1e6 < minimum:
+        raise UsageError(f"--expert-budget-mb {budget_mb:g} is below the minimum of {minimum / 1e6:.6g} MB (one expert "
+                         f"of each expert shape; all experts: {total / 1e6:.6g} MB): raise --expert-budget-mb to at "
+                         f"least {minimum / 1e6:.6g}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,10 @@
 """Host-offloaded experts with route-ahead prefetch (lossless).
 
   store.py        HostExpertStore: per-layer stacked expert tables (dense / FP4 parts, biases) in pinned_host memory
-  pool.py         ExpertPool: per MoE layer S device slots, slot table, LRFU eviction, pinning
+  cache.py        ExpertCache: one device expert cache shared by every MoE layer (a slab per expert shape, per-layer
+                  slot tables), eviction across layers, passes when a layer's routed experts do not fit
+  pool.py         ExpertPool: per MoE layer S device slots, slot table, LRFU eviction, pinning (the per-layer form)
+  hybrid.py       HostCompute: the per-expert, per-round cost-model choice to compute a cold expert on the host
   placement.py    pin the hottest experts of a routing profile under the budget, warm the cache slots
   forward.py      forward_layerwise: the verify layer by layer, exact routing read before each expert GEMM
   families.py     per-family adapters (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): expert fields, layer steps, caches
@@ -18,12 +21,16 @@
 Study code (the B0-B3 cost model, offline scoring, round recording) lives in `dflash_jax.study`.
 """
 
+from dflash_jax.offload.cache import ExpertCache, min_budget_bytes
 from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise
+from dflash_jax.offload.hybrid import HostCompute
 from dflash_jax.offload.loop import (
     OffloadedGenerator, OffloadResult, OffloadSession, RoundPrefetch, RoutePrefetcher, commit_verify_jit,
     generate_offloaded,
 )
-from dflash_jax.offload.placement import cache_reserve, plan_placement, routing_profile, warm_set
+from dflash_jax.offload.placement import (
+    cache_reserve, plan_placement, plan_shared, routing_profile, warm_set, warm_shared,
+)
 from dflash_jax.offload.pool import ExpertPool, PoolTooSmall, slots_for_budget
 from dflash_jax.offload.predictors import (
     PREDICTORS, DraftRouter, LearnedRouter, NextLayerResidual, NoPrediction, PreviousRound, RoundInputs, Union,
@@ -35,11 +42,11 @@ from dflash_jax.offload.stats import (
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 
 __all__ = [
-    "DraftRouter", "ExpertOperands", "ExpertPool", "HostExpertStore", "LayerRoundStats", "LearnedRouter",
+    "DraftRouter", "ExpertCache", "ExpertOperands", "ExpertPool", "HostCompute", "HostExpertStore", "LayerRoundStats", "LearnedRouter",
     "NextLayerResidual", "NoPrediction", "NonResidentExpert", "OffloadResult", "OffloadSession", "OffloadedGenerator",
     "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundObserver", "RoundPrefetch", "RoundStats",
     "RoundTokens", "RouteAheadStats", "RoutePrefetcher", "TraceObserver", "Union", "cache_reserve",
     "commit_verify_jit", "forward_layerwise", "generate_offloaded", "in_verify_part", "layer_round_stats",
-    "make_predictor", "moe_layer_ids", "plan_placement", "ranked_union", "routing_profile", "slots_for_budget",
-    "strip_experts", "warm_set",
+    "make_predictor", "min_budget_bytes", "moe_layer_ids", "plan_placement", "plan_shared", "ranked_union", "routing_profile", "slots_for_budget",
+    "strip_experts", "warm_set", "warm_shared",
 ]

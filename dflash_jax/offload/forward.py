@@ -9,7 +9,11 @@ as separately jitted steps (`LayerwiseSteps`) and an expert hook. For every deco
      weight operands covering them (the provider fetches what is missing into the device pool), checks that
      every routed expert is resident in them, and hands the loop the layer with its experts on the pool
      (`ModelFamily.with_expert_pool`: the slot table travels inside the layer's weights);
-  3. a jitted call runs the layer's experts on the pool.
+  3. a jitted call runs the layer's experts on the pool; or, when the provider gives *passes* (the layer's
+     routed union does not fit in the device cache at once, or hybrid placement computes cold experts on the
+     host CPU device), one jitted call per pass, each computing the rows routed to the pass's experts (the
+     others weighted 0) and chaining the residual: x + the sum of every routed row's contribution, each
+     routed expert in exactly one pass (checked). Equal to one pass up to fp32 summation order.
 So an expert GEMM never runs before the experts it reads are on the device, by construction and checked,
 whatever any prediction said. Optionally (`ahead_width`), step 1 also applies the next MoE layer's router to
 this layer's post-attention residual and step 2 hands that prediction to a hook that can prefetch the next
@@ -23,13 +27,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.decoder import ForwardOutput, Steps, run_layers
+from dflash_jax.models.decoder import ForwardOutput, Routing, Steps, run_layers
 from dflash_jax.models.family import family_of
 from dflash_jax.offload.predictors import router_topk
 
@@ -44,10 +48,16 @@ class ExpertOperands:
     tables: tuple
     slot_of: jax.Array | None
     resident: np.ndarray
+    # a pass over part of the routed experts (see `forward_layerwise`): [E] bool, the experts this pass computes
+    # (None: every routed expert, one pass); `host`: the tables are the whole table on the host CPU device and
+    # the pass runs there (hybrid placement), its output moved back to the device
+    mask: np.ndarray | None = None
+    host: bool = False
 
 
-# provider(layer index, routed expert ids [b*T, k] numpy) -> ExpertOperands
-ExpertProvider = Callable[[int, np.ndarray], ExpertOperands]
+# provider(layer index, routed expert ids [b*T, k] numpy) -> ExpertOperands, or an iterable of ExpertOperands with
+# masks (passes; the next pass is taken only after the previous one was dispatched, so a provider can reuse slots)
+ExpertProvider = Callable[[int, np.ndarray], "ExpertOperands | Iterable[ExpertOperands]"]
 # ahead(target MoE layer j, predicted experts [b*T, width] numpy, their routing probabilities [b*T, width] numpy):
 # the in-verify route-ahead hook, called for layer j right after the MoE layer before it was routed and supplied,
 # before that layer's experts are dispatched (the loop prefetches j's missing experts there)
@@ -89,6 +99,43 @@ def _mlp(fam, layer, x, h, routing, cfg, implementation):
     return fam.experts(layer, x, h, routing, cfg, implementation)
 
 
+@functools.partial(jax.jit, static_argnames=("fam", "cfg", "implementation", "first"))
+def _mlp_pass(fam, layer, x, h, routing, mask, cfg, implementation, first):
+    """One pass of a MoE layer's experts: the rows routed to experts in `mask` [E] bool keep their weights, the
+    others get weight 0 and are pointed at an expert of the pass (resident, so the zero-weighted product is
+    finite and adds an exact 0); passes after the first add only the routed part (`routed_only`: a shared
+    expert is added once). Chaining x through the passes gives x + the sum of every routed row's contribution."""
+    in_pass = mask[routing.experts]
+    anchor = jnp.argmax(mask).astype(routing.experts.dtype)
+    part = Routing(weights=jnp.where(in_pass, routing.weights, 0).astype(routing.weights.dtype),
+                   experts=jnp.where(in_pass, routing.experts, anchor), logits=routing.logits)
+    if not first:
+        layer = layer.replace(mlp=fam.routed_only(layer.mlp))
+    return fam.experts(layer, x, h, part, cfg, implementation)
+
+
+@dataclasses.dataclass
+class _Passes:
+    """What the expert hook hands the decoder loop for a layer computed in passes: the layer weights (without
+    expert tables) and the passes, the first already placed, the rest taken one at a time."""
+
+    layer: object
+    first: ExpertOperands
+    rest: object  # iterator of ExpertOperands
+    check: Callable[[ExpertOperands], None]
+    routed: np.ndarray  # the layer's distinct routed experts
+
+
+def host_device():
+    """The JAX CPU device hybrid placement computes cold experts on."""
+    return jax.devices("cpu")[0]
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
 @functools.partial(jax.jit, static_argnames=("fam", "cfg", "logits"))
 def _finish(fam, weights, x, num_valid, cfg, logits):
     return fam.finish(weights, x, num_valid, cfg, logits)
@@ -99,8 +146,10 @@ class LayerwiseSteps(Steps):
     weights are traced arguments), timing each layer on the host and, with `next_moe`, computing the in-verify
     route-ahead prediction of the next MoE layer with each MoE layer's routing."""
 
-    def __init__(self, fam, cfg, implementation, weights, next_moe: dict[int, int], width: int):
+    def __init__(self, fam, cfg, implementation, weights, next_moe: dict[int, int], width: int,
+                 dispatched: Callable[[int], None] | None = None):
         super().__init__(fam, cfg, implementation)
+        self.dispatched = dispatched or (lambda i: None)
         self.weights, self.next_moe, self.width = weights, next_moe, width
         self.guess = None  # (target MoE layer, (experts, probs, logits)) of the last attend, if any
         self.starts: list[float] = []
@@ -118,7 +167,31 @@ class LayerwiseSteps(Steps):
         return x, h, routing, state
 
     def mlp(self, i, layer, x, h, routing):
-        return _mlp(self.fam, layer, x, h, routing, self.cfg, self.implementation)
+        if not isinstance(layer, _Passes):
+            x = _mlp(self.fam, layer, x, h, routing, self.cfg, self.implementation)
+            self.dispatched(i)
+            return x
+        passes, covered = layer, []
+        first = True
+        for ops in _chain(passes.first, passes.rest):
+            passes.check(ops)
+            lw = passes.layer.replace(mlp=self.fam.with_expert_pool(passes.layer.mlp, ops.tables, ops.slot_of))
+            mask = np.asarray(ops.mask, bool)
+            if ops.host:  # hybrid placement: this pass runs on the host CPU device, its output comes back
+                home = x.sharding
+                lw, xin, hin, rin, m = jax.device_put((lw, x, h, routing, mask), host_device())
+                x = jax.device_put(_mlp_pass(self.fam, lw, xin, hin, rin, m, self.cfg, self.implementation, first),
+                                   home)
+            else:
+                x = _mlp_pass(self.fam, lw, x, h, routing, jnp.asarray(mask), self.cfg, self.implementation, first)
+            covered.append(np.flatnonzero(mask))
+            first = False
+            self.dispatched(i)
+        got = np.concatenate(covered)
+        if len(got) != len(np.unique(got)) or np.setdiff1d(passes.routed, got).size:
+            raise NonResidentExpert(f"layer {i}: the passes computed experts {sorted(got.tolist())}, the layer was "
+                                    f"routed to {passes.routed.tolist()} (each routed expert exactly once)")
+        return x
 
     def finish(self, weights, x, num_valid, logits):
         self.starts.append(time.perf_counter())
@@ -145,6 +218,7 @@ def forward_layerwise(
     weights, tokens: jax.Array, cache, cfg, *, provider: ExpertProvider,
     num_valid: jax.Array | None = None, tap_layers: tuple[int, ...] = (), logits: str = "all",
     implementation: str = "auto", ahead: AheadHook | None = None, ahead_width: int | None = None,
+    dispatched: Callable[[int], None] | None = None,
 ) -> LayerwiseOutput:
     """The family's `forward` (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE) layer by layer; MoE layer experts
     come from `provider` (see module doc).
@@ -160,7 +234,10 @@ def forward_layerwise(
     transfer as layer i's routing (no extra sync) and handed to `ahead(j, experts, probs)` after layer i's
     provider call and before layer i's experts are dispatched, so copies issued there overlap layer i's
     experts and layer j's attention. The first MoE layer gets no prediction; the programs are shared by all
-    layers of a kind (the next layer's weights are traced arguments)."""
+    layers of a kind (the next layer's weights are traced arguments).
+
+    dispatched(i): called right after each of layer i's expert calls (every pass) is dispatched: the operands
+    it read may be written again (a shared device cache defers copies into its slab until then)."""
     fam = family_of(cfg)
     if not isinstance(weights, fam.weights_type):
         raise TypeError(f"{type(cfg).__name__} needs {fam.weights_type.__name__} weights, got {type(weights).__name__}")
@@ -169,7 +246,7 @@ def forward_layerwise(
         num_valid = jnp.full((b,), t, jnp.int32)
     moe_ids = fam.moe_layer_ids(weights)
     next_moe = dict(zip(moe_ids, moe_ids[1:])) if ahead_width else {}
-    steps = LayerwiseSteps(fam, cfg, implementation, weights, next_moe, int(ahead_width or 0))
+    steps = LayerwiseSteps(fam, cfg, implementation, weights, next_moe, int(ahead_width or 0), dispatched)
     routed: dict[int, np.ndarray] = {}
     ahead_out: dict[int, np.ndarray] = {}
     ahead_logits: dict[int, jax.Array] = {}
@@ -179,13 +256,25 @@ def forward_layerwise(
         guess = steps.guess
         experts, guessed = jax.device_get((routing.experts, None if guess is None else guess[1][:2]))
         experts = np.asarray(experts)
-        ops = provider(i, experts)
-        if len(ops.tables) != len(fam.expert_fields):
-            raise ValueError(f"layer {i}: the provider gave {len(ops.tables)} expert tables, {fam.name} needs "
-                             f"{len(fam.expert_fields)} ({', '.join(fam.expert_fields)})")
-        if not ops.resident[experts].all():
-            bad = np.setdiff1d(experts, np.flatnonzero(ops.resident))
-            raise NonResidentExpert(f"layer {i}: experts {bad.tolist()} are routed but not resident")
+        given = provider(i, experts)
+        if isinstance(given, ExpertOperands) and given.mask is None and not given.host:
+            ops, rest = given, None
+        else:
+            it = iter([given] if isinstance(given, ExpertOperands) else given)
+            ops, rest = next(it), it
+
+        def check(ops):
+            if len(ops.tables) != len(fam.expert_fields):
+                raise ValueError(f"layer {i}: the provider gave {len(ops.tables)} expert tables, {fam.name} needs "
+                                 f"{len(fam.expert_fields)} ({', '.join(fam.expert_fields)})")
+            if ops.mask is None and rest is not None:
+                raise ValueError(f"layer {i}: every pass of a layer computed in passes needs its expert mask")
+            need = experts if ops.mask is None else experts[np.asarray(ops.mask, bool)[experts]]
+            if not ops.resident[need].all():
+                bad = np.setdiff1d(need, np.flatnonzero(ops.resident))
+                raise NonResidentExpert(f"layer {i}: experts {bad.tolist()} are routed but not resident")
+
+        check(ops)
         if guessed is not None:  # before layer i's experts are dispatched
             target = guess[0]
             ahead_out[target] = np.asarray(guessed[0])
@@ -193,6 +282,8 @@ def forward_layerwise(
             if ahead is not None:
                 ahead(target, ahead_out[target], np.asarray(guessed[1]))
         routed[i] = experts
+        if rest is not None:
+            return _Passes(layer=layer, first=ops, rest=rest, check=check, routed=np.unique(experts))
         return layer.replace(mlp=fam.with_expert_pool(layer.mlp, ops.tables, ops.slot_of))
 
     out = run_layers(steps, weights, tokens, cache, num_valid=num_valid, tap_layers=tap_layers, logits=logits,

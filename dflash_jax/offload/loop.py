@@ -57,9 +57,11 @@ import numpy as np
 
 from dflash_jax import compile_cache
 from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
-from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
-from dflash_jax.offload.placement import cache_reserve, plan_placement, routing_profile, warm_set
-from dflash_jax.offload.pool import ExpertPool, PoolTooSmall, slots_for_budget
+from dflash_jax.offload.cache import ExpertCache, min_budget_bytes, slab_groups, slab_slots
+from dflash_jax.offload.forward import ExpertOperands, forward_layerwise, host_device
+from dflash_jax.offload.hybrid import HostCompute, flops_per_row
+from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
+from dflash_jax.offload.pool import PoolTooSmall
 from dflash_jax.offload.predictors import NoPrediction, PreviousRound, RoundInputs, in_verify_part, make_predictor
 from dflash_jax.offload.stats import RoundStats, RoundTokens, RouteAheadStats, TraceObserver, layer_round_stats
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
@@ -111,7 +113,7 @@ class RoundPrefetch:
     issued, and `t_issue`, when the before-verify prefetch was issued (the start of its hide window)."""
 
     inputs: RoundInputs
-    pool: ExpertPool
+    pool: ExpertCache
     predicted: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     prefetched: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     late_moved: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -125,7 +127,7 @@ class RoutePrefetcher:
     draft's tokens / hidden states in `rec.inputs`) `after_draft(rec)`; and during the layer-wise verify, when
     `in_verify_width` is not None, `in_verify(rec, layer, experts, probs)` for each MoE layer but the first.
 
-    Prefetches are best effort (`ExpertPool.prefetch`: as many of the most likely as fit); with
+    Prefetches are best effort (`ExpertCache.prefetch`: as many of the most likely as fit); with
     `protect_previous` a prefetch never evicts an expert the previous verify routed to (a prediction that is
     wrong half the time would otherwise push out experts that are likely reused)."""
 
@@ -153,7 +155,7 @@ class RoutePrefetcher:
             return any(walk(q) for q in getattr(p, "predictors", ()))
         return walk(self.predictor)
 
-    def begin_round(self, pool: ExpertPool, inputs: RoundInputs) -> RoundPrefetch:
+    def begin_round(self, pool: ExpertCache, inputs: RoundInputs) -> RoundPrefetch:
         return RoundPrefetch(inputs=inputs, pool=pool, t_issue=time.perf_counter())
 
     def _keep(self, rec: RoundPrefetch, layer: int) -> list[np.ndarray]:
@@ -208,7 +210,7 @@ class OffloadSession:
 
     prepared: Prepared
     state: SpecState
-    pool: ExpertPool
+    pool: ExpertCache
     pinned: dict[int, np.ndarray]
     reserve: int
     initial_bytes: int
@@ -253,8 +255,8 @@ class OffloadedGenerator:
       (or an object with its methods) for another prefetch policy.
     width: experts per token a named predictor predicts (default top_k).
     block_size: the verify width B (default: the draft's trained block size; 1 = plain decoding).
-    pin: pin the prefill's hottest experts in the slots the cache reserve leaves (`placement.plan_placement`)
-      and start the cache slots with the next hottest (`placement.warm_set`); False: the pool starts empty.
+    pin: see below; the cache's other slots start with the next hottest (`placement.warm_shared`); False: the
+      cache starts empty.
     crf_lambda: the pool's LRFU decay. protect_previous: see `RoutePrefetcher`.
     verify: "auto" = one jitted program on the pool when every expert is pinned (nothing can miss), layer by
       layer otherwise; "layerwise" = always layer by layer; "single" = one program (the budget must hold
@@ -262,21 +264,30 @@ class OffloadedGenerator:
     implementation: the MoE grouped-matmul implementation (`nn.moe`).
     store: a `HostExpertStore` of `pair.target` to reuse (default: built here; a pair loaded with
       expert_memory="pinned_host" is used in place).
-    pool_factory: `pool_factory(store, slots, *, pinned, crf_lambda)` -> the session's `ExpertPool` (tests pass
-      `functools.partial(ExpertPool, poison=True)`).
+    pool_factory: `pool_factory(store, budget_bytes, *, pinned, crf_lambda)` -> the session's device expert cache
+      (default `cache.ExpertCache`, one cache shared by every MoE layer; tests pass
+      `functools.partial(ExpertCache, poison=True)`).
+    hybrid: a `hybrid.HostCompute` (cost-model figures): each round, missing experts whose host compute beats
+      their copy are computed on the host CPU device instead of being copied (None: every expert on the device).
     bandwidth: host->device bytes/s for the transfer-time estimates in the stats (default:
       `bandwidth.probe_host_to_device_bandwidth()`, measured once per process).
     buckets: the compiled shapes (`spec.requests.Buckets`; default the loops' buckets, batch padded).
     observers: objects with `on_round(RoundStats)` called after every round of every request.
 
-    Each session owns its pool: sessions alive at the same time hold `budget_bytes` each (drop a session, or
-    finish it, before the next when the device has room for one pool)."""
+    Any budget from `min_budget_bytes` (one expert of each expert shape) up runs: a layer whose routed union
+    does not fit in the cache runs its experts in passes (`cache.ExpertCache.plan_passes`); below it the
+    constructor raises PoolTooSmall naming the minimum, before anything is compiled.
+    pin: True = pin the prefill's hottest (layer, expert) pairs in the slots one layer's routed union leaves
+      (`placement.plan_shared`); an int = at most that many of them; False / 0 = pin nothing.
+    Each session owns its cache: sessions alive at the same time hold `budget_bytes` each (drop a session, or
+    finish it, before the next when the device has room for one cache)."""
 
     def __init__(self, pair, *, budget_bytes: int, prefetcher="none", width: int | None = None,
                  block_size: int | None = None, pin: bool = True, crf_lambda: float = 0.5,
                  protect_previous: bool = True, verify: str = "auto", implementation: str = "auto",
-                 store: HostExpertStore | None = None, pool_factory: Callable[..., ExpertPool] = ExpertPool,
-                 bandwidth: float | None = None, buckets: Buckets | None = None, observers: Sequence[Any] = ()):
+                 store: HostExpertStore | None = None, pool_factory: Callable[..., Any] = ExpertCache,
+                 bandwidth: float | None = None, buckets: Buckets | None = None, observers: Sequence[Any] = (),
+                 hybrid: HostCompute | None = None):
         cfg = pair.target_cfg
         if not getattr(cfg, "is_moe", False):
             raise ValueError("offloaded generation needs an MoE target (this target has no routed experts)")
@@ -288,10 +299,11 @@ class OffloadedGenerator:
         self.layers = moe_layer_ids(pair.target)
         self.top_k = cfg.moe.top_k
         self.budget_bytes = int(budget_bytes)
-        self.slots = slots_for_budget(self.store, budget_bytes)
-        if self.slots < 1:
-            raise PoolTooSmall(f"expert budget {budget_bytes} bytes is below one expert per MoE layer "
-                               f"({sum(self.store.expert_bytes(l) for l in self.layers)} bytes)")
+        self.min_budget_bytes = min_budget_bytes(self.store)
+        self.groups = list(zip(slab_groups(self.store), slab_slots(self.store, self.budget_bytes)))  # raises
+        self.slots = int(sum(n for _, n in self.groups))
+        self.hybrid = hybrid
+        self._host_tables: dict[int, tuple] = {}
         if isinstance(prefetcher, str):
             prefetcher = make_predictor(prefetcher, pair.target, cfg, width=width)
         if not hasattr(prefetcher, "begin_round"):  # a predictor
@@ -304,12 +316,12 @@ class OffloadedGenerator:
         self.buckets = LOOP_BUCKETS if buckets is None else buckets
         self.observers = tuple(observers)
         # With every expert pinned nothing can miss: the verify runs as one program on the pool (B0 residency).
-        holds_all = pin and self.slots >= self.store.num_experts
+        holds_all = pin is True and all(n >= len(g) * self.store.num_experts for g, n in self.groups)
         if verify == "single" and not holds_all:
             raise ValueError(
                 f"verify='single' needs every expert pinned: pin=True and a budget of at least "
-                f"{self.store.total_bytes} bytes (this one buys {self.slots} of {self.store.num_experts} slots per "
-                "layer)")
+                f"{self.store.total_bytes} bytes (this one buys {self.slots} of "
+                f"{len(self.layers) * self.store.num_experts} expert slots)")
         self.full_pool = holds_all and verify != "layerwise"
         reads_logits = getattr(prefetcher, "reads_previous_logits", lambda top_k: False)
         self.wants_logits = bool(width and width > self.top_k) or reads_logits(self.top_k)
@@ -347,12 +359,13 @@ class OffloadedGenerator:
         valid = (np.arange(prep.tokens.shape[1])[None, :] < prep.lengths[:, None]).reshape(-1)
         profile = routing_profile({l: e[valid] for l, e in pre.routed.items()}, store.num_experts)
         reserve = cache_reserve(store.num_experts, self.top_k, batch, spec.block_size)
-        if self.pin:
-            pinned = plan_placement(profile, self.slots, reserve)
-        else:
-            pinned = {l: np.zeros(0, np.int32) for l in self.layers}
-        pool = self.pool_factory(store, self.slots, pinned=pinned, crf_lambda=self.crf_lambda)
-        for layer, experts in (warm_set(profile, self.slots) if self.pin else {}).items():
+        pinned = plan_shared(profile, self.groups, reserve) if self.pin else {l: np.zeros(0, np.int32)
+                                                                               for l in self.layers}
+        if self.pin is not True and self.pin:  # at most `pin` pins: the hottest of the plan
+            hot = sorted(((-int(profile[l][e]), l, int(e)) for l, ids in pinned.items() for e in ids))[: int(self.pin)]
+            pinned = {l: np.sort(np.asarray([e for _, ll, e in hot if ll == l], np.int32)) for l in self.layers}
+        pool = self.pool_factory(store, self.budget_bytes, pinned=pinned, crf_lambda=self.crf_lambda)
+        for layer, experts in (warm_shared(profile, self.groups, pinned) if self.pin else {}).items():
             pool.fetch(layer, experts)
         initial_bytes = sum(int(pool.resident(l).sum()) * store.expert_bytes(l) for l in self.layers)
         pool.block_until_ready()
@@ -389,19 +402,29 @@ class OffloadedGenerator:
         def on_demand(layer, experts):
             window = time.perf_counter() - rec.late_issued[layer] if layer in rec.late_issued else 0.0
             resident = pool.resident(layer).copy()
-            pool.fetch(layer, experts)
-            pool.touch(layer, experts)
+            wanted = np.unique(experts)
+            host = self._host_experts(layer, experts, wanted[~resident[wanted]])
+            on_device = np.setdiff1d(wanted, host)
+            pool.release()  # the previous layer's experts were dispatched
+            passes = pool.plan_passes(layer, on_device) if len(on_device) else []
             layer_stats[layer] = layer_round_stats(
                 layer, predicted=rec.predicted.get(layer, ()), routed=experts, resident=np.flatnonzero(resident),
                 prefetched=rec.prefetched.get(layer, ()), expert_bytes=store.expert_bytes(layer),
-                prefetched_in_verify=rec.late_moved.get(layer, ()), in_verify_window_s=window)
-            return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+                prefetched_in_verify=rec.late_moved.get(layer, ()), in_verify_window_s=window, host=host,
+                passes=len(passes) + (1 if len(host) else 0))
+            if len(passes) == 1 and not len(host):
+                pool.fetch(layer, on_device)
+                pool.touch(layer, on_device)
+                pool.hold(layer, on_device)
+                return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+            return self._passes(pool, layer, passes, host)
 
         t2 = time.perf_counter()
         logits = None
         if session.full_pool:
             state, router_experts, router_logits = _verify_on_full_pool(
                 pool.pooled_weights(self.stripped), state, draft, spec, self.implementation, self.wants_logits)
+            pool.returned()
             routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
             for l in layers:
                 on_demand(l, routed[l])
@@ -411,10 +434,12 @@ class OffloadedGenerator:
             ahead = None if width is None else functools.partial(self.prefetcher.in_verify, rec)
             verify = forward_layerwise(self.stripped, verify_block(state, draft), state.target_cache, self.cfg,
                                        provider=on_demand, tap_layers=spec.taps, logits="all",
-                                       implementation=self.implementation, ahead=ahead, ahead_width=width)
+                                       implementation=self.implementation, ahead=ahead, ahead_width=width,
+                                       dispatched=lambda i: pool.returned())
             state = commit_verify_jit(state, draft, verify.out, spec)
             routed = verify.routed
             logits = verify.out.router_logits
+        pool.release()
         before = session.host
         output, num, acc, bonus, anchor, done = jax.device_get(
             (state.output, state.num_generated, state.last_accepted, state.last_bonus, state.anchor, state.done))
@@ -444,6 +469,42 @@ class OffloadedGenerator:
             observer.on_round(stats)
         return stats
 
+    def _host_experts(self, layer: int, experts: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        """The missing experts of `layer` hybrid placement computes on the host this round (cost model)."""
+        if self.hybrid is None or len(missing) == 0:
+            return np.zeros(0, np.int64)
+        rows = np.bincount(np.asarray(experts).reshape(-1), minlength=self.store.num_experts)
+        return self.hybrid.choose(missing, rows, flops_per_row=flops_per_row(self.cfg.hidden_size,
+                                                                               self.cfg.moe.intermediate_size),
+                                  expert_bytes=self.store.expert_bytes(layer))
+
+    def host_tables(self, layer: int) -> tuple:
+        """Layer `layer`'s whole expert tables on the host CPU device (hybrid placement computes there)."""
+        if layer not in self._host_tables:
+            le = self.store.layers[layer]
+            cpu = host_device()
+            where = jax.sharding.SingleDeviceSharding(cpu, memory_kind=cpu.default_memory().kind)
+            self._host_tables[layer] = le.tables([jax.device_put(leaf, where) for leaf in le.leaves])
+        return self._host_tables[layer]
+
+    def _passes(self, pool, layer: int, passes: list[np.ndarray], host: np.ndarray):
+        """The layer's passes (see `forward.forward_layerwise`): each device pass fetches its group (evicting the
+        previous group's unpinned experts when it must) and holds it until the next pass; then the host pass."""
+        e = self.store.num_experts
+        for i, group in enumerate(passes):
+            pool.release(layer)
+            pool.fetch(layer, group)
+            if i == 0:
+                pool.touch(layer, np.concatenate(passes))
+            pool.hold(layer, group)
+            mask = np.zeros(e, bool)
+            mask[group] = True
+            yield ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer), mask=mask)
+        if len(host):
+            mask = np.zeros(e, bool)
+            mask[host] = True
+            yield ExpertOperands(self.host_tables(layer), None, np.ones(e, bool), mask=mask, host=True)
+
     def result(self, session: OffloadSession) -> OffloadResult:
         """The session's tokens, acceptance lengths and stats (`stats`: time split; `offload`: budget, pool and
         placement; `route_ahead`: `RouteAheadStats.to_json()`), its per-round `route_ahead` and, with trace,
@@ -451,7 +512,8 @@ class OffloadedGenerator:
         spec, prep, store = session.spec, session.prepared, self.store
         seconds = session.t_last - session.t_start
         offload = {
-            "budget_bytes": self.budget_bytes, "pool_bytes": session.pool.bytes, "slots_per_layer": self.slots,
+            "budget_bytes": self.budget_bytes, "pool_bytes": session.pool.bytes, "cache_slots": self.slots,
+            "min_budget_bytes": self.min_budget_bytes, "placement": "hybrid" if self.hybrid else "device",
             "num_experts": store.num_experts, "moe_layers": len(self.layers), "expert_bytes_all": store.total_bytes,
             "pinned_per_layer": {str(l): int(len(p)) for l, p in session.pinned.items()},
             "cache_reserve": session.reserve, "predictor": self.prefetcher.name, "width": self.width or self.top_k,
@@ -482,7 +544,7 @@ class OffloadedGenerator:
 
 
 _MOVED = {
-    "poison": "pass pool_factory=functools.partial(ExpertPool, poison=True)",
+    "poison": "pass pool_factory=functools.partial(ExpertCache, poison=True)",
     "warmup": "run the request twice on one OffloadedGenerator (the second call runs compiled code)",
     "single_program_when_full": "pass verify='layerwise' (or 'auto')",
 }

@@ -44,3 +44,43 @@ def warm_set(profile: dict[int, np.ndarray], slots: int) -> dict[int, np.ndarray
         order = np.lexsort((np.arange(len(counts)), -counts))
         out[layer] = np.sort(order[: min(slots, len(counts))]).astype(np.int32)
     return out
+
+
+def _ranked_pairs(profile: dict[int, np.ndarray], layers) -> list[tuple[int, int]]:
+    """(layer, expert) pairs of `layers`, most routed first (ties: lower layer, then lower id)."""
+    rows = [(-int(c), layer, e) for layer in layers for e, c in enumerate(np.asarray(profile[layer]))]
+    return [(layer, e) for _, layer, e in sorted(rows)]
+
+
+def plan_shared(profile: dict[int, np.ndarray], groups: list[tuple[tuple[int, ...], int]], reserve: int
+                ) -> dict[int, np.ndarray]:
+    """{layer: pinned expert ids} for a cache shared by the layers (`cache.ExpertCache`): per slab (`groups`:
+    (its layers, its slots)) the `slots - reserve` (layer, expert) pairs the profile routed to most, across
+    layers: the hot sets are non-uniform, a layer that routes to few experts pins fewer. That is the cost
+    model's choice for equal expert sizes: a pinned expert saves its copy (bytes / link bandwidth) every round
+    it is routed, so the pins go to the highest routing frequencies. `reserve` (one layer's routed union at
+    most, `cache_reserve`) stays unpinned so that a layer runs in one pass; a slab holding every expert of its
+    layers pins them all; a slab of at most `reserve` slots pins nothing (layers may run in passes)."""
+    pinned = {layer: [] for layer in profile}
+    for layers, slots in groups:
+        e = len(np.asarray(profile[layers[0]]))
+        n = len(layers) * e if slots >= len(layers) * e else max(0, slots - reserve)
+        for layer, expert in _ranked_pairs(profile, layers)[:n]:
+            pinned[layer].append(expert)
+    return {layer: np.sort(np.asarray(v, np.int32)) for layer, v in pinned.items()}
+
+
+def warm_shared(profile: dict[int, np.ndarray], groups: list[tuple[tuple[int, ...], int]],
+                pinned: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """{layer: expert ids} that fill each slab's slots left after the pins with the next most routed pairs:
+    the cache's initial content (evictable)."""
+    out = {layer: [] for layer in profile}
+    for layers, slots in groups:
+        room = slots - sum(len(pinned.get(layer, ())) for layer in layers)
+        for layer, expert in _ranked_pairs(profile, layers):
+            if room <= 0:
+                break
+            if expert not in set(np.asarray(pinned.get(layer, ())).tolist()) and expert not in out[layer]:
+                out[layer].append(expert)
+                room -= 1
+    return {layer: np.sort(np.asarray(v, np.int32)) for layer, v in out.items()}

@@ -52,6 +52,8 @@ class LayerRoundStats:
     expert_bytes: int
     prefetched_in_verify: int = 0  # the part of `prefetched` moved by the in-verify hook
     in_verify_window_s: float = 0.0  # that prefetch's hide window (issue -> this layer's routing read)
+    host: int = 0  # missing experts computed on the host (hybrid placement): not moved, not on demand
+    passes: int = 1  # expert passes the layer ran (more than one: its routed union did not fit at once)
 
     @property
     def coverage(self) -> float:
@@ -72,22 +74,26 @@ class LayerRoundStats:
 
 def layer_round_stats(layer: int, *, predicted: Iterable[int], routed: Iterable[int], resident: Iterable[int],
                       prefetched: Iterable[int] = (), expert_bytes: int = 0, prefetched_in_verify: Iterable[int] = (),
-                      in_verify_window_s: float = 0.0) -> LayerRoundStats:
+                      in_verify_window_s: float = 0.0, host: Iterable[int] = (), passes: int = 1) -> LayerRoundStats:
     """The stats of one layer in one round from sets of expert ids (see module doc): `resident` = experts
     on the device when the layer ran, before on-demand fetches; `prefetched` = experts any prefetch moved
     (before-verify and in-verify); `prefetched_in_verify` = those the in-verify hook moved, with its hide
-    window `in_verify_window_s`."""
+    window `in_verify_window_s`; `host` = missing experts computed on the host instead of fetched (hybrid
+    placement); `passes` = expert passes the layer ran."""
     p, r, h = _set(predicted), _set(routed), _set(resident)
+    on_host = np.intersect1d(_set(host), np.setdiff1d(r, h))
     late = _set(prefetched_in_verify)
     moved = np.union1d(_set(prefetched), late)
     return LayerRoundStats(
         layer=layer, predicted=len(p), routed=len(r), covered=len(np.intersect1d(p, r)),
-        wasted=len(np.setdiff1d(p, r)), hits=len(np.intersect1d(r, h)), on_demand=len(np.setdiff1d(r, h)),
+        wasted=len(np.setdiff1d(p, r)), hits=len(np.intersect1d(r, h)),
+        on_demand=len(np.setdiff1d(np.setdiff1d(r, h), on_host)), host=len(on_host), passes=int(passes),
         prefetched=len(moved), expert_bytes=int(expert_bytes), prefetched_in_verify=len(late),
         in_verify_window_s=float(in_verify_window_s))
 
 
-_SUMS = ("predicted", "routed", "covered", "wasted", "hits", "on_demand", "prefetched", "prefetched_in_verify")
+_SUMS = ("predicted", "routed", "covered", "wasted", "hits", "on_demand", "prefetched", "prefetched_in_verify", "host",
+         "passes")
 
 
 def _totals(layers: Iterable[LayerRoundStats]) -> dict:
@@ -217,7 +223,9 @@ class RoundObserver(Protocol):
 class TraceObserver:
     """A per-round trace: `rounds[r][i]` = sequence i in round r as in `spec.generate_stepping`'s trace
     (`anchor`, `proposal`, `accepted`, `bonus`, `emitted`) plus `bytes_moved`, the host->device expert bytes of
-    that round (the whole batch's); None for a sequence already done. `bytes_moved[r]` the same per round."""
+    that round (the whole batch's) and the round's `hits` / `misses` (routed experts resident / not resident when
+    their layer ran), `on_demand` (misses fetched), `host` (misses computed on the host), `prefetched`, prefetch
+    `coverage` and expert `passes` (all layers); None for a sequence already done. `bytes_moved[r]` per round."""
 
     def __init__(self):
         self.rounds: list[list[dict | None]] = []
@@ -226,5 +234,8 @@ class TraceObserver:
     def on_round(self, stats: RoundStats) -> None:
         moved = stats.bytes_moved
         self.bytes_moved.append(moved)
+        t = _totals(stats.layers)
+        extra = dict(bytes_moved=moved, hits=t["hits"], misses=t["routed"] - t["hits"], on_demand=t["on_demand"],
+                     host=t["host"], prefetched=t["prefetched"], coverage=t["coverage"], passes=t["passes"])
         rows = stats.tokens.rows() if stats.tokens is not None else []
-        self.rounds.append([None if r is None else dict(r, bytes_moved=moved) for r in rows])
+        self.rounds.append([None if r is None else dict(r, **extra) for r in rows])

@@ -51,7 +51,11 @@ def test_offload_json_has_route_ahead_stats_and_the_resident_tokens(checkpoint, 
     assert sum(moved) == result["stats"]["route_ahead"]["summary"]["bytes_moved"] > 0
     stats = result["stats"]
     assert stats["loop"] == "offloaded" and stats["offload"]["predictor"] == "previous+draft_router+residual"
-    assert stats["offload"]["slots_per_layer"] < stats["offload"]["num_experts"]
+    assert stats["offload"]["cache_slots"] < stats["offload"]["num_experts"] * stats["offload"]["moe_layers"]
+    assert stats["offload"]["pool_bytes"] <= stats["offload"]["budget_bytes"]
+    for r in result["trace"]:  # per round: hits + misses = routed experts; misses fetched (no host compute here)
+        assert r["misses"] == r["on_demand"] + r["host"] and r["host"] == 0 and 0 <= r["coverage"] <= 1
+        assert r["passes"] >= stats["offload"]["moe_layers"]
     summary = stats["route_ahead"]["summary"]
     for key in ("coverage", "waste", "hit_rate", "bytes_moved", "prefetched_bytes", "on_demand_bytes",
                 "exposed_transfer_s", "hide_window_s"):
@@ -63,11 +67,40 @@ def test_offload_json_has_route_ahead_stats_and_the_resident_tokens(checkpoint, 
     (["--offload"], "--expert-budget-mb"),
     (["--offload", "--expert-budget-mb", "1", "--predictor", "oracle"], "--predictor must be one of"),
     (["--expert-budget-mb", "1"], "only applies with --offload"),
-    (["--offload", "--expert-budget-mb", "0.001"], "--expert-budget-mb"),
+    (["--offload", "--expert-budget-mb", "0.001"], "below the minimum of"),
+    (["--offload", "--expert-budget-mb", "1", "--pin-experts", "hot"], "--pin-experts must be"),
 ])
 def test_offload_flag_errors(checkpoint, capsys, argv, message):
     code, _, err = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 4, *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_any_budget_runs_and_a_budget_below_the_minimum_is_refused_at_once(checkpoint, capsys, monkeypatch):
+    """The minimum budget (one expert) runs in passes with the resident tokens; one byte less is refused with
+    the minimum in MB before the pair is loaded (loading is made to fail to prove it)."""
+    from dflash_jax.offload import HostExpertStore
+
+    pair = dflash_jax.load(checkpoint, expert_memory="pinned_host")
+    store = HostExpertStore(pair.target)
+    eb = store.expert_bytes(store.layer_ids[0])
+    prompt = [int(t) for t in PROMPT.split(",")]
+    want = generate(dflash_jax.load(checkpoint), [prompt], max_new_tokens=8, block_size=4)
+    code, out, err = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 8,
+                          "--block-size", 4, "--json", "--ignore-eos", "--offload", "--expert-budget-mb", eb / 1e6,
+                          "--pin-experts", "none", "--placement", "hybrid", "--trace")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["tokens"] == want.tokens[0]
+    assert result["stats"]["offload"]["cache_slots"] == 1 and result["stats"]["offload"]["placement"] == "hybrid"
+    assert sum(r["passes"] for r in result["trace"]) > 3 * len(result["trace"])  # layers ran in passes
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded the pair before checking the budget")
+
+    monkeypatch.setattr(dflash_jax, "load", no_load)
+    code, _, err = _run(capsys, "--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--offload", "--expert-budget-mb",
+                        (eb - 1) / 1e6)
+    assert code == 2 and f"minimum of {eb / 1e6:.6g} MB" in err and "Traceback" not in err
 
 
 @pytest.fixture(scope="module", params=["gpt_oss", "qwen3_5"])
@@ -107,7 +140,7 @@ def test_offload_cli_on_every_family(converted_family_pair, capsys):
     pair = dflash_jax.load(converted_family_pair, expert_memory="pinned_host")
     store = HostExpertStore(pair.target)
     per_slot = sum(store.expert_bytes(layer) for layer in store.layer_ids)
-    budget_mb = (12 * per_slot + 1) / 1e6  # 12 of 16 experts per layer; one block of 4 routes to at most 8
+    budget_mb = (12 * per_slot + 1) / 1e6  # 12 of 16 experts per layer on average
     prompt = [int(t) for t in PROMPT.split(",")]
     code, out, err = _run(capsys, "--checkpoint", converted_family_pair, "--prompt-ids", PROMPT, "--max-new-tokens",
                           16, "--block-size", 4, "--json", "--ignore-eos", "--offload", "--expert-budget-mb", budget_mb,
@@ -120,5 +153,5 @@ def test_offload_cli_on_every_family(converted_family_pair, capsys):
     accepted = want.acceptance_lengths[0]
     assert want.stats["mean_acceptance"] >= 1.5 and min(accepted) == 1 and max(accepted) >= 2, accepted  # real rounds
     offload = result["stats"]["offload"]
-    assert offload["slots_per_layer"] == 12 and offload["num_experts"] == 16
+    assert offload["cache_slots"] == 12 * offload["moe_layers"] and offload["num_experts"] == 16
     assert result["stats"]["route_ahead"]["summary"]["bytes_moved"] > 0
