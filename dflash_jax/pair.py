@@ -48,6 +48,8 @@ class Pair:
     draft: Any
     manifest: dict
     directory: str
+    # the FP4 expert tables were dequantized at load (`dequantize_experts`): `target` holds dense tables
+    experts_dequantized: bool = False
 
     @property
     def expert_format(self) -> str:
@@ -62,8 +64,9 @@ class Pair:
         for key, info in self.manifest["tensors"]["target"].items():
             if ckpt_io.is_expert_table(key, info):
                 total += info["bytes"]
-        leaves_total = sum(int(x.nbytes) for x in jax.tree.leaves(self._expert_tables()))
-        assert leaves_total == total, (leaves_total, total)
+        if not self.experts_dequantized:
+            leaves_total = sum(int(x.nbytes) for x in jax.tree.leaves(self._expert_tables()))
+            assert leaves_total == total, (leaves_total, total)
         return total
 
     def _expert_tables(self):
@@ -114,7 +117,8 @@ def _check_tensors_match_config(directory: str, model: str, cfg, declared_target
                                   f"checkpoint: {ckpt_io.REDO}")
 
 
-def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify: bool = True) -> Pair:
+def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify: bool = True,
+         dequantize_experts: str | bool = False) -> Pair:
     """Loads a checkpoint written by `convert-weights`.
 
     expert_memory: "device" or "pinned_host" - where the target's stacked expert tables are placed (the
@@ -123,6 +127,10 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     measured cost per GB). With verify=False only the files' sizes are checked. Either way the manifest's
     configs must describe exactly the stored tensors, and each restored tensor must have the manifest's
     shape, dtype and format.
+    dequantize_experts: "auto", True or False (default: the tables as stored): whether FP4 (MXFP4 / NVFP4)
+    expert tables are dequantized once here, to the target's compute dtype, instead of on every call of the
+    XLA path ("auto": where no FP4 kernel runs and memory allows, see `dense_experts_wanted`; exact: the same
+    values the per-call dequantization gives). `dflash-generate` loads with "auto".
     """
     from dflash_jax.config import from_hf_config
 
@@ -144,7 +152,7 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     place = ckpt_io.ExpertPlacement(expert_memory)
     target_flat = ckpt_io.read_model(os.path.join(directory, "target"), tensors["target"], place)
     draft_flat = ckpt_io.read_model(os.path.join(directory, "draft"), tensors["draft"], place)
-    return Pair(
+    pair = Pair(
         target_cfg=target_cfg,
         target=family.weights_from_flat(target_flat, target_cfg),
         draft_cfg=draft_cfg,
@@ -152,6 +160,87 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
         manifest=manifest,
         directory=directory,
     )
+    if dense_experts_wanted(pair, dequantize_experts, expert_memory=expert_memory):
+        pair = with_dense_experts(pair)
+    return pair
+
+
+#: The share of the machine's memory the dense expert tables may take for `dequantize_experts="auto"`.
+DENSE_EXPERTS_MEMORY_SHARE = 0.25
+
+
+def _fp4_expert_tables(pair: Pair) -> list:
+    from pallas_kernels.ops import is_fp4
+
+    fam = family_of(pair.target_cfg)
+    return [t for layer in pair.target.layers if fam.is_moe(layer)
+            for t in fam.expert_tables(layer.mlp) if is_fp4(t)]
+
+
+def dense_expert_bytes(pair: Pair) -> int:
+    """Bytes the FP4 expert tables take once dequantized to the target's compute dtype."""
+    import numpy as np
+
+    itemsize = np.dtype(pair.target.embed.dtype).itemsize
+    return sum(int(np.prod(t.shape)) * itemsize for t in _fp4_expert_tables(pair))
+
+
+def _memory_bytes() -> int | None:
+    """Memory of the default device: the host's RAM on the CPU, the device's limit where jax reports one."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def dense_experts_wanted(pair: Pair, option: str | bool, *, expert_memory: str = "device") -> bool:
+    """The load-time expert policy. True / False force it; "auto" dequantizes the FP4 expert tables when the
+    default backend has no FP4 kernel (`pallas_kernels.ops.kernel_available()`: on the CPU the XLA path would
+    dequantize every table on every call), the experts live on one device (`expert_memory="device"`, not
+    sharded; offload keeps FP4 bytes, which is what it moves) and the dense tables take at most
+    `DENSE_EXPERTS_MEMORY_SHARE` (25%) of the device's memory (the host's RAM on the CPU). Where the kernel
+    runs (a GPU) the experts stay FP4: the kernel reads 4.25 bits per weight instead of 16."""
+    import jax
+
+    from pallas_kernels.ops import kernel_available
+
+    if option not in ("auto", True, False):
+        raise UsageError(f"dequantize_experts must be 'auto', True or False, got {option!r}")
+    tables = _fp4_expert_tables(pair)
+    if option is False or not tables:
+        return False
+    if expert_memory != "device":
+        if option is True:
+            raise UsageError("dequantize_experts=True keeps dense experts on the device: load with "
+                             "expert_memory='device' (offload moves the FP4 bytes)")
+        return False
+    if option is True:
+        return True
+    if kernel_available():
+        return False
+    if any(len(leaf.sharding.device_set) > 1 for t in tables for leaf in jax.tree.leaves(t)):
+        return False
+    memory = _memory_bytes()
+    return memory is not None and dense_expert_bytes(pair) <= DENSE_EXPERTS_MEMORY_SHARE * memory
+
+
+def with_dense_experts(pair: Pair) -> Pair:
+    """The pair with every FP4 expert table dequantized to the target's compute dtype (`[E, in, out]`, the
+    dense layout), each table once; the FP4 arrays are released when the caller drops the old pair."""
+    from pallas_kernels.ops import dense_weight, is_fp4
+
+    fam = family_of(pair.target_cfg)
+    dtype = pair.target.embed.dtype
+    layers = []
+    for layer in pair.target.layers:
+        if fam.is_moe(layer):
+            tables = tuple(dense_weight(t, dtype) if is_fp4(t) else t for t in fam.expert_tables(layer.mlp))
+            layer = layer.replace(mlp=fam.with_expert_pool(layer.mlp, tables, layer.mlp.slot_of))
+        layers.append(layer)
+    target = pair.target.replace(layers=tuple(layers))
+    return dataclasses.replace(pair, target=target, experts_dequantized=True)
 
 
 def __getattr__(name):

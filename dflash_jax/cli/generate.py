@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: python with --trace, else jit)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
+    p.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
+                   help="dequantize FP4 experts once at load (auto: where no FP4 kernel runs, i.e. the CPU, and "
+                        "they take at most 25%% of memory; never with --offload, which moves FP4 bytes)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="skip the persistent compilation cache (also DFLASH_JAX_CACHE_DIR=off; default location: "
                         "$DFLASH_JAX_CACHE_DIR, else $XDG_CACHE_HOME/dflash_jax/jax, else ~/.cache/dflash_jax/jax)")
@@ -134,7 +137,11 @@ def run(args) -> dict:
         compile_cache.disable()
     else:
         compile_cache.ensure_enabled()
-    pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device")
+    dequantize = {"auto": "auto", "yes": True, "no": False}[args.dequantize_experts]
+    if args.offload and dequantize is True:
+        raise UsageError("--dequantize-experts yes does not combine with --offload (it moves the FP4 bytes)")
+    pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device",
+                           dequantize_experts=False if args.offload else dequantize)
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
         if tokenizer is None:

@@ -77,7 +77,7 @@ def test_verify_and_draft_rounds_compile_at_real_size(model):
     verify = dl.compile_for_h200(pg.verify_program, target, state, drafted, spec=spec, name=f"{model} verify",
                                  kernel_names=("grouped_matmul",), donate_argnums=(1,))
     # the verify reads the FP4 experts through the kernel (one launch per MoE matrix shape), never a dense copy
-    assert verify.kernels and all(k.name.endswith("grouped_matmul") for k in verify.kernels)
+    assert verify.kernels and all("grouped_matmul" in k.name for k in verify.kernels)
     assert verify.argument_bytes > expert_bytes
     assert verify.temp_bytes < 0.05 * expert_bytes, (verify.temp_bytes / GIB, expert_bytes / GIB)
     assert verify.peak_bytes < dl.H200["memory_bytes"]
