@@ -240,9 +240,30 @@ def quiet_orbax() -> _QuietOrbax:
     return _QuietOrbax()
 
 
-def read_model(root: str, tensors: dict[str, dict[str, Any]], place: Callable[[str, Any, dict], Any]) -> dict[str, Any]:
+def _restore_target(ckpt, path: str, chunk: str, sharding: Callable[[str, str | None, tuple], Any]) -> Any:
+    """The chunk's stored tree as `jax.ShapeDtypeStruct`s carrying `sharding(flat key, FP4 part or None,
+    shape)`, so orbax reads each array straight into its sharding (each process only its own pieces)."""
+    prefix = "" if chunk == "globals" else f"layers.{int(chunk.split('/')[1])}."
+    meta = ckpt.metadata(path).item_metadata.tree
+
+    def one(keypath, m):
+        parts = [str(k.key) for k in keypath]
+        inner = ".".join(parts)
+        key, part = (prefix + inner, None) if len(parts) == 1 or _LAYER_PART.search(inner) is None else (
+            prefix + ".".join(parts[:-1]), parts[-1])
+        return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding(key, part, tuple(m.shape)))
+
+    return jax.tree_util.tree_map_with_path(one, meta)
+
+
+_LAYER_PART = re.compile(r"\.(blocks|scales|packed|block_scales|tensor_scale)$")  # an FP4 tensor's stored parts
+
+
+def read_model(root: str, tensors: dict[str, dict[str, Any]], place: Callable[[str, Any, dict], Any], *,
+               sharding: Callable[[str, str | None, tuple], Any] | None = None) -> dict[str, Any]:
     """Restores every chunk under `root`; returns {flat key: placed tensor}. Each restored tensor must have
-    the manifest's format, shape, dtype and size."""
+    the manifest's format, shape, dtype and size. `sharding(key, FP4 part or None, shape)`: restore each
+    array straight into that sharding (a mesh, `dflash_jax.sharding`) instead of the host."""
     import orbax.checkpoint as ocp
 
     by_chunk: dict[str, list[str]] = {}
@@ -255,7 +276,8 @@ def read_model(root: str, tensors: dict[str, dict[str, Any]], place: Callable[[s
             if not os.path.isdir(path):
                 raise CheckpointError(f"checkpoint chunk {path} is missing; the checkpoint is incomplete: {REDO}")
             try:
-                tree = ckpt.restore(path)
+                tree = ckpt.restore(path) if sharding is None else ckpt.restore(
+                    path, _restore_target(ckpt, path, chunk, sharding))
             except Exception as e:  # orbax / tensorstore raise many types for a damaged chunk
                 raise CheckpointError(f"checkpoint chunk {path} cannot be read ({type(e).__name__}: "
                                       f"{' '.join(str(e).split())[:300]}); {REDO}") from None

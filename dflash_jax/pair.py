@@ -117,7 +117,7 @@ def _check_tensors_match_config(directory: str, model: str, cfg, declared_target
                                   f"checkpoint: {ckpt_io.REDO}")
 
 
-def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify: bool = True,
+def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify: bool = True, mesh=None,
          dequantize_experts: str | bool = False) -> Pair:
     """Loads a checkpoint written by `convert-weights`.
 
@@ -131,6 +131,9 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     expert tables are dequantized once here, to the target's compute dtype, instead of on every call of the
     XLA path ("auto": where no FP4 kernel runs and memory allows, see `dense_experts_wanted`; exact: the same
     values the per-call dequantization gives). `dflash-generate` loads with "auto".
+    mesh: a `jax.sharding.Mesh` with axes (data, expert, tensor) (`dflash_jax.sharding.make_mesh`): every
+    array is restored straight into the sharding its declaration gives it (`dflash_jax.sharding.place`);
+    generate under `jax.set_mesh(mesh)`.
     """
     from dflash_jax.config import from_hf_config
 
@@ -149,9 +152,20 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     _check_tensors_match_config(directory, "target", target_cfg, family.declare_weights(target_cfg), tensors["target"])
     _check_tensors_match_config(directory, "draft", draft_cfg, draft_model.declare_weights(draft_cfg),
                                 tensors["draft"])
-    place = ckpt_io.ExpertPlacement(expert_memory)
-    target_flat = ckpt_io.read_model(os.path.join(directory, "target"), tensors["target"], place)
-    draft_flat = ckpt_io.read_model(os.path.join(directory, "draft"), tensors["draft"], place)
+    place, shardings = ckpt_io.ExpertPlacement(expert_memory), {"target": None, "draft": None}
+    if mesh is not None:
+        from dflash_jax.sharding import checkpoint_shardings
+
+        if expert_memory != "device":
+            raise UsageError(f"expert_memory={expert_memory!r} with a mesh: sharded experts live on the devices; "
+                             "load with expert_memory='device', or without a mesh for expert offload")
+        place = lambda key, value, info: value  # noqa: E731  (restored in place already)
+        shardings = {"target": checkpoint_shardings(family.sharded_declarations(target_cfg), mesh),
+                     "draft": checkpoint_shardings(draft_model.declare_weights(draft_cfg), mesh)}
+    target_flat = ckpt_io.read_model(os.path.join(directory, "target"), tensors["target"], place,
+                                     sharding=shardings["target"])
+    draft_flat = ckpt_io.read_model(os.path.join(directory, "draft"), tensors["draft"], place,
+                                    sharding=shardings["draft"])
     pair = Pair(
         target_cfg=target_cfg,
         target=family.weights_from_flat(target_flat, target_cfg),

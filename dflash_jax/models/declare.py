@@ -10,17 +10,63 @@ An FP4 tensor kept packed from its source is declared as two parts `NAME#blocks`
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
+
+
+# Logical sharding axes of a declared dimension (`Target.axes`); `dflash_jax.sharding` maps them to mesh axes.
+HEADS, FFN, VOCAB, EXPERTS = "heads", "ffn", "vocab", "experts"
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
     """One declared array: `shape`; `coverage`, the grid of pieces a converter assembles it from (() = one
-    piece; e.g. (E, 2) for a per-expert gate/up table); `dtype` (None: the checkpoint's chosen dtype)."""
+    piece; e.g. (E, 2) for a per-expert gate/up table); `dtype` (None: the checkpoint's chosen dtype);
+    `axes`, the logical sharding axis of each dimension (None: replicated; None for the whole field: the
+    name rules of `logical_axes`); `unit`, the granularity of a sharded dimension (a head's width: a
+    projection shards only along whole heads)."""
 
     shape: tuple[int, ...]
     coverage: tuple[int, ...] = ()
     dtype: Any = None
+    axes: tuple[str | None, ...] | None = None
+    unit: int = 1
+
+
+# Name rules for declarations without explicit axes: (regex on the stored name, axes of its leading dims).
+# Routed expert tables (and their FP4 parts, biases) shard along E; dense MLPs (the shared expert too) along
+# their intermediate dimension; the vocabulary along V. Anything else (norms, routers, Qwen3.5's fused
+# DeltaNet projections, whose columns interleave q/k/v head groups) is replicated. Attention projections shard
+# along whole heads: `attention_targets` declares the head width, other declarations get it from the family.
+_AXIS_RULES = (
+    (r".*mlp\.(gate_up|down)(#blocks|#scales)?", (EXPERTS,)),
+    (r".*mlp\.(gate_up_bias|down_bias)", (EXPERTS,)),
+    (r"(.*\.)?mlp\.(shared\.)?(gate|up)", (None, FFN)),
+    (r"(.*\.)?mlp\.(shared\.)?down", (FFN, None)),
+    (r".*attn\.(q|k|v)", (None, HEADS)),  # the family supplies the head width (`ModelFamily.sharded_declarations`)
+    (r".*attn\.o", (HEADS, None)),
+    (r".*attn\.(q|k|v)_bias", (HEADS,)),
+    (r".*attn\.sinks", (HEADS,)),
+    (r"embed", (VOCAB, None)),
+    (r"lm_head", (None, VOCAB)),
+)
+
+
+def logical_axes(name: str, target: Target) -> tuple[str | None, ...]:
+    """The logical sharding axis of each dimension of a declared array: `target.axes` when declared, else
+    the first name rule that matches (an expert table's rule applies when its leading dimension is E, i.e.
+    rank >= 2), else replicated."""
+    rank = len(target.shape)
+    if target.axes is not None:
+        return tuple(target.axes) + (None,) * (rank - len(target.axes))
+    for pattern, lead in _AXIS_RULES:
+        if re.fullmatch(pattern, name):
+            if lead == (EXPERTS,) and rank < 2:
+                break
+            if lead != (EXPERTS,) and rank != len(lead):
+                break
+            return tuple(lead) + (None,) * (rank - len(lead))
+    return (None,) * rank
 
 
 def fp4_part(key: str, part: str) -> str:
@@ -32,20 +78,21 @@ def attention_targets(prefix: str, *, hidden: int, num_heads: int, num_kv_heads:
                       qk_norm: bool = True) -> dict[str, Target]:
     """Declarations of one GQA attention block stored `[in, out]`: q/k/v/o (+ biases, + per-head q/k norms)."""
     qd, kvd = num_heads * head_dim, num_kv_heads * head_dim
+    cols, rows = dict(axes=(None, HEADS), unit=head_dim), dict(axes=(HEADS, None), unit=head_dim)
     out = {
-        prefix + "attn.q": Target((hidden, qd)),
-        prefix + "attn.k": Target((hidden, kvd)),
-        prefix + "attn.v": Target((hidden, kvd)),
-        prefix + "attn.o": Target((qd, hidden)),
+        prefix + "attn.q": Target((hidden, qd), **cols),
+        prefix + "attn.k": Target((hidden, kvd), **cols),
+        prefix + "attn.v": Target((hidden, kvd), **cols),
+        prefix + "attn.o": Target((qd, hidden), **rows),
     }
     if qk_norm:
         out[prefix + "attn.q_norm"] = Target((head_dim,))
         out[prefix + "attn.k_norm"] = Target((head_dim,))
     if bias:
         out.update({
-            prefix + "attn.q_bias": Target((qd,)),
-            prefix + "attn.k_bias": Target((kvd,)),
-            prefix + "attn.v_bias": Target((kvd,)),
+            prefix + "attn.q_bias": Target((qd,), axes=(HEADS,), unit=head_dim),
+            prefix + "attn.k_bias": Target((kvd,), axes=(HEADS,), unit=head_dim),
+            prefix + "attn.v_bias": Target((kvd,), axes=(HEADS,), unit=head_dim),
             prefix + "attn.o_bias": Target((hidden,)),
         })
     return out

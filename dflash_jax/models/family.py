@@ -14,7 +14,8 @@ What a family declares:
   rollback(cache, lengths)                                 keep each sequence's first `lengths` tokens
   random_weights(cfg, key, dtype, expert_format=)          random tiny weights (tests, examples)
   declare_weights(cfg), weights_from_flat(flat, cfg)       every array's stored name, shape and dtype, and
-                       the pytree built from them (checkpoint loading checks, the converter's targets)
+                       the pytree built from them (checkpoint loading checks, the converter's targets);
+                       `sharded_declarations(cfg)` adds what a mesh needs (`dflash_jax.sharding`)
   the layer pieces the decoder loop (`models.decoder`) runs, all traceable:
     block_context(weights, tokens, cache, num_valid, cfg) -> (x, ctx)
     kind(cfg, i)             a hashable static description of layer i (its window / mixer type): layers of
@@ -38,7 +39,9 @@ Families are module-level singletons, hashable by identity, so they pass to `jax
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
@@ -86,6 +89,16 @@ class ModelFamily:
     def declare_weights(self, cfg) -> dict:
         """Every array of the family's weights: stored name -> `models.declare.Target` (shape, dtype)."""
         return self.declare_fn(cfg)
+
+    def sharded_declarations(self, cfg) -> dict:
+        """`declare_weights` with the sharding unit of every attention projection (`attn.q/k/v/o` and their
+        biases) that declares none set to the head width, so a tensor-parallel split keeps whole heads."""
+        out = {}
+        for name, target in self.declare_weights(cfg).items():
+            if target.axes is None and target.unit == 1 and re.search(r"attn\.(q|k|v|o)(_bias)?$", name):
+                target = dataclasses.replace(target, unit=cfg.head_dim)
+            out[name] = target
+        return out
 
     def weights_from_flat(self, flat: dict, cfg):
         """The weights pytree from `{stored name: array}` (what a converted checkpoint holds)."""

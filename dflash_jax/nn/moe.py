@@ -121,14 +121,28 @@ def swiglu_experts(
     row's grouped-matmul output, by the row's slot. activation(gate, up): `silu_glu` when None.
     implementation "dense": every token through every slot's expert, combined by the routing weights (the
     same sum; k-sparse FLOPs traded for dense einsums: for training small many-expert models on CPU, where
-    `ragged_dot`'s cost grows with the number of groups). Otherwise sorted dispatch + `ops.grouped_matmul`.
+    `ragged_dot`'s cost grows with the number of groups). Otherwise sorted dispatch + `ops.grouped_matmul`,
+    and under a context mesh with an `expert` axis (`jax.set_mesh`, see `expert_parallel_mesh`) the same
+    dispatch per expert shard under `shard_map` (whole tables only: a slot pool runs the default path).
     """
-    t, k = experts.shape
-    num_slots, _, two_inter = ops.weight_dims(gate_up)
+    num_slots = ops.weight_dims(gate_up)[0]
     slots = experts if slot_of is None else slot_of[experts]
     if implementation == "dense":
         return _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
                               activation or silu_glu)
+    mesh = expert_parallel_mesh()
+    if mesh is not None and slot_of is None and expert_axes(num_slots, mesh):
+        return _expert_parallel(x, experts, weights, gate_up, down, mesh, implementation=implementation,
+                                gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation)
+    y = _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation)
+    out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights.astype(jnp.float32))
+    return out.astype(x.dtype)
+
+
+def _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation):
+    """[T, k, H] expert outputs of every (token, choice) row: rows sorted by slot, grouped matmuls, unsorted."""
+    t, k = slots.shape
+    two_inter = ops.weight_dims(gate_up)[2]
     flat = slots.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token_of_row = order // k
@@ -145,6 +159,75 @@ def swiglu_experts(
     y_sorted = ops.grouped_matmul(act, down, group_sizes, implementation=implementation)
     if down_bias is not None:
         y_sorted = y_sorted + jnp.take(down_bias, slot_of_row, axis=0).astype(y_sorted.dtype)
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
-    out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights.astype(jnp.float32))
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# expert parallelism: the same sum with the expert tables sharded along E over a device mesh
+# ----------------------------------------------------------------------------------------------------------
+
+EXPERT_AXIS, TENSOR_AXIS, DATA_AXIS = "expert", "tensor", "data"
+
+
+def expert_parallel_mesh():
+    """The mesh expert dispatch shards over: the context mesh (`jax.set_mesh`) when it has an `expert`
+    axis and none of its axes is already manual (inside someone's `shard_map`); None otherwise. The
+    context mesh is part of jit's cache key, so a program traced without a mesh is never reused with one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or mesh.manual_axes:
+        return None
+    return mesh
+
+
+def expert_axes(num_experts: int, mesh) -> tuple[str, ...]:
+    """The mesh axes a table of `num_experts` experts shards its E dimension over: `expert` and `tensor`
+    together when E divides by their product, else `expert` alone when it divides, else none (replicated).
+    Axes of size 1 are left out. `dflash_jax.sharding` places the tables by the same rule."""
+    sizes = dict(mesh.shape)
+    for axes in ((EXPERT_AXIS, TENSOR_AXIS), (EXPERT_AXIS,)):
+        if not all(a in sizes for a in axes):
+            continue
+        n = 1
+        for a in axes:
+            n *= sizes[a]
+        if n > 1 and num_experts % n == 0:
+            return tuple(a for a in axes if sizes[a] > 1)
+    return ()
+
+
+def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation, gate_up_bias, down_bias,
+                     activation):
+    """`swiglu_experts` under `shard_map` with the tables sharded along E (`expert_axes`): every shard sees
+    all of its data shard's tokens (the verify's few tokens are already there; no dispatch collective),
+    runs its own experts' rows through the local grouped matmuls (rows routed elsewhere are computed on
+    local group 0 and masked to exactly zero), combines them with the routing weights in fp32, and one
+    psum over the expert axes sums the shards' partial outputs. With top-k = 2 that sum adds the same two
+    products as the single-device combine."""
+    from jax.sharding import PartitionSpec as P
+
+    axes = expert_axes(ops.weight_dims(gate_up)[0], mesh)
+    sizes = dict(mesh.shape)
+    data = sizes.get(DATA_AXIS, 1)
+    tokens = P(DATA_AXIS, None) if data > 1 and x.shape[0] % data == 0 else P(None, None)
+    table = P(axes)
+
+    def shard(x, experts, weights, gate_up, down, gate_up_bias, down_bias):
+        local_count = ops.weight_dims(gate_up)[0]
+        index = 0
+        for a in axes:  # the shard's position along the (major-to-minor) expert axes
+            index = index * sizes[a] + jax.lax.axis_index(a)
+        local = experts - index * local_count
+        mine = (local >= 0) & (local < local_count)
+        y = _routed_rows(x, jnp.where(mine, local, 0), gate_up, down, local_count, implementation,
+                         gate_up_bias, down_bias, activation)
+        y = jnp.where(mine[..., None], y.astype(jnp.float32), 0.0)
+        part = jnp.einsum("tkh,tk->th", y, jnp.where(mine, weights.astype(jnp.float32), 0.0))
+        return jax.lax.psum(part, axes)
+
+    biases = (gate_up_bias, down_bias)
+    out = jax.shard_map(
+        shard, mesh=mesh,
+        in_specs=(tokens, tokens, tokens, table, table) + tuple(None if b is None else table for b in biases),
+        out_specs=tokens,
+    )(x, experts, weights, gate_up, down, *biases)
     return out.astype(x.dtype)

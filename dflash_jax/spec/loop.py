@@ -51,10 +51,19 @@ def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig) -> SpecState
     )
 
 
+def _host(x) -> np.ndarray:
+    """A result array on the host; on a mesh spanning several processes, gathered from all of them."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils  # only multi-process runs need it
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _result(state: SpecState, stats: dict, trace=None, rows: int | None = None) -> GenerationResult:
     """The first `rows` sequences (default: all) of a finished state."""
-    out, num = np.asarray(state.output), np.asarray(state.num_generated)
-    acc, rounds = np.asarray(state.acceptance), np.asarray(state.rounds)
+    out, num = _host(state.output), _host(state.num_generated)
+    acc, rounds = _host(state.acceptance), _host(state.rounds)
     rows = out.shape[0] if rows is None else rows
     out, num, acc, rounds = out[:rows], num[:rows], acc[:rows], rounds[:rows]
     tokens = [list(map(int, out[i, : num[i]])) for i in range(rows)]
