@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflash_jax.nn.rope import rope_cos_sin
+
 LogitsMode = Literal["all", "last", "none"]
 
 
@@ -41,6 +43,7 @@ class BlockContext:
     sin: jax.Array
     num_valid: jax.Array
     steps: jax.Array | None = None
+    tree_mask: jax.Array | None = None  # [b, T, T] bool: a token tree's ancestor-or-self mask (`with_tree`)
 
 
 @struct.dataclass
@@ -65,6 +68,23 @@ class ForwardOutput:
     router_experts: tuple[jax.Array | None, ...]
     cache: object
     router_logits: tuple[jax.Array | None, ...] | None = None  # per layer [b, T, E] fp32, when requested
+
+
+@struct.dataclass
+class TreeBlock:
+    """A token tree verified as one block: node t sits at depth `depths[b, t]` (position start + depth) and
+    sees the block rows u with `mask[b, t, u]` (its ancestors and itself); nodes are in topological order
+    (a parent before its children), node 0 is the root at depth 0."""
+
+    depths: jax.Array  # [b, T] int32
+    mask: jax.Array  # [b, T, T] bool
+
+
+def with_tree(ctx: BlockContext, tree: TreeBlock, rope, dtype) -> BlockContext:
+    """The block context of a tree block: positions start + depth, their RoPE tables, the ancestor mask."""
+    positions = ctx.starts[:, None] + tree.depths.astype(jnp.int32)
+    cos, sin = rope_cos_sin(rope, positions, dtype)
+    return ctx.replace(positions=positions, cos=cos, sin=sin, tree_mask=tree.mask)
 
 
 def block_positions(starts: jax.Array, width: int) -> jax.Array:
@@ -130,9 +150,10 @@ ExpertHook = Callable[[int, object, Routing], object]
 
 def run_layers(steps: Steps, weights, tokens: jax.Array, cache, *, num_valid: jax.Array | None = None,
                tap_layers: tuple[int, ...] = (), logits: LogitsMode = "all", return_router_logits: bool = False,
-               expert_hook: ExpertHook | None = None) -> ForwardOutput:
+               expert_hook: ExpertHook | None = None, tree: TreeBlock | None = None) -> ForwardOutput:
     """The decoder loop (see module doc) over `steps`. `expert_hook` may replace a MoE layer's weights once
-    its exact routing is known (the offloaded forward places the routed experts there)."""
+    its exact routing is known (the offloaded forward places the routed experts there). `tree`: the block is
+    a token tree (`TreeBlock`; attention families only)."""
     fam, cfg = steps.fam, steps.cfg
     if logits not in ("all", "last", "none"):
         raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
@@ -140,6 +161,11 @@ def run_layers(steps: Steps, weights, tokens: jax.Array, cache, *, num_valid: ja
     if num_valid is None:
         num_valid = jnp.full((b,), t, jnp.int32)
     x, ctx = steps.begin(weights, tokens, cache, num_valid)
+    if tree is not None:
+        if fam.needs_rollback_width:  # a linear-attention state runs along one sequence, not a tree
+            raise NotImplementedError(f"{fam.name}: token-tree verification needs per-path recurrent states; "
+                                      "verify a chain (spec.tree falls back to it)")
+        ctx = with_tree(ctx, tree, cfg.rope, x.dtype)
     last = len(weights.layers) - 1
     taps: dict[int, jax.Array] = {}
     routers, router_logits, states = [], [], []
@@ -168,7 +194,7 @@ def run_layers(steps: Steps, weights, tokens: jax.Array, cache, *, num_valid: ja
 
 def forward(fam, weights, tokens: jax.Array, cache, cfg, *, num_valid: jax.Array | None = None,
             tap_layers: tuple[int, ...] = (), logits: LogitsMode = "all", implementation: str = "auto",
-            return_router_logits: bool = False) -> ForwardOutput:
+            return_router_logits: bool = False, tree: TreeBlock | None = None) -> ForwardOutput:
     """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)` through family `fam`'s decoder.
 
     One function serves every use: prefill of a right-padded batch, extension by a width-B speculative
@@ -180,11 +206,14 @@ def forward(fam, weights, tokens: jax.Array, cache, cfg, *, num_valid: jax.Array
     return_router_logits: also return each MoE layer's router logits (training's load-balancing loss).
     A MoE layer whose weights carry a slot pool (`ModelFamily.with_expert_pool`) reads its experts through
     the layer's `slot_of` table; every routed expert must then be resident in the pool.
+    tree: a `TreeBlock` when `tokens` is a token tree (node t at position `cache.lengths + depths[:, t]`,
+    attending to the committed rows and its ancestors only); rows are still written at `lengths + [0, T)`
+    and the caller moves the accepted path into place (`spec.tree`).
     """
     if not isinstance(weights, fam.weights_type):
         raise TypeError(f"{type(cfg).__name__} needs {fam.weights_type.__name__} weights, got {type(weights).__name__}")
     return run_layers(Steps(fam, cfg, implementation), weights, tokens, cache, num_valid=num_valid,
-                      tap_layers=tap_layers, logits=logits, return_router_logits=return_router_logits)
+                      tap_layers=tap_layers, logits=logits, return_router_logits=return_router_logits, tree=tree)
 
 
 _STATIC = ("cfg", "tap_layers", "logits", "implementation", "return_router_logits")

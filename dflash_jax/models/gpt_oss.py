@@ -117,14 +117,15 @@ def _norm(x, w, cfg: GptOssConfig):
     return rms_norm(x, w, cfg.rms_norm_eps, scale_in_fp32=True)
 
 
-def _attention(h, attn: GptOssAttentionWeights, k_buf, v_buf, positions, cos, sin, window, cfg: GptOssConfig):
+def _attention(h, attn: GptOssAttentionWeights, k_buf, v_buf, positions, cos, sin, window, cfg: GptOssConfig,
+               tree_mask=None):
     b, t, _ = h.shape
     d = cfg.head_dim
     q = apply_rope(_linear(h, attn.q, attn.q_bias).reshape(b, t, cfg.num_heads, d), cos, sin)
     k = apply_rope(_linear(h, attn.k, attn.k_bias).reshape(b, t, cfg.num_kv_heads, d), cos, sin)
     v = _linear(h, attn.v, attn.v_bias).reshape(b, t, cfg.num_kv_heads, d)
     out, k_buf, v_buf = cached_causal_attention(
-        q, k, v, k_buf, v_buf, positions, window=window, scale=d**-0.5, sinks=attn.sinks
+        q, k, v, k_buf, v_buf, positions, window=window, scale=d**-0.5, sinks=attn.sinks, tree_mask=tree_mask
     )
     return _linear(out.reshape(b, t, -1), attn.o, attn.o_bias), k_buf, v_buf
 
@@ -148,7 +149,8 @@ def attention_sublayer(
     """`x + attn(input_norm(x))` (sinks, sliding `window` or full), writing the block's K/V rows at the cache
     lengths; returns (x, k_buf, v_buf)."""
     attn_out, k_buf, v_buf = _attention(
-        _norm(x, layer.input_norm, cfg), layer.attn, k_buf, v_buf, ctx.positions, ctx.cos, ctx.sin, window, cfg)
+        _norm(x, layer.input_norm, cfg), layer.attn, k_buf, v_buf, ctx.positions, ctx.cos, ctx.sin, window, cfg,
+        tree_mask=ctx.tree_mask)
     return x + attn_out, k_buf, v_buf
 
 

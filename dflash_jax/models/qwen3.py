@@ -127,7 +127,7 @@ def attention_sublayer(
     q, k, v = qkv_projection(h, layer.attn, ctx.cos, ctx.sin, num_heads=cfg.num_heads,
                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
     out, k_buf, v_buf = cached_causal_attention(q, k, v, k_buf, v_buf, ctx.positions, window=window,
-                                                scale=cfg.head_dim**-0.5)
+                                                scale=cfg.head_dim**-0.5, tree_mask=ctx.tree_mask)
     out = _project(out.reshape(x.shape[0], x.shape[1], -1), layer.attn.o, layer.attn.o_bias)
     return x + out, k_buf, v_buf
 

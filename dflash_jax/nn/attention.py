@@ -326,6 +326,7 @@ def cached_causal_attention(
     scale: float,
     sinks: jax.Array | None = None,
     tuning: AttentionTuning | None = None,
+    tree_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal (optionally sliding-window) attention of a block over a slot = position KV cache.
 
@@ -334,11 +335,23 @@ def cached_causal_attention(
     slots `positions[:, 0] + [0, T)`, then every query attends to the slots `p` with `p <= q` (and
     `q - p < window`); slots at or past the length hold stale rows that causality never shows, and that the
     chunked path never reads beyond the chunk holding the last live row (`kv_cache_attention`).
+    tree_mask: optional [b, T, T] bool, a token tree verified in one block (`spec.tree`): row t sees block
+    row u iff `tree_mask[b, t, u]` (its ancestors and itself), and `positions` are each node's depth
+    positions (not consecutive). The rows are still written at slots `positions[:, 0] + [0, T)`; every
+    query sees the committed rows below `positions[:, 0]` by position and the block's rows only through
+    the tree mask (and the window). None: the plain causal block, unchanged.
     Returns (out [b, T, Hq, d], k_buf, v_buf).
     """
     starts = positions[:, 0]
     k_buf = write_rows(k_buf, k, starts)
     v_buf = write_rows(v_buf, v, starts)
-    out = kv_cache_attention(q, k_buf, v_buf, positions, starts + q.shape[1], scale=scale, causal=True,
-                             window=window, sinks=sinks, tuning=tuning)
+    if tree_mask is None:
+        out = kv_cache_attention(q, k_buf, v_buf, positions, starts + q.shape[1], scale=scale, causal=True,
+                                 window=window, sinks=sinks, tuning=tuning)
+        return out, k_buf, v_buf
+    own = tree_mask
+    if window is not None:
+        own = own & (positions[:, :, None] - positions[:, None, :] < window)
+    out = kv_cache_attention(q, k_buf, v_buf, positions, starts, scale=scale, causal=True, window=window,
+                             sinks=sinks, extra=(k, v, own), tuning=tuning)
     return out, k_buf, v_buf

@@ -1,0 +1,521 @@
+"""Token-tree verification: more tokens per verify from the distributions one draft forward already gives.
+
+The DFlash draft predicts a distribution at every block position 1..B-1 in one forward; the chain verifies
+only the argmax path. A tree verifies the N most probable continuations at once:
+
+  build    best-first by path probability: a node at depth d with token x scores
+           log P(path) = sum over its path of log q_d(x_d) (the draft's distribution at block position d);
+           candidates of a node are the top-K tokens of the next position. Expanding the best frontier entry
+           N-1 times gives the N most probable prefixes (a prefix scores at least as high as its extensions,
+           so the set is prefix-closed; ties break by order). The selection order does not depend on N: the
+           tree of budget n is the first n nodes of any larger one (the adaptive policy relies on it).
+  verify   one width-N target forward: node t at position start + depth(t), attending to the committed
+           cache and to its ancestors only (`models.decoder.TreeBlock`, `nn.attention.cached_causal_attention`
+           with `tree_mask`); its logits are the target's distribution after that node's path.
+  accept   greedy: walk from the root while a child's token equals the target's argmax at its parent; the
+           deepest node reached is the accepted path and the target's argmax there is the bonus.
+           sampling: the same walk against one target draw per node, each from the processed distribution
+           at that node (`spec.sampling`). This is recursive rejection sampling over the siblings with one-hot
+           proposals: child c_k (in rank order) is accepted with probability p_res(c_k), p_res being p with the
+           earlier siblings removed and renormalized; the telescoping product makes that exactly p(c_k), and
+           the bonus after all rejections is drawn from p restricted to the non-candidates, i.e. one draw x ~ p
+           decides everything: x = some child's token -> descend, else x is the bonus. Every emitted token is
+           a fresh draw of the target given the committed prefix: lossless (tested with a chi-square test).
+  commit   the accepted path's K/V rows (slots start + node index) are copied to slots start + depth, then
+           the lengths move (slot = position holds again); the draft's next context rows are the verify
+           taps of the path's nodes.
+
+Static shapes: the budget N (a static bucket) fixes the verify width, the branching K the candidates per
+node; the depth is at most B-1 (the draft's block). Trees of different requests reuse one compiled round.
+
+Families whose mixers are all attention verify trees (Qwen3 / Qwen3-MoE, gpt-oss). Qwen3.5's Gated DeltaNet
+layers carry a recurrent state along one sequence: a tree needs one state per root-to-leaf path (a batch of
+paths through the linear layers, each path's conv window and delta-rule state), not built here, so that
+family verifies a chain (`tree_supported`), which is exact.
+
+The adaptive policy (`AdaptivePolicy`) picks, each round, one of a few static shapes (chains of B and trees
+of budget N, each a branch of one `lax.switch`) from the expected tokens of each shape (the draft's path
+probabilities of this round's tree, calibrated per sequence by the acceptance so far) over its cost (a
+`VerifyCost` per shape: measured or modelled seconds, expert bytes when offloaded). Deterministic given the
+state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dflash_jax import compile_cache
+from dflash_jax.models import draft as draft_model
+from dflash_jax.models.decoder import TreeBlock
+from dflash_jax.models.family import family_of
+from dflash_jax.spec import requests as rq
+from dflash_jax.spec.loop import LOOP_BUCKETS, _result, _shape_stats, generate
+from dflash_jax.spec.sampling import SamplingParams, processed_scores, sample_rows
+from dflash_jax.spec.session import (
+    Prepared, SpecConfig, SpecState, _all_greedy, _check_state, _emit, _split_rows, begin_prepared, prepare,
+)
+
+DEFAULT_BRANCH = 4
+
+
+def tree_supported(cfg) -> bool:
+    """Whether a target family can verify token trees (every mixer is attention over a slot = position
+    cache). Linear-attention families (Qwen3.5) cannot yet: see the module doc."""
+    return not family_of(cfg).needs_rollback_width
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """One static verify shape: `budget` nodes (the root, i.e. the anchor, included) with at most `branch`
+    candidates per node. `branch=1` is the chain of width `budget`."""
+
+    budget: int
+    branch: int = DEFAULT_BRANCH
+
+    def __post_init__(self):
+        if self.budget < 1 or self.branch < 1:
+            raise ValueError(f"a tree needs budget >= 1 and branch >= 1, got {self.budget}, {self.branch}")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.branch == 1
+
+    def label(self) -> str:
+        return f"chain B={self.budget}" if self.is_chain else f"tree N={self.budget}"
+
+
+@struct.dataclass
+class Tree:
+    """A batch of token trees in topological order (node 0 = the root = the anchor, parents first)."""
+
+    tokens: jax.Array  # [b, N] int32
+    parent: jax.Array  # [b, N] int32 (the root is its own parent)
+    depth: jax.Array  # [b, N] int32
+    mask: jax.Array  # [b, N, N] bool: mask[t, u] = u is t or an ancestor of t
+    score: jax.Array  # [b, N] fp32 log path probability under the draft (root 0)
+    valid: jax.Array  # [b, N] bool: nodes past the budget (or with no candidate left) are never accepted
+    rank: jax.Array  # [b, N] int32: the node's rank among its position's candidates (0 = the draft's argmax)
+
+    def prefix(self, n: int) -> "Tree":
+        """The first n nodes: the tree of budget n (best-first order does not depend on the budget)."""
+        return Tree(tokens=self.tokens[:, :n], parent=self.parent[:, :n], depth=self.depth[:, :n],
+                    mask=self.mask[:, :n, :n], score=self.score[:, :n], valid=self.valid[:, :n],
+                    rank=self.rank[:, :n])
+
+    def block(self) -> TreeBlock:
+        return TreeBlock(depths=self.depth, mask=self.mask)
+
+
+def _build_one(anchor, top_lp, top_tok, budget: int):
+    """One sequence's tree. top_lp, top_tok [D, K]: the draft's K best log-probabilities / tokens at block
+    positions 1..D, best first. Frontier slot i holds node i's next unexpanded child (rank r): a node's
+    first child enters at its own slot, and taking a candidate replaces it by its next sibling."""
+    depth_max, branch = top_lp.shape
+    n = budget
+    neg = jnp.float32(-jnp.inf)
+    idx = jnp.arange(n)
+    tokens = jnp.zeros((n,), jnp.int32).at[0].set(anchor)
+    parent = jnp.zeros((n,), jnp.int32)
+    depth = jnp.zeros((n,), jnp.int32)
+    score = jnp.zeros((n,), jnp.float32)
+    valid = jnp.zeros((n,), bool).at[0].set(True)
+    mask = jnp.eye(n, dtype=bool)
+    rank = jnp.zeros((n,), jnp.int32)
+    f_score = jnp.full((n,), neg).at[0].set(top_lp[0, 0] if depth_max > 0 else neg)
+    f_rank = jnp.zeros((n,), jnp.int32)
+
+    def step(i, carry):
+        tokens, parent, depth, score, valid, mask, rank, f_score, f_rank = carry
+        j = jnp.argmax(f_score).astype(jnp.int32)
+        s, r = f_score[j], f_rank[j]
+        ok = s > neg
+        d = depth[j] + 1  # the candidate is a child of node j at depth d (block position d)
+        tok = top_tok[jnp.clip(d - 1, 0, depth_max - 1), r]
+        tokens = tokens.at[i].set(jnp.where(ok, tok, 0))
+        parent = parent.at[i].set(jnp.where(ok, j, i))
+        depth = depth.at[i].set(jnp.where(ok, d, 0))
+        score = score.at[i].set(jnp.where(ok, s, neg))
+        valid = valid.at[i].set(ok)
+        rank = rank.at[i].set(jnp.where(ok, r, 0))
+        mask = mask.at[i].set(jnp.where(ok, mask[j] | (idx == i), idx == i))
+        # node j's next sibling candidate replaces the one just taken; node i's first child enters slot i
+        sib_ok = ok & (r + 1 < branch)
+        sib = score[j] + top_lp[jnp.clip(d - 1, 0, depth_max - 1), jnp.minimum(r + 1, branch - 1)]
+        f_score = f_score.at[j].set(jnp.where(ok, jnp.where(sib_ok, sib, neg), f_score[j]))
+        f_rank = f_rank.at[j].set(jnp.where(ok, r + 1, f_rank[j]))
+        child_ok = ok & (d < depth_max)
+        child = s + top_lp[jnp.clip(d, 0, depth_max - 1), 0]
+        f_score = f_score.at[i].set(jnp.where(child_ok, child, neg))
+        f_rank = f_rank.at[i].set(0)
+        return tokens, parent, depth, score, valid, mask, rank, f_score, f_rank
+
+    carry = (tokens, parent, depth, score, valid, mask, rank, f_score, f_rank)
+    tokens, parent, depth, score, valid, mask, rank, _, _ = jax.lax.fori_loop(1, n, step, carry)
+    return tokens, parent, depth, mask, score, valid, rank
+
+
+def build_tree(anchor: jax.Array, draft_logprobs: jax.Array, shape: TreeShape) -> Tree:
+    """Best-first trees of `shape.budget` nodes from the draft's log-probabilities [b, D, V] at block
+    positions 1..D (anchor [b] is the root)."""
+    branch = min(shape.branch, draft_logprobs.shape[-1])
+    top_lp, top_tok = jax.lax.top_k(draft_logprobs.astype(jnp.float32), branch)
+    tokens, parent, depth, mask, score, valid, rank = jax.vmap(
+        functools.partial(_build_one, budget=shape.budget))(anchor, top_lp, top_tok.astype(jnp.int32))
+    return Tree(tokens=tokens, parent=parent, depth=depth, mask=mask, score=score, valid=valid, rank=rank)
+
+
+def accept_tree(tree: Tree, target_tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The walk from the root: node t is reached when every node u on its path (root excluded) is valid and
+    its token equals `target_tokens` at u's parent (the target's argmax, or its draw, after the parent's
+    path). Returns (accepted [b] = depth of the deepest node reached, bonus [b] = the target's token there,
+    path [b, D+1] = the node at each depth of the accepted path; entries past `accepted` are 0)."""
+    b, n = tree.tokens.shape
+    at_parent = jnp.take_along_axis(target_tokens, tree.parent, axis=1)
+    match = (tree.tokens == at_parent) & tree.valid
+    match = match.at[:, 0].set(True)
+    reached = jnp.all(~tree.mask | match[:, None, :], axis=-1)  # [b, N]
+    best = jnp.argmax(jnp.where(reached, tree.depth, -1), axis=1).astype(jnp.int32)
+    rows = jnp.arange(b)
+    accepted = tree.depth[rows, best]
+    bonus = target_tokens[rows, best]
+    on_path = tree.mask[rows, best]  # [b, N]: the ancestors of best and best itself
+    depth_max = n - 1 if n > 1 else 0
+    levels = jnp.arange(depth_max + 1)
+    sel = on_path[:, None, :] & (tree.depth[:, None, :] == levels[None, :, None])  # [b, D+1, N]
+    path = jnp.argmax(sel, axis=-1).astype(jnp.int32)
+    return accepted, bonus, path
+
+
+def _pad_cols(x: jax.Array, width: int) -> jax.Array:
+    if x.shape[1] >= width:
+        return x[:, :width]
+    return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def commit_path(cache, start: jax.Array, path: jax.Array):
+    """Moves the accepted path's K/V rows into place: slot start + depth gets the row of the path's node at
+    that depth (written at slot start + node index by the tree verify). `path` [b, W] node indices (the
+    rows past the accepted depth are copied too, harmlessly: they lie past the length set next). Works on
+    any cache whose `keys` / `values` are per-layer slot = position buffers [b, S, ...]."""
+    b = path.shape[0]
+    rows = jnp.arange(b)[:, None]
+    src = start[:, None] + path
+    dst = start[:, None] + jnp.arange(path.shape[1], dtype=start.dtype)[None]
+
+    def move(buf):
+        return buf.at[rows, dst].set(buf[rows, src], mode="drop")
+
+    return cache.replace(keys=tuple(move(k) for k in cache.keys), values=tuple(move(v) for v in cache.values))
+
+
+@struct.dataclass
+class TreeDraft:
+    logprobs: jax.Array  # [b, B-1, V] the draft's log-probabilities at block positions 1..B-1
+    draft_cache: object  # with this round's context rows appended
+
+
+def tree_draft(target_w, draft_w, state: SpecState, spec: SpecConfig) -> TreeDraft:
+    """One draft forward over [anchor, MASK x (B-1)] (as `session.draft_round`), keeping every position's
+    distribution instead of its argmax."""
+    b = state.anchor.shape[0]
+    gamma = spec.block_size - 1
+    block = jnp.concatenate(
+        [state.anchor[:, None], jnp.full((b, gamma), spec.draft.mask_token_id, jnp.int32)], axis=1)
+    logits, _, draft_cache = draft_model.draft_forward(
+        draft_w, spec.draft, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=block,
+        context_features=state.context, num_context=state.num_context, cache=state.draft_cache)
+    return TreeDraft(logprobs=jax.nn.log_softmax(logits[:, 1:].astype(jnp.float32), axis=-1),
+                     draft_cache=draft_cache)
+
+
+@struct.dataclass
+class TreeRoundInfo:
+    """What one tree round did, per sequence: proposals accepted, the verify's distinct experts per MoE
+    layer (mean over layers; 0 for dense targets), the draft's expected accepted depth of the tree, and
+    whether the accepted path left the draft's argmax chain (a node of rank > 0 was accepted)."""
+
+    accepted: jax.Array  # [b] int32
+    expert_union: jax.Array  # [b] fp32
+    expected: jax.Array  # [b] fp32
+    off_chain: jax.Array  # [b] bool
+
+
+def _expert_union(router_experts, num_experts: int) -> jax.Array:
+    per_layer = [r for r in router_experts if r is not None]
+    if not per_layer:
+        return jnp.zeros((1,), jnp.float32)
+    counts = []
+    for r in per_layer:  # r [b, T, k]
+        hit = jax.nn.one_hot(r.reshape(r.shape[0], -1), num_experts, dtype=jnp.int32).max(axis=1)
+        counts.append(hit.sum(axis=-1))
+    return jnp.mean(jnp.stack(counts).astype(jnp.float32), axis=0)
+
+
+def verify_tree(target_w, state: SpecState, tree: Tree, draft_cache, spec: SpecConfig):
+    """Width-N target forward over the tree, acceptance (greedy or per-node draws), emission and commit.
+    Returns (state, TreeRoundInfo)."""
+    fam = family_of(spec.target)
+    start = state.target_cache.lengths
+    key, k_acc = _split_rows(state.key)
+    rows = state.params.sampling
+    out = fam.forward(target_w, tree.tokens, state.target_cache, spec.target, tap_layers=spec.taps,
+                      logits="all", tree=tree.block())
+    target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+
+    def sampled():  # one independent draw per node (see the module doc: the sibling rejection rule)
+        draws = sample_rows(k_acc, processed_scores(out.logits, rows))
+        return jnp.where(rows.greedy[:, None], target_argmax, draws)
+
+    target_tokens = jax.lax.cond(_all_greedy(state), lambda: target_argmax, sampled)
+    accepted, bonus, path = accept_tree(tree, target_tokens)
+    gamma = spec.block_size - 1
+    path = _pad_cols(path, spec.block_size)
+    proposals = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)  # [b, B-1]: d_1 .. d_a on the path
+    new, produced = _emit(state.replace(key=key), accepted, bonus, proposals[:, :gamma], spec)
+    cache = commit_path(out.cache, start, path)
+    context = draft_model.context_features(out.taps)  # [b, N, F]
+    context = jnp.take_along_axis(context, path[..., None], axis=1)  # [b, B, F]: the path's rows
+    cfg = spec.target
+    num_experts = cfg.moe.num_experts if getattr(cfg, "moe", None) is not None else 1
+    info = TreeRoundInfo(accepted=accepted, expert_union=jnp.broadcast_to(
+        _expert_union(out.router_experts, num_experts), accepted.shape),
+        expected=jnp.sum(jnp.where(tree.valid, jnp.exp(tree.score), 0.0), axis=1) - 1.0,
+        off_chain=jnp.any((jnp.take_along_axis(tree.rank, path, axis=1) > 0)
+                          & (jnp.arange(path.shape[1])[None] <= accepted[:, None]), axis=1))
+    new = new.replace(
+        target_cache=fam.rollback(cache, start + produced),
+        draft_cache=draft_cache,
+        context=context.astype(state.context.dtype),
+        num_context=produced,
+        last_accepted=accepted,
+        last_bonus=bonus,
+    )
+    return new, info
+
+
+def tree_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape):
+    """One round with a fixed tree shape: draft, build, verify. Returns (state, TreeRoundInfo)."""
+    _check_state(state, spec)
+    draft = tree_draft(target_w, draft_w, state, spec)
+    tree = build_tree(state.anchor, draft.logprobs, shape)
+    return verify_tree(target_w, state, tree, draft.draft_cache, spec)
+
+
+tree_round_jit = jax.jit(tree_round, static_argnames=("spec", "shape"), donate_argnames=("state",))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the adaptive policy
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class VerifyCost:
+    """The cost of one round per candidate shape, in seconds (static: baked into the compiled program).
+
+    `model(...)` builds it from the parts the issue names: a fixed time per round (draft + launch), a time
+    per verified row (tokens x compute), and the expert bytes a round's rows route to over the host link
+    (offloaded targets; 0 when resident)."""
+
+    seconds: tuple[float, ...]
+
+    @staticmethod
+    def model(shapes: Sequence[TreeShape], *, round_s: float, row_s: float,
+              expert_bytes: Sequence[float] | None = None, link_bytes_per_s: float | None = None) -> "VerifyCost":
+        """seconds(shape) = round_s + row_s * budget + expert_bytes(shape) / link (when both are given)."""
+        out = []
+        for i, s in enumerate(shapes):
+            t = round_s + row_s * s.budget
+            if expert_bytes is not None and link_bytes_per_s:
+                t += expert_bytes[i] / link_bytes_per_s
+            out.append(float(t))
+        return VerifyCost(tuple(out))
+
+
+DEFAULT_SHAPES = (TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 1), TreeShape(8), TreeShape(16), TreeShape(32))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePolicy:
+    """Each round, each sequence scores every candidate shape s by expected tokens / cost:
+    (1 + c * sum of the draft's path probabilities of s's non-root nodes) / seconds(s), where c is the
+    sequence's calibration (tokens accepted so far over tokens the draft expected, both decayed by `decay`
+    per round, prior 1). The batch verifies the shape with the largest summed score over its live
+    sequences. Deterministic given the state (no clocks, no randomness)."""
+
+    shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES
+    cost: VerifyCost | None = None  # None: seconds = 1 + budget / 16 (compute-bound guess)
+    decay: float = 0.9
+
+    def seconds(self) -> tuple[float, ...]:
+        if self.cost is not None:
+            if len(self.cost.seconds) != len(self.shapes):
+                raise ValueError(f"VerifyCost has {len(self.cost.seconds)} entries for {len(self.shapes)} shapes")
+            return self.cost.seconds
+        return tuple(1.0 + s.budget / 16.0 for s in self.shapes)
+
+
+@struct.dataclass
+class AdaptiveState:
+    spec_state: SpecState
+    accepted_sum: jax.Array  # [b] fp32, decayed
+    expected_sum: jax.Array  # [b] fp32, decayed
+    chosen: jax.Array  # [num shapes] int32: rounds per shape
+
+
+def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, policy: AdaptivePolicy):
+    """Draft once, build the candidate trees (one per branching; the shapes are prefixes of them), pick the
+    shape (`AdaptivePolicy`), verify it (one branch of a `lax.switch`). Returns (AdaptiveState, info)."""
+    state = astate.spec_state
+    draft = tree_draft(target_w, draft_w, state, spec)
+    shapes = policy.shapes
+    depth = spec.block_size - 1
+    full = {}
+    for br in sorted({s.branch for s in shapes}):
+        budget = max(s.budget for s in shapes if s.branch == br)
+        full[br] = build_tree(state.anchor, draft.logprobs, TreeShape(budget, br))
+    calib = (astate.accepted_sum + 1.0) / (astate.expected_sum + 1.0)
+    seconds = jnp.asarray(policy.seconds(), jnp.float32)
+    expected = []
+    for s in shapes:
+        t = full[s.branch].prefix(min(s.budget, depth + 1) if s.is_chain else s.budget)
+        expected.append(jnp.sum(jnp.where(t.valid, jnp.exp(t.score), 0.0), axis=1) - 1.0)
+    expected = jnp.stack(expected, axis=1)  # [b, S]
+    rate = (1.0 + calib[:, None] * expected) / seconds[None]
+    live = (~state.done).astype(jnp.float32)[:, None]
+    choice = jnp.argmax(jnp.sum(rate * live, axis=0)).astype(jnp.int32)
+
+    def branch(s):
+        def run(operands):
+            st, cache = operands
+            t = full[s.branch].prefix(min(s.budget, depth + 1) if s.is_chain else s.budget)
+            return verify_tree(target_w, st, t, cache, spec)
+        return run
+
+    new, info = jax.lax.switch(choice, [branch(s) for s in shapes], (state, draft.draft_cache))
+    predicted = expected[jnp.arange(expected.shape[0]), choice]
+    done_before = state.done
+    d = policy.decay
+    acc = jnp.where(done_before, astate.accepted_sum, d * astate.accepted_sum + info.accepted.astype(jnp.float32))
+    exp_ = jnp.where(done_before, astate.expected_sum, d * astate.expected_sum + predicted)
+    return AdaptiveState(spec_state=new, accepted_sum=acc, expected_sum=exp_,
+                         chosen=astate.chosen.at[choice].add(1)), info
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loops
+# ----------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("spec", "shape"), donate_argnames=("state",))
+def run_tree_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape) -> SpecState:
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                              lambda s: tree_round(target_w, draft_w, s, spec, shape)[0], state)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "policy"), donate_argnames=("astate",))
+def run_adaptive_loop(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig,
+                      policy: AdaptivePolicy) -> AdaptiveState:
+    return jax.lax.while_loop(lambda a: ~jnp.all(a.spec_state.done),
+                              lambda a: adaptive_round(target_w, draft_w, a, spec, policy)[0], astate)
+
+
+def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, **request) -> Prepared:
+    """`session.prepare` with the cache sized for a verify of `widest` rows (a tree may be wider than B)."""
+    compile_cache.ensure_enabled()
+    buckets = LOOP_BUCKETS if buckets is None else buckets
+    prep = prepare(pair, prompts, block_size=block_size, buckets=buckets, **request)
+    spec = prep.spec
+    need = prep.tokens.shape[1] + spec.output_len + max(widest, spec.block_size)
+    max_len = min(buckets.cache_len(need), spec.target.max_position_embeddings)
+    budget = int(np.max(prep.params.budget))
+    if int(np.max(prep.lengths)) + budget + widest > max_len:
+        raise ValueError(f"prompt + max_new_tokens + the tree budget {widest} exceeds the target's "
+                         f"{spec.target.max_position_embeddings} positions")
+    return dataclasses.replace(prep, spec=dataclasses.replace(spec, max_len=max_len))
+
+
+def _fallback_note(pair) -> str:
+    return (f"dflash_jax: note: the {family_of(pair.target_cfg).name} family verifies a chain, not a tree: its "
+            "linear-attention (Gated DeltaNet) layers would need one recurrent state per tree path")
+
+
+def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branch: int = DEFAULT_BRANCH,
+                  adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
+                  sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
+                  buckets: rq.Buckets | None = None):
+    """Tree-verified DFlash generation in one jitted while_loop (`spec.loop.generate`'s contract and result).
+
+    tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
+    width N). adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
+    Families that cannot verify trees (`tree_supported`) run the chain loop with a note on stderr."""
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be a positive integer, got {tree_budget!r}")
+    if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
+        raise ValueError(f"branch must be a positive integer, got {branch!r}")
+    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    if not tree_supported(pair.target_cfg):
+        print(_fallback_note(pair), file=sys.stderr)
+        return generate(pair, prompts, block_size=block_size, warmup=warmup, buckets=buckets, **request)
+    policy = (AdaptivePolicy() if adaptive is True else adaptive) or None
+    widest = max(s.budget for s in policy.shapes) if policy else tree_budget
+    prep = prepare_tree(pair, prompts, widest=widest, block_size=block_size, buckets=buckets, **request)
+    spec = prep.spec
+    if spec.block_size < 2:
+        raise ValueError("tree verification needs a draft block of at least 2 (one proposal position)")
+    shape = TreeShape(tree_budget, branch)
+
+    def run(state):
+        if policy is None:
+            return run_tree_loop(pair.target, pair.draft, state, spec, shape), None
+        b = state.anchor.shape[0]
+        astate = AdaptiveState(spec_state=state, accepted_sum=jnp.zeros((b,), jnp.float32),
+                               expected_sum=jnp.zeros((b,), jnp.float32),
+                               chosen=jnp.zeros((len(policy.shapes),), jnp.int32))
+        astate = run_adaptive_loop(pair.target, pair.draft, astate, spec, policy)
+        return astate.spec_state, astate.chosen
+
+    if warmup:
+        state = begin_prepared(pair, prep)
+        jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)))[0].output)
+    t0 = time.perf_counter()
+    state, chosen = run(begin_prepared(pair, prep))
+    jax.block_until_ready(state.output)
+    seconds = time.perf_counter() - t0
+    stats = dict(_shape_stats(prep), loop="jit", seconds=seconds, tree_budget=tree_budget, branch=branch)
+    if chosen is not None:
+        stats["adaptive_rounds"] = {s.label() + ("" if s.is_chain else f" K={s.branch}"): int(c)
+                                    for s, c in zip(policy.shapes, np.asarray(chosen))}
+    return _result(state, stats, rows=prep.num_prompts)
+
+
+def generate_tree_stepping(pair, prompts, *, max_new_tokens, shape: TreeShape, block_size: int | None = None,
+                           sampling=SamplingParams(), stop_ids=(), seed=0, buckets: rq.Buckets | None = None):
+    """The tree rounds driven from Python, one jitted round at a time; returns (GenerationResult, rounds)
+    where rounds[r] is a dict of numpy arrays [b] per `TreeRoundInfo` field plus `live` (sequences not done
+    before the round). For traces, tests and benchmarks (expert union per round)."""
+    if not tree_supported(pair.target_cfg):
+        raise NotImplementedError(_fallback_note(pair))
+    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    prep = prepare_tree(pair, prompts, widest=shape.budget, block_size=block_size, buckets=buckets, **request)
+    spec = prep.spec
+    t0 = time.perf_counter()
+    state = begin_prepared(pair, prep)
+    rounds = []
+    done = np.asarray(state.done)
+    while not done.all():
+        state, info = tree_round_jit(pair.target, pair.draft, state, spec, shape)
+        row = {k: np.asarray(v) for k, v in dataclasses.asdict(info).items()}
+        row["live"] = ~done
+        rounds.append(row)
+        done = np.asarray(state.done)
+    seconds = time.perf_counter() - t0
+    stats = dict(_shape_stats(prep), loop="python", seconds=seconds, tree_budget=shape.budget, branch=shape.branch)
+    return _result(state, stats, rows=prep.num_prompts), rounds

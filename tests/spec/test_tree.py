@@ -1,0 +1,251 @@
+"""Token-tree verification (`spec.tree`): the best-first tree, the tree attention mask (every node's logits
+equal its path run as a chain), the acceptance walk, lossless greedy output on the shipped pair and on
+random gpt-oss / Qwen3 pairs (with proposals really accepted, off the draft's argmax chain too), the Qwen3.5
+fallback, and the adaptive policy."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax
+from dflash_jax import testing
+from dflash_jax.decode import greedy_generate
+from dflash_jax.models.decoder import TreeBlock
+from dflash_jax.models.family import family_of
+from dflash_jax.spec import generate
+from dflash_jax.spec.tree import (
+    AdaptivePolicy, TreeShape, VerifyCost, accept_tree, build_tree, generate_tree, generate_tree_stepping,
+    tree_supported,
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the tree
+# ----------------------------------------------------------------------------------------------------------
+
+def _best_paths(logprobs: np.ndarray, branch: int, budget: int):
+    """Reference: the budget-1 most probable non-empty paths by exhaustive enumeration (ranks per depth)."""
+    depth, _ = logprobs.shape
+    order = np.argsort(-logprobs, axis=1, kind="stable")[:, :branch]
+    paths = []
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(branch), repeat=d):
+            score = sum(logprobs[j, order[j, r]] for j, r in enumerate(ranks))
+            paths.append((score, tuple(int(order[j, r]) for j, r in enumerate(ranks))))
+    return heapq.nlargest(budget - 1, paths, key=lambda p: p[0])
+
+
+def test_build_tree_takes_the_most_probable_paths():
+    rng = np.random.default_rng(0)
+    depth, vocab, budget, branch = 4, 12, 13, 3
+    logits = rng.normal(size=(2, depth, vocab)) * 2.0
+    logprobs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+    anchor = jnp.array([5, 6], jnp.int32)
+    tree = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(budget, branch)))
+    for b in range(2):
+        assert tree.tokens[b, 0] == anchor[b] and tree.depth[b, 0] == 0 and tree.valid[b].all()
+        got = {}
+        for t in range(1, budget):
+            p = tree.parent[b, t]
+            assert p < t and tree.depth[b, t] == tree.depth[b, p] + 1  # topological, one level down
+            path = got.get(p, ()) + (int(tree.tokens[b, t]),)
+            got[t] = path
+            # the mask row is exactly the node's ancestors and itself
+            anc, u = {t}, t
+            while u:
+                u = int(tree.parent[b, u])
+                anc.add(u)
+            assert set(np.flatnonzero(tree.mask[b, t])) == anc
+            np.testing.assert_allclose(tree.score[b, t], sum(logprobs[b, d, x] for d, x in enumerate(path)),
+                                       rtol=1e-5)
+        want = _best_paths(logprobs[b], branch, budget)
+        assert sorted(got.values()) == sorted(p for _, p in want)
+        # best-first: scores never increase along the node order
+        assert np.all(np.diff(tree.score[b, 1:]) <= 1e-6)
+    # a smaller budget is a prefix of the larger tree
+    small = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(6, branch)))
+    np.testing.assert_array_equal(small.tokens, tree.tokens[:, :6])
+    np.testing.assert_array_equal(small.mask, tree.mask[:, :6, :6])
+    # branch 1 is the argmax chain
+    chain = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(depth + 1, 1)))
+    np.testing.assert_array_equal(chain.tokens[:, 1:], np.argmax(logprobs, axis=-1))
+    np.testing.assert_array_equal(chain.parent[:, 1:], np.broadcast_to(np.arange(depth), (2, depth)))
+
+
+def test_accept_tree_walks_the_matching_path():
+    # root 0 -> {1: tok 10, 2: tok 11}; 1 -> {3: tok 12}; 2 -> {4: tok 13, 5: tok 14}
+    parent = np.array([[0, 0, 0, 1, 2, 2]])
+    tokens = np.array([[99, 10, 11, 12, 13, 14]])
+    depth = np.array([[0, 1, 1, 2, 2, 2]])
+    mask = np.eye(6, dtype=bool)
+    for t in range(1, 6):
+        mask[t] |= mask[parent[0, t]]
+    from dflash_jax.spec.tree import Tree
+
+    tree = Tree(tokens=jnp.asarray(tokens), parent=jnp.asarray(parent), depth=jnp.asarray(depth),
+                mask=jnp.asarray(mask[None]), score=jnp.zeros((1, 6)), valid=jnp.ones((1, 6), bool),
+                rank=jnp.zeros((1, 6), jnp.int32))
+    # target: after the root 11 (second branch), after node 2 14, after node 5 the bonus 7
+    target = np.array([[11, 0, 14, 0, 0, 7]])
+    accepted, bonus, path = accept_tree(tree, jnp.asarray(target))
+    assert int(accepted[0]) == 2 and int(bonus[0]) == 7
+    assert list(np.asarray(path[0, :3])) == [0, 2, 5]
+    # nothing matches: the bonus is the target's token at the root
+    accepted, bonus, _ = accept_tree(tree, jnp.asarray(np.array([[50, 0, 0, 0, 0, 0]])))
+    assert int(accepted[0]) == 0 and int(bonus[0]) == 50
+    # an invalid node is never accepted
+    accepted, _, _ = accept_tree(tree.replace(valid=tree.valid.at[0, 2].set(False)), jnp.asarray(target))
+    assert int(accepted[0]) == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the tree attention mask: every node's logits equal its root-to-node path run as a chain
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_tree_forward_equals_each_path_as_a_chain(family):
+    # gpt-oss with a window of 3 < the tree depth: the window must apply among the tree's own rows too
+    cfg = (testing.tiny_qwen3_moe_config(num_layers=2) if family == "qwen3"
+           else testing.tiny_gpt_oss_config(num_layers=2, layer_windows=(3, None)))
+    fam = family_of(cfg)
+    w = fam.random_weights(cfg, jax.random.key(3))
+    rng = np.random.default_rng(1)
+    prompt_len, n = 9, 7
+    parent = [0, 0, 0, 1, 3, 2, 4]  # depths 0 1 1 2 3 2 4
+    depth = [0, 1, 1, 2, 3, 2, 4]
+    mask = np.eye(n, dtype=bool)
+    for t in range(1, n):
+        mask[t] |= mask[parent[t]]
+    tokens = rng.integers(0, cfg.vocab_size, n)
+    # one row per node: the prompt, then the node's root-to-node path as a plain chain (right-padded)
+    prompt = np.broadcast_to(rng.integers(0, cfg.vocab_size, prompt_len), (n, prompt_len))
+    paths = np.zeros((n, max(depth) + 1), np.int32)
+    lengths = mask.sum(axis=1).astype(np.int32)
+    for t in range(n):
+        paths[t, : lengths[t]] = tokens[mask[t]]  # ancestors in topological order = by depth
+
+    @jax.jit
+    def run(w, prompt, paths, lengths, tokens, depths, tree_mask):
+        cache = fam.forward(w, prompt, fam.init_cache(cfg, n, 32, jnp.float32), cfg, logits="none").cache
+        chains = fam.forward(w, paths, cache, cfg, num_valid=lengths, logits="last").logits
+        one = jax.tree.map(lambda x: x[:1], cache)
+        tree = fam.forward(w, tokens, one, cfg, logits="all", tree=TreeBlock(depths=depths, mask=tree_mask)).logits
+        chain_tree = fam.forward(w, tokens, one, cfg, logits="all", tree=TreeBlock(
+            depths=jnp.arange(n, dtype=jnp.int32)[None], mask=jnp.tril(jnp.ones((1, n, n), bool)))).logits
+        plain = fam.forward(w, tokens, one, cfg, logits="all").logits
+        return chains, tree[0], chain_tree, plain
+
+    chains, tree, chain_tree, plain = run(w, jnp.asarray(prompt, jnp.int32), jnp.asarray(paths), jnp.asarray(lengths),
+                                          jnp.asarray(tokens[None], jnp.int32), jnp.asarray([depth], jnp.int32),
+                                          jnp.asarray(mask[None]))
+    np.testing.assert_allclose(np.asarray(tree), np.asarray(chains), rtol=2e-5, atol=2e-5)
+    # a tree that is a chain gives the plain block's logits
+    np.testing.assert_allclose(np.asarray(chain_tree), np.asarray(plain), rtol=2e-5, atol=2e-5)
+    # power: the same forward with every node seeing the whole block (no tree mask) differs
+    assert float(jnp.abs(plain[0] - tree).max()) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# lossless greedy generation
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shipped():
+    return dflash_jax.load()
+
+
+SHIPPED_PROMPTS = [[5, 17, 300, 41, 99, 12, 7, 8, 9, 100], list(range(40, 71))]
+
+
+def test_greedy_tree_equals_plain_greedy_on_the_shipped_pair(shipped):
+    pair = shipped
+    n = 48
+    plain = greedy_generate(pair.target, pair.target_cfg, SHIPPED_PROMPTS, max_new_tokens=n)
+    chain = generate(pair, SHIPPED_PROMPTS, max_new_tokens=n)
+    assert chain.tokens == plain
+    result, rounds = generate_tree_stepping(pair, SHIPPED_PROMPTS, max_new_tokens=n, shape=TreeShape(16, 4))
+    assert result.tokens == plain
+    live = np.concatenate([r["live"] for r in rounds])
+    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
+    off_chain = np.concatenate([r["off_chain"] for r in rounds])[live]
+    # proposals are accepted, some of them on a branch other than the draft's argmax chain, and the tree
+    # commits more tokens per round than the chain of the same draft
+    assert accepted.mean() >= 3.0, accepted.mean()
+    assert off_chain.sum() >= 2, off_chain.sum()
+    tau_chain = np.mean([a for seq in chain.acceptance_lengths for a in seq])
+    tau_tree = np.mean([a for seq in result.acceptance_lengths for a in seq])
+    assert tau_tree > 1.1 * tau_chain, (tau_tree, tau_chain)
+    # the jitted loop gives the same rounds
+    looped = generate_tree(pair, SHIPPED_PROMPTS, max_new_tokens=n, tree_budget=16, branch=4)
+    assert looped.tokens == plain and looped.acceptance_lengths == result.acceptance_lengths
+
+
+def test_adaptive_policy_is_lossless_and_follows_its_costs(shipped):
+    pair = shipped
+    n = 32
+    prompts = SHIPPED_PROMPTS[:1]
+    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
+    shapes = (TreeShape(4, 1), TreeShape(16, 4))
+    # a free wide tree is always chosen; a prohibitively expensive one never
+    cheap = generate_tree(pair, prompts, max_new_tokens=n, adaptive=AdaptivePolicy(shapes, VerifyCost((1.0, 1.0))))
+    dear = generate_tree(pair, prompts, max_new_tokens=n, adaptive=AdaptivePolicy(shapes, VerifyCost((1.0, 100.0))))
+    assert cheap.tokens == plain and dear.tokens == plain
+    assert list(cheap.stats["adaptive_rounds"].values()) == [0, len(cheap.acceptance_lengths[0])]
+    assert list(dear.stats["adaptive_rounds"].values()) == [len(dear.acceptance_lengths[0]), 0]
+    assert max(dear.acceptance_lengths[0]) <= 4 < max(cheap.acceptance_lengths[0])
+    # deterministic: the same request, the same rounds
+    again = generate_tree(pair, prompts, max_new_tokens=n, adaptive=AdaptivePolicy(shapes, VerifyCost((1.0, 1.0))))
+    assert again.acceptance_lengths == cheap.acceptance_lengths
+
+
+def test_verify_cost_model():
+    shapes = (TreeShape(4, 1), TreeShape(32))
+    cost = VerifyCost.model(shapes, round_s=1e-3, row_s=1e-4, expert_bytes=(1e6, 4e6), link_bytes_per_s=1e9)
+    np.testing.assert_allclose(cost.seconds, (1e-3 + 4e-4 + 1e-3, 1e-3 + 32e-4 + 4e-3))
+    with pytest.raises(ValueError, match="2 entries for 1 shapes"):
+        AdaptivePolicy(shapes[:1], cost).seconds()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3"])
+def test_greedy_tree_equals_plain_greedy_on_random_pairs(family):
+    cfg = (testing.tiny_gpt_oss_config(num_layers=2, layer_windows=(5, None)) if family == "gpt_oss"
+           else testing.tiny_qwen3_moe_config(num_layers=2))
+    pair = testing.random_pair(cfg, seed=3, target_layer_ids=(0, 1), block_size=8)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 500, 23).tolist(), rng.integers(0, 500, 6).tolist()]
+    n = 40
+    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
+    result, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=n, shape=TreeShape(8, 3))
+    assert result.tokens == plain
+    live = np.concatenate([r["live"] for r in rounds])
+    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
+    assert accepted.mean() >= 0.3 and accepted.max() >= 2, accepted
+    assert np.concatenate([r["off_chain"] for r in rounds])[live].any()
+
+
+def test_linear_attention_family_falls_back_to_the_chain(capsys):
+    pair = testing.random_pair(testing.tiny_qwen3_5_config(), seed=1, block_size=4)
+    assert not tree_supported(pair.target_cfg) and tree_supported(testing.tiny_qwen3_moe_config())
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=12)
+    result = generate_tree(pair, prompts, max_new_tokens=12, tree_budget=8)
+    assert result.tokens == plain
+    assert "verifies a chain, not a tree" in capsys.readouterr().err
+    fam = family_of(pair.target_cfg)
+    cache = fam.init_cache(pair.target_cfg, 1, 16, jnp.float32, verify_width=4)
+    tree = TreeBlock(depths=jnp.zeros((1, 2), jnp.int32), mask=jnp.ones((1, 2, 2), bool))
+    with pytest.raises(NotImplementedError, match="per-path recurrent states"):
+        fam.forward(pair.target, jnp.zeros((1, 2), jnp.int32), cache, pair.target_cfg, tree=tree)
+
+
+def test_bad_arguments(shipped):
+    with pytest.raises(ValueError, match="tree_budget"):
+        generate_tree(shipped, [[1, 2]], max_new_tokens=4, tree_budget=0)
+    with pytest.raises(ValueError, match="branch"):
+        generate_tree(shipped, [[1, 2]], max_new_tokens=4, branch=0)
