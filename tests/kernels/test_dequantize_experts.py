@@ -27,7 +27,11 @@ def pairs():
 
 def test_auto_dequantizes_on_the_cpu_and_keeps_fp4_where_the_kernel_runs(monkeypatch):
     fp4, _ = pairs()
-    assert jax.default_backend() == "cpu" and fp4.expert_format == "mxfp4"
+    assert fp4.expert_format == "mxfp4"
+    # the CPU has no FP4 kernel: dequantize (the shipped pair's 12.6 MB dense tables fit); a GPU keeps FP4
+    assert pair_mod.dense_experts_wanted(fp4, "auto") == (not ops.kernel_available())
+    assert ops.kernel_available() == (jax.default_backend() == "gpu")
+    monkeypatch.setattr(ops, "kernel_available", lambda: False)
     assert pair_mod.dense_experts_wanted(fp4, "auto")
     assert not pair_mod.dense_experts_wanted(fp4, "auto", expert_memory="pinned_host")  # offload moves FP4 bytes
     assert not pair_mod.dense_experts_wanted(fp4, False)
@@ -48,13 +52,18 @@ def test_load_applies_the_policy():
     kept = dflash_jax.load()  # the default keeps the tables as stored
     fam = family_of(auto.target_cfg)
     moe = [layer for layer in auto.target.layers if fam.is_moe(layer)]
-    assert auto.experts_dequantized and not kept.experts_dequantized
-    assert all(isinstance(layer.mlp.gate_up, jax.Array) and layer.mlp.gate_up.dtype == auto.target.embed.dtype
-               for layer in moe)
+    assert not kept.experts_dequantized
+    assert auto.experts_dequantized == (not ops.kernel_available())
+    if auto.experts_dequantized:
+        assert all(isinstance(layer.mlp.gate_up, jax.Array) and layer.mlp.gate_up.dtype == auto.target.embed.dtype
+                   for layer in moe)
+    forced = dflash_jax.load(dequantize_experts=True)
+    assert forced.experts_dequantized and not ops.is_fp4(forced.target.layers[0].mlp.gate_up)
     assert all(ops.is_fp4(layer.mlp.gate_up) for layer in kept.target.layers if fam.is_moe(layer))
     assert auto.expert_bytes == kept.expert_bytes  # as stored, from the manifest
+    dense_moe = [layer for layer in forced.target.layers if fam.is_moe(layer)]
     assert pair_mod.dense_expert_bytes(kept) == sum(int(layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes)
-                                                    for layer in moe)
+                                                    for layer in dense_moe)
 
 
 def test_dense_tables_equal_the_per_call_dequantization():

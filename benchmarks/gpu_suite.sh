@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for the first machine with an NVIDIA GPU (installs nothing):
+#
+#   bash benchmarks/gpu_suite.sh [OUT_DIR]          # default OUT_DIR: bench_out/gpu_suite-<UTC time>
+#
+# Runs, each step timed and allowed to fail without stopping the rest:
+#   1. the kernel test suite on the GPU (tests/kernels: the compiled Triton kernel against XLA and the reference,
+#      the non-finite / scale-edge / per-row-scale cases, the expert policy) -> kernel_tests.xml
+#   2. the kernel benchmark at real shapes (benchmarks/fp4_grouped_matmul.py) -> fp4_grouped_matmul.{json,md}
+#   3. the offload overlap measurement (benchmarks/offload.py --overlap), when that flag exists -> offload.*
+#   4. the tiny-pair benchmark (benchmarks/tiny_pair.py) -> tiny_pair.{json,md}
+# and writes suite.json: per step the command, exit code and seconds, plus the GPU's name (nvidia-smi).
+# Python: $PYTHON, else .venv/bin/python, else python3 (a venv with jax[cuda12] and the test extra).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-bench_out/gpu_suite-$(date -u +%Y%m%dT%H%M%SZ)}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+PY="$(command -v "$PY")"
+STEPS="$OUT/.steps.tsv"
+: > "$STEPS"
+
+step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, record exit code and seconds
+  local name="$1"; shift
+  echo "== $name: $*"
+  local t0 t1 rc
+  t0=$(date +%s%N)
+  "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  t1=$(date +%s%N)
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(awk "BEGIN { print ($t1 - $t0) / 1e9 }")" "$*" >> "$STEPS"
+  echo "   exit $rc (log: $OUT/$name.log)"
+}
+
+"$PY" -c "import jax; b = jax.default_backend(); print('jax', jax.__version__, 'backend', b, jax.devices()); \
+raise SystemExit(0 if b == 'gpu' else 3)" > "$OUT/backend.log" 2>&1 \
+  || echo "warning: jax's default backend is not the GPU (see $OUT/backend.log); the steps below run anyway"
+
+step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$OUT/kernel_tests.xml"
+step fp4_grouped_matmul "$PY" benchmarks/fp4_grouped_matmul.py --out "$OUT"
+if "$PY" benchmarks/offload.py --help 2>/dev/null | grep -q -- "--overlap"; then
+  step offload_overlap "$PY" benchmarks/offload.py --overlap --out "$OUT"
+else
+  printf 'offload_overlap\tskipped\t0\tbenchmarks/offload.py has no --overlap\n' >> "$STEPS"
+fi
+step tiny_pair "$PY" benchmarks/tiny_pair.py --out "$OUT"
+
+"$PY" - "$OUT" <<'EOF'
+import json, subprocess, sys
+out = sys.argv[1]
+steps = []
+for line in open(f"{out}/.steps.tsv"):
+    name, rc, seconds, cmd = line.rstrip("\n").split("\t", 3)
+    steps.append({"step": name, "exit_code": None if rc == "skipped" else int(rc),
+                  "skipped": rc == "skipped", "seconds": float(seconds), "command": cmd})
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30).stdout.strip()
+except (OSError, subprocess.SubprocessError):
+    gpu = None
+json.dump({"gpu": gpu, "steps": steps, "ok": all(s["skipped"] or s["exit_code"] == 0 for s in steps)},
+          open(f"{out}/suite.json", "w"), indent=1)
+print(f"wrote {out}/suite.json")
+EOF

@@ -1,0 +1,247 @@
+"""Benchmark: the GPU path compiled for an NVIDIA H200 on a machine without a GPU (deviceless XLA:GPU + ptxas).
+
+    pip install -e '.[gpu-compile]'     # jax's CUDA plugin pinned to jax, triton's ptxas / libdevice
+    python benchmarks/h200_compile.py                 # kernel shapes + rounds + offload pieces -> bench_out/
+    python benchmarks/h200_compile.py --quick         # the kernel at verify shapes only
+    python benchmarks/h200_compile.py --write-docs    # docs/benchmarks/h200_compile.{json,md}
+
+What is compiled (`tests/gpu_compile/programs.py`, weights abstract: nothing allocated), for Qwen3-Coder-30B-A3B,
+gpt-oss-120b and Qwen3.5-35B-A3B (release configs; draft sizes assumed as in `study.cost_model`):
+  * the FP4 Pallas kernel (`fp4_grouped_matmul`, MXFP4) for each expert matrix at the verify width (16 tokens)
+    and at a 4096-token prefill: launch grid, threads, shared memory (XLA's thunk sequence), registers and
+    spills (ptxas -v on the kernel's PTX), the MMA instructions of the PTX;
+  * one width-16 verify round and one draft round per family at batch 1, 1024-token prompt, 8192-row cache;
+  * the offloaded layer-wise pieces (`offload.forward`): block context, each layer kind's mixer + router, one
+    MoE layer's experts on a pool of 16 x top-k slots, the final norm + logits.
+Reported per program: `memory_analysis()` (arguments, outputs, aliased, temporaries; peak vs the H200's 141 GB),
+the cost analysis (flops, bytes accessed: XLA's HLO cost analysis of the compiled GPU module, which counts a
+custom call's whole operands, so the verify's figure includes every expert of every layer), and roofline
+times at the H200's 4.8 TB/s HBM bandwidth (NVIDIA H200 datasheet). The verify's "routed" bytes replace the
+expert tables by the expected distinct experts a width-16 block routes to under uniform routing
+(`study.cost_model.distinct_experts`): what the kernel reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+# A deviceless compile: the CUDA plugin must not look for CUDA libraries (see tests/gpu_compile/deviceless.py).
+if "JAX_PLATFORMS" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+from _output import add_output_args, output_dir  # noqa: E402
+
+from dflash_jax.study import cost_model as cm  # noqa: E402
+from tests.gpu_compile import deviceless as dl  # noqa: E402
+
+GB = 1e9
+COST_MODEL_KEYS = {"Qwen3-Coder-30B-A3B": "qwen3-30b-a3b", "gpt-oss-120b": "gpt-oss-120b",
+                   "Qwen3.5-35B-A3B": "qwen3.5-35b-a3b"}
+TAUS = (1.0, 3.0, 6.0)  # tokens committed per round: illustrative, not measured here
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def blocks_per_sm(k) -> int:
+    """Resident blocks per SM allowed by registers (allocated in units of 8 per thread), shared memory and
+    threads (Hopper: 64K registers, 228 KB, 2048 threads, 32 blocks per SM)."""
+    h = dl.H200
+    regs = -(-(k.registers or 1) // 8) * 8 * k.threads
+    smem = h["shared_memory_per_sm"] // max(k.shared_memory_bytes + 1024, 1)  # 1 KB reserved per block
+    return int(min(h["registers_per_sm"] // regs, smem, h["threads_per_sm"] // k.threads, 32))
+
+
+def kernel_rows(pg, phases) -> list[dict]:
+    from pallas_kernels import fp4_grouped_matmul as fgm
+
+    rows = []
+    for shape in pg.kernel_shapes(phases):
+        log(f"kernel: {shape.label}")
+        c = dl.compile_for_h200(pg.kernel_program, *pg.kernel_args(shape), name=shape.label,
+                                kernel_names=("grouped_matmul",))
+        k = c.kernels[0]
+        tokens = shape.m // shape.top_k
+        routed = cm.distinct_experts(shape.groups, shape.top_k, tokens)
+        per_group = shape.n * (shape.k // 2 + shape.k // 32)
+        t = fgm.default_tuning(shape.m, shape.k, shape.n)
+        rows.append({
+            **{f: getattr(shape, f) for f in ("model", "matrix", "phase", "groups", "n", "k", "m", "top_k")},
+            "tuning": {"block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k, "num_warps": t.num_warps,
+                       "num_stages": t.num_stages},
+            "kernel": k.as_dict(),
+            "blocks_per_sm": blocks_per_sm(k),
+            "expected_routed_experts": routed,
+            "routed_bytes": routed * per_group,
+            "roofline_us": routed * per_group / dl.H200["hbm_bytes_per_s"] * 1e6,
+            "argument_bytes": c.argument_bytes, "temp_bytes": c.temp_bytes, "compile_seconds": c.compile_seconds,
+        })
+    return rows
+
+
+def round_rows(pg, models) -> list[dict]:
+    rows = []
+    for model in models:
+        spec, state, drafted = pg.round_inputs(model)
+        target, draft = pg.abstract_weights(model)
+        cfg = pg.configs(model)[0]
+        experts = pg.expert_bytes(model)
+        log(f"{model}: verify round (width {pg.WIDTH})")
+        v = dl.compile_for_h200(pg.verify_program, target, state, drafted, spec=spec, name=f"{model} verify",
+                                kernel_names=("grouped_matmul",), donate_argnums=(1,))
+        log(f"{model}: draft round")
+        d = dl.compile_for_h200(pg.draft_program, target, draft, state, spec=spec, name=f"{model} draft")
+        moe_layers = sum(cfg.moe_layers)
+        routed = cm.distinct_experts(cfg.moe.num_experts, cfg.moe.top_k, pg.WIDTH)
+        routed_expert_bytes = experts * routed / cfg.moe.num_experts
+        # the verify reads its arguments once (weights, caches) except the unrouted experts
+        verify_routed = v.argument_bytes - experts + routed_expert_bytes
+        t_verify = verify_routed / dl.H200["hbm_bytes_per_s"]
+        t_draft = d.bytes_accessed / dl.H200["hbm_bytes_per_s"]
+        row = {"model": model, "expert_bytes": experts, "moe_layers": moe_layers,
+               "expected_routed_experts_per_layer": routed, "verify": v.as_dict(), "draft": d.as_dict(),
+               "verify_routed_bytes": verify_routed, "verify_roofline_ms": t_verify * 1e3,
+               "verify_hlo_roofline_ms": v.bytes_accessed / dl.H200["hbm_bytes_per_s"] * 1e3,
+               "draft_roofline_ms": t_draft * 1e3,
+               "tokens_per_second": {str(tau): tau / (t_verify + t_draft) for tau in TAUS}}
+        key = COST_MODEL_KEYS[model]
+        spec_cm, hw = cm.MODELS[key], cm.HARDWARE["h200-pcie5"]
+        row["cost_model"] = {"key": key, "verify_ms": cm.verify_time(spec_cm, hw, pg.WIDTH) * 1e3,
+                             "draft_ms": cm.draft_time(spec_cm, hw) * 1e3,
+                             "resident_bytes": spec_cm.resident_bytes, "all_expert_bytes": spec_cm.all_expert_bytes}
+        rows.append(row)
+    return rows
+
+
+def offload_rows(pg, models) -> list[dict]:
+    rows = []
+    for model in models:
+        for name, (fn, args, kwargs) in pg.offload_pieces(model).items():
+            log(f"{model}: offload piece {name}")
+            c = dl.compile_for_h200(fn, *args, name=f"{model} {name}", kernel_names=("grouped_matmul",), **kwargs)
+            rows.append({"model": model, "piece": name, **c.as_dict(),
+                         "roofline_us": c.bytes_accessed / dl.H200["hbm_bytes_per_s"] * 1e6})
+    return rows
+
+
+def gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def markdown(result: dict) -> str:
+    h = dl.H200
+    out = ["# H200 deviceless compile report", "",
+           f"Generated by `benchmarks/h200_compile.py` on {result['machine']} (no GPU): jax {result['jax']}, "
+           f"`jax.jit(...).lower(abstract arrays).compile()` for an H200 target description ({h['sms']} SMs, "
+           f"{h['memory_bytes'] / GB:.0f} GB, sm_90a) through XLA:GPU and triton's ptxas. Nothing ran on a GPU: "
+           "the numbers are compile-time facts (memory, launch shapes, registers, instructions) and rooflines.", "",
+           f"Bandwidth used for every roofline: **{h['hbm_bytes_per_s'] / 1e12:.1f} TB/s** HBM3e (NVIDIA H200 "
+           "Tensor Core GPU datasheet); memory: 141 GB (same source). A measured H200 copy reaches less (the kernel "
+           "benchmark's `--write-docs` run on a GPU measures it), so these are lower bounds on time.", ""]
+    if result.get("kernels"):
+        out += ["## The FP4 kernel (MXFP4, `fp4_grouped_matmul`)", "",
+                "Expected routed experts: distinct experts of a uniform top-k routing of the tokens; routed bytes: "
+                "their FP4 codes + E8M0 scales (what the kernel reads); roofline = routed bytes / 4.8 TB/s.", "",
+                "| model | matrix | phase | M x N x K, G | tile (m, n, k) / warps | grid | smem KB | regs | spill B "
+                "| blocks/SM | MMA | routed experts | routed MB | roofline us |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["kernels"]:
+            k, t = r["kernel"], r["tuning"]
+            mma = ", ".join(m.replace("mma.sync.aligned.", "") for m in k["mma"]) or "-"
+            out.append(f"| {r['model']} | {r['matrix']} | {r['phase']} | {r['m']} x {r['n']} x {r['k']}, {r['groups']} "
+                       f"| {t['block_m']}, {t['block_n']}, {t['block_k']} / {t['num_warps']} | {tuple(k['grid'])} "
+                       f"| {k['shared_memory_bytes'] / 1024:.1f} | {k['registers']} | {k['spill_bytes']} | {r['blocks_per_sm']} | {mma} "
+                       f"| {r['expected_routed_experts']:.1f} | {r['routed_bytes'] / 1e6:.1f} | {r['roofline_us']:.1f} |")
+        out += ["", f"Limits: {h['shared_memory_per_block'] // 1024} KB shared memory per block by default, "
+                f"{h['shared_memory_per_block_optin'] // 1024} KB with opt-in; 64K registers per SM "
+                "(255 per thread). The MMA is `mma.sync` m16n8k16 bf16 x bf16 -> f32 (Ampere-style warp MMA; "
+                "Triton did not pick Hopper's `wgmma` for these tiles).", ""]
+    if result.get("rounds"):
+        out += ["## Rounds at real size (batch 1, 1024-token prompt, 8192-row cache, MXFP4 experts)", "",
+                "| model | program | arguments GiB | outputs GiB | aliased GiB | temporaries GiB | peak GiB (of 131.3) "
+                "| GFLOP | HLO bytes accessed GB | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["rounds"]:
+            for prog in ("verify", "draft"):
+                c = r[prog]
+                out.append(f"| {r['model']} | {prog} | {gib(c['argument_bytes'])} | {gib(c['output_bytes'])} "
+                           f"| {gib(c['alias_bytes'])} | {gib(c['temp_bytes'])} | {gib(c['peak_bytes'])} "
+                           f"| {c['flops'] / 1e9:.1f} | {c['bytes_accessed'] / GB:.2f} | {c['compile_seconds']:.0f} |")
+        out += ["", "Verify roofline and what it predicts (tokens/s = tau / (verify + draft), tau = tokens "
+                "committed per round, not measured here):", "",
+                "| model | experts GB | routed experts / layer | verify bytes (routed) GB | verify ms | verify ms "
+                "(HLO bytes) | draft ms | tok/s tau=1 | tau=3 | tau=6 | cost model verify ms / draft ms |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["rounds"]:
+            tps, cmod = r["tokens_per_second"], r["cost_model"]
+            out.append(f"| {r['model']} | {r['expert_bytes'] / GB:.1f} | {r['expected_routed_experts_per_layer']:.1f} "
+                       f"| {r['verify_routed_bytes'] / GB:.2f} | {r['verify_roofline_ms']:.2f} "
+                       f"| {r['verify_hlo_roofline_ms']:.1f} | {r['draft_roofline_ms']:.2f} "
+                       f"| {tps['1.0']:.0f} | {tps['3.0']:.0f} | {tps['6.0']:.0f} "
+                       f"| {cmod['verify_ms']:.2f} / {cmod['draft_ms']:.2f} |")
+        out += ["", result["notes"]["rounds"], ""]
+    if result.get("offload"):
+        out += ["## Offloaded layer-wise pieces (one width-16 verify block)", "",
+                "| model | piece | arguments MiB | temporaries MiB | peak MiB | GFLOP | bytes accessed MB | roofline us |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in result["offload"]:
+            out.append(f"| {r['model']} | {r['piece']} | {r['argument_bytes'] / 2**20:.1f} | {r['temp_bytes'] / 2**20:.1f} "
+                       f"| {r['peak_bytes'] / 2**20:.1f} | {r['flops'] / 1e9:.2f} | {r['bytes_accessed'] / 1e6:.1f} "
+                       f"| {r['roofline_us']:.1f} |")
+        out += ["", result["notes"]["offload"], ""]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the kernel at verify shapes only")
+    ap.add_argument("--models", default=None, help="comma-separated subset of the models (default: all three)")
+    ap.add_argument("--no-offload", action="store_true", help="skip the offloaded layer-wise pieces")
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    if not dl.plugin_available():
+        raise SystemExit("needs the gpu-compile extra: pip install -e '.[gpu-compile]'")
+    from tests.gpu_compile import programs as pg
+
+    models = args.models.split(",") if args.models else list(pg.MODELS)
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "jax": jax.__version__,
+              "device": dl.H200, "hbm_bytes_per_s_source": "NVIDIA H200 Tensor Core GPU datasheet (4.8 TB/s, 141 GB)"}
+    result["kernels"] = kernel_rows(pg, ("verify",) if args.quick else ("verify", "prefill"))
+    if not args.quick:
+        result["rounds"] = round_rows(pg, models)
+        if not args.no_offload:
+            result["offload"] = offload_rows(pg, models)
+    result["notes"] = {
+        "rounds": "The verify's roofline reads every argument once (weights, the KV cache buffers, the state) except "
+                  "the experts no token of the block routes to; the HLO-bytes column is XLA's count, in which the "
+                  "kernel's custom call reads every expert table (an upper bound). The cost model "
+                  "(`study.cost_model`, used by `benchmarks/offload_cost_model.py`) charges attention + router "
+                  "weights + the routed experts per layer and the lm_head: the compile's argument bytes check its "
+                  "resident-bytes term; the gap to the routed-bytes roofline is the KV cache it leaves out.",
+        "offload": "Each piece is one jitted program of the layer-wise (offloaded) verify; per MoE layer the "
+                   "round runs `attend` (mixer + router, whose routing the host reads) then `experts` on the "
+                   "device pool. Their rooflines are microseconds, so at 36-48 MoE layers the per-layer host "
+                   "sync (the cost model assumes 50 us) and the PCIe copies of missing experts, not HBM, bound "
+                   "the offloaded verify.",
+    }
+    out = Path(output_dir(args))
+    (out / "h200_compile.json").write_text(json.dumps(result, indent=1, default=float))
+    (out / "h200_compile.md").write_text(markdown(result))
+    log(f"wrote {out / 'h200_compile.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
