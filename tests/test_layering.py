@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "config", "compile_cache", "quant"),  # leaves: user errors, configs, jit cache, FP4 formats
     ("cache", "nn"),  # KV caches; family-independent building blocks (norms, rope, attention, moe, DeltaNet)
     ("models",),  # the families, their registry, the decoder loop, the draft
-    ("checkpoint", "pair", "testing"),  # the (target, draft) pair, its checkpoints, random tiny weights
+    ("checkpoint", "pair", "testing", "sharding"),  # the pair, its checkpoints, random tiny weights, mesh placement
     ("spec",),  # the speculative round (begin / draft_round / verify_round) and its jitted loop
     ("decode", "offload", "serve"),  # loops on top of the rounds: plain decoding, expert offload, serving
     ("cli", ""),  # entry points: the command line and the package facade (`dflash_jax.load`, ...)
