@@ -13,11 +13,15 @@ every MoE layer (`dflash_jax.offload`; any X from one expert up runs, a smaller 
 minimum); `stats` then also has `offload` (budget, cache slots, pinned experts) and `route_ahead` (coverage,
 waste, hit rate, bytes moved, transfer vs hide window), and each `--trace` round its `bytes_moved`
 (host->device expert bytes), `hits`, `misses`, `on_demand`, `host`, `prefetched`, `coverage` and `passes`.
+
+`--mesh expert=4,tensor=2` restores the pair straight into its shardings on a (data, expert, tensor) device mesh
+and generates on it (`dflash_jax.sharding`, docs/sharding.md); `stats.mesh` names the mesh.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -74,11 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=["jit", "python"], default=None,
                    help="jit: one compiled while_loop; python: stepping loop with the draft/verify/host time split "
                         "(default: python with --trace, else jit)")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="verify a token tree of N nodes per round (the anchor included) built from the draft's "
+                        "per-position distributions instead of the argmax chain; lossless (attention families; "
+                        "Qwen3.5 verifies a chain)")
+    p.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node (with --tree-budget)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose each round's verify shape (chain B = 4/8/16 or tree N = 8/16/32) from the acceptance "
+                        "so far and each shape's cost; deterministic, lossless")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
     p.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
                    help="dequantize FP4 experts once at load (auto: where no FP4 kernel runs, i.e. the CPU, and "
                         "they take at most 25%% of memory; never with --offload, which moves FP4 bytes)")
+    p.add_argument("--mesh", default=None,
+                   help="run on a device mesh, e.g. expert=4,tensor=2 (axes data, expert, tensor; their sizes multiply "
+                        "to at most the device count): experts sharded along E, heads / MLPs / vocab along tensor "
+                        "(docs/sharding.md)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="skip the persistent compilation cache (also DFLASH_JAX_CACHE_DIR=off; default location: "
                         "$DFLASH_JAX_CACHE_DIR, else $XDG_CACHE_HOME/dflash_jax/jax, else ~/.cache/dflash_jax/jax)")
@@ -133,6 +149,22 @@ def run(args) -> dict:
         _check_budget(directory, args.expert_budget_mb)  # before anything heavy: from the manifest alone
     elif args.expert_budget_mb is not None:
         raise UsageError("--expert-budget-mb only applies with --offload")
+    tree = args.tree_budget is not None or args.adaptive
+    if args.tree_budget is not None and args.tree_budget < 1:
+        raise UsageError(f"--tree-budget must be >= 1 (nodes per verify), got {args.tree_budget}")
+    if args.tree_branch < 1:
+        raise UsageError(f"--tree-branch must be >= 1, got {args.tree_branch}")
+    if tree and (args.offload or args.trace or args.loop == "python"):
+        raise UsageError("--tree-budget / --adaptive run the jitted loop: drop --offload, --trace and --loop python")
+    mesh = None
+    if args.mesh is not None:
+        from dflash_jax.sharding import make_mesh, parse_mesh_spec
+
+        parse_mesh_spec(args.mesh)  # a bad spec is refused before anything loads
+        if args.offload:
+            raise UsageError("--mesh does not combine with --offload (sharded experts stay on their devices): "
+                             "drop one of them")
+        mesh = make_mesh(args.mesh)
     if args.no_compile_cache:
         compile_cache.disable()
     else:
@@ -141,7 +173,8 @@ def run(args) -> dict:
     if args.offload and dequantize is True:
         raise UsageError("--dequantize-experts yes does not combine with --offload (it moves the FP4 bytes)")
     pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device",
-                           dequantize_experts=False if args.offload else dequantize)
+                           dequantize_experts=False if args.offload or (mesh is not None and dequantize == "auto")
+                           else dequantize, mesh=mesh)
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
         if tokenizer is None:
@@ -165,7 +198,8 @@ def run(args) -> dict:
     loop = args.loop or ("python" if args.trace else "jit")
     kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
                   stop_ids=stops, seed=args.seed, warmup=True)
-    with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")):
+    on_mesh = contextlib.nullcontext() if mesh is None else jax_set_mesh(mesh)
+    with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")), on_mesh:
         if args.offload:
             from dflash_jax.offload import OffloadedGenerator, PoolTooSmall
 
@@ -187,6 +221,11 @@ def run(args) -> dict:
                 result = gen.generate([prompt], trace=args.trace, **request)
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
+        elif tree:
+            from dflash_jax.spec.tree import generate_tree
+
+            result = generate_tree(pair, [prompt], tree_budget=args.tree_budget or 16, branch=args.tree_branch,
+                                   adaptive=args.adaptive, **kwargs)
         elif loop == "jit":
             if args.trace:
                 raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
@@ -199,12 +238,22 @@ def run(args) -> dict:
         "stats": dict(result.stats, prompt_tokens=len(prompt), checkpoint=os.path.abspath(directory),
                       expert_format=pair.expert_format),
     }
+    if mesh is not None:
+        from dflash_jax.sharding import describe
+
+        out["stats"]["mesh"] = describe(mesh)
     if tokenizer is not None:
         out["text"] = tokenizer.decode(result.tokens[0])
     if args.trace:
         out["trace"] = [{k: row[0][k] for k in ("proposal", "accepted", "bonus") + OFFLOAD_TRACE if k in row[0]}
                         for row in result.trace if row[0] is not None]
     return out
+
+
+def jax_set_mesh(mesh):
+    import jax  # loaded by then; kept out of the module so that --help answers before jax starts
+
+    return jax.set_mesh(mesh)
 
 
 # per-round offload fields of --trace (`offload.stats.TraceObserver`)
