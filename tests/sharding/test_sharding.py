@@ -1,0 +1,180 @@
+"""Expert and tensor parallelism: mesh specs, shardings from the declarations, and generation on meshes of 8
+CPU devices equal to one device (run in subprocesses: the device count is fixed before jax starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from dflash_jax import testing as T
+from dflash_jax.errors import UsageError
+from dflash_jax.models.family import family_of
+from dflash_jax.sharding import AXES, make_mesh, parse_mesh_spec, plan
+from dflash_jax.spec.sampling import SamplingParams
+from tests.sharding import mesh_checks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def abstract(expert: int, tensor: int, data: int = 1) -> AbstractMesh:
+    return AbstractMesh((data, expert, tensor), AXES)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mesh specs and shardings (no devices needed)
+# ---------------------------------------------------------------------------------------------------------
+
+def test_mesh_spec_parses_and_names_bad_parts():
+    assert parse_mesh_spec("expert=4,tensor=2") == {"data": 1, "expert": 4, "tensor": 2}
+    assert parse_mesh_spec(" data=2 ") == {"data": 2, "expert": 1, "tensor": 1}
+    for bad, says in [("experts=4", "'experts=4'"), ("expert=0", "positive integer"), ("expert=x", "positive"),
+                      ("expert=2,expert=2", "twice"), ("", "names no axis"), ("tensor", "AXIS=SIZE")]:
+        with pytest.raises(UsageError, match=says):
+            parse_mesh_spec(bad)
+
+
+def test_mesh_larger_than_the_devices_says_how_to_get_them():
+    with pytest.raises(UsageError, match=r"needs 64 devices, 1 available.*xla_force_host_platform_device_count=64"):
+        make_mesh("expert=8,tensor=8")
+
+
+def test_declared_shardings_per_family():
+    # 2 x 4 mesh: 8 experts over expert x tensor, heads over tensor where they divide, vocab over tensor
+    mesh = abstract(2, 4)
+    qwen = plan(family_of(T.tiny_qwen3_moe_config()).sharded_declarations(T.tiny_qwen3_moe_config()), mesh).specs
+    assert qwen["layers.1.mlp.gate_up"] == P(("expert", "tensor"))
+    assert qwen["layers.1.attn.q"] == P(None, "tensor")  # 4 query heads on tensor=4
+    assert qwen["layers.1.attn.k"] == P()  # 2 KV heads do not divide over 4: replicated
+    assert qwen["layers.1.attn.o"] == P("tensor")
+    assert qwen["embed"] == P("tensor") and qwen["lm_head"] == P(None, "tensor")
+    assert qwen["layers.1.mlp.router"] == P() and qwen["layers.1.input_norm"] == P()
+    gpt_cfg = T.tiny_gpt_oss_config()
+    gpt = plan(family_of(gpt_cfg).sharded_declarations(gpt_cfg), abstract(4, 2)).specs
+    assert gpt["layers.0.mlp.gate_up#blocks"] == P(("expert", "tensor")) == gpt["layers.0.mlp.down_bias"]
+    assert gpt["layers.0.attn.k"] == P(None, "tensor") and gpt["layers.0.attn.sinks"] == P("tensor")
+    assert gpt["layers.0.attn.q_bias"] == P("tensor") and gpt["layers.0.attn.o_bias"] == P()
+    q35_cfg = T.tiny_qwen3_5_config()
+    q35 = plan(family_of(q35_cfg).sharded_declarations(q35_cfg), mesh).specs
+    assert q35["layers.0.mixer.qkv"] == P()  # fused DeltaNet projection: replicated (docs/sharding.md)
+    assert q35["layers.0.mlp.shared.gate"] == P(None, "tensor") and q35["layers.0.mlp.shared.down"] == P("tensor")
+    # 8 experts on expert=8 x tensor=2: only expert divides; on expert=3: replicated
+    assert plan(family_of(gpt_cfg).sharded_declarations(gpt_cfg), abstract(8, 2)).specs[
+        "layers.0.mlp.gate_up#scales"] == P("expert")
+    assert plan(family_of(gpt_cfg).sharded_declarations(gpt_cfg), abstract(3, 1)).specs[
+        "layers.0.mlp.gate_up#scales"] == P()
+
+
+def test_per_device_bytes_shrink_with_the_mesh():
+    cfg = T.tiny_qwen3_moe_config()
+    declared = family_of(cfg).sharded_declarations(cfg)
+    one, eight = plan(declared, abstract(1, 1)), plan(declared, abstract(2, 4))
+    assert one.device_bytes == one.total_bytes
+    assert eight.device_bytes < one.total_bytes / 3  # experts / 8, vocab / 4, query heads / 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generation on meshes of 8 CPU devices (subprocesses)
+# ---------------------------------------------------------------------------------------------------------
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run_checks(tmp_path, cases: list[str]) -> dict:
+    out = tmp_path / "mesh_checks.json"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_checks.py"), str(out), *cases], env=_env(8),
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def assert_meaningful(single: dict) -> None:
+    # the reference run must exercise the rounds: several distinct tokens, some proposals accepted
+    tokens = [t for seq in single["tokens"] for t in seq]
+    assert len(set(tokens)) >= 3, single
+    assert max(max(a) for a in single["acceptance"]) >= 2, single
+
+
+def assert_case(report: dict, case: str, *, experts_per_device: int) -> None:
+    single, mesh = report[case]["single"], report[case]["mesh"]
+    assert mesh["expert_rows_per_device"] == experts_per_device, mesh
+    for mode in ("greedy", "sampled"):
+        if mode in mesh:
+            assert_meaningful(single[mode])
+            assert mesh[mode]["tokens"] == single[mode]["tokens"], (case, mode)
+            assert mesh[mode]["acceptance"] == single[mode]["acceptance"], (case, mode)
+
+
+def assert_moe(report: dict) -> None:
+    for spec, row in report["moe"].items():
+        for fmt in ("dense", "mxfp4"):
+            assert row[fmt] < 1e-5, (spec, row)  # fp32 tables: the same sums, at most reassociated
+            assert row[fmt + "_all_reduce"] >= 1, (spec, row)  # the shard_map path ran (psum of the partial sums)
+
+
+FAST_CASES = ["gpt_oss:expert=2,tensor=4:sample", "qwen3_5:expert=2,tensor=4"]
+
+
+def test_fast_mesh_generation_equals_one_device(tmp_path):
+    """One subprocess, 8 CPU devices, mesh 2 x 4: gpt-oss (MXFP4 experts with biases, sinks, sliding windows)
+    greedy and sampled, Qwen3.5 (DeltaNet, shared expert) greedy; equal to one device token for token."""
+    report = run_checks(tmp_path, FAST_CASES)
+    assert report["devices"] == 8
+    gpt = report[FAST_CASES[0]]["mesh"]
+    assert gpt["q_cols_per_device"] * 4 == gpt["q_cols"]  # 4 query heads over tensor=4
+    assert_moe(report)
+    for case in FAST_CASES:
+        assert_case(report, case, experts_per_device=1)
+
+
+@pytest.mark.slow
+def test_mesh_matrix_equals_one_device(tmp_path):
+    """Meshes 1x8, 2x4, 8x1 (expert x tensor) and data=2 x 4 for all three families (Qwen3 also with NVFP4
+    experts), greedy and sampled."""
+    cases = [f"{fam}:{mesh}:sample" for fam in ("qwen3", "gpt_oss", "qwen3_5")
+             for mesh in ("expert=1,tensor=8", "expert=2,tensor=4", "expert=8,tensor=1")]
+    cases += ["qwen3_nvfp4:expert=4,tensor=2:sample", "qwen3:data=2,expert=2,tensor=2:sample"]
+    report = run_checks(tmp_path, cases)
+    assert_moe(report)
+    for case in cases:
+        per_device = 2 if case.startswith("qwen3:data=2") else 1
+        assert_case(report, case, experts_per_device=per_device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5"])
+def test_two_processes_equal_one_device(tmp_path, family):
+    """Two processes on 127.0.0.1 (jax.distributed, 4 CPU devices each) run one expert=4 x tensor=2 mesh;
+    tokens equal the single-device run of the same pair."""
+    port, out = _free_port(), tmp_path / "multihost.json"
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_run.py"), str(port), "2", str(i), "4",
+                               "expert=4,tensor=2", str(out), family], env=_env(4), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=1200)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    got = json.loads(out.read_text())
+    pair = mesh_checks.case_pair(family)
+    want = {"greedy": mesh_checks._generate(pair, mesh_checks.CASE_PROMPTS, SamplingParams()),
+            "sampled": mesh_checks._generate(pair, mesh_checks.CASE_PROMPTS, mesh_checks.SAMPLED)}
+    assert got["expert_rows_per_device"] == 1
+    for mode in ("greedy", "sampled"):
+        assert_meaningful(want[mode])
+        assert got[mode] == want[mode], mode
