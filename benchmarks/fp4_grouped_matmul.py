@@ -300,6 +300,7 @@ def expert_policy(args) -> dict:
         f"{os.cpu_count()} cores", "prompts": len(prompts), "prompt_tokens": 128, "new_tokens": n,
         "reps": args.reps or 3, "auto_dequantizes_here": bool(dense_experts_wanted(fp4, "auto")),
         "fp4_expert_bytes": fp4.expert_bytes, "dense_expert_bytes": dense_expert_bytes(fp4),
+        "dense_dtype": str(fp4.target.embed.dtype),
         "tokens_per_second": tps, "speedup": tps["dense at load"] / tps["fp4"], "outputs_equal": True,
     }
 
@@ -314,7 +315,7 @@ def expert_policy_markdown(r: dict) -> str:
         "in one process; outputs equal.", "",
         "| experts | bytes | plain tok/s |", "|---|---:|---:|",
         f"| MXFP4 as stored (XLA path dequantizes per call) | {r['fp4_expert_bytes'] / 1e6:.2f} MB | {tps['fp4']:.1f} |",
-        f"| dequantized at load (fp32, the compute dtype) | {r['dense_expert_bytes'] / 1e6:.2f} MB "
+        f"| dequantized at load ({r['dense_dtype']}, the compute dtype) | {r['dense_expert_bytes'] / 1e6:.2f} MB "
         f"| {tps['dense at load']:.1f} |", "",
         f"Dequantizing at load: **{r['speedup']:.2f}x** plain tokens/s. `dflash_jax.load(dequantize_experts=\"auto\")` "
         f"and `dflash-generate` (default `--dequantize-experts auto`) do it here: "

@@ -218,11 +218,12 @@ def main(argv=None) -> int:
     models = args.models.split(",") if args.models else list(pg.MODELS)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "jax": jax.__version__,
               "device": dl.H200, "hbm_bytes_per_s_source": "NVIDIA H200 Tensor Core GPU datasheet (4.8 TB/s, 141 GB)"}
-    result["kernels"] = kernel_rows(pg, ("verify",) if args.quick else ("verify", "prefill"))
-    if not args.quick:
-        result["rounds"] = round_rows(pg, models)
-        if not args.no_offload:
-            result["offload"] = offload_rows(pg, models)
+    out = Path(output_dir(args))
+
+    def write():  # after every section: a long run that fails late keeps what it compiled
+        (out / "h200_compile.json").write_text(json.dumps(result, indent=1, default=float))
+        (out / "h200_compile.md").write_text(markdown(result))
+
     result["notes"] = {
         "rounds": "The verify's roofline reads every argument once (weights, the KV cache buffers, the state) except "
                   "the experts no token of the block routes to; the HLO-bytes column is XLA's count, in which the "
@@ -236,9 +237,14 @@ def main(argv=None) -> int:
                    "sync (the cost model assumes 50 us) and the PCIe copies of missing experts, not HBM, bound "
                    "the offloaded verify.",
     }
-    out = Path(output_dir(args))
-    (out / "h200_compile.json").write_text(json.dumps(result, indent=1, default=float))
-    (out / "h200_compile.md").write_text(markdown(result))
+    result["kernels"] = kernel_rows(pg, ("verify",) if args.quick else ("verify", "prefill"))
+    write()
+    if not args.quick:
+        result["rounds"] = round_rows(pg, models)
+        write()
+        if not args.no_offload:
+            result["offload"] = offload_rows(pg, models)
+            write()
     log(f"wrote {out / 'h200_compile.md'}")
     return 0
 

@@ -254,8 +254,7 @@ def offload_pieces(model: str):
                                                                              fam.kind(cfg, i), True)[1:3],
                                layer, x, fam.layer_cache(cache, i, cfg), ctx)
     slots = pool_slots(model)
-    tables = tuple(jax.ShapeDtypeStruct((slots,) + t.shape[1:], t.dtype) if hasattr(t, "shape") else
-                   jax.tree.map(lambda a: jax.ShapeDtypeStruct((slots,) + a.shape[1:], a.dtype), t)
+    tables = tuple(jax.tree.map(lambda a: jax.ShapeDtypeStruct((slots,) + a.shape[1:], a.dtype), t)
                    for t in fam.expert_tables(layer.mlp))
     pooled = layer.replace(mlp=fam.with_expert_pool(layer.mlp, tables, jax.ShapeDtypeStruct(
         (cfg.moe.num_experts,), jnp.int32)))
