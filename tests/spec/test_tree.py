@@ -108,7 +108,7 @@ def test_accept_tree_walks_the_matching_path():
 # the tree attention mask: every node's logits equal its root-to-node path run as a chain
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.slow), "gpt_oss"])
 def test_tree_forward_equals_each_path_as_a_chain(family):
     # gpt-oss with a window of 3 < the tree depth: the window must apply among the tree's own rows too
     cfg = (testing.tiny_qwen3_moe_config(num_layers=2) if family == "qwen3"
@@ -186,6 +186,7 @@ def test_greedy_tree_equals_plain_greedy_on_the_shipped_pair(shipped):
     assert looped.tokens == plain and looped.acceptance_lengths == result.acceptance_lengths
 
 
+@pytest.mark.slow
 def test_adaptive_policy_is_lossless_and_follows_its_costs(shipped):
     pair = shipped
     n = 32
@@ -212,7 +213,7 @@ def test_verify_cost_model():
         AdaptivePolicy(shapes[:1], cost).seconds()
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt_oss", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_greedy_tree_equals_plain_greedy_on_random_pairs(family):
     cfg = (testing.tiny_gpt_oss_config(num_layers=2, layer_windows=(5, None)) if family == "gpt_oss"
            else testing.tiny_qwen3_moe_config(num_layers=2))
@@ -231,6 +232,7 @@ def test_greedy_tree_equals_plain_greedy_on_random_pairs(family):
     assert accepted.mean() >= 0.3 and accepted.max() >= 2, accepted
 
 
+@pytest.mark.slow
 def test_linear_attention_family_falls_back_to_the_chain(capsys):
     pair = testing.random_pair(testing.tiny_qwen3_5_config(), seed=1, block_size=4)
     assert not tree_supported(pair.target_cfg) and tree_supported(testing.tiny_qwen3_moe_config())
@@ -251,3 +253,43 @@ def test_bad_arguments(shipped):
         generate_tree(shipped, [[1, 2]], max_new_tokens=4, tree_budget=0)
     with pytest.raises(ValueError, match="branch"):
         generate_tree(shipped, [[1, 2]], max_new_tokens=4, branch=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dflash-generate --tree-budget / --adaptive
+# ----------------------------------------------------------------------------------------------------------
+
+def _cli(capsys, *argv):
+    from dflash_jax.cli.generate import main
+
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tree-budget", "0"], "--tree-budget must be >= 1"),
+    (["--tree-budget", "8", "--tree-branch", "0"], "--tree-branch must be >= 1"),
+    (["--adaptive", "--trace"], "drop --offload, --trace and --loop python"),
+    (["--tree-budget", "8", "--offload", "--expert-budget-mb", "1"], "drop --offload"),
+])
+def test_cli_tree_flags_errors(capsys, argv, message):
+    code, _, err = _cli(capsys, "--prompt-ids", "1,2,3", *argv)
+    assert code == 2 and message in err, err
+
+
+@pytest.mark.slow
+def test_cli_tree_budget_and_adaptive_match_the_chain(capsys):
+    import json
+
+    args = ["--prompt-ids", ",".join(map(str, SHIPPED_PROMPTS[0])), "--max-new-tokens", 24, "--json"]
+    code, chain, _ = _cli(capsys, *args)
+    assert code == 0
+    chain = json.loads(chain)
+    for extra in (["--tree-budget", 16], ["--adaptive"]):
+        code, out, _ = _cli(capsys, *args, *extra)
+        assert code == 0
+        out = json.loads(out)
+        assert out["tokens"] == chain["tokens"]
+        assert np.mean(out["acceptance_lengths"]) >= np.mean(chain["acceptance_lengths"])
+    assert sum(out["stats"]["adaptive_rounds"].values()) == len(out["acceptance_lengths"])
