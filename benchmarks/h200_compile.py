@@ -53,6 +53,21 @@ BF16_FLOPS = 989e12  # dense BF16 tensor FLOP/s (NVIDIA H200 datasheet: 1,979 TF
 TAUS = (1.0, 3.0, 6.0)  # tokens committed per round: illustrative, not measured here
 
 
+NOTES = {
+    "rounds": "Verify reads = the target's weights without the experts no token of the block routes to, plus the "
+              "live rows of its KV cache (1040 of 8192); the HLO-bytes column is XLA's count, in which the "
+              "kernel's custom call reads every expert table of every layer (an upper bound). The cost model "
+              "(`study.cost_model`, `benchmarks/offload_cost_model.py`) charges per layer attention + router "
+              "(+ shared expert) weights and the routed experts, plus the lm_head; its non-expert bytes are "
+              "compared with the compiled program's weights minus experts.",
+    "offload": "Each piece is one jitted program of the layer-wise (offloaded) verify; per MoE layer the "
+               "round runs `attend` (mixer + router, whose routing the host reads) then `experts` on the "
+               "device pool. Their rooflines are microseconds, so at 36-48 MoE layers the per-layer host "
+               "sync (the cost model assumes 50 us) and the PCIe copies of missing experts, not HBM, bound "
+               "the offloaded verify.",
+}
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -106,26 +121,48 @@ def round_rows(pg, models) -> list[dict]:
                                 kernel_names=("grouped_matmul",), donate_argnums=(1,))
         log(f"{model}: draft round")
         d = dl.compile_for_h200(pg.draft_program, target, draft, state, spec=spec, name=f"{model} draft")
-        moe_layers = sum(cfg.moe_layers)
-        routed = cm.distinct_experts(cfg.moe.num_experts, cfg.moe.top_k, pg.WIDTH)
-        routed_expert_bytes = experts * routed / cfg.moe.num_experts
-        # the verify reads its arguments once (weights, caches) except the unrouted experts
-        verify_routed = v.argument_bytes - experts + routed_expert_bytes
-        t_verify = verify_routed / dl.H200["hbm_bytes_per_s"]
-        t_draft = d.bytes_accessed / dl.H200["hbm_bytes_per_s"]
-        row = {"model": model, "expert_bytes": experts, "moe_layers": moe_layers,
-               "expected_routed_experts_per_layer": routed, "verify": v.as_dict(), "draft": d.as_dict(),
-               "verify_routed_bytes": verify_routed, "verify_roofline_ms": t_verify * 1e3,
-               "verify_hlo_roofline_ms": v.bytes_accessed / dl.H200["hbm_bytes_per_s"] * 1e3,
-               "draft_roofline_ms": t_draft * 1e3,
-               "tokens_per_second": {str(tau): tau / (t_verify + t_draft) for tau in TAUS}}
-        key = COST_MODEL_KEYS[model]
-        spec_cm, hw = cm.MODELS[key], cm.HARDWARE["h200-pcie5"]
-        row["cost_model"] = {"key": key, "verify_ms": cm.verify_time(spec_cm, hw, pg.WIDTH) * 1e3,
-                             "draft_ms": cm.draft_time(spec_cm, hw) * 1e3,
-                             "resident_bytes": spec_cm.resident_bytes, "all_expert_bytes": spec_cm.all_expert_bytes}
-        rows.append(row)
+        rows.append(derive(pg, {"model": model, "verify": v.as_dict(), "draft": d.as_dict()}))
     return rows
+
+
+def _nbytes(tree) -> int:
+    import numpy as np
+
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def derive(pg, row: dict) -> dict:
+    """The verify's read bytes and rooflines from the compile and the programs' shapes. The verify reads the
+    target's weights except the experts no token of the block routes to (expected distinct experts of a
+    uniform top-k routing) and the live rows of the target's KV cache (prompt + block of MAX_LEN rows:
+    attention reads up to the live length); the draft round's bytes are XLA's count for its program."""
+    model = row["model"]
+    cfg = pg.configs(model)[0]
+    spec, state, drafted = pg.round_inputs(model)
+    target, _ = pg.abstract_weights(model)
+    experts = pg.expert_bytes(model)
+    weights = _nbytes(target)
+    kv = _nbytes(state.target_cache)
+    live = (pg.PROMPT + pg.WIDTH) / pg.MAX_LEN
+    routed = cm.distinct_experts(cfg.moe.num_experts, cfg.moe.top_k, pg.WIDTH)
+    read = weights - experts + experts * routed / cfg.moe.num_experts + kv * live
+    t_verify = read / dl.H200["hbm_bytes_per_s"]
+    t_draft = row["draft"]["bytes_accessed"] / dl.H200["hbm_bytes_per_s"]
+    key = COST_MODEL_KEYS[model]
+    spec_cm, hw = cm.MODELS[key], cm.HARDWARE["h200-pcie5"]
+    row.update({
+        "expert_bytes": experts, "weight_bytes": weights, "target_kv_bytes": kv, "kv_live_fraction": live,
+        "moe_layers": sum(cfg.moe_layers), "expected_routed_experts_per_layer": routed,
+        "verify_read_bytes": read, "verify_roofline_ms": t_verify * 1e3,
+        "verify_hlo_roofline_ms": row["verify"]["bytes_accessed"] / dl.H200["hbm_bytes_per_s"] * 1e3,
+        "draft_roofline_ms": t_draft * 1e3,
+        "tokens_per_second": {str(tau): tau / (t_verify + t_draft) for tau in TAUS},
+        "cost_model": {"key": key, "verify_ms": cm.verify_time(spec_cm, hw, pg.WIDTH) * 1e3,
+                       "draft_ms": cm.draft_time(spec_cm, hw) * 1e3, "resident_bytes": spec_cm.resident_bytes,
+                       "all_expert_bytes": spec_cm.all_expert_bytes,
+                       "non_expert_bytes": spec_cm.resident_bytes - spec_cm.draft_bytes},
+    })
+    return row
 
 
 def offload_rows(pg, models) -> list[dict]:
@@ -189,17 +226,18 @@ def markdown(result: dict) -> str:
                            f"| {c['flops'] / 1e9:.1f} | {c['bytes_accessed'] / GB:.2f} | {c['compile_seconds']:.0f} |")
         out += ["", "Verify roofline and what it predicts (tokens/s = tau / (verify + draft), tau = tokens "
                 "committed per round, not measured here):", "",
-                "| model | experts GB | routed experts / layer | verify bytes (routed) GB | verify ms | verify ms "
-                "(HLO bytes) | draft ms | tok/s tau=1 | tau=3 | tau=6 | cost model verify ms / draft ms |",
+                "| model | weights GB (experts) | routed experts / layer | verify reads GB | verify ms | verify ms "
+                "(HLO bytes) | draft ms | tok/s tau=1 | tau=3 | tau=6 | cost model: non-expert GB, verify ms / draft ms |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["rounds"]:
             tps, cmod = r["tokens_per_second"], r["cost_model"]
-            out.append(f"| {r['model']} | {r['expert_bytes'] / GB:.1f} | {r['expected_routed_experts_per_layer']:.1f} "
-                       f"| {r['verify_routed_bytes'] / GB:.2f} | {r['verify_roofline_ms']:.2f} "
+            out.append(f"| {r['model']} | {r['weight_bytes'] / GB:.1f} ({r['expert_bytes'] / GB:.1f}) "
+                       f"| {r['expected_routed_experts_per_layer']:.1f} "
+                       f"| {r['verify_read_bytes'] / GB:.2f} | {r['verify_roofline_ms']:.2f} "
                        f"| {r['verify_hlo_roofline_ms']:.1f} | {r['draft_roofline_ms']:.2f} "
                        f"| {tps['1.0']:.0f} | {tps['3.0']:.0f} | {tps['6.0']:.0f} "
-                       f"| {cmod['verify_ms']:.2f} / {cmod['draft_ms']:.2f} |")
-        out += ["", result["notes"]["rounds"], ""]
+                       f"| {cmod['non_expert_bytes'] / GB:.2f}, {cmod['verify_ms']:.2f} / {cmod['draft_ms']:.2f} |")
+        out += ["", NOTES["rounds"], ""]
     if result.get("offload"):
         out += ["## Offloaded layer-wise pieces (one width-16 verify block)", "",
                 "| model | piece | arguments MiB | temporaries MiB | peak MiB | GFLOP | bytes accessed MB | roofline us |",
@@ -208,7 +246,7 @@ def markdown(result: dict) -> str:
             out.append(f"| {r['model']} | {r['piece']} | {r['argument_bytes'] / 2**20:.1f} | {r['temp_bytes'] / 2**20:.1f} "
                        f"| {r['peak_bytes'] / 2**20:.1f} | {r['flops'] / 1e9:.2f} | {r['bytes_accessed'] / 1e6:.1f} "
                        f"| {r['roofline_us']:.1f} |")
-        out += ["", result["notes"]["offload"], ""]
+        out += ["", NOTES["offload"], ""]
     return "\n".join(out) + "\n"
 
 
@@ -222,6 +260,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
+        if result.get("rounds"):
+            from tests.gpu_compile import programs as pg
+
+            result["rounds"] = [derive(pg, r) for r in result["rounds"]]
+            (Path(output_dir(args)) / "h200_compile.json").write_text(json.dumps(result, indent=1, default=float))
         out = Path(output_dir(args))
         (out / "h200_compile.md").write_text(markdown(result))
         log(f"wrote {out / 'h200_compile.md'}")
@@ -239,19 +282,7 @@ def main(argv=None) -> int:
         (out / "h200_compile.json").write_text(json.dumps(result, indent=1, default=float))
         (out / "h200_compile.md").write_text(markdown(result))
 
-    result["notes"] = {
-        "rounds": "The verify's roofline reads every argument once (weights, the KV cache buffers, the state) except "
-                  "the experts no token of the block routes to; the HLO-bytes column is XLA's count, in which the "
-                  "kernel's custom call reads every expert table (an upper bound). The cost model "
-                  "(`study.cost_model`, used by `benchmarks/offload_cost_model.py`) charges attention + router "
-                  "weights + the routed experts per layer and the lm_head: the compile's argument bytes check its "
-                  "resident-bytes term; the gap to the routed-bytes roofline is the KV cache it leaves out.",
-        "offload": "Each piece is one jitted program of the layer-wise (offloaded) verify; per MoE layer the "
-                   "round runs `attend` (mixer + router, whose routing the host reads) then `experts` on the "
-                   "device pool. Their rooflines are microseconds, so at 36-48 MoE layers the per-layer host "
-                   "sync (the cost model assumes 50 us) and the PCIe copies of missing experts, not HBM, bound "
-                   "the offloaded verify.",
-    }
+    result["notes"] = NOTES
     result["kernels"] = kernel_rows(pg, ("verify",) if args.quick else ("verify", "prefill"))
     write()
     if not args.quick:

@@ -29,6 +29,7 @@ EXPERT_TABLE = re.compile(r"layers\.\d+\.mlp\.(gate_up|down)")
 WIDTH = 16  # the verify width (tokens per verify round)
 PREFILL = 4096  # prefill tokens of the kernel's prefill shape
 MAX_LEN = 8192  # cache rows of the round programs
+PROMPT = 1024  # prompt tokens before the round
 
 QWEN3_CODER_30B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -183,7 +184,7 @@ class _AbstractPair:
 
 
 @functools.cache
-def round_inputs(model: str, batch: int = 1, prompt: int = 1024):
+def round_inputs(model: str, batch: int = 1, prompt: int = PROMPT):
     """(spec, abstract SpecState after a prefill, abstract Draft) for one width-16 round of `batch` sequences
     of `prompt` tokens in a cache of MAX_LEN rows."""
     cfg, dcfg = configs(model)
