@@ -131,14 +131,16 @@ class Plan:
                                                          for a in s)]
 
 
-def plan(declared: dict[str, declare.Target], mesh, itemsize: Callable[[str], int] = lambda name: 2) -> Plan:
-    """The sharding of every declared array on `mesh` (dense shapes; FP4 parts as declared)."""
+def plan(declared: dict[str, declare.Target], mesh, default_itemsize: int = 2) -> Plan:
+    """The sharding of every declared array on `mesh` and the bytes it leaves on one device (arrays as
+    declared: FP4 parts in their declared uint8, arrays of no declared dtype at `default_itemsize` bytes)."""
     specs, dev, total = {}, 0, 0
     sizes = dict(mesh.shape)
     for name, target in declared.items():
         spec = partition_spec(name, target, tuple(target.shape), mesh)
         specs[name] = spec
-        n = math.prod(target.shape) * itemsize(name)
+        n = math.prod(target.shape) * (np.dtype(target.dtype).itemsize if target.dtype is not None
+                                       else default_itemsize)
         split = math.prod(math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e)) for e in spec
                           if e is not None)
         total += n
