@@ -151,6 +151,7 @@ class Request:
     finished_at: float | None = None
     rounds_waited: int = 0  # rounds live but not admitted to verify
     cancel_requested: bool = False
+    cancel_reason: str = "cancelled"
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -292,9 +293,11 @@ class Engine:
             self._wake.notify_all()
         return req
 
-    def cancel(self, req: Request) -> None:
-        """Stops a request: it leaves the queue, or its slot is freed before the next round."""
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Stops a request: it leaves the queue, or its slot is freed before the next round. `reason` is its
+        finish reason ("stop" when the caller found a stop string in its text)."""
         with self._wake:
+            req.cancel_reason = reason
             req.cancel_requested = True
             self._wake.notify_all()
 
@@ -416,12 +419,12 @@ class Engine:
             for r in cancelled_queue:
                 self.queue.remove(r)
         for r in cancelled_queue:
-            self._finish(r, "cancelled", info)
+            self._finish(r, r.cancel_reason, info)
         free = np.zeros(self.slots, bool)
         for slot, r in list(self.requests.items()):
             if r.cancel_requested:
                 free[slot] = True
-                self._finish(r, "cancelled", info)
+                self._finish(r, r.cancel_reason, info)
         if free.any():
             self.state = _release(self.state, free)
         # admissions

@@ -7,7 +7,7 @@
 
 Extensions (accepted in the request body, e.g. the `openai` client's `extra_body`): `top_k`, `stop_token_ids`
 (token ids that end the generation; the target's eos is one unless `ignore_eos`), `ignore_eos`. Each
-choice also carries `token_ids`, the generated ids.
+choice also carries `token_ids`: the generated ids (in a stream, the ids new in that chunk).
 
 Bad requests get 400 with an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; a full queue
 429; a client that disconnects (streaming or not) cancels its request and frees its slot. Shutdown stops
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 import uuid
 from typing import Any
@@ -69,9 +70,17 @@ class Tokens:
         if self.chat_template is not None:
             import jinja2  # a checkpoint's HF chat template is a jinja2 template
 
-            template = jinja2.Environment().from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=True)
+            try:
+                template = jinja2.Environment().from_string(self.chat_template)
+                return template.render(messages=messages, add_generation_prompt=True)
+            except jinja2.TemplateError as e:
+                raise BadRequest(f"the checkpoint's chat template failed on these messages: {e}", "messages") \
+                    from None
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _number(body: dict, name: str, default, kind, low=None, high=None, low_open=False):
@@ -118,7 +127,8 @@ class Server:
         temperature = _number(body, "temperature", 1.0, float, low=0, high=2)
         top_p = _number(body, "top_p", 1.0, float, low=0, high=1, low_open=True)
         top_k = _number(body, "top_k", 0, int, low=0)
-        seed = _number(body, "seed", 0, int, low=-2**63, high=2**63 - 1)
+        # no seed: a fresh one per request (OpenAI's default); a seed makes a sampled request reproducible
+        seed = _number(body, "seed", secrets.randbits(63), int, low=-2**63, high=2**63 - 1)
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -153,7 +163,7 @@ class Server:
             ids = self.tokens.encode(prompt, "prompt")
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             return self._prompt_ids(prompt[0])
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise BadRequest("one prompt per request: send the prompts as separate requests", "prompt")
@@ -203,7 +213,8 @@ class Server:
         return ids, text, False
 
     async def _generate(self, http: HttpRequest, ids: list[int], s: dict):
-        """Async iterator of (new text, finish_reason or None, request) as the engine produces tokens."""
+        """Async iterator of (new text, finish_reason or None, request, new token ids) as the engine produces
+        tokens."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -214,7 +225,7 @@ class Server:
             loop.call_soon_threadsafe(queue.put_nowait, "finish")
 
         req = self._submit(ids, s, on_tokens, on_finish)
-        sent, checked = "", time.monotonic()
+        sent, sent_ids, checked = "", 0, time.monotonic()
         try:
             while True:
                 try:
@@ -229,9 +240,9 @@ class Server:
                         return
                     if timed_out:
                         continue
-                _, text, stopped = self._visible(req, s)
+                ids_now, text, stopped = self._visible(req, s)
                 if stopped:
-                    self.engine.cancel(req)
+                    self.engine.cancel(req, reason="stop")
                 finished = req.done_event.is_set() or stopped
                 if not finished and text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the rest
                     continue
@@ -240,9 +251,9 @@ class Server:
                     reason = "stop" if stopped else req.finish_reason
                     if reason == "error":
                         raise RuntimeError(req.error)
-                if text.startswith(sent) and (len(text) > len(sent) or reason):
-                    yield text[len(sent):], reason, req
-                    sent = text
+                if text.startswith(sent) and (len(text) > len(sent) or reason or self.tokens.tokenizer is None):
+                    yield text[len(sent):], reason, req, ids_now[sent_ids:]
+                    sent, sent_ids = text, len(ids_now)
                 elif not text.startswith(sent):
                     sent = text
                 if finished:
@@ -334,7 +345,7 @@ class Server:
             text, reason, req = "", None, None
             item = first
             while item is not None:
-                piece, reason, req = item
+                piece, reason, req, _ = item
                 text += piece
                 try:
                     item = await gen.__anext__()
@@ -353,7 +364,7 @@ class Server:
             item, started = first, False
             try:
                 while item is not None:
-                    piece, reason, req = item
+                    piece, reason, req, new_ids = item
                     if chat:
                         delta: dict[str, Any] = {"content": piece}
                         if not started:
@@ -362,6 +373,7 @@ class Server:
                     else:
                         choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
                     started = True
+                    choice["token_ids"] = new_ids
                     chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
                              "model": self.model_name, "choices": [choice]}
                     if reason is not None:

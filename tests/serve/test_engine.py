@@ -18,8 +18,8 @@ from dflash_jax.spec import generate as spec_generate
 EOS = 1022
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [7] * 12, list(range(40, 56)), [1, 2, 3, 4], [900, 17]]
 BUDGETS = [40, 30, 64, 20, 50, 33]
-SAMPLING = [SamplingParams(), SamplingParams(temperature=0.9), SamplingParams(), SamplingParams(temperature=1.2, top_k=20),
-            SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
+SAMPLING = [SamplingParams(), SamplingParams(temperature=0.9), SamplingParams(),
+            SamplingParams(temperature=1.2, top_k=20), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
 STOPS = [[EOS], [], [EOS], [EOS, 17], [], [EOS]]
 SEEDS = [0, 11, 2, 33, 4, 5]
 

@@ -80,20 +80,33 @@ def test_completion_equals_dflash_generate(client, capsys, pair):
 
 def test_streaming_equals_non_streaming(client):
     full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
-    pieces, reasons = [], []
+    pieces, reasons, ids = [], [], []
     for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True):
         pieces.append(chunk.choices[0].text)
         reasons.append(chunk.choices[0].finish_reason)
+        ids += chunk.choices[0].model_extra["token_ids"]
     assert len(pieces) > 1  # really streamed
     assert "".join(pieces) == full.choices[0].text
+    assert ids == full.choices[0].model_extra["token_ids"]
     assert reasons[-1] == full.choices[0].finish_reason and all(r is None for r in reasons[:-1])
 
     messages = [{"role": "user", "content": "print hello"}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0)
-    deltas = [c.choices[0].delta.content or "" for c in
-              client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0, stream=True)]
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0, stream=True)
+    deltas = [c.choices[0].delta.content or "" for c in stream]
     assert chat.choices[0].message.role == "assistant"
     assert "".join(deltas) == chat.choices[0].message.content and chat.choices[0].message.content
+
+
+def test_stop_strings(client):
+    """A stop string ends the completion at its first occurrence (not shown), finish_reason "stop"; what comes
+    before is exactly the unstopped output's text."""
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert "\n" in full.strip("\n")
+    cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=["\n"],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index("\n")]
 
 
 def test_concurrent_clients_equal_alone(client):
