@@ -174,14 +174,15 @@ def plot(rows, path) -> bool:
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.6))
     styles = ["o-", "^-", "v-", "d-"]
     blocks = sorted({r["block_size"] for r in rows if r["block_size"] > 1}, reverse=True)
-    for b, style in [(b, styles[i % 4]) for i, b in enumerate(blocks)] + [(1, "s--")]:
+    for i, (b, style) in enumerate([(b, styles[i % 4]) for i, b in enumerate(blocks)] + [(1, "s--")]):
         sel = sorted((r for r in rows if r["block_size"] == b), key=lambda r: r["concurrency"])
         label = f"DFlash B={b}" if b > 1 else "no speculation (B=1)"
         cs = [r["concurrency"] for r in sel]
-        ax1.plot(cs, [r["tokens_per_s"] for r in sel], style, label=label)
-        ax2.plot(cs, [r["ttft_ms_p50"] for r in sel], style, label=label)
-        ax3.plot(cs, [r["itl_ms_p50"] for r in sel], style, label=label + " p50")
-        ax3.plot(cs, [r["itl_ms_p99"] for r in sel], style, alpha=0.4, label=label + " p99")
+        color = f"C{i}"
+        ax1.plot(cs, [r["tokens_per_s"] for r in sel], style, color=color, label=label)
+        ax2.plot(cs, [r["ttft_ms_p50"] for r in sel], style, color=color, label=label)
+        ax3.plot(cs, [r["itl_ms_p50"] for r in sel], style, color=color, label=label + " p50")
+        ax3.plot(cs, [r["itl_ms_p99"] for r in sel], style, color=color, alpha=0.35, label=label + " p99")
     for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT p50 (ms)"), (ax3, "inter-token latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
