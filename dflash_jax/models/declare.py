@@ -23,8 +23,8 @@ class Target:
     """One declared array: `shape`; `coverage`, the grid of pieces a converter assembles it from (() = one
     piece; e.g. (E, 2) for a per-expert gate/up table); `dtype` (None: the checkpoint's chosen dtype);
     `axes`, the logical sharding axis of each dimension (None: replicated; None for the whole field: the
-    name rules of `logical_axes`); `unit`, the granularity of a sharded dimension (a head's width: a
-    projection shards only along whole heads)."""
+    name rules of `logical_axes`); `unit`, the granularity of a sharded dimension (attention projections
+    shard along whole GQA groups: k / v by KV heads, q / o by the query heads of one KV head)."""
 
     shape: tuple[int, ...]
     coverage: tuple[int, ...] = ()
@@ -78,19 +78,20 @@ def attention_targets(prefix: str, *, hidden: int, num_heads: int, num_kv_heads:
                       qk_norm: bool = True) -> dict[str, Target]:
     """Declarations of one GQA attention block stored `[in, out]`: q/k/v/o (+ biases, + per-head q/k norms)."""
     qd, kvd = num_heads * head_dim, num_kv_heads * head_dim
-    cols, rows = dict(axes=(None, HEADS), unit=head_dim), dict(axes=(HEADS, None), unit=head_dim)
+    # a split keeps whole GQA groups: the query heads of one KV head (q, o) and whole KV heads (k, v) shard together
+    group = head_dim * max(1, num_heads // max(1, num_kv_heads))
     out = {
-        prefix + "attn.q": Target((hidden, qd), **cols),
-        prefix + "attn.k": Target((hidden, kvd), **cols),
-        prefix + "attn.v": Target((hidden, kvd), **cols),
-        prefix + "attn.o": Target((qd, hidden), **rows),
+        prefix + "attn.q": Target((hidden, qd), axes=(None, HEADS), unit=group),
+        prefix + "attn.k": Target((hidden, kvd), axes=(None, HEADS), unit=head_dim),
+        prefix + "attn.v": Target((hidden, kvd), axes=(None, HEADS), unit=head_dim),
+        prefix + "attn.o": Target((qd, hidden), axes=(HEADS, None), unit=group),
     }
     if qk_norm:
         out[prefix + "attn.q_norm"] = Target((head_dim,))
         out[prefix + "attn.k_norm"] = Target((head_dim,))
     if bias:
         out.update({
-            prefix + "attn.q_bias": Target((qd,), axes=(HEADS,), unit=head_dim),
+            prefix + "attn.q_bias": Target((qd,), axes=(HEADS,), unit=group),
             prefix + "attn.k_bias": Target((kvd,), axes=(HEADS,), unit=head_dim),
             prefix + "attn.v_bias": Target((kvd,), axes=(HEADS,), unit=head_dim),
             prefix + "attn.o_bias": Target((hidden,)),

@@ -91,12 +91,18 @@ class ModelFamily:
         return self.declare_fn(cfg)
 
     def sharded_declarations(self, cfg) -> dict:
-        """`declare_weights` with the sharding unit of every attention projection (`attn.q/k/v/o` and their
-        biases) that declares none set to the head width, so a tensor-parallel split keeps whole heads."""
+        """`declare_weights` with the sharding unit of every attention array that declares none set so that a
+        tensor-parallel split keeps whole GQA groups: k / v (and biases) by KV heads; q, o, q's bias by the
+        query heads of one KV head; sinks by that many heads. Either the KV heads divide over the shards and
+        all of them shard, or none does (replicated attention, no collectives inside it)."""
+        per_group = max(1, cfg.num_heads // max(1, cfg.num_kv_heads))
+        units = {"k": cfg.head_dim, "v": cfg.head_dim, "q": cfg.head_dim * per_group, "o": cfg.head_dim * per_group,
+                 "sinks": per_group}
         out = {}
         for name, target in self.declare_weights(cfg).items():
-            if target.axes is None and target.unit == 1 and re.search(r"attn\.(q|k|v|o)(_bias)?$", name):
-                target = dataclasses.replace(target, unit=cfg.head_dim)
+            m = re.search(r"attn\.(q|k|v|o|sinks)(_bias)?$", name)
+            if target.axes is None and target.unit == 1 and m and not (m[1] == "o" and m[2]):
+                target = dataclasses.replace(target, unit=units[m[1]])
             out[name] = target
         return out
 
