@@ -46,15 +46,19 @@ def test_mesh_larger_than_the_devices_says_how_to_get_them():
 
 
 def test_declared_shardings_per_family():
-    # 2 x 4 mesh: 8 experts over expert x tensor, heads over tensor where they divide, vocab over tensor
-    mesh = abstract(2, 4)
-    qwen = plan(family_of(T.tiny_qwen3_moe_config()).sharded_declarations(T.tiny_qwen3_moe_config()), mesh).specs
+    # 4 x 2 mesh: 8 experts over expert x tensor, whole GQA groups over tensor, vocab over tensor
+    mesh = abstract(4, 2)
+    qwen_cfg = T.tiny_qwen3_moe_config()  # 4 query heads, 2 KV heads of 16
+    qwen = plan(family_of(qwen_cfg).sharded_declarations(qwen_cfg), mesh).specs
     assert qwen["layers.1.mlp.gate_up"] == P(("expert", "tensor"))
-    assert qwen["layers.1.attn.q"] == P(None, "tensor")  # 4 query heads on tensor=4
-    assert qwen["layers.1.attn.k"] == P()  # 2 KV heads do not divide over 4: replicated
+    assert qwen["layers.1.attn.q"] == P(None, "tensor") == qwen["layers.1.attn.k"]  # one KV head per shard
     assert qwen["layers.1.attn.o"] == P("tensor")
     assert qwen["embed"] == P("tensor") and qwen["lm_head"] == P(None, "tensor")
     assert qwen["layers.1.mlp.router"] == P() and qwen["layers.1.input_norm"] == P()
+    # on tensor=4 the 2 KV heads do not divide: the whole attention stays replicated (q too: no split GQA group)
+    qwen4 = plan(family_of(qwen_cfg).sharded_declarations(qwen_cfg), abstract(2, 4)).specs
+    assert qwen4["layers.1.attn.q"] == P() == qwen4["layers.1.attn.k"] == qwen4["layers.1.attn.o"]
+    assert qwen4["layers.1.mlp.down"] == P(("expert", "tensor")) and qwen4["embed"] == P("tensor")
     gpt_cfg = T.tiny_gpt_oss_config()
     gpt = plan(family_of(gpt_cfg).sharded_declarations(gpt_cfg), abstract(4, 2)).specs
     assert gpt["layers.0.mlp.gate_up#blocks"] == P(("expert", "tensor")) == gpt["layers.0.mlp.down_bias"]
@@ -74,9 +78,9 @@ def test_declared_shardings_per_family():
 def test_per_device_bytes_shrink_with_the_mesh():
     cfg = T.tiny_qwen3_moe_config()
     declared = family_of(cfg).sharded_declarations(cfg)
-    one, eight = plan(declared, abstract(1, 1)), plan(declared, abstract(2, 4))
+    one, eight = plan(declared, abstract(1, 1)), plan(declared, abstract(4, 2))
     assert one.device_bytes == one.total_bytes
-    assert eight.device_bytes < one.total_bytes / 3  # experts / 8, vocab / 4, query heads / 4
+    assert eight.device_bytes < one.total_bytes / 2  # experts / 8, vocab / 2, attention / 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -124,16 +128,16 @@ def assert_moe(report: dict) -> None:
             assert row[fmt + "_all_reduce"] >= 1, (spec, row)  # the shard_map path ran (psum of the partial sums)
 
 
-FAST_CASES = ["gpt_oss:expert=2,tensor=4:sample", "qwen3_5:expert=2,tensor=4"]
+FAST_CASES = ["gpt_oss:expert=4,tensor=2:sample", "qwen3_5:expert=4,tensor=2"]
 
 
 def test_fast_mesh_generation_equals_one_device(tmp_path):
-    """One subprocess, 8 CPU devices, mesh 2 x 4: gpt-oss (MXFP4 experts with biases, sinks, sliding windows)
+    """One subprocess, 8 CPU devices, mesh 4 x 2: gpt-oss (MXFP4 experts with biases, sinks, sliding windows)
     greedy and sampled, Qwen3.5 (DeltaNet, shared expert) greedy; equal to one device token for token."""
     report = run_checks(tmp_path, FAST_CASES)
     assert report["devices"] == 8
     gpt = report[FAST_CASES[0]]["mesh"]
-    assert gpt["q_cols_per_device"] * 4 == gpt["q_cols"]  # 4 query heads over tensor=4
+    assert gpt["q_cols_per_device"] * 2 == gpt["q_cols"]  # 2 GQA groups (of 2 query heads) over tensor=2
     assert_moe(report)
     for case in FAST_CASES:
         assert_case(report, case, experts_per_device=1)
@@ -141,11 +145,13 @@ def test_fast_mesh_generation_equals_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_mesh_matrix_equals_one_device(tmp_path):
-    """Meshes 1x8, 2x4, 8x1 (expert x tensor) and data=2 x 4 for all three families (Qwen3 also with NVFP4
-    experts), greedy and sampled."""
+    """Meshes 1x8, 2x4, 8x1 (expert x tensor; the tiny models' 2 KV heads keep attention replicated there) and
+    4x2, data=2 x 2 x 2 (attention split over tensor=2) for all three families (Qwen3 also with NVFP4 experts),
+    greedy and sampled."""
     cases = [f"{fam}:{mesh}:sample" for fam in ("qwen3", "gpt_oss", "qwen3_5")
              for mesh in ("expert=1,tensor=8", "expert=2,tensor=4", "expert=8,tensor=1")]
-    cases += ["qwen3_nvfp4:expert=4,tensor=2:sample", "qwen3:data=2,expert=2,tensor=2:sample"]
+    cases += ["qwen3_nvfp4:expert=4,tensor=2:sample", "qwen3:data=2,expert=2,tensor=2:sample",
+              "qwen3_5:expert=4,tensor=2:sample"]
     report = run_checks(tmp_path, cases)
     assert_moe(report)
     for case in cases:
