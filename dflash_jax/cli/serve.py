@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Sequence
 
 from dflash_jax import SHIPPED_PAIR
 from dflash_jax.cli.errors import run_cli
-from dflash_jax.errors import UsageError
+from dflash_jax.errors import Interrupted, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +129,13 @@ def _serve(args) -> int:
     app, _ = build_app(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
     server = uvicorn.Server(config)
-    server.run()  # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight requests, lifespan shutdown
+    try:
+        # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight requests, lifespan shutdown (the engine
+        # finishes or cancels what is left), and then re-raises the signal, which lands here: a clean stop
+        server.run()
+    except KeyboardInterrupt as e:  # Interrupted (SIGTERM) or Ctrl-C
+        name = signal.Signals(e.signum).name if isinstance(e, Interrupted) else "SIGINT"
+        print(f"dflash-serve: stopped ({name})", file=sys.stderr, flush=True)
     return 0
 
 

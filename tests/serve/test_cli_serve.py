@@ -1,0 +1,74 @@
+"""`dflash-serve`: flag errors end in one line before anything heavy loads; a real process serves the `openai`
+client and shuts down gracefully on SIGTERM (slow)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_jax.cli.serve import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "/definitely/not/here"], "not a convert-weights checkpoint"),
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--slots", "0"], "--slots must be >= 1"),
+    (["--round-expert-mb", "-1"], "--round-expert-mb must be > 0"),
+    (["--token-budget", "0"], "--token-budget must be >= 1"),
+])
+def test_flag_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash-serve: error:") and message in err and "\n" not in err
+
+
+def test_help_names_the_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--checkpoint", "--slots", "--block-size", "--max-prompt-len", "--max-new-tokens", "--max-queue",
+                 "--token-budget", "--round-expert-mb", "--grace-seconds"):
+        assert flag in out
+
+
+@pytest.mark.slow
+def test_process_serves_and_stops_on_sigterm(tmp_path):
+    openai = pytest.importorskip("openai")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, DFLASH_JAX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), "--slots", "2",
+                             "--max-prompt-len", "16", "--max-new-tokens", "16", "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        deadline = time.time() + 300
+        while True:
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.time() < deadline, "dflash-serve did not start"
+                time.sleep(0.5)
+        assert [m.id for m in models.data] == ["tiny_pair"]
+        out = client.completions.create(model="tiny_pair", prompt="def fib(n):", max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    err = proc.stderr.read()
+    assert code == 0, err
+    assert "ready in" in err and "stopped (SIGTERM)" in err
