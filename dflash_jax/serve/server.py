@@ -311,7 +311,7 @@ class Server:
             self._check_model(body)
             if "prompt" not in body:
                 raise BadRequest("`prompt` is required", "prompt")
-            s = self._settings(body, default_max_tokens=16)
+            s = self._settings(body, default_max_tokens=min(16, self.engine.max_new_tokens))
             ids = self._prompt_ids(body["prompt"])
             return await self._respond(http, ids, s, chat=False)
 
