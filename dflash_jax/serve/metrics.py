@@ -27,6 +27,11 @@ class Metrics:
                                       buckets=tuple(2.0 ** k for k in range(10, 40, 2)), registry=r)
         self.verified = Histogram("dflash_round_verified_sequences", "Sequences verified per round",
                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.admissions = Counter("dflash_scheduler_admissions", "Verifies admitted by the scheduler, by how: "
+                                  "deficit (its turn), work (spare capacity), forced (progress)", ["how"],
+                                  registry=r)
+        self.sat_out = Counter("dflash_scheduler_sat_out", "Live sequences the scheduler kept out of a round's verify",
+                               registry=r)
         self.compiles = Counter("dflash_compile_events", "XLA compiles during serving rounds", registry=r)
         self.rounds = Counter("dflash_rounds", "Engine rounds run", registry=r)
         self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
@@ -42,6 +47,9 @@ class Metrics:
         if info.verified:
             self.expert_bytes.observe(info.expert_bytes)
             self.verified.observe(info.verified)
+        for how in info.how.values():
+            self.admissions.labels(how=how).inc()
+        self.sat_out.inc(info.live - info.verified)
         self.compiles.inc(info.compiles)
         self.rounds.inc()
         self.round_seconds.observe(info.seconds)

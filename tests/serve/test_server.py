@@ -196,5 +196,9 @@ def test_metrics_and_no_compiles(client, server):
     assert _metric(text, "dflash_round_expert_bytes_count") > 0
     assert _metric(text, "dflash_slots_in_use") == 0 and _metric(text, "dflash_queue_depth") == 0
     assert "dflash_tokens_per_second" in text
+    admitted = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                   if x.startswith("dflash_scheduler_admissions_total{"))
+    assert admitted == _metric(text, "dflash_acceptance_length_count")  # every verify was a scheduler admission
+    assert "dflash_scheduler_sat_out_total" in text
     # every request of this module sat in the warmed prompt bucket: the server compiled nothing
     assert _metric(text, "dflash_compile_events_total") == 0
