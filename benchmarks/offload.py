@@ -88,6 +88,80 @@ def verify_overhead(pair, store, prompts, block: int, repeats: int = 30) -> dict
                 per_layer_overhead_ms=(best["layerwise"] - best["single"]) * 1e3 / layers)
 
 
+def overlap(pair, store, prompts, *, block: int, experts: int, repeats: int = 5) -> dict:
+    """Whether host->device expert copies issued ahead run while the device computes (the measurement hook for
+    a GPU; on a CPU both are host work and nothing overlaps). Best of `repeats` wall times of
+      copy:    `experts` expert copies into a shared `ExpertCache` (transfer="device_put": host row buffers
+               `jax.device_put` to the device, then written into the slab), alone;
+      compute: one width-`block` verify on a cache holding every expert (one program), alone;
+      both:    the copies issued, then the verify dispatched at once, waiting for both.
+    overlap = (copy + compute - both) / min(copy, compute): 1 = the shorter one fully hidden, 0 = serialized.
+    Also the same with transfer="pull_rows" (the jitted copy on the compute stream)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.models.family import family_of
+    from dflash_jax.offload import ExpertCache, strip_experts
+    from dflash_jax.spec.session import init_target_cache
+
+    cfg = pair.target_cfg
+    e = store.num_experts
+    full = ExpertCache(store, store.total_bytes, pinned={l: np.arange(e) for l in store.layer_ids})
+    weights = full.pooled_weights(strip_experts(pair.target))
+    fam = family_of(cfg)
+    fam_forward = jax.jit(lambda w, t, c: fam.forward(w, t, c, cfg).logits)
+    tokens = jnp.asarray(np.asarray(prompts[0][:block])[None, :], jnp.int32)
+    cache = init_target_cache(cfg, 1, 256, pair.target.embed.dtype, verify_width=block)
+    jax.block_until_ready(fam_forward(weights, tokens, cache))
+    eb = store.expert_bytes(store.layer_ids[0])
+    layer = store.layer_ids[-1]
+    out = {}
+    for transfer in ("device_put", "pull_rows"):
+        target = ExpertCache(store, (experts + 1) * eb, transfer=transfer)
+        rng = np.random.default_rng(0)
+
+        def copies():
+            target.fetch(layer, rng.choice(e, experts, replace=False))
+            target.block_until_ready()
+
+        copies()  # compiles the copy programs
+        best = {"copy": np.inf, "compute": np.inf, "both": np.inf}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            copies()
+            best["copy"] = min(best["copy"], time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            jax.block_until_ready(fam_forward(weights, tokens, cache))
+            best["compute"] = min(best["compute"], time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            target.fetch(layer, rng.choice(e, experts, replace=False))
+            logits = fam_forward(weights, tokens, cache)
+            target.block_until_ready()
+            jax.block_until_ready(logits)
+            best["both"] = min(best["both"], time.perf_counter() - t0)
+        hidden = best["copy"] + best["compute"] - best["both"]
+        out[transfer] = dict({f"{k}_ms": v * 1e3 for k, v in best.items()},
+                             overlap=hidden / min(best["copy"], best["compute"]), copied_bytes=experts * eb)
+    return out
+
+
+def overlap_main(args) -> int:
+    import jax
+
+    from dflash_jax.offload import HostExpertStore
+
+    pair, prompts, source, _ = load_model(args)
+    store = HostExpertStore(pair.target)
+    block = max(int(b) for b in args.blocks.split(","))
+    row = dict(mode="overlap", tag=args.tag, backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+               model=args.checkpoint or "random", block=block,
+               **overlap(pair, store, prompts, block=block, experts=min(store.num_experts - 1, 16)))
+    print(json.dumps(row), flush=True)
+    with open(args.jsonl, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    return 0
+
+
 def run_offloaded(pair, prompts, *, budget_bytes, block, **policy):
     """One offloaded configuration: an `OffloadedGenerator` serves the request twice, the first run compiles
     (its programs are the second's), the second is the row."""
@@ -135,7 +209,7 @@ def summarize(result, reference, extra) -> dict:
     if "route_ahead" in s:
         ra = s["route_ahead"]["summary"]
         off = s["offload"]
-        row.update(slots=off["slots_per_layer"], pool_bytes=off["pool_bytes"],
+        row.update(slots=off["cache_slots"], pool_bytes=off["pool_bytes"],
                    pinned=sum(off["pinned_per_layer"].values()),
                    coverage=ra["coverage"], waste=ra["waste"], hit_rate=ra["hit_rate"], bytes_moved=ra["bytes_moved"],
                    on_demand_bytes=ra["on_demand_bytes"], prefetched_bytes=ra["prefetched_bytes"],
@@ -172,7 +246,12 @@ def main(argv=None) -> int:
     p.add_argument("--learned-steps", type=int, default=300)
     p.add_argument("--jsonl", default=os.path.join(DOCS, "offload.jsonl"))
     p.add_argument("--md", default=os.path.join(DOCS, "offload.md"))
+    p.add_argument("--overlap", action="store_true",
+                   help="only measure whether expert copies issued ahead overlap the verify's compute (for a GPU): "
+                        "prints one JSON row and appends it to --jsonl")
     args = p.parse_args(argv)
+    if args.overlap:
+        return overlap_main(args)
 
     import jax
 

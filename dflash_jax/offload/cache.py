@@ -104,6 +104,7 @@ class _Slab:
     # issued ahead) or ("pull", layer, experts, slots) (pull_rows copies deferred while the slab is lent)
     pending: list = dataclasses.field(default_factory=list)
     lent: bool = False  # operands handed out and not yet dispatched: a write now would donate them under the reader
+    readers: list = dataclasses.field(default_factory=list)  # outputs of dispatched calls that read the slab
 
 
 @dataclasses.dataclass
@@ -192,11 +193,25 @@ class ExpertCache:
         """`slot_of[layer]` [E] int32 on the device (sentinel = the slab's N: the trap row when poisoned)."""
         ls = self.layers[layer]
         if ls.device_slot_of is None:
-            ls.device_slot_of = jax.device_put(ls.slot_of, memory_sharding("device"))
+            # a copy: on a CPU backend device_put may alias the numpy buffer, which later fetches edit in place
+            ls.device_slot_of = jax.device_put(ls.slot_of.copy(), memory_sharding("device"))
         return ls.device_slot_of
+
+    def _settle(self, slab: _Slab) -> None:
+        """Waits until every dispatched call that read the slab has run, before a write donates the slab's
+        buffers: a donated buffer is overwritten in place, and a backend may run the write before an earlier,
+        still pending read of it (measured on the CPU backend: a pass read the next pass's expert). On the
+        layer-wise verify this costs nothing for on-demand fetches (the routing read already waited for the
+        previous layer); a pass waits for the previous pass, an in-verify prefetch's slab write for the running
+        layer's experts (its host->device transfer, with transfer="device_put", was issued before)."""
+        if slab.readers:
+            jax.block_until_ready(slab.readers)
+            slab.readers = []
 
     def _flush(self, slab: _Slab) -> None:
         """Writes the slab's pending copies into it (before any read of the slab)."""
+        if slab.pending:
+            self._settle(slab)
         for item in slab.pending:
             if item[0] == "rows":
                 slab.leaves = list(_write_rows(tuple(slab.leaves), tuple(item[2]), jnp.asarray(item[1])))
@@ -204,11 +219,14 @@ class ExpertCache:
                 self._pull(slab, *item[1:])
         slab.pending = []
 
-    def returned(self) -> None:
-        """Every operand handed out has been dispatched: deferred copies are issued now (the offloaded loop
-        calls this right after each expert dispatch, so an in-verify prefetch issued while layer i's operands
-        were out lands right after layer i's experts are enqueued)."""
+    def returned(self, *readers) -> None:
+        """Every operand handed out has been dispatched; `readers`: outputs of those calls (a later write into
+        the slab waits for them). Deferred copies are issued now (the offloaded loop calls this right after each
+        expert dispatch, so an in-verify prefetch issued while layer i's operands were out lands right after
+        layer i's experts)."""
         for slab in self.slabs:
+            if slab.lent:
+                slab.readers.extend(r for r in readers if r is not None)
             slab.lent = False
             self._flush(slab)
 
@@ -371,6 +389,7 @@ class ExpertCache:
             slab.pending.append(("pull", layer, experts, slots))
             return
         self._flush(slab)
+        self._settle(slab)
         self._pull(slab, layer, experts, slots)
 
     def _pull(self, slab: _Slab, layer: int, experts: np.ndarray, slots: np.ndarray) -> None:
@@ -413,6 +432,8 @@ class ExpertCache:
 
     def block_until_ready(self) -> None:
         self.returned()
+        for slab in self.slabs:
+            self._settle(slab)
         jax.block_until_ready([s.leaves for s in self.slabs])
 
 

@@ -147,9 +147,9 @@ class LayerwiseSteps(Steps):
     route-ahead prediction of the next MoE layer with each MoE layer's routing."""
 
     def __init__(self, fam, cfg, implementation, weights, next_moe: dict[int, int], width: int,
-                 dispatched: Callable[[int], None] | None = None):
+                 dispatched: Callable[[int, jax.Array], None] | None = None):
         super().__init__(fam, cfg, implementation)
-        self.dispatched = dispatched or (lambda i: None)
+        self.dispatched = dispatched or (lambda i, x: None)
         self.weights, self.next_moe, self.width = weights, next_moe, width
         self.guess = None  # (target MoE layer, (experts, probs, logits)) of the last attend, if any
         self.starts: list[float] = []
@@ -169,7 +169,7 @@ class LayerwiseSteps(Steps):
     def mlp(self, i, layer, x, h, routing):
         if not isinstance(layer, _Passes):
             x = _mlp(self.fam, layer, x, h, routing, self.cfg, self.implementation)
-            self.dispatched(i)
+            self.dispatched(i, x)
             return x
         passes, covered = layer, []
         first = True
@@ -186,7 +186,7 @@ class LayerwiseSteps(Steps):
                 x = _mlp_pass(self.fam, lw, x, h, routing, jnp.asarray(mask), self.cfg, self.implementation, first)
             covered.append(np.flatnonzero(mask))
             first = False
-            self.dispatched(i)
+            self.dispatched(i, x)
         got = np.concatenate(covered)
         if len(got) != len(np.unique(got)) or np.setdiff1d(passes.routed, got).size:
             raise NonResidentExpert(f"layer {i}: the passes computed experts {sorted(got.tolist())}, the layer was "
@@ -218,7 +218,7 @@ def forward_layerwise(
     weights, tokens: jax.Array, cache, cfg, *, provider: ExpertProvider,
     num_valid: jax.Array | None = None, tap_layers: tuple[int, ...] = (), logits: str = "all",
     implementation: str = "auto", ahead: AheadHook | None = None, ahead_width: int | None = None,
-    dispatched: Callable[[int], None] | None = None,
+    dispatched: Callable[[int, jax.Array], None] | None = None,
 ) -> LayerwiseOutput:
     """The family's `forward` (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE) layer by layer; MoE layer experts
     come from `provider` (see module doc).
@@ -236,8 +236,9 @@ def forward_layerwise(
     experts and layer j's attention. The first MoE layer gets no prediction; the programs are shared by all
     layers of a kind (the next layer's weights are traced arguments).
 
-    dispatched(i): called right after each of layer i's expert calls (every pass) is dispatched: the operands
-    it read may be written again (a shared device cache defers copies into its slab until then)."""
+    dispatched(i, x): called right after each of layer i's expert calls (every pass) is dispatched, with its
+    output x: the operands it read may be written again once x is computed (a shared device cache defers
+    copies into its slab until the call is dispatched and waits for x before it overwrites a slot)."""
     fam = family_of(cfg)
     if not isinstance(weights, fam.weights_type):
         raise TypeError(f"{type(cfg).__name__} needs {fam.weights_type.__name__} weights, got {type(weights).__name__}")

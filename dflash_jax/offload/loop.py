@@ -424,7 +424,7 @@ class OffloadedGenerator:
         if session.full_pool:
             state, router_experts, router_logits = _verify_on_full_pool(
                 pool.pooled_weights(self.stripped), state, draft, spec, self.implementation, self.wants_logits)
-            pool.returned()
+            pool.returned(router_experts)
             routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
             for l in layers:
                 on_demand(l, routed[l])
@@ -435,7 +435,7 @@ class OffloadedGenerator:
             verify = forward_layerwise(self.stripped, verify_block(state, draft), state.target_cache, self.cfg,
                                        provider=on_demand, tap_layers=spec.taps, logits="all",
                                        implementation=self.implementation, ahead=ahead, ahead_width=width,
-                                       dispatched=lambda i: pool.returned())
+                                       dispatched=lambda i, x: pool.returned(x))
             state = commit_verify_jit(state, draft, verify.out, spec)
             routed = verify.routed
             logits = verify.out.router_logits

@@ -145,7 +145,7 @@ class ExpertPool:
         """`slot_of[layer]` [E] int32 on the device (sentinel = S for experts not in the pool)."""
         lp = self.layers[layer]
         if lp.device_slot_of is None:
-            lp.device_slot_of = jax.device_put(lp.slot_of, memory_sharding("device"))
+            lp.device_slot_of = jax.device_put(lp.slot_of.copy(), memory_sharding("device"))  # no alias (CPU)
         return lp.device_slot_of
 
     def operands(self, layer: int) -> tuple:

@@ -139,7 +139,7 @@ def test_passes_equal_one_pass_and_host_passes_equal_device_passes(weights, stor
     one = forward_layerwise(stripped, block, cache_in, CFG, provider=_provider(None, tables=whole))
     tiny = POISONED(store, eb)  # one slot: every expert of every layer in its own pass
     passes = forward_layerwise(stripped, block, cache_in, CFG, provider=_provider(tiny, group=1),
-                               dispatched=lambda i: tiny.returned())
+                               dispatched=lambda i, x: tiny.returned(x))
     assert tiny.bytes == eb
     for layer in range(CFG.num_layers):
         np.testing.assert_array_equal(passes.routed[layer], one.routed[layer])

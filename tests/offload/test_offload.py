@@ -14,7 +14,7 @@ from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.models import qwen3
 from dflash_jax.offload import (
-    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, NextLayerResidual, NonResidentExpert,
+    DraftRouter, ExpertCache, ExpertOperands, ExpertPool, HostExpertStore, NextLayerResidual, NonResidentExpert,
     OffloadedGenerator, PoolTooSmall, PreviousRound, RoundInputs, RoundStats, RouteAheadStats, TraceObserver, Union,
     forward_layerwise, generate_offloaded, in_verify_part, layer_round_stats, make_predictor, plan_placement,
     ranked_union, strip_experts, warm_set,
@@ -24,7 +24,7 @@ from dflash_jax.spec import SamplingParams, generate, generate_stepping
 E = 16
 # the offloaded runs' pools: free slots and a trap slot hold blow-up values, so reading a non-resident expert
 # wrecks the output (`ExpertPool(poison=True)`)
-POISONED = functools.partial(ExpertPool, poison=True)
+POISONED = functools.partial(ExpertCache, poison=True)
 CFG = testing.tiny_qwen3_moe_config(
     num_layers=3, moe=MoEConfig(num_experts=E, top_k=2, intermediate_size=32, norm_topk_prob=True))
 
@@ -281,12 +281,31 @@ PREDICTORS = ["none", "previous", "draft_router", "previous+draft_router", "resi
 
 
 def _per_slot(pair):
+    """(bytes of one expert of every MoE layer, the store): `k * per_slot` buys k experts per layer on average."""
     store = HostExpertStore(pair.target)
     return sum(store.expert_bytes(layer) for layer in store.layer_ids), store
 
 
-@pytest.mark.parametrize("block", [1, 4])
-def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, block):
+def _budgets(store, smallest):
+    """Expert-cache budgets in bytes, by name: one expert (every layer in passes of one expert), one expert less
+    than one layer's routed union (the largest layer runs in two passes), one union, a mid one."""
+    eb = store.expert_bytes(store.layer_ids[0])
+    layers = len(store.layer_ids)
+    return {"min": eb, "below_union": (smallest - 1) * eb, "union": smallest * eb,
+            "mid": (smallest + E) // 2 * layers * eb}
+
+
+# (budget, predictors) of the fast set: each predictor at least once, the passes budgets with prefetch
+FAST = {1: {"min": ["none"], "mid": ["previous"]},
+        4: {"min": ["none", "previous+residual"], "below_union": ["previous"], "union": ["draft_router", "residual"],
+            "mid": ["previous+draft_router"]}}
+
+
+@pytest.mark.parametrize("block, everything", [(1, False), (4, False), pytest.param(1, True, marks=pytest.mark.slow),
+                                                pytest.param(4, True, marks=pytest.mark.slow)])
+def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, block, everything):
+    """Budgets: one expert (every layer in passes), one layer's routed union less one (passes), one union, a mid
+    one, all experts; poisoned cache. The fast set runs each predictor somewhere, the slow one everywhere."""
     want = generate(pair, PROMPTS, max_new_tokens=20, block_size=block)
     if block > 1:
         assert want.stats["mean_acceptance"] > 1.5  # proposals get accepted: rollback paths run
@@ -295,26 +314,30 @@ def test_offloaded_generation_is_lossless_for_every_budget_and_predictor(pair, b
                               store=store, pool_factory=POISONED, bandwidth=1e9)
     assert full.tokens == want.tokens
     assert full.stats["route_ahead"]["summary"]["bytes_moved"] == 0  # everything pinned: B0 residency
-    # the smallest pool that can run: the largest routed union of one layer in one block
+    # one layer's largest routed union in one block: below it that layer must run in passes
     smallest = max(s.routed for r in full.route_ahead.rounds for s in r.layers)
-    with pytest.raises(PoolTooSmall):
-        generate_offloaded(pair, PROMPTS, budget_bytes=(smallest - 1) * per_slot, block_size=block,
-                           max_new_tokens=20, store=store, bandwidth=1e9, pin=False)
-    for slots in sorted({smallest, (smallest + E) // 2}):
-        for name in PREDICTORS if block > 1 else ["none", "previous"]:
-            got = generate_offloaded(pair, PROMPTS, budget_bytes=slots * per_slot, predictor=name, block_size=block,
+    with pytest.raises(PoolTooSmall, match="minimum"):
+        generate_offloaded(pair, PROMPTS, budget_bytes=store.expert_bytes(0) - 1, block_size=block,
+                           max_new_tokens=20, store=store, bandwidth=1e9)
+    for label, budget in _budgets(store, smallest).items():
+        names = (PREDICTORS if block > 1 else ["none", "previous"]) if everything else FAST[block].get(label, [])
+        for name in names:
+            got = generate_offloaded(pair, PROMPTS, budget_bytes=budget, predictor=name, block_size=block,
                                      max_new_tokens=20, store=store, pool_factory=POISONED, bandwidth=1e9)
-            assert got.tokens == want.tokens, (slots, name)
+            assert got.tokens == want.tokens, (label, name)
             assert got.acceptance_lengths == want.acceptance_lengths
             summary = got.stats["route_ahead"]["summary"]
-            assert summary["on_demand"] + summary["prefetched"] > 0  # the pool really was too small to hold all
+            assert got.stats["offload"]["pool_bytes"] <= budget
+            assert summary["on_demand"] + summary["prefetched"] > 0  # the cache really was too small to hold all
+            if label in ("min", "below_union"):  # some layer ran in passes
+                assert summary["passes"] > summary["rounds"] * CFG.num_layers, (label, name)
             if name == "none":
                 assert summary["predicted"] == 0 and summary["prefetched"] == 0
             if name == "residual":  # predicts only inside the verify, for every MoE layer but the first
                 assert summary["predicted"] > 0 and summary["prefetched"] == summary["prefetched_in_verify"]
                 assert got.route_ahead.per_layer()[0]["predicted"] == 0
-    for name in ("previous", "draft_router+residual") if block > 1 else ("previous",):
-        wide = generate_offloaded(pair, PROMPTS, budget_bytes=smallest * per_slot, predictor=name, width=4,
+    for name in (("previous", "draft_router+residual") if block > 1 else ("previous",)) if everything else ():
+        wide = generate_offloaded(pair, PROMPTS, budget_bytes=smallest * store.expert_bytes(0), predictor=name, width=4,
                                   block_size=block, max_new_tokens=20, store=store, pool_factory=POISONED,
                                   bandwidth=1e9)
         assert wide.tokens == want.tokens, name
@@ -340,8 +363,13 @@ def test_generator_rounds_observers_and_trace(pair):
     mine = _Recorder()
     got = gen.generate(PROMPTS, max_new_tokens=20, trace=True, observers=[mine])
     assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths
-    assert [[None if r is None else {k: v for k, v in r.items() if k != "bytes_moved"} for r in rnd]
+    offload_keys = ("bytes_moved", "hits", "misses", "on_demand", "host", "prefetched", "coverage", "passes")
+    assert [[None if r is None else {k: v for k, v in r.items() if k not in offload_keys} for r in rnd]
             for rnd in got.trace] == want.trace
+    for rnd, stats in zip(got.trace, mine.rounds):  # the round's offload counts, in every live row
+        t = stats.totals()
+        assert all(r is None or (r["hits"], r["misses"], r["passes"]) == (t["hits"], t["routed"] - t["hits"],
+                                                                         t["passes"]) for r in rnd)
     assert len(mine.rounds) == got.stats["rounds"] == len(got.route_ahead.rounds)
     assert all(a is b for a, b in zip(mine.rounds, got.route_ahead.rounds))
     moved = [r.bytes_moved for r in mine.rounds]
@@ -370,8 +398,8 @@ def test_generator_policy_errors(pair):
         OffloadedGenerator(pair, budget_bytes=(E - 1) * per_slot, verify="single", store=store, bandwidth=1e9)
     with pytest.raises(ValueError, match="verify must be one of"):
         OffloadedGenerator(pair, budget_bytes=E * per_slot, verify="fast", store=store, bandwidth=1e9)
-    with pytest.raises(PoolTooSmall):
-        OffloadedGenerator(pair, budget_bytes=per_slot - 1, store=store, bandwidth=1e9)
+    with pytest.raises(PoolTooSmall, match=r"minimum of 0\.\d+ MB"):
+        OffloadedGenerator(pair, budget_bytes=store.expert_bytes(0) - 1, store=store, bandwidth=1e9)
     for moved, hint in (("poison", "pool_factory"), ("warmup", "twice"), ("single_program_when_full", "verify")):
         with pytest.raises(TypeError, match=hint):
             generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, max_new_tokens=4, **{moved: True})

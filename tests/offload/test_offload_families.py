@@ -25,7 +25,7 @@ import pytest
 from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.offload import (
-    DraftRouter, ExpertOperands, ExpertPool, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
+    DraftRouter, ExpertCache, ExpertOperands, ExpertPool, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
     forward_layerwise, generate_offloaded, moe_layer_ids, strip_experts,
 )
 from dflash_jax.models.family import family_of
@@ -36,7 +36,7 @@ from dflash_jax.spec.session import init_target_cache, prepare, target_family
 E = 16
 # the offloaded runs' pools: free slots and a trap slot hold blow-up values, so reading a non-resident expert
 # wrecks the output (`ExpertPool(poison=True)`)
-POISONED = functools.partial(ExpertPool, poison=True)
+POISONED = functools.partial(ExpertCache, poison=True)
 
 
 def _config(family: str):
@@ -271,27 +271,40 @@ def _per_slot(pair):
 
 
 def test_offloaded_generation_is_lossless(pair, reference):
-    """The smallest budget that runs (every predictor), an intermediate one, all experts (the fixture)."""
+    """The minimum budget (one expert: every layer in passes), one layer's routed union less one expert (passes),
+    one union per layer (every predictor), an intermediate one, all experts (the fixture); poisoned cache."""
     want, store, per_slot, smallest = reference
     assert smallest < E
-    budgets = {smallest: _predictors(pair), (smallest + E) // 2: ["none", "previous+draft_router", "previous+residual"]}
-    for slots, predictors in budgets.items():
+    eb = store.expert_bytes(store.layer_ids[0])
+    budgets = {"min": (eb, ["previous+residual"]), "below_union": ((smallest - 1) * eb, ["none"]),
+               "union": (smallest * per_slot, _predictors(pair)),
+               "mid": ((smallest + E) // 2 * per_slot, ["none", "previous+draft_router", "previous+residual"])}
+    for label, (budget, predictors) in budgets.items():
         for predictor in predictors:
-            got = generate_offloaded(pair, PROMPTS, budget_bytes=slots * per_slot, predictor=predictor, **_run(store))
+            got = generate_offloaded(pair, PROMPTS, budget_bytes=budget, predictor=predictor, **_run(store))
             name = getattr(predictor, "name", predictor)
-            assert got.tokens == want.tokens, (slots, name)
-            assert got.acceptance_lengths == want.acceptance_lengths, (slots, name)
+            assert got.tokens == want.tokens, (label, name)
+            assert got.acceptance_lengths == want.acceptance_lengths, (label, name)
             summary = got.stats["route_ahead"]["summary"]
-            assert summary["on_demand"] + summary["prefetched"] > 0  # the pool really was too small
+            assert got.stats["offload"]["pool_bytes"] <= budget
+            assert summary["on_demand"] + summary["prefetched"] > 0  # the cache really was too small
+            if label in ("min", "below_union"):
+                assert summary["passes"] > summary["rounds"] * len(store.layer_ids), (label, name)
             if name != "none":
                 assert summary["predicted"] > 0
 
 
 @pytest.mark.slow
 def test_smallest_budget_is_the_smallest_and_full_budget_runs_as_one_program(pair, reference):
+    """Below one expert: refused with the minimum; at one expert, every predictor and no pinning, lossless; all
+    experts: one program."""
     want, store, per_slot, smallest = reference
-    with pytest.raises(PoolTooSmall):
-        generate_offloaded(pair, PROMPTS, budget_bytes=(smallest - 1) * per_slot, **_run(store, pin=False))
+    eb = store.expert_bytes(store.layer_ids[0])
+    with pytest.raises(PoolTooSmall, match="minimum"):
+        generate_offloaded(pair, PROMPTS, budget_bytes=eb - 1, **_run(store, pin=False))
+    for predictor in _predictors(pair):
+        got = generate_offloaded(pair, PROMPTS, budget_bytes=eb, predictor=predictor, **_run(store, pin=False))
+        assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths
     full = generate_offloaded(pair, PROMPTS, budget_bytes=E * per_slot, **_run(store))
     assert full.tokens == want.tokens and full.acceptance_lengths == want.acceptance_lengths
 
