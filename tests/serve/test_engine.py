@@ -31,13 +31,20 @@ def test_lossless_with_scheduling_queueing_and_no_compiles(engine, pair):
     engine compiles nothing."""
     saved = engine.budgets
     engine.budgets = sched.Budgets(tokens=2 * engine.block_size)
+    rounds = []
+    engine.observers.append(rounds.append)
     try:
         with CompileCounter() as counter:
             reqs = serve_generate(engine, PROMPTS, max_new_tokens=BUDGETS, sampling=SAMPLING, stop_ids=STOPS,
                                   seed=SEEDS)
     finally:
         engine.budgets = saved
+        engine.observers.remove(rounds.append)
     assert counter.compiles == 0
+    assert all(r.compiles == 0 for r in rounds)
+    # the budget held (two verifies a round), the scheduler was work conserving (two whenever two were live)
+    assert all(r.verified == min(2, r.live) and r.verify_tokens == r.verified * engine.block_size for r in rounds)
+    assert {h for r in rounds for h in r.how.values()} <= {"deficit", "work"}
     assert sum(r.rounds_waited for r in reqs) > 0  # the scheduler really kept rows out of some verifies
     assert all(r.finish_reason in ("stop", "length") for r in reqs)
     assert not engine.requests and not engine.queue
