@@ -15,8 +15,8 @@ layer's routed union in one verify block: the largest layers run in two passes),
 then fractions of all experts' bytes (0.25, 0.5, 0.75, 1.0). At each budget: AR (block 1, no prediction) and
 DFlash at `--block` with each predictor, plus DFlash with hybrid placement (missing experts computed on the
 host when `offload.hybrid.HostCompute`, measured here, says so). Every run's tokens are asserted equal to the
-resident run's (AR: plain greedy; DFlash: the resident speculative run). Each configuration is served twice on
-one generator; the second run is the row.
+resident run's (AR: plain greedy; DFlash: the resident speculative run). A configuration that needs programs
+not compiled yet (a new cache size or predictor) is served once untimed first; the timed run is the row.
 
 Per row: tokens/s (this machine: on a CPU both memories are host RAM, so tokens/s measures the stepping
 loop's dispatch and the passes, not a PCIe link), MB moved per generated token, hit rate (routed experts
@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=4, help="DFlash verify width")
     p.add_argument("--prompts", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-new", type=int, default=32)
-    p.add_argument("--budgets", default="min,half-union,union,0.25,0.5,0.75,1.0")
-    p.add_argument("--predictors", default="none,previous,draft_router,residual,previous+residual")
+    p.add_argument("--max-new", type=int, default=24)
+    p.add_argument("--budgets", default="min,half-union,union,0.25,0.5,1.0")
+    p.add_argument("--predictors", default="none,previous,draft_router,residual")
     p.add_argument("--hybrid-predictor", default="previous", help="predictor of the hybrid-placement DFlash rows")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p)
@@ -157,11 +157,16 @@ def main(argv=None) -> int:
     runs = [(b, "AR", 1, "none", None) for b in grid]
     runs += [(b, "DFlash", args.block, name, None) for b in grid for name in predictors]
     runs += [(b, "DFlash", args.block, args.hybrid_predictor, host) for b in grid if b[1] < store.total_bytes]
-    rows = []
+    rows, warmed = [], set()
     for i, ((label, budget), mode, block, predictor, hybrid) in enumerate(runs):
         gen = OffloadedGenerator(pair, budget_bytes=budget, prefetcher=predictor, block_size=block, store=store,
                                  bandwidth=bandwidth, hybrid=hybrid)
-        gen.generate(prompts, **kw)  # compiles
+        # compiled programs are shared by generators: the cache's shape (budget) and the predictor's programs
+        # compile once; a configuration that brings either new is served once untimed first
+        keys = {("budget", budget, block), ("predictor", predictor, block, hybrid is not None)}
+        if not keys <= warmed:
+            gen.generate(prompts, **kw)
+            warmed |= keys
         t0 = time.perf_counter()
         result = gen.generate(prompts, **kw)
         seconds = time.perf_counter() - t0

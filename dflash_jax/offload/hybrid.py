@@ -11,8 +11,9 @@ computed on the device. Both give the same numbers (the same jitted pass on the 
 
 `HostCompute.measure()` fills the figures from this machine (the link by `bandwidth`, the host's matmul rate
 by a timed product); `for_link()` lets a caller state them (what `study.cost_model` assumes for an H200 + PCIe
-5 host: the link ~58 GB/s, a host socket ~2 TFLOP/s and ~200 GB/s: a cold expert of Qwen3-30B (2.4 MB MXFP4,
-dequantized to ~18 MFLOP per row) is worth computing on the host while it has fewer than ~4 rows this round).
+5 host: the link ~58 GB/s, a host socket ~2 TFLOP/s and ~200 GB/s (assumed): a cold expert of Qwen3-30B (~2.5 MB
+MXFP4, 6HI = 9.4 MFLOP per row) copies in ~43 us and computes on the host in ~12.5 us + 4.7 us per row, so it is
+worth computing there while it has up to ~6 rows this round).
 """
 
 from __future__ import annotations
