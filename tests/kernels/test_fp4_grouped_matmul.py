@@ -218,6 +218,11 @@ def test_pallas_ragged_tiles_and_scalar_tensor_scale(fmt):
     gs = np.array([0, 21, 2, 14], np.int32)
     y = fgm.fp4_grouped_matmul(x, w, jnp.asarray(gs), tuning=tuning)
     check(y, Expected(x, w), gs, jnp.bfloat16, "pallas", jnp.bfloat16)
+    if fmt == "nvfp4":  # per-row tensor scales through the masked last N tile
+        ts = jnp.asarray(rng.uniform(0.5, 2.0, size=(g, n)).astype(np.float32))
+        w = NVFP4Tensor(w.packed, w.block_scales, ts)
+        y = fgm.fp4_grouped_matmul(x, w, jnp.asarray(gs), tuning=tuning)
+        check(y, Expected(x, w), gs, jnp.bfloat16, "pallas", jnp.bfloat16)
 
 
 def poison(fmt: str, w, dead: np.ndarray, value: str):
