@@ -16,7 +16,8 @@ then fractions of all experts' bytes (0.25, 0.5, 0.75, 1.0). At each budget: AR 
 DFlash at `--block` with each predictor, plus DFlash with hybrid placement (missing experts computed on the
 host when `offload.hybrid.HostCompute`, measured here, says so). Every run's tokens are asserted equal to the
 resident run's (AR: plain greedy; DFlash: the resident speculative run). A configuration that needs programs
-not compiled yet (a new cache size or predictor) is served once untimed first; the timed run is the row.
+not compiled yet (a new cache size or predictor) is served once untimed first; the best of `--repeats` timed
+runs is the row.
 
 Per row: tokens/s (this machine: on a CPU both memories are host RAM, so tokens/s measures the stepping
 loop's dispatch and the passes, not a PCIe link), MB moved per generated token, hit rate (routed experts
@@ -121,11 +122,12 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="min,half-union,union,0.25,0.5,1.0")
     p.add_argument("--predictors", default="none,previous,draft_router,residual")
     p.add_argument("--hybrid-predictor", default="previous", help="predictor of the hybrid-placement DFlash rows")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the best is the row)")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p)
     args = p.parse_args(argv)
-    if args.block < 2 or args.prompts < 1 or args.max_new < 1:
-        p.error("--block must be >= 2, --prompts and --max-new >= 1")
+    if args.block < 2 or args.prompts < 1 or args.max_new < 1 or args.repeats < 1:
+        p.error("--block must be >= 2, --prompts, --max-new and --repeats >= 1")
     out_dir = output_dir(args)
 
     import jax
@@ -167,9 +169,11 @@ def main(argv=None) -> int:
         if not keys <= warmed:
             gen.generate(prompts, **kw)
             warmed |= keys
-        t0 = time.perf_counter()
-        result = gen.generate(prompts, **kw)
-        seconds = time.perf_counter() - t0
+        seconds = np.inf
+        for _ in range(args.repeats):  # the best of the timed runs: this machine is shared
+            t0 = time.perf_counter()
+            result = gen.generate(prompts, **kw)
+            seconds = min(seconds, time.perf_counter() - t0)
         assert result.tokens == want[block], f"not lossless: {mode} {label} {predictor}"
         row = row_of(result, mode=mode, label=label, budget=budget, predictor=predictor,
                      placement="hybrid" if hybrid else "device", seconds=seconds, layers=layers)
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
         machine=platform.machine(), moe_layers=layers, experts=store.num_experts, top_k=cfg.moe.top_k,
         expert_bytes=store.expert_bytes(store.layer_ids[0]), all_experts_mb=store.total_bytes / 1e6,
         one_layer_union=union, block=args.block, prompts=len(prompts), prompt_len=args.prompt_len,
-        max_new=args.max_new, link_bytes_per_s=bandwidth, host_compute=dict(host.__dict__),
+        max_new=args.max_new, repeats=args.repeats, link_bytes_per_s=bandwidth, host_compute=dict(host.__dict__),
         seconds=time.perf_counter() - t_all, rows=rows)
     with open(os.path.join(out_dir, "offload_sweep.json"), "w") as fh:
         json.dump(result, fh, indent=1)
@@ -203,7 +207,9 @@ def _write_md(r: dict, out_dir: str) -> None:
         f"Sweep time {r['seconds']:.0f} s.", "",
         "tok/s on this machine measure the stepping loop and the passes (both memories are host RAM); the "
         "exposed-transfer columns are estimates from the bytes: at the measured link, what the prefetch windows "
-        "did not hide, and all bytes moved at an H200 + PCIe 5 link (58 GB/s).", "",
+        "did not hide, and all bytes moved at an H200 + PCIe 5 link (58 GB/s). On the CPU backend the grouped "
+        "matmul is a dense dot over every slot of the cache's slab, so large budgets cost compute here (a GPU "
+        "kernel skips empty groups).", "",
         "## Best DFlash predictor vs AR per budget", "",
         "| budget | MB | AR tok/s | AR MB/token | DFlash tok/s (predictor) | DFlash MB/token | DFlash hit rate | "
         "DFlash passes / layer | tau |", "|---|---|---|---|---|---|---|---|---|"]
