@@ -216,7 +216,8 @@ class _Accounting:
         self.rounds += 1
 
 
-@pytest.mark.parametrize("transfer, hybrid", [("pull_rows", False), ("device_put", True)])
+@pytest.mark.parametrize("transfer, hybrid", [("device_put", False), ("device_put", True),
+                                              pytest.param("pull_rows", False, marks=pytest.mark.slow)])
 def test_minimum_budget_is_lossless_and_within_budget(pair, transfer, hybrid):
     """The minimum budget (one expert) with prefetch (in-verify and previous round): the resident tokens, every
     layer in passes, bytes within the budget every round; with copies as device_puts issued ahead and the
