@@ -243,7 +243,8 @@ def notes(rows: list[dict], latency_us: float) -> list[str]:
         f"every expert shard after tensor-parallel attention). A ragged all-to-all would send each token's k rows to "
         f"their owners and back: two collectives per layer instead of one, i.e. {latency_us:.0f} us more per layer at "
         f"these widths, for at most a few hundred KB less; it only pays past the width where the psum's bytes cost "
-        f"more than one collective's latency (about T > 300 tokens for H = 2880 at 450 GB/s): prefill, not verify.")
+        f"more than one collective's latency (the psum sends 7 T H bytes per device on 8 devices: about T > 220 "
+        f"tokens for H = 2880 at 450 GB/s and 10 us): prefill, not verify.")
     return out
 
 
