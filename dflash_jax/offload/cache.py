@@ -253,16 +253,24 @@ class ExpertCache:
         """How many experts of `layer` can be resident at once right now: the slab's free slots, this layer's
         own entries (pinned ones included) and other layers' entries that may be evicted (not pinned, not held)."""
         slab = self._slab(layer)
-        n = 0
-        for s in range(slab.slots):
-            ol = int(slab.owner_layer[s])
-            if ol < 0 or ol == layer:
-                n += 1
-            else:
-                st = self.layers[ol]
-                oe = int(slab.owner_expert[s])
-                n += int(not (st.pinned[oe] or st.held[oe]))
-        return n
+        entries = self._entries(slab)
+        keep = entries["pinned"] | entries["held"]
+        return int(slab.slots - (keep & (entries["layer"] != layer)).sum())
+
+    def _entries(self, slab: _Slab) -> dict:
+        """Per occupied slot of `slab` (ascending): its owner layer and expert and that entry's pinned / held /
+        soft flags, CRF score and last use, gathered one layer at a time (vectorized)."""
+        slots = np.flatnonzero(slab.owner_layer >= 0)
+        layer, expert = slab.owner_layer[slots], slab.owner_expert[slots]
+        out = {"slots": slots, "layer": layer, "expert": expert, "pinned": np.zeros(len(slots), bool),
+               "held": np.zeros(len(slots), bool), "soft": np.zeros(len(slots), bool), "score": np.zeros(len(slots)),
+               "last": np.zeros(len(slots))}
+        for l in np.unique(layer):
+            at = layer == l
+            st, e = self.layers[int(l)], expert[at]
+            out["pinned"][at], out["held"][at], out["soft"][at] = st.pinned[e], st.held[e], st.soft[e]
+            out["score"][at], out["last"][at] = self._score(int(l), e), st.last_use[e]
+        return out
 
     def plan_passes(self, layer: int, experts: Iterable[int]) -> list[np.ndarray]:
         """The routed experts of `layer` split into passes that each fit: one pass when the distinct set fits
@@ -311,23 +319,17 @@ class ExpertCache:
             if layer is None or l == layer:
                 ls.held[:] = False
 
-    def _candidates(self, slab: _Slab, layer: int, guard: np.ndarray):
-        occupied = np.flatnonzero(slab.owner_layer >= 0)
-        ok, soft, score, last = [], [], [], []
-        for s in occupied:
-            ol, oe = int(slab.owner_layer[s]), int(slab.owner_expert[s])
-            st = self.layers[ol]
-            if st.pinned[oe] or st.held[oe] or (ol == layer and guard[oe]):
-                continue
-            ok.append(s)
-            soft.append(bool(st.soft[oe]) and ol != layer)
-            score.append(float(self._score(ol, np.asarray([oe]))[0]))
-            last.append(float(st.last_use[oe]))
-        ok = np.asarray(ok, np.int64)
-        if len(ok) == 0:
-            return ok
-        order = np.lexsort((ok, np.asarray(last), np.asarray(score), np.asarray(soft)))
-        return ok[order]
+    def _candidates(self, slab: _Slab, layer: int, guard: np.ndarray, *, soft_out: bool = False):
+        """Occupied slots that may be evicted for a fetch of `layer` (not pinned, not held, not in `layer`'s
+        `guard`), in eviction order: other layers' prefetched entries last, then by CRF score, last use, slot.
+        soft_out: also return which of them are another layer's prefetched entries."""
+        en = self._entries(slab)
+        mine = en["layer"] == layer
+        ok = ~en["pinned"] & ~en["held"] & ~(mine & guard[en["expert"]])
+        soft = en["soft"][ok] & ~mine[ok]
+        slots = en["slots"][ok].astype(np.int64)
+        order = np.lexsort((slots, en["last"][ok], en["score"][ok], soft))
+        return (slots[order], soft[order]) if soft_out else slots[order]
 
     def _victims(self, slab: _Slab, layer: int, n: int, guard: np.ndarray, needed: int) -> np.ndarray:
         free = np.flatnonzero(slab.owner_layer < 0)
@@ -423,11 +425,9 @@ class ExpertCache:
         guard[ids] = True
         guard[as_int32(list(protect))] = True
         free = int((slab.owner_layer < 0).sum())
-        cand = self._candidates(slab, layer, guard)
+        cand, soft = self._candidates(slab, layer, guard, soft_out=True)
         # never evict what another layer had prefetched for this round (it is about to run)
-        hard = sum(1 for s in cand if self.layers[int(slab.owner_layer[s])].soft[int(slab.owner_expert[s])]
-                   and int(slab.owner_layer[s]) != layer)
-        room = free + len(cand) - hard
+        room = free + len(cand) - int(soft.sum())
         return self.fetch(layer, todo[:max(0, room)], protect=np.flatnonzero(guard), soft=True)
 
     def block_until_ready(self) -> None:
