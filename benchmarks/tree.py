@@ -196,7 +196,8 @@ def main(argv=None) -> int:
            f"round: **{summary['tree_over_best_chain_tokens_per_round']:.2f}x**. Adaptive over the fastest fixed "
            f"shape ({summary['fastest_fixed']}) in tokens/s, timed in alternation: "
            f"**{summary['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x** (shapes chosen: {chosen}).", "",
-           "Tokens/s are CPU figures on a shared 2-core machine (fastest of the interleaved repeats); the chain rows run "
+           "Tokens/s are CPU figures on a shared 2-core machine (fastest of the interleaved repeats; the adaptive row's "
+           "from its paired repeats with the fastest fixed shape, which the ratio above compares); the chain rows run "
            "the chain loop (its draft at block B), the tree rows the tree loop (the draft at its trained block 16); "
            "expert unions of the chains come from the tree code with one candidate per node.", ""]
     if has_plot:
