@@ -205,11 +205,14 @@ def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation
     products as the single-device combine."""
     from jax.sharding import PartitionSpec as P
 
-    axes = expert_axes(ops.weight_dims(gate_up)[0], mesh)
+    num_experts = ops.weight_dims(gate_up)[0]
+    axes = expert_axes(num_experts, mesh)
     sizes = dict(mesh.shape)
     data = sizes.get(DATA_AXIS, 1)
     tokens = P(DATA_AXIS, None) if data > 1 and x.shape[0] % data == 0 else P(None, None)
-    table = P(axes)
+
+    def table(t):  # E-leading parts split along E; a part shared by all experts (NVFP4's tensor scale) replicated
+        return jax.tree.map(lambda a: P(axes) if a.ndim and a.shape[0] == num_experts else P(), t)
 
     def shard(x, experts, weights, gate_up, down, gate_up_bias, down_bias):
         local_count = ops.weight_dims(gate_up)[0]
@@ -227,7 +230,8 @@ def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation
     biases = (gate_up_bias, down_bias)
     out = jax.shard_map(
         shard, mesh=mesh,
-        in_specs=(tokens, tokens, tokens, table, table) + tuple(None if b is None else table for b in biases),
+        in_specs=(tokens, tokens, tokens, table(gate_up), table(down)) + tuple(
+            None if b is None else table(b) for b in biases),
         out_specs=tokens,
     )(x, experts, weights, gate_up, down, *biases)
     return out.astype(x.dtype)
