@@ -4,6 +4,11 @@ Invariant that makes everything else simple: the row at slot `p` of a sequence's
 of the token at absolute position `p`. Attention masks are computed from positions, so rows at or past a
 sequence's length are never read (causality hides them), and rolling back a speculative extension is only
 a move of the length counter: the stale rows are overwritten by the next extension.
+
+One exception, opt-in: a compressed prefill (`dflash_jax.pflash`) writes only some of a prompt's tokens, at
+their original RoPE positions. Its cache carries `position_offset` [b]: every later row at slot s sits at
+RoPE position `s + position_offset`, while masks stay by slot (the kept rows are in order, so causality by
+slot is causality by position). None (the default) is an offset of 0: slot = position, as above.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class KVCache:
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
     lengths: jax.Array
+    position_offset: jax.Array | None = None  # [b] int32: RoPE position = slot + offset (None: 0)
 
     @property
     def batch(self) -> int:

@@ -87,6 +87,13 @@ def with_tree(ctx: BlockContext, tree: TreeBlock, rope, dtype) -> BlockContext:
     return ctx.replace(positions=positions, cos=cos, sin=sin, tree_mask=tree.mask)
 
 
+def with_rope_positions(ctx: BlockContext, positions: jax.Array, rope, dtype) -> BlockContext:
+    """The block context with RoPE tables at `positions` [b, T] (masks stay by slot, `ctx.positions`): a
+    compressed prefill's explicit positions, or slot + the cache's `position_offset` (`cache.KVCache`)."""
+    cos, sin = rope_cos_sin(rope, positions, dtype)
+    return ctx.replace(cos=cos, sin=sin)
+
+
 def block_positions(starts: jax.Array, width: int) -> jax.Array:
     """[b, T] absolute positions of a block of `width` tokens written at each sequence's length `starts`."""
     return starts[:, None] + jnp.arange(width, dtype=jnp.int32)
@@ -150,10 +157,11 @@ ExpertHook = Callable[[int, object, Routing], object]
 
 def run_layers(steps: Steps, weights, tokens: jax.Array, cache, *, num_valid: jax.Array | None = None,
                tap_layers: tuple[int, ...] = (), logits: LogitsMode = "all", return_router_logits: bool = False,
-               expert_hook: ExpertHook | None = None, tree: TreeBlock | None = None) -> ForwardOutput:
+               expert_hook: ExpertHook | None = None, tree: TreeBlock | None = None,
+               positions: jax.Array | None = None) -> ForwardOutput:
     """The decoder loop (see module doc) over `steps`. `expert_hook` may replace a MoE layer's weights once
     its exact routing is known (the offloaded forward places the routed experts there). `tree`: the block is
-    a token tree (`TreeBlock`; attention families only)."""
+    a token tree (`TreeBlock`; linear-attention layers run each node's path, see `models.qwen3_5`). `positions`: explicit RoPE positions (see `forward`)."""
     fam, cfg = steps.fam, steps.cfg
     if logits not in ("all", "last", "none"):
         raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
@@ -162,10 +170,17 @@ def run_layers(steps: Steps, weights, tokens: jax.Array, cache, *, num_valid: ja
         num_valid = jnp.full((b,), t, jnp.int32)
     x, ctx = steps.begin(weights, tokens, cache, num_valid)
     if tree is not None:
-        if fam.needs_rollback_width:  # a linear-attention state runs along one sequence, not a tree
-            raise NotImplementedError(f"{fam.name}: token-tree verification needs per-path recurrent states; "
-                                      "verify a chain (spec.tree falls back to it)")
         ctx = with_tree(ctx, tree, cfg.rope, x.dtype)
+    offset = getattr(cache, "position_offset", None)
+    if positions is not None:
+        if tree is not None:
+            raise ValueError("explicit positions and a token tree cannot be combined")
+        positions = jnp.asarray(positions, jnp.int32)
+        if positions.shape != (b, t):
+            raise ValueError(f"positions must have the tokens' shape {(b, t)}, got {tuple(positions.shape)}")
+        ctx = with_rope_positions(ctx, positions, cfg.rope, x.dtype)
+    elif offset is not None:
+        ctx = with_rope_positions(ctx, ctx.positions + offset[:, None], cfg.rope, x.dtype)
     last = len(weights.layers) - 1
     taps: dict[int, jax.Array] = {}
     routers, router_logits, states = [], [], []
@@ -183,18 +198,27 @@ def run_layers(steps: Steps, weights, tokens: jax.Array, cache, *, num_valid: ja
     normed, out_logits = steps.finish(weights, x, num_valid, logits)
     if last in tap_layers:
         taps[last] = normed
+    new_cache = steps.new_cache(cache, ctx, states)
+    if positions is not None:  # later rows continue after each sequence's last explicit position
+        last_pos = positions[jnp.arange(b), jnp.clip(num_valid - 1, 0, t - 1)]
+        kept = last_pos + 1 - new_cache.lengths
+        new_cache = new_cache.replace(position_offset=jnp.where(
+            num_valid > 0, kept, jnp.zeros_like(kept) if offset is None else offset).astype(jnp.int32))
+    elif offset is not None:
+        new_cache = new_cache.replace(position_offset=offset)
     return ForwardOutput(
         logits=out_logits,
         taps=tuple(taps[i] for i in tap_layers),
         router_experts=tuple(routers),
-        cache=steps.new_cache(cache, ctx, states),
+        cache=new_cache,
         router_logits=tuple(router_logits) if return_router_logits else None,
     )
 
 
 def forward(fam, weights, tokens: jax.Array, cache, cfg, *, num_valid: jax.Array | None = None,
             tap_layers: tuple[int, ...] = (), logits: LogitsMode = "all", implementation: str = "auto",
-            return_router_logits: bool = False, tree: TreeBlock | None = None) -> ForwardOutput:
+            return_router_logits: bool = False, tree: TreeBlock | None = None,
+            positions: jax.Array | None = None) -> ForwardOutput:
     """Runs `tokens` [b, T] at positions `cache.lengths[b] + [0, T)` through family `fam`'s decoder.
 
     One function serves every use: prefill of a right-padded batch, extension by a width-B speculative
@@ -209,11 +233,16 @@ def forward(fam, weights, tokens: jax.Array, cache, cfg, *, num_valid: jax.Array
     tree: a `TreeBlock` when `tokens` is a token tree (node t at position `cache.lengths + depths[:, t]`,
     attending to the committed rows and its ancestors only); rows are still written at `lengths + [0, T)`
     and the caller moves the accepted path into place (`spec.tree`).
+    positions: [b, T] int32 explicit RoPE positions of the tokens (a compressed prefill, `dflash_jax.pflash`:
+    the kept tokens at their original positions, increasing). Rows are still written at slots
+    `lengths + [0, T)` and masks stay by slot; the returned cache's `position_offset` makes every later row
+    continue after each sequence's last valid position. None: slot + the cache's `position_offset` (if any).
     """
     if not isinstance(weights, fam.weights_type):
         raise TypeError(f"{type(cfg).__name__} needs {fam.weights_type.__name__} weights, got {type(weights).__name__}")
     return run_layers(Steps(fam, cfg, implementation), weights, tokens, cache, num_valid=num_valid,
-                      tap_layers=tap_layers, logits=logits, return_router_logits=return_router_logits, tree=tree)
+                      tap_layers=tap_layers, logits=logits, return_router_logits=return_router_logits, tree=tree,
+                      positions=positions)
 
 
 _STATIC = ("cfg", "tap_layers", "logits", "implementation", "return_router_logits")
@@ -221,10 +250,10 @@ _STATIC = ("cfg", "tap_layers", "logits", "implementation", "return_router_logit
 
 @functools.partial(jax.jit, static_argnames=("fam",) + _STATIC)
 def forward_jit(fam, weights, tokens, cache, cfg, *, num_valid=None, tap_layers=(), logits="all",
-                implementation="auto", return_router_logits=False) -> ForwardOutput:
+                implementation="auto", return_router_logits=False, positions=None) -> ForwardOutput:
     """`forward`, jitted with the family, config and modes static."""
     return forward(fam, weights, tokens, cache, cfg, num_valid=num_valid, tap_layers=tap_layers, logits=logits,
-                   implementation=implementation, return_router_logits=return_router_logits)
+                   implementation=implementation, return_router_logits=return_router_logits, positions=positions)
 
 
 def family_forwards(fam):

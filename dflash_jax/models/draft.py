@@ -108,13 +108,26 @@ def _context_kv(ctx, attn: AttentionWeights, cos, sin, cfg: DraftConfig):
 
 def append_context(
     weights: DraftWeights, cfg: DraftConfig, *, context_features: jax.Array, num_context: jax.Array,
-    cache: KVCache,
+    cache: KVCache, positions: jax.Array | None = None,
 ) -> KVCache:
     """Projects context rows [b, C, n_taps * H_t] at positions `cache.lengths + [0, C)` into every layer's
-    K/V and writes them at those slots; lengths advance by `num_context` [b] (rows past it are padding)."""
+    K/V and writes them at those slots; lengths advance by `num_context` [b] (rows past it are padding).
+    positions: [b, C] explicit RoPE positions of the rows (a compressed prefill's kept rows,
+    `dflash_jax.pflash`); the cache's `position_offset` then makes later rows continue after each sequence's
+    last one. None: slot + the cache's `position_offset` (if any)."""
     starts = cache.lengths
     c = context_features.shape[1]
-    positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)
+    num_context = jnp.asarray(num_context, jnp.int32)
+    offset = cache.position_offset
+    if positions is None:
+        positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)
+        if offset is not None:
+            positions = positions + offset[:, None]
+    else:
+        positions = jnp.asarray(positions, jnp.int32)
+        last = positions[jnp.arange(positions.shape[0]), jnp.clip(num_context - 1, 0, c - 1)]
+        kept = last + 1 - (starts + num_context)
+        offset = jnp.where(num_context > 0, kept, jnp.zeros_like(kept) if offset is None else offset)
     ctx = project_context(weights, cfg, context_features)
     cos, sin = rope_cos_sin(cfg.rope, positions, ctx.dtype)
     keys, values = [], []
@@ -123,7 +136,7 @@ def append_context(
         keys.append(write_rows(cache.keys[i], k, starts))
         values.append(write_rows(cache.values[i], v, starts))
     return KVCache(
-        keys=tuple(keys), values=tuple(values), lengths=starts + jnp.asarray(num_context, jnp.int32)
+        keys=tuple(keys), values=tuple(values), lengths=starts + num_context, position_offset=offset
     )
 
 
@@ -224,7 +237,8 @@ def draft_forward(
     b, width = block_tokens.shape
     positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)
     x = _embed_block(embed, block_tokens, cfg)
-    cos, sin = rope_cos_sin(cfg.rope, positions, x.dtype)
+    rope_positions = positions if cache.position_offset is None else positions + cache.position_offset[:, None]
+    cos, sin = rope_cos_sin(cfg.rope, rope_positions, x.dtype)  # masks stay by slot (`cache.KVCache`)
     masks = {}
     for i, layer in enumerate(weights.layers):
         causal, window = kind = (cfg.layer_causal[i], cfg.layer_windows[i])

@@ -124,6 +124,7 @@ class Qwen3_5Cache:
     linear: tuple[gdn.GatedDeltaNetCache, ...]
     lengths: jax.Array
     linear_lengths: jax.Array
+    position_offset: jax.Array | None = None  # [b] int32: RoPE position = slot + offset (`cache.KVCache`)
 
     @property
     def batch(self) -> int:
