@@ -112,6 +112,7 @@ def swiglu_experts(
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
     activation: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    dispatch: str = "auto",
 ) -> jax.Array:
     """`sum_j weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))` with e = experts[t, j].
 
@@ -124,6 +125,9 @@ def swiglu_experts(
     `ragged_dot`'s cost grows with the number of groups). Otherwise sorted dispatch + `ops.grouped_matmul`,
     and under a context mesh with an `expert` axis (`jax.set_mesh`, see `expert_parallel_mesh`) the same
     dispatch per expert shard under `shard_map` (whole tables only: a slot pool runs the default path).
+    dispatch (on a mesh only): "psum" (every shard runs its experts' rows of all tokens, one psum),
+    "all_to_all" (rows sent to their experts' owners and back, see `_expert_parallel`) or "auto"
+    (`choose_dispatch` by the width; the environment variable DFLASH_MOE_DISPATCH overrides "auto").
     """
     num_slots = ops.weight_dims(gate_up)[0]
     slots = experts if slot_of is None else slot_of[experts]
@@ -133,7 +137,8 @@ def swiglu_experts(
     mesh = expert_parallel_mesh()
     if mesh is not None and slot_of is None and expert_axes(num_slots, mesh):
         return _expert_parallel(x, experts, weights, gate_up, down, mesh, implementation=implementation,
-                                gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation)
+                                gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
+                                dispatch=dispatch)
     y = _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation)
     out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights.astype(jnp.float32))
     return out.astype(x.dtype)
@@ -195,14 +200,77 @@ def expert_axes(num_experts: int, mesh) -> tuple[str, ...]:
     return ()
 
 
+# The all-to-all dispatch's capacity: each shard sends at most `CAPACITY_FACTOR` x its even share of rows to
+# one owner (rounded up to 8 rows); a layer where some shard would send more runs the psum path instead (the
+# decision is the same on every shard: all of them see all routing), so the output never depends on it.
+CAPACITY_FACTOR = 2.0
+# Cost model for choosing the dispatch ("auto"): 8 x H200 over NVLink 4 (docs/benchmarks/sharding.md):
+# ring collectives, 450 GB/s per direction per GPU, a fixed latency per collective.
+LINK_BYTES_PER_S = 450e9
+COLLECTIVE_LATENCY_S = 10e-6
+DISPATCHES = ("psum", "all_to_all", "auto")
+_DISPATCH_ENV = "DFLASH_MOE_DISPATCH"
+
+
+def all_to_all_capacity(tokens_per_shard: int, top_k: int, shards: int, local_experts: int) -> int:
+    """Rows one shard sends to one owner in the all-to-all dispatch (static): the worst case
+    (`tokens x min(k, local experts)`: every row of every token to one owner) or CAPACITY_FACTOR x the even
+    share, whichever is smaller."""
+    worst = tokens_per_shard * min(top_k, local_experts)
+    share = -(-int(CAPACITY_FACTOR * tokens_per_shard * top_k) // shards)
+    return max(1, min(worst, -(-share // 8) * 8))
+
+
+def dispatch_cost(mode: str, tokens: int, hidden: int, top_k: int, shards: int, local_experts: int,
+                  itemsize: int = 2) -> float:
+    """Seconds per MoE layer the cost model gives one dispatch's collectives (per device, ring algorithms):
+    psum: one all-reduce of [T, H] fp32; all_to_all: rows out and back ([shards, C, H] in the activation
+    dtype, plus the [shards, C] int32 expert ids out) and an all-gather of the [T, H] output."""
+    n = shards
+    if n <= 1:
+        return 0.0
+    if mode == "psum":
+        return COLLECTIVE_LATENCY_S + 2 * (n - 1) / n * tokens * hidden * 4 / LINK_BYTES_PER_S
+    m = -(-tokens // n)
+    c = all_to_all_capacity(m, top_k, n, local_experts)
+    rows = (n - 1) / n * n * c * (2 * hidden * itemsize + 4)
+    gather = (n - 1) / n * n * m * hidden * itemsize
+    return 3 * COLLECTIVE_LATENCY_S + (rows + gather) / LINK_BYTES_PER_S
+
+
+def choose_dispatch(dispatch: str, tokens: int, hidden: int, top_k: int, shards: int, local_experts: int,
+                    itemsize: int = 2) -> str:
+    """"psum" or "all_to_all": `dispatch` itself unless "auto"; "auto" takes DFLASH_MOE_DISPATCH when set
+    (read at each trace), else the cheaper by `dispatch_cost` at this width."""
+    import os
+
+    if dispatch == "auto":
+        dispatch = os.environ.get(_DISPATCH_ENV, "auto") or "auto"
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"MoE dispatch {dispatch!r} (argument or {_DISPATCH_ENV}) is not one of {DISPATCHES}")
+    if dispatch != "auto":
+        return dispatch
+    costs = {mode: dispatch_cost(mode, tokens, hidden, top_k, shards, local_experts, itemsize)
+             for mode in ("psum", "all_to_all")}
+    return min(costs, key=costs.get)
+
+
 def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation, gate_up_bias, down_bias,
-                     activation):
-    """`swiglu_experts` under `shard_map` with the tables sharded along E (`expert_axes`): every shard sees
-    all of its data shard's tokens (the verify's few tokens are already there; no dispatch collective),
-    runs its own experts' rows through the local grouped matmuls (rows routed elsewhere are computed on
-    local group 0 and masked to exactly zero), combines them with the routing weights in fp32, and one
-    psum over the expert axes sums the shards' partial outputs. With top-k = 2 that sum adds the same two
-    products as the single-device combine."""
+                     activation, dispatch="auto"):
+    """`swiglu_experts` under `shard_map` with the tables sharded along E (`expert_axes`). Every shard holds
+    all of its data shard's tokens and their routing (the layer input is replicated over the expert axes).
+
+    psum: each shard runs its own experts' rows of all tokens through the local grouped matmuls (rows routed
+    elsewhere are computed on local group 0 and masked to exactly zero), combines them with the routing
+    weights in fp32, and one psum over the expert axes sums the shards' partial outputs (with top-k = 2 the
+    same two products as the single-device combine; in general the same sum reassociated).
+
+    all_to_all: the tokens are split evenly over the expert shards; each shard sends its tokens' rows to the
+    rows' owners (`all_to_all` of a [shards, C, H] buffer with the local expert ids), the owners run the
+    received rows through their grouped matmuls and send the results back the same way, each shard combines
+    its tokens' k rows in fp32 exactly as the single-device path does, and an all-gather rebuilds [T, H].
+    C is static (`all_to_all_capacity`); a layer whose routing would overflow it takes the psum path
+    (`lax.cond` on a flag every shard computes alike), so the result never depends on the capacity."""
     from jax.sharding import PartitionSpec as P
 
     num_experts = ops.weight_dims(gate_up)[0]
@@ -210,28 +278,87 @@ def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation
     sizes = dict(mesh.shape)
     data = sizes.get(DATA_AXIS, 1)
     tokens = P(DATA_AXIS, None) if data > 1 and x.shape[0] % data == 0 else P(None, None)
+    shards = 1
+    for a in axes:
+        shards *= sizes[a]
+    local_experts = num_experts // shards
+    local_tokens = x.shape[0] // (data if tokens[0] else 1)
+    mode = choose_dispatch(dispatch, local_tokens, x.shape[1], experts.shape[1], shards, local_experts,
+                           jnp.dtype(x.dtype).itemsize)
 
     def table(t):  # E-leading parts split along E; a part shared by all experts (NVFP4's tensor scale) replicated
         return jax.tree.map(lambda a: P(axes) if a.ndim and a.shape[0] == num_experts else P(), t)
 
-    def shard(x, experts, weights, gate_up, down, gate_up_bias, down_bias):
-        local_count = ops.weight_dims(gate_up)[0]
-        index = 0
-        for a in axes:  # the shard's position along the (major-to-minor) expert axes
-            index = index * sizes[a] + jax.lax.axis_index(a)
-        local = experts - index * local_count
-        mine = (local >= 0) & (local < local_count)
-        y = _routed_rows(x, jnp.where(mine, local, 0), gate_up, down, local_count, implementation,
+    def psum_shard(x, experts, weights, gate_up, down, gate_up_bias, down_bias, index):
+        local = experts - index * local_experts
+        mine = (local >= 0) & (local < local_experts)
+        y = _routed_rows(x, jnp.where(mine, local, 0), gate_up, down, local_experts, implementation,
                          gate_up_bias, down_bias, activation)
         y = jnp.where(mine[..., None], y.astype(jnp.float32), 0.0)
         part = jnp.einsum("tkh,tk->th", y, jnp.where(mine, weights.astype(jnp.float32), 0.0))
-        return jax.lax.psum(part, axes)
+        return jax.lax.psum(part, axes).astype(x.dtype)
+
+    def all_to_all_shard(x, experts, weights, gate_up, down, gate_up_bias, down_bias, index):
+        t, k = experts.shape
+        m = -(-t // shards)
+        cap = all_to_all_capacity(m, k, shards, local_experts)
+        pad = shards * m - t
+        owner = jnp.pad(experts // local_experts, ((0, pad), (0, 0)), constant_values=shards)  # padding: no owner
+        # rows per (sending shard, owner), the same on every shard: overflow -> the psum path
+        sends = jax.nn.one_hot(owner.reshape(shards, m * k), shards, dtype=jnp.int32).sum(axis=1)
+        overflow = jnp.max(sends) > cap
+        if data > 1 and tokens[0]:  # one decision for the whole mesh
+            overflow = jax.lax.pmax(overflow.astype(jnp.int32), DATA_AXIS) > 0
+
+        def exchange(operands):
+            x, experts, weights, gate_up, down, gate_up_bias, down_bias = operands
+            take = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+                jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), index * m, m)
+            my_x, my_weights = take(x), take(weights)
+            my_owner = take(owner).reshape(-1)  # [m k]; `shards` for padding rows
+            my_local = (take(experts) % local_experts).reshape(-1)
+            position = jnp.cumsum(jax.nn.one_hot(my_owner, shards, dtype=jnp.int32), axis=0) - 1
+            position = jnp.take_along_axis(position, jnp.minimum(my_owner, shards - 1)[:, None], axis=1)[:, 0]
+            rows = jnp.repeat(my_x, k, axis=0)
+            send = jnp.zeros((shards, cap, x.shape[1]), x.dtype).at[my_owner, position].set(rows, mode="drop")
+            ids = jnp.full((shards, cap), -1, jnp.int32).at[my_owner, position].set(my_local, mode="drop")
+            got = jax.lax.all_to_all(send, axes, 0, 0)  # got[j]: the rows shard j sent me
+            got_ids = jax.lax.all_to_all(ids, axes, 0, 0).reshape(-1)
+            live = got_ids >= 0
+            y = _routed_rows(got.reshape(shards * cap, -1), jnp.where(live, got_ids, 0)[:, None], gate_up, down,
+                             local_experts, implementation, gate_up_bias, down_bias, activation)
+            y = jnp.where(live[:, None], y[:, 0], jnp.zeros((), y.dtype)).reshape(shards, cap, -1)
+            back = jax.lax.all_to_all(y, axes, 0, 0)  # back[j]: my rows as shard j computed them
+            mine = back[jnp.minimum(my_owner, shards - 1), position].reshape(m, k, -1)
+            valid = (my_owner < shards).reshape(m, k)
+            return jnp.einsum("tkh,tk->th", mine.astype(jnp.float32),
+                              jnp.where(valid, my_weights.astype(jnp.float32), 0.0)).astype(x.dtype)
+
+        def fallback(operands):  # this shard's tokens of the psum path's output
+            out = jnp.pad(psum_shard(*operands, index), ((0, pad), (0, 0)))
+            return jax.lax.dynamic_slice_in_dim(out, index * m, m)
+
+        return jax.lax.cond(overflow, fallback, exchange, (x, experts, weights, gate_up, down, gate_up_bias,
+                                                            down_bias))
+
+    def shard(x, experts, weights, gate_up, down, gate_up_bias, down_bias):
+        index = 0
+        for a in axes:  # the shard's position along the (major-to-minor) expert axes
+            index = index * sizes[a] + jax.lax.axis_index(a)
+        body = all_to_all_shard if mode == "all_to_all" else psum_shard
+        return body(x, experts, weights, gate_up, down, gate_up_bias, down_bias, index)
 
     biases = (gate_up_bias, down_bias)
+    # all_to_all: each shard returns its own tokens; the all-gather back to every shard is the partitioner's
+    split = P(((DATA_AXIS,) if tokens[0] else ()) + axes, None) if mode == "all_to_all" else tokens
     out = jax.shard_map(
         shard, mesh=mesh,
         in_specs=(tokens, tokens, tokens, table(gate_up), table(down)) + tuple(
             None if b is None else table(b) for b in biases),
-        out_specs=tokens,
+        out_specs=split,
     )(x, experts, weights, gate_up, down, *biases)
-    return out.astype(x.dtype)
+    if mode == "all_to_all":
+        groups = data if tokens[0] else 1
+        out = out.reshape(groups, -1, x.shape[1])[:, :local_tokens].reshape(x.shape)
+        out = jax.lax.with_sharding_constraint(out, tokens)
+    return out
