@@ -40,13 +40,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import compile_cache
+from dflash_jax.cache import KVCache
+from dflash_jax.models import draft as draft_model
 from dflash_jax.models.family import family_of
 from dflash_jax.offload.predictors import router_topk
 from dflash_jax.offload.store import moe_layer_ids
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams
-from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, _begin, draft_round, verify_round
+from dflash_jax.spec.session import (
+    Draft, RowParams, SpecConfig, SpecState, _begin, commit_verify, draft_round, verify_block,
+)
+
+
+ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
 
 
 class RequestError(ValueError):
@@ -101,27 +108,92 @@ def _project_experts(target_w, hidden, router_args, num_experts: int, top_k: int
     return onehot.reshape(onehot.shape[0], b, w, num_experts).any(axis=2).transpose(1, 0, 2)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "options", "topk_first"))
-def _draft(target_w, draft_w, state: SpecState, norms, routers, biases, spec: SpecConfig, options, topk_first):
-    draft = draft_round(target_w, draft_w, state, spec)
-    hidden = draft.hidden if draft.hidden is not None else target_w.embed[state.anchor][:, None]
+def _keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
+    """Row `i` of `new` where `active[i]`, else row `i` of `old`. KV buffers are the exception: a row's slots
+    at or past its length are scratch (never read; `cache` module invariant), and a verify writes only there,
+    so the buffers are taken from `new` as they are and only the lengths are selected. That saves a select
+    over every cache buffer per round (and the copy XLA makes to keep the old buffers alive for it)."""
+    def sel(n, o):
+        mask = active.reshape(active.shape + (1,) * (n.ndim - 1))
+        return jnp.where(mask, n, o)
+
+    def node(n, o):
+        if isinstance(n, KVCache):
+            offset = None if n.position_offset is None else sel(n.position_offset, o.position_offset)
+            return n.replace(lengths=sel(n.lengths, o.lengths), position_offset=offset)
+        return _rowwise(sel, n, o)
+
+    return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first"))
+def _draft(target_w, draft_w, state: SpecState, norms, routers, biases, spec: SpecConfig, wide: SpecConfig,
+           options, topk_first):
+    """The draft of a width-`spec.block_size` verify on a state built for width `wide.block_size` (>=), and each
+    row's projected expert set. Width 1 in a speculative engine drafts nothing but still feeds the draft's
+    context cache with the last verify's rows, so a wider round after it drafts from the whole context."""
+    if spec.block_size > 1:
+        draft = draft_round(target_w, draft_w, state, spec)
+        hidden = draft.hidden
+    else:
+        cache = state.draft_cache
+        if wide.taps:
+            cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context,
+                                               num_context=state.num_context, cache=cache)
+        draft = Draft(tokens=jnp.zeros((state.anchor.shape[0], 0), jnp.int32), probs=None, draft_cache=cache)
+        hidden = None
+    if hidden is None:
+        hidden = target_w.embed[state.anchor][:, None]
     demand = _project_experts(target_w, hidden, (norms, routers, biases, options, topk_first),
                               spec.target.moe.num_experts, spec.target.moe.top_k, spec.target.rms_norm_eps)
     return draft, demand
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def _verify(target_w, state: SpecState, draft, active, spec: SpecConfig) -> SpecState:
-    """`verify_round` for the rows where `active` [b] is set; every other row keeps its old state exactly."""
+@functools.partial(jax.jit, static_argnames=("spec", "wide"), donate_argnames=("state",))
+def _verify(target_w, state: SpecState, draft, active, spec: SpecConfig, wide: SpecConfig) -> SpecState:
+    """The width-`spec.block_size` verify for the rows where `active` [b] is set; every other row keeps its old
+    state (`_keep_rows`). The state keeps the layout of width `wide.block_size`: the draft's context rows
+    (the target taps of the committed rows) padded to `wide.block_size` rows."""
     run = state.replace(done=state.done | ~active)
-    new = verify_round(target_w, run, draft, spec)
+    fam = family_of(spec.target)
+    out = fam.forward(target_w, verify_block(run, draft), run.target_cache, spec.target, tap_layers=wide.taps,
+                      logits="all")
+    new = commit_verify(run, draft, out, spec)
+    if wide.taps:
+        context = draft_model.context_features(out.taps)
+        pad = wide.block_size - context.shape[1]
+        if pad:
+            context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
+        new = new.replace(context=context.astype(state.context.dtype))
     new = new.replace(done=jnp.where(active, new.done, state.done))
+    return _keep_rows(active, new, state)
 
-    def keep(n, o):
-        mask = active.reshape(active.shape + (1,) * (n.ndim - 1))
-        return jnp.where(mask, n, o)
 
-    return _rowwise(keep, new, state)
+def default_widths(block_size: int) -> tuple[int, ...]:
+    """The verify widths an adaptive engine chooses from: 1, the powers of two below `block_size`, and it."""
+    out, w = [], 1
+    while w < block_size:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (block_size,)
+
+
+def expected_tokens(alpha, width: int):
+    """Tokens a verify of `width` commits when each proposal is accepted with probability `alpha` given the
+    ones before it: 1 + alpha + ... + alpha^(width-1) (the bonus included)."""
+    alpha = np.minimum(np.asarray(alpha, np.float64), 0.999)
+    return (1.0 - alpha ** width) / (1.0 - alpha)
+
+
+def choose_width(alphas, seconds: dict) -> int:
+    """The width with the most expected tokens per second over the live rows: argmax over w of
+    sum_r expected_tokens(alpha_r, w) / seconds[w] (ties: the narrower). Pure and deterministic."""
+    best, best_rate = None, -1.0
+    for w in sorted(seconds):
+        rate = float(np.sum(expected_tokens(alphas, w))) / seconds[w]
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = w, rate
+    return best
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -150,6 +222,8 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     rounds_waited: int = 0  # rounds live but not admitted to verify
+    accept_hits: float = 0.0  # proposals accepted (decayed), for the width choice
+    accept_misses: float = 0.0  # rejections (decayed)
     cancel_requested: bool = False
     cancel_reason: str = "cancelled"
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -173,12 +247,18 @@ class RoundInfo:
     how: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     compiles: int = 0
+    width: int = 0  # the verify width chosen for the round (0: no verify)
 
 
 class Engine:
     """Continuous batching over `slots` rows of one compiled round (module docstring).
 
-    block_size: verify width B (1 = no speculation: one target token per round; default: the draft's).
+    block_size: the widest verify B (1 = no speculation: one target token per round; default: the draft's).
+    widths: the verify widths (each <= block_size) the engine chooses from each round, by the cost model below;
+    None: block_size only (a fixed width). "auto": `default_widths(block_size)`. One draft and one verify are
+    compiled per width at warm-up; the state has the layout of the widest, so any width serves any round.
+    round_seconds: {width: seconds of one round (draft + verify of all slots)}, the cost model's table;
+    None: measured by `warmup()` (the fastest of a few timed rounds per width).
     max_prompt_len / max_new_tokens: the largest request served (requests beyond them get a RequestError);
     they fix the cache and output-buffer shapes. method: acceptance rule of sampled requests
     ("exact_match" | "rejection"). token_budget / expert_byte_budget: the scheduler's per-round budgets
@@ -186,12 +266,31 @@ class Engine:
 
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
-                 expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None):
+                 expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
+                 widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
+                 acceptance_prior: float = 0.7):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
-        block_size = dcfg.block_size if block_size is None else block_size
+        if block_size is None:
+            block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
         rq.check_int(slots, "slots", low=1, what="a positive integer")
         rq.check_int(block_size, "block_size", low=1, high=dcfg.block_size + 1,
                      what=f"between 1 and the draft's trained block size {dcfg.block_size}")
+        if widths is None:
+            widths = (int(block_size),)
+        elif isinstance(widths, str):
+            if widths != "auto":
+                raise ValueError(f"widths must be 'auto' or a list of verify widths, got {widths!r}")
+            widths = default_widths(int(block_size))
+        widths = tuple(sorted({int(w) for w in widths}))
+        if not widths or widths[0] < 1 or widths[-1] > block_size:
+            raise ValueError(f"widths must be verify widths between 1 and block_size {block_size}, got {list(widths)}")
+        if round_seconds is not None:
+            round_seconds = {int(w): float(t) for w, t in round_seconds.items()}
+            if set(round_seconds) != set(widths) or not all(t > 0 for t in round_seconds.values()):
+                raise ValueError(f"round_seconds must give a positive time for each width {list(widths)}, "
+                                 f"got {round_seconds}")
+        if not 0.0 <= acceptance_prior < 1.0:
+            raise ValueError(f"acceptance_prior must be in [0, 1), got {acceptance_prior}")
         rq.check_int(max_prompt_len, "max_prompt_len", low=1, what="a positive integer")
         rq.check_int(max_new_tokens, "max_new_tokens", low=1, what="a positive integer")
         rq.check_int(max_queue, "max_queue", low=0, what="a non-negative integer")
@@ -212,6 +311,13 @@ class Engine:
         self.stops_len = self.buckets.stops_len(4)
         self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
                                output_len=self.output_len, method=method)
+        self.widths = widths
+        self.specs = {w: dataclasses.replace(self.spec, block_size=w) for w in widths}
+        self.round_seconds = round_seconds
+        # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
+        self._prior = float(acceptance_prior)
+        self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
+        self.width_rounds = collections.Counter()
         self.budgets = sched.Budgets(tokens=token_budget, expert_bytes=expert_byte_budget)
         self.max_queue = int(max_queue)
         fam = family_of(tcfg)
@@ -360,16 +466,61 @@ class Engine:
                 if slot is not None:  # a dummy row that is done: the slot stays free
                     self.state = _insert(self.state, row, np.int32(slot))
             self.state = _release(self.state, idle)
-            draft, demand = self._draft_call()
-            np.asarray(demand)
-            self.state = _verify(self.pair.target, self.state, draft, idle, self.spec)
+            for w in self.widths:
+                self._round(w, idle)
         jax.block_until_ready(self.state.done)
+        if self.round_seconds is None:
+            self.round_seconds = self.measure_rounds()
         self.warm = True
         return time.perf_counter() - t0
 
-    def _draft_call(self):
+    def measure_rounds(self, repeats: int = 3) -> dict:
+        """{width: seconds} of one round (draft + host transfer of the demand + verify of every slot; compute
+        does not depend on which rows are live), the fastest of `repeats`, widths interleaved so a busy spell
+        of the machine does not land on one width only. Needs the programs compiled (`warmup`)."""
+        idle = np.zeros(self.slots, bool)
+        best = {w: float("inf") for w in self.widths}
+        for _ in range(repeats):
+            for w in self.widths:
+                t = time.perf_counter()
+                self._round(w, idle)
+                jax.block_until_ready(self.state.done)
+                best[w] = min(best[w], time.perf_counter() - t)
+        return best
+
+    def _round(self, width: int, active: np.ndarray) -> None:
+        draft, demand = self._draft_call(width)
+        np.asarray(demand)
+        self.state = _verify(self.pair.target, self.state, draft, active, self.specs[width], self.spec)
+
+    def _draft_call(self, width: int | None = None):
+        spec = self.specs[self.widths[-1] if width is None else width]
         return _draft(self.pair.target, self.pair.draft, self.state, self._norms, self._routers, self._biases,
-                      self.spec, self._options, self._topk_first)
+                      spec, self.spec, self._options, self._topk_first)
+
+    def row_acceptance(self, req: Request) -> float:
+        """The estimated probability that a proposal of `req` is accepted given the ones before it: its decayed
+        accepted / (accepted + rejected) proposals, with the engine-wide estimate as a prior of weight 2."""
+        g = self._hits / (self._hits + self._misses)
+        return (req.accept_hits + 2.0 * g) / (req.accept_hits + req.accept_misses + 2.0)
+
+    def choose_width(self, live: Sequence[int]) -> int:
+        """This round's verify width (`choose_width` over the live rows' acceptance and `round_seconds`)."""
+        if len(self.widths) == 1:
+            return self.widths[0]
+        seconds = self.round_seconds or {w: 1.0 + w / 16.0 for w in self.widths}
+        return choose_width([self.row_acceptance(self.requests[s]) for s in live], seconds)
+
+    def _observe_acceptance(self, req: Request, width: int, committed: int, finished: bool) -> None:
+        """Updates the acceptance estimates from one verify: `committed - 1` proposals accepted of `width - 1`,
+        and a rejection when fewer than all were accepted (unless the budget or a stop cut the round)."""
+        if width < 2 or finished:
+            return
+        hits = float(committed - 1)
+        misses = 1.0 if committed < width else 0.0
+        d = ACCEPTANCE_DECAY
+        req.accept_hits, req.accept_misses = d * req.accept_hits + hits, d * req.accept_misses + misses
+        self._hits, self._misses = d * self._hits + hits, d * self._misses + misses
 
     # -- one round -------------------------------------------------------------------------------------
 
@@ -446,12 +597,15 @@ class Engine:
                 self.state = _release(self.state, np.arange(self.slots) == slot)
         if not self.requests:
             return
-        # draft, schedule, verify
-        draft, demand = self._draft_call()
-        demand = np.asarray(demand)
+        # width, draft, schedule, verify
         live = sorted(self.requests)
         info.live = len(live)
-        demands = [sched.Demand(key=self.requests[s].id, tokens=self.block_size, experts=demand[s]) for s in live]
+        width = self.choose_width(live)
+        info.width = width
+        self.width_rounds[width] += 1
+        draft, demand = self._draft_call(width)
+        demand = np.asarray(demand)
+        demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
         decision = sched.schedule(demands, self.sched_state, self.budgets, self.expert_bytes)
         self.sched_state = decision.state
         slot_of = {self.requests[s].id: s for s in live}
@@ -463,7 +617,7 @@ class Engine:
         info.verified, info.verify_tokens, info.expert_bytes = int(active.sum()), decision.tokens, decision.expert_bytes
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
         before = np.asarray(self.state.num_generated)
-        self.state = _verify(self.pair.target, self.state, draft, active, self.spec)
+        self.state = _verify(self.pair.target, self.state, draft, active, self.specs[width], self.spec)
         after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
         output = np.asarray(self.state.output)
         for s in live:
@@ -473,6 +627,7 @@ class Engine:
             new = [int(t) for t in output[s, before[s]: after[s]]]
             req.acceptance.append(len(new))
             info.committed.append(len(new))
+            self._observe_acceptance(req, width, len(new), bool(done[s]))
             self._emit(req, new, info)
             if done[s]:
                 self._finish(req, self._reason(req), info)
