@@ -164,6 +164,12 @@ class ModelFamily:
     route_fn = None  # (mlp, h, cfg) -> Routing
     mlp_fn = None  # (layer, x, h, cfg, implementation, *, routing=None) -> x
     final_norm_fn = None  # (weights, x, cfg) -> final-normed x
+    attention_queries_fn = None  # (layer, x, ctx, kind, cfg) -> post-RoPE queries [b, T, Hq, d] or None
+
+    def attention_queries(self, layer, x, ctx, kind, cfg):
+        """The post-RoPE queries [b, T, Hq, d] layer's attention reads the cache's keys with, from the layer's
+        input `x` (None: not an attention layer): the PFlash scorer's input (`dflash_jax.pflash`)."""
+        return None if self.attention_queries_fn is None else self.attention_queries_fn(layer, x, ctx, kind, cfg)
 
     def block_context(self, weights, tokens, cache, num_valid, cfg):
         return self.block_context_fn(weights, tokens, cache, cfg, num_valid)

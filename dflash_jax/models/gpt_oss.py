@@ -154,6 +154,14 @@ def attention_sublayer(
     return x + attn_out, k_buf, v_buf
 
 
+def attention_queries(layer: GptOssLayerWeights, x: jax.Array, ctx: BlockContext, window, cfg: GptOssConfig):
+    """The post-RoPE queries [b, T, Hq, d] `attention_sublayer` attends with (the PFlash scorer's)."""
+    h = _norm(x, layer.input_norm, cfg)
+    b, t, _ = h.shape
+    return apply_rope(_linear(h, layer.attn.q, layer.attn.q_bias).reshape(b, t, cfg.num_heads, cfg.head_dim),
+                      ctx.cos, ctx.sin)
+
+
 def mlp_input(layer: GptOssLayerWeights, x: jax.Array, cfg: GptOssConfig) -> jax.Array:
     """`post_norm(x)` flattened to [b*T, H]: the router's and the experts' input."""
     return _norm(x, layer.post_norm, cfg).reshape(-1, x.shape[-1])
@@ -208,6 +216,7 @@ class GptOssFamily(ModelFamily):
 
     block_context_fn = staticmethod(block_context)
     attention_fn = staticmethod(attention_sublayer)
+    attention_queries_fn = staticmethod(attention_queries)
     mlp_input_fn = staticmethod(mlp_input)
     route_fn = staticmethod(route)
     mlp_fn = staticmethod(mlp_sublayer)

@@ -132,6 +132,14 @@ def attention_sublayer(
     return x + out, k_buf, v_buf
 
 
+def attention_queries(layer: DecoderLayerWeights, x: jax.Array, ctx: BlockContext, window, cfg: Qwen3Config):
+    """The post-RoPE queries [b, T, Hq, d] `attention_sublayer` attends with (the PFlash scorer's)."""
+    h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+    q, _, _ = qkv_projection(h, layer.attn, ctx.cos, ctx.sin, num_heads=cfg.num_heads,
+                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+    return q
+
+
 def mlp_input(layer: DecoderLayerWeights, x: jax.Array, cfg: Qwen3Config) -> jax.Array:
     """`post_norm(x)` flattened to [b*T, H]: the router's and the experts' input."""
     return rms_norm(x, layer.post_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
@@ -175,6 +183,7 @@ class Qwen3Family(ModelFamily):
 
     block_context_fn = staticmethod(block_context)
     attention_fn = staticmethod(attention_sublayer)
+    attention_queries_fn = staticmethod(attention_queries)
     mlp_input_fn = staticmethod(mlp_input)
     route_fn = staticmethod(route)
     mlp_fn = staticmethod(mlp_sublayer)

@@ -255,6 +255,18 @@ def mixer_sublayer(
     return x + mixed, lin
 
 
+def attention_queries(layer: DecoderLayerWeights, x: jax.Array, ctx: BlockContext, layer_type: str,
+                      cfg: Qwen3_5Config):
+    """The post-RoPE queries [b, T, Hq, d] a full-attention layer attends with (the PFlash scorer's); None for
+    a DeltaNet layer."""
+    if layer_type != FULL_ATTENTION:
+        return None
+    h, w, d = _norm(x, layer.input_norm, cfg), layer.mixer, cfg.head_dim
+    b, t, _ = h.shape
+    q = (h @ w.q).reshape(b, t, cfg.num_heads, 2 * d)[..., :d]
+    return apply_rope(_norm(q, w.q_norm, cfg), ctx.cos, ctx.sin)
+
+
 def assemble_cache(cache: Qwen3_5Cache, ctx: BlockContext, states, cfg: Qwen3_5Config) -> Qwen3_5Cache:
     """The cache after a forward of width T from every layer's new cache part (`mixer_sublayer`, in layer
     order): lengths advanced by `num_valid`; the DeltaNet checkpoint stays at the old lengths when the block was
@@ -326,6 +338,7 @@ class Qwen3_5Family(ModelFamily):
         return 1.0 + weight.astype(jnp.float32)
 
     block_context_fn = staticmethod(block_context)
+    attention_queries_fn = staticmethod(attention_queries)
     mlp_input_fn = staticmethod(mlp_input)
     route_fn = staticmethod(route)
     mlp_fn = staticmethod(mlp_sublayer)
