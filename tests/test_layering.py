@@ -35,7 +35,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),  # the families, their registry, the decoder loop, the draft
     ("checkpoint", "pair", "testing", "sharding"),  # the pair, its checkpoints, random tiny weights, mesh placement
     ("spec",),  # the speculative round (begin / draft_round / verify_round) and its jitted loop
-    ("decode", "offload", "serve"),  # loops on top of the rounds: plain decoding, expert offload, serving
+    ("decode", "offload", "serve", "pflash"),  # loops on top of the rounds: plain decoding, expert offload, serving,
+    # prefill compression
     ("cli", ""),  # entry points: the command line and the package facade (`dflash_jax.load`, ...)
     ("train", "study"),  # research: training, route-predictor fitting, offline studies, cost model
 )

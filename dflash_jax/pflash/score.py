@@ -49,11 +49,11 @@ class Scorer:
                    name=name or (os.path.basename(str(pair.directory).rstrip("/")) or "pair") + ":target")
 
 
-def load_scorer(directory: str | None = None) -> Scorer:
-    """The target of a `convert-weights` checkpoint as a scorer (None: the shipped pair's target)."""
-    import dflash_jax
+def load_scorer(directory: str) -> Scorer:
+    """The target of a `convert-weights` checkpoint directory as a scorer (e.g. `dflash_jax.SHIPPED_PAIR`)."""
+    from dflash_jax.pair import load
 
-    return Scorer.from_pair(dflash_jax.load(directory, dequantize_experts="auto"))
+    return Scorer.from_pair(load(directory, dequantize_experts="auto"))
 
 
 def _window_attention(q, k_buf, n, window: int):
