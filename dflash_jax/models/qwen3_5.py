@@ -31,6 +31,12 @@ For Qwen3.5-35B-A3B (30 DeltaNet layers, Hk 16, Hv 32, dk = dv = 128, C 8192, bf
 (32 * 128 * 128 * 4 B * 30) and 960 MiB for keeping every per-step state of a width-16 block. No second copy
 of the state is kept: the checkpoint IS the state, and the committed state is rebuilt from it.
 
+Token trees (`spec.tree`): a tree block of N nodes (`ctx.tree_mask`) runs every DeltaNet layer along each node's
+root-to-node path: the conv reads the node's own ancestors (`_tree_conv`), and the paths run as a batch of N
+sequences through the delta rule from the committed state (`_tree_delta_rule`), so every node's output is
+exactly its path's. The nodes' rows are kept in node order (width >= N: `widen_rollback`); after acceptance
+`commit_tree_path` puts the accepted path's rows in sequence order and `rollback` replays them.
+
 The registered `QWEN3_5` family runs the layer-wise pieces (`block_context`, `layer_cache`, `mixer_sublayer`,
 `mlp_input`, `route`, `mlp_sublayer`, `final_norm`, `assemble_cache`) through the one decoder loop
 (`models.decoder`), resident or layer by layer (expert offload, the routed experts from a device slot pool
@@ -171,7 +177,8 @@ def _norm(x, w, cfg: Qwen3_5Config):
     return rms_norm(x, w, cfg.rms_norm_eps, zero_centered=True)
 
 
-def _gated_attention(x, w: GatedAttentionWeights, k_buf, v_buf, positions, starts, cos, sin, cfg: Qwen3_5Config):
+def _gated_attention(x, w: GatedAttentionWeights, k_buf, v_buf, positions, starts, cos, sin, cfg: Qwen3_5Config,
+                     tree_mask=None):
     b, t, _ = x.shape
     d = cfg.head_dim
     q_and_gate = (x @ w.q).reshape(b, t, cfg.num_heads, 2 * d)
@@ -180,14 +187,59 @@ def _gated_attention(x, w: GatedAttentionWeights, k_buf, v_buf, positions, start
     v = (x @ w.v).reshape(b, t, cfg.num_kv_heads, d)
     q = apply_rope(_norm(q, w.q_norm, cfg), cos, sin)
     k = apply_rope(_norm(k, w.k_norm, cfg), cos, sin)
-    out, k_buf, v_buf = cached_causal_attention(q, k, v, k_buf, v_buf, positions, window=None, scale=d**-0.5)
+    out, k_buf, v_buf = cached_causal_attention(q, k, v, k_buf, v_buf, positions, window=None, scale=d**-0.5,
+                                                tree_mask=tree_mask)
     out = out.reshape(b, t, -1)
     return (out * jax.nn.sigmoid(gate)) @ w.o, k_buf, v_buf
 
 
-def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, steps, num_valid, cfg: Qwen3_5Config):
+def tree_paths(mask: jax.Array, depths: jax.Array) -> jax.Array:
+    """[b, N, N] int32: `paths[b, t, j]` = node t's ancestor at depth j (t itself for j >= depth(t)), from a
+    token tree's ancestor-or-self mask [b, N, N] and node depths [b, N]."""
+    n = mask.shape[-1]
+    levels = jnp.arange(n, dtype=depths.dtype)
+    sel = mask[:, :, None, :] & (depths[:, None, None, :] == levels[None, None, :, None])  # [b, t, j, u]
+    own = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :, None], sel.shape[:3])
+    return jnp.where(sel.any(-1), jnp.argmax(sel, axis=-1).astype(jnp.int32), own)
+
+
+def _tree_conv(tail, mixed, paths, depths, conv_w):
+    """The causal conv of every tree node along its own path: node t at depth d sees the pre-conv rows of its
+    ancestors at depths d-K+1 .. d, and the committed tail for depths below 0. tail [b, K-1, C], mixed
+    [b, N, C] -> [b, N, C] fp32."""
+    b, n, c = mixed.shape
+    ksize = conv_w.shape[0]
+    rows = jnp.concatenate([tail, mixed.astype(tail.dtype)], axis=1)  # [b, K-1+N, C]
+    at = depths[:, :, None] - (ksize - 1) + jnp.arange(ksize, dtype=depths.dtype)  # [b, N, K] depth of each tap
+    anc = jnp.take_along_axis(paths, jnp.clip(at, 0, n - 1), axis=2)
+    idx = jnp.where(at >= 0, ksize - 1 + anc, ksize - 1 + at)
+    window = jnp.take_along_axis(rows, idx.reshape(b, n * ksize, 1), axis=1).reshape(b * n, ksize, c)
+    return gdn.causal_depthwise_conv(window, conv_w).reshape(b, n, c)
+
+
+def _tree_delta_rule(q, k, v, g, beta, state, paths, depths):
+    """The gated delta rule along a token tree, exactly: every node's root-to-node path runs as one sequence of
+    a batch (steps past the node masked), from the committed state; node t's output is its path's output at
+    depth(t). q, k [b, N, Hk, dk]; v [b, N, Hv, dv]; g, beta [b, N, Hv]; state [b, Hv, dk, dv] -> o
+    [b, N, Hv, dv]."""
+    b, n = paths.shape[:2]
+    rows = jnp.arange(b)[:, None, None]
+
+    def along(a):  # [b, N, ...] -> [b*N, N, ...]: node t's path, by depth
+        return a[rows, paths].reshape((b * n, n) + a.shape[2:])
+
+    gp, bp = gdn.mask_steps(along(g), along(beta), (depths + 1).reshape(-1))
+    o, _ = gdn.gated_delta_rule(along(q), along(k), along(v), gp, bp, jnp.repeat(state, n, axis=0))
+    o = o.reshape((b, n, n) + o.shape[2:])
+    return jnp.take_along_axis(o, depths[:, :, None, None, None], axis=2)[:, :, 0]
+
+
+def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, steps, num_valid, cfg: Qwen3_5Config,
+                    tree=None):
     """One DeltaNet layer on x [b, T, H]; returns (out, new layer cache). `steps` = rows of the kept extension
-    that are committed (lengths - linear_lengths)."""
+    that are committed (lengths - linear_lengths). `tree`: (ancestor mask [b, T, T], depths [b, T]) when the
+    block is a token tree: each node's conv window and delta-rule state follow its own root-to-node path, and
+    the kept rows are the nodes' (in node order; `commit_tree_path` puts the accepted path's rows in order)."""
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -195,7 +247,15 @@ def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, ste
     state, tail = gdn.committed_state(lin, steps)
     mixed = x @ w.qkv  # [b, T, C] pre-conv rows
     window = jnp.concatenate([tail, mixed.astype(tail.dtype)], axis=1)
-    conv = jax.nn.silu(gdn.causal_depthwise_conv(window, w.conv)).astype(x.dtype)
+    if tree is None:
+        conv = gdn.causal_depthwise_conv(window, w.conv)
+    else:
+        if t > lin.width:
+            raise ValueError(f"a token tree of {t} nodes needs a DeltaNet rollback width >= {t}, the cache has "
+                             f"{lin.width} (`widen_rollback`)")
+        paths = tree_paths(*tree)
+        conv = _tree_conv(tail, mixed, paths, tree[1], w.conv)
+    conv = jax.nn.silu(conv).astype(x.dtype)
     q = conv[..., : hk * dk].reshape(b, t, hk, dk)
     k = conv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
     v = conv[..., 2 * hk * dk :].reshape(b, t, hv, dv).astype(lin.v.dtype)
@@ -203,7 +263,10 @@ def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, ste
     k = gdn.l2_normalize(k)
     g, beta = gdn.decay_and_beta(x @ w.a, x @ w.b, w.a_log, w.dt_bias)
     g, beta = gdn.mask_steps(g, beta, num_valid)  # padded rows leave the state alone
-    o, new_state = gdn.gated_delta_rule(q, k, v, g, beta, state)
+    if tree is None:
+        o, new_state = gdn.gated_delta_rule(q, k, v, g, beta, state)
+    else:
+        o, new_state = _tree_delta_rule(q, k, v, g, beta, state, paths, tree[1]), state
     z = (x @ w.z).reshape(b, t, hv, dv)
     out = gdn.gated_rms_norm(o.astype(x.dtype), z, w.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv) @ w.out
 
@@ -249,9 +312,10 @@ def mixer_sublayer(
     if layer_type == FULL_ATTENTION:
         k_buf, v_buf = state
         mixed, k_buf, v_buf = _gated_attention(
-            h, layer.mixer, k_buf, v_buf, ctx.positions, ctx.starts, ctx.cos, ctx.sin, cfg)
+            h, layer.mixer, k_buf, v_buf, ctx.positions, ctx.starts, ctx.cos, ctx.sin, cfg, tree_mask=ctx.tree_mask)
         return x + mixed, (k_buf, v_buf)
-    mixed, lin = _gated_deltanet(h, layer.mixer, state, ctx.steps, ctx.num_valid, cfg)
+    tree = None if ctx.tree_mask is None else (ctx.tree_mask, ctx.positions - ctx.starts[:, None])
+    mixed, lin = _gated_deltanet(h, layer.mixer, state, ctx.steps, ctx.num_valid, cfg, tree=tree)
     return x + mixed, lin
 
 
@@ -362,6 +426,13 @@ class Qwen3_5Family(ModelFamily):
     def new_cache(self, cache, ctx, states, cfg):
         return assemble_cache(cache, ctx, states, cfg)
 
+    # token trees (`spec.tree`): the DeltaNet rows of a tree are kept in node order, then put in path order
+    def widen_for_tree(self, cache, width: int):
+        return widen_rollback(cache, width)
+
+    def commit_tree_path(self, cache, start, path):
+        return commit_tree_path(cache, start, path)
+
 
 def rollback(cache: Qwen3_5Cache, lengths: jax.Array) -> Qwen3_5Cache:
     """Keeps the first `lengths[b]` tokens of each sequence, exactly: afterwards every DeltaNet layer's
@@ -379,6 +450,45 @@ def rollback(cache: Qwen3_5Cache, lengths: jax.Array) -> Qwen3_5Cache:
         ksize = lin.kernel_size
         linear.append(lin.replace(state=state, conv_window=lin.conv_window.at[:, : ksize - 1].set(tail)))
     return cache.replace(linear=tuple(linear), lengths=lengths, linear_lengths=lengths)
+
+
+def widen_rollback(cache: Qwen3_5Cache, width: int) -> Qwen3_5Cache:
+    """The same cache able to keep (and roll back) forwards of up to `width` rows: the kept-extension buffers
+    are zero-padded (rows past the kept ones are never read), so every committed state is unchanged. A token
+    tree of N nodes needs width >= N."""
+    if cache.rollback_width >= width:
+        return cache
+
+    def pad(a):
+        return jnp.pad(a, [(0, 0), (0, width - cache.rollback_width)] + [(0, 0)] * (a.ndim - 2))
+
+    return cache.replace(linear=tuple(
+        lin.replace(conv_window=pad(lin.conv_window), k=pad(lin.k), v=pad(lin.v), g=pad(lin.g), beta=pad(lin.beta))
+        for lin in cache.linear))
+
+
+def commit_tree_path(cache: Qwen3_5Cache, start: jax.Array, path: jax.Array) -> Qwen3_5Cache:
+    """After a token-tree forward (rows in node order): puts the path's rows in sequence order, in every layer.
+    `path` [b, W] = the node at each depth of the accepted path. Full-attention K/V rows move from slot
+    start + node to start + depth; each DeltaNet layer's kept rows (pre-conv window, k, v, g, beta) from row
+    node to row depth, so that `rollback(cache, start + n)` replays exactly the path's first n nodes."""
+    b, w = path.shape
+    rows = jnp.arange(b)[:, None]
+    depth = jnp.arange(w, dtype=jnp.int32)[None]
+
+    def move(buf, src, dst):
+        return buf.at[rows, dst].set(buf[rows, src], mode="drop")
+
+    keys = tuple(move(k, start[:, None] + path, start[:, None] + depth) for k in cache.keys)
+    values = tuple(move(v, start[:, None] + path, start[:, None] + depth) for v in cache.values)
+    linear = []
+    for lin in cache.linear:
+        off = lin.kernel_size - 1
+        linear.append(lin.replace(
+            conv_window=move(lin.conv_window, off + path, off + depth),
+            k=move(lin.k, path, depth), v=move(lin.v, path, depth), g=move(lin.g, path, depth),
+            beta=move(lin.beta, path, depth)))
+    return cache.replace(keys=keys, values=values, linear=tuple(linear))
 
 
 def committed_linear_states(cache: Qwen3_5Cache) -> tuple[tuple[jax.Array, jax.Array], ...]:

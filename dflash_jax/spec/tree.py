@@ -28,10 +28,12 @@ only the argmax path. A tree verifies the N most probable continuations at once:
 Static shapes: the budget N (a static bucket) fixes the verify width, the branching K the candidates per
 node; the depth is at most B-1 (the draft's block). Trees of different requests reuse one compiled round.
 
-Families whose mixers are all attention verify trees (Qwen3 / Qwen3-MoE, gpt-oss). Qwen3.5's Gated DeltaNet
-layers carry a recurrent state along one sequence: a tree needs one state per root-to-leaf path (a batch of
-paths through the linear layers, each path's conv window and delta-rule state), not built here, so that
-family verifies a chain (`tree_supported`), which is exact.
+Every family verifies trees. Attention layers use the tree mask. Qwen3.5's Gated DeltaNet layers carry a
+recurrent state along one sequence: there every node's root-to-node path runs as one sequence of a batch
+through the delta rule (from the committed state, steps past the node masked) and every node's causal conv
+reads its own ancestors' rows (`models.qwen3_5`); the verify keeps the nodes' DeltaNet rows, the commit puts
+the accepted path's rows in order, and the usual exact replay (`rollback`) leaves the states after the path.
+The cache's rollback width is widened to the widest tree (`widen_for_tree`).
 
 The adaptive policy (`AdaptivePolicy`) picks, each round, one of a few static shapes (chains of B and trees
 of budget N, each a branch of one `lax.switch`) from the expected tokens of each shape (the draft's path
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from typing import Sequence
 
@@ -58,7 +59,7 @@ from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
 from dflash_jax.spec import requests as rq
-from dflash_jax.spec.loop import LOOP_BUCKETS, _result, _shape_stats, generate
+from dflash_jax.spec.loop import LOOP_BUCKETS, _result, _shape_stats
 from dflash_jax.spec.sampling import SamplingParams, processed_scores, sample_rows
 from dflash_jax.spec.session import (
     Prepared, SpecConfig, SpecState, _all_greedy, _check_state, _emit, _split_rows, begin_prepared, prepare,
@@ -68,9 +69,23 @@ DEFAULT_BRANCH = 4
 
 
 def tree_supported(cfg) -> bool:
-    """Whether a target family can verify token trees (every mixer is attention over a slot = position
-    cache). Linear-attention families (Qwen3.5) cannot yet: see the module doc."""
-    return not family_of(cfg).needs_rollback_width
+    """Whether a target family can verify token trees: every registered family can (attention layers by the
+    tree mask, Qwen3.5's DeltaNet layers along each node's path)."""
+    family_of(cfg)
+    return True
+
+
+def widen_for_tree(cfg, cache, width: int):
+    """A target cache able to take a tree verify of `width` rows (Qwen3.5 keeps the verify's DeltaNet rows,
+    sized by the widest verify; attention caches need nothing)."""
+    fam = family_of(cfg)
+    return fam.widen_for_tree(cache, width) if hasattr(fam, "widen_for_tree") else cache
+
+
+def begin_tree(pair, prep: Prepared, widest: int) -> SpecState:
+    """`session.begin_prepared` with the target cache widened for trees of up to `widest` nodes."""
+    state = begin_prepared(pair, prep)
+    return state.replace(target_cache=widen_for_tree(prep.spec.target, state.target_cache, widest))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +307,7 @@ def verify_tree(target_w, state: SpecState, tree: Tree, draft_cache, spec: SpecC
     path = _pad_cols(path, spec.block_size)
     proposals = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)  # [b, B-1]: d_1 .. d_a on the path
     new, produced = _emit(state.replace(key=key), accepted, bonus, proposals[:, :gamma], spec)
-    cache = commit_path(out.cache, start, path)
+    cache = getattr(fam, "commit_tree_path", commit_path)(out.cache, start, path)
     context = draft_model.context_features(out.taps)  # [b, N, F]
     context = jnp.take_along_axis(context, path[..., None], axis=1)  # [b, B, F]: the path's rows
     cfg = spec.target
@@ -453,11 +468,6 @@ def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, *
     return dataclasses.replace(prep, spec=dataclasses.replace(spec, max_len=max_len))
 
 
-def _fallback_note(pair) -> str:
-    return (f"dflash_jax: note: the {family_of(pair.target_cfg).name} family verifies a chain, not a tree: its "
-            "linear-attention (Gated DeltaNet) layers would need one recurrent state per tree path")
-
-
 def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branch: int = DEFAULT_BRANCH,
                   adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
                   sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
@@ -466,15 +476,12 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
 
     tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
     width N). adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
-    Families that cannot verify trees (`tree_supported`) run the chain loop with a note on stderr."""
+    Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
         raise ValueError(f"tree_budget must be a positive integer, got {tree_budget!r}")
     if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
         raise ValueError(f"branch must be a positive integer, got {branch!r}")
     request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
-    if not tree_supported(pair.target_cfg):
-        print(_fallback_note(pair), file=sys.stderr)
-        return generate(pair, prompts, block_size=block_size, warmup=warmup, buckets=buckets, **request)
     policy = (AdaptivePolicy() if adaptive is True else adaptive) or None
     widest = max(s.budget for s in policy.shapes) if policy else tree_budget
     prep = prepare_tree(pair, prompts, widest=widest, block_size=block_size, buckets=buckets, **request)
@@ -494,10 +501,10 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
         return astate.spec_state, astate.chosen
 
     if warmup:
-        state = begin_prepared(pair, prep)
+        state = begin_tree(pair, prep, widest)
         jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)))[0].output)
     t0 = time.perf_counter()
-    state, chosen = run(begin_prepared(pair, prep))
+    state, chosen = run(begin_tree(pair, prep, widest))
     jax.block_until_ready(state.output)
     seconds = time.perf_counter() - t0
     stats = dict(_shape_stats(prep), loop="jit", seconds=seconds, tree_budget=tree_budget, branch=branch)
@@ -512,13 +519,11 @@ def generate_tree_stepping(pair, prompts, *, max_new_tokens, shape: TreeShape, b
     """The tree rounds driven from Python, one jitted round at a time; returns (GenerationResult, rounds)
     where rounds[r] is a dict of numpy arrays [b] per `TreeRoundInfo` field plus `live` (sequences not done
     before the round). For traces, tests and benchmarks (expert union per round)."""
-    if not tree_supported(pair.target_cfg):
-        raise NotImplementedError(_fallback_note(pair))
     request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
     prep = prepare_tree(pair, prompts, widest=shape.budget, block_size=block_size, buckets=buckets, **request)
     spec = prep.spec
     t0 = time.perf_counter()
-    state = begin_prepared(pair, prep)
+    state = begin_tree(pair, prep, shape.budget)
     rounds = []
     done = np.asarray(state.done)
     while not done.all():
