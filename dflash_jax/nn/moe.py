@@ -224,8 +224,8 @@ def all_to_all_capacity(tokens_per_shard: int, top_k: int, shards: int, local_ex
 def dispatch_cost(mode: str, tokens: int, hidden: int, top_k: int, shards: int, local_experts: int,
                   itemsize: int = 2) -> float:
     """Seconds per MoE layer the cost model gives one dispatch's collectives (per device, ring algorithms):
-    psum: one all-reduce of [T, H] fp32; all_to_all: rows out and back ([shards, C, H] in the activation
-    dtype, plus the [shards, C] int32 expert ids out) and an all-gather of the [T, H] output."""
+    psum: one all-reduce of [T, H] fp32; all_to_all: the rows back to their tokens' shards ([shards, C, H]
+    in the activation dtype) and an all-gather of the [T, H] output."""
     n = shards
     if n <= 1:
         return 0.0
@@ -233,9 +233,9 @@ def dispatch_cost(mode: str, tokens: int, hidden: int, top_k: int, shards: int, 
         return COLLECTIVE_LATENCY_S + 2 * (n - 1) / n * tokens * hidden * 4 / LINK_BYTES_PER_S
     m = -(-tokens // n)
     c = all_to_all_capacity(m, top_k, n, local_experts)
-    rows = (n - 1) / n * n * c * (2 * hidden * itemsize + 4)
+    rows = (n - 1) / n * n * c * hidden * itemsize
     gather = (n - 1) / n * n * m * hidden * itemsize
-    return 3 * COLLECTIVE_LATENCY_S + (rows + gather) / LINK_BYTES_PER_S
+    return 2 * COLLECTIVE_LATENCY_S + (rows + gather) / LINK_BYTES_PER_S
 
 
 def choose_dispatch(dispatch: str, tokens: int, hidden: int, top_k: int, shards: int, local_experts: int,
@@ -265,10 +265,12 @@ def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation
     weights in fp32, and one psum over the expert axes sums the shards' partial outputs (with top-k = 2 the
     same two products as the single-device combine; in general the same sum reassociated).
 
-    all_to_all: the tokens are split evenly over the expert shards; each shard sends its tokens' rows to the
-    rows' owners (`all_to_all` of a [shards, C, H] buffer with the local expert ids), the owners run the
-    received rows through their grouped matmuls and send the results back the same way, each shard combines
-    its tokens' k rows in fp32 exactly as the single-device path does, and an all-gather rebuilds [T, H].
+    all_to_all: the tokens are split evenly over the expert shards; each owner takes the rows routed to its
+    experts in the [sender, C] layout of an all-to-all's receive buffer (read locally: every shard already
+    holds every token, so the send leg moves nothing), runs them through its grouped matmuls and sends the
+    results back to the tokens' shards (one `all_to_all` of [shards, C, H] in the activation dtype); each
+    shard combines its tokens' k rows in fp32 exactly as the single-device path does, and an all-gather
+    rebuilds [T, H].
     C is static (`all_to_all_capacity`); a layer whose routing would overflow it takes the psum path
     (`lax.cond` on a flag every shard computes alike), so the result never depends on the capacity."""
     from jax.sharding import PartitionSpec as P
@@ -310,27 +312,36 @@ def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation
         if data > 1 and tokens[0]:  # one decision for the whole mesh
             overflow = jax.lax.pmax(overflow.astype(jnp.int32), DATA_AXIS) > 0
 
+        # each row's slot in the buffer its sending shard would send its owner: the position among the rows
+        # that sending shard routes to that owner (every shard computes all of them: all routing is replicated)
+        senders = owner.reshape(shards, m * k)
+        position = jnp.cumsum(jax.nn.one_hot(senders, shards, dtype=jnp.int32), axis=1) - 1
+        position = jnp.take_along_axis(position, jnp.minimum(senders, shards - 1)[..., None], axis=2)[..., 0]
+
         def exchange(operands):
             x, experts, weights, gate_up, down, gate_up_bias, down_bias = operands
-            take = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
-                jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), index * m, m)
-            my_x, my_weights = take(x), take(weights)
-            my_owner = take(owner).reshape(-1)  # [m k]; `shards` for padding rows
-            my_local = (take(experts) % local_experts).reshape(-1)
-            position = jnp.cumsum(jax.nn.one_hot(my_owner, shards, dtype=jnp.int32), axis=0) - 1
-            position = jnp.take_along_axis(position, jnp.minimum(my_owner, shards - 1)[:, None], axis=1)[:, 0]
-            rows = jnp.repeat(my_x, k, axis=0)
-            send = jnp.zeros((shards, cap, x.shape[1]), x.dtype).at[my_owner, position].set(rows, mode="drop")
-            ids = jnp.full((shards, cap), -1, jnp.int32).at[my_owner, position].set(my_local, mode="drop")
-            got = jax.lax.all_to_all(send, axes, 0, 0)  # got[j]: the rows shard j sent me
-            got_ids = jax.lax.all_to_all(ids, axes, 0, 0).reshape(-1)
-            live = got_ids >= 0
-            y = _routed_rows(got.reshape(shards * cap, -1), jnp.where(live, got_ids, 0)[:, None], gate_up, down,
-                             local_experts, implementation, gate_up_bias, down_bias, activation)
+            # the rows routed to my experts, in the [sender, slot] layout of an all-to-all's receive buffer;
+            # gathered locally: the layer input is replicated over the expert axes, so every owner already
+            # holds every token and the send leg moves nothing (it would be an all-to-all of the same size as
+            # the return leg if the tokens were split over the expert axes)
+            slot = jnp.where(senders == index, position, cap)  # cap: not mine, dropped
+            sender = jnp.arange(shards)[:, None]
+            row = jnp.full((shards, cap), -1, jnp.int32).at[sender, slot].set(
+                jnp.broadcast_to(jnp.arange(shards * m * k, dtype=jnp.int32).reshape(shards, m * k), slot.shape),
+                mode="drop").reshape(-1)
+            live = row >= 0
+            flat_experts = jnp.pad(experts, ((0, pad), (0, 0))).reshape(-1)
+            local = jnp.where(live, flat_experts[jnp.maximum(row, 0)] % local_experts, 0)
+            got = jnp.pad(x, ((0, pad), (0, 0)))[jnp.maximum(row, 0) // k]
+            y = _routed_rows(got, local[:, None], gate_up, down, local_experts, implementation, gate_up_bias,
+                             down_bias, activation)
             y = jnp.where(live[:, None], y[:, 0], jnp.zeros((), y.dtype)).reshape(shards, cap, -1)
-            back = jax.lax.all_to_all(y, axes, 0, 0)  # back[j]: my rows as shard j computed them
-            mine = back[jnp.minimum(my_owner, shards - 1), position].reshape(m, k, -1)
+            back = jax.lax.all_to_all(y, axes, 0, 0)  # back[j]: my tokens' rows as their owner j computed them
+            my_owner = jax.lax.dynamic_index_in_dim(senders, index, keepdims=False)
+            my_position = jax.lax.dynamic_index_in_dim(position, index, keepdims=False)
+            mine = back[jnp.minimum(my_owner, shards - 1), my_position].reshape(m, k, -1)
             valid = (my_owner < shards).reshape(m, k)
+            my_weights = jax.lax.dynamic_slice_in_dim(jnp.pad(weights, ((0, pad), (0, 0))), index * m, m)
             return jnp.einsum("tkh,tk->th", mine.astype(jnp.float32),
                               jnp.where(valid, my_weights.astype(jnp.float32), 0.0)).astype(x.dtype)
 
