@@ -218,7 +218,7 @@ def forward_layerwise(
     weights, tokens: jax.Array, cache, cfg, *, provider: ExpertProvider,
     num_valid: jax.Array | None = None, tap_layers: tuple[int, ...] = (), logits: str = "all",
     implementation: str = "auto", ahead: AheadHook | None = None, ahead_width: int | None = None,
-    dispatched: Callable[[int, jax.Array], None] | None = None,
+    dispatched: Callable[[int, jax.Array], None] | None = None, tree=None,
 ) -> LayerwiseOutput:
     """The family's `forward` (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE) layer by layer; MoE layer experts
     come from `provider` (see module doc).
@@ -235,6 +235,8 @@ def forward_layerwise(
     provider call and before layer i's experts are dispatched, so copies issued there overlap layer i's
     experts and layer j's attention. The first MoE layer gets no prediction; the programs are shared by all
     layers of a kind (the next layer's weights are traced arguments).
+
+    tree: a `models.decoder.TreeBlock` when `tokens` is a token tree (`spec.tree`), as for `forward`.
 
     dispatched(i, x): called right after each of layer i's expert calls (every pass) is dispatched, with its
     output x: the operands it read may be written again once x is computed (a shared device cache defers
@@ -288,6 +290,6 @@ def forward_layerwise(
         return layer.replace(mlp=fam.with_expert_pool(layer.mlp, ops.tables, ops.slot_of))
 
     out = run_layers(steps, weights, tokens, cache, num_valid=num_valid, tap_layers=tap_layers, logits=logits,
-                     return_router_logits=True, expert_hook=place_experts)
+                     return_router_logits=True, expert_hook=place_experts, tree=tree)
     seconds = list(np.diff(steps.starts))
     return LayerwiseOutput(out=out, routed=routed, layer_seconds=seconds, ahead=ahead_out, ahead_logits=ahead_logits)

@@ -72,6 +72,7 @@ from dflash_jax.spec.session import (
     Prepared, SpecState, commit_verify, draft_round_jit, init_target_cache, prepare, start_state, target_family,
     verify_block,
 )
+from dflash_jax.spec.tree import TreeShape, commit_tree_jit, prepare_tree, tree_draft_build, verify_tree_pooled
 
 # Acceptance, emission and commit/rollback of a verify forward's output (`spec.session.commit_verify`), jitted:
 # the last step of a round whose verify ran outside one program (layer by layer, or recorded by `study.rounds`).
@@ -272,6 +273,9 @@ class OffloadedGenerator:
     bandwidth: host->device bytes/s for the transfer-time estimates in the stats (default:
       `bandwidth.probe_host_to_device_bandwidth()`, measured once per process).
     buckets: the compiled shapes (`spec.requests.Buckets`; default the loops' buckets, batch padded).
+    tree: a `spec.tree.TreeShape`: each round verifies a token tree of `tree.budget` nodes (the draft's most
+      probable continuations, `spec.tree`) instead of the chain; the experts its nodes route to are fetched as
+      for a chain (None: the chain of `block_size`).
     observers: objects with `on_round(RoundStats)` called after every round of every request.
 
     Any budget from `min_budget_bytes` (one expert of each expert shape) up runs: a layer whose routed union
@@ -287,7 +291,7 @@ class OffloadedGenerator:
                  protect_previous: bool = True, verify: str = "auto", implementation: str = "auto",
                  store: HostExpertStore | None = None, pool_factory: Callable[..., Any] = ExpertCache,
                  bandwidth: float | None = None, buckets: Buckets | None = None, observers: Sequence[Any] = (),
-                 hybrid: HostCompute | None = None):
+                 hybrid: HostCompute | None = None, tree: TreeShape | None = None):
         cfg = pair.target_cfg
         if not getattr(cfg, "is_moe", False):
             raise ValueError("offloaded generation needs an MoE target (this target has no routed experts)")
@@ -303,6 +307,9 @@ class OffloadedGenerator:
         self.groups = list(zip(slab_groups(self.store), slab_slots(self.store, self.budget_bytes)))  # raises
         self.slots = int(sum(n for _, n in self.groups))
         self.hybrid = hybrid
+        if tree is not None and not isinstance(tree, TreeShape):
+            raise TypeError(f"tree must be a spec.tree.TreeShape, got {type(tree).__name__}")
+        self.tree = tree
         self._host_tables: dict[int, tuple] = {}
         if isinstance(prefetcher, str):
             prefetcher = make_predictor(prefetcher, pair.target, cfg, width=width)
@@ -339,14 +346,17 @@ class OffloadedGenerator:
         `trace`)."""
         compile_cache.ensure_enabled()
         t_start = time.perf_counter()
-        prep = prepare(self.pair, prompts, block_size=self.block_size, max_new_tokens=max_new_tokens,
-                       sampling=sampling, stop_ids=stop_ids, seed=seed, buckets=self.buckets)
+        request = dict(block_size=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                       stop_ids=stop_ids, seed=seed, buckets=self.buckets)
+        prep = (prepare(self.pair, prompts, **request) if self.tree is None
+                else prepare_tree(self.pair, prompts, widest=self.tree.budget, **request))
         spec, cfg, store = prep.spec, self.cfg, self.store
         batch = prep.tokens.shape[0]
+        verify_width = max(spec.block_size, self.tree.budget if self.tree else 0)
 
         # ---- prefill: every layer's table streamed through the device once ----
         lengths = jnp.asarray(prep.lengths)
-        cache = init_target_cache(cfg, batch, spec.max_len, self.pair.target.embed.dtype, verify_width=spec.block_size)
+        cache = init_target_cache(cfg, batch, spec.max_len, self.pair.target.embed.dtype, verify_width=verify_width)
         pre = forward_layerwise(self.stripped, jnp.asarray(prep.tokens), cache, cfg, provider=self._whole_table,
                                 num_valid=lengths, tap_layers=spec.taps, logits="last",
                                 implementation=self.implementation)
@@ -358,7 +368,7 @@ class OffloadedGenerator:
         # ---- placement and pool ----
         valid = (np.arange(prep.tokens.shape[1])[None, :] < prep.lengths[:, None]).reshape(-1)
         profile = routing_profile({l: e[valid] for l, e in pre.routed.items()}, store.num_experts)
-        reserve = cache_reserve(store.num_experts, self.top_k, batch, spec.block_size)
+        reserve = cache_reserve(store.num_experts, self.top_k, batch, verify_width)
         pinned = plan_shared(profile, self.groups, reserve) if self.pin else {l: np.zeros(0, np.int32)
                                                                                for l in self.layers}
         if self.pin is not True and self.pin:  # at most `pin` pins: the hottest of the plan
@@ -390,12 +400,18 @@ class OffloadedGenerator:
 
         t0 = time.perf_counter()
         self.prefetcher.before_draft(rec)
-        draft = draft_round_jit(self.stripped, self.pair.draft, state, spec)
-        jax.block_until_ready(draft.tokens)
+        if self.tree is None:
+            draft = draft_round_jit(self.stripped, self.pair.draft, state, spec)
+            block, proposals = verify_block(state, draft), draft.tokens
+        else:  # the verify block is the tree's nodes; route-ahead reads each node's draft hidden state
+            tree, draft = tree_draft_build(self.stripped, self.pair.draft, state, spec, self.tree)
+            block, proposals = tree.tokens, tree.tokens[:, 1:]
+        jax.block_until_ready(block)
         t1 = time.perf_counter()
         if self.prefetcher.needs_draft:
-            inputs.draft_tokens, inputs.draft_hidden = draft.tokens, draft.hidden
-            inputs.block_tokens = verify_block(state, draft)
+            inputs.draft_tokens = proposals
+            inputs.draft_hidden = draft.hidden if self.tree is None else draft.node_hidden(tree)
+            inputs.block_tokens = block
         self.prefetcher.after_draft(rec)
         layer_stats = {}
 
@@ -421,7 +437,14 @@ class OffloadedGenerator:
 
         t2 = time.perf_counter()
         logits = None
-        if session.full_pool:
+        if session.full_pool and self.tree is not None:
+            state, _, router_experts = verify_tree_pooled(pool.pooled_weights(self.stripped), state, tree,
+                                                          draft.draft_cache, spec, self.implementation)
+            pool.returned(router_experts)
+            routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
+            for l in layers:
+                on_demand(l, routed[l])
+        elif session.full_pool:
             state, router_experts, router_logits = _verify_on_full_pool(
                 pool.pooled_weights(self.stripped), state, draft, spec, self.implementation, self.wants_logits)
             pool.returned(router_experts)
@@ -432,11 +455,15 @@ class OffloadedGenerator:
         else:
             width = self.prefetcher.in_verify_width(top_k)
             ahead = None if width is None else functools.partial(self.prefetcher.in_verify, rec)
-            verify = forward_layerwise(self.stripped, verify_block(state, draft), state.target_cache, self.cfg,
+            verify = forward_layerwise(self.stripped, block, state.target_cache, self.cfg,
                                        provider=on_demand, tap_layers=spec.taps, logits="all",
                                        implementation=self.implementation, ahead=ahead, ahead_width=width,
-                                       dispatched=lambda i, x: pool.returned(x))
-            state = commit_verify_jit(state, draft, verify.out, spec)
+                                       dispatched=lambda i, x: pool.returned(x),
+                                       tree=None if self.tree is None else tree.block())
+            if self.tree is None:
+                state = commit_verify_jit(state, draft, verify.out, spec)
+            else:
+                state, _ = commit_tree_jit(state, tree, draft.draft_cache, verify.out, spec)
             routed = verify.routed
             logits = verify.out.router_logits
         pool.release()
@@ -447,7 +474,7 @@ class OffloadedGenerator:
 
         live = ~before["done"]
         tokens = RoundTokens(
-            live=live, anchor=before["anchor"], proposals=np.asarray(draft.tokens), accepted=np.asarray(acc),
+            live=live, anchor=before["anchor"], proposals=np.asarray(proposals), accepted=np.asarray(acc),
             bonus=np.asarray(bonus),
             emitted=[list(map(int, output[i, before["num_generated"][i]:num[i]])) if live[i] else []
                      for i in range(len(live))])
@@ -522,6 +549,7 @@ class OffloadedGenerator:
         }
         run_stats = {
             "loop": "offloaded", "seconds": seconds, "block_size": spec.block_size, "method": spec.method,
+            "tree": None if self.tree is None else {"budget": self.tree.budget, "branch": self.tree.branch},
             "shapes": {"batch": int(prep.tokens.shape[0]), "prompt": int(prep.tokens.shape[1]),
                        "output": spec.output_len, "cache": spec.max_len},
             "time_split": {"prefill_s": session.prefill_s, "draft_s": session.draft_s, "verify_s": session.verify_s,

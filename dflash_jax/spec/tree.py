@@ -247,6 +247,11 @@ def commit_path(cache, start: jax.Array, path: jax.Array):
 class TreeDraft:
     logprobs: jax.Array  # [b, B-1, V] the draft's log-probabilities at block positions 1..B-1
     draft_cache: object  # with this round's context rows appended
+    hidden: jax.Array | None = None  # [b, B, H] the draft's final-normed hidden states (route-ahead input)
+
+    def node_hidden(self, tree: "Tree") -> jax.Array:
+        """[b, N, H]: each tree node's draft hidden state (the block position at its depth)."""
+        return jnp.take_along_axis(self.hidden, tree.depth[..., None], axis=1)
 
 
 def tree_draft(target_w, draft_w, state: SpecState, spec: SpecConfig) -> TreeDraft:
@@ -256,11 +261,11 @@ def tree_draft(target_w, draft_w, state: SpecState, spec: SpecConfig) -> TreeDra
     gamma = spec.block_size - 1
     block = jnp.concatenate(
         [state.anchor[:, None], jnp.full((b, gamma), spec.draft.mask_token_id, jnp.int32)], axis=1)
-    logits, _, draft_cache = draft_model.draft_forward(
+    logits, hidden, draft_cache = draft_model.draft_forward(
         draft_w, spec.draft, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=block,
         context_features=state.context, num_context=state.num_context, cache=state.draft_cache)
     return TreeDraft(logprobs=jax.nn.log_softmax(logits[:, 1:].astype(jnp.float32), axis=-1),
-                     draft_cache=draft_cache)
+                     draft_cache=draft_cache, hidden=hidden)
 
 
 @struct.dataclass
@@ -286,15 +291,25 @@ def _expert_union(router_experts, num_experts: int) -> jax.Array:
     return jnp.mean(jnp.stack(counts).astype(jnp.float32), axis=0)
 
 
+def tree_forward(target_w, state: SpecState, tree: Tree, spec: SpecConfig, implementation: str = "auto"):
+    """The width-N target forward over the tree (a `ForwardOutput` with every node's logits and the taps)."""
+    return family_of(spec.target).forward(target_w, tree.tokens, state.target_cache, spec.target, tap_layers=spec.taps,
+                                          logits="all", tree=tree.block(), implementation=implementation)
+
+
 def verify_tree(target_w, state: SpecState, tree: Tree, draft_cache, spec: SpecConfig):
     """Width-N target forward over the tree, acceptance (greedy or per-node draws), emission and commit.
     Returns (state, TreeRoundInfo)."""
+    return commit_tree(state, tree, draft_cache, tree_forward(target_w, state, tree, spec), spec)
+
+
+def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig):
+    """Acceptance, emission and commit of a tree verify's output `out` (`tree_forward`, or the same forward run
+    layer by layer with offloaded experts). Returns (state, TreeRoundInfo)."""
     fam = family_of(spec.target)
     start = state.target_cache.lengths
     key, k_acc = _split_rows(state.key)
     rows = state.params.sampling
-    out = fam.forward(target_w, tree.tokens, state.target_cache, spec.target, tap_layers=spec.taps,
-                      logits="all", tree=tree.block())
     target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
 
     def sampled():  # one independent draw per node (see the module doc: the sibling rejection rule)
@@ -337,6 +352,27 @@ def tree_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: Tre
 
 
 tree_round_jit = jax.jit(tree_round, static_argnames=("spec", "shape"), donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "shape"))
+def tree_draft_build(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape):
+    """The round's draft and its tree, jitted (the first half of a round whose verify runs elsewhere, e.g. layer
+    by layer with offloaded experts). Returns (Tree, TreeDraft)."""
+    draft = tree_draft(target_w, draft_w, state, spec)
+    return build_tree(state.anchor, draft.logprobs, shape), draft
+
+
+commit_tree_jit = jax.jit(commit_tree, static_argnames=("spec",))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "implementation"))
+def verify_tree_pooled(target_w, state: SpecState, tree: Tree, draft_cache, spec: SpecConfig,
+                       implementation: str = "auto"):
+    """`verify_tree` as one program that also returns the forward's per-layer router experts (an offloaded
+    target whose pool holds every expert). Returns (state, TreeRoundInfo, router_experts)."""
+    out = tree_forward(target_w, state, tree, spec, implementation)
+    new, info = commit_tree(state, tree, draft_cache, out, spec)
+    return new, info, out.router_experts
 
 
 # ----------------------------------------------------------------------------------------------------------
