@@ -2,15 +2,16 @@
 speculation (block size 1), at concurrency 1, 4, 16, 32.
 
   python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 2] [--max-tokens 64]
-                             [--prompt-len 64] [--block-sizes 8,4] [--repeats 2] [--out DIR | --write-docs]
+                             [--prompt-len 64] [--modes auto8,8,4] [--repeats 2] [--out DIR | --write-docs]
 
-For each concurrency c and each mode (every DFlash block size, and B=1): an engine of c slots is built and
+For each concurrency c and each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by
+its cost model; a fixed block size N; and B=1): an engine of c slots is built and
 warmed up (compiles excluded) behind the OpenAI-compatible server on 127.0.0.1 (uvicorn, in this process);
 c clients (asyncio + httpx, in a separate process, as real clients are) each send `--requests-per-client`
 streaming completions back to back, at least 8 requests per point (prompts: token windows of the pair's
 held-out standard-library files; greedy; `ignore_eos`, so every mode produces exactly the same tokens, which
-is checked). The modes alternate for `--repeats` runs and the best run of each is kept, so a busy spell of
-the (shared) machine does not land on one mode only.
+is checked). The modes alternate for `--repeats` runs (the order reversed every other run), so a busy spell of
+the (shared) machine does not land on one mode only; the speedup is the median of the per-run ratios to B=1.
 
 Measured: output tokens/s over the run, TTFT and inter-token latency (each streamed chunk's gap spread over
 the tokens it carries) p50 / p99, tokens per verify (acceptance) and expert bytes per round (the union of the
@@ -110,13 +111,16 @@ def metric_sum(text: str, name: str) -> float:
 class Point:
     """One mode at one concurrency: a warmed engine behind a running server."""
 
-    def __init__(self, pair, tokenizer, block_size, concurrency, prompt_len, max_tokens):
+    def __init__(self, pair, tokenizer, mode, concurrency, prompt_len, max_tokens):
         from dflash_jax.serve.engine import Engine
         from dflash_jax.serve.server import create_app
 
-        self.block_size, self.concurrency = block_size, concurrency
-        self.engine = Engine(pair, slots=concurrency, block_size=block_size, max_prompt_len=prompt_len,
-                             max_new_tokens=max_tokens, max_queue=4 * concurrency)
+        self.mode, self.concurrency = mode, concurrency
+        adaptive = mode.startswith("auto")
+        self.block_size = int(mode[4:] if adaptive else mode)
+        self.engine = Engine(pair, slots=concurrency, block_size=self.block_size, max_prompt_len=prompt_len,
+                             max_new_tokens=max_tokens, max_queue=4 * concurrency,
+                             widths="auto" if adaptive else None)
         t = time.perf_counter()
         self.engine.warmup([prompt_len])
         self.warm_s = time.perf_counter() - t
@@ -128,7 +132,11 @@ class Point:
         text = httpx.get(self.base + "/metrics").text
         names = ("dflash_rounds_total", "dflash_acceptance_length_count", "dflash_acceptance_length_sum",
                  "dflash_round_expert_bytes_sum", "dflash_round_expert_bytes_count", "dflash_compile_events_total")
-        return {n: metric_sum(text, n) for n in names}
+        out = {n: metric_sum(text, n) for n in names}
+        for line in text.splitlines():
+            if line.startswith("dflash_round_width_total{"):
+                out["width " + line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        return out
 
     def close(self):
         self.server.should_exit = True
@@ -140,7 +148,7 @@ def measure(point: Point, work, max_tokens) -> dict:
     before = point.metrics()
     records, wall = run_clients(point.base, work, max_tokens)
     after = point.metrics()
-    m = {k: after[k] - before[k] for k in after}
+    m = {k: after[k] - before.get(k, 0.0) for k in after}
     tokens = sum(len(r["ids"]) for r in records)
     ttft = [r["stamps"][0][0] - r["t0"] for r in records if r["stamps"]]
     itl = []
@@ -149,7 +157,7 @@ def measure(point: Point, work, max_tokens) -> dict:
             itl += [(b - a) / n] * n
     verified, count = m["dflash_acceptance_length_count"], m["dflash_round_expert_bytes_count"]
     return {
-        "block_size": point.block_size, "concurrency": point.concurrency, "requests": len(records), "tokens": tokens,
+        "mode": point.mode, "block_size": point.block_size, "concurrency": point.concurrency, "requests": len(records), "tokens": tokens,
         "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
         "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 1), "ttft_ms_p99": round(1e3 * percentile(ttft, 99), 1),
         "itl_ms_p50": round(1e3 * percentile(itl, 50), 2), "itl_ms_p99": round(1e3 * percentile(itl, 99), 2),
@@ -158,8 +166,16 @@ def measure(point: Point, work, max_tokens) -> dict:
         "expert_mb_per_round": round(m["dflash_round_expert_bytes_sum"] / count / 1e6, 4) if count else None,
         "all_expert_mb": round(float(point.engine.expert_bytes.sum()) / 1e6, 4),
         "compiles_while_serving": int(m["dflash_compile_events_total"]), "warmup_s": round(point.warm_s, 1),
+        "rounds_by_width": {k.split()[1]: int(v) for k, v in sorted(m.items()) if k.startswith("width ") and v},
+        "round_ms_by_width": {str(w): round(1e3 * t, 2) for w, t in (point.engine.round_seconds or {}).items()},
         "outputs": {json.dumps(r["prompt"]): r["ids"] for r in records},
     }
+
+
+def mode_label(mode: str) -> str:
+    if mode.startswith("auto"):
+        return f"DFlash, width by load (<= {mode[4:]})"
+    return f"DFlash B={mode}" if mode != "1" else "no speculation (B=1)"
 
 
 def plot(rows, path) -> bool:
@@ -173,10 +189,10 @@ def plot(rows, path) -> bool:
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.6))
     styles = ["o-", "^-", "v-", "d-"]
-    blocks = sorted({r["block_size"] for r in rows if r["block_size"] > 1}, reverse=True)
-    for i, (b, style) in enumerate([(b, styles[i % 4]) for i, b in enumerate(blocks)] + [(1, "s--")]):
-        sel = sorted((r for r in rows if r["block_size"] == b), key=lambda r: r["concurrency"])
-        label = f"DFlash B={b}" if b > 1 else "no speculation (B=1)"
+    modes = list(dict.fromkeys(r["mode"] for r in rows if r["mode"] != "1"))
+    for i, (mode, style) in enumerate([(m, styles[i % 4]) for i, m in enumerate(modes)] + [("1", "s--")]):
+        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+        label = mode_label(mode)
         cs = [r["concurrency"] for r in sel]
         color = f"C{i}"
         ax1.plot(cs, [r["tokens_per_s"] for r in sel], style, color=color, label=label)
@@ -203,9 +219,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="load runs per mode and concurrency (best kept)")
-    p.add_argument("--block-sizes", default="8,4",
-                   help="DFlash block sizes to serve with (default 8,4: the shipped pair's fastest at batch 1 on CPU, "
-                        "docs/benchmarks/tiny_pair.md, and a narrower verify for compute-bound batches)")
+    p.add_argument("--modes", default="auto8,8,4",
+                   help="DFlash modes besides B=1: `autoN` (the verify width chosen per round by the engine's cost "
+                        "model from 1, 2, 4, .. N) or a fixed block size N (default auto8,8,4)")
     add_output_args(p)
     args = p.parse_args(argv)
     out_dir = output_dir(args)
@@ -223,45 +239,53 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     n_prompts = max(levels) * args.requests_per_client
     prompts = file_windows(pair, "held_out", n_prompts, args.prompt_len)
-    blocks = [int(b) for b in args.block_sizes.split(",")]
-    modes = blocks + [1]
+    dmodes = [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "1"]
+    modes = dmodes + ["1"]
     rows = []
+    paired: dict = {m: {} for m in dmodes}  # mode -> concurrency -> [ratio to B=1 in the same repeat]
     t_start = time.perf_counter()
     for c in levels:
-        points = [Point(pair, tokenizer, b, c, args.prompt_len, args.max_tokens) for b in modes]
+        points = [Point(pair, tokenizer, m, c, args.prompt_len, args.max_tokens) for m in modes]
         per_client = max(args.requests_per_client, -(-8 // c))  # at least 8 requests per point (low c is noisy)
         work = [[prompts[(i * per_client + j) % len(prompts)] for j in range(per_client)] for i in range(c)]
         best = {}
         try:
-            for rep in range(args.repeats):  # the modes alternate, so a busy spell of the machine hits both
-                for point in points:
+            for rep in range(args.repeats):  # the modes alternate, so a busy spell of the machine hits all
+                this = {}
+                for point in (points if rep % 2 == 0 else points[::-1]):
                     row = measure(point, work, args.max_tokens)
-                    if point.block_size not in best or row["tokens_per_s"] > best[point.block_size]["tokens_per_s"]:
-                        best[point.block_size] = row
-                    print(f"c={c:>3} B={point.block_size:>2} run {rep + 1}: {row['tokens_per_s']:>8.1f} tok/s  "
+                    this[point.mode] = row["tokens_per_s"]
+                    if point.mode not in best or row["tokens_per_s"] > best[point.mode]["tokens_per_s"]:
+                        best[point.mode] = row
+                    print(f"c={c:>3} {point.mode:>6} run {rep + 1}: {row['tokens_per_s']:>8.1f} tok/s  "
                           f"TTFT p50 {row['ttft_ms_p50']:.0f} ms  ITL p50 {row['itl_ms_p50']:.2f} ms "
-                          f"p99 {row['itl_ms_p99']:.2f} ms  tau {row['tokens_per_verify']}  ({row['wall_s']:.1f}s run, "
-                          f"{row['warmup_s']:.0f}s warm-up, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
+                          f"p99 {row['itl_ms_p99']:.2f} ms  tau {row['tokens_per_verify']} widths "
+                          f"{row['rounds_by_width']}  ({row['wall_s']:.1f}s run, {row['warmup_s']:.0f}s warm-up, "
+                          f"{time.perf_counter() - t_start:.0f}s so far)", flush=True)
+                for m in dmodes:
+                    paired[m].setdefault(c, []).append(this[m] / this["1"])
         finally:
             for point in points:
                 point.close()
-        rows += [best[b] for b in modes]
+        rows += [best[m] for m in modes]
     # lossless: with ignore_eos and greedy decoding both modes emit exactly the same tokens for every prompt
-    def row_of(c, b):
-        return next(r for r in rows if r["concurrency"] == c and r["block_size"] == b)
+    def row_of(c, m):
+        return next(r for r in rows if r["concurrency"] == c and r["mode"] == m)
 
     for c in levels:
-        plain = row_of(c, 1)
-        for b in modes:
-            assert row_of(c, b)["outputs"] == plain["outputs"], f"B={b} and B=1 outputs differ at concurrency {c}"
-            assert row_of(c, b)["compiles_while_serving"] == 0
-    speedups = {b: {c: round(row_of(c, b)["tokens_per_s"] / row_of(c, 1)["tokens_per_s"], 2) for c in levels}
-                for b in blocks}
-    best_speedup = {c: max(speedups[b][c] for b in blocks) for c in levels}
+        plain = row_of(c, "1")
+        for m in modes:
+            assert row_of(c, m)["outputs"] == plain["outputs"], f"{m} and B=1 outputs differ at concurrency {c}"
+            assert row_of(c, m)["compiles_while_serving"] == 0
+    # the speedup: the median over repeats of the ratio to B=1 measured in the same repeat (paired)
+    speedups = {m: {c: round(float(np.median(paired[m][c])), 2) for c in levels} for m in dmodes}
+    ratio_ranges = {m: {c: [round(min(paired[m][c]), 2), round(max(paired[m][c]), 2)] for c in levels}
+                    for m in dmodes}
     result = {
-        "benchmark": "serve", "block_sizes": blocks, "best_speedup_by_concurrency": best_speedup,
+        "benchmark": "serve", "modes": dmodes, "speedup_by_mode_and_concurrency": speedups,
+        "paired_ratio_range": ratio_ranges, "repeats": args.repeats,
         "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
-        "requests_per_client": args.requests_per_client, "speedup_by_block_and_concurrency": speedups,
+        "requests_per_client": args.requests_per_client,
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},
@@ -278,19 +302,22 @@ def main(argv=None) -> int:
         f"Each client sends {args.requests_per_client} streaming greedy completions back to back (at least 8 requests "
         "per point) "
         f"({args.prompt_len}-token prompts from held-out stdlib files, {args.max_tokens} tokens each, `ignore_eos`); "
-        f"the engine has as many slots as clients; each point is the best of {args.repeats} runs, the modes "
-        "alternating. DFlash (B = " + " and ".join(map(str, blocks)) + ") and no speculation (B=1) produced identical "
-        "tokens for every prompt (checked), and no compile happened while serving.", "",
-        "| concurrency | mode | tokens/s | speedup | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tokens per verify | "
-        "expert MB per round (of all) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        f"the engine has as many slots as clients. {args.repeats} runs per point, the modes alternating (order "
+        "reversed every other run); tokens/s and latencies: the best run; speedup: the median over the runs of "
+        "the ratio to B=1 measured in the same run (range in brackets). Every mode produced the same tokens as "
+        "no speculation (B=1) for every prompt (checked), and no compile happened while serving.", "",
+        "| concurrency | mode | tokens/s | speedup [range] | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tokens per verify "
+        "| rounds by width | expert MB per round (of all) |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
-        mode = f"DFlash B={r['block_size']}" if r["block_size"] > 1 else "B=1"
-        sp = f"{speedups[r['block_size']][r['concurrency']]:.2f}x" if r["block_size"] > 1 else ""
-        lines.append(f"| {r['concurrency']} | {mode} | {r['tokens_per_s']:.1f} | {sp} | {r['ttft_ms_p50']:.0f} / "
+        m = r["mode"]
+        sp = (f"{speedups[m][r['concurrency']]:.2f}x [{ratio_ranges[m][r['concurrency']][0]:.2f}-"
+              f"{ratio_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
+        widths = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_width"].items(), key=lambda x: int(x[0])))
+        lines.append(f"| {r['concurrency']} | {mode_label(m)} | {r['tokens_per_s']:.1f} | {sp} | {r['ttft_ms_p50']:.0f} / "
                      f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.2f} / {r['itl_ms_p99']:.2f} | "
-                     f"{r['tokens_per_verify']} | {r['expert_mb_per_round']} ({r['all_expert_mb']}) |")
+                     f"{r['tokens_per_verify']} | {widths} | {r['expert_mb_per_round']} ({r['all_expert_mb']}) |")
     lines += ["", "ITL: each streamed chunk's gap after the previous chunk, spread evenly over the tokens it carries "
               "(DFlash delivers several tokens per round). Expert MB per round: the bytes of the union of the "
               "experts the verified rows' drafted blocks are projected to route to (the draft-router projection the "

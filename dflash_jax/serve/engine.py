@@ -474,7 +474,7 @@ class Engine:
         self.warm = True
         return time.perf_counter() - t0
 
-    def measure_rounds(self, repeats: int = 3) -> dict:
+    def measure_rounds(self, repeats: int = 5) -> dict:
         """{width: seconds} of one round (draft + host transfer of the demand + verify of every slot; compute
         does not depend on which rows are live), the fastest of `repeats`, widths interleaved so a busy spell
         of the machine does not land on one width only. Needs the programs compiled (`warmup`)."""

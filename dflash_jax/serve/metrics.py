@@ -34,6 +34,8 @@ class Metrics:
                                registry=r)
         self.compiles = Counter("dflash_compile_events", "XLA compiles during serving rounds", registry=r)
         self.rounds = Counter("dflash_rounds", "Engine rounds run", registry=r)
+        self.widths = Counter("dflash_round_width", "Rounds that verified at each width (the engine's choice)",
+                              ["width"], registry=r)
         self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
         self.finished = Counter("dflash_requests_finished", "Requests finished, by finish reason", ["reason"],
                                 registry=r)
@@ -52,6 +54,8 @@ class Metrics:
         self.sat_out.inc(info.live - info.verified)
         self.compiles.inc(info.compiles)
         self.rounds.inc()
+        if info.width:
+            self.widths.labels(width=str(info.width)).inc()
         self.round_seconds.observe(info.seconds)
         for reason in info.finished:
             self.finished.labels(reason=reason).inc()
