@@ -169,6 +169,18 @@ def _verify(target_w, state: SpecState, draft, active, spec: SpecConfig, wide: S
     return _keep_rows(active, new, state)
 
 
+def _on_mesh(method):
+    """Runs an Engine method under `jax.set_mesh(engine.mesh)` when the engine has a mesh (`nn.moe` then traces
+    its expert-parallel dispatch; jit's cache is keyed by the context mesh)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.mesh is None:
+            return method(self, *args, **kwargs)
+        with jax.set_mesh(self.mesh):
+            return method(self, *args, **kwargs)
+    return run
+
+
 def default_widths(block_size: int) -> tuple[int, ...]:
     """The verify widths an adaptive engine chooses from: 1, the powers of two below `block_size`, and it."""
     out, w = [], 1
@@ -262,13 +274,15 @@ class Engine:
     max_prompt_len / max_new_tokens: the largest request served (requests beyond them get a RequestError);
     they fix the cache and output-buffer shapes. method: acceptance rule of sampled requests
     ("exact_match" | "rejection"). token_budget / expert_byte_budget: the scheduler's per-round budgets
-    (None: unlimited). max_queue: requests waiting for a slot before `submit` raises QueueFull."""
+    (None: unlimited). max_queue: requests waiting for a slot before `submit` raises QueueFull.
+    mesh: a (data, expert, tensor) `jax.sharding` mesh (`dflash_jax.sharding.make_mesh`): the pair is placed on
+    it by its weight declarations and every round runs on it (outputs equal the single-device engine's)."""
 
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
                  expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
-                 acceptance_prior: float = 0.7):
+                 acceptance_prior: float = 0.7, mesh=None):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -298,6 +312,10 @@ class Engine:
             raise ValueError(f"method must be 'exact_match' or 'rejection', got {method!r}")
         if getattr(tcfg, "moe", None) is None:
             raise ValueError("the serving engine's scheduler needs an MoE target (num_experts); this target is dense")
+        if mesh is not None:  # weights placed by their declarations; every jitted call traced under the mesh
+            from dflash_jax.sharding import shard_pair
+            pair = shard_pair(pair, mesh)
+        self.mesh = mesh
         self.pair, self.slots, self.block_size, self.method = pair, int(slots), int(block_size), method
         self.buckets = rq.DEFAULT_BUCKETS if buckets is None else buckets
         self.max_prompt_len = self.buckets.prompt_len(int(max_prompt_len))
@@ -439,6 +457,7 @@ class Engine:
         rows = jax.tree.map(lambda x: jnp.concatenate([x] * self.slots, axis=0), row)
         return rows.replace(done=jnp.ones((self.slots,), bool))
 
+    @_on_mesh
     def warmup(self, prompt_buckets: Sequence[int] | None = None) -> float:
         """Compiles the prefill for every prompt bucket up to max_prompt_len (or the given lengths), the
         insert, the draft and the verify. Returns the seconds it took."""
@@ -474,6 +493,7 @@ class Engine:
         self.warm = True
         return time.perf_counter() - t0
 
+    @_on_mesh
     def measure_rounds(self, repeats: int = 5) -> dict:
         """{width: seconds} of one round (draft + host transfer of the demand + verify of every slot; compute
         does not depend on which rows are live), the fastest of `repeats`, widths interleaved so a busy spell
@@ -548,6 +568,7 @@ class Engine:
     def _reason(self, req: Request) -> str:
         return "stop" if req.tokens and req.tokens[-1] in req.stop_ids else "length"
 
+    @_on_mesh
     def step(self) -> RoundInfo:
         """One round: admissions, draft, schedule, verify, emission. Returns what it did."""
         info = RoundInfo()

@@ -96,7 +96,10 @@ def weight_shardings(weights, declared: dict[str, declare.Target], mesh) -> Any:
 
 def put(value, sharding: NamedSharding):
     """`value` (host or device array) as a global array with `sharding`; each process supplies only the
-    pieces its own devices hold, so it also places onto a mesh spanning several processes."""
+    pieces its own devices hold, so it also places onto a mesh spanning several processes. An array already
+    in `sharding` (e.g. restored by `dflash_jax.load(mesh=)`) is returned as it is."""
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
