@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: unlimited)")
     p.add_argument("--grace-seconds", type=float, default=10.0,
                    help="on shutdown, how long in-flight requests may run before they are cancelled")
+    p.add_argument("--mesh", default=None,
+                   help="serve on a device mesh, e.g. expert=4,tensor=2 (axes data, expert, tensor; their sizes multiply "
+                        "to at most the device count): the pair is restored into its shardings (docs/sharding.md)")
     p.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
     p.add_argument("--no-compile-cache", action="store_true", help="skip the persistent compilation cache")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -51,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Flag errors a user can make, before anything heavy is imported."""
+    if getattr(args, "mesh", None) is not None:
+        from dflash_jax.sharding import parse_mesh_spec
+
+        parse_mesh_spec(args.mesh)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     for name in ("slots", "max_prompt_len", "max_new_tokens"):
@@ -102,9 +109,14 @@ def build_app(args):
     else:
         compile_cache.ensure_enabled()
     directory = args.checkpoint or SHIPPED_PAIR
-    pair = dflash_jax.load(directory)
+    mesh = None
+    if getattr(args, "mesh", None) is not None:
+        from dflash_jax.sharding import make_mesh
+
+        mesh = make_mesh(args.mesh)
+    pair = dflash_jax.load(directory, mesh=mesh)
     try:
-        engine = Engine(pair, slots=args.slots, block_size=args.block_size, max_prompt_len=args.max_prompt_len,
+        engine = Engine(pair, mesh=mesh, slots=args.slots, block_size=args.block_size, max_prompt_len=args.max_prompt_len,
                         max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                         expert_byte_budget=None if args.round_expert_mb is None else args.round_expert_mb * 1e6,
                         max_queue=args.max_queue)
