@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 from _output import add_output_args, output_dir  # noqa: E402
 
 from dflash_jax.config import from_hf_config  # noqa: E402
+from dflash_jax.nn import moe  # noqa: E402
 from dflash_jax.models.family import family_of  # noqa: E402
 from dflash_jax.quant import MXFP4Tensor  # noqa: E402
 from dflash_jax.sharding import describe, make_mesh, plan, weight_shardings  # noqa: E402
@@ -221,6 +222,7 @@ def markdown(result: dict) -> str:
             f"{r['nvlink_bandwidth_us']:.1f} | {r['weights_per_device_gb']:.1f} |")
     lines += ["", _itemsize_note() + ".", "", "## What it means", ""]
     lines += result.get("notes", [])
+    lines += dispatch_markdown(result)
     return "\n".join(lines) + "\n"
 
 
@@ -239,12 +241,203 @@ def notes(rows: list[dict], latency_us: float) -> list[str]:
             f"{min(r['weights_per_device_gb'] for r in mine):.1f}-{max(r['weights_per_device_gb'] for r in mine):.1f}"
             f" GB of {mine[0]['weights_total_gb']:.1f} GB.")
     out.append(
-        f"- Dispatch choice: the MoE layers use all-gather-free dispatch + one psum per layer (tokens are already on "
-        f"every expert shard after tensor-parallel attention). A ragged all-to-all would send each token's k rows to "
-        f"their owners and back: two collectives per layer instead of one, i.e. {latency_us:.0f} us more per layer at "
-        f"these widths, for at most a few hundred KB less; it only pays past the width where the psum's bytes cost "
-        f"more than one collective's latency (the psum sends 7 T H bytes per device on 8 devices: about T > 220 "
-        f"tokens for H = 2880 at 450 GB/s and 10 us): prefill, not verify.")
+        "- Dispatch: these verify rows run the psum dispatch (what `auto` picks at these widths: one all-reduce "
+        "of T x H fp32 per layer, no dispatch collective since every expert shard already holds the tokens after "
+        "the attention); the all-to-all dispatch and the comparison by width are in the next section.")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MoE dispatch by width: psum vs all-to-all (one MoE layer, release shapes, compiled HLO + CPU wall time)
+# ----------------------------------------------------------------------------------------------------------
+
+DISPATCH_MESH = "expert=8,tensor=1"
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+))")
+
+
+def dispatch_collectives(hlo: str) -> tuple[list[dict], list[dict]]:
+    """(collectives a layer runs when its routing fits the all-to-all capacity, those of the psum fallback
+    branch that runs only when it does not): a collective in a `conditional`'s branch without an all-to-all
+    belongs to the fallback."""
+    where, comp = [], None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line[:1].isspace():  # computations start at column 0, their instructions are indented
+            comp = m[1]
+        where.append(comp)
+    branches = set()
+    for m in _BRANCHES.finditer(hlo):
+        names = m[1].split(",") if m[1] else [m[2], m[3]]
+        branches.update(n.strip().lstrip("%") for n in names)
+    has_a2a = {c for line, c in zip(hlo.splitlines(), where) if " all-to-all(" in line or "all-to-all-start(" in line}
+    run, fallback = [], []
+    for line, c in zip(hlo.splitlines(), where):
+        found = collectives(line)
+        if found:
+            (fallback if c in branches and c not in has_a2a else run).extend(found)
+    return run, fallback
+
+
+def moe_layer(model: str):
+    """Layer 0's MoE tables of `model` (abstract, as the verify benchmark declares them), its config."""
+    cfg = config(model, 2)
+    weights = abstract_weights(cfg, EXPERT_FORMAT[model])
+    mlp = weights.layers[0].mlp
+    return cfg, mlp
+
+
+def dispatch_hlo(model: str, width: int, mode: str, mesh) -> str:
+    cfg, mlp = moe_layer(model)
+    fam = family_of(cfg)
+    shardings = weight_shardings(abstract_weights(cfg, EXPERT_FORMAT[model]), fam.sharded_declarations(cfg), mesh)
+    mlp_sh = shardings.layers[0].mlp
+    mlp = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), mlp, mlp_sh)
+    h, k = cfg.hidden_size, cfg.moe.top_k
+    x = jax.ShapeDtypeStruct((width, h), jnp.bfloat16)
+    experts = jax.ShapeDtypeStruct((width, k), jnp.int32)
+    weights = jax.ShapeDtypeStruct((width, k), jnp.float32)
+
+    def layer(x, experts, weights, mlp):
+        return moe.swiglu_experts(x, experts, weights, mlp.gate_up, mlp.down, implementation="xla",
+                                  gate_up_bias=getattr(mlp, "gate_up_bias", None),
+                                  down_bias=getattr(mlp, "down_bias", None), dispatch=mode)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(layer).lower(x, experts, weights, mlp).compile().as_text()
+
+
+def dispatch_row(model: str, width: int, mesh) -> dict:
+    cfg, _ = moe_layer(model)
+    e, k, h = cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size
+    shards = 1
+    for a in moe.expert_axes(e, mesh):
+        shards *= mesh.shape[a]
+    row = {"model": model, "width": width, "mesh": describe(mesh), "experts": e, "top_k": k, "hidden": h,
+           "shards": shards, "auto": moe.choose_dispatch("auto", width, h, k, shards, e // shards)}
+    for mode in ("psum", "all_to_all"):
+        t0 = time.perf_counter()
+        run, fallback = dispatch_collectives(dispatch_hlo(model, width, mode, mesh))
+        s = summarize(run)
+        row[mode] = {"count": s["count"], "bytes": s["bytes"], "wire_bytes": s["wire_bytes"],
+                     "ops": {op: v["count"] for op, v in s["by_op"].items()},
+                     "fallback_count": len(fallback), "fallback_bytes": sum(c["bytes"] for c in fallback),
+                     "nvlink_us": 1e6 * (s["count"] * moe.COLLECTIVE_LATENCY_S + s["wire_bytes"] / NVLINK_BYTES_PER_S),
+                     "model_us": 1e6 * moe.dispatch_cost(mode, width, h, k, shards, e // shards),
+                     "compile_s": time.perf_counter() - t0}
+    log(f"dispatch {model} T={width}: psum {row['psum']['bytes'] / 1e3:.0f} KB / {row['psum']['nvlink_us']:.0f} us,"
+        f" all_to_all {row['all_to_all']['bytes'] / 1e3:.0f} KB / {row['all_to_all']['nvlink_us']:.0f} us "
+        f"-> auto {row['auto']}")
+    return row
+
+
+def dispatch_wall(widths: list[int], repeats: int, mesh, hidden: int = 256, inter: int = 128, experts: int = 64,
+                  top_k: int = 4) -> list[dict]:
+    """CPU wall time (median of `repeats`) of one MoE layer under each dispatch on the 8 CPU devices, at a
+    scaled-down shape (the release tables do not fit this benchmark's time), and max |out - one device|."""
+    import numpy as np
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    gate_up = jax.random.normal(keys[0], (experts, hidden, 2 * inter), jnp.float32) * 0.05
+    down = jax.random.normal(keys[1], (experts, inter, hidden), jnp.float32) * 0.05
+    rows = []
+    for width in widths:
+        x = jax.random.normal(keys[2], (width, hidden), jnp.float32)
+        top, ids = jax.lax.top_k(jax.random.normal(keys[3], (width, experts)), top_k)
+        weights = jax.nn.softmax(top, -1)
+        single = jax.jit(lambda x, i, w, gu, dn: moe.swiglu_experts(x, i, w, gu, dn, implementation="xla"))
+        want = np.asarray(single(x, ids, weights, gate_up, down))
+        row = {"width": width, "hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k,
+               "mesh": describe(mesh)}
+        with jax.set_mesh(mesh):
+            from dflash_jax.sharding import put
+            from jax.sharding import NamedSharding, PartitionSpec as P
+            gu = put(gate_up, NamedSharding(mesh, P(moe.expert_axes(experts, mesh))))
+            dn = put(down, NamedSharding(mesh, P(moe.expert_axes(experts, mesh))))
+            for mode in ("psum", "all_to_all"):
+                fn = jax.jit(lambda x, i, w, gu, dn, mode=mode: moe.swiglu_experts(
+                    x, i, w, gu, dn, implementation="xla", dispatch=mode))
+                got = np.asarray(fn(x, ids, weights, gu, dn))
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn(x, ids, weights, gu, dn).block_until_ready()
+                    times.append(time.perf_counter() - t0)
+                row[mode] = {"ms": 1e3 * float(np.median(times)), "max_abs_diff": float(np.max(np.abs(got - want)))}
+        row["ratio"] = row["all_to_all"]["ms"] / row["psum"]["ms"]
+        log(f"wall T={width}: psum {row['psum']['ms']:.2f} ms, all_to_all {row['all_to_all']['ms']:.2f} ms "
+            f"(x{row['ratio']:.2f}); |diff| {row['psum']['max_abs_diff']:.1e} / {row['all_to_all']['max_abs_diff']:.1e}")
+        rows.append(row)
+    return rows
+
+
+def dispatch_markdown(result: dict) -> list[str]:
+    d = result.get("dispatch")
+    if not d:
+        return []
+    lines = [
+        "", "## MoE dispatch by width: psum vs all-to-all", "",
+        f"One MoE layer of the release configs on {d['mesh']} (8 expert shards), both dispatches of "
+        "`nn.moe.swiglu_experts` compiled for 8 CPU devices; collectives read from the HLO (per device, the ones a "
+        "layer runs when its routing fits the all-to-all capacity; the psum fallback for an overflowing layer "
+        "is listed apart). HLO est.: the cost model above over those collectives as compiled for the CPU, "
+        "which carries the all-to-all and the all-gather in f32 (XLA:CPU widens bf16 collectives); model: "
+        "`nn.moe.dispatch_cost`, the same cost model with the rows in bf16 as a GPU program moves them, which is "
+        "what `auto` (`nn.moe.choose_dispatch`) compares. T = tokens in the layer (verify: batch x block, 1..16 "
+        f"for one sequence; prefill: the prompt chunk). All-to-all capacity factor {d['capacity_factor']}.",
+        "",
+        "| model | T | psum: ops | psum KB | psum HLO est. / model (us) | all-to-all: ops | all-to-all KB | "
+        "fallback (on overflow) | all-to-all HLO est. / model (us) | auto |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        ops = lambda m: ", ".join(f"{v} {k}" for k, v in sorted(r[m]["ops"].items()))  # noqa: E731
+        a = r["all_to_all"]
+        lines.append(f"| {r['model']} | {r['width']} | {ops('psum')} | {r['psum']['bytes'] / 1e3:.1f} | "
+                     f"{r['psum']['nvlink_us']:.1f} / {r['psum']['model_us']:.1f} | {ops('all_to_all')} | "
+                     f"{a['bytes'] / 1e3:.1f} | {a['fallback_count']} op, {a['fallback_bytes'] / 1e3:.1f} KB | "
+                     f"{a['nvlink_us']:.1f} / {a['model_us']:.1f} | {r['auto']} |")
+    w = d.get("wall", [])
+    if w:
+        lines += [
+            "", f"CPU wall time of one layer on 8 CPU devices ({w[0]['mesh']}), scaled-down shape H = "
+            f"{w[0]['hidden']}, I = {w[0]['inter']}, E = {w[0]['experts']}, top-{w[0]['top_k']}, fp32; median of "
+            f"{d['repeats']} runs, both dispatches in the same run; |diff| = max |output - one device|:", "",
+            "| T | psum (ms) | all-to-all (ms) | all-to-all / psum | psum |diff| | all-to-all |diff| |",
+            "|---|---|---|---|---|---|"]
+        for r in w:
+            lines.append(f"| {r['width']} | {r['psum']['ms']:.2f} | {r['all_to_all']['ms']:.2f} | "
+                         f"{r['ratio']:.2f} | {r['psum']['max_abs_diff']:.1e} | "
+                         f"{r['all_to_all']['max_abs_diff']:.1e} |")
+    lines += [""] + d.get("notes", [])
+    return lines
+
+
+def dispatch_notes(rows: list[dict], wall: list[dict]) -> list[str]:
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["width"])
+        wins = [r["width"] for r in mine if r["all_to_all"]["model_us"] < r["psum"]["model_us"]]
+        auto = [r["width"] for r in mine if r["auto"] == "all_to_all"]
+        out.append(
+            f"- {model}: the all-to-all runs {mine[0]['all_to_all']['count']} collectives per layer against the psum's "
+            f"{mine[0]['psum']['count']}; by the cost model (bf16 rows) it is cheaper on NVLink at "
+            f"{'T = ' + ', '.join(map(str, wins)) if wins else 'no width measured'}; `auto` picks it at "
+            f"{'T = ' + ', '.join(map(str, auto)) if auto else 'no width measured'}.")
+    if wall:
+        out.append(
+            f"- CPU wall time (8 CPU devices sharing this machine's cores; collectives are memory copies here, so "
+            f"this measures the dispatch's work, not a link): all-to-all / psum from "
+            f"{min(r['ratio'] for r in wall):.2f} to {max(r['ratio'] for r in wall):.2f}. Past a few tokens the "
+            f"all-to-all is the faster one here because of compute, not communication: the psum path runs every "
+            f"row of every token through each shard's grouped matmul (rows of other shards' experts go to local "
+            f"group 0 and are masked), T x k rows per shard, the all-to-all about 2 T k / n; XLA:CPU's ragged_dot "
+            f"costs rows x local groups. The all-to-all output "
+            f"equals one device's up to {max(r['all_to_all']['max_abs_diff'] for r in wall):.1e} (the same k "
+            f"products combined in the same order; the grouped matmul over a different row count may round "
+            f"differently), the psum's up to {max(r['psum']['max_abs_diff'] for r in wall):.1e} (the same sum "
+            f"reassociated).")
     return out
 
 
@@ -255,17 +448,42 @@ def main(argv=None) -> int:
     ap.add_argument("--meshes", default=",".join(m.replace(",", "+") for m in MESHES),
                     help="meshes separated by commas, axes inside one mesh by '+' (expert=2+tensor=4)")
     ap.add_argument("--latency-us", type=float, default=10.0)
+    ap.add_argument("--parts", default="verify,dispatch",
+                    help="verify (the full verify forward per mesh), dispatch (the MoE dispatch by width); a part "
+                         "left out keeps its figures from the existing sharding.json (--parts none: re-render)")
+    ap.add_argument("--dispatch-widths", default="1,2,4,8,16,64,256,1024,4096")
+    ap.add_argument("--wall-widths", default="1,4,16,64,256,1024")
+    ap.add_argument("--repeats", type=int, default=5)
     add_output_args(ap)
     args = ap.parse_args(argv)
     out = output_dir(args)
-    rows = []
+    parts = set(args.parts.split(","))
+    previous = {}
+    if os.path.exists(os.path.join(out, "sharding.json")):
+        with open(os.path.join(out, "sharding.json")) as fh:
+            previous = json.load(fh)
+    rows = previous.get("rows", [])
     meshes = [m.replace("+", ",") for m in args.meshes.split(",")]
-    for model in args.models.split(","):
-        for width in map(int, args.widths.split(",")):
-            for spec in meshes:
-                rows.append(measure(model, width, spec, args.latency_us * 1e-6))
+    if "verify" in parts:
+        rows = []
+        for model in args.models.split(","):
+            for width in map(int, args.widths.split(",")):
+                for spec in meshes:
+                    rows.append(measure(model, width, spec, args.latency_us * 1e-6))
+    dispatch = previous.get("dispatch")
+    if dispatch and "dispatch" not in parts:  # re-rendered from the stored figures
+        dispatch["notes"] = dispatch_notes(dispatch["rows"], dispatch.get("wall", []))
+    if "dispatch" in parts:
+        moe.COLLECTIVE_LATENCY_S = args.latency_us * 1e-6
+        mesh = make_mesh(DISPATCH_MESH)
+        drows = [dispatch_row(model, width, mesh) for model in args.models.split(",")
+                 for width in map(int, args.dispatch_widths.split(","))]
+        wall = dispatch_wall([int(w) for w in args.wall_widths.split(",") if w], args.repeats, mesh)
+        dispatch = {"mesh": DISPATCH_MESH, "rows": drows, "wall": wall, "repeats": args.repeats,
+                    "capacity_factor": moe.CAPACITY_FACTOR, "notes": dispatch_notes(drows, wall)}
     result = {"latency_us": args.latency_us, "nvlink_bytes_per_s": NVLINK_BYTES_PER_S, "rows": rows,
-              "jax": jax.__version__, "notes": notes(rows, args.latency_us)}
+              "jax": jax.__version__, "notes": notes(rows, args.latency_us) if rows else [],
+              "dispatch": dispatch}
     with open(os.path.join(out, "sharding.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     with open(os.path.join(out, "sharding.md"), "w") as fh:

@@ -1,10 +1,11 @@
 """Mesh checks run in a process of their own (8 CPU devices need XLA_FLAGS before jax starts).
 
-  python mesh_checks.py OUT_JSON FAMILY:MESH[:sample] ...
+  python mesh_checks.py OUT_JSON FAMILY:MESH[:sample][:a2a] ...     (generate, `run_case`)
+  python mesh_checks.py OUT_JSON FAMILY:MESH:engine|tree ...         (`engine_run`, `tree_run`)
 
 For each case: the family's tiny random pair (`case_pair`), greedy and (with `:sample`) sampled generation
 from fixed prompts and seeds, once on one device and once on the mesh (`run_case`); the JSON holds both
-token lists, the acceptance lengths, and what the mesh did to the weights (the expert table's local rows on
+token lists, the acceptance lengths (`:a2a`: every MoE layer on the all-to-all dispatch), and what the mesh did to the weights (the expert table's local rows on
 device 0, the attention q projection's local columns). A first `moe` check compares
 `nn.moe.swiglu_experts` under each mesh with the default path on FP4 and dense tables, gpt-oss biases
 included, and records the collectives in its compiled HLO.
@@ -49,8 +50,18 @@ def _generate(pair, prompts, sampling):
     return {"tokens": out.tokens, "acceptance": out.acceptance_lengths}
 
 
-def run_case(pair, mesh, prompts, *, sample: bool = True) -> dict:
-    """Generation of `pair` on `mesh` (greedy, and sampled with a fixed seed)."""
+def run_case(pair, mesh, prompts, *, sample: bool = True, dispatch: str | None = None) -> dict:
+    """Generation of `pair` on `mesh` (greedy, and sampled with a fixed seed); `dispatch` forces the MoE
+    dispatch of every layer (`nn.moe.choose_dispatch` reads DFLASH_MOE_DISPATCH when it traces; jax's caches
+    are cleared around the case so no program traced under another dispatch is reused)."""
+    if dispatch is not None:
+        jax.clear_caches()
+        os.environ["DFLASH_MOE_DISPATCH"] = dispatch
+        try:
+            return run_case(pair, mesh, prompts, sample=sample)
+        finally:
+            del os.environ["DFLASH_MOE_DISPATCH"]
+            jax.clear_caches()
     from dflash_jax.sharding import shard_pair
 
     placed = shard_pair(pair, mesh)
@@ -69,37 +80,77 @@ def run_case(pair, mesh, prompts, *, sample: bool = True) -> dict:
     return result
 
 
+def engine_run(pair, mesh) -> dict:
+    """The serving engine (`serve.Engine(mesh=)`, 2 slots) on the case prompts, greedy and sampled requests
+    side by side: tokens and acceptance per request."""
+    from dflash_jax.serve.engine import Engine, generate as engine_generate
+
+    engine = Engine(pair, slots=2, max_prompt_len=16, max_new_tokens=MAX_NEW, block_size=BLOCK, mesh=mesh)
+    out = {}
+    for mode, sampling in (("greedy", SamplingParams()), ("sampled", SAMPLED)):
+        done = engine_generate(engine, CASE_PROMPTS, max_new_tokens=MAX_NEW, sampling=sampling, seed=11)
+        out[mode] = {"tokens": [r.tokens for r in done], "acceptance": [r.acceptance for r in done]}
+    return out
+
+
+def tree_run(pair, mesh) -> dict:
+    """Tree verification (`spec.tree.generate_tree`, budget 8, branch 2) on the case prompts, greedy."""
+    import contextlib
+
+    from dflash_jax.spec.tree import generate_tree
+
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        placed = pair if mesh is None else __import__("dflash_jax.sharding", fromlist=["shard_pair"]).shard_pair(
+            pair, mesh)
+        out = generate_tree(placed, CASE_PROMPTS, max_new_tokens=MAX_NEW, tree_budget=8, branch=2,
+                            block_size=BLOCK)
+    return {"greedy": {"tokens": out.tokens, "acceptance": out.acceptance_lengths}}
+
+
 def moe_check(meshes) -> dict:
-    """`swiglu_experts` on a mesh against the default path: max |difference| per mesh and table format, and
-    the collectives of the compiled sharded program."""
+    """`swiglu_experts` on a mesh against the default path, under both dispatches: max |difference| per mesh,
+    dispatch, width and table format, and the collectives of the compiled sharded program. Widths 1 (a
+    single token, 7 of 8 shards with no token of their own under all_to_all) and 12; a last case routes every
+    token to experts 0 and 1, so the all-to-all capacity overflows and the layer takes the psum fallback."""
     from dflash_jax.nn.moe import clamped_swiglu, swiglu_experts
     from dflash_jax.quant import quantize_mxfp4
     from dflash_jax.sharding import make_mesh
 
     k = jax.random.split(jax.random.key(0), 6)
-    t, h, inter, e = 12, 64, 32, 8
-    x = jax.random.normal(k[0], (t, h))
-    logits = jax.random.normal(k[1], (t, e))
-    top, experts = jax.lax.top_k(logits, 2)
-    weights = jax.nn.softmax(top, -1)
+    h, inter, e = 64, 32, 8
     gate_up = jax.random.normal(k[2], (e, h, 2 * inter)) * 0.1
     down = jax.random.normal(k[3], (e, inter, h)) * 0.1
     gub, dnb = jax.random.normal(k[4], (e, 2 * inter)), jax.random.normal(k[5], (e, h))
     fp4 = (quantize_mxfp4(jnp.swapaxes(gate_up, 1, 2)), quantize_mxfp4(jnp.swapaxes(down, 1, 2)))
     act = lambda g, u: clamped_swiglu(g, u, alpha=1.702, limit=7.0)  # noqa: E731
-    fn = jax.jit(lambda x, gu, dn, b1, b2: swiglu_experts(x, experts, weights, gu, dn, gate_up_bias=b1,
-                                                          down_bias=b2, activation=act, implementation="xla"))
+    routings = {}
+    for t in (1, 12):
+        top, experts = jax.lax.top_k(jax.random.normal(jax.random.fold_in(k[1], t), (t, e)), 2)
+        routings[str(t)] = (jax.random.normal(k[0], (t, h)), experts, jax.nn.softmax(top, -1))
+    # 128 tokens all to experts 0 and 1: each shard's 16 tokens send 16 rows to one owner, over the capacity
+    # of 8 (`all_to_all_capacity(16, 2, 8, 1)`)
+    crowd = jnp.tile(jnp.array([[0, 1]], jnp.int32), (128, 1))
+    routings["overflow"] = (jax.random.normal(k[0], (128, h)), crowd, jnp.full((128, 2), 0.5))
     out = {}
     for spec in meshes:
         mesh = make_mesh(spec)
         row = {}
-        for name, (gu, dn) in {"dense": (gate_up, down), "mxfp4": fp4}.items():
-            want = fn(x, gu, dn, gub, dnb)
-            with jax.set_mesh(mesh):
-                compiled = fn.lower(x, gu, dn, gub, dnb).compile()
-            got, hlo = compiled(x, gu, dn, gub, dnb), compiled.as_text()
-            row[name] = float(jnp.max(jnp.abs(got - want)))
-            row[name + "_all_reduce"] = hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(")
+        for dispatch in ("psum", "all_to_all"):
+            for case, (x, experts, weights) in routings.items():
+                fn = jax.jit(lambda x, e_, w_, gu, dn, b1, b2, d=dispatch: swiglu_experts(
+                    x, e_, w_, gu, dn, gate_up_bias=b1, down_bias=b2, activation=act, implementation="xla",
+                    dispatch=d))
+                for name, (gu, dn) in {"dense": (gate_up, down), "mxfp4": fp4}.items():
+                    if case != "12" and name == "mxfp4":
+                        continue
+                    want = fn(x, experts, weights, gu, dn, gub, dnb)
+                    with jax.set_mesh(mesh):
+                        compiled = fn.lower(x, experts, weights, gu, dn, gub, dnb).compile()
+                    got, hlo = compiled(x, experts, weights, gu, dn, gub, dnb), compiled.as_text()
+                    key = f"{dispatch}/{case}/{name}"
+                    row[key] = float(jnp.max(jnp.abs(got - want)))
+                    row[key + "/all_reduce"] = hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(")
+                    row[key + "/all_to_all"] = hlo.count(" all-to-all(") + hlo.count(" all-to-all-start(")
         out[spec] = row
     return out
 
@@ -109,21 +160,27 @@ def main(argv: list[str]) -> None:
 
     out_path, cases = argv[0], argv[1:]
     report = {"devices": len(jax.devices())}
-    meshes = sorted({c.split(":")[1] for c in cases})
+    meshes = sorted({c.split(":")[1] for c in cases if not {"engine", "tree"} & set(c.split(":")[2:])})
     t0 = time.perf_counter()
-    report["moe"] = moe_check(meshes)
+    report["moe"] = moe_check(meshes) if meshes else {}
     print("moe", report["moe"], f"{time.perf_counter() - t0:.1f} s", flush=True)
     singles: dict[str, dict] = {}
     for case in cases:
         family, spec, *flags = case.split(":")
         pair = case_pair(family)
+        if "engine" in flags or "tree" in flags:
+            run = engine_run if "engine" in flags else tree_run
+            report[case] = {"single": run(pair, None), "mesh": run(pair, make_mesh(spec))}
+            print(case, "equal:", report[case]["mesh"] == report[case]["single"],
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            continue
         sample = "sample" in flags
         if family not in singles or (sample and "sampled" not in singles[family]):
             singles[family] = {"greedy": _generate(pair, CASE_PROMPTS, SamplingParams())}
             if sample:
                 singles[family]["sampled"] = _generate(pair, CASE_PROMPTS, SAMPLED)
-        report[case] = {"single": singles[family], "mesh": run_case(pair, make_mesh(spec), CASE_PROMPTS,
-                                                                    sample=sample)}
+        report[case] = {"single": singles[family], "mesh": run_case(
+            pair, make_mesh(spec), CASE_PROMPTS, sample=sample, dispatch="all_to_all" if "a2a" in flags else None)}
         print(case, "greedy equal:", report[case]["mesh"]["greedy"] == singles[family]["greedy"],
               f"{time.perf_counter() - t0:.1f} s", flush=True)
     with open(out_path, "w") as fh:

@@ -123,17 +123,30 @@ def assert_case(report: dict, case: str, *, experts_per_device: int) -> None:
 
 def assert_moe(report: dict) -> None:
     for spec, row in report["moe"].items():
-        for fmt in ("dense", "mxfp4"):
-            assert row[fmt] < 1e-5, (spec, row)  # fp32 tables: the same sums, at most reassociated
-            assert row[fmt + "_all_reduce"] >= 1, (spec, row)  # the shard_map path ran (psum of the partial sums)
+        for key, diff in row.items():
+            if key.count("/") != 2:
+                continue
+            dispatch, case, fmt = key.split("/")
+            assert diff < 1e-5, (spec, key, row)  # fp32 tables: the same sums, at most reassociated
+            if dispatch == "psum":
+                assert row[key + "/all_reduce"] >= 1 and row[key + "/all_to_all"] == 0, (spec, key, row)
+            else:  # the all-to-all returns the rows; the psum fallback is compiled beside it
+                assert row[key + "/all_to_all"] >= 1 and row[key + "/all_reduce"] >= 1, (spec, key, row)
+        from dflash_jax.nn.moe import all_to_all_capacity
+
+        assert all_to_all_capacity(16, 2, 8, 1) == 8  # the overflow case's routing (16 rows to one owner) overflows
+        # the all-to-all path combines each token's k products in the single-device order: equal within one
+        # fp32 rounding of the sum at most (measured: bit-equal); the overflow case took the psum fallback
+        assert row["all_to_all/12/dense"] <= 1e-6 and row["all_to_all/overflow/dense"] < 1e-5, (spec, row)
 
 
-FAST_CASES = ["gpt_oss:expert=4,tensor=2:sample", "qwen3_5:expert=4,tensor=2"]
+FAST_CASES = ["gpt_oss:expert=4,tensor=2:sample", "qwen3_5:expert=4,tensor=2:a2a"]
 
 
 def test_fast_mesh_generation_equals_one_device(tmp_path):
     """One subprocess, 8 CPU devices, mesh 4 x 2: gpt-oss (MXFP4 experts with biases, sinks, sliding windows)
-    greedy and sampled, Qwen3.5 (DeltaNet, shared expert) greedy; equal to one device token for token."""
+    greedy and sampled on the psum dispatch, Qwen3.5 (DeltaNet, shared expert) greedy with every MoE layer on
+    the all-to-all dispatch; equal to one device token for token. The MoE layer alone under both dispatches."""
     report = run_checks(tmp_path, FAST_CASES)
     assert report["devices"] == 8
     gpt = report[FAST_CASES[0]]["mesh"]
@@ -147,11 +160,12 @@ def test_fast_mesh_generation_equals_one_device(tmp_path):
 def test_mesh_matrix_equals_one_device(tmp_path):
     """Meshes 1x8, 2x4, 8x1 (expert x tensor; the tiny models' 2 KV heads keep attention replicated there) and
     4x2, data=2 x 2 x 2 (attention split over tensor=2) for all three families (Qwen3 also with NVFP4 experts),
-    greedy and sampled."""
+    greedy and sampled; the all-to-all dispatch on 8x1 (gpt-oss), data=2 x 2 x 2 (Qwen3) and 2x4 (NVFP4)."""
     cases = [f"{fam}:{mesh}:sample" for fam in ("qwen3", "gpt_oss", "qwen3_5")
              for mesh in ("expert=1,tensor=8", "expert=2,tensor=4", "expert=8,tensor=1")]
     cases += ["qwen3_nvfp4:expert=4,tensor=2:sample", "qwen3:data=2,expert=2,tensor=2:sample",
-              "qwen3_5:expert=4,tensor=2:sample"]
+              "qwen3_5:expert=4,tensor=2:sample", "gpt_oss:expert=8,tensor=1:sample:a2a",
+              "qwen3:data=2,expert=2,tensor=2:sample:a2a", "qwen3_nvfp4:expert=2,tensor=4:a2a"]
     report = run_checks(tmp_path, cases)
     assert_moe(report)
     for case in cases:
