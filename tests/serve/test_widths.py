@@ -1,0 +1,104 @@
+"""The verify width chosen per round: the pure choice rule, and lossless output at every width of one engine
+(greedy: the same tokens as alone whatever widths its rounds used; sampled: at a given width, the same draws
+as `spec.generate` at that block size), with no compiles after warm-up. The engine tests compile 4 widths' programs: slow."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dflash_jax.compile_cache import CompileCounter
+from dflash_jax.serve.engine import Engine, choose_width, default_widths, expected_tokens, generate as serve_generate
+from dflash_jax.spec import SamplingParams
+from dflash_jax.spec import generate as spec_generate
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(40, 56)), [1, 2, 3, 4]]
+SAMPLING = [SamplingParams(), SamplingParams(temperature=0.9), SamplingParams(temperature=1.2, top_k=20),
+            SamplingParams()]
+BUDGET = 28
+
+
+def test_choice_rule():
+    assert default_widths(8) == (1, 2, 4, 8) and default_widths(6) == (1, 2, 4, 6) and default_widths(1) == (1,)
+    np.testing.assert_allclose(expected_tokens([0.0, 0.5], 4), [1.0, 1.875])
+    flat = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04}  # latency-bound: wider is almost free
+    steep = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}  # compute-bound: cost proportional to width
+    assert choose_width([0.8] * 4, flat) == 8
+    assert choose_width([0.005] * 4, flat) == 1  # nothing gets accepted: the extra 1-4% is not worth it
+    assert choose_width([0.8] * 4, steep) == 1  # 1 token per unit of time beats 1.8 / 2
+    mid = {1: 1.0, 2: 1.3, 4: 1.9, 8: 3.2}
+    assert choose_width([0.75] * 8, mid) == 4  # 2.73 / 1.9 beats 1.75 / 1.3 and 3.6 / 3.2
+    assert choose_width([0.5], {1: 1.0, 2: 1.5}) == 1  # a tie goes to the narrower
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    eng = Engine(pair, slots=3, block_size=8, widths="auto", max_prompt_len=16, max_new_tokens=32,
+                 round_seconds={1: 1.0, 2: 1.3, 4: 1.9, 8: 3.2})
+    eng.warmup([16])
+    return eng
+
+
+def _run(engine, width_of_round, **kw):
+    saved = engine.choose_width
+    engine.choose_width = width_of_round
+    rounds = []
+    engine.observers.append(rounds.append)
+    try:
+        with CompileCounter() as counter:
+            reqs = serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[], **kw)
+    finally:
+        engine.choose_width = saved
+        engine.observers.remove(rounds.append)
+    assert counter.compiles == 0
+    return reqs, rounds
+
+
+@pytest.mark.slow
+def test_greedy_lossless_when_every_round_changes_width(engine, pair):
+    cycle = itertools.cycle([8, 1, 4, 2, 8, 8, 1])
+    reqs, rounds = _run(engine, lambda live: next(cycle))
+    assert {r.width for r in rounds if r.width} == {1, 2, 4, 8}
+    for p, r in zip(PROMPTS, reqs):
+        assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
+    assert max(max(r.acceptance) for r in reqs) >= 3  # wide rounds really accepted proposals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1, 4])
+def test_sampled_at_a_width_draws_as_alone(engine, pair, width):
+    """A narrower verify on the engine's widest layout (the draft context padded, width 1 feeding the draft's
+    context cache) is the library's verify of that block size: the same draws from the same seeds."""
+    reqs, _ = _run(engine, lambda live: width, sampling=SAMPLING, seed=[0, 1, 2, 3])
+    for i, r in enumerate(reqs):
+        alone = spec_generate(pair, [PROMPTS[i]], max_new_tokens=BUDGET, sampling=SAMPLING[i], stop_ids=[], seed=i,
+                              block_size=width)
+        assert r.tokens == alone.tokens[0], i
+
+
+@pytest.mark.slow
+def test_the_engine_chooses_by_its_table(engine):
+    rounds = []
+    engine.observers.append(rounds.append)
+    try:
+        serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
+        chosen = {r.width for r in rounds if r.width}
+        saved = engine.round_seconds
+        engine.round_seconds = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
+        rounds.clear()
+        serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
+        assert {r.width for r in rounds if r.width} == {1}  # cost proportional to width: never speculate
+    finally:
+        engine.round_seconds = saved
+        engine.observers.remove(rounds.append)
+    assert chosen - {1}  # the moderate table speculates
+    assert engine.width_rounds[1] > 0 and sum(engine.width_rounds.values()) > 0
+
+
+def test_width_arguments_are_checked(pair):
+    with pytest.raises(ValueError, match="widths must be verify widths between 1 and block_size 4"):
+        Engine(pair, slots=1, block_size=4, widths=[1, 8])
+    with pytest.raises(ValueError, match="round_seconds must give a positive time for each width"):
+        Engine(pair, slots=1, block_size=4, widths="auto", round_seconds={1: 1.0})
