@@ -192,8 +192,10 @@ def build_tree(anchor: jax.Array, draft_logprobs: jax.Array, shape: TreeShape) -
     branch = min(shape.branch, draft_logprobs.shape[-1])
     top_lp, top_tok = jax.lax.top_k(draft_logprobs.astype(jnp.float32), branch)
     # measured on the CPU: without the barrier XLA rewrites this top-k with its consumers into a 40x slower
-    # program (20 ms vs 0.5 ms for top-k + build on [8, 15, 1024])
-    top_lp, top_tok = jax.lax.optimization_barrier((top_lp, top_tok))
+    # program (20 ms vs 0.5 ms for top-k + build on [8, 15, 1024]). Not under a mesh: there XLA:CPU's
+    # TopkDecomposer fails on a barrier fed by the partitioned top-k (a check failure, jax 0.10.2)
+    if jax.sharding.get_abstract_mesh().empty:
+        top_lp, top_tok = jax.lax.optimization_barrier((top_lp, top_tok))
     tokens, parent, depth, mask, score, valid, rank = _build(anchor, top_lp, top_tok.astype(jnp.int32),
                                                             shape.budget)
     return Tree(tokens=tokens, parent=parent, depth=depth, mask=mask, score=score, valid=valid, rank=rank)
