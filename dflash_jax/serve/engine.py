@@ -54,6 +54,7 @@ from dflash_jax.spec.session import (
 
 
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
+COST_DRIFT = 0.002  # per round of a width: how fast its measured round time may rise (see Engine._step)
 
 
 class RequestError(ValueError):
@@ -270,7 +271,9 @@ class Engine:
     None: block_size only (a fixed width). "auto": `default_widths(block_size)`. One draft and one verify are
     compiled per width at warm-up; the state has the layout of the widest, so any width serves any round.
     round_seconds: {width: seconds of one round (draft + verify of all slots)}, the cost model's table;
-    None: measured by `warmup()` (the fastest of a few timed rounds per width).
+    None: measured by `warmup()` (the fastest of a few timed rounds per width) and then kept up to date from
+    the rounds served (`learn_costs`, default: only when measured). acceptance_prior: the per-proposal
+    acceptance assumed before any verify (then learned per request and engine-wide).
     max_prompt_len / max_new_tokens: the largest request served (requests beyond them get a RequestError);
     they fix the cache and output-buffer shapes. method: acceptance rule of sampled requests
     ("exact_match" | "rejection"). token_budget / expert_byte_budget: the scheduler's per-round budgets
@@ -282,7 +285,7 @@ class Engine:
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
                  expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
-                 acceptance_prior: float = 0.7, mesh=None):
+                 acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -332,10 +335,13 @@ class Engine:
         self.widths = widths
         self.specs = {w: dataclasses.replace(self.spec, block_size=w) for w in widths}
         self.round_seconds = round_seconds
+        self.learn_costs = (round_seconds is None) if learn_costs is None else bool(learn_costs)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
         self.width_rounds = collections.Counter()
+        self.host_seconds = 0.0  # per round, outside draft and verify (emission, callbacks, scheduling): decayed mean
+        self._device_seconds = 0.0
         self.budgets = sched.Budgets(tokens=token_budget, expert_bytes=expert_byte_budget)
         self.max_queue = int(max_queue)
         fam = family_of(tcfg)
@@ -494,7 +500,7 @@ class Engine:
         return time.perf_counter() - t0
 
     @_on_mesh
-    def measure_rounds(self, repeats: int = 5) -> dict:
+    def measure_rounds(self, repeats: int = 7) -> dict:
         """{width: seconds} of one round (draft + host transfer of the demand + verify of every slot; compute
         does not depend on which rows are live), the fastest of `repeats`, widths interleaved so a busy spell
         of the machine does not land on one width only. Needs the programs compiled (`warmup`)."""
@@ -529,6 +535,9 @@ class Engine:
         if len(self.widths) == 1:
             return self.widths[0]
         seconds = self.round_seconds or {w: 1.0 + w / 16.0 for w in self.widths}
+        # every round also pays the host's work around the draft and the verify (the same at every width, so it
+        # favours the wider verifies, which need fewer rounds)
+        seconds = {w: t + self.host_seconds for w, t in seconds.items()}
         return choose_width([self.row_acceptance(self.requests[s]) for s in live], seconds)
 
     def _observe_acceptance(self, req: Request, width: int, committed: int, finished: bool) -> None:
@@ -577,6 +586,9 @@ class Engine:
             self._step(info)
         info.compiles = counter.compiles
         info.seconds = time.perf_counter() - t0
+        if info.width and not info.admitted and not info.compiles:
+            host = max(info.seconds - self._device_seconds, 0.0)
+            self.host_seconds = host if self.rounds == 0 else 0.9 * self.host_seconds + 0.1 * host
         self.rounds += 1
         for obs in self.observers:
             obs(info)
@@ -624,8 +636,10 @@ class Engine:
         width = self.choose_width(live)
         info.width = width
         self.width_rounds[width] += 1
+        t_device = time.perf_counter()
         draft, demand = self._draft_call(width)
         demand = np.asarray(demand)
+        t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
         decision = sched.schedule(demands, self.sched_state, self.budgets, self.expert_bytes)
         self.sched_state = decision.state
@@ -638,8 +652,16 @@ class Engine:
         info.verified, info.verify_tokens, info.expert_bytes = int(active.sum()), decision.tokens, decision.expert_bytes
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
         before = np.asarray(self.state.num_generated)
+        t_device = time.perf_counter()
         self.state = _verify(self.pair.target, self.state, draft, active, self.specs[width], self.spec)
         after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
+        self._device_seconds = t_draft + time.perf_counter() - t_device
+        if self.learn_costs and self.round_seconds is not None:
+            # the table follows the machine: a width's entry is the lowest time seen lately (each round of the
+            # width lets it creep up by COST_DRIFT, so a lasting slowdown shows); a shared, busy machine only
+            # ever adds time, so the low end is the width's own cost
+            old = self.round_seconds[width]
+            self.round_seconds[width] = min(old * (1.0 + COST_DRIFT), self._device_seconds)
         output = np.asarray(self.state.output)
         for s in live:
             req = self.requests[s]
