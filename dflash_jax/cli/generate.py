@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adaptive", action="store_true",
                    help="choose each round's verify shape (chain B = 4/8/16 or tree N = 8/16/32) from the acceptance "
                         "so far and each shape's cost; deterministic, lossless")
+    p.add_argument("--pflash-keep", type=float, default=None, metavar="R",
+                   help="PFlash prefill compression: prefill only the fraction R (0 < R <= 1) of the prompt a scorer "
+                        "finds most attended (sink tokens, the last window and whole chunks), at their original "
+                        "positions, then decode as usual; lossy (docs/pflash.md)")
+    p.add_argument("--pflash-scorer", default=None, metavar="DIR",
+                   help="the scorer for --pflash-keep: a convert-weights checkpoint whose target scores the prompt "
+                        "(default: the generating pair's own target)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
     p.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
@@ -156,6 +163,17 @@ def run(args) -> dict:
         raise UsageError(f"--tree-branch must be >= 1, got {args.tree_branch}")
     if tree and (args.offload or args.trace or args.loop == "python"):
         raise UsageError("--tree-budget / --adaptive run the jitted loop: drop --offload, --trace and --loop python")
+    if args.pflash_keep is not None:
+        if not 0 < args.pflash_keep <= 1:
+            raise UsageError(f"--pflash-keep must be a fraction in (0, 1] (1 keeps every token), got {args.pflash_keep:g}")
+        if tree or args.offload or args.mesh is not None or args.trace or args.loop == "python":
+            raise UsageError("--pflash-keep runs the jitted loop: drop --tree-budget / --adaptive, --offload, --mesh, "
+                             "--trace and --loop python")
+        if args.pflash_scorer is not None and not os.path.exists(os.path.join(args.pflash_scorer, "manifest.json")):
+            raise UsageError(f"--pflash-scorer {args.pflash_scorer} is not a convert-weights checkpoint (no "
+                             "manifest.json): pass a directory that convert-weights wrote")
+    elif args.pflash_scorer is not None:
+        raise UsageError("--pflash-scorer only applies with --pflash-keep R")
     mesh = None
     if args.mesh is not None:
         from dflash_jax.sharding import make_mesh, parse_mesh_spec
@@ -221,6 +239,13 @@ def run(args) -> dict:
                 result = gen.generate([prompt], trace=args.trace, **request)
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
+        elif args.pflash_keep is not None:
+            from dflash_jax import pflash
+
+            scorer = (pflash.load_scorer(args.pflash_scorer) if args.pflash_scorer is not None
+                      else pflash.Scorer.from_pair(pair))
+            kept = pflash.compress(scorer, prompt, keep_ratio=args.pflash_keep)
+            result = pflash.generate(pair, [prompt], [kept], **kwargs)
         elif tree:
             from dflash_jax.spec.tree import generate_tree
 

@@ -4,6 +4,9 @@ over the same compressed prefill; the draft's context is the kept rows at their 
 
 from __future__ import annotations
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +172,29 @@ def test_compressed_positions_must_fit_the_target(shipped):
         pflash.generate(pair, [prompt], [np.arange(len(prompt))], max_new_tokens=4000)
     with pytest.raises(ValueError, match="last token"):
         pflash.generate(pair, [prompt], [np.arange(10)], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--pflash-keep", "0"], "fraction in \\(0, 1\\]"), (["--pflash-keep", "1.5"], "fraction in \\(0, 1\\]"),
+    (["--pflash-keep", "nan"], "fraction"), (["--pflash-scorer", "somewhere"], "only applies with --pflash-keep"),
+    (["--pflash-keep", "0.5", "--pflash-scorer", "no_such_dir"], "not a convert-weights checkpoint"),
+    (["--pflash-keep", "0.5", "--tree-budget", "8"], "jitted loop")])
+def test_cli_refuses_bad_pflash_flags_before_loading(argv, match, capsys):
+    from dflash_jax.cli.generate import main
+
+    assert main(["--prompt-ids", "1,2,3"] + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(match, err), err
+
+
+@pytest.mark.slow
+def test_cli_generates_from_a_compressed_prefill(shipped, capsys):
+    from dflash_jax.cli.generate import main
+
+    _, _, prompt = shipped
+    ids = ",".join(map(str, prompt))
+    assert main(["--prompt-ids", ids, "--pflash-keep", "0.25", "--max-new-tokens", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["pflash"] == {"prompt_tokens": [300], "kept_tokens": [len(pflash.compress(
+        pflash.Scorer.from_pair(shipped[0]), prompt, keep_ratio=0.25))]}
+    assert len(out["tokens"]) == 16 or out["tokens"][-1] in shipped[0].target_cfg.eos_token_ids
