@@ -72,7 +72,10 @@ from dflash_jax.spec.session import (
     Prepared, SpecState, commit_verify, draft_round_jit, init_target_cache, prepare, start_state, target_family,
     verify_block,
 )
-from dflash_jax.spec.tree import TreeShape, commit_tree_jit, prepare_tree, tree_draft_build, verify_tree_pooled
+from dflash_jax.spec.tree import (
+    AdaptivePolicy, TreeShape, _pad_cols, choose_shape, commit_tree_jit, prepare_tree, tree_draft_build,
+    update_calibration, verify_tree_pooled,
+)
 
 # Acceptance, emission and commit/rollback of a verify forward's output (`spec.session.commit_verify`), jitted:
 # the last step of a round whose verify ran outside one program (layer by layer, or recorded by `study.rounds`).
@@ -228,6 +231,7 @@ class OffloadSession:
     rounds: int = 0
     previous_routed: dict[int, np.ndarray] | None = None
     previous_logits: dict[int, np.ndarray] | None = None
+    adaptive: dict | None = None  # an adaptive tree policy's per-sequence calibration and rounds per shape
 
     @property
     def spec(self):
@@ -275,7 +279,9 @@ class OffloadedGenerator:
     buckets: the compiled shapes (`spec.requests.Buckets`; default the loops' buckets, batch padded).
     tree: a `spec.tree.TreeShape`: each round verifies a token tree of `tree.budget` nodes (the draft's most
       probable continuations, `spec.tree`) instead of the chain; the experts its nodes route to are fetched as
-      for a chain (None: the chain of `block_size`).
+      for a chain (None: the chain of `block_size`). A `spec.tree.AdaptivePolicy`: each round's shape (chain B
+      or tree N) is chosen on the host before the draft (`spec.tree.choose_shape`), its costs e.g. seconds per
+      round measured with this budget (expert copies included); counts in `stats["adaptive_rounds"]`.
     observers: objects with `on_round(RoundStats)` called after every round of every request.
 
     Any budget from `min_budget_bytes` (one expert of each expert shape) up runs: a layer whose routed union
@@ -291,7 +297,7 @@ class OffloadedGenerator:
                  protect_previous: bool = True, verify: str = "auto", implementation: str = "auto",
                  store: HostExpertStore | None = None, pool_factory: Callable[..., Any] = ExpertCache,
                  bandwidth: float | None = None, buckets: Buckets | None = None, observers: Sequence[Any] = (),
-                 hybrid: HostCompute | None = None, tree: TreeShape | None = None):
+                 hybrid: HostCompute | None = None, tree: TreeShape | AdaptivePolicy | None = None):
         cfg = pair.target_cfg
         if not getattr(cfg, "is_moe", False):
             raise ValueError("offloaded generation needs an MoE target (this target has no routed experts)")
@@ -307,9 +313,11 @@ class OffloadedGenerator:
         self.groups = list(zip(slab_groups(self.store), slab_slots(self.store, self.budget_bytes)))  # raises
         self.slots = int(sum(n for _, n in self.groups))
         self.hybrid = hybrid
-        if tree is not None and not isinstance(tree, TreeShape):
-            raise TypeError(f"tree must be a spec.tree.TreeShape, got {type(tree).__name__}")
+        if tree is not None and not isinstance(tree, (TreeShape, AdaptivePolicy)):
+            raise TypeError(f"tree must be a spec.tree.TreeShape or AdaptivePolicy, got {type(tree).__name__}")
         self.tree = tree
+        self.widest = 0 if tree is None else (tree.budget if isinstance(tree, TreeShape)
+                                              else max(s.budget for s in tree.shapes))
         self._host_tables: dict[int, tuple] = {}
         if isinstance(prefetcher, str):
             prefetcher = make_predictor(prefetcher, pair.target, cfg, width=width)
@@ -349,10 +357,10 @@ class OffloadedGenerator:
         request = dict(block_size=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
                        stop_ids=stop_ids, seed=seed, buckets=self.buckets)
         prep = (prepare(self.pair, prompts, **request) if self.tree is None
-                else prepare_tree(self.pair, prompts, widest=self.tree.budget, **request))
+                else prepare_tree(self.pair, prompts, widest=self.widest, **request))
         spec, cfg, store = prep.spec, self.cfg, self.store
         batch = prep.tokens.shape[0]
-        verify_width = max(spec.block_size, self.tree.budget if self.tree else 0)
+        verify_width = max(spec.block_size, self.widest)
 
         # ---- prefill: every layer's table streamed through the device once ----
         lengths = jnp.asarray(prep.lengths)
@@ -382,10 +390,24 @@ class OffloadedGenerator:
         full_pool = self.full_pool and all(pool.pinned(l).all() for l in self.layers)
         tracer = TraceObserver() if trace else None
         observers = self.observers + tuple(observers) + ((tracer,) if tracer else ())
-        return OffloadSession(prepared=prep, state=state, pool=pool, pinned=pinned, reserve=reserve,
+        session = OffloadSession(prepared=prep, state=state, pool=pool, pinned=pinned, reserve=reserve,
                               initial_bytes=initial_bytes, full_pool=full_pool, observers=observers,
                               route_ahead=RouteAheadStats(), trace=tracer, host=host, t_start=t_start,
                               prefill_s=prefill_s, t_last=time.perf_counter())
+        if isinstance(self.tree, AdaptivePolicy):
+            zeros = np.zeros(batch, np.float32)
+            session.adaptive = {"accepted": zeros, "expected": zeros, "chosen": np.zeros(len(self.tree.shapes), int)}
+        return session
+
+    def _round_shape(self, session: OffloadSession) -> TreeShape | None:
+        """This round's verify shape: None (the chain of the spec's block), the fixed tree, or the adaptive
+        policy's choice (before the draft, from the session's calibration)."""
+        if not isinstance(self.tree, AdaptivePolicy):
+            return self.tree
+        a = session.adaptive
+        a["choice"] = int(choose_shape(self.tree, jnp.asarray(a["accepted"]), jnp.asarray(a["expected"]),
+                                       jnp.asarray(~session.host["done"])))
+        return self.tree.shapes[a["choice"]]
 
     def round(self, session: OffloadSession) -> RoundStats:
         """One round: prefetch -> draft -> prefetch -> verify (layer-wise, fetching what is missing) -> commit.
@@ -400,17 +422,20 @@ class OffloadedGenerator:
 
         t0 = time.perf_counter()
         self.prefetcher.before_draft(rec)
-        if self.tree is None:
-            draft = draft_round_jit(self.stripped, self.pair.draft, state, spec)
+        shape = self._round_shape(session)
+        is_tree = shape is not None and not shape.is_chain
+        spec_r = spec if shape is None or is_tree else dataclasses.replace(spec, block_size=shape.budget)
+        if not is_tree:
+            draft = draft_round_jit(self.stripped, self.pair.draft, state, spec_r)
             block, proposals = verify_block(state, draft), draft.tokens
         else:  # the verify block is the tree's nodes; route-ahead reads each node's draft hidden state
-            tree, draft = tree_draft_build(self.stripped, self.pair.draft, state, spec, self.tree)
+            tree, draft = tree_draft_build(self.stripped, self.pair.draft, state, spec, shape)
             block, proposals = tree.tokens, tree.tokens[:, 1:]
         jax.block_until_ready(block)
         t1 = time.perf_counter()
         if self.prefetcher.needs_draft:
             inputs.draft_tokens = proposals
-            inputs.draft_hidden = draft.hidden if self.tree is None else draft.node_hidden(tree)
+            inputs.draft_hidden = draft.node_hidden(tree) if is_tree else draft.hidden
             inputs.block_tokens = block
         self.prefetcher.after_draft(rec)
         layer_stats = {}
@@ -437,7 +462,7 @@ class OffloadedGenerator:
 
         t2 = time.perf_counter()
         logits = None
-        if session.full_pool and self.tree is not None:
+        if session.full_pool and is_tree:
             state, _, router_experts = verify_tree_pooled(pool.pooled_weights(self.stripped), state, tree,
                                                           draft.draft_cache, spec, self.implementation)
             pool.returned(router_experts)
@@ -446,7 +471,7 @@ class OffloadedGenerator:
                 on_demand(l, routed[l])
         elif session.full_pool:
             state, router_experts, router_logits = _verify_on_full_pool(
-                pool.pooled_weights(self.stripped), state, draft, spec, self.implementation, self.wants_logits)
+                pool.pooled_weights(self.stripped), state, draft, spec_r, self.implementation, self.wants_logits)
             pool.returned(router_experts)
             routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
             for l in layers:
@@ -459,14 +484,16 @@ class OffloadedGenerator:
                                        provider=on_demand, tap_layers=spec.taps, logits="all",
                                        implementation=self.implementation, ahead=ahead, ahead_width=width,
                                        dispatched=lambda i, x: pool.returned(x),
-                                       tree=None if self.tree is None else tree.block())
-            if self.tree is None:
-                state = commit_verify_jit(state, draft, verify.out, spec)
+                                       tree=tree.block() if is_tree else None)
+            if not is_tree:
+                state = commit_verify_jit(state, draft, verify.out, spec_r)
             else:
                 state, _ = commit_tree_jit(state, tree, draft.draft_cache, verify.out, spec)
             routed = verify.routed
             logits = verify.out.router_logits
         pool.release()
+        if spec_r is not spec:  # a narrower chain of an adaptive session: the context back to the draft block
+            state = state.replace(context=_pad_cols(state.context, spec.block_size))
         before = session.host
         output, num, acc, bonus, anchor, done = jax.device_get(
             (state.output, state.num_generated, state.last_accepted, state.last_bonus, state.anchor, state.done))
@@ -482,6 +509,12 @@ class OffloadedGenerator:
                            verify_s=t3 - t2, hide_window_s=t3 - rec.t_issue, bandwidth=self.bandwidth,
                            tokens=tokens)
         session.state = state
+        if session.adaptive is not None:
+            a, c = session.adaptive, session.adaptive["choice"]
+            acc_sum, exp_sum = update_calibration(self.tree, a["accepted"], a["expected"], c, np.asarray(acc),
+                                                  before["done"])
+            a.update(accepted=np.asarray(acc_sum), expected=np.asarray(exp_sum))
+            a["chosen"][c] += 1
         session.host = {"anchor": np.asarray(anchor), "num_generated": np.asarray(num), "done": np.asarray(done)}
         session.draft_s += t1 - t0
         session.verify_s += t3 - t2
@@ -549,7 +582,8 @@ class OffloadedGenerator:
         }
         run_stats = {
             "loop": "offloaded", "seconds": seconds, "block_size": spec.block_size, "method": spec.method,
-            "tree": None if self.tree is None else {"budget": self.tree.budget, "branch": self.tree.branch},
+            "tree": ({"budget": self.tree.budget, "branch": self.tree.branch} if isinstance(self.tree, TreeShape)
+                     else "adaptive" if self.tree is not None else None),
             "shapes": {"batch": int(prep.tokens.shape[0]), "prompt": int(prep.tokens.shape[1]),
                        "output": spec.output_len, "cache": spec.max_len},
             "time_split": {"prefill_s": session.prefill_s, "draft_s": session.draft_s, "verify_s": session.verify_s,
@@ -557,6 +591,9 @@ class OffloadedGenerator:
             "offload": offload, "route_ahead": session.route_ahead.to_json(),
         }
         trace = session.trace.rounds if session.trace is not None else None
+        if session.adaptive is not None:
+            run_stats["adaptive_rounds"] = {sh.label() + ("" if sh.is_chain else f" K={sh.branch}"): int(c)
+                                            for sh, c in zip(self.tree.shapes, session.adaptive["chosen"])}
         base = _result(session.state, run_stats, trace=trace, rows=prep.num_prompts)
         return OffloadResult(tokens=base.tokens, acceptance_lengths=base.acceptance_lengths, stats=base.stats,
                              trace=base.trace, route_ahead=session.route_ahead)

@@ -63,6 +63,7 @@ from dflash_jax.spec.loop import LOOP_BUCKETS, _result, _shape_stats
 from dflash_jax.spec.sampling import SamplingParams, processed_scores, sample_rows
 from dflash_jax.spec.session import (
     Prepared, SpecConfig, SpecState, _all_greedy, _check_state, _emit, _split_rows, begin_prepared, prepare,
+    spec_round,
 )
 
 DEFAULT_BRANCH = 4
@@ -407,16 +408,40 @@ class VerifyCost:
 DEFAULT_SHAPES = (TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 1), TreeShape(8), TreeShape(16), TreeShape(32))
 
 
+@functools.lru_cache(maxsize=None)
+def prior_tokens_per_round(shape: TreeShape, *, alpha: float = 0.8, depth: int = 15) -> float:
+    """Tokens per round a shape commits under a calibrated model draft: at every block position the draft's
+    r-th candidate is the target's token with probability alpha (1 - alpha)^r, independently; the expected
+    accepted depth of a best-first tree is then the sum of its nodes' path probabilities (exact for this
+    draft), plus the bonus. Chains of B see B-1 positions, trees `depth`. Deterministic (no data)."""
+    d = shape.budget - 1 if shape.is_chain else depth
+    if d < 1:
+        return 1.0
+    full = np.full((1, d, max(shape.branch, 2)), -1e30, np.float32)
+    full[0, :, : shape.branch] = np.log(alpha * (1.0 - alpha) ** np.arange(shape.branch))
+    with jax.ensure_compile_time_eval():  # also when called while a loop is traced
+        tree = build_tree(jnp.zeros((1,), jnp.int32), jnp.asarray(full), shape)
+        return float(np.sum(np.where(np.asarray(tree.valid), np.exp(np.asarray(tree.score)), 0.0)))
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptivePolicy:
-    """Each round, each sequence scores every candidate shape s by expected tokens / cost:
-    (1 + c * sum of the draft's path probabilities of s's non-root nodes) / seconds(s), where c is the
-    sequence's calibration (tokens accepted so far over tokens the draft expected, both decayed by `decay`
-    per round, prior 1). The batch verifies the shape with the largest summed score over its live
-    sequences. Deterministic given the state (no clocks, no randomness)."""
+    """Each round, before drafting, picks one of `shapes` for the batch: the shape with the largest expected
+    tokens per second summed over the live sequences,
+
+        rate(s) = (1 + c * (tau_s - 1)) / seconds(s),
+
+    where tau_s is the shape's tokens per round (`taus`: calibrated, e.g. measured at warm-up; default the
+    model-draft prior `prior_tokens_per_round`), seconds(s) its round time (`cost`; default 1 + budget / 16,
+    compute-bound) and c the sequence's calibration: proposals accepted so far over the proposals the chosen
+    shapes' tau predicted, both decayed by `decay` per round (prior 1). The chosen shape's round is exactly the
+    fixed loop's (a chain drafts at its own B, a tree at the draft's block), one branch of a `lax.switch`:
+    the adaptive loop pays nothing per round that the fixed loop does not, beyond the choice itself.
+    Deterministic given the state (no clocks, no randomness)."""
 
     shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES
-    cost: VerifyCost | None = None  # None: seconds = 1 + budget / 16 (compute-bound guess)
+    cost: VerifyCost | None = None
+    taus: tuple[float, ...] | None = None
     decay: float = 0.9
 
     def seconds(self) -> tuple[float, ...]:
@@ -425,6 +450,35 @@ class AdaptivePolicy:
                 raise ValueError(f"VerifyCost has {len(self.cost.seconds)} entries for {len(self.shapes)} shapes")
             return self.cost.seconds
         return tuple(1.0 + s.budget / 16.0 for s in self.shapes)
+
+    def tokens_per_round(self) -> tuple[float, ...]:
+        if self.taus is not None:
+            if len(self.taus) != len(self.shapes):
+                raise ValueError(f"taus has {len(self.taus)} entries for {len(self.shapes)} shapes")
+            return tuple(float(t) for t in self.taus)
+        return tuple(prior_tokens_per_round(s) for s in self.shapes)
+
+
+def choose_shape(policy: AdaptivePolicy, accepted_sum: jax.Array, expected_sum: jax.Array,
+                 live: jax.Array) -> jax.Array:
+    """The index of the shape `policy` picks for a batch (see `AdaptivePolicy`): accepted_sum / expected_sum
+    [b] the decayed proposals accepted / predicted per sequence, live [b] bool. Pure and traceable (the serving
+    engine can call it per round on its own slots); ties go to the earlier shape."""
+    taus = jnp.asarray(policy.tokens_per_round(), jnp.float32)
+    seconds = jnp.asarray(policy.seconds(), jnp.float32)
+    calib = (accepted_sum + 1.0) / (expected_sum + 1.0)
+    rate = (1.0 + calib[:, None] * (taus[None] - 1.0)) / seconds[None]
+    return jnp.argmax(jnp.sum(rate * live.astype(jnp.float32)[:, None], axis=0)).astype(jnp.int32)
+
+
+def update_calibration(policy: AdaptivePolicy, accepted_sum, expected_sum, choice, accepted, done_before):
+    """The decayed sums after a round of shape `choice` that accepted `accepted` [b] proposals (sequences done
+    before the round keep theirs)."""
+    predicted = jnp.asarray(policy.tokens_per_round(), jnp.float32)[choice] - 1.0
+    d = policy.decay
+    acc = jnp.where(done_before, accepted_sum, d * accepted_sum + accepted.astype(jnp.float32))
+    exp_ = jnp.where(done_before, expected_sum, d * expected_sum + predicted)
+    return acc, exp_
 
 
 @struct.dataclass
@@ -435,45 +489,30 @@ class AdaptiveState:
     chosen: jax.Array  # [num shapes] int32: rounds per shape
 
 
+def shape_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape) -> SpecState:
+    """One round of a fixed shape on a state whose draft block is `spec.block_size`: a chain drafts and
+    verifies at its own width (`session.spec_round`, the chain loop's round; the context rows it hands the
+    draft are padded back to the state's width), a tree runs `tree_round`."""
+    if not shape.is_chain:
+        return tree_round(target_w, draft_w, state, spec, shape)[0]
+    width = state.context.shape[1]
+    if shape.budget > width:
+        raise ValueError(f"a chain of {shape.budget} is wider than the draft block {width}")
+    new = spec_round(target_w, draft_w, state, dataclasses.replace(spec, block_size=shape.budget))
+    return new.replace(context=_pad_cols(new.context, width))
+
+
 def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, policy: AdaptivePolicy):
-    """Draft once, build the candidate trees (one per branching; the shapes are prefixes of them), pick the
-    shape (`AdaptivePolicy`), verify it (one branch of a `lax.switch`). Returns (AdaptiveState, info)."""
+    """Pick the shape (`choose_shape`, from the state only), run its round (one branch of a `lax.switch`),
+    update the calibration. Returns the new AdaptiveState."""
     state = astate.spec_state
-    draft = tree_draft(target_w, draft_w, state, spec)
-    shapes = policy.shapes
-    depth = spec.block_size - 1
-    full = {}
-    for br in sorted({s.branch for s in shapes}):
-        budget = max(s.budget for s in shapes if s.branch == br)
-        full[br] = build_tree(state.anchor, draft.logprobs, TreeShape(budget, br))
-    calib = (astate.accepted_sum + 1.0) / (astate.expected_sum + 1.0)
-    seconds = jnp.asarray(policy.seconds(), jnp.float32)
-    expected = []
-    for s in shapes:
-        t = full[s.branch].prefix(min(s.budget, depth + 1) if s.is_chain else s.budget)
-        expected.append(jnp.sum(jnp.where(t.valid, jnp.exp(t.score), 0.0), axis=1) - 1.0)
-    expected = jnp.stack(expected, axis=1)  # [b, S]
-    rate = (1.0 + calib[:, None] * expected) / seconds[None]
-    live = (~state.done).astype(jnp.float32)[:, None]
-    choice = jnp.argmax(jnp.sum(rate * live, axis=0)).astype(jnp.int32)
-
-    def branch(s):
-        def run(operands):
-            st, cache = operands
-            t = full[s.branch].prefix(min(s.budget, depth + 1) if s.is_chain else s.budget)
-            return verify_tree(target_w, st, t, cache, spec)
-        return run
-
-    new, info = jax.lax.switch(choice, [branch(s) for s in shapes], (state, draft.draft_cache))
-    predicted = expected[jnp.arange(expected.shape[0]), choice]
-    done_before = state.done
-    d = policy.decay
-    acc = jnp.where(done_before, astate.accepted_sum, d * astate.accepted_sum + info.accepted.astype(jnp.float32))
-    exp_ = jnp.where(done_before, astate.expected_sum, d * astate.expected_sum + predicted)
+    choice = choose_shape(policy, astate.accepted_sum, astate.expected_sum, ~state.done)
+    branches = [functools.partial(shape_round, target_w, draft_w, spec=spec, shape=s) for s in policy.shapes]
+    new = jax.lax.switch(choice, branches, state)
+    acc, exp_ = update_calibration(policy, astate.accepted_sum, astate.expected_sum, choice, new.last_accepted,
+                                   state.done)
     return AdaptiveState(spec_state=new, accepted_sum=acc, expected_sum=exp_,
-                         chosen=astate.chosen.at[choice].add(1)), info
-
-
+                         chosen=astate.chosen.at[choice].add(1))
 # ----------------------------------------------------------------------------------------------------------
 # loops
 # ----------------------------------------------------------------------------------------------------------
@@ -488,7 +527,7 @@ def run_tree_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: 
 def run_adaptive_loop(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig,
                       policy: AdaptivePolicy) -> AdaptiveState:
     return jax.lax.while_loop(lambda a: ~jnp.all(a.spec_state.done),
-                              lambda a: adaptive_round(target_w, draft_w, a, spec, policy)[0], astate)
+                              lambda a: adaptive_round(target_w, draft_w, a, spec, policy), astate)
 
 
 def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, **request) -> Prepared:

@@ -325,3 +325,22 @@ def test_cli_tree_budget_and_adaptive_match_the_chain(capsys):
         assert out["tokens"] == chain["tokens"]
         assert np.mean(out["acceptance_lengths"]) >= np.mean(chain["acceptance_lengths"])
     assert sum(out["stats"]["adaptive_rounds"].values()) == len(out["acceptance_lengths"])
+
+
+def test_choose_shape_follows_acceptance_and_cost():
+    from dflash_jax.spec.tree import choose_shape, prior_tokens_per_round, update_calibration
+
+    shapes = (TreeShape(4, 1), TreeShape(16, 1), TreeShape(16, 4))
+    # the model-draft prior: longer chains and trees commit more, a tree more than the chain of its width
+    taus = [prior_tokens_per_round(s) for s in shapes]
+    assert 1.0 < taus[0] < taus[1] < taus[2]
+    policy = AdaptivePolicy(shapes, VerifyCost((1.0, 1.8, 2.0)), taus=(2.0, 4.0, 6.0))
+    live = jnp.array([True, True])
+    pick = lambda acc, exp: int(choose_shape(policy, jnp.asarray(acc), jnp.asarray(exp), live))  # noqa: E731
+    assert pick([0.0, 0.0], [0.0, 0.0]) == 2  # calibrated as the prior: 6 / 2 > 4 / 1.8 > 2 / 1 tokens per second
+    assert pick([1.0, 1.0], [20.0, 20.0]) == 0  # far below the prior: the cheap chain
+    # only live sequences vote
+    assert int(choose_shape(policy, jnp.array([1.0, 50.0]), jnp.array([20.0, 20.0]), jnp.array([True, False]))) == 0
+    acc, exp = update_calibration(policy, jnp.zeros(2), jnp.zeros(2), 2, jnp.array([3, 7]), jnp.array([False, True]))
+    np.testing.assert_allclose(np.asarray(acc), [3.0, 0.0])
+    np.testing.assert_allclose(np.asarray(exp), [5.0, 0.0])

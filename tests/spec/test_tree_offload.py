@@ -32,8 +32,8 @@ def shipped():
 
 
 def _offloaded(pair, store, budget, **kw):
-    gen = OffloadedGenerator(pair, budget_bytes=budget, store=store, pool_factory=POISONED, bandwidth=1e9,
-                             tree=SHAPE, **kw)
+    kw.setdefault("tree", SHAPE)
+    gen = OffloadedGenerator(pair, budget_bytes=budget, store=store, pool_factory=POISONED, bandwidth=1e9, **kw)
     return gen.generate(PROMPTS, max_new_tokens=NEW)
 
 
@@ -56,3 +56,19 @@ def test_offloaded_tree_with_every_expert_resident_runs_one_program(shipped):
     got = _offloaded(pair, store, store.total_bytes)
     assert got.stats["offload"]["verify"] == "single"
     assert got.tokens == resident.tokens and got.acceptance_lengths == resident.acceptance_lengths
+
+
+def test_offloaded_adaptive_policy_is_lossless(shipped):
+    # the shape chosen per round on the host (chains at their own width, trees), below all experts
+    from dflash_jax.spec.tree import AdaptivePolicy, VerifyCost
+
+    pair, store, resident, _ = shipped
+    shapes = (TreeShape(4, 1), SHAPE)
+    # a prior that starts on the tree and a cost that makes the chain win once the tree's acceptance falls
+    # below its prior (the chain's acceptance above its own brings the tree back): both shapes run
+    policy = AdaptivePolicy(shapes, VerifyCost((1.0, 3.0)), taus=(2.5, 8.0), decay=0.5)
+    budget = 3 * store.expert_bytes(store.layer_ids[0])
+    got = _offloaded(pair, store, budget, tree=policy, pin=False)
+    assert got.tokens == resident.tokens
+    chosen = got.stats["adaptive_rounds"]
+    assert sum(chosen.values()) == len(got.acceptance_lengths[0]) and min(chosen.values()) >= 1, chosen
