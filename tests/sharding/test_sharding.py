@@ -173,6 +173,22 @@ def test_mesh_matrix_equals_one_device(tmp_path):
         assert_case(report, case, experts_per_device=per_device)
 
 
+@pytest.mark.slow
+def test_engine_and_tree_on_meshes_equal_one_device(tmp_path):
+    """The serving engine (`Engine(mesh=)`, 2 slots, greedy and sampled requests) and tree verification
+    (`generate_tree`, budget 8, branch 2) on meshes of 8 CPU devices: the same tokens and acceptance as on one
+    device."""
+    cases = ["qwen3:expert=4,tensor=2:engine", "gpt_oss:expert=2,tensor=4:engine", "gpt_oss:expert=8,tensor=1:tree",
+             "qwen3_5:expert=4,tensor=2:tree"]
+    report = run_checks(tmp_path, cases)
+    for case in cases:
+        single, mesh = report[case]["single"], report[case]["mesh"]
+        assert set(single) == set(mesh) and single, case
+        for mode in single:
+            assert_meaningful(single[mode])
+            assert mesh[mode] == single[mode], (case, mode)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
