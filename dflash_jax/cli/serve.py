@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
     p.add_argument("--slots", type=int, default=4, help="batch slots: requests decoded together (a compiled shape)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="verify width B (default: the draft's trained size; 1 = no speculation)")
+                   help="the widest verify B (default: the draft's trained size; 1 = no speculation)")
+    p.add_argument("--widths", default="auto",
+                   help="verify widths the engine chooses from each round by its cost model: 'auto' (1, 2, 4, .. B; "
+                        "the default), a comma list (e.g. 1,4,8), or 'fixed' (always B)")
     p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt served, in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="largest max_tokens a request may ask")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
@@ -69,6 +72,14 @@ def check_args(args) -> None:
         raise UsageError(f"--token-budget must be >= 1, got {args.token_budget}")
     if args.round_expert_mb is not None and not args.round_expert_mb > 0:
         raise UsageError(f"--round-expert-mb must be > 0, got {args.round_expert_mb}")
+    if args.widths not in ("auto", "fixed"):
+        try:
+            widths = [int(w) for w in args.widths.split(",")]
+        except ValueError:
+            raise UsageError(f"--widths must be 'auto', 'fixed' or a comma list of integers, got {args.widths!r}") \
+                from None
+        if not widths or min(widths) < 1:
+            raise UsageError(f"--widths must be positive integers, got {args.widths!r}")
     if args.grace_seconds < 0:
         raise UsageError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
     directory = args.checkpoint or SHIPPED_PAIR
@@ -116,12 +127,15 @@ def build_app(args):
         mesh = make_mesh(args.mesh)
     pair = dflash_jax.load(directory, mesh=mesh)
     try:
-        engine = Engine(pair, mesh=mesh, slots=args.slots, block_size=args.block_size, max_prompt_len=args.max_prompt_len,
+        widths = (None if args.widths == "fixed" else "auto" if args.widths == "auto"
+                  else [int(w) for w in args.widths.split(",")])
+        engine = Engine(pair, mesh=mesh, slots=args.slots, block_size=args.block_size, widths=widths,
+                        max_prompt_len=args.max_prompt_len,
                         max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                         expert_byte_budget=None if args.round_expert_mb is None else args.round_expert_mb * 1e6,
                         max_queue=args.max_queue)
     except (TypeError, ValueError) as e:
-        raise UsageError(str(e).replace("block_size", "--block-size")) from None
+        raise UsageError(str(e).replace("block_size", "--block-size").replace("widths", "--widths")) from None
     if not args.no_warmup:
         print(f"dflash-serve: compiling {args.slots} slots, prompts up to {engine.max_prompt_len} tokens ...",
               file=sys.stderr, flush=True)

@@ -54,7 +54,19 @@ from dflash_jax.spec.session import (
 
 
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
-COST_DRIFT = 0.002  # per round of a width: how fast its measured round time may rise (see Engine._step)
+
+
+def learn_round_seconds(table: dict, width: int, seconds: float, *, down: float = 0.3, up: float = 0.1,
+                        explore: float = 0.0005) -> dict:
+    """The cost table after a round of `width` took `seconds`. The entry moves toward the time seen, fast
+    when it is lower and slowly when higher: it follows the low end of the width's times (a shared, busy
+    machine only ever adds time, so the low end is the width's own cost) and still rises when a slowdown
+    lasts. Every other entry shrinks by `explore`, so a width whose entry came out too high (one slow
+    measurement) is tried again after a while and then corrected."""
+    out = {w: t * (1.0 - explore) for w, t in table.items()}
+    old = table[width]
+    out[width] = old + (down if seconds < old else up) * (seconds - old)
+    return out
 
 
 class RequestError(ValueError):
@@ -657,11 +669,7 @@ class Engine:
         after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
         self._device_seconds = t_draft + time.perf_counter() - t_device
         if self.learn_costs and self.round_seconds is not None:
-            # the table follows the machine: a width's entry is the lowest time seen lately (each round of the
-            # width lets it creep up by COST_DRIFT, so a lasting slowdown shows); a shared, busy machine only
-            # ever adds time, so the low end is the width's own cost
-            old = self.round_seconds[width]
-            self.round_seconds[width] = min(old * (1.0 + COST_DRIFT), self._device_seconds)
+            self.round_seconds = learn_round_seconds(self.round_seconds, width, self._device_seconds)
         output = np.asarray(self.state.output)
         for s in live:
             req = self.requests[s]

@@ -21,6 +21,8 @@ from dflash_jax.cli.serve import main
     (["--slots", "0"], "--slots must be >= 1"),
     (["--round-expert-mb", "-1"], "--round-expert-mb must be > 0"),
     (["--token-budget", "0"], "--token-budget must be >= 1"),
+    (["--widths", "1,x"], "--widths must be 'auto', 'fixed' or a comma list"),
+    (["--widths", "0,4"], "--widths must be positive integers"),
 ])
 def test_flag_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -34,7 +36,7 @@ def test_help_names_the_flags(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--checkpoint", "--slots", "--block-size", "--max-prompt-len", "--max-new-tokens", "--max-queue",
-                 "--token-budget", "--round-expert-mb", "--grace-seconds"):
+                 "--token-budget", "--round-expert-mb", "--grace-seconds", "--widths"):
         assert flag in out
 
 
