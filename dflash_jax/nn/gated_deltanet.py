@@ -10,7 +10,7 @@ A step with `g = 0, beta = 0` leaves S unchanged: that is how padded tokens are 
 
 Two forms compute the same thing: `gated_delta_rule_step` (a scan over tokens) and
 `gated_delta_rule_chunked` (the chunked / WY form: within a chunk of C tokens the C updates are condensed
-into a unit-lower-triangular solve and a few matmuls; a scan runs over chunks only).
+into a unit-lower-triangular inverse and a few matmuls; a scan runs over chunks only).
 
 The cache of one layer (`GatedDeltaNetCache`) keeps the state at a checkpoint length plus what the
 extension after it needs to be replayed to any prefix: see `committed_state`.
@@ -131,6 +131,41 @@ def gated_delta_rule_step(
     return jnp.moveaxis(o, 0, 1), state  # [T, b, Hv, dv] -> [b, T, Hv, dv]
 
 
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """`(I + L)^-1` for strictly lower-triangular L [..., C, C], by recursive 2x2 block inversion.
+
+    `[[A, 0], [X, D]]^-1 = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]`: starting from the 1x1 diagonal blocks (1),
+    each level merges pairs of inverted diagonal blocks, so log2(C) levels of batched matmuls give the exact
+    inverse (C is padded to a power of two with identity rows, which leave the leading block unchanged).
+
+    Matmuls only, on purpose: `lax.linalg.triangular_solve` lowers on the CPU to a LAPACK call that XLA
+    runs for several batch entries at once on its thread pool, and with a multi-threaded BLAS underneath
+    those concurrent calls can stall the program (seen as training steps that never finish).
+    """
+    c = lower.shape[-1]
+    n = 1 << max(c - 1, 0).bit_length()
+    if n != c:
+        pad = [(0, 0)] * (lower.ndim - 2) + [(0, n - c), (0, n - c)]
+        lower = jnp.pad(lower, pad)
+    batch = lower.shape[:-2]
+    inv = jnp.ones(batch + (n, 1, 1), lower.dtype)  # inverses of the diagonal blocks, [..., n/s, s, s]
+    s = 1
+    while s < n:
+        nb = n // (2 * s)
+        blocks = lower.reshape(batch + (nb, 2 * s, nb, 2 * s))
+        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, 2s, 2s]
+        x = blocks[..., s:, :s]
+        pairs = inv.reshape(batch + (nb, 2, s, s))
+        a_inv, d_inv = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        corner = -jnp.einsum("...ij,...jk,...kl->...il", d_inv, x, a_inv, precision=_HIGHEST)
+        zero = jnp.zeros_like(a_inv)
+        top = jnp.concatenate([a_inv, zero], axis=-1)
+        bottom = jnp.concatenate([corner, d_inv], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)
+        s *= 2
+    return inv.reshape(batch + (n, n))[..., :c, :c]
+
+
 def gated_delta_rule_chunked(
     q: jax.Array | None,
     k: jax.Array,
@@ -183,10 +218,8 @@ def gated_delta_rule_chunked(
     decay = decay_of(cum[..., :, None] - cum[..., None, :], incl)  # M
     kkt = jnp.einsum("bhnid,bhnjd->bhnij", kk, kk, precision=_HIGHEST)
     lower = jnp.where(strict, bb[..., :, None] * decay * kkt, 0.0)
-    system = lower + jnp.eye(c, dtype=acc)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(  # noqa: E731
-        system, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    inverse = unit_lower_inverse(lower)  # (I + A)^-1
+    solve = lambda rhs: jnp.einsum("...ij,...jd->...id", inverse, rhs, precision=_HIGHEST)  # noqa: E731
     w_v = solve(bb[..., None] * vv)
     from_start = decay_of(cum)  # e^{G_t}
     w_k = solve((bb * from_start)[..., None] * kk)
