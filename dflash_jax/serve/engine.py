@@ -1,25 +1,31 @@
 """Continuous batching on the round API: a fixed number of slots, requests joining and leaving between rounds.
 
-The engine keeps ONE batched `SpecState` of `slots` rows (a compiled shape) for its whole life. A request
-joins by a prefill of its prompt alone (`spec.session._begin` at batch 1, right-padded to its prompt
-bucket) whose rows are then written into a free slot of the batched state (`_insert`: one jitted scatter,
-the slot index traced). A free slot is a row that is done. Nothing a request varies (prompt length inside a
-bucket, budget, sampling settings, stop ids, seed, slot) is a compiled shape, so after `warmup()` no
-request compiles anything (tested with `compile_cache.CompileCounter`).
+The engine keeps ONE batched `SpecState` of `slots` rows (a compiled shape) for its whole life. Waiting
+requests join in groups: one prefill of up to 16 of them together (`spec.session._begin` at a group size of
+1, 4 or 16, prompts right-padded to the group's largest prompt bucket), whose rows are then written into free
+slots of the batched state (`_insert_rows`: one jitted scatter, the slot indices traced). A free slot is a
+row that is done. Nothing a request varies (prompt length inside a bucket, budget, sampling settings, stop
+ids, seed, slot) is a compiled shape, so after `warmup()` no request compiles anything (tested with
+`compile_cache.CompileCounter`).
 
 One round (`step`):
-  1. admit queued requests into free slots (prefill + insert; their first token is emitted at once);
-  2. draft every live slot (`_draft`: the draft forward, plus each row's projected expert set: every MoE
-     layer's router on the draft's hidden states of the block, the route-ahead "draft router" projection);
-  3. the scheduler (`scheduler.schedule`, pure) picks the slots that verify under the round's budgets of
+  1. admit queued requests into free slots (grouped prefill + insert; their first token is emitted at once);
+  2. choose the round's verify width from the compiled widths (`choose_width`: the most expected tokens per
+     second, from each live row's acceptance so far and the round time of each width: measured at warm-up,
+     then learned from the rounds served, plus the host's per-round work);
+  3. draft every live slot at that width (`_draft`: the draft forward, plus each row's projected expert set:
+     every MoE layer's router on the draft's hidden states of the block, the route-ahead "draft router"
+     projection); width 1 drafts nothing but feeds the draft's context cache;
+  4. the scheduler (`scheduler.schedule`, pure) picks the slots that verify under the round's budgets of
      verify tokens and expert bytes;
-  4. verify (`_verify`): the width-B target forward over all slots, acceptance, commit, and then every row
-     the scheduler left out (or that is free) is put back exactly as it was before the round: the whole
-     row of every state leaf is selected from the old state (caches, draft cache, keys, counters). So a
-     row that sits out a round is bit-for-bit the row it was, and a row that verifies computes what it
-     computes alone: each request's output is its output run alone (greedy: the same tokens; sampled: the
-     same draws from its own per-request key, so the target's distribution).
-  5. new tokens go to each request's callback; finished or cancelled requests free their slots.
+  5. verify (`_verify`): the target forward over all slots at that width, acceptance, commit, and then every
+     row the scheduler left out (or that is free) is put back as it was before the round: every state leaf
+     is selected from the old state, except the KV buffers, of which only the lengths are (a verify writes
+     only at or past a row's length, slots that are never read). So a row that sits out a round is the row
+     it was, and a row that verifies computes what it computes alone: each request's output is its output
+     run alone (greedy: the same tokens at any mix of widths; sampled: at a given width the same draws from
+     its own per-request key as `spec.generate` at that block size, so the target's distribution);
+  6. new tokens go to each request's callback; finished or cancelled requests free their slots.
 
 `Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
 rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
@@ -53,6 +59,7 @@ from dflash_jax.spec.session import (
 )
 
 
+PREFILL_GROUPS = (1, 4, 16)  # batch sizes of a prefill of several waiting requests (those <= the slots)
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
 
 
@@ -93,10 +100,10 @@ def _rowwise(fn, *trees):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state: SpecState, row: SpecState, slot) -> SpecState:
-    """Writes the one-row state `row` into row `slot` (traced) of the batched state."""
-    return _rowwise(lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, 0),
-                    state, row)
+def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
+    """Writes row i of the k-row state `rows` into row `slots[i]` (traced [k] int32) of the batched state;
+    a slot index past the last slot drops the row (the padding rows of a prefill group)."""
+    return _rowwise(lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), state, rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -470,6 +477,49 @@ class Engine:
         tokens, lengths, params, key_data, key_fold = self._row_inputs(req)
         return _begin(self.pair.target, self.pair.draft, tokens, lengths, params, key_data, key_fold, self.spec)
 
+    @property
+    def prefill_groups(self) -> tuple[int, ...]:
+        """The batch sizes a group of waiting requests is prefilled at (compiled per prompt bucket)."""
+        return tuple(g for g in PREFILL_GROUPS if g == 1 or g <= self.slots)
+
+    def _prefill_group(self, reqs: list) -> SpecState:
+        """One prefill of several requests: a batch of the smallest group size that holds them (padding rows:
+        one-token prompts), every prompt right-padded to the largest prompt bucket among them."""
+        rows = next(g for g in self.prefill_groups if g >= len(reqs))
+        width = max(self.buckets.prompt_len(len(r.prompt)) for r in reqs)
+        tokens, lengths = rq.pad_prompts([np.asarray(r.prompt, np.int32) for r in reqs], width, rows)
+        pad = rows - len(reqs)
+        samplings = [r.sampling for r in reqs] + [SamplingParams()] * pad
+        params = RowParams(budget=np.array([r.max_new_tokens for r in reqs] + [1] * pad, np.int32),
+                           sampling=RowSampling.of(samplings),
+                           stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
+        key_data = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in reqs]
+                            + [np.asarray(jax.random.key_data(jax.random.key(0)))] * pad)
+        return _begin(self.pair.target, self.pair.draft, tokens, lengths, params, key_data,
+                      np.zeros(rows, np.int32), self.spec)
+
+    def _admit(self, reqs: list, slots: list, info: RoundInfo | None) -> None:
+        """Prefills `reqs` together and writes them into `slots`; emits their first tokens."""
+        rows = self._prefill_group(reqs)
+        n = rows.done.shape[0]
+        index = np.full(n, self.slots, np.int32)  # padding rows: dropped
+        index[: len(slots)] = slots
+        self.state = _insert_rows(self.state, rows, index)
+        if info is None:
+            return
+        first, done = np.asarray(rows.output)[:, 0], np.asarray(rows.done)
+        finished = np.zeros(self.slots, bool)
+        for i, (req, slot) in enumerate(zip(reqs, slots)):
+            req.slot = slot
+            self.requests[slot] = req
+            info.admitted += 1
+            self._emit(req, [int(first[i])], info)
+            if done[i]:
+                self._finish(req, self._reason(req), info)
+                finished[slot] = True
+        if finished.any():
+            self.state = _release(self.state, finished)
+
     def _empty_state(self) -> SpecState:
         row = self._prefill(None)
         rows = jax.tree.map(lambda x: jnp.concatenate([x] * self.slots, axis=0), row)
@@ -496,12 +546,11 @@ class Engine:
         idle = np.zeros(self.slots, bool)
         for _ in range(2):  # the second pass runs on states that are outputs of the first (same cache keys)
             for width in sizes:
-                req = Request(id=-1, prompt=[0] * width, max_new_tokens=1, sampling=SamplingParams(), stop_ids=[],
-                              seed=0)
-                row = self._prefill(req)
-                slot = next((s for s in range(self.slots) if s not in self.requests), None)
-                if slot is not None:  # a dummy row that is done: the slot stays free
-                    self.state = _insert(self.state, row, np.int32(slot))
+                for group in self.prefill_groups:
+                    reqs = [Request(id=-1, prompt=[0] * width, max_new_tokens=1, sampling=SamplingParams(),
+                                    stop_ids=[], seed=0)] * group
+                    free = [s for s in range(self.slots) if s not in self.requests][:group]
+                    self._admit(reqs, free, None)  # dummy rows that are done: their slots stay free
             self.state = _release(self.state, idle)
             for w in self.widths:
                 self._round(w, idle)
@@ -623,23 +672,17 @@ class Engine:
                 self._finish(r, r.cancel_reason, info)
         if free.any():
             self.state = _release(self.state, free)
-        # admissions
+        # admissions: the waiting requests that fit in free slots, prefilled in groups (one batched prefill each)
         while len(self.requests) < self.slots:
+            free = [s for s in range(self.slots) if s not in self.requests]
             with self._wake:
-                if not self.queue:
-                    break
-                req = self.queue.popleft()
-            slot = next(s for s in range(self.slots) if s not in self.requests)
-            row = self._prefill(req)
-            self.state = _insert(self.state, row, np.int32(slot))
-            first, done = np.asarray(row.output)[0, 0], bool(np.asarray(row.done)[0])
-            req.slot = slot
-            self.requests[slot] = req
-            info.admitted += 1
-            self._emit(req, [int(first)], info)
-            if done:
-                self._finish(req, self._reason(req), info)
-                self.state = _release(self.state, np.arange(self.slots) == slot)
+                take = min(len(free), len(self.queue), self.prefill_groups[-1])
+                if take and next(g for g in self.prefill_groups if g >= take) > 2 * take:
+                    take = max(g for g in self.prefill_groups if g <= take)  # not mostly padding rows
+                reqs = [self.queue.popleft() for _ in range(take)]
+            if not reqs:
+                break
+            self._admit(reqs, free[: len(reqs)], info)
         if not self.requests:
             return
         # width, draft, schedule, verify
