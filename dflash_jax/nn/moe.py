@@ -124,7 +124,8 @@ def swiglu_experts(
     same sum; k-sparse FLOPs traded for dense einsums: for training small many-expert models on CPU, where
     `ragged_dot`'s cost grows with the number of groups). Otherwise sorted dispatch + `ops.grouped_matmul`,
     and under a context mesh with an `expert` axis (`jax.set_mesh`, see `expert_parallel_mesh`) the same
-    dispatch per expert shard under `shard_map` (whole tables only: a slot pool runs the default path).
+    dispatch per expert shard under `shard_map` (a slot pool is split along its slots the same way: each
+    shard computes the rows whose expert sits in one of its slots; `offload.sharded.ShardedExpertCache`).
     dispatch (on a mesh only): "psum" (every shard runs its experts' rows of all tokens, one psum),
     "all_to_all" (rows sent to their experts' owners and back, see `_expert_parallel`) or "auto"
     (`choose_dispatch` by the width; the environment variable DFLASH_MOE_DISPATCH overrides "auto").
@@ -135,8 +136,8 @@ def swiglu_experts(
         return _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
                               activation or silu_glu)
     mesh = expert_parallel_mesh()
-    if mesh is not None and slot_of is None and expert_axes(num_slots, mesh):
-        return _expert_parallel(x, experts, weights, gate_up, down, mesh, implementation=implementation,
+    if mesh is not None and expert_axes(num_slots, mesh):
+        return _expert_parallel(x, slots, weights, gate_up, down, mesh, implementation=implementation,
                                 gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
                                 dispatch=dispatch)
     y = _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation)

@@ -31,7 +31,12 @@ HOST_MEMORY = "pinned_host"
 
 
 def memory_sharding(kind: str) -> jax.sharding.Sharding:
-    """The single-device sharding of the default device in memory `kind` ("device", "pinned_host", ...)."""
+    """The single-device sharding of the default device in memory `kind` ("device", "pinned_host", ...); under
+    a context mesh (`jax.set_mesh`) the mesh's replicated sharding in that memory, so that the offloaded loop's
+    arrays sit on the mesh's devices (`offload.sharded`)."""
+    mesh = jax.sharding.get_mesh()
+    if mesh is not None and not mesh.empty:
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind)
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
 

@@ -1,7 +1,7 @@
 """Mesh checks run in a process of their own (8 CPU devices need XLA_FLAGS before jax starts).
 
   python mesh_checks.py OUT_JSON FAMILY:MESH[:sample][:a2a] ...     (generate, `run_case`)
-  python mesh_checks.py OUT_JSON FAMILY:MESH:engine|tree ...         (`engine_run`, `tree_run`)
+  python mesh_checks.py OUT_JSON FAMILY:MESH:engine|tree|offload ... (`engine_run`, `tree_run`, `offload_run`)
 
 For each case: the family's tiny random pair (`case_pair`), greedy and (with `:sample`) sampled generation
 from fixed prompts and seeds, once on one device and once on the mesh (`run_case`); the JSON holds both
@@ -107,6 +107,42 @@ def tree_run(pair, mesh) -> dict:
     return {"greedy": {"tokens": out.tokens, "acceptance": out.acceptance_lengths}}
 
 
+def offload_run(pair, mesh) -> dict:
+    """Offloaded generation (`OffloadedGenerator`, previous-round prefetch) in a cache of 6 expert slots with
+    poisoned free slots (a read of an expert that is not resident blows the output up): on one device the
+    plain `ExpertCache`, on a mesh the `ShardedExpertCache` (each device holding its share of the slots)."""
+    import contextlib
+    import functools
+
+    from dflash_jax.offload import ExpertCache, HostExpertStore, OffloadedGenerator
+    from dflash_jax.offload.sharded import ShardedExpertCache
+    from dflash_jax.sharding import shard_pair
+
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        if mesh is None:
+            factory = functools.partial(ExpertCache, poison=True)
+        else:
+            pair = shard_pair(pair, mesh)
+            factory = functools.partial(ShardedExpertCache, mesh=mesh, poison=True)
+        store = HostExpertStore(pair.target)
+        budget = 6 * max(le.expert_bytes for le in store.layers.values())
+        gen = OffloadedGenerator(pair, budget_bytes=budget, prefetcher="previous", block_size=BLOCK, store=store,
+                                 pool_factory=factory, bandwidth=1e9)
+        out = {}
+        for mode, sampling in (("greedy", SamplingParams()), ("sampled", SAMPLED)):
+            session = gen.prefill(CASE_PROMPTS, max_new_tokens=MAX_NEW, sampling=sampling, seed=11)
+            while not session.done:
+                gen.round(session)
+            got = gen.result(session)
+            out[mode] = {"tokens": got.tokens, "acceptance": got.acceptance_lengths}
+            summary = got.stats["route_ahead"]["summary"]
+            out[mode + "_fetched"] = int(summary["on_demand"]) + int(summary.get("passes", 0))
+            if mesh is not None:
+                out[mode + "_rows_per_device"] = session.pool.device_rows()
+                out[mode + "_slab_rows"] = [int(s.leaves[0].shape[0]) for s in session.pool.slabs]
+    return out
+
+
 def moe_check(meshes) -> dict:
     """`swiglu_experts` on a mesh against the default path, under both dispatches: max |difference| per mesh,
     dispatch, width and table format, and the collectives of the compiled sharded program. Widths 1 (a
@@ -160,7 +196,7 @@ def main(argv: list[str]) -> None:
 
     out_path, cases = argv[0], argv[1:]
     report = {"devices": len(jax.devices())}
-    meshes = sorted({c.split(":")[1] for c in cases if not {"engine", "tree"} & set(c.split(":")[2:])})
+    meshes = sorted({c.split(":")[1] for c in cases if not {"engine", "tree", "offload"} & set(c.split(":")[2:])})
     t0 = time.perf_counter()
     report["moe"] = moe_check(meshes) if meshes else {}
     print("moe", report["moe"], f"{time.perf_counter() - t0:.1f} s", flush=True)
@@ -168,8 +204,8 @@ def main(argv: list[str]) -> None:
     for case in cases:
         family, spec, *flags = case.split(":")
         pair = case_pair(family)
-        if "engine" in flags or "tree" in flags:
-            run = engine_run if "engine" in flags else tree_run
+        if "engine" in flags or "tree" in flags or "offload" in flags:
+            run = engine_run if "engine" in flags else tree_run if "tree" in flags else offload_run
             report[case] = {"single": run(pair, None), "mesh": run(pair, make_mesh(spec))}
             print(case, "equal:", report[case]["mesh"] == report[case]["single"],
                   f"{time.perf_counter() - t0:.1f} s", flush=True)

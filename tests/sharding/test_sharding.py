@@ -189,6 +189,23 @@ def test_engine_and_tree_on_meshes_equal_one_device(tmp_path):
             assert mesh[mode] == single[mode], (case, mode)
 
 
+@pytest.mark.slow
+def test_offload_on_meshes_equals_one_device(tmp_path):
+    """Offloaded generation with a 6-slot cache (passes, evictions across layers, poisoned free slots) on 2x4
+    (gpt-oss) and 8x1 (Qwen3) with `ShardedExpertCache`: each device holds its share of the cache's slots, and
+    greedy and sampled tokens equal the single-device offloaded run's."""
+    cases = ["gpt_oss:expert=2,tensor=4:offload", "qwen3:expert=8,tensor=1:offload"]
+    report = run_checks(tmp_path, cases)
+    for case in cases:
+        single, mesh = report[case]["single"], report[case]["mesh"]
+        for mode in ("greedy", "sampled"):
+            assert_meaningful(single[mode])
+            assert mesh[mode] == single[mode], (case, mode)
+            assert mesh[mode + "_fetched"] == single[mode + "_fetched"] > 0, case  # the same copies happened
+            rows, per_device = mesh[mode + "_slab_rows"][0], mesh[mode + "_rows_per_device"][0]
+            assert rows == 8 * per_device and rows >= 7, case  # 6 slots + the trap row, split over 8 devices
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
