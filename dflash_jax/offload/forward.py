@@ -218,7 +218,7 @@ def forward_layerwise(
     weights, tokens: jax.Array, cache, cfg, *, provider: ExpertProvider,
     num_valid: jax.Array | None = None, tap_layers: tuple[int, ...] = (), logits: str = "all",
     implementation: str = "auto", ahead: AheadHook | None = None, ahead_width: int | None = None,
-    dispatched: Callable[[int, jax.Array], None] | None = None, tree=None,
+    dispatched: Callable[[int, jax.Array], None] | None = None, tree=None, positions: jax.Array | None = None,
 ) -> LayerwiseOutput:
     """The family's `forward` (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE) layer by layer; MoE layer experts
     come from `provider` (see module doc).
@@ -240,7 +240,9 @@ def forward_layerwise(
 
     dispatched(i, x): called right after each of layer i's expert calls (every pass) is dispatched, with its
     output x: the operands it read may be written again once x is computed (a shared device cache defers
-    copies into its slab until the call is dispatched and waits for x before it overwrites a slot)."""
+    copies into its slab until the call is dispatched and waits for x before it overwrites a slot).
+
+    positions: explicit RoPE positions [b, T] (a compressed prefill, `models.decoder.forward`)."""
     fam = family_of(cfg)
     if not isinstance(weights, fam.weights_type):
         raise TypeError(f"{type(cfg).__name__} needs {fam.weights_type.__name__} weights, got {type(weights).__name__}")
@@ -290,6 +292,6 @@ def forward_layerwise(
         return layer.replace(mlp=fam.with_expert_pool(layer.mlp, ops.tables, ops.slot_of))
 
     out = run_layers(steps, weights, tokens, cache, num_valid=num_valid, tap_layers=tap_layers, logits=logits,
-                     return_router_logits=True, expert_hook=place_experts, tree=tree)
+                     return_router_logits=True, expert_hook=place_experts, tree=tree, positions=positions)
     seconds = list(np.diff(steps.starts))
     return LayerwiseOutput(out=out, routed=routed, layer_seconds=seconds, ahead=ahead_out, ahead_logits=ahead_logits)

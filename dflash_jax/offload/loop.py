@@ -83,11 +83,11 @@ commit_verify_jit = jax.jit(commit_verify, static_argnames=("spec",))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _start(target_w, draft_w, out, lengths, params, key_data, key_fold, spec):
+def _start(target_w, draft_w, out, lengths, params, key_data, key_fold, spec, positions=None):
     """The state after the layer-wise prefill `out`, with the prepared per-sequence settings and keys (as
-    `spec.session.begin_prepared` makes them)."""
+    `spec.session.begin_prepared` makes them); `positions`: the prompt rows' positions of a compressed prefill."""
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
-    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params)
+    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "implementation", "router_logits"))
@@ -225,6 +225,7 @@ class OffloadSession:
     host: dict  # host copies of the state after the last step: anchor, num_generated, done
     t_start: float
     prefill_s: float
+    prefill_routed_bytes: int = 0  # the experts the prefill's tokens routed to (what an on-demand prefill moves)
     draft_s: float = 0.0
     verify_s: float = 0.0
     t_last: float = 0.0
@@ -346,18 +347,28 @@ class OffloadedGenerator:
         return ExpertOperands(self.store.device_tables(layer), None, np.ones(self.store.num_experts, bool))
 
     def prefill(self, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(),
-                stop_ids=(), seed=0, observers: Sequence[Any] = (), trace: bool = False) -> OffloadSession:
+                stop_ids=(), seed=0, observers: Sequence[Any] = (), trace: bool = False, kept=None) -> OffloadSession:
         """Validates and buckets the request (`spec.session.prepare`: max_new_tokens, sampling, stop_ids, seed
         one value for every prompt or one per prompt), prefills it layer by layer with whole expert tables,
         builds the session's pool from the prefill's routing and returns the `OffloadSession`.
         observers: more `on_round` observers for this request; trace: keep a `TraceObserver` (the result's
-        `trace`)."""
+        `trace`). kept: one index list per prompt, a compressed prefill of those tokens at their original
+        positions (PFlash, `dflash_jax.pflash.compress`); None = every token."""
         compile_cache.ensure_enabled()
         t_start = time.perf_counter()
         request = dict(block_size=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
                        stop_ids=stop_ids, seed=seed, buckets=self.buckets)
-        prep = (prepare(self.pair, prompts, **request) if self.tree is None
-                else prepare_tree(self.pair, prompts, widest=self.widest, **request))
+        positions = None
+        if kept is not None:
+            if self.tree is not None:
+                raise ValueError("a compressed prefill (kept=) does not combine with tree verification: drop one")
+            from dflash_jax.pflash.generate import prepare_compressed
+
+            compressed = prepare_compressed(self.pair, prompts, kept, **request)
+            prep, positions = compressed.prepared, jnp.asarray(compressed.positions)
+        else:
+            prep = (prepare(self.pair, prompts, **request) if self.tree is None
+                    else prepare_tree(self.pair, prompts, widest=self.widest, **request))
         spec, cfg, store = prep.spec, self.cfg, self.store
         batch = prep.tokens.shape[0]
         verify_width = max(spec.block_size, self.widest)
@@ -367,15 +378,16 @@ class OffloadedGenerator:
         cache = init_target_cache(cfg, batch, spec.max_len, self.pair.target.embed.dtype, verify_width=verify_width)
         pre = forward_layerwise(self.stripped, jnp.asarray(prep.tokens), cache, cfg, provider=self._whole_table,
                                 num_valid=lengths, tap_layers=spec.taps, logits="last",
-                                implementation=self.implementation)
+                                implementation=self.implementation, positions=positions)
         state = _start(self.stripped, self.pair.draft, pre.out, lengths, prep.params, prep.key_data, prep.key_fold,
-                       spec)
+                       spec, positions)
         host = _host_view(state)
         prefill_s = time.perf_counter() - t_start
 
         # ---- placement and pool ----
         valid = (np.arange(prep.tokens.shape[1])[None, :] < prep.lengths[:, None]).reshape(-1)
         profile = routing_profile({l: e[valid] for l, e in pre.routed.items()}, store.num_experts)
+        routed_bytes = sum(int(np.count_nonzero(profile[l])) * store.expert_bytes(l) for l in profile)
         reserve = cache_reserve(store.num_experts, self.top_k, batch, verify_width)
         pinned = plan_shared(profile, self.groups, reserve) if self.pin else {l: np.zeros(0, np.int32)
                                                                                for l in self.layers}
@@ -392,6 +404,7 @@ class OffloadedGenerator:
         observers = self.observers + tuple(observers) + ((tracer,) if tracer else ())
         session = OffloadSession(prepared=prep, state=state, pool=pool, pinned=pinned, reserve=reserve,
                               initial_bytes=initial_bytes, full_pool=full_pool, observers=observers,
+                              prefill_routed_bytes=routed_bytes,
                               route_ahead=RouteAheadStats(), trace=tracer, host=host, t_start=t_start,
                               prefill_s=prefill_s, t_last=time.perf_counter())
         if isinstance(self.tree, AdaptivePolicy):
@@ -577,7 +590,8 @@ class OffloadedGenerator:
             "num_experts": store.num_experts, "moe_layers": len(self.layers), "expert_bytes_all": store.total_bytes,
             "pinned_per_layer": {str(l): int(len(p)) for l, p in session.pinned.items()},
             "cache_reserve": session.reserve, "predictor": self.prefetcher.name, "width": self.width or self.top_k,
-            "prefill_bytes": store.total_bytes, "initial_load_bytes": session.initial_bytes,
+            "prefill_bytes": store.total_bytes, "prefill_routed_bytes": session.prefill_routed_bytes,
+            "initial_load_bytes": session.initial_bytes,
             "bandwidth_bytes_per_s": self.bandwidth, "verify": "single" if session.full_pool else "layerwise",
         }
         run_stats = {
