@@ -1,15 +1,17 @@
 """Benchmark on the shipped pair: acceptance (tau) by block size, DFlash vs plain decoding, jit vs Python loop.
 
-  python benchmarks/tiny_pair.py [--checkpoint DIR] [--prompts 8] [--prompt-len 128] [--max-new 128]
+  python benchmarks/tiny_pair.py [--checkpoint DIR | --pair NAME] [--prompts 8] [--prompt-len 128] [--max-new 128]
                                  [--out DIR | --write-docs]
+  python benchmarks/tiny_pair.py --pair tiny_pair_qwen3_5 --blocks 4,8,16 --write-docs   # the hybrid pair
 
 Prompts are windows of the held-out standard-library files (split.json of the pair, never trained on).
 In one run, with compiled (warmed-up) jitted loops and batch 1 as in interactive use:
   - tau = tokens committed per round, per block size 1, 2, 4, 8, 16;
   - tokens/s of the DFlash jitted loop vs the plain greedy jitted loop of the same target -> speedup;
   - rounds/s of the jitted while_loop vs the Python stepping loop, and the host share of a round.
-Every DFlash output is checked equal to the plain greedy output (lossless). Writes tiny_pair.{json,md} to
---out (default bench_out/, ignored by git) or, with --write-docs, to docs/benchmarks/.
+Every DFlash output is checked equal to the plain greedy output (lossless). Writes <name>.{json,md,png} to
+--out (default bench_out/, ignored by git) or, with --write-docs, to docs/benchmarks/; <name> is the pair's name
+(tiny_pair for the default pair or --checkpoint, tiny_pair_qwen3_5 for `--pair tiny_pair_qwen3_5`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def plot(rows: list[dict], path: str) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None, help="default: the shipped pair")
+    p.add_argument("--pair", default=None, metavar="NAME", help="a shipped pair by name (dflash_jax.SHIPPED_PAIRS)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new", type=int, default=128)
@@ -88,11 +91,16 @@ def main(argv=None) -> int:
     import jax
 
     import dflash_jax
-    from dflash_jax.cli.generate import SHIPPED_PAIR
+    from dflash_jax.cli.generate import UsageError, resolve_pair
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate, generate_stepping
 
-    pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR)
+    try:
+        directory = resolve_pair(args.checkpoint, args.pair)
+    except UsageError as e:
+        raise SystemExit(str(e))
+    stem = args.pair if args.pair and args.pair != "tiny_pair" else "tiny_pair"
+    pair = dflash_jax.load(directory)
     from dflash_jax.train.data import file_windows
 
     try:
@@ -148,10 +156,16 @@ def main(argv=None) -> int:
               "prompt_len": args.prompt_len, "max_new_tokens": n, "backend": jax.default_backend(),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "by_block_size": rows, "loops": loops}
     out_dir = output_dir(args)
-    with open(os.path.join(out_dir, "tiny_pair.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
-    md = ["# The shipped pair: acceptance and speed (CPU)", "",
-          f"`python benchmarks/tiny_pair.py --write-docs` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} tokens, "
+    kind = {"qwen3_5": "hybrid Qwen3.5-MoE"}.get(pair.target_cfg.model_type.removesuffix("_moe"), "")
+    title = f"The shipped {kind} pair `{stem}`" if stem != "tiny_pair" else "The shipped pair"
+    cmd = "python benchmarks/tiny_pair.py" + (f" --pair {stem}" if stem != "tiny_pair" else "") + \
+        (f" --blocks {args.blocks}" if args.blocks != "1,2,4,8,16" else "") + \
+        "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k, d in
+                (("prompts", 8), ("prompt_len", 128), ("max_new", 128)) if getattr(args, k) != d) + " --write-docs"
+    md = [f"# {title}: acceptance and speed (CPU)", "",
+          f"`{cmd}` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} tokens, "
           f"{n} new tokens each, greedy, batch 1, compiled loops, best of 2; {result['machine']}, "
           f"backend {result['backend']}. Speedup = DFlash jitted loop tokens/s over the plain greedy jitted loop "
           "of the same target, each prompt's plain and DFlash runs back to back (so each row's plain tok/s is its own).",
@@ -165,11 +179,11 @@ def main(argv=None) -> int:
            f"stepping loop {loops['python_rounds_per_s']} rounds/s; in the stepping loop the host (dispatch, "
            f"transfers, Python) takes {loops['host_share_of_round'] * 100:.0f}% of the decode time "
            f"(split: {loops['python_time_split_s']}).", ""]
-    if plot(rows, os.path.join(out_dir, "tiny_pair.png")):
-        md += ["![tau and speedup by block size; tokens per round histograms](tiny_pair.png)", ""]
-    with open(os.path.join(out_dir, "tiny_pair.md"), "w") as fh:
+    if plot(rows, os.path.join(out_dir, f"{stem}.png")):
+        md += [f"![tau and speedup by block size; tokens per round histograms]({stem}.png)", ""]
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
         fh.write("\n".join(md))
-    print(f"wrote {out_dir}/tiny_pair.{{json,md}}")
+    print(f"wrote {out_dir}/{stem}.{{json,md}}")
     return 0
 
 

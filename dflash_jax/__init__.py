@@ -10,6 +10,12 @@ import os as _os  # noqa: E402
 # The small trained pair that ships with the package (a Qwen3-MoE target trained on the Python standard
 # library and its DFlash draft, MXFP4 experts): `dflash_jax.load()` and `dflash-generate` without a checkpoint.
 SHIPPED_PAIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "assets", "tiny_pair")
+# Every pair that ships, by name (`dflash-generate --pair NAME`): the default Qwen3-MoE pair above and the hybrid
+# Qwen3.5-MoE pair (Gated DeltaNet + gated attention + shared expert) trained on the same corpus and tokenizer.
+SHIPPED_PAIRS = {
+    "tiny_pair": SHIPPED_PAIR,
+    "tiny_pair_qwen3_5": _os.path.join(_os.path.dirname(SHIPPED_PAIR), "tiny_pair_qwen3_5"),
+}
 
 
 def load(directory=None, *, expert_memory: str = "device", verify: bool = True, mesh=None,
@@ -32,4 +38,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "ConfigError", "SHIPPED_PAIR", "from_hf_config", "load", "__version__"]
+__all__ = ["CheckpointError", "ConfigError", "SHIPPED_PAIR", "SHIPPED_PAIRS", "from_hf_config", "load", "__version__"]

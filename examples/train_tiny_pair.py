@@ -58,6 +58,15 @@ def main(argv=None) -> int:
             p.error(f"--{k.replace('_', '-')} must be >= 0")
     recipe = dataclasses.replace(recipe, **overrides)
     out = args.out if args.out is not None else os.path.join(args.work, "pair")
+    if recipe.family != "qwen3" and not args.quick:
+        # the hybrid pair shares the shipped pair's tokenizer (same corpus, same ids)
+        import shutil
+
+        from dflash_jax import SHIPPED_PAIR
+        os.makedirs(args.work, exist_ok=True)
+        tok = os.path.join(args.work, "tokenizer.json")
+        if not os.path.exists(tok):
+            shutil.copy2(os.path.join(SHIPPED_PAIR, "tokenizer.json"), tok)
     summary = train_tiny_pair(args.work, out, recipe=recipe, convert=convert)
     print(json.dumps(summary, indent=1))
     return 0

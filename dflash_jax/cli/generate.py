@@ -1,6 +1,7 @@
 """`dflash-generate`: lossless DFlash speculative generation from a converted checkpoint.
 
   dflash-generate --prompt "def fib(n):"                       # the small trained pair shipped with the package
+  dflash-generate --pair tiny_pair_qwen3_5 --prompt "def fib(n):"   # the shipped hybrid (Qwen3.5-MoE) pair
   dflash-generate --checkpoint DIR --prompt-ids 1,2,3 --json --trace
 
 `--json` prints one object: `tokens` (generated ids), `acceptance_lengths` (tokens committed per round),
@@ -27,7 +28,7 @@ import os
 import sys
 from typing import Sequence
 
-from dflash_jax import SHIPPED_PAIR  # noqa: F401  (re-exported for scripts)
+from dflash_jax import SHIPPED_PAIR, SHIPPED_PAIRS  # noqa: F401  (re-exported for scripts)
 from dflash_jax.cli.errors import run_cli
 
 
@@ -62,6 +63,9 @@ def load_tokenizer(pair):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-generate", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", help="a convert-weights checkpoint directory (default: the shipped tiny pair)")
+    p.add_argument("--pair", metavar="NAME", default=None,
+                   help=f"a pair shipped with the package, by name: {', '.join(SHIPPED_PAIRS)} (default: "
+                        f"tiny_pair, the Qwen3-MoE pair; tiny_pair_qwen3_5 is the hybrid Qwen3.5-MoE one)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json and `tokenizers`)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
@@ -125,12 +129,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_pair(checkpoint: str | None, pair: str | None) -> str:
+    """The checkpoint directory from --checkpoint / --pair (neither: the default shipped pair)."""
+    if checkpoint is not None and pair is not None:
+        raise UsageError("--pair and --checkpoint both name a checkpoint: pass one of them (--pair NAME for a "
+                         "shipped pair, --checkpoint DIR for a convert-weights output)")
+    if pair is None:
+        return checkpoint or SHIPPED_PAIR
+    if pair not in SHIPPED_PAIRS:
+        raise UsageError(f"--pair {pair!r} is not a shipped pair; the shipped pairs are: "
+                         f"{', '.join(SHIPPED_PAIRS)} (or pass --checkpoint DIR)")
+    return SHIPPED_PAIRS[pair]
+
+
 def run(args) -> dict:
     import dflash_jax
     from dflash_jax import compile_cache
     from dflash_jax.spec import SamplingParams, generate, generate_stepping
 
-    directory = args.checkpoint or SHIPPED_PAIR
+    directory = resolve_pair(args.checkpoint, getattr(args, "pair", None))
     if args.checkpoint is None and not os.path.exists(os.path.join(directory, "manifest.json")):
         raise UsageError("the shipped pair is missing from this installation; pass --checkpoint DIR "
                          "(a convert-weights output) or reinstall dflash_jax")
