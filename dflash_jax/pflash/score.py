@@ -41,12 +41,18 @@ class Scorer:
     name: str = "scorer"
 
     @classmethod
-    def from_pair(cls, pair, name: str | None = None) -> "Scorer":
-        """The target of a loaded pair (`dflash_jax.load`) as the scorer."""
+    def from_pair(cls, pair, name: str | None = None, *, layers: int | None = None) -> "Scorer":
+        """The target of a loaded pair (`dflash_jax.load`) as the scorer; `layers`: only its first `layers` decoder
+        layers (a cheaper scorer: the scores come from the attention layers among them)."""
         import os
 
-        return cls(cfg=pair.target_cfg, weights=pair.target,
-                   name=name or (os.path.basename(str(pair.directory).rstrip("/")) or "pair") + ":target")
+        weights = pair.target
+        if layers is not None:
+            n = len(weights.layers)
+            layers = rq.check_int(layers, "layers", low=1, high=n + 1, what=f"a layer count in [1, {n}]")
+            weights = weights.replace(layers=weights.layers[:layers])
+        base = name or (os.path.basename(str(pair.directory).rstrip("/")) or "pair") + ":target"
+        return cls(cfg=pair.target_cfg, weights=weights, name=base if layers is None else f"{base}[:{layers}]")
 
 
 def load_scorer(directory: str) -> Scorer:
@@ -97,7 +103,8 @@ def _scores(weights, tokens, n, cfg, window: int):
     steps = _ScoringSteps(fam, cfg, n, window)
     run_layers(steps, weights, tokens, cache, num_valid=n[None], logits="none")
     if not steps.scores:
-        raise ValueError(f"{fam.name} scorer has no attention layer to score with")
+        raise ValueError(f"this {fam.name} scorer has no attention layer among its {len(weights.layers)} layers: "
+                         "keep more layers (Scorer.from_pair(pair, layers=...))")
     return jnp.mean(jnp.stack(steps.scores), axis=0)
 
 
