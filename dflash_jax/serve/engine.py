@@ -1,8 +1,8 @@
 """Continuous batching on the round API: a fixed number of slots, requests joining and leaving between rounds.
 
 The engine keeps ONE batched `SpecState` of `slots` rows (a compiled shape) for its whole life. Waiting
-requests join in groups: one prefill of up to 16 of them together (`spec.session._begin` at a group size of
-1, 4 or 16, prompts right-padded to the group's largest prompt bucket), whose rows are then written into free
+requests join in groups: one prefill of up to 4 of them together (`spec.session._begin` at a group size of
+1 or 4, prompts right-padded to the group's largest prompt bucket), whose rows are then written into free
 slots of the batched state (`_insert_rows`: one jitted scatter, the slot indices traced). A free slot is a
 row that is done. Nothing a request varies (prompt length inside a bucket, budget, sampling settings, stop
 ids, seed, slot) is a compiled shape, so after `warmup()` no request compiles anything (tested with
@@ -59,7 +59,7 @@ from dflash_jax.spec.session import (
 )
 
 
-PREFILL_GROUPS = (1, 4, 16)  # batch sizes of a prefill of several waiting requests (those <= the slots)
+PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests (larger groups delay first tokens)
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
 
 
