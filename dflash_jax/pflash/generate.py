@@ -26,8 +26,8 @@ from dflash_jax import compile_cache
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, _result, _shape_stats, run_loop
 from dflash_jax.spec.sampling import SamplingParams
-from dflash_jax.spec.session import Prepared, SpecConfig, SpecState, init_target_cache, prepare, start_state, \
-    target_family
+from dflash_jax.spec.session import (Prepared, SpecConfig, SpecState, init_target_cache, prepare, start_state,
+                                    target_family)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,8 @@ def prepare_compressed(pair, prompts: Sequence[Sequence[int]], kept=None, *, blo
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _begin_at(target_w, draft_w, tokens, lengths, positions, params, key_data, key_fold, spec: SpecConfig) -> SpecState:
+def _begin_at(target_w, draft_w, tokens, lengths, positions, params, key_data, key_fold,
+              spec: SpecConfig) -> SpecState:
     fam = target_family(spec.target)
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
     cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,

@@ -22,8 +22,8 @@ DEFAULT_CHUNK = 16
 DEFAULT_SELECT_WINDOW = 32
 
 
-def keep_count(n: int, *, keep_ratio: float | None = None, budget: int | None = None, window: int = DEFAULT_SELECT_WINDOW,
-               sink: int = DEFAULT_SINK) -> int:
+def keep_count(n: int, *, keep_ratio: float | None = None, budget: int | None = None,
+               window: int = DEFAULT_SELECT_WINDOW, sink: int = DEFAULT_SINK) -> int:
     """How many of n tokens a selection keeps (see module doc); exactly one of keep_ratio / budget."""
     if (keep_ratio is None) == (budget is None):
         raise ValueError("give exactly one of keep_ratio (0 < R <= 1) or budget (tokens to keep)")
@@ -40,7 +40,8 @@ def keep_count(n: int, *, keep_ratio: float | None = None, budget: int | None = 
 
 
 def select_tokens(scores, *, keep_ratio: float | None = None, budget: int | None = None,
-                  window: int = DEFAULT_SELECT_WINDOW, sink: int = DEFAULT_SINK, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+                  window: int = DEFAULT_SELECT_WINDOW, sink: int = DEFAULT_SINK,
+                  chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Sorted int32 indices of the kept tokens of a prompt with per-token importance `scores` [n]."""
     scores = np.asarray(scores, np.float64).reshape(-1)
     n = scores.shape[0]

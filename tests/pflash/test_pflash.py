@@ -198,3 +198,23 @@ def test_cli_generates_from_a_compressed_prefill(shipped, capsys):
     assert out["stats"]["pflash"] == {"prompt_tokens": [300], "kept_tokens": [len(pflash.compress(
         pflash.Scorer.from_pair(shipped[0]), prompt, keep_ratio=0.25))]}
     assert len(out["tokens"]) == 16 or out["tokens"][-1] in shipped[0].target_cfg.eos_token_ids
+
+
+@pytest.mark.slow
+def test_offloaded_generation_from_a_compressed_prefill_equals_the_resident_one(shipped):
+    from dflash_jax.offload import OffloadedGenerator
+
+    pair, scorer, prompt = shipped
+    kept = pflash.compress(scorer, prompt, keep_ratio=0.25)
+    host_pair = dflash_jax.load(expert_memory="pinned_host")
+    for block in (1, None):
+        gen = OffloadedGenerator(host_pair, budget_bytes=int(0.5e6), prefetcher="none", block_size=block,
+                                 buckets=BUCKETS)
+        session = gen.prefill([prompt], max_new_tokens=32, kept=[kept])
+        while not session.done:
+            gen.round(session)
+        got = gen.result(session)
+        want = pflash.generate(pair, [prompt], [kept], max_new_tokens=32, block_size=block, buckets=BUCKETS)
+        assert got.tokens == want.tokens
+        off = got.stats["offload"]
+        assert 0 < off["prefill_routed_bytes"] <= off["prefill_bytes"]
