@@ -290,8 +290,8 @@ class Engine:
     None: block_size only (a fixed width). "auto": `default_widths(block_size)`. One draft and one verify are
     compiled per width at warm-up; the state has the layout of the widest, so any width serves any round.
     round_seconds: {width: seconds of one round (draft + verify of all slots)}, the cost model's table;
-    None: measured by `warmup()` (the fastest of a few timed rounds per width) and then kept up to date from
-    the rounds served (`learn_costs`, default: only when measured). acceptance_prior: the per-proposal
+    None: measured by `warmup()` (`measure_rounds`: paired, medians of ratios); `learn_costs=True` also keeps
+    the table up to date from the rounds served (`learn_round_seconds`). acceptance_prior: the per-proposal
     acceptance assumed before any verify (then learned per request and engine-wide).
     max_prompt_len / max_new_tokens: the largest request served (requests beyond them get a RequestError);
     they fix the cache and output-buffer shapes. method: acceptance rule of sampled requests
@@ -304,7 +304,7 @@ class Engine:
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
                  expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
-                 acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None):
+                 acceptance_prior: float = 0.7, learn_costs: bool = False, mesh=None):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -354,7 +354,7 @@ class Engine:
         self.widths = widths
         self.specs = {w: dataclasses.replace(self.spec, block_size=w) for w in widths}
         self.round_seconds = round_seconds
-        self.learn_costs = (round_seconds is None) if learn_costs is None else bool(learn_costs)
+        self.learn_costs = bool(learn_costs)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
@@ -561,19 +561,23 @@ class Engine:
         return time.perf_counter() - t0
 
     @_on_mesh
-    def measure_rounds(self, repeats: int = 7) -> dict:
+    def measure_rounds(self, repeats: int = 9) -> dict:
         """{width: seconds} of one round (draft + host transfer of the demand + verify of every slot; compute
-        does not depend on which rows are live), the fastest of `repeats`, widths interleaved so a busy spell
-        of the machine does not land on one width only. Needs the programs compiled (`warmup`)."""
+        does not depend on which rows are live). Paired, so that a busy spell of a shared machine cancels out:
+        each repeat times every width back to back (the order reversed every other repeat), and a width's
+        entry is the median over repeats of its time over the narrowest width's time in the same repeat,
+        times the narrowest width's median. Needs the programs compiled (`warmup`)."""
         idle = np.zeros(self.slots, bool)
-        best = {w: float("inf") for w in self.widths}
-        for _ in range(repeats):
-            for w in self.widths:
+        times = {w: [] for w in self.widths}
+        for r in range(repeats):
+            for w in (self.widths if r % 2 == 0 else self.widths[::-1]):
                 t = time.perf_counter()
                 self._round(w, idle)
                 jax.block_until_ready(self.state.done)
-                best[w] = min(best[w], time.perf_counter() - t)
-        return best
+                times[w].append(time.perf_counter() - t)
+        base = np.asarray(times[self.widths[0]])
+        scale = float(np.median(base))
+        return {w: scale * float(np.median(np.asarray(times[w]) / base)) for w in self.widths}
 
     def _round(self, width: int, active: np.ndarray) -> None:
         draft, demand = self._draft_call(width)
