@@ -1,19 +1,25 @@
-"""Benchmark: chain vs token-tree verification vs the adaptive policy on the shipped pair.
+"""Benchmark: chain vs token-tree verification vs the adaptive policy, resident and offloaded.
 
-  python benchmarks/tree.py [--checkpoint DIR] [--prompts 6] [--prompt-len 64] [--max-new 64]
-                            [--chains 4,8,16] [--trees 8,16,32] [--branch 4] [--out DIR | --write-docs]
+  python benchmarks/tree.py [--checkpoint DIR] [--sets held_out:0,train:1] [--prompts 6] [--prompt-len 64]
+                            [--max-new 64] [--chains 4,8,16] [--trees 8,16,32] [--branch 8] [--repeats 3]
+                            [--no-offload] [--out DIR | --write-docs]
 
-Prompts are windows of the pair's held-out standard-library files, run as one batch. In one run, per
-verify shape (chain B, tree of budget N with `--branch` candidates per node, the adaptive policy):
+Resident (the shipped pair), per prompt set (windows of the pair's held-out or training standard-library
+files, one batch):
   - tokens per round (tau: tokens committed per round and sequence, the bonus included);
-  - expert union per round: distinct experts the verify's rows route to, per MoE layer, mean over layers
-    and rounds (a Python-stepped run of the same shape; the chain's through the tree code with branch 1);
+  - expert union per round: distinct experts the verify's rows route to, per MoE layer (first set only);
   - tokens/s of the warmed jitted loop: the fastest of `--repeats` runs, the runs of all shapes interleaved
-    (repeat 1 of every shape, then repeat 2, ...) so that a shared machine's load drifts across all alike.
-Every output is checked equal to the target's plain greedy output. The adaptive policy's costs are the
-per-round seconds measured for the fixed shapes in this run (`spec.tree.VerifyCost`); it is then timed
-interleaved with the fastest fixed shape again, and their ratio comes from that paired measurement. Writes tree.{json,md}
-(+ tree.png with matplotlib) to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
+    (repeat 1 of every shape, then repeat 2, ...) so that a shared machine's load drifts across all alike;
+  - the adaptive policy (`spec.tree.AdaptivePolicy`): its costs are each shape's seconds per round measured
+    at warm-up on calibration prompts (`measure_round_seconds`, training-split windows, not the measured
+    sets), its tokens-per-round prior the model-draft prior (no data); it is timed interleaved with the
+    fastest fixed shape of the set, and their ratio comes from that paired measurement.
+Offloaded (`offload.OffloadedGenerator`, experts in host memory, a device cache below all experts,
+`draft_router` prefetch): the shipped pair and a random pair of the route-study shape (64 experts top-4,
+MXFP4): tokens per round, expert bytes moved per round, seconds (fastest of 2, shapes interleaved); the
+adaptive policy's costs are the fixed shapes' offloaded seconds per round on calibration prompts.
+Every output is checked equal to the target's plain greedy output. Writes tree.{json,md} (+ tree.png with
+matplotlib) to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -34,20 +40,19 @@ def log(msg: str) -> None:
     print(f"[tree] {msg}", file=sys.stderr, flush=True)
 
 
-def interleaved(runs: dict, repeats: int) -> dict:
+def interleaved(runs: dict, repeats: int, what: str = "") -> dict:
     """{name: fastest seconds} over `repeats` rounds of one run of each (compiled) function."""
     best = {}
     for r in range(repeats):
         for name, fn in runs.items():
             seconds = fn().stats["seconds"]
             best[name] = min(best.get(name, seconds), seconds)
-        log(f"timing repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.items()))
+        log(f"{what}timing repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.items()))
     return best
 
 
 def taus(result) -> float:
-    acc = [a for seq in result.acceptance_lengths for a in seq]
-    return float(np.mean(acc))
+    return float(np.mean([a for seq in result.acceptance_lengths for a in seq]))
 
 
 def plot(rows: list[dict], path: str) -> bool:
@@ -59,15 +64,15 @@ def plot(rows: list[dict], path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    first = [r for r in rows if r["set"] == rows[0]["set"]]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    labels = [r["shape"] for r in rows]
+    labels = [r["shape"] for r in first]
     colors = ["tab:blue" if r["kind"] == "chain" else "tab:green" if r["kind"] == "tree" else "tab:red"
-              for r in rows]
+              for r in first]
     for ax, key, title in zip(axes, ("tokens_per_round", "expert_union_per_round", "tokens_per_second"),
                               ("tokens per round", "experts per layer per verify", "tokens/s (CPU)")):
-        vals = [r[key] if r[key] is not None else 0 for r in rows]
-        ax.bar(labels, vals, color=colors)
-        ax.set_title(title)
+        ax.bar(labels, [r.get(key) or 0 for r in first], color=colors)
+        ax.set_title(f"{title} ({first[0]['set']})")
         ax.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -75,16 +80,144 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
+def resident(args, pair, shapes, calib_prompts, sets):
+    from dflash_jax.decode import greedy_generate
+    from dflash_jax.spec import generate
+    from dflash_jax.spec.tree import AdaptivePolicy, generate_tree, generate_tree_stepping, measure_round_seconds
+
+    n = args.max_new
+    t0 = time.perf_counter()
+    cost = measure_round_seconds(pair, calib_prompts, [s for _, s in shapes], max_new_tokens=n, repeats=args.repeats)
+    policy = AdaptivePolicy(tuple(s for _, s in shapes), cost)
+    log("warm-up cost per round: " + ", ".join(f"{s.label()} {c * 1e3:.1f} ms" for (_, s), c in
+                                              zip(shapes, cost.seconds)) + f" ({time.perf_counter() - t0:.0f} s)")
+    rows, summary = [], {}
+    for si, (name, prompts) in enumerate(sets):
+        plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
+
+        def runner(kind, shape, prompts=prompts):
+            if kind == "chain":
+                return lambda: generate(pair, prompts, max_new_tokens=n, block_size=shape.budget)
+            return lambda: generate_tree(pair, prompts, max_new_tokens=n, tree_budget=shape.budget,
+                                         branch=shape.branch, temperature=shape.temperature)
+
+        runs, set_rows = {}, []
+        for kind, shape in shapes:
+            t0 = time.perf_counter()
+            runs[shape.label()] = runner(kind, shape)
+            res = runs[shape.label()]()
+            assert res.tokens == plain, f"{shape.label()}: output differs from plain greedy"
+            union = off = None
+            if si == 0:
+                stepped, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=n, shape=shape)
+                assert stepped.tokens == plain
+                live = np.concatenate([r["live"] for r in rounds])
+                union = round(float(np.concatenate([r["expert_union"] for r in rounds])[live].mean()), 2)
+                off = round(float(np.concatenate([r["off_chain"] for r in rounds])[live].mean()), 3)
+            set_rows.append(dict(set=name, kind=kind, shape=shape.label(), budget=shape.budget, branch=shape.branch,
+                                 tokens_per_round=round(taus(res), 3), expert_union_per_round=union,
+                                 off_chain_rounds=off, tokens=sum(len(t) for t in res.tokens),
+                                 rounds=int(res.stats["rounds"])))
+            log(f"[{name}] {shape.label():>14}: tau {set_rows[-1]['tokens_per_round']:.2f} "
+                f"({time.perf_counter() - t0:.0f} s)")
+        best = interleaved(runs, args.repeats, f"[{name}] ")
+        for r in set_rows:
+            r["seconds"] = round(best[r["shape"]], 4)
+            r["tokens_per_second"] = round(r["tokens"] / best[r["shape"]], 1)
+        fastest = max(set_rows, key=lambda r: r["tokens_per_second"])
+        adaptive = lambda prompts=prompts: generate_tree(pair, prompts, max_new_tokens=n, adaptive=policy)  # noqa: E731
+        res = adaptive()
+        assert res.tokens == plain, "adaptive: output differs from plain greedy"
+        paired = interleaved({"adaptive": adaptive, fastest["shape"]: runs[fastest["shape"]]}, args.repeats,
+                             f"[{name}] paired ")
+        chosen = res.stats["adaptive_rounds"]
+        tokens = sum(len(t) for t in res.tokens)
+        set_rows.append(dict(set=name, kind="adaptive", shape="adaptive", budget=None, branch=None,
+                             tokens_per_round=round(taus(res), 3), expert_union_per_round=None, off_chain_rounds=None,
+                             tokens=tokens, tokens_per_second=round(tokens / paired["adaptive"], 1),
+                             seconds=round(paired["adaptive"], 4), rounds=int(res.stats["rounds"]), chosen=chosen))
+        best_chain = max((r for r in set_rows if r["kind"] == "chain"), key=lambda r: r["tokens_per_round"])
+        trees = [r for r in set_rows if r["kind"] == "tree"]
+        best_tree = max(trees, key=lambda r: r["tokens_per_round"])
+        at32 = max((r for r in trees if r["budget"] <= 32), key=lambda r: r["tokens_per_round"])
+        summary[name] = dict(
+            best_chain=best_chain["shape"], best_tree=best_tree["shape"],
+            tree_over_best_chain_tokens_per_round=round(best_tree["tokens_per_round"] / best_chain["tokens_per_round"], 3),
+            tree_budget_le_32_over_best_chain=round(at32["tokens_per_round"] / best_chain["tokens_per_round"], 3),
+            fastest_fixed=fastest["shape"],
+            adaptive_over_fastest_fixed_tokens_per_second=round(paired[fastest["shape"]] / paired["adaptive"], 3),
+            adaptive_rounds=chosen)
+        log(f"[{name}] adaptive: tau {set_rows[-1]['tokens_per_round']:.2f}, {summary[name]}")
+        rows += set_rows
+    return rows, summary, cost
+
+
+def offloaded(args, label, pair, prompts, calib, shapes, fraction):
+    """Offloaded rows of one pair: each shape, then the adaptive policy with the shapes' measured costs."""
+    from dflash_jax.decode import greedy_generate
+    from dflash_jax.offload import HostExpertStore, OffloadedGenerator
+    from dflash_jax.spec.tree import AdaptivePolicy, VerifyCost
+
+    n = args.offload_new
+    store = HostExpertStore(pair.target)
+    budget = int(store.total_bytes * fraction)
+    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
+
+    def gen(shape):
+        if shape is None or (not isinstance(shape, AdaptivePolicy) and shape.is_chain):
+            return OffloadedGenerator(pair, budget_bytes=budget, store=store, prefetcher="draft_router",
+                                      block_size=None if shape is None else shape.budget)
+        return OffloadedGenerator(pair, budget_bytes=budget, store=store, prefetcher="draft_router", tree=shape)
+
+    gens = {s.label(): gen(s) for s in shapes}
+    per_round = []
+    for s in shapes:  # calibration prompts: compile + seconds per round
+        res = gens[s.label()].generate(calib, max_new_tokens=n)
+        res = gens[s.label()].generate(calib, max_new_tokens=n)
+        per_round.append((res.stats["time_split"]["draft_s"] + res.stats["time_split"]["verify_s"]
+                          + res.stats["time_split"]["host_s"]) / max(1, res.stats["rounds"]))
+    policy = AdaptivePolicy(tuple(shapes), VerifyCost(tuple(per_round)))
+    gens["adaptive"] = gen(policy)
+    runs, rows = {}, []
+    for name, g in gens.items():
+        res = g.generate(prompts, max_new_tokens=n)
+        assert res.tokens == plain, f"offloaded {name}: output differs from plain greedy"
+        summ = res.stats["route_ahead"]["summary"]
+        rounds = max(1, int(res.stats["rounds"]))
+        rows.append(dict(set=label, kind="offloaded", shape=name, tokens_per_round=round(taus(res), 3),
+                         bytes_moved_per_round=round(summ["bytes_moved"] / rounds),
+                         tokens=sum(len(t) for t in res.tokens), rounds=rounds,
+                         chosen=res.stats.get("adaptive_rounds")))
+        runs[name] = lambda g=g: g.generate(prompts, max_new_tokens=n)
+        log(f"[{label}] {name}: tau {rows[-1]['tokens_per_round']:.2f}, "
+            f"{rows[-1]['bytes_moved_per_round'] / 1e6:.2f} MB moved per round")
+    best = interleaved(runs, 2, f"[{label}] ")
+    for r in rows:
+        r["seconds"] = round(best[r["shape"]], 4)
+        r["tokens_per_second"] = round(r["tokens"] / best[r["shape"]], 1)
+    fixed = [r for r in rows if r["shape"] != "adaptive"]
+    fastest = max(fixed, key=lambda r: r["tokens_per_second"])
+    summary = dict(fastest_fixed=fastest["shape"], cost_per_round_s=[round(c, 4) for c in per_round],
+                   adaptive_over_fastest_fixed_tokens_per_second=round(best[fastest["shape"]] / best["adaptive"], 3),
+                   budget_bytes=budget, expert_bytes_all=store.total_bytes)
+    log(f"[{label}] {summary}")
+    return rows, summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None)
+    p.add_argument("--sets", default="held_out:0,train:1", help="prompt sets split:seed (held_out / train)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--chains", default="4,8,16")
-    p.add_argument("--trees", default="8,16,32,64")
+    p.add_argument("--trees", default="8,16,32")
+    p.add_argument("--branch", type=int, default=None, help="candidates per node (default spec.tree's)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--branch", type=int, default=4)
+    p.add_argument("--no-offload", action="store_true")
+    p.add_argument("--offload-prompts", type=int, default=2)
+    p.add_argument("--offload-new", type=int, default=32)
     add_output_args(p)
     args = p.parse_args(argv)
     out_dir = output_dir(args)
@@ -92,120 +225,95 @@ def main(argv=None) -> int:
     import jax
 
     import dflash_jax
-    from dflash_jax import SHIPPED_PAIR
-    from dflash_jax.decode import greedy_generate
-    from dflash_jax.spec import generate
-    from dflash_jax.spec.tree import (
-        AdaptivePolicy, TreeShape, VerifyCost, generate_tree, generate_tree_stepping,
-    )
+    from dflash_jax import SHIPPED_PAIR, testing
+    from dflash_jax.spec.tree import DEFAULT_BRANCH, DEFAULT_TEMPERATURE, TreeShape
     from dflash_jax.train.data import file_windows
+    from dflash_jax.train.tiny_pair import target_config
 
+    branch = args.branch or DEFAULT_BRANCH
     pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR)
-    prompts = file_windows(pair, "held_out", args.prompts, args.prompt_len)
-    n = args.max_new
-    chains = [int(b) for b in args.chains.split(",")]
-    trees = [int(t) for t in args.trees.split(",")]
-    log(f"{len(prompts)} prompts of {args.prompt_len} tokens, {n} new tokens, chains {chains}, trees {trees} "
-        f"(branch {args.branch})")
+    sets = []
+    for item in args.sets.split(","):
+        split, seed = item.split(":")
+        sets.append((f"{split}:{seed}", file_windows(pair, split, args.prompts, args.prompt_len, int(seed))))
+    calib = file_windows(pair, "train", args.prompts, args.prompt_len, 7)
+    shapes = ([("chain", TreeShape(int(b), 1)) for b in args.chains.split(",")]
+              + [("tree", TreeShape(int(t), branch)) for t in args.trees.split(",")])
+    log(f"sets {[s for s, _ in sets]} of {args.prompts} prompts x {args.prompt_len} tokens, {args.max_new} new; "
+        f"shapes {[s.label() for _, s in shapes]} (branch {branch}, draft temperature {DEFAULT_TEMPERATURE})")
+    rows, summary, cost = resident(args, pair, shapes, calib, sets)
 
-    t0 = time.perf_counter()
-    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
-    log(f"plain greedy reference ({time.perf_counter() - t0:.0f} s)")
+    off_rows, off_summary = [], {}
+    if not args.no_offload:
+        oshapes = [TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, branch)]
+        ocal = file_windows(pair, "train", args.offload_prompts, args.prompt_len, 11)
+        oprompts = sets[0][1][: args.offload_prompts]
+        r, s = offloaded(args, "shipped pair, 4 of 8 experts", pair, oprompts, ocal, oshapes, 0.5)
+        off_rows += r
+        off_summary["shipped"] = s
+        cfg = target_config(num_experts=64, top_k=4, expert_intermediate=32)
+        rpair = testing.random_pair(cfg, seed=0, expert_format="mxfp4")
+        rng = np.random.default_rng(0)
+        rp = [rng.integers(0, cfg.vocab_size - 2, args.prompt_len).tolist() for _ in range(2 * args.offload_prompts)]
+        r, s = offloaded(args, "route-study shape, 64 experts top-4, 16 of 64 cached", rpair,
+                         rp[: args.offload_prompts], rp[args.offload_prompts:], oshapes, 0.25)
+        off_rows += r
+        off_summary["route_study"] = s
 
-    shapes = [("chain", TreeShape(b, 1)) for b in chains] + [("tree", TreeShape(t, args.branch)) for t in trees]
-
-    def runner(kind, shape):
-        if kind == "chain":
-            return lambda: generate(pair, prompts, max_new_tokens=n, block_size=shape.budget, warmup=False)
-        return lambda: generate_tree(pair, prompts, max_new_tokens=n, tree_budget=shape.budget, branch=shape.branch,
-                                     warmup=False)
-
-    rows, runs = [], {}
-    for kind, shape in shapes:  # compile, check lossless, count experts (untimed)
-        t0 = time.perf_counter()
-        runs[shape.label()] = runner(kind, shape)
-        res = runs[shape.label()]()
-        assert res.tokens == plain, f"{shape.label()}: output differs from plain greedy"
-        stepped, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=n, shape=shape)
-        assert stepped.tokens == plain
-        live = np.concatenate([r["live"] for r in rounds])
-        union = float(np.concatenate([r["expert_union"] for r in rounds])[live].mean())
-        off = float(np.concatenate([r["off_chain"] for r in rounds])[live].mean())
-        rows.append(dict(kind=kind, shape=shape.label(), budget=shape.budget, branch=shape.branch,
-                         tokens_per_round=round(taus(res), 3), expert_union_per_round=round(union, 2),
-                         off_chain_rounds=round(off, 3), tokens=sum(len(t) for t in res.tokens),
-                         rounds=int(res.stats["rounds"])))
-        log(f"{shape.label():>14}: tau {rows[-1]['tokens_per_round']:.2f}, experts/layer {union:.1f} "
-            f"({time.perf_counter() - t0:.0f} s)")
-    best = interleaved(runs, args.repeats)
-    for r in rows:
-        r["seconds"] = round(best[r["shape"]], 4)
-        r["tokens_per_second"] = round(r["tokens"] / best[r["shape"]], 1)
-        r["seconds_per_round"] = best[r["shape"]] / max(1, r["rounds"])
-
-    # the adaptive policy, its costs the per-round seconds just measured for every fixed shape
-    cost = VerifyCost(tuple(r["seconds_per_round"] for r in rows))
-    policy = AdaptivePolicy(tuple(s for _, s in shapes), cost)
-    fastest_fixed = max(rows, key=lambda r: r["tokens_per_second"])
-    adaptive = lambda: generate_tree(pair, prompts, max_new_tokens=n, adaptive=policy)  # noqa: E731
-    res = adaptive()
-    assert res.tokens == plain, "adaptive: output differs from plain greedy"
-    paired = interleaved({"adaptive": adaptive, fastest_fixed["shape"]: runs[fastest_fixed["shape"]]}, args.repeats)
-    chosen = res.stats["adaptive_rounds"]
-    total = max(1, sum(chosen.values()))
-    union = sum(c / total * r["expert_union_per_round"] for c, r in zip(chosen.values(), rows))
-    tokens = sum(len(t) for t in res.tokens)
-    rows.append(dict(kind="adaptive", shape="adaptive", budget=None, branch=None,
-                     tokens_per_round=round(taus(res), 3), expert_union_per_round=round(union, 2),
-                     off_chain_rounds=None, tokens=tokens, tokens_per_second=round(tokens / paired["adaptive"], 1),
-                     seconds=round(paired["adaptive"], 4), rounds=int(res.stats["rounds"]),
-                     seconds_per_round=paired["adaptive"] / max(1, res.stats["rounds"]), chosen=chosen))
-    log(f"adaptive: tau {rows[-1]['tokens_per_round']:.2f}, {rows[-1]['tokens_per_second']:.0f} tok/s, "
-        f"shapes {chosen}")
-    adaptive_ratio = paired[fastest_fixed["shape"]] / paired["adaptive"]
-
-    best_chain = max((r for r in rows if r["kind"] == "chain"), key=lambda r: r["tokens_per_round"])
-    best_tree = max((r for r in rows if r["kind"] == "tree"), key=lambda r: r["tokens_per_round"])
-    summary = dict(
-        tree_over_best_chain_tokens_per_round=round(best_tree["tokens_per_round"] / best_chain["tokens_per_round"], 3),
-        best_chain=best_chain["shape"], best_tree=best_tree["shape"], fastest_fixed=fastest_fixed["shape"],
-        adaptive_over_fastest_fixed_tokens_per_second=round(adaptive_ratio, 3),
-    )
-    for r in rows:
-        r["seconds_per_round"] = round(r["seconds_per_round"], 5)
-    result = dict(checkpoint=os.path.basename((args.checkpoint or SHIPPED_PAIR).rstrip("/")),
-                  prompts=len(prompts), repeats=args.repeats, prompt_len=args.prompt_len, max_new=n, branch=args.branch,
+    result = dict(checkpoint=os.path.basename((args.checkpoint or SHIPPED_PAIR).rstrip("/")), prompts=args.prompts,
+                  repeats=args.repeats, prompt_len=args.prompt_len, max_new=args.max_new, branch=branch,
+                  temperature=DEFAULT_TEMPERATURE, warmup_cost_s=[round(c, 5) for c in cost.seconds],
                   platform=f"{platform.machine()} {jax.devices()[0].platform}, jax {jax.__version__}",
-                  rows=rows, summary=summary, lossless=True)
+                  rows=rows, summary=summary, offloaded=off_rows, offloaded_summary=off_summary, lossless=True)
     with open(os.path.join(out_dir, "tree.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     has_plot = plot(rows, os.path.join(out_dir, "tree.png"))
-    md = ["# Chain vs tree verification vs the adaptive policy (shipped pair)", "",
-          f"`python benchmarks/tree.py --write-docs` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} "
-          f"tokens as one batch, {n} new tokens each, greedy; {result['platform']}. Every run's output equals the "
-          "target's plain greedy output. Expert union: distinct experts per MoE layer that one verify's rows route "
-          "to (mean over layers and rounds; the adaptive row weights the fixed shapes' figures by the rounds it "
-          "chose them).", "",
-          "| shape | tokens / round | experts / layer / verify | off-chain rounds | tokens/s | rounds |",
-          "|---|---|---|---|---|---|"]
+    md = ["# Chain vs tree verification vs the adaptive policy", "",
+          f"`python benchmarks/tree.py --write-docs` - shipped pair; prompt sets of {args.prompts} stdlib windows of "
+          f"{args.prompt_len} tokens as one batch, {args.max_new} new tokens each, greedy; trees of {branch} "
+          f"candidates a node built at draft temperature {DEFAULT_TEMPERATURE}; {result['platform']}. Every "
+          "run's output equals the target's plain greedy output. Expert union: distinct experts per MoE layer "
+          "that one verify's rows route to (mean over layers and rounds; first set).", "",
+          "| set | shape | tokens / round | experts / layer / verify | off-chain rounds | tokens/s | rounds |",
+          "|---|---|---|---|---|---|---|"]
     for r in rows:
+        u = "" if r["expert_union_per_round"] is None else f"{r['expert_union_per_round']:.1f}"
         off = "" if r["off_chain_rounds"] is None else f"{r['off_chain_rounds']:.2f}"
-        md.append(f"| {r['shape']} | {r['tokens_per_round']:.2f} | {r['expert_union_per_round']:.1f} | {off} | "
+        md.append(f"| {r['set']} | {r['shape']} | {r['tokens_per_round']:.2f} | {u} | {off} | "
                   f"{r['tokens_per_second']:.0f} | {r['rounds']} |")
-    md += ["", f"Best tree ({summary['best_tree']}) over the best chain ({summary['best_chain']}) in tokens per "
-           f"round: **{summary['tree_over_best_chain_tokens_per_round']:.2f}x**. Adaptive over the fastest fixed "
-           f"shape ({summary['fastest_fixed']}) in tokens/s, timed in alternation: "
-           f"**{summary['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x** (shapes chosen: {chosen}).", "",
-           "Tokens/s are CPU figures on a shared 2-core machine (fastest of the interleaved repeats; the adaptive row's "
-           "from its paired repeats with the fastest fixed shape, which the ratio above compares); the chain rows run "
-           "the chain loop (its draft at block B), the tree rows the tree loop (the draft at its trained block 16); "
-           "expert unions of the chains come from the tree code with one candidate per node.", ""]
+    md.append("")
+    for name, s in summary.items():
+        md.append(f"- **{name}**: best tree ({s['best_tree']}) / best chain ({s['best_chain']}) tokens per round "
+                  f"**{s['tree_over_best_chain_tokens_per_round']:.2f}x** (budget <= 32: "
+                  f"{s['tree_budget_le_32_over_best_chain']:.2f}x); adaptive / fastest fixed ({s['fastest_fixed']}) "
+                  f"tokens/s, paired: **{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x**; rounds per "
+                  f"shape {s['adaptive_rounds']}")
+    md += ["", "Adaptive costs (seconds per round measured at warm-up on training-split calibration prompts): "
+           + ", ".join(f"{lbl} {c * 1e3:.1f} ms" for lbl, c in zip([s.label() for _, s in shapes], cost.seconds))
+           + ". Tokens/s are CPU figures on a shared 2-core machine (fastest of the interleaved repeats; the "
+           "adaptive row's from its paired repeats with the fastest fixed shape).", ""]
+    if off_rows:
+        md += ["## Offloaded (experts in host memory, `draft_router` prefetch)", "",
+               f"{args.offload_prompts} prompts, {args.offload_new} new tokens; seconds the fastest of 2 "
+               "interleaved runs; the adaptive policy's costs are the fixed shapes' offloaded seconds per round "
+               "on calibration prompts.", "",
+               "| pair, cache | shape | tokens / round | expert MB moved / round | tokens/s | rounds chosen |",
+               "|---|---|---|---|---|---|"]
+        for r in off_rows:
+            md.append(f"| {r['set']} | {r['shape']} | {r['tokens_per_round']:.2f} | "
+                      f"{r['bytes_moved_per_round'] / 1e6:.3f} | {r['tokens_per_second']:.0f} | "
+                      f"{r['chosen'] or ''} |")
+        md.append("")
+        for name, s in off_summary.items():
+            md.append(f"- **{name}**: adaptive / fastest fixed ({s['fastest_fixed']}) tokens/s "
+                      f"**{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x**")
+        md.append("")
     if has_plot:
         md += ["![tree benchmark](tree.png)", ""]
     with open(os.path.join(out_dir, "tree.md"), "w") as fh:
         fh.write("\n".join(md))
     log(f"wrote {out_dir}/tree.json, tree.md" + (", tree.png" if has_plot else ""))
-    print(json.dumps(summary))
+    print(json.dumps(dict(resident=summary, offloaded=off_summary)))
     return 0
 
 

@@ -371,7 +371,7 @@ class OffloadedGenerator:
                     else prepare_tree(self.pair, prompts, widest=self.widest, **request))
         spec, cfg, store = prep.spec, self.cfg, self.store
         batch = prep.tokens.shape[0]
-        verify_width = max(spec.block_size, self.widest)
+        verify_width = self.widest or spec.block_size  # the widest verify (a tree's nodes, a policy's widest shape)
 
         # ---- prefill: every layer's table streamed through the device once ----
         lengths = jnp.asarray(prep.lengths)

@@ -67,6 +67,11 @@ from dflash_jax.spec.session import (
 )
 
 DEFAULT_BRANCH = 4
+# The draft's per-position distributions are marginals: the product of a path's marginals underrates the
+# path (a later position is right more often when the earlier ones were). Building the tree from the
+# distributions sharpened by 1/T (T < 1) moves budget from far siblings to depth. T chosen on training-split
+# prompts of the shipped pair (docs/tree.md); 1.0 = the plain product.
+DEFAULT_TEMPERATURE = 1.0
 
 
 def tree_supported(cfg) -> bool:
@@ -96,10 +101,13 @@ class TreeShape:
 
     budget: int
     branch: int = DEFAULT_BRANCH
+    temperature: float = DEFAULT_TEMPERATURE  # the draft's distributions sharpened by 1/T for the build
 
     def __post_init__(self):
         if self.budget < 1 or self.branch < 1:
             raise ValueError(f"a tree needs budget >= 1 and branch >= 1, got {self.budget}, {self.branch}")
+        if not self.temperature > 0:
+            raise ValueError(f"a tree's draft temperature must be > 0, got {self.temperature}")
 
     @property
     def is_chain(self) -> bool:
@@ -189,9 +197,13 @@ def _build(anchor, top_lp, top_tok, budget: int):
 
 def build_tree(anchor: jax.Array, draft_logprobs: jax.Array, shape: TreeShape) -> Tree:
     """Best-first trees of `shape.budget` nodes from the draft's log-probabilities [b, D, V] at block
-    positions 1..D (anchor [b] is the root)."""
+    positions 1..D (anchor [b] is the root), sharpened by 1/`shape.temperature` (path scores in the sharpened
+    distributions; the order of candidates at a position does not change)."""
     branch = min(shape.branch, draft_logprobs.shape[-1])
-    top_lp, top_tok = jax.lax.top_k(draft_logprobs.astype(jnp.float32), branch)
+    lp = draft_logprobs.astype(jnp.float32)
+    if shape.temperature != 1.0 and not shape.is_chain:
+        lp = jax.nn.log_softmax(lp / shape.temperature, axis=-1)
+    top_lp, top_tok = jax.lax.top_k(lp, branch)
     # measured on the CPU: without the barrier XLA rewrites this top-k with its consumers into a 40x slower
     # program (20 ms vs 0.5 ms for top-k + build on [8, 15, 1024]). Not under a mesh: there XLA:CPU's
     # TopkDecomposer fails on a barrier fed by the partitioned top-k (a check failure, jax 0.10.2)
@@ -420,7 +432,7 @@ def prior_tokens_per_round(shape: TreeShape, *, alpha: float = 0.8, depth: int =
     full = np.full((1, d, max(shape.branch, 2)), -1e30, np.float32)
     full[0, :, : shape.branch] = np.log(alpha * (1.0 - alpha) ** np.arange(shape.branch))
     with jax.ensure_compile_time_eval():  # also when called while a loop is traced
-        tree = build_tree(jnp.zeros((1,), jnp.int32), jnp.asarray(full), shape)
+        tree = build_tree(jnp.zeros((1,), jnp.int32), jnp.asarray(full), dataclasses.replace(shape, temperature=1.0))
         return float(np.sum(np.where(np.asarray(tree.valid), np.exp(np.asarray(tree.score)), 0.0)))
 
 
@@ -513,6 +525,27 @@ def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, p
                                    state.done)
     return AdaptiveState(spec_state=new, accepted_sum=acc, expected_sum=exp_,
                          chosen=astate.chosen.at[choice].add(1))
+def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new_tokens: int = 64,
+                          repeats: int = 3, block_size: int | None = None) -> VerifyCost:
+    """Each shape's seconds per round on this machine, measured at warm-up: the shape's round (`shape_round`,
+    jitted) on the state after the prefill of `prompts` (calibration prompts of the batch and length the run
+    will use; the outputs are dropped), the shapes interleaved, the fastest of `repeats`. Hand the result to
+    `AdaptivePolicy(cost=)`: the policy's choices are then deterministic given these figures."""
+    widest = max(s.budget for s in shapes)
+    prep = prepare_tree(pair, prompts, widest=widest, max_new_tokens=max_new_tokens, block_size=block_size)
+    state = begin_tree(pair, prep, widest)
+    rounds = [jax.jit(functools.partial(shape_round, spec=prep.spec, shape=s)) for s in shapes]
+    for fn in rounds:
+        jax.block_until_ready(fn(pair.target, pair.draft, state).output)
+    best = [float("inf")] * len(rounds)
+    for _ in range(repeats):
+        for i, fn in enumerate(rounds):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(pair.target, pair.draft, state).output)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return VerifyCost(tuple(best))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # loops
 # ----------------------------------------------------------------------------------------------------------
@@ -546,13 +579,14 @@ def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, *
 
 
 def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branch: int = DEFAULT_BRANCH,
+                  temperature: float = DEFAULT_TEMPERATURE,
                   adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
                   sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
                   buckets: rq.Buckets | None = None):
     """Tree-verified DFlash generation in one jitted while_loop (`spec.loop.generate`'s contract and result).
 
     tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
-    width N). adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
+    width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`). adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
     Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
         raise ValueError(f"tree_budget must be a positive integer, got {tree_budget!r}")
@@ -565,7 +599,7 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
     spec = prep.spec
     if spec.block_size < 2:
         raise ValueError("tree verification needs a draft block of at least 2 (one proposal position)")
-    shape = TreeShape(tree_budget, branch)
+    shape = TreeShape(tree_budget, branch, temperature)
 
     def run(state):
         if policy is None:

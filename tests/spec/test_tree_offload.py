@@ -58,6 +58,7 @@ def test_offloaded_tree_with_every_expert_resident_runs_one_program(shipped):
     assert got.tokens == resident.tokens and got.acceptance_lengths == resident.acceptance_lengths
 
 
+@pytest.mark.slow
 def test_offloaded_adaptive_policy_is_lossless(shipped):
     # the shape chosen per round on the host (chains at their own width, trees), below all experts
     from dflash_jax.spec.tree import AdaptivePolicy, VerifyCost
