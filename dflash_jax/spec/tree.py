@@ -35,11 +35,11 @@ reads its own ancestors' rows (`models.qwen3_5`); the verify keeps the nodes' De
 the accepted path's rows in order, and the usual exact replay (`rollback`) leaves the states after the path.
 The cache's rollback width is widened to the widest tree (`widen_for_tree`).
 
-The adaptive policy (`AdaptivePolicy`) picks, each round, one of a few static shapes (chains of B and trees
-of budget N, each a branch of one `lax.switch`) from the expected tokens of each shape (the draft's path
-probabilities of this round's tree, calibrated per sequence by the acceptance so far) over its cost (a
-`VerifyCost` per shape: measured or modelled seconds, expert bytes when offloaded). Deterministic given the
-state.
+The adaptive policy (`AdaptivePolicy`) picks, each round and before the draft, one of a few static shapes
+(chains of B and trees of budget N, each a branch of one `lax.switch` running exactly that shape's round) by
+expected tokens per second: each shape's tokens per round (a prior or calibrated figures, scaled per sequence
+by the acceptance so far) over its cost (a `VerifyCost` per shape: measured at warm-up, or modelled from rows
+and expert bytes). Deterministic given the state.
 """
 
 from __future__ import annotations
