@@ -32,3 +32,24 @@ def test_engine_lossless_on_family(make_cfg):
         alone = spec_generate(pair, [p], max_new_tokens=m, stop_ids=[])
         assert r.tokens == alone.tokens[0]
     assert max(max(r.acceptance) for r in reqs) >= 3  # proposals were really accepted (rollbacks of many lengths)
+
+
+@pytest.mark.slow
+def test_every_width_on_the_hybrid_family():
+    """Qwen3.5's linear-attention rows keep the widest verify's rollback inputs; rounds of every narrower width
+    (1, 2, 4, 8 in turn) roll back exactly too: greedy output equals each request alone."""
+    import itertools
+
+    cfg = testing.tiny_qwen3_5_config()
+    pair = testing.random_pair(cfg, seed=3, block_size=8, mask_token_id=cfg.vocab_size - 1)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 100, n).tolist() for n in (9, 16, 5)]
+    engine = Engine(pair, slots=2, max_prompt_len=16, max_new_tokens=32, widths="auto",
+                    round_seconds={1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    engine.warmup([16])
+    cycle = itertools.cycle([8, 1, 4, 2, 8])
+    engine.choose_width = lambda live: next(cycle)
+    reqs = serve_generate(engine, prompts, max_new_tokens=24, stop_ids=[])
+    for p, r in zip(prompts, reqs):
+        assert r.tokens == spec_generate(pair, [p], max_new_tokens=24, stop_ids=[]).tokens[0]
+    assert max(max(r.acceptance) for r in reqs) >= 2
