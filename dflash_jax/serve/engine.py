@@ -146,12 +146,19 @@ def _keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first"))
-def _draft(target_w, draft_w, state: SpecState, norms, routers, biases, spec: SpecConfig, wide: SpecConfig,
-           options, topk_first):
+@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first"),
+                   donate_argnames=("draft_buffers",))
+def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, biases, spec: SpecConfig,
+           wide: SpecConfig, options, topk_first):
     """The draft of a width-`spec.block_size` verify on a state built for width `wide.block_size` (>=), and each
     row's projected expert set. Width 1 in a speculative engine drafts nothing but still feeds the draft's
-    context cache with the last verify's rows, so a wider round after it drafts from the whole context."""
+    context cache with the last verify's rows, so a wider round after it drafts from the whole context.
+
+    The draft cache's K/V buffers come apart from the state (`state.draft_cache` has none) and are donated:
+    appending the context rows writes them in place instead of copying every buffer each round. Returns
+    (the draft without its cache, the cache's new buffers, its new lengths, the demand)."""
+    if draft_buffers is not None:
+        state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
     if spec.block_size > 1:
         draft = draft_round(target_w, draft_w, state, spec)
         hidden = draft.hidden
@@ -166,14 +173,21 @@ def _draft(target_w, draft_w, state: SpecState, norms, routers, biases, spec: Sp
         hidden = target_w.embed[state.anchor][:, None]
     demand = _project_experts(target_w, hidden, (norms, routers, biases, options, topk_first),
                               spec.target.moe.num_experts, spec.target.moe.top_k, spec.target.rms_norm_eps)
-    return draft, demand
+    cache = draft.draft_cache
+    if cache is None:
+        return draft, None, None, demand
+    return draft.replace(draft_cache=None), (cache.keys, cache.values), cache.lengths, demand
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "wide"), donate_argnames=("state",))
-def _verify(target_w, state: SpecState, draft, active, spec: SpecConfig, wide: SpecConfig) -> SpecState:
+def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: SpecConfig,
+            wide: SpecConfig) -> SpecState:
     """The width-`spec.block_size` verify for the rows where `active` [b] is set; every other row keeps its old
     state (`_keep_rows`). The state keeps the layout of width `wide.block_size`: the draft's context rows
-    (the target taps of the committed rows) padded to `wide.block_size` rows."""
+    (the target taps of the committed rows) padded to `wide.block_size` rows. `state.draft_cache` holds the
+    buffers `_draft` wrote and the lengths before it; `draft_lengths` are the lengths after it."""
+    if state.draft_cache is not None:
+        draft = draft.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
     run = state.replace(done=state.done | ~active)
     fam = family_of(spec.target)
     out = fam.forward(target_w, verify_block(run, draft), run.target_cache, spec.target, tap_layers=wide.taps,
@@ -580,14 +594,24 @@ class Engine:
         return {w: scale * float(np.median(np.asarray(times[w]) / base)) for w in self.widths}
 
     def _round(self, width: int, active: np.ndarray) -> None:
-        draft, demand = self._draft_call(width)
+        draft, lengths, demand = self._draft_call(width)
         np.asarray(demand)
-        self.state = _verify(self.pair.target, self.state, draft, active, self.specs[width], self.spec)
+        self.state = _verify(self.pair.target, self.state, draft, lengths, active, self.specs[width], self.spec)
 
     def _draft_call(self, width: int | None = None):
+        """(draft, the draft cache's new lengths, demand). The state's draft-cache buffers are donated to the
+        draft, and the state takes the buffers it returns (with the old lengths until the verify)."""
         spec = self.specs[self.widths[-1] if width is None else width]
-        return _draft(self.pair.target, self.pair.draft, self.state, self._norms, self._routers, self._biases,
-                      spec, self.spec, self._options, self._topk_first)
+        cache = self.state.draft_cache
+        state, buffers = self.state, None
+        if cache is not None:
+            state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
+        draft, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._norms,
+                                                 self._routers, self._biases, spec, self.spec, self._options,
+                                                 self._topk_first)
+        if cache is not None:
+            self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
+        return draft, lengths, demand
 
     def row_acceptance(self, req: Request) -> float:
         """The estimated probability that a proposal of `req` is accepted given the ones before it: its decayed
@@ -696,7 +720,7 @@ class Engine:
         info.width = width
         self.width_rounds[width] += 1
         t_device = time.perf_counter()
-        draft, demand = self._draft_call(width)
+        draft, draft_lengths, demand = self._draft_call(width)
         demand = np.asarray(demand)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
@@ -712,7 +736,7 @@ class Engine:
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
         before = np.asarray(self.state.num_generated)
         t_device = time.perf_counter()
-        self.state = _verify(self.pair.target, self.state, draft, active, self.specs[width], self.spec)
+        self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width], self.spec)
         after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
         self._device_seconds = t_draft + time.perf_counter() - t_device
         if self.learn_costs and self.round_seconds is not None:
