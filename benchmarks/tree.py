@@ -10,15 +10,15 @@ files, one batch):
   - expert union per round: distinct experts the verify's rows route to, per MoE layer (first set only);
   - tokens/s of the warmed jitted loop: the fastest of `--repeats` runs, the runs of all shapes interleaved
     (repeat 1 of every shape, then repeat 2, ...) so that a shared machine's load drifts across all alike;
-  - the adaptive policy (`spec.tree.AdaptivePolicy`): its costs are each shape's seconds per round measured
-    at warm-up on calibration prompts (`measure_round_seconds`, training-split windows, not the measured
-    sets), its tokens-per-round prior the model-draft prior (no data); it is timed interleaved with the
+  - the adaptive policy (`spec.tree.AdaptivePolicy`): its costs are the cost model (fixed + per row) fitted
+    to each shape's seconds per round measured at warm-up on calibration prompts (`measure_round_seconds`,
+    training-split windows, not the measured sets; `VerifyCost.fit`), its tokens-per-round prior the model-draft prior (no data); it is timed interleaved with the
     fastest fixed shape of the set, and their ratio comes from that paired measurement.
 Offloaded (`offload.OffloadedGenerator`, experts in host memory, a device cache below all experts,
 `draft_router` prefetch): the shipped pair and a random pair of the route-study shape (64 experts top-4,
 MXFP4): tokens per round, expert bytes moved per round, seconds (fastest of 2, shapes interleaved); the
-adaptive policy's costs are the fixed shapes' offloaded seconds per round on calibration prompts.
-Every output is checked equal to the target's plain greedy output. Writes tree.{json,md} (+ tree.png with
+adaptive policy's costs are the model fitted to the fixed shapes' offloaded seconds per round on
+calibration prompts. Every output is checked equal to the target's plain greedy output. Writes tree.{json,md} (+ tree.png with
 matplotlib) to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
 
@@ -83,11 +83,16 @@ def plot(rows: list[dict], path: str) -> bool:
 def resident(args, pair, shapes, calib_prompts, sets):
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate
-    from dflash_jax.spec.tree import AdaptivePolicy, generate_tree, generate_tree_stepping, measure_round_seconds
+    from dflash_jax.spec.tree import (
+        AdaptivePolicy, VerifyCost, generate_tree, generate_tree_stepping, measure_round_seconds,
+    )
 
     n = args.max_new
     t0 = time.perf_counter()
-    cost = measure_round_seconds(pair, calib_prompts, [s for _, s in shapes], max_new_tokens=n, repeats=args.repeats)
+    measured = measure_round_seconds(pair, calib_prompts, [s for _, s in shapes], max_new_tokens=n,
+                                     repeats=args.repeats)
+    log("warm-up measured per round: " + ", ".join(f"{c * 1e3:.1f} ms" for c in measured.seconds))
+    cost = VerifyCost.fit([s for _, s in shapes], measured.seconds)
     policy = AdaptivePolicy(tuple(s for _, s in shapes), cost)
     log("warm-up cost per round: " + ", ".join(f"{s.label()} {c * 1e3:.1f} ms" for (_, s), c in
                                               zip(shapes, cost.seconds)) + f" ({time.perf_counter() - t0:.0f} s)")
@@ -176,7 +181,7 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
         res = gens[s.label()].generate(calib, max_new_tokens=n)
         per_round.append((res.stats["time_split"]["draft_s"] + res.stats["time_split"]["verify_s"]
                           + res.stats["time_split"]["host_s"]) / max(1, res.stats["rounds"]))
-    policy = AdaptivePolicy(tuple(shapes), VerifyCost(tuple(per_round)))
+    policy = AdaptivePolicy(tuple(shapes), VerifyCost.fit(shapes, per_round))
     gens["adaptive"] = gen(policy)
     runs, rows = {}, []
     for name, g in gens.items():
@@ -303,16 +308,17 @@ def main(argv=None) -> int:
                   f"{s['tree_budget_le_32_over_best_chain']:.2f}x); adaptive / fastest fixed ({s['fastest_fixed']}) "
                   f"tokens/s, paired: **{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x**; rounds per "
                   f"shape {s['adaptive_rounds']}")
-    md += ["", "Adaptive costs (seconds per round measured at warm-up on training-split calibration prompts): "
+    md += ["", "Adaptive costs (the fixed + per-row model fitted to seconds per round measured at warm-up on "
+           "training-split calibration prompts): "
            + ", ".join(f"{lbl} {c * 1e3:.1f} ms" for lbl, c in zip([s.label() for _, s in shapes], cost.seconds))
            + ". Tokens/s are CPU figures on a shared 2-core machine (fastest of the interleaved repeats; the "
            "adaptive row's from its paired repeats with the fastest fixed shape).", ""]
     if off_rows:
         md += ["## Offloaded (experts in host memory, `draft_router` prefetch)", "",
                f"{args.offload_prompts} prompts, {args.offload_new} new tokens; seconds the fastest of 2 "
-               f"interleaved runs of the fixed shapes, then {args.offload_repeats} paired runs of the adaptive policy "
-               "and the fastest fixed shape (the ratio below); the adaptive policy's costs are the fixed shapes' offloaded seconds per round "
-               "on calibration prompts.", "",
+               f"interleaved runs of the fixed shapes, then {args.offload_repeats} paired runs of the adaptive "
+               "policy and the fastest fixed shape (the ratio below); the adaptive policy's costs are the model "
+               "fitted to the fixed shapes' offloaded seconds per round on calibration prompts.", "",
                "| pair, cache | shape | tokens / round | expert MB moved / round | tokens/s | rounds chosen |",
                "|---|---|---|---|---|---|"]
         for r in off_rows:

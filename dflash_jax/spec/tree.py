@@ -416,6 +416,23 @@ class VerifyCost:
             out.append(float(t))
         return VerifyCost(tuple(out))
 
+    @staticmethod
+    def fit(shapes: Sequence[TreeShape], seconds: Sequence[float]) -> "VerifyCost":
+        """The cost model `round_s + row_s * budget` fitted to measured seconds per round (least squares, both
+        coefficients clipped at >= 0): noisy timings (a loaded machine) cannot rank a wider verify below a
+        narrower one. Returns the model's seconds per shape."""
+        if len(seconds) != len(shapes):
+            raise ValueError(f"{len(seconds)} timings for {len(shapes)} shapes")
+        budgets = np.asarray([s.budget for s in shapes], np.float64)
+        y = np.asarray(seconds, np.float64)
+        a = np.stack([np.ones_like(budgets), budgets], axis=1)
+        (round_s, row_s), *_ = np.linalg.lstsq(a, y, rcond=None)
+        if row_s < 0:
+            round_s, row_s = float(np.mean(y)), 0.0
+        if round_s < 0:
+            round_s, row_s = 0.0, float(np.dot(budgets, y) / np.dot(budgets, budgets))
+        return VerifyCost.model(shapes, round_s=float(round_s), row_s=float(row_s))
+
 
 DEFAULT_SHAPES = (TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 1), TreeShape(8), TreeShape(16), TreeShape(32))
 
@@ -529,8 +546,9 @@ def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new
                           repeats: int = 3, block_size: int | None = None) -> VerifyCost:
     """Each shape's seconds per round on this machine, measured at warm-up: the shape's round (`shape_round`,
     jitted) on the state after the prefill of `prompts` (calibration prompts of the batch and length the run
-    will use; the outputs are dropped), the shapes interleaved, the fastest of `repeats`. Hand the result to
-    `AdaptivePolicy(cost=)`: the policy's choices are then deterministic given these figures."""
+    will use; the outputs are dropped), the shapes interleaved, the fastest of `repeats`. Hand the result (or
+    `VerifyCost.fit(shapes, result.seconds)` on a noisy machine) to `AdaptivePolicy(cost=)`: the policy's
+    choices are then deterministic given these figures."""
     widest = max(s.budget for s in shapes)
     prep = prepare_tree(pair, prompts, widest=widest, max_new_tokens=max_new_tokens, block_size=block_size)
     state = begin_tree(pair, prep, widest)

@@ -47,7 +47,7 @@ def test_build_tree_takes_the_most_probable_paths():
     logits = rng.normal(size=(2, depth, vocab)) * 2.0
     logprobs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
     anchor = jnp.array([5, 6], jnp.int32)
-    tree = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(budget, branch)))
+    tree = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(budget, branch, 1.0)))
     for b in range(2):
         assert tree.tokens[b, 0] == anchor[b] and tree.depth[b, 0] == 0 and tree.valid[b].all()
         got = {}
@@ -69,9 +69,13 @@ def test_build_tree_takes_the_most_probable_paths():
         # best-first: scores never increase along the node order
         assert np.all(np.diff(tree.score[b, 1:]) <= 1e-6)
     # a smaller budget is a prefix of the larger tree
-    small = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(6, branch)))
+    small = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(6, branch, 1.0)))
     np.testing.assert_array_equal(small.tokens, tree.tokens[:, :6])
     np.testing.assert_array_equal(small.mask, tree.mask[:, :6, :6])
+    # a sharpened build is the plain build on the sharpened distributions
+    sharp = build_tree(anchor, jnp.asarray(logprobs), TreeShape(budget, branch, 0.5))
+    plain = build_tree(anchor, jax.nn.log_softmax(jnp.asarray(logprobs) / 0.5, axis=-1), TreeShape(budget, branch, 1.0))
+    np.testing.assert_array_equal(np.asarray(sharp.tokens), np.asarray(plain.tokens))
     # branch 1 is the argmax chain
     chain = jax.tree.map(np.asarray, build_tree(anchor, jnp.asarray(logprobs), TreeShape(depth + 1, 1)))
     np.testing.assert_array_equal(chain.tokens[:, 1:], np.argmax(logprobs, axis=-1))
@@ -214,6 +218,11 @@ def test_verify_cost_model():
     np.testing.assert_allclose(cost.seconds, (1e-3 + 4e-4 + 1e-3, 1e-3 + 32e-4 + 4e-3))
     with pytest.raises(ValueError, match="2 entries for 1 shapes"):
         AdaptivePolicy(shapes[:1], cost).seconds()
+    # a fit to noisy timings is monotone in the budget and exact on timings that follow the model
+    four = (TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 1), TreeShape(32))
+    fitted = VerifyCost.fit(four, (0.036, 0.021, 0.039, 0.086)).seconds
+    assert all(a <= b for a, b in zip(fitted, fitted[1:])), fitted
+    np.testing.assert_allclose(VerifyCost.fit(four, (0.014, 0.018, 0.026, 0.042)).seconds, (0.014, 0.018, 0.026, 0.042))
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", pytest.param("qwen3", marks=pytest.mark.slow)])
