@@ -604,7 +604,8 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
     """Tree-verified DFlash generation in one jitted while_loop (`spec.loop.generate`'s contract and result).
 
     tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
-    width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`). adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
+    width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`).
+    adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
     Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
         raise ValueError(f"tree_budget must be a positive integer, got {tree_budget!r}")

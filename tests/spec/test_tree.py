@@ -252,8 +252,8 @@ def _second_choice_pair(seed: int):
 
     pair = testing.random_pair(testing.tiny_qwen3_5_config(), seed=seed, target_layer_ids=(0, 3), block_size=8)
     head = pair.target.lm_head.at[2, :].set(0.0).at[2, 7].set(2.0).at[2, 9].set(2.0)
-    return dataclasses.replace(pair, target=pair.target.replace(lm_head=head),
-                               draft=pair.draft.replace(final_norm=pair.draft.final_norm.at[2].set(30.0).at[0].set(3.0)))
+    norm = pair.draft.final_norm.at[2].set(30.0).at[0].set(3.0)
+    return dataclasses.replace(pair, target=pair.target.replace(lm_head=head), draft=pair.draft.replace(final_norm=norm))
 
 
 def test_greedy_tree_equals_plain_greedy_on_qwen3_5():
