@@ -12,13 +12,15 @@ files, one batch):
     (repeat 1 of every shape, then repeat 2, ...) so that a shared machine's load drifts across all alike;
   - the adaptive policy (`spec.tree.AdaptivePolicy`): its costs are the cost model (fixed + per row) fitted
     to each shape's seconds per round measured at warm-up on calibration prompts (`measure_round_seconds`,
-    training-split windows, not the measured sets; `VerifyCost.fit`), its tokens-per-round prior the model-draft prior (no data); it is timed interleaved with the
+    training-split windows, not the measured sets; `VerifyCost.fit`), its tokens-per-round prior the
+    model-draft prior (no data); it is timed interleaved with the
     fastest fixed shape of the set, and their ratio comes from that paired measurement.
 Offloaded (`offload.OffloadedGenerator`, experts in host memory, a device cache below all experts,
 `draft_router` prefetch): the shipped pair and a random pair of the route-study shape (64 experts top-4,
 MXFP4): tokens per round, expert bytes moved per round, seconds (fastest of 2, shapes interleaved); the
 adaptive policy's costs are the model fitted to the fixed shapes' offloaded seconds per round on
-calibration prompts. Every output is checked equal to the target's plain greedy output. Writes tree.{json,md} (+ tree.png with
+calibration prompts. Every output is checked equal to the target's plain greedy output. Writes
+tree.{json,md} (+ tree.png with
 matplotlib) to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
 
@@ -147,7 +149,8 @@ def resident(args, pair, shapes, calib_prompts, sets):
         at32 = max((r for r in trees if r["budget"] <= 32), key=lambda r: r["tokens_per_round"])
         summary[name] = dict(
             best_chain=best_chain["shape"], best_tree=best_tree["shape"],
-            tree_over_best_chain_tokens_per_round=round(best_tree["tokens_per_round"] / best_chain["tokens_per_round"], 3),
+            tree_over_best_chain_tokens_per_round=round(
+                best_tree["tokens_per_round"] / best_chain["tokens_per_round"], 3),
             tree_budget_le_32_over_best_chain=round(at32["tokens_per_round"] / best_chain["tokens_per_round"], 3),
             fastest_fixed=fastest["shape"],
             adaptive_over_fastest_fixed_tokens_per_second=round(paired[fastest["shape"]] / paired["adaptive"], 3),
