@@ -16,7 +16,8 @@ waste, hit rate, bytes moved, transfer vs hide window), and each `--trace` round
 (host->device expert bytes), `hits`, `misses`, `on_demand`, `host`, `prefetched`, `coverage` and `passes`.
 
 `--mesh expert=4,tensor=2` restores the pair straight into its shardings on a (data, expert, tensor) device mesh
-and generates on it (`dflash_jax.sharding`, docs/sharding.md); `stats.mesh` names the mesh.
+and generates on it (`dflash_jax.sharding`, docs/sharding.md); `stats.mesh` names the mesh. With `--offload` the
+non-expert weights are placed on the mesh and each device caches its share of the expert budget's slots.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default=None,
                    help="run on a device mesh, e.g. expert=4,tensor=2 (axes data, expert, tensor; their sizes multiply "
                         "to at most the device count): experts sharded along E, heads / MLPs / vocab along tensor "
-                        "(docs/sharding.md)")
+                        "(docs/sharding.md); with --offload each device caches its share of the experts")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="skip the persistent compilation cache (also DFLASH_JAX_CACHE_DIR=off; default location: "
                         "$DFLASH_JAX_CACHE_DIR, else $XDG_CACHE_HOME/dflash_jax/jax, else ~/.cache/dflash_jax/jax)")
@@ -196,9 +197,9 @@ def run(args) -> dict:
         from dflash_jax.sharding import make_mesh, parse_mesh_spec
 
         parse_mesh_spec(args.mesh)  # a bad spec is refused before anything loads
-        if args.offload:
-            raise UsageError("--mesh does not combine with --offload (sharded experts stay on their devices): "
-                             "drop one of them")
+        if args.offload and args.placement == "hybrid":
+            raise UsageError("--placement hybrid does not combine with --mesh (host compute runs beside one "
+                             "device): use --placement device, or drop --mesh")
         mesh = make_mesh(args.mesh)
     if args.no_compile_cache:
         compile_cache.disable()
@@ -209,7 +210,7 @@ def run(args) -> dict:
         raise UsageError("--dequantize-experts yes does not combine with --offload (it moves the FP4 bytes)")
     pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device",
                            dequantize_experts=False if args.offload or (mesh is not None and dequantize == "auto")
-                           else dequantize, mesh=mesh)
+                           else dequantize, mesh=None if args.offload else mesh)  # offload: shards placed below
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
         if tokenizer is None:
@@ -248,7 +249,7 @@ def run(args) -> dict:
                     hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
                 gen = OffloadedGenerator(pair, budget_bytes=int(args.expert_budget_mb * 1e6), prefetcher=args.predictor,
                                          width=args.predictor_width, block_size=args.block_size, pin=pin,
-                                         hybrid=hybrid)
+                                         hybrid=hybrid, mesh=mesh)
                 warm = gen.prefill([prompt], **request)  # compiles the prefill and a round: the timed run is compiled
                 if not warm.done:
                     gen.round(warm)

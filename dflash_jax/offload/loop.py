@@ -56,6 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import compile_cache
+from dflash_jax.models import draft as draft_model
+from dflash_jax.models.family import family_of
 from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
 from dflash_jax.offload.cache import ExpertCache, min_budget_bytes, slab_groups, slab_slots
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise, host_device
@@ -63,8 +65,10 @@ from dflash_jax.offload.hybrid import HostCompute, flops_per_row
 from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
 from dflash_jax.offload.pool import PoolTooSmall
 from dflash_jax.offload.predictors import NoPrediction, PreviousRound, RoundInputs, in_verify_part, make_predictor
+from dflash_jax.offload.sharded import ShardedExpertCache
 from dflash_jax.offload.stats import RoundStats, RoundTokens, RouteAheadStats, TraceObserver, layer_round_stats
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
+from dflash_jax.sharding.place import shard_weights
 from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, _result
 from dflash_jax.spec.requests import Buckets
 from dflash_jax.spec.sampling import SamplingParams
@@ -284,6 +288,11 @@ class OffloadedGenerator:
       or tree N) is chosen on the host before the draft (`spec.tree.choose_shape`), its costs e.g. seconds per
       round measured with this budget (expert copies included); counts in `stats["adaptive_rounds"]`.
     observers: objects with `on_round(RoundStats)` called after every round of every request.
+    mesh: a `jax.sharding.Mesh` to run on (build the generator and run it under `jax.set_mesh(mesh)`): the
+      non-expert weights and the draft are placed by their declarations (`dflash_jax.sharding`), the host
+      store is replicated into every device's host memory, and the default cache is a
+      `sharded.ShardedExpertCache` (each device caches its share of the slots). Load the pair without a mesh
+      (experts in "pinned_host"). Hybrid placement does not combine with a mesh.
 
     Any budget from `min_budget_bytes` (one expert of each expert shape) up runs: a layer whose routed union
     does not fit in the cache runs its experts in passes (`cache.ExpertCache.plan_passes`); below it the
@@ -298,7 +307,8 @@ class OffloadedGenerator:
                  protect_previous: bool = True, verify: str = "auto", implementation: str = "auto",
                  store: HostExpertStore | None = None, pool_factory: Callable[..., Any] = ExpertCache,
                  bandwidth: float | None = None, buckets: Buckets | None = None, observers: Sequence[Any] = (),
-                 hybrid: HostCompute | None = None, tree: TreeShape | AdaptivePolicy | None = None):
+                 hybrid: HostCompute | None = None, tree: TreeShape | AdaptivePolicy | None = None,
+                 mesh=None):
         cfg = pair.target_cfg
         if not getattr(cfg, "is_moe", False):
             raise ValueError("offloaded generation needs an MoE target (this target has no routed experts)")
@@ -307,6 +317,9 @@ class OffloadedGenerator:
         self.pair, self.cfg = pair, cfg
         self.store = store or HostExpertStore(pair.target)
         self.stripped = strip_experts(pair.target)
+        self.mesh = mesh
+        if mesh is not None:
+            self.stripped, pool_factory = self._on_mesh(mesh, hybrid, pool_factory)
         self.layers = moe_layer_ids(pair.target)
         self.top_k = cfg.moe.top_k
         self.budget_bytes = int(budget_bytes)
@@ -321,7 +334,7 @@ class OffloadedGenerator:
                                               else max(s.budget for s in tree.shapes))
         self._host_tables: dict[int, tuple] = {}
         if isinstance(prefetcher, str):
-            prefetcher = make_predictor(prefetcher, pair.target, cfg, width=width)
+            prefetcher = make_predictor(prefetcher, self.stripped, cfg, width=width)
         if not hasattr(prefetcher, "begin_round"):  # a predictor
             prefetcher = RoutePrefetcher(prefetcher, protect_previous=protect_previous)
         self.prefetcher = prefetcher
@@ -345,6 +358,18 @@ class OffloadedGenerator:
     # ---- a request -----------------------------------------------------------------------------------------
     def _whole_table(self, layer, experts):
         return ExpertOperands(self.store.device_tables(layer), None, np.ones(self.store.num_experts, bool))
+
+    def _on_mesh(self, mesh, hybrid, pool_factory):
+        """The stripped target and the draft placed on `mesh`; the default cache split over its expert axes."""
+        if hybrid is not None:
+            raise ValueError("hybrid placement (host compute) does not combine with a mesh: pass hybrid=None")
+        fam = family_of(self.cfg)
+        stripped = shard_weights(self.stripped, fam.sharded_declarations(self.cfg), mesh)
+        self.pair = dataclasses.replace(self.pair, draft=shard_weights(
+            self.pair.draft, draft_model.declare_weights(self.pair.draft_cfg), mesh))
+        if pool_factory is ExpertCache:
+            pool_factory = functools.partial(ShardedExpertCache, mesh=mesh)
+        return stripped, pool_factory
 
     def prefill(self, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(),
                 stop_ids=(), seed=0, observers: Sequence[Any] = (), trace: bool = False, kept=None) -> OffloadSession:

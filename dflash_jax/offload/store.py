@@ -44,6 +44,13 @@ def memory_kind(x: jax.Array) -> str | None:
     return getattr(getattr(x, "sharding", None), "memory_kind", None)
 
 
+def _placed(leaf, sharding: jax.sharding.Sharding) -> bool:
+    """`leaf` already sits where `sharding` puts it (memory kind and devices): kept in place, not copied."""
+    have = getattr(leaf, "sharding", None)
+    return (have is not None and have.memory_kind == sharding.memory_kind
+            and have.is_equivalent_to(sharding, leaf.ndim))
+
+
 def moe_layer_ids(weights) -> tuple[int, ...]:
     """Indices of the routed-MoE decoder layers of a target weight pytree (every layer for gpt-oss and
     Qwen3.5-MoE; Qwen3 may mix dense and MoE layers)."""
@@ -106,7 +113,7 @@ class HostExpertStore:
                                  f"{num_experts}, the router's width) nor scalars")
             per_expert = tuple(leaf.ndim >= 1 and leaf.shape[0] == num_experts for leaf in leaves)
             placed = [
-                (leaf if memory_kind(leaf) == memory else jax.device_put(leaf, host)) if indexed
+                (leaf if _placed(leaf, host) else jax.device_put(leaf, host)) if indexed
                 else jax.device_put(leaf, memory_sharding("device"))
                 for leaf, indexed in zip(leaves, per_expert)]
             nbytes = sum(int(leaf.nbytes) for leaf, indexed in zip(leaves, per_expert) if indexed)

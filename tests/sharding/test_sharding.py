@@ -236,7 +236,8 @@ def test_two_processes_equal_one_device(tmp_path, family):
 @pytest.mark.parametrize("argv, says", [
     (["--mesh", "expert=4,tensr=2"], "--mesh part 'tensr=2' is not AXIS=SIZE"),
     (["--mesh", "expert=4,tensor=2"], "needs 8 devices, 1 available"),
-    (["--mesh", "expert=2", "--offload", "--expert-budget-mb", "1"], "--mesh does not combine with --offload"),
+    (["--mesh", "expert=2", "--offload", "--expert-budget-mb", "1", "--placement", "hybrid"],
+     "--placement hybrid does not combine with --mesh"),
 ])
 def test_cli_mesh_errors_name_cause_and_fix(capsys, argv, says):
     from dflash_jax.cli.generate import main
@@ -248,18 +249,22 @@ def test_cli_mesh_errors_name_cause_and_fix(capsys, argv, says):
 
 @pytest.mark.slow
 def test_cli_mesh_equals_one_device(tmp_path):
-    """dflash-generate --mesh expert=4,tensor=2 on the shipped pair (restored into its shardings): the same
-    tokens as without a mesh."""
+    """dflash-generate --mesh expert=4,tensor=2 on the shipped pair (restored into its shardings), and with
+    --offload on one device and on the mesh (each device caching its share): the same tokens as without a mesh."""
     runs = {}
-    for name, extra in {"single": [], "mesh": ["--mesh", "expert=4,tensor=2"]}.items():
+    offload = ["--offload", "--expert-budget-mb", "0.3"]
+    for name, extra in {"single": [], "mesh": ["--mesh", "expert=4,tensor=2"], "offload": offload,
+                        "offload_mesh": [*offload, "--mesh", "expert=4,tensor=2"]}.items():
         proc = subprocess.run([sys.executable, "-m", "dflash_jax.cli.generate", "--prompt-ids", "5,6,7,8",
                                "--max-new-tokens", "24", "--json", "--no-compile-cache", *extra], env=_env(8),
                               capture_output=True, text=True, timeout=900, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = json.loads(proc.stdout)
     assert runs["mesh"]["stats"]["mesh"] == "data=1,expert=4,tensor=2"
-    assert runs["mesh"]["tokens"] == runs["single"]["tokens"]
-    assert runs["mesh"]["acceptance_lengths"] == runs["single"]["acceptance_lengths"]
+    for name in ("mesh", "offload", "offload_mesh"):
+        assert runs[name]["tokens"] == runs["single"]["tokens"], name
+        assert runs[name]["acceptance_lengths"] == runs["single"]["acceptance_lengths"], name
+    assert runs["offload_mesh"]["stats"]["mesh"] == "data=1,expert=4,tensor=2"
     assert max(runs["single"]["acceptance_lengths"]) >= 2
 
 
