@@ -3,8 +3,8 @@
 
   python examples/train_tiny_pair.py                    # full recipe (under an hour on 2 CPU cores)
   python examples/train_tiny_pair.py --family qwen3_5 --work hybrid_work   # the hybrid Qwen3.5-MoE pair
-      (about 46 minutes on 2 CPU cores shared with other jobs: tokens 1, target 30, continuations 4,
-      draft + convert 10; the default pair's tokenizer is reused)
+      (about an hour on 2 CPU cores shared with other jobs: tokens 1, target 30, continuations 4,
+      draft (1200 steps) + convert about 25; the default pair's tokenizer is reused)
   python examples/train_tiny_pair.py --quick --work quick_work   # smoke run (toy sizes)
   python examples/train_tiny_pair.py --out dflash_jax/assets/tiny_pair   # replace the shipped pair
 

@@ -118,7 +118,7 @@ class Recipe:
         attention + shared expert) and its draft on the same corpus and tokenizer, with a much shorter
         schedule than the Qwen3-MoE pair's (300 target steps, 1024 greedy continuations, 300 draft steps:
         sized to finish in well under an hour on 2 shared CPU cores; see its train_summary.json)."""
-        return cls(family="qwen3_5", target_steps=300, prompts=1024, draft_steps=300)
+        return cls(family="qwen3_5", target_steps=300, prompts=1024, draft_steps=1200)
 
     @classmethod
     def route_study(cls) -> "Recipe":
