@@ -107,6 +107,27 @@ def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
+def _move_row(state: SpecState, src, dst) -> SpecState:
+    """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
+    compaction that keeps live requests in the lowest slots. In place (the state is donated)."""
+    return _rowwise(lambda x: x.at[dst].set(x[src]), state)
+
+
+def _head(tree, rows: int):
+    """The first `rows` rows of every leaf (a static slice; the identity when that is all of them)."""
+    return _rowwise(lambda x: x if x.shape[0] == rows else x[:rows], tree)
+
+
+def _put_head(full, head):
+    """`full` with its first rows replaced by `head` (a dynamic-update-slice: in place when `full` is donated)."""
+    def put(f, h):
+        if f.shape[0] == h.shape[0]:
+            return h.astype(f.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(f, h.astype(f.dtype), 0, axis=0)
+    return _rowwise(put, full, head)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
 def _release(state: SpecState, free) -> SpecState:
     """Marks the rows where `free` [b] bool is set as done (a cancelled request stops at once)."""
     return state.replace(done=state.done | free)
@@ -146,17 +167,25 @@ def _keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first"),
+@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first", "rows"),
                    donate_argnames=("draft_buffers",))
 def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, biases, spec: SpecConfig,
-           wide: SpecConfig, options, topk_first):
+           wide: SpecConfig, options, topk_first, rows: int | None = None):
     """The draft of a width-`spec.block_size` verify on a state built for width `wide.block_size` (>=), and each
     row's projected expert set. Width 1 in a speculative engine drafts nothing but still feeds the draft's
     context cache with the last verify's rows, so a wider round after it drafts from the whole context.
 
     The draft cache's K/V buffers come apart from the state (`state.draft_cache` has none) and are donated:
     appending the context rows writes them in place instead of copying every buffer each round. Returns
-    (the draft without its cache, the cache's new buffers, its new lengths, the demand)."""
+    (the draft without its cache, the cache's new buffers, its new lengths, the demand).
+
+    rows: compute only the first `rows` rows of the state (a row bucket >= the live rows, which the engine keeps
+    in the lowest slots); the draft, the lengths and the demand have `rows` rows, the buffers all of them (the
+    first `rows` written in place)."""
+    full_buffers = draft_buffers
+    if rows is not None:
+        state = _head(state, rows)
+        draft_buffers = None if draft_buffers is None else _head(draft_buffers, rows)
     if draft_buffers is not None:
         state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
     if spec.block_size > 1:
@@ -176,16 +205,25 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
     cache = draft.draft_cache
     if cache is None:
         return draft, None, None, demand
-    return draft.replace(draft_cache=None), (cache.keys, cache.values), cache.lengths, demand
+    buffers = (cache.keys, cache.values)
+    if rows is not None:
+        buffers = _put_head(full_buffers, buffers)
+    return draft.replace(draft_cache=None), buffers, cache.lengths, demand
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("spec", "wide", "rows"), donate_argnames=("state",))
 def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: SpecConfig,
-            wide: SpecConfig) -> SpecState:
+            wide: SpecConfig, rows: int | None = None) -> SpecState:
     """The width-`spec.block_size` verify for the rows where `active` [b] is set; every other row keeps its old
     state (`_keep_rows`). The state keeps the layout of width `wide.block_size`: the draft's context rows
     (the target taps of the committed rows) padded to `wide.block_size` rows. `state.draft_cache` holds the
-    buffers `_draft` wrote and the lengths before it; `draft_lengths` are the lengths after it."""
+    buffers `_draft` wrote and the lengths before it; `draft_lengths` are the lengths after it.
+
+    rows: only the first `rows` rows are computed (the draft has `rows` rows); the others are returned as they
+    were, and the first `rows` are written back in place (the state is donated)."""
+    full = state
+    if rows is not None:
+        state, active = _head(state, rows), active[:rows]
     if state.draft_cache is not None:
         draft = draft.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
     run = state.replace(done=state.done | ~active)
@@ -200,7 +238,8 @@ def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: Spec
             context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
         new = new.replace(context=context.astype(state.context.dtype))
     new = new.replace(done=jnp.where(active, new.done, state.done))
-    return _keep_rows(active, new, state)
+    new = _keep_rows(active, new, state)
+    return new if rows is None else _put_head(full, new)
 
 
 def _on_mesh(method):
@@ -222,6 +261,12 @@ def default_widths(block_size: int) -> tuple[int, ...]:
         out.append(w)
         w *= 2
     return tuple(out) + (block_size,)
+
+
+def default_row_buckets(slots: int) -> tuple[int, ...]:
+    """The row counts a round is compiled for: 1, 2, 4, .. below `slots`, and `slots`. A round computes the
+    smallest bucket that holds the live requests (kept in the lowest slots), so its cost follows the load."""
+    return default_widths(slots)
 
 
 def expected_tokens(alpha, width: int):
@@ -294,6 +339,7 @@ class RoundInfo:
     seconds: float = 0.0
     compiles: int = 0
     width: int = 0  # the verify width chosen for the round (0: no verify)
+    rows: int = 0  # the row bucket the round computed (live requests are kept in the lowest slots)
 
 
 class Engine:
@@ -318,7 +364,8 @@ class Engine:
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
                  expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
-                 acceptance_prior: float = 0.7, learn_costs: bool = False, mesh=None):
+                 acceptance_prior: float = 0.7, learn_costs: bool = False, mesh=None,
+                 row_buckets: Sequence[int] | str | None = "auto"):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -339,6 +386,15 @@ class Engine:
             if set(round_seconds) != set(widths) or not all(t > 0 for t in round_seconds.values()):
                 raise ValueError(f"round_seconds must give a positive time for each width {list(widths)}, "
                                  f"got {round_seconds}")
+        if row_buckets is None:
+            row_buckets = (int(slots),)
+        elif isinstance(row_buckets, str):
+            if row_buckets != "auto":
+                raise ValueError(f"row_buckets must be 'auto', None or a list of row counts, got {row_buckets!r}")
+            row_buckets = default_row_buckets(int(slots))
+        row_buckets = tuple(sorted({int(r) for r in row_buckets} | {int(slots)}))
+        if row_buckets[0] < 1 or row_buckets[-1] > slots:
+            raise ValueError(f"row_buckets must be row counts between 1 and slots {slots}, got {list(row_buckets)}")
         if not 0.0 <= acceptance_prior < 1.0:
             raise ValueError(f"acceptance_prior must be in [0, 1), got {acceptance_prior}")
         rq.check_int(max_prompt_len, "max_prompt_len", low=1, what="a positive integer")
@@ -366,13 +422,17 @@ class Engine:
         self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
                                output_len=self.output_len, method=method)
         self.widths = widths
+        self.row_buckets = row_buckets
         self.specs = {w: dataclasses.replace(self.spec, block_size=w) for w in widths}
         self.round_seconds = round_seconds
+        self.cost_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds (measured at warm-up)
         self.learn_costs = bool(learn_costs)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
         self.width_rounds = collections.Counter()
+        self.rows_rounds = collections.Counter()  # rounds by the row bucket computed
+        self.moves = 0  # rows moved down to keep live requests in the lowest slots
         self.host_seconds = 0.0  # per round, outside draft and verify (emission, callbacks, scheduling): decayed mean
         self._device_seconds = 0.0
         self.budgets = sched.Budgets(tokens=token_budget, expert_bytes=expert_byte_budget)
@@ -566,49 +626,64 @@ class Engine:
                     free = [s for s in range(self.slots) if s not in self.requests][:group]
                     self._admit(reqs, free, None)  # dummy rows that are done: their slots stay free
             self.state = _release(self.state, idle)
-            for w in self.widths:
-                self._round(w, idle)
+            self.state = _move_row(self.state, np.int32(self.slots - 1), np.int32(self.slots - 1))  # a no-op
+            for rows in self.row_buckets:
+                for w in self.widths:
+                    self._round(w, idle, rows)
         jax.block_until_ready(self.state.done)
-        if self.round_seconds is None:
-            self.round_seconds = self.measure_rounds()
+        if self.round_seconds is None and not self.cost_table:
+            self.cost_table = self.measure_rounds()
         self.warm = True
         return time.perf_counter() - t0
 
     @_on_mesh
-    def measure_rounds(self, repeats: int = 9) -> dict:
-        """{width: seconds} of one round (draft + host transfer of the demand + verify of every slot; compute
-        does not depend on which rows are live). Paired, so that a busy spell of a shared machine cancels out:
-        each repeat times every width back to back (the order reversed every other repeat), and a width's
-        entry is the median over repeats of its time over the narrowest width's time in the same repeat,
-        times the narrowest width's median. Needs the programs compiled (`warmup`)."""
+    def measure_rounds(self, repeats: int = 5, row_buckets: Sequence[int] | None = None) -> dict:
+        """{rows: {width: seconds}} of one round computing `rows` rows (draft + host transfer of the demand +
+        verify; compute does not depend on which of those rows are live) for every row bucket and width.
+        Paired, so that a busy spell of a shared machine cancels out: each repeat times every width of a row
+        bucket back to back (the order reversed every other repeat), and a width's entry is the median over
+        repeats of its time over the narrowest width's time in the same repeat, times the narrowest width's
+        median. Needs the programs compiled (`warmup`)."""
         idle = np.zeros(self.slots, bool)
-        times = {w: [] for w in self.widths}
-        for r in range(repeats):
-            for w in (self.widths if r % 2 == 0 else self.widths[::-1]):
-                t = time.perf_counter()
-                self._round(w, idle)
-                jax.block_until_ready(self.state.done)
-                times[w].append(time.perf_counter() - t)
-        base = np.asarray(times[self.widths[0]])
-        scale = float(np.median(base))
-        return {w: scale * float(np.median(np.asarray(times[w]) / base)) for w in self.widths}
+        table = {}
+        for rows in (self.row_buckets if row_buckets is None else row_buckets):
+            times = {w: [] for w in self.widths}
+            for r in range(repeats):
+                for w in (self.widths if r % 2 == 0 else self.widths[::-1]):
+                    t = time.perf_counter()
+                    self._round(w, idle, rows)
+                    jax.block_until_ready(self.state.done)
+                    times[w].append(time.perf_counter() - t)
+            base = np.asarray(times[self.widths[0]])
+            scale = float(np.median(base))
+            table[rows] = {w: scale * float(np.median(np.asarray(times[w]) / base)) for w in self.widths}
+        return table
 
-    def _round(self, width: int, active: np.ndarray) -> None:
-        draft, lengths, demand = self._draft_call(width)
+    def row_bucket(self, live: Sequence[int]) -> int:
+        """The rows a round computes: the smallest row bucket holding every live slot."""
+        top = max(live) + 1 if len(live) else 1
+        return next(r for r in self.row_buckets if r >= top)
+
+    def _round(self, width: int, active: np.ndarray, rows: int | None = None) -> None:
+        rows = self.slots if rows is None else rows
+        draft, lengths, demand = self._draft_call(width, rows)
         np.asarray(demand)
-        self.state = _verify(self.pair.target, self.state, draft, lengths, active, self.specs[width], self.spec)
+        self.state = _verify(self.pair.target, self.state, draft, lengths, active, self.specs[width], self.spec,
+                             rows)
 
-    def _draft_call(self, width: int | None = None):
-        """(draft, the draft cache's new lengths, demand). The state's draft-cache buffers are donated to the
-        draft, and the state takes the buffers it returns (with the old lengths until the verify)."""
+    def _draft_call(self, width: int | None = None, rows: int | None = None):
+        """(draft, the draft cache's new lengths, demand), for the first `rows` rows (default: all). The state's
+        draft-cache buffers are donated to the draft, and the state takes the buffers it returns (with the old
+        lengths until the verify)."""
         spec = self.specs[self.widths[-1] if width is None else width]
+        rows = self.slots if rows is None else rows
         cache = self.state.draft_cache
         state, buffers = self.state, None
         if cache is not None:
             state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
         draft, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._norms,
                                                  self._routers, self._biases, spec, self.spec, self._options,
-                                                 self._topk_first)
+                                                 self._topk_first, rows)
         if cache is not None:
             self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
         return draft, lengths, demand
@@ -619,11 +694,19 @@ class Engine:
         g = self._hits / (self._hits + self._misses)
         return (req.accept_hits + 2.0 * g) / (req.accept_hits + req.accept_misses + 2.0)
 
+    def seconds_table(self, rows: int) -> dict:
+        """{width: seconds} of a round computing `rows` rows: `round_seconds` when given, else the measured table
+        of that row bucket (a rough default before warm-up)."""
+        if self.round_seconds is not None:
+            return self.round_seconds
+        return self.cost_table.get(rows) or {w: 1.0 + w / 16.0 for w in self.widths}
+
     def choose_width(self, live: Sequence[int]) -> int:
-        """This round's verify width (`choose_width` over the live rows' acceptance and `round_seconds`)."""
+        """This round's verify width (`choose_width` over the live rows' acceptance and the cost table of the
+        row bucket the round computes)."""
         if len(self.widths) == 1:
             return self.widths[0]
-        seconds = self.round_seconds or {w: 1.0 + w / 16.0 for w in self.widths}
+        seconds = self.seconds_table(self.row_bucket(live))
         # every round also pays the host's work around the draft and the verify (the same at every width, so it
         # favours the wider verifies, which need fewer rounds)
         seconds = {w: t + self.host_seconds for w, t in seconds.items()}
@@ -700,6 +783,7 @@ class Engine:
                 self._finish(r, r.cancel_reason, info)
         if free.any():
             self.state = _release(self.state, free)
+        self._compact()
         # admissions: the waiting requests that fit in free slots, prefilled in groups (one batched prefill each)
         while len(self.requests) < self.slots:
             free = [s for s in range(self.slots) if s not in self.requests]
@@ -711,42 +795,82 @@ class Engine:
             if not reqs:
                 break
             self._admit(reqs, free[: len(reqs)], info)
+            self._compact()  # a request that ended at its first token
         if not self.requests:
             return
-        # width, draft, schedule, verify
+        self._round_step(info)
+
+    def _compact(self) -> None:
+        """Keeps the live requests in the lowest slots: while a slot below the highest live one is free, the
+        highest live row moves down into it (`_move_row`: every leaf of the row, so the request continues exactly
+        as it was). A round then computes only the smallest row bucket holding the live rows."""
+        while self.requests:
+            n = len(self.requests)
+            top = max(self.requests)
+            if top < n:
+                return
+            hole = next(s for s in range(n) if s not in self.requests)
+            self.state = _move_row(self.state, np.int32(top), np.int32(hole))
+            req = self.requests.pop(top)
+            req.slot = hole
+            self.requests[hole] = req
+            self.moves += 1
+
+    def _unlimited(self) -> bool:
+        """Both scheduler budgets unlimited: every live row verifies every round (the scheduler still runs, for
+        its deficits and stats, while the verify computes)."""
+        return self.budgets.tokens is None and self.budgets.expert_bytes is None
+
+    def _round_step(self, info: RoundInfo) -> None:
+        """Width, draft, schedule, verify, emission for the live slots."""
         live = sorted(self.requests)
-        info.live = len(live)
+        rows = self.row_bucket(live)
+        info.live, info.rows = len(live), rows
         width = self.choose_width(live)
         info.width = width
         self.width_rounds[width] += 1
+        self.rows_rounds[rows] += 1
         t_device = time.perf_counter()
-        draft, draft_lengths, demand = self._draft_call(width)
+        draft, draft_lengths, demand = self._draft_call(width, rows)
+        overlap = self._unlimited()
+        if overlap:  # every live row verifies: start the verify now, schedule (stats) while it runs
+            active = np.zeros(self.slots, bool)
+            active[live] = True
+            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width],
+                                 self.spec, rows)
         demand = np.asarray(demand)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
         decision = sched.schedule(demands, self.sched_state, self.budgets, self.expert_bytes)
         self.sched_state = decision.state
         slot_of = {self.requests[s].id: s for s in live}
-        active = np.zeros(self.slots, bool)
-        for key in decision.admitted:
-            active[slot_of[key]] = True
+        if not overlap:
+            active = np.zeros(self.slots, bool)
+            for key in decision.admitted:
+                active[slot_of[key]] = True
         for key in decision.waiting:
             self.requests[slot_of[key]].rounds_waited += 1
         info.verified, info.verify_tokens, info.expert_bytes = int(active.sum()), decision.tokens, decision.expert_bytes
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
-        before = np.asarray(self.state.num_generated)
         t_device = time.perf_counter()
-        self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width], self.spec)
-        after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
+        if not overlap:
+            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width],
+                                 self.spec, rows)
+        after, done, output = jax.device_get((self.state.num_generated, self.state.done, self.state.output))
         self._device_seconds = t_draft + time.perf_counter() - t_device
-        if self.learn_costs and self.round_seconds is not None:
-            self.round_seconds = learn_round_seconds(self.round_seconds, width, self._device_seconds)
-        output = np.asarray(self.state.output)
+        if self.learn_costs:
+            table = self.round_seconds if self.round_seconds is not None else self.cost_table.get(rows)
+            if table is not None:
+                table = learn_round_seconds(table, width, self._device_seconds)
+                if self.round_seconds is not None:
+                    self.round_seconds = table
+                else:
+                    self.cost_table[rows] = table
         for s in live:
             req = self.requests[s]
             if not active[s]:
                 continue
-            new = [int(t) for t in output[s, before[s]: after[s]]]
+            new = output[s, len(req.tokens): after[s]].tolist()
             req.acceptance.append(len(new))
             info.committed.append(len(new))
             self._observe_acceptance(req, width, len(new), bool(done[s]))
