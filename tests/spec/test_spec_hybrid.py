@@ -36,7 +36,7 @@ def hybrid_pair(tmp_path_factory):
                 directory=str(d))
 
 
-@pytest.mark.parametrize("block", [4, 8, 16])
+@pytest.mark.parametrize("block", [pytest.param(4, marks=pytest.mark.slow), 8, pytest.param(16, marks=pytest.mark.slow)])
 def test_greedy_dflash_equals_plain_greedy_on_hybrid_target(hybrid_pair, block):
     pair = hybrid_pair
     rng = np.random.default_rng(0)
