@@ -877,6 +877,7 @@ class Engine:
             self._emit(req, new, info)
             if done[s]:
                 self._finish(req, self._reason(req), info)
+        self._compact()
 
     # -- loops -----------------------------------------------------------------------------------------
 

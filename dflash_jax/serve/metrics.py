@@ -36,6 +36,9 @@ class Metrics:
         self.rounds = Counter("dflash_rounds", "Engine rounds run", registry=r)
         self.widths = Counter("dflash_round_width", "Rounds that verified at each width (the engine's choice)",
                               ["width"], registry=r)
+        self.rows = Counter("dflash_round_rows", "Rounds by the row bucket computed (the live requests are kept in "
+                            "the lowest slots; a round computes the smallest compiled bucket holding them)", ["rows"],
+                            registry=r)
         self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
         self.finished = Counter("dflash_requests_finished", "Requests finished, by finish reason", ["reason"],
                                 registry=r)
@@ -56,6 +59,8 @@ class Metrics:
         self.rounds.inc()
         if info.width:
             self.widths.labels(width=str(info.width)).inc()
+        if getattr(info, "rows", 0):
+            self.rows.labels(rows=str(info.rows)).inc()
         self.round_seconds.observe(info.seconds)
         for reason in info.finished:
             self.finished.labels(reason=reason).inc()
