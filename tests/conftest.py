@@ -5,6 +5,8 @@ on a machine without an NVIDIA GPU."""
 import glob
 import os
 
+pytest_plugins = ["tests.crash_rerun"]  # a test whose xdist worker crashed runs once more (see the module)
+
 os.environ["DFLASH_JAX_CACHE_DIR"] = "off"
 # Without an NVIDIA device the tests run on the CPU. Saying so up front also keeps an installed CUDA plugin (the
 # `gpu-compile` extra, tests/gpu_compile) from failing jax's backend start-up on missing CUDA libraries; the

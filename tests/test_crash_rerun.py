@@ -1,0 +1,43 @@
+"""The crash-rerun plugin, run in a child pytest with two xdist workers: a test that kills its worker once
+passes on the rerun; one that kills it every time fails; an ordinary failure is not rerun."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD_TESTS = '''
+import os, signal, pathlib
+
+def test_crashes_once():
+    mark = pathlib.Path(os.environ["CRASH_MARK"])
+    if not mark.exists():
+        mark.write_text("crashed")
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_crashes_always():
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_fails_plainly():
+    assert os.environ.get("CRASH_COUNT_FAILS", "") == "never"
+
+def test_passes():
+    assert True
+'''
+
+
+def test_a_crashed_worker_reruns_its_test_once(tmp_path):
+    (tmp_path / "test_child.py").write_text(CHILD_TESTS)
+    env = dict(os.environ, CRASH_MARK=str(tmp_path / "mark"), PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "tests.crash_rerun", "-p", "no:cacheprovider",
+         "-o", "addopts=", "--rootdir", str(tmp_path), str(tmp_path / "test_child.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert (tmp_path / "mark").exists()  # the first run of test_crashes_once did crash its worker
+    tail = proc.stdout.strip().splitlines()[-1]  # (the crashed workers' stacks go to stderr)
+    # crashes_once: rerun then passed; crashes_always: rerun then failed; fails_plainly: failed, not rerun
+    assert "2 failed" in tail and "2 passed" in tail and "2 rerun" in tail, out
+    assert "FAILED test_child.py::test_fails_plainly" in out and "test_crashes_always" in out, out
