@@ -1,0 +1,500 @@
+"""Continuous batching with the target's routed experts in host memory: the scheduler's demand drives prefetch.
+
+`OffloadedEngine(pair, budget_bytes=..., slots=4, ...)` serves requests that arrive and leave at any round,
+like `engine.Engine` (it is one: the same slots, admissions, scheduler, width choice, emission), with the
+target's routed experts in a host store (`offload.store.HostExpertStore`) and ONE device expert cache of
+`budget_bytes` shared by every MoE layer and every request (`offload.cache.ExpertCache`, copies issued as
+`jax.device_put` of host rows). One round:
+
+  1. admissions: a waiting group is prefilled layer by layer with each MoE layer's whole table streamed to
+     the device for that layer only (`offload.forward.forward_layerwise`, as `OffloadedGenerator.prefill`);
+  2. the draft of every live slot, and each row's projected expert set [L, E] (the draft-router projection
+     of `engine._draft`): the scheduler's per-row expert demand;
+  3. the scheduler (`scheduler.schedule`) admits verifies under the budgets; the expert-byte budget defaults
+     to the cache's bytes, so the union of the admitted rows' projected experts fits in the cache;
+  4. prefetch: that union (and only that: rows that sit the round out move nothing), each layer's experts
+     ranked by how many admitted rows project them, is put into the cache before the verify is dispatched
+     (`ExpertCache.prefetch`: best effort, never evicting a pinned or held expert nor what the previous
+     verify routed to);
+  5. the verify runs layer by layer: each MoE layer's exact routing is read on the host and what the
+     admitted rows route to and is not resident is fetched on demand (passes when it does not fit; hybrid
+     placement may compute it on the host), with `OffloadedGenerator`'s provider pieces. The rows that do
+     not verify (sitting out, or free slots) still flow through the batched forward, but their outputs are
+     thrown away (every row is put back as it was, `engine._keep_rows`); their experts are not fetched: the
+     layer's slot table points them at a resident slot. So whatever the prediction, every admitted row's
+     expert products read exactly its routed experts: the verify is the resident verify, and each request's
+     output is its output run alone.
+
+Stats: `RoundInfo.offload` (an `OffloadRound`: bytes moved by prefetch / on demand / prefill, hits and misses
+of the admitted rows' routing, experts predicted vs used vs covered, passes, the prefetch set), running totals
+in `OffloadedEngine.offload_totals`, and Prometheus metrics (`attach_metrics`) when served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.models import draft as draft_model
+from dflash_jax.offload.cache import ExpertCache
+from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
+from dflash_jax.offload.loop import OffloadedGenerator, _start
+from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
+from dflash_jax.offload.stats import layer_round_stats
+from dflash_jax.offload.store import memory_sharding
+from dflash_jax.serve import scheduler as sched
+from dflash_jax.serve.engine import Engine, RoundInfo, _keep_rows, _release
+from dflash_jax.spec import requests as rq
+from dflash_jax.spec.sampling import RowSampling, SamplingParams
+from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, commit_verify, init_target_cache, verify_block
+
+PREDICTORS = ("draft_router", "none")  # what drives the prefetch: the scheduler's demand, or nothing (on demand)
+
+
+@dataclasses.dataclass
+class OffloadRound:
+    """What one round moved and how the prediction did (in `RoundInfo.offload`). Counts are (MoE layer, expert)
+    pairs: `predicted` the union of the admitted rows' projected experts (the prefetch request), `used` the
+    union of what their verify routed to, `covered` both; `hits` used pairs resident when their layer ran,
+    `misses` used pairs fetched on demand, `host` those computed on the host (hybrid placement)."""
+
+    prefetched_bytes: int = 0
+    on_demand_bytes: int = 0
+    prefill_bytes: int = 0  # whole tables streamed by this round's admissions (one layer at a time)
+    hits: int = 0
+    misses: int = 0
+    host: int = 0
+    predicted: int = 0
+    used: int = 0
+    covered: int = 0
+    prefetched: int = 0
+    passes: int = 0
+    predicted_bytes: int = 0
+    used_bytes: int = 0
+    requested: dict = dataclasses.field(default_factory=dict)  # {MoE layer: expert ids prefetch was asked for}
+    row_demand: dict = dataclasses.field(default_factory=dict)  # {slot: bool [L, E]} every live row's projection
+    resident_bytes: int = 0  # the cache's resident bytes after the round
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes moved host -> device for the verify (prefetch + on demand; the prefill's streaming apart)."""
+        return self.prefetched_bytes + self.on_demand_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.used if self.used else 1.0
+
+    @property
+    def coverage(self) -> float:
+        return self.covered / self.used if self.used else 1.0
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("requested", "row_demand")}
+        return dict(out, moved_bytes=self.moved_bytes, hit_rate=self.hit_rate, coverage=self.coverage)
+
+
+_TOTALS = ("prefetched_bytes", "on_demand_bytes", "prefill_bytes", "hits", "misses", "host", "predicted", "used",
+           "covered", "prefetched", "passes")
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "wide"))
+def _commit(state: SpecState, draft, draft_lengths, out, active, spec: SpecConfig, wide: SpecConfig) -> SpecState:
+    """`engine._verify` after its target forward: acceptance and commit for the rows where `active` is set,
+    every other row kept as it was (`_keep_rows`); `out` is the layer-wise forward of `_block`."""
+    if state.draft_cache is not None:
+        draft = draft.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
+    run = state.replace(done=state.done | ~active)
+    new = commit_verify(run, draft, out, spec)
+    if wide.taps:
+        context = draft_model.context_features(out.taps)
+        pad = wide.block_size - context.shape[1]
+        if pad:
+            context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
+        new = new.replace(context=context.astype(state.context.dtype))
+    new = new.replace(done=jnp.where(active, new.done, state.done))
+    return _keep_rows(active, new, state)
+
+
+_block = jax.jit(verify_block)
+
+
+class OffloadedEngine(Engine):
+    """`Engine` with the target's routed experts in host memory and one device expert cache (module doc).
+
+    budget_bytes: device bytes of the expert cache (any value from `offload.min_budget_bytes` up; a layer whose
+      routed experts do not fit runs in passes; below the minimum: `offload.PoolTooSmall` naming it).
+    predictor: "draft_router" (prefetch the admitted rows' projected union before the verify) or "none"
+      (fetch on demand only: the baseline).
+    pin: False (the default): nothing pinned, the cache is LRFU over every request's experts; True or a count:
+      at the first admission, pin the hottest (layer, expert) pairs of those prompts' prefill in what one
+      round's routed union leaves (`placement.plan_shared`, as `OffloadedGenerator`).
+    expert_byte_budget: the scheduler's per-round byte budget; "cache" (the default): the cache's bytes, so the
+      admitted rows' projected union fits in the cache; None: unlimited; a number: those bytes.
+    hybrid: an `offload.HostCompute`: missing experts the cost model prefers to compute on the host are.
+    transfer: the cache's copies ("device_put": host rows put on the device ahead of the verify; "pull_rows").
+    store: a `HostExpertStore` of `pair.target` to reuse. bandwidth: host->device bytes/s (default: probed).
+    Every other keyword is `Engine`'s (no `mesh`: offloaded serving runs on one device)."""
+
+    def __init__(self, pair, *, budget_bytes: int, predictor: str = "draft_router", pin=False,
+                 expert_byte_budget="cache", hybrid=None, transfer: str = "device_put", crf_lambda: float = 0.5,
+                 store=None, bandwidth: float | None = None, poison: bool = False, **engine_kwargs):
+        if engine_kwargs.get("mesh") is not None:
+            raise ValueError("the offloaded engine runs on one device: drop mesh (or serve resident on the mesh)")
+        if predictor not in PREDICTORS:
+            raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)} for serving (the prefetch follows the "
+                             f"scheduler's demand, the draft-router projection), got {predictor!r}")
+        if not getattr(pair.target_cfg, "is_moe", False):
+            raise ValueError("offloaded serving needs an MoE target (this target has no routed experts)")
+        # what a request does not change: the host store, the stripped target, the provider pieces (budget checked)
+        self.gen = OffloadedGenerator(pair, budget_bytes=int(budget_bytes), prefetcher="none", pin=False,
+                                      hybrid=hybrid, store=store, bandwidth=bandwidth, verify="layerwise")
+        self.store = self.gen.store
+        self.budget_bytes = int(budget_bytes)
+        self.predictor, self.pin, self.transfer = predictor, pin, transfer
+        self.crf_lambda, self.poison = crf_lambda, poison
+        self.pool = self._new_cache({})
+        byte_budget = self.pool.bytes if isinstance(expert_byte_budget, str) and expert_byte_budget == "cache" \
+            else expert_byte_budget
+        if isinstance(byte_budget, str):
+            raise ValueError(f"expert_byte_budget must be 'cache', None or a number of bytes, got {byte_budget!r}")
+        if "row_buckets" in inspect.signature(Engine.__init__).parameters:
+            engine_kwargs.setdefault("row_buckets", None)  # the offloaded verify runs every slot's row
+        super().__init__(pair, expert_byte_budget=byte_budget, **engine_kwargs)
+        # every program the base engine runs on the target (draft, projection) gets the target without expert
+        # tables: nothing here can read an expert that is not in the cache
+        self.pair = dataclasses.replace(self.pair, target=self.gen.stripped)
+        self._pin_pending = bool(pin)
+        self._previous: dict[int, np.ndarray] = {}
+        self._prefill_bytes = 0
+        self.offload_totals = {k: 0 for k in _TOTALS}
+        self.offload_totals["rounds"] = 0
+
+    def _new_cache(self, pinned: dict) -> ExpertCache:
+        return ExpertCache(self.store, self.budget_bytes, pinned=pinned, poison=self.poison,
+                           crf_lambda=self.crf_lambda, transfer=self.transfer)
+
+    # -- prefill: layer by layer, whole tables streamed ----------------------------------------------------------
+
+    def _offload_begin(self, tokens, lengths, params, key_data, key_fold) -> SpecState:
+        spec, gen = self.spec, self.gen
+        cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, gen.stripped.embed.dtype,
+                                  verify_width=spec.block_size)
+        lengths = jnp.asarray(lengths)
+        pre = forward_layerwise(gen.stripped, jnp.asarray(tokens), cache, spec.target, provider=gen._whole_table,
+                                num_valid=lengths, tap_layers=spec.taps, logits="last",
+                                implementation=gen.implementation)
+        self._prefill_bytes += self.store.total_bytes
+        self._last_prefill = (pre.routed, np.asarray(lengths), tokens.shape[1])
+        return _start(gen.stripped, self.pair.draft, pre.out, lengths, params, key_data, key_fold, spec)
+
+    def _prefill(self, req) -> SpecState:
+        return self._offload_begin(*self._row_inputs(req))
+
+    def _prefill_group(self, reqs: list) -> SpecState:
+        """`Engine._prefill_group`'s batch (the smallest group size that holds them, prompts right-padded to the
+        largest bucket among them), prefilled layer by layer."""
+        rows = next(g for g in self.prefill_groups if g >= len(reqs))
+        width = max(self.buckets.prompt_len(len(r.prompt)) for r in reqs)
+        tokens, lengths = rq.pad_prompts([np.asarray(r.prompt, np.int32) for r in reqs], width, rows)
+        pad = rows - len(reqs)
+        params = RowParams(budget=np.array([r.max_new_tokens for r in reqs] + [1] * pad, np.int32),
+                           sampling=RowSampling.of([r.sampling for r in reqs] + [SamplingParams()] * pad),
+                           stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
+        key_data = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in reqs]
+                            + [np.asarray(jax.random.key_data(jax.random.key(0)))] * pad)
+        state = self._offload_begin(tokens, lengths, params, key_data, np.zeros(rows, np.int32))
+        if self._pin_pending and reqs and reqs[0].id >= 0:  # the first real requests: pin from their routing
+            self._pin_from_prefill(len(reqs))
+        return state
+
+    def _pin_from_prefill(self, n: int) -> None:
+        """Rebuilds the cache with the hottest (layer, expert) pairs of the last prefill's first `n` prompts
+        pinned (`placement.plan_shared`) and the rest of the slots warm (`warm_shared`)."""
+        routed, lengths, width = self._last_prefill
+        valid = (np.arange(width)[None, :] < lengths[:n, None])
+        profile = routing_profile({l: e.reshape(-1, width, e.shape[-1])[:n][valid] for l, e in routed.items()},
+                                  self.store.num_experts)
+        reserve = cache_reserve(self.store.num_experts, self.gen.top_k, self.slots, self.block_size)
+        pinned = plan_shared(profile, self.gen.groups, reserve)
+        if self.pin is not True:  # at most `pin` pins: the hottest of the plan
+            hot = sorted((-int(profile[l][e]), l, int(e)) for l, ids in pinned.items() for e in ids)[: int(self.pin)]
+            pinned = {l: np.sort(np.asarray([e for _, ll, e in hot if ll == l], np.int32)) for l in pinned}
+        self.pool = self._new_cache(pinned)
+        for layer, experts in warm_shared(profile, self.gen.groups, pinned).items():
+            self.pool.fetch(layer, experts)
+        self._pin_pending = False
+
+    # -- the offloaded verify ----------------------------------------------------------------------------------
+
+    def _prefetch(self, demand: np.ndarray, active: np.ndarray, rec: OffloadRound | None) -> dict:
+        """Prefetches the union of the admitted rows' projected experts (`demand` [slots, L, E] bool, `active`
+        [slots] bool) into the cache, each layer's experts most-demanded first. Returns {layer: ids asked}."""
+        counts = demand[active].sum(axis=0)  # [L, E]
+        asked = {}
+        for j, layer in enumerate(self.moe_layers):
+            ids = np.flatnonzero(counts[j])
+            ids = ids[np.argsort(-counts[j][ids], kind="stable")].astype(np.int32)
+            asked[layer] = ids
+            if self.predictor == "none" or not len(ids):
+                continue
+            moved = self.pool.prefetch(layer, ids, protect=self._previous.get(layer, ())).experts
+            if rec is not None:
+                rec.prefetched += len(moved)
+                rec.prefetched_bytes += len(moved) * self.store.expert_bytes(layer)
+        return asked if self.predictor != "none" else {layer: np.zeros(0, np.int32) for layer in self.moe_layers}
+
+    def _lenient(self, ops: ExpertOperands, layer: int, ignored: np.ndarray, first: bool) -> ExpertOperands:
+        """`ops` with the experts only non-verifying rows route to (`ignored`) counted in: in the first pass's
+        mask, marked resident, their slot-table entries pointed at a resident slot (a row that does not verify
+        computes garbage there that nobody reads). Rows that verify never route to them."""
+        if not first or not len(ignored):
+            return ops
+        if ops.host:  # the whole table on the host: every expert is there
+            mask = ops.mask.copy()
+            mask[ignored] = True
+            return dataclasses.replace(ops, mask=mask)
+        ls = self.pool.layers[layer]
+        n = self.pool._slab(layer).slots
+        table = ls.slot_of.copy()
+        here = table[table < n]
+        table[ignored] = here[0] if len(here) else 0
+        resident = ops.resident.copy()
+        resident[ignored] = True
+        mask = None
+        if ops.mask is not None:
+            mask = ops.mask.copy()
+            mask[ignored] = True
+        return ExpertOperands(ops.tables, jax.device_put(table, memory_sharding("device")), resident, mask=mask)
+
+    def _offload_verify(self, draft, draft_lengths, active: np.ndarray, width: int, asked: dict,
+                        rec: OffloadRound | None) -> SpecState:
+        spec, pool, gen, store = self.specs[width], self.pool, self.gen, self.store
+        rows = np.repeat(active, width)  # [slots * width]: the block rows of verifying slots
+        routed_active: dict[int, np.ndarray] = {}
+
+        def provider(layer, experts):
+            mine, others = experts[rows], experts[~rows]
+            wanted = np.unique(mine)
+            ignored = np.setdiff1d(np.unique(others), wanted)
+            resident = pool.resident(layer).copy()
+            host = gen._host_experts(layer, mine, wanted[~resident[wanted]]) if len(wanted) else np.zeros(0, int)
+            on_device = np.setdiff1d(wanted, host)
+            pool.release()  # the previous layer's experts were dispatched
+            passes = pool.plan_passes(layer, on_device) if len(on_device) else []
+            routed_active[layer] = mine
+            if rec is not None:
+                s = layer_round_stats(layer, predicted=asked.get(layer, ()), routed=mine,
+                                      resident=np.flatnonzero(resident), expert_bytes=store.expert_bytes(layer),
+                                      host=host, passes=max(len(passes) + (1 if len(host) else 0), 1))
+                rec.hits += s.hits
+                rec.misses += s.on_demand
+                rec.host += s.host
+                rec.predicted += s.predicted
+                rec.used += s.routed
+                rec.covered += s.covered
+                rec.passes += s.passes
+                rec.on_demand_bytes += s.on_demand * s.expert_bytes
+                rec.predicted_bytes += s.predicted * s.expert_bytes
+                rec.used_bytes += s.routed * s.expert_bytes
+            if len(passes) <= 1 and not len(host):
+                group = passes[0] if passes else np.zeros(0, np.int32)
+                pool.fetch(layer, group)
+                pool.touch(layer, group)
+                pool.hold(layer, group)
+                ops = ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+                return self._lenient(ops, layer, ignored, True)
+            return (self._lenient(ops, layer, ignored, i == 0)
+                    for i, ops in enumerate(gen._passes(pool, layer, passes, host)))
+
+        block = _block(self.state.replace(done=self.state.done | ~active), draft)
+        out = forward_layerwise(gen.stripped, block, self.state.target_cache, spec.target, provider=provider,
+                                tap_layers=self.spec.taps, logits="all", implementation=gen.implementation,
+                                dispatched=lambda i, x: pool.returned(x))
+        state = _commit(self.state, draft, draft_lengths, out.out, jnp.asarray(active), spec, self.spec)
+        pool.release()
+        pool.advance()
+        self._previous = {layer: np.unique(e) for layer, e in routed_active.items()}
+        return state
+
+    def _round(self, width: int, active: np.ndarray, rows: int | None = None) -> None:
+        """A round on every slot (the offloaded verify computes every row; `rows`, a row bucket, is ignored)."""
+        draft, lengths, demand = self._draft_call(width)
+        demand = np.asarray(demand)
+        asked = self._prefetch(demand, active, None)
+        self.state = self._offload_verify(draft, lengths, active, width, asked, None)
+
+    def warmup(self, prompt_buckets=None) -> float:
+        """`Engine.warmup`, then two rounds per width that verify every (free) slot on a scratch cache, so that
+        what only a verify with rows that route somewhere compiles (copies of each chunk size into the cache,
+        expert passes when the cache is small) is compiled too. The cache starts empty afterwards."""
+        t0 = time.perf_counter()
+        super().warmup(prompt_buckets)
+        everyone = np.ones(self.slots, bool)  # free rows are done: a verify commits nothing to them
+        for _ in range(2):
+            for w in self.widths:
+                self._round(w, everyone)
+        jax.block_until_ready(self.state.done)
+        self.pool = self._new_cache({})
+        self._previous = {}
+        return time.perf_counter() - t0
+
+    # -- one round (the base engine's, with the prefetch and the offloaded verify) ------------------------------
+
+    def _admissions(self, info: RoundInfo) -> None:
+        """Cancellations, then the waiting requests that fit in free slots, prefilled in groups (as `Engine`)."""
+        with self._wake:
+            cancelled_queue = [r for r in self.queue if r.cancel_requested]
+            for r in cancelled_queue:
+                self.queue.remove(r)
+        for r in cancelled_queue:
+            self._finish(r, r.cancel_reason, info)
+        free = np.zeros(self.slots, bool)
+        for slot, r in list(self.requests.items()):
+            if r.cancel_requested:
+                free[slot] = True
+                self._finish(r, r.cancel_reason, info)
+        if free.any():
+            self.state = _release(self.state, free)
+        while len(self.requests) < self.slots:
+            free = [s for s in range(self.slots) if s not in self.requests]
+            with self._wake:
+                take = min(len(free), len(self.queue), self.prefill_groups[-1])
+                if take and next(g for g in self.prefill_groups if g >= take) > 2 * take:
+                    take = max(g for g in self.prefill_groups if g <= take)  # not mostly padding rows
+                reqs = [self.queue.popleft() for _ in range(take)]
+            if not reqs:
+                break
+            self._admit(reqs, free[: len(reqs)], info)
+
+    def _step(self, info: RoundInfo) -> None:
+        rec = info.offload = OffloadRound()
+        if self.state is None:
+            self.state = self._empty_state()
+        self._prefill_bytes = 0
+        self._admissions(info)
+        rec.prefill_bytes = self._prefill_bytes
+        if not self.requests:
+            self._account(rec, False)
+            return
+        live = sorted(self.requests)
+        info.live = len(live)
+        width = self.choose_width(live)
+        info.width = width
+        self.width_rounds[width] += 1
+        t_device = time.perf_counter()
+        draft, draft_lengths, demand = self._draft_call(width)
+        demand = np.asarray(demand)
+        t_draft = time.perf_counter() - t_device
+        demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
+        decision = sched.schedule(demands, self.sched_state, self.budgets, self.expert_bytes)
+        self.sched_state = decision.state
+        slot_of = {self.requests[s].id: s for s in live}
+        active = np.zeros(self.slots, bool)
+        for key in decision.admitted:
+            active[slot_of[key]] = True
+        for key in decision.waiting:
+            self.requests[slot_of[key]].rounds_waited += 1
+        info.verified, info.verify_tokens, info.expert_bytes = int(active.sum()), decision.tokens, decision.expert_bytes
+        info.how = {slot_of[k]: v for k, v in decision.how.items()}
+        rec.row_demand = {s: demand[s] for s in live}
+        before = np.asarray(self.state.num_generated)
+        t_device = time.perf_counter()
+        asked = self._prefetch(demand, active, rec)
+        rec.requested = asked
+        self.state = self._offload_verify(draft, draft_lengths, active, width, asked, rec)
+        after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
+        self._device_seconds = t_draft + time.perf_counter() - t_device
+        output = np.asarray(self.state.output)
+        for s in live:
+            req = self.requests[s]
+            if not active[s]:
+                continue
+            new = [int(t) for t in output[s, before[s]: after[s]]]
+            req.acceptance.append(len(new))
+            info.committed.append(len(new))
+            self._observe_acceptance(req, width, len(new), bool(done[s]))
+            self._emit(req, new, info)
+            if done[s]:
+                self._finish(req, self._reason(req), info)
+        self._account(rec, bool(active.any()))
+
+    def _account(self, rec: OffloadRound, verified: bool) -> None:
+        rec.resident_bytes = self.pool.resident_bytes()
+        for k in _TOTALS:
+            self.offload_totals[k] += getattr(rec, k)
+        self.offload_totals["rounds"] += int(verified)
+
+    def offload_summary(self) -> dict:
+        """The totals so far, with the cache's size and the per-round and per-pair rates."""
+        t = dict(self.offload_totals)
+        rounds = max(t["rounds"], 1)
+        t.update(cache_bytes=self.pool.bytes, budget_bytes=self.budget_bytes, expert_bytes_all=self.store.total_bytes,
+                 moved_bytes=t["prefetched_bytes"] + t["on_demand_bytes"],
+                 moved_bytes_per_round=(t["prefetched_bytes"] + t["on_demand_bytes"]) / rounds,
+                 hit_rate=t["hits"] / t["used"] if t["used"] else 1.0,
+                 coverage=t["covered"] / t["used"] if t["used"] else 1.0,
+                 predictor=self.predictor, placement="hybrid" if self.gen.hybrid is not None else "device")
+        return t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# metrics
+# ----------------------------------------------------------------------------------------------------------
+
+def attach_metrics(engine: OffloadedEngine, registry) -> None:
+    """Adds the offload metrics to a `prometheus_client` registry and feeds them from every round:
+    dflash_offload_round_bytes_moved (histogram), dflash_offload_bytes_moved_total{kind=prefetch|on_demand|
+    prefill}, dflash_offload_expert_lookups_total{result=hit|miss|host}, dflash_offload_experts_total{set=
+    predicted|used|covered}, dflash_offload_cache_bytes / dflash_offload_cache_resident_bytes (gauges)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    moved = Histogram("dflash_offload_round_bytes_moved", "Expert bytes moved host to device per round (prefetch + "
+                      "on demand)", buckets=(0,) + tuple(2.0 ** k for k in range(10, 40, 2)), registry=registry)
+    kinds = Counter("dflash_offload_bytes_moved", "Expert bytes moved host to device, by kind", ["kind"],
+                    registry=registry)
+    lookups = Counter("dflash_offload_expert_lookups", "(MoE layer, expert) pairs the verified rows routed to: "
+                      "resident (hit), fetched on demand (miss) or computed on the host", ["result"], registry=registry)
+    sets = Counter("dflash_offload_experts", "(MoE layer, expert) pairs: predicted (the admitted rows' projected "
+                   "union, prefetched), used (routed by the verify), covered (both)", ["set"], registry=registry)
+    cache = Gauge("dflash_offload_cache_bytes", "Device bytes of the expert cache", registry=registry)
+    resident = Gauge("dflash_offload_cache_resident_bytes", "Bytes of the experts resident in the cache",
+                     registry=registry)
+    cache.set(engine.pool.bytes)
+
+    def on_round(info) -> None:
+        rec = getattr(info, "offload", None)
+        if rec is None:
+            return
+        if info.verified:
+            moved.observe(rec.moved_bytes)
+        kinds.labels(kind="prefetch").inc(rec.prefetched_bytes)
+        kinds.labels(kind="on_demand").inc(rec.on_demand_bytes)
+        kinds.labels(kind="prefill").inc(rec.prefill_bytes)
+        lookups.labels(result="hit").inc(rec.hits)
+        lookups.labels(result="miss").inc(rec.misses)
+        lookups.labels(result="host").inc(rec.host)
+        sets.labels(set="predicted").inc(rec.predicted)
+        sets.labels(set="used").inc(rec.used)
+        sets.labels(set="covered").inc(rec.covered)
+        cache.set(engine.pool.bytes)
+        resident.set(rec.resident_bytes)
+
+    engine.observers.append(on_round)
+
+
+def attach_server_metrics(engine: OffloadedEngine) -> int:
+    """`attach_metrics` into the registry of every server observing `engine` (`serve.server.create_app` adds one):
+    /metrics then shows the offload metrics too. Returns how many registries got them."""
+    n = 0
+    for obs in list(engine.observers):
+        registry = getattr(getattr(getattr(obs, "__self__", None), "metrics", None), "registry", None)
+        if registry is not None:
+            attach_metrics(engine, registry)
+            n += 1
+    return n

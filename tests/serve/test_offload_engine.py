@@ -1,0 +1,126 @@
+"""The offloaded serving engine: experts in host memory, one small device cache, the scheduler's demand driving
+the prefetch. Greedy output of every request equals its output run alone on the resident target while
+requests join and leave at different rounds; the prefetch set is exactly the admitted rows' projected union;
+bytes moved, hits / misses and predicted vs used show in RoundInfo and in the Prometheus metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_jax.serve.engine import generate as serve_generate
+from dflash_jax.spec import SamplingParams
+from dflash_jax.spec import generate as spec_generate
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [7] * 12, list(range(40, 56)), [1, 2, 3, 4]]
+BUDGETS = [20, 8, 24, 12, 16]
+LATE = ([900, 17, 4], 10)  # submitted after a few rounds, while others decode
+BLOCK = 8
+CACHE_EXPERTS = 12  # of 4 layers x 8 experts: misses happen
+
+
+@pytest.fixture(scope="module")
+def served(pair):
+    """One run of the offloaded engine (3 slots, a 12-expert cache): five requests queue and join as others
+    leave, a sixth arrives mid-run. Returns (engine, requests, round infos, metrics text)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dflash_jax.offload import HostExpertStore
+    from dflash_jax.serve.offload_engine import OffloadedEngine, attach_metrics
+
+    store = HostExpertStore(pair.target)
+    budget = CACHE_EXPERTS * store.expert_bytes(store.layer_ids[0])
+    engine = OffloadedEngine(pair, budget_bytes=budget, slots=3, block_size=BLOCK, max_prompt_len=16,
+                             max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0})
+    engine.warmup([16])
+    registry = CollectorRegistry()
+    attach_metrics(engine, registry)
+    infos = []
+    engine.observers.append(infos.append)
+    reqs = [engine.submit(p, max_new_tokens=m, stop_ids=[]) for p, m in zip(PROMPTS, BUDGETS)]
+    for _ in range(3):
+        engine.step()
+    reqs.append(engine.submit(LATE[0], max_new_tokens=LATE[1], stop_ids=[]))
+    engine.run_until_idle()
+    return engine, reqs, infos, generate_latest(registry).decode()
+
+
+def test_offloaded_greedy_equals_alone_with_joins_and_leaves(served, pair):
+    engine, reqs, infos, _ = served
+    prompts, budgets = PROMPTS + [LATE[0]], BUDGETS + [LATE[1]]
+    assert all(r.finish_reason == "length" for r in reqs)
+    # the resident target's greedy output of each request (one batched call: its rows are independent)
+    alone = spec_generate(pair, prompts, max_new_tokens=budgets, block_size=BLOCK, stop_ids=[])
+    for i, r in enumerate(reqs):
+        assert r.tokens == alone.tokens[i], i
+    assert sum(info.compiles for info in infos) == 0  # nothing compiled after warm-up
+    # requests joined at different rounds (queued behind full slots, or submitted late) and left at others
+    joined = [i for i, info in enumerate(infos) if info.admitted]
+    left = [i for i, info in enumerate(infos) if info.finished]
+    assert len(joined) >= 3 and len(left) >= 3
+    # the cache was too small: experts moved (prefetch and on demand), proposals were accepted
+    totals = engine.offload_summary()
+    assert totals["prefetched_bytes"] > 0 and totals["on_demand_bytes"] > 0 and totals["misses"] > 0
+    assert totals["hits"] > 0 and 0 < totals["covered"] <= min(totals["predicted"], totals["used"])
+    assert engine.pool.resident_bytes() <= engine.pool.bytes <= engine.budget_bytes
+    assert max(max(r.acceptance) for r in reqs) > 1 and np.mean([np.mean(r.acceptance) for r in reqs]) > 1.2
+
+
+def test_prefetch_is_the_admitted_rows_union_and_stats_are_visible(served):
+    engine, reqs, infos, metrics = served
+    sat_out = 0
+    for info in infos:
+        rec = info.offload
+        if not info.verified:
+            continue
+        admitted = sorted(info.how)
+        assert set(admitted) <= set(rec.row_demand) and len(rec.row_demand) == info.live
+        union = np.logical_or.reduce([rec.row_demand[s] for s in admitted])  # [L, E]
+        for j, layer in enumerate(engine.moe_layers):
+            assert sorted(rec.requested[layer].tolist()) == np.flatnonzero(union[j]).tolist()
+        # the scheduler's byte cost is that union's bytes, and the byte budget is the cache
+        assert info.expert_bytes == pytest.approx(float(engine.expert_bytes[union].sum()))
+        everyone = np.logical_or.reduce(list(rec.row_demand.values()))
+        sat_out += int((everyone & ~union).any())  # a row sat out: its experts were not prefetched
+        assert rec.predicted == int(union.sum()) and rec.used > 0
+        assert rec.moved_bytes == rec.prefetched_bytes + rec.on_demand_bytes
+    assert engine.budgets.expert_bytes == engine.pool.bytes
+    assert sat_out > 0  # the byte budget kept rows out, and their demand was not prefetched
+    assert sum(r.rounds_waited for r in reqs) > 0
+    moved = sum(i.offload.moved_bytes for i in infos)
+    assert moved == engine.offload_totals["prefetched_bytes"] + engine.offload_totals["on_demand_bytes"] > 0
+    for name in ("dflash_offload_round_bytes_moved_count", 'dflash_offload_bytes_moved_total{kind="prefetch"}',
+                 'dflash_offload_expert_lookups_total{result="miss"}', 'dflash_offload_experts_total{set="covered"}'):
+        line = next(line for line in metrics.splitlines() if line.startswith(name))
+        assert float(line.split()[-1]) > 0, line
+
+
+def test_offload_engine_errors(pair):
+    from dflash_jax.offload import PoolTooSmall
+    from dflash_jax.serve.offload_engine import OffloadedEngine
+
+    with pytest.raises(PoolTooSmall, match="minimum"):
+        OffloadedEngine(pair, budget_bytes=10, slots=1, max_prompt_len=16, max_new_tokens=8, bandwidth=1e9)
+    with pytest.raises(ValueError, match="predictor"):
+        OffloadedEngine(pair, budget_bytes=10**7, predictor="residual", slots=1, bandwidth=1e9)
+
+
+@pytest.mark.slow
+def test_offloaded_sampled_equals_alone(pair):
+    """Sampled requests draw what they draw alone (same seed) under the offloaded engine, at the minimum budget
+    (every layer in passes of one expert)."""
+    from dflash_jax.offload import HostExpertStore, min_budget_bytes
+    from dflash_jax.serve.offload_engine import OffloadedEngine
+
+    store = HostExpertStore(pair.target)
+    engine = OffloadedEngine(pair, budget_bytes=min_budget_bytes(store), slots=2, block_size=BLOCK,
+                             max_prompt_len=16, max_new_tokens=64, store=store, bandwidth=1e9,
+                             round_seconds={BLOCK: 1.0})
+    sampling = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
+    reqs = serve_generate(engine, PROMPTS[:3], max_new_tokens=BUDGETS[:3], sampling=sampling, stop_ids=[],
+                          seed=[3, 4, 5])
+    for i, r in enumerate(reqs):
+        alone = spec_generate(pair, [PROMPTS[i]], max_new_tokens=BUDGETS[i], block_size=BLOCK, sampling=sampling[i],
+                              stop_ids=[], seed=3 + i)
+        assert r.tokens == alone.tokens[0], i
+    assert engine.offload_summary()["passes"] > engine.offload_summary()["rounds"] * len(engine.moe_layers)
