@@ -52,6 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
     p.add_argument("--no-compile-cache", action="store_true", help="skip the persistent compilation cache")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    off = p.add_argument_group("expert offload (experts in pinned host memory, one device cache; as dflash-generate)")
+    off.add_argument("--offload", action="store_true",
+                     help="keep the target's routed experts in host memory: the admitted rows' projected experts are "
+                          "prefetched into the device cache before each verify; lossless (same tokens)")
+    off.add_argument("--expert-budget-mb", type=float, default=None,
+                     help="device memory for the expert cache in MB (1e6 bytes), shared by every MoE layer and request; "
+                          "any value from one expert up runs; required with --offload. The scheduler's byte budget "
+                          "(--round-expert-mb) defaults to it")
+    off.add_argument("--pin-experts", default="auto",
+                     help="auto: pin the first prompts' hottest experts in what one round's routed union leaves; none; "
+                          "or N: at most N pinned (layer, expert) pairs")
+    off.add_argument("--placement", default="device", choices=["device", "hybrid"],
+                     help="hybrid: cold experts computed on the host CPU when the cost model says that beats copying")
+    off.add_argument("--predictor", default="draft_router", choices=["draft_router", "none"],
+                     help="prefetch: draft_router (the scheduler's demand, the admitted rows' projected experts) or "
+                          "none (fetch on demand only)")
     return p
 
 
@@ -83,6 +99,21 @@ def check_args(args) -> None:
     if args.grace_seconds < 0:
         raise UsageError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
     directory = args.checkpoint or SHIPPED_PAIR
+    if getattr(args, "offload", False):
+        from dflash_jax.cli import generate as generate_cli  # the same checks as dflash-generate --offload
+
+        if args.expert_budget_mb is None or args.expert_budget_mb <= 0:
+            raise UsageError("--offload needs --expert-budget-mb X (device MB for the expert cache, X > 0)")
+        if args.mesh is not None:
+            raise UsageError("--offload serves on one device: drop --mesh (or serve resident on the mesh)")
+        try:
+            generate_cli._pin_experts(args.pin_experts)
+            if os.path.exists(os.path.join(directory, "manifest.json")):
+                generate_cli._check_budget(directory, args.expert_budget_mb)  # from the manifest alone
+        except generate_cli.UsageError as e:
+            raise UsageError(str(e)) from None
+    elif getattr(args, "expert_budget_mb", None) is not None:
+        raise UsageError("--expert-budget-mb only applies with --offload")
     if not os.path.exists(os.path.join(directory, "manifest.json")):
         if args.checkpoint is None:
             raise UsageError("the shipped pair is missing from this installation; pass --checkpoint DIR")
@@ -125,15 +156,35 @@ def build_app(args):
         from dflash_jax.sharding import make_mesh
 
         mesh = make_mesh(args.mesh)
-    pair = dflash_jax.load(directory, mesh=mesh)
+    offload = getattr(args, "offload", False)
+    pair = (dflash_jax.load(directory, expert_memory="pinned_host", dequantize_experts=False) if offload
+            else dflash_jax.load(directory, mesh=mesh))
     try:
         widths = (None if args.widths == "fixed" else "auto" if args.widths == "auto"
                   else [int(w) for w in args.widths.split(",")])
-        engine = Engine(pair, mesh=mesh, slots=args.slots, block_size=args.block_size, widths=widths,
-                        max_prompt_len=args.max_prompt_len,
-                        max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
-                        expert_byte_budget=None if args.round_expert_mb is None else args.round_expert_mb * 1e6,
-                        max_queue=args.max_queue)
+        byte_budget = None if args.round_expert_mb is None else args.round_expert_mb * 1e6
+        common = dict(slots=args.slots, block_size=args.block_size, widths=widths, max_prompt_len=args.max_prompt_len,
+                      max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
+                      max_queue=args.max_queue)
+        if offload:
+            from dflash_jax.cli.generate import _pin_experts
+            from dflash_jax.offload import PoolTooSmall
+            from dflash_jax.serve.offload_engine import OffloadedEngine
+
+            hybrid = None
+            if args.placement == "hybrid":
+                from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
+                from dflash_jax.offload.hybrid import HostCompute
+
+                hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
+            try:
+                engine = OffloadedEngine(pair, budget_bytes=int(args.expert_budget_mb * 1e6), predictor=args.predictor,
+                                         pin=_pin_experts(args.pin_experts), hybrid=hybrid,
+                                         expert_byte_budget="cache" if byte_budget is None else byte_budget, **common)
+            except PoolTooSmall as e:
+                raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
+        else:
+            engine = Engine(pair, mesh=mesh, expert_byte_budget=byte_budget, **common)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e).replace("block_size", "--block-size").replace("widths", "--widths")) from None
     if not args.no_warmup:
@@ -145,6 +196,10 @@ def build_app(args):
     eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
     app = create_app(engine, load_tokenizer(pair), model_name=name, chat_template=chat_template(directory),
                      eos_ids=eos, grace_s=args.grace_seconds)
+    if offload:  # /metrics: bytes moved per round, hits / misses, predicted vs used experts
+        from dflash_jax.serve.offload_engine import attach_server_metrics
+
+        attach_server_metrics(engine)
     return app, engine
 
 

@@ -124,3 +124,18 @@ def test_offloaded_sampled_equals_alone(pair):
                               stop_ids=[], seed=3 + i)
         assert r.tokens == alone.tokens[0], i
     assert engine.offload_summary()["passes"] > engine.offload_summary()["rounds"] * len(engine.moe_layers)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--offload"], "--offload needs --expert-budget-mb"),
+    (["--offload", "--expert-budget-mb", "0.00001"], "below the minimum of 0.052224 MB"),
+    (["--expert-budget-mb", "3"], "--expert-budget-mb only applies with --offload"),
+    (["--offload", "--expert-budget-mb", "1", "--pin-experts", "x"], "--pin-experts must be auto, none or a count"),
+    (["--offload", "--expert-budget-mb", "1", "--mesh", "expert=1"], "--offload serves on one device"),
+])
+def test_serve_offload_flag_errors_are_one_line(argv, message, capsys):
+    from dflash_jax.cli.serve import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash-serve: error:") and message in err and "\n" not in err
