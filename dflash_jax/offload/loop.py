@@ -329,6 +329,16 @@ class OffloadedGenerator:
         self.hybrid = hybrid
         if tree is not None and not isinstance(tree, (TreeShape, AdaptivePolicy)):
             raise TypeError(f"tree must be a spec.tree.TreeShape or AdaptivePolicy, got {type(tree).__name__}")
+        # an adaptive policy provisions (cache rows, expert reserve, draft block) only the shapes it can choose;
+        # with one reachable shape the session is exactly that fixed shape's
+        self.policy, self._only = (tree, None) if isinstance(tree, AdaptivePolicy) else (None, None)
+        if self.policy is not None:
+            tree = self.policy.pruned()
+            if len(tree.shapes) == 1:
+                self._only = tree.shapes[0]
+                tree, block_size = (None, self._only.budget) if self._only.is_chain else (self._only, block_size)
+            elif block_size is None and all(s.is_chain for s in tree.shapes):
+                block_size = max(s.budget for s in tree.shapes)
         self.tree = tree
         self.widest = 0 if tree is None else (tree.budget if isinstance(tree, TreeShape)
                                               else max(s.budget for s in tree.shapes))
@@ -442,9 +452,8 @@ class OffloadedGenerator:
         policy's choice (before the draft, from the session's calibration)."""
         if not isinstance(self.tree, AdaptivePolicy):
             return self.tree
-        a = session.adaptive
-        a["choice"] = int(choose_shape(self.tree, jnp.asarray(a["accepted"]), jnp.asarray(a["expected"]),
-                                       jnp.asarray(~session.host["done"])))
+        a = session.adaptive  # numpy on the host: no device round trip per round
+        a["choice"] = int(choose_shape(self.tree, a["accepted"], a["expected"], ~session.host["done"]))
         return self.tree.shapes[a["choice"]]
 
     def round(self, session: OffloadSession) -> RoundStats:
@@ -550,7 +559,7 @@ class OffloadedGenerator:
         if session.adaptive is not None:
             a, c = session.adaptive, session.adaptive["choice"]
             acc_sum, exp_sum = update_calibration(self.tree, a["accepted"], a["expected"], c, np.asarray(acc),
-                                                  before["done"])
+                                                  np.asarray(before["done"]))
             a.update(accepted=np.asarray(acc_sum), expected=np.asarray(exp_sum))
             a["chosen"][c] += 1
         session.host = {"anchor": np.asarray(anchor), "num_generated": np.asarray(num), "done": np.asarray(done)}
@@ -621,8 +630,8 @@ class OffloadedGenerator:
         }
         run_stats = {
             "loop": "offloaded", "seconds": seconds, "block_size": spec.block_size, "method": spec.method,
-            "tree": ({"budget": self.tree.budget, "branch": self.tree.branch} if isinstance(self.tree, TreeShape)
-                     else "adaptive" if self.tree is not None else None),
+            "tree": ("adaptive" if self.policy is not None
+                     else {"budget": self.tree.budget, "branch": self.tree.branch} if self.tree is not None else None),
             "shapes": {"batch": int(prep.tokens.shape[0]), "prompt": int(prep.tokens.shape[1]),
                        "output": spec.output_len, "cache": spec.max_len},
             "time_split": {"prefill_s": session.prefill_s, "draft_s": session.draft_s, "verify_s": session.verify_s,
@@ -630,9 +639,11 @@ class OffloadedGenerator:
             "offload": offload, "route_ahead": session.route_ahead.to_json(),
         }
         trace = session.trace.rounds if session.trace is not None else None
-        if session.adaptive is not None:
-            run_stats["adaptive_rounds"] = {sh.label() + ("" if sh.is_chain else f" K={sh.branch}"): int(c)
-                                            for sh, c in zip(self.tree.shapes, session.adaptive["chosen"])}
+        if self.policy is not None:
+            counts = (dict(zip(self.tree.shapes, session.adaptive["chosen"])) if session.adaptive is not None
+                      else {self._only: session.rounds})
+            run_stats["adaptive_rounds"] = {sh.label() + ("" if sh.is_chain else f" K={sh.branch}"):
+                                            int(counts.get(sh, 0)) for sh in self.policy.shapes}
         base = _result(session.state, run_stats, trace=trace, rows=prep.num_prompts)
         return OffloadResult(tokens=base.tokens, acceptance_lengths=base.acceptance_lengths, stats=base.stats,
                              trace=base.trace, route_ahead=session.route_ahead)

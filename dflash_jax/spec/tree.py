@@ -94,6 +94,47 @@ def begin_tree(pair, prep: Prepared, widest: int) -> SpecState:
     return state.replace(target_cache=widen_for_tree(prep.spec.target, state.target_cache, widest))
 
 
+CALIBRATION_FEATURES = ("1", "log q", "log(1-q)", "argmax", "off", "argmax*off", "argmax*depth/15",
+                        "off*log q", "argmax*log q")
+
+
+def calibration_features(depth, rank, logq, off):
+    """The acceptance model's features of a candidate (arrays of one shape, numpy or jax): its depth (block
+    position), its rank among the position's candidates (0 = the draft's argmax), its draft log-probability
+    log q, and whether its parent's path left the draft's argmax chain (off). Returns [..., 9]
+    (`CALIBRATION_FEATURES`)."""
+    xp = jnp if any(isinstance(a, jax.Array) for a in (depth, rank, logq, off)) else np
+    lq = xp.maximum(xp.asarray(logq, xp.float32), -12.0)
+    l1 = xp.log1p(-xp.minimum(xp.exp(lq), 1.0 - 1e-6))
+    top = (xp.asarray(rank) == 0).astype(xp.float32)
+    off = xp.asarray(off).astype(xp.float32)
+    d = xp.asarray(depth).astype(xp.float32) / 15.0
+    one = xp.ones_like(lq)
+    return xp.stack([one, lq, l1, top, off, top * off, top * d, off * lq, top * lq], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeCalibration:
+    """A logistic model of P(a candidate is the target's token | its parent's path is): the build scores a
+    node by the sum over its path of log sigmoid(w . features) (`calibration_features`) instead of the
+    draft's log-probabilities. The draft's marginals are not path probabilities: along the argmax chain a
+    later position is right more often than its marginal says (given the earlier ones were), and after a
+    path leaves the chain the later argmaxes are right less often. Fitted on training-split prompts by
+    `fit_calibration`; hashable (a static argument)."""
+
+    weights: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.weights) != len(CALIBRATION_FEATURES):
+            raise ValueError(f"a TreeCalibration needs {len(CALIBRATION_FEATURES)} weights "
+                             f"({', '.join(CALIBRATION_FEATURES)}), got {len(self.weights)}")
+
+    def log_accept(self, depth, rank, logq, off):
+        """log P(accept) of candidates (`calibration_features`' arguments)."""
+        z = calibration_features(depth, rank, logq, off) @ jnp.asarray(self.weights, jnp.float32)
+        return -jnp.logaddexp(0.0, -z)
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
     """One static verify shape: `budget` nodes (the root, i.e. the anchor, included) with at most `branch`
@@ -102,12 +143,18 @@ class TreeShape:
     budget: int
     branch: int = DEFAULT_BRANCH
     temperature: float = DEFAULT_TEMPERATURE  # the draft's distributions sharpened by 1/T for the build
+    # the build's node scores from a fitted acceptance model instead of the draft's marginals
+    # (`TreeCalibration`, `fit_calibration`); None = the (sharpened) marginals
+    calibration: "TreeCalibration | None" = None
 
     def __post_init__(self):
         if self.budget < 1 or self.branch < 1:
             raise ValueError(f"a tree needs budget >= 1 and branch >= 1, got {self.budget}, {self.branch}")
         if not self.temperature > 0:
             raise ValueError(f"a tree's draft temperature must be > 0, got {self.temperature}")
+        if self.calibration is not None and not isinstance(self.calibration, TreeCalibration):
+            raise TypeError(f"calibration must be a TreeCalibration (spec.tree.fit_calibration), "
+                            f"got {type(self.calibration).__name__}")
 
     @property
     def is_chain(self) -> bool:
@@ -139,13 +186,16 @@ class Tree:
         return TreeBlock(depths=self.depth, mask=self.mask)
 
 
-def _build(anchor, top_lp, top_tok, budget: int):
-    """The trees of a batch. top_lp, top_tok [b, D, K]: the draft's K best log-probabilities / tokens at
-    block positions 1..D, best first. Frontier slot i holds node i's next unexpanded child (rank r): a
-    node's first child enters at its own slot, and taking a candidate replaces it by its next sibling.
-    Written batched (the loop index is shared, the chosen frontier slot is a per-row one-hot), which XLA
-    runs far faster on the CPU than a vmapped loop of scatters."""
+def _build(anchor, top_lp, top_tok, budget: int, off_lp=None):
+    """The trees of a batch. top_lp, top_tok [b, D, K]: the candidates' log scores / tokens at block
+    positions 1..D, best first (scores non-increasing in rank); off_lp [b, D, K]: the scores of children
+    whose parent's path left the argmax chain (None: top_lp). Frontier slot i holds node i's next
+    unexpanded child (rank r): a node's first child enters at its own slot, and taking a candidate replaces
+    it by its next sibling. Written batched (the loop index is shared, the chosen frontier slot is a per-row
+    one-hot), which XLA runs far faster on the CPU than a vmapped loop of scatters."""
     b, depth_max, branch = top_lp.shape
+    if off_lp is None:
+        off_lp = top_lp
     n = budget
     neg = jnp.float32(-jnp.inf)
     idx = jnp.arange(n)
@@ -157,11 +207,15 @@ def _build(anchor, top_lp, top_tok, budget: int):
     valid = jnp.zeros((b, n), bool).at[:, 0].set(True)
     mask = jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n))
     rank = jnp.zeros((b, n), jnp.int32)
+    off = jnp.zeros((b, n), bool)  # the node's path left the argmax chain (a node of rank > 0 on it)
     f_score = jnp.full((b, n), neg).at[:, 0].set(top_lp[:, 0, 0] if depth_max > 0 else neg)
     f_rank = jnp.zeros((b, n), jnp.int32)
 
+    def lp_at(is_off, pos, r):
+        return jnp.where(is_off, off_lp[rows, pos, r], top_lp[rows, pos, r])
+
     def step(i, carry):
-        tokens, parent, depth, score, valid, mask, rank, f_score, f_rank = carry
+        tokens, parent, depth, score, valid, mask, rank, off, f_score, f_rank = carry
         j = jnp.argmax(f_score, axis=1).astype(jnp.int32)  # [b]
         at_j = idx[None] == j[:, None]  # [b, N]
         s, r = f_score[rows, j], f_rank[rows, j]
@@ -176,41 +230,54 @@ def _build(anchor, top_lp, top_tok, budget: int):
         score = put(score, jnp.where(ok, s, neg))
         valid = put(valid, ok)
         rank = put(rank, jnp.where(ok, r, 0))
+        off_j = off[rows, j]
+        off_i = ok & (off_j | (r > 0))
+        off = put(off, off_i)
         own = idx[None] == i
         row = jnp.where(ok[:, None], mask[rows, j] | own, own)
         mask = put(mask, row)
         # node j's next sibling candidate replaces the one just taken; node i's first child enters slot i
         sib_ok = ok & (r + 1 < branch)
-        sib = score[rows, j] + top_lp[rows, pos, jnp.minimum(r + 1, branch - 1)]
+        sib = score[rows, j] + lp_at(off_j, pos, jnp.minimum(r + 1, branch - 1))
         f_score = jnp.where(at_j & ok[:, None], jnp.where(sib_ok, sib, neg)[:, None], f_score)
         f_rank = jnp.where(at_j & ok[:, None], (r + 1)[:, None], f_rank)
         child_ok = ok & (d < depth_max)
-        child = s + top_lp[rows, jnp.clip(d, 0, depth_max - 1), 0]
+        child = s + lp_at(off_i, jnp.clip(d, 0, depth_max - 1), 0)
         f_score = put(f_score, jnp.where(child_ok, child, neg))
         f_rank = put(f_rank, jnp.zeros((b,), jnp.int32))
-        return tokens, parent, depth, score, valid, mask, rank, f_score, f_rank
+        return tokens, parent, depth, score, valid, mask, rank, off, f_score, f_rank
 
-    carry = (tokens, parent, depth, score, valid, mask, rank, f_score, f_rank)
-    tokens, parent, depth, score, valid, mask, rank, _, _ = jax.lax.fori_loop(1, n, step, carry)
+    carry = (tokens, parent, depth, score, valid, mask, rank, off, f_score, f_rank)
+    tokens, parent, depth, score, valid, mask, rank, _, _, _ = jax.lax.fori_loop(1, n, step, carry)
     return tokens, parent, depth, mask, score, valid, rank
 
 
 def build_tree(anchor: jax.Array, draft_logprobs: jax.Array, shape: TreeShape) -> Tree:
     """Best-first trees of `shape.budget` nodes from the draft's log-probabilities [b, D, V] at block
     positions 1..D (anchor [b] is the root), sharpened by 1/`shape.temperature` (path scores in the sharpened
-    distributions; the order of candidates at a position does not change)."""
+    distributions; the order of candidates at a position does not change). With `shape.calibration` a node
+    scores the sum over its path of the fitted log acceptance (`TreeCalibration`), made non-increasing in
+    rank (so that the candidates stay in the draft's order)."""
     branch = min(shape.branch, draft_logprobs.shape[-1])
     lp = draft_logprobs.astype(jnp.float32)
     if shape.temperature != 1.0 and not shape.is_chain:
         lp = jax.nn.log_softmax(lp / shape.temperature, axis=-1)
     top_lp, top_tok = jax.lax.top_k(lp, branch)
+    off_lp = None
+    if shape.calibration is not None and not shape.is_chain:
+        b, depth_max, _ = top_lp.shape
+        depth = jnp.broadcast_to(jnp.arange(1, depth_max + 1)[None, :, None], top_lp.shape)
+        rank = jnp.broadcast_to(jnp.arange(branch)[None, None, :], top_lp.shape)
+        on_lp, off_lp = (jax.lax.cummin(shape.calibration.log_accept(depth, rank, top_lp, jnp.full(top_lp.shape, o)),
+                                        axis=2) for o in (False, True))
+        top_lp = on_lp
     # measured on the CPU: without the barrier XLA rewrites this top-k with its consumers into a 40x slower
     # program (20 ms vs 0.5 ms for top-k + build on [8, 15, 1024]). Not under a mesh: there XLA:CPU's
     # TopkDecomposer fails on a barrier fed by the partitioned top-k (a check failure, jax 0.10.2)
     if jax.sharding.get_abstract_mesh().empty:
-        top_lp, top_tok = jax.lax.optimization_barrier((top_lp, top_tok))
+        top_lp, top_tok, off_lp = jax.lax.optimization_barrier((top_lp, top_tok, off_lp))
     tokens, parent, depth, mask, score, valid, rank = _build(anchor, top_lp, top_tok.astype(jnp.int32),
-                                                            shape.budget)
+                                                            shape.budget, off_lp)
     return Tree(tokens=tokens, parent=parent, depth=depth, mask=mask, score=score, valid=valid, rank=rank)
 
 
@@ -449,7 +516,8 @@ def prior_tokens_per_round(shape: TreeShape, *, alpha: float = 0.8, depth: int =
     full = np.full((1, d, max(shape.branch, 2)), -1e30, np.float32)
     full[0, :, : shape.branch] = np.log(alpha * (1.0 - alpha) ** np.arange(shape.branch))
     with jax.ensure_compile_time_eval():  # also when called while a loop is traced
-        tree = build_tree(jnp.zeros((1,), jnp.int32), jnp.asarray(full), dataclasses.replace(shape, temperature=1.0))
+        tree = build_tree(jnp.zeros((1,), jnp.int32), jnp.asarray(full),
+                          dataclasses.replace(shape, temperature=1.0, calibration=None))
         return float(np.sum(np.where(np.asarray(tree.valid), np.exp(np.asarray(tree.score)), 0.0)))
 
 
@@ -472,6 +540,36 @@ class AdaptivePolicy:
     cost: VerifyCost | None = None
     taus: tuple[float, ...] | None = None
     decay: float = 0.9
+    # (lo, hi): the calibration c is clipped to it (None: c >= 0 unclipped). With taus measured on
+    # calibration prompts, a range around 1 says how far a sequence may drift from them.
+    calibration_range: tuple[float, float] | None = None
+
+    def reachable(self) -> tuple[int, ...]:
+        """The indices of the shapes the policy can ever choose: those of the largest rate for some calibration c
+        in `calibration_range` (or c >= 0). The rate is linear in c per shape, so the winners over c are the
+        upper envelope of lines: checked at the range's ends and at every pairwise crossing inside it."""
+        taus = np.asarray(self.tokens_per_round(), np.float32) - 1.0
+        secs = np.asarray(self.seconds(), np.float32)
+        lo, hi = self.calibration_range or (0.0, np.inf)
+        cs = {lo} | ({hi} if np.isfinite(hi) else {1e6})
+        for i in range(len(taus)):
+            for j in range(i + 1, len(taus)):
+                den = taus[i] / secs[i] - taus[j] / secs[j]
+                if den != 0:
+                    c = (1.0 / secs[j] - 1.0 / secs[i]) / den
+                    cs |= {c * (1 - 1e-6), c * (1 + 1e-6)}
+        win = {int(np.argmax((1.0 + np.float32(c) * taus) / secs)) for c in cs if lo <= c <= hi}
+        return tuple(sorted(win))
+
+    def pruned(self) -> "AdaptivePolicy":
+        """The same policy over its reachable shapes only (it makes the same choices): an adaptive loop
+        compiles, and sizes its caches for, only what it can run; one reachable shape runs as that fixed shape."""
+        keep = self.reachable()
+        if len(keep) == len(self.shapes):
+            return self
+        pick = lambda xs: None if xs is None else tuple(xs[i] for i in keep)  # noqa: E731
+        return dataclasses.replace(self, shapes=pick(self.shapes), taus=pick(self.tokens_per_round()),
+                                   cost=VerifyCost(pick(self.seconds())))
 
     def seconds(self) -> tuple[float, ...]:
         if self.cost is not None:
@@ -493,20 +591,24 @@ def choose_shape(policy: AdaptivePolicy, accepted_sum: jax.Array, expected_sum: 
     """The index of the shape `policy` picks for a batch (see `AdaptivePolicy`): accepted_sum / expected_sum
     [b] the decayed proposals accepted / predicted per sequence, live [b] bool. Pure and traceable (the serving
     engine can call it per round on its own slots); ties go to the earlier shape."""
-    taus = jnp.asarray(policy.tokens_per_round(), jnp.float32)
-    seconds = jnp.asarray(policy.seconds(), jnp.float32)
-    calib = (accepted_sum + 1.0) / (expected_sum + 1.0)
-    rate = (1.0 + calib[:, None] * (taus[None] - 1.0)) / seconds[None]
-    return jnp.argmax(jnp.sum(rate * live.astype(jnp.float32)[:, None], axis=0)).astype(jnp.int32)
+    xp = np if isinstance(accepted_sum, np.ndarray) else jnp  # numpy on a host loop: no device round trip
+    taus = xp.asarray(policy.tokens_per_round(), xp.float32)
+    seconds = xp.asarray(policy.seconds(), xp.float32)
+    calib = (accepted_sum + xp.float32(1.0)) / (expected_sum + xp.float32(1.0))
+    if policy.calibration_range is not None:
+        calib = xp.clip(calib, *policy.calibration_range)
+    rate = (xp.float32(1.0) + calib[:, None] * (taus[None] - xp.float32(1.0))) / seconds[None]
+    return xp.argmax(xp.sum(rate * xp.asarray(live).astype(xp.float32)[:, None], axis=0)).astype(xp.int32)
 
 
 def update_calibration(policy: AdaptivePolicy, accepted_sum, expected_sum, choice, accepted, done_before):
     """The decayed sums after a round of shape `choice` that accepted `accepted` [b] proposals (sequences done
     before the round keep theirs)."""
-    predicted = jnp.asarray(policy.tokens_per_round(), jnp.float32)[choice] - 1.0
-    d = policy.decay
-    acc = jnp.where(done_before, accepted_sum, d * accepted_sum + accepted.astype(jnp.float32))
-    exp_ = jnp.where(done_before, expected_sum, d * expected_sum + predicted)
+    xp = np if isinstance(accepted_sum, np.ndarray) else jnp
+    predicted = xp.asarray(policy.tokens_per_round(), xp.float32)[choice] - xp.float32(1.0)
+    d = xp.float32(policy.decay)
+    acc = xp.where(done_before, accepted_sum, d * accepted_sum + xp.asarray(accepted).astype(xp.float32))
+    exp_ = xp.where(done_before, expected_sum, d * expected_sum + predicted)
     return acc, exp_
 
 
@@ -564,6 +666,92 @@ def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new
     return VerifyCost(tuple(best))
 
 
+def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_tokens: int = 64, repeats: int = 3,
+                     calibration_range: tuple[float, float] | None = (0.5, 2.0), decay: float = 0.9,
+                     log=None) -> AdaptivePolicy:
+    """An `AdaptivePolicy` whose figures are measured on calibration prompts in the mode it will run in (the
+    resident jitted loops): each shape's fixed loop (a chain: `spec.loop.generate` at block B; a tree:
+    `generate_tree`) runs `prompts`, compiled first, then `repeats` times interleaved; its seconds per round
+    are the fastest run's seconds over its rounds, its tokens per round the run's mean. With the prompts' own
+    figures and c = 1 the policy picks the fastest fixed shape there; `calibration_range` bounds how far a
+    sequence's acceptance may move it (and so which shapes it provisions)."""
+    from dflash_jax.spec.loop import generate
+
+    def run(s):
+        if s.is_chain:
+            return generate(pair, prompts, max_new_tokens=max_new_tokens, block_size=s.budget)
+        return generate_tree(pair, prompts, max_new_tokens=max_new_tokens, tree_budget=s.budget, branch=s.branch,
+                             temperature=s.temperature, calibration=s.calibration)
+
+    taus, rounds, best = [], [], [float("inf")] * len(shapes)
+    for s in shapes:
+        res = run(s)
+        taus.append(float(np.mean([a for seq in res.acceptance_lengths for a in seq])))
+        rounds.append(max(1, int(res.stats["rounds"])))
+    for r in range(repeats):
+        for i, s in enumerate(shapes):
+            best[i] = min(best[i], run(s).stats["seconds"])
+        if log:
+            log(f"calibration repeat {r + 1}/{repeats}: " + ", ".join(
+                f"{s.label()} {b / n * 1e3:.1f} ms/round" for s, b, n in zip(shapes, best, rounds)))
+    return AdaptivePolicy(tuple(shapes), VerifyCost(tuple(b / n for b, n in zip(best, rounds))),
+                          taus=tuple(round(t, 4) for t in taus), decay=decay, calibration_range=calibration_range)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "k"))
+def _draft_top_k(target_w, draft_w, state: SpecState, spec: SpecConfig, k: int):
+    return jax.lax.top_k(tree_draft(target_w, draft_w, state, spec).logprobs, k)
+
+
+def calibration_samples(pair, prompts, *, max_new_tokens: int = 64, branch: int = 8,
+                        shape: TreeShape | None = None) -> np.ndarray:
+    """Training rows for `fit_calibration`: the tree loop (`shape`, default N = 32 with `branch` candidates)
+    runs greedy on `prompts`; at every round and live sequence, for each depth d whose parent on the target's
+    greedy path is still among the draft's candidates, one row per candidate: (depth, rank, log q, parent off
+    the argmax chain, is the target's token). The target's path is its plain greedy continuation."""
+    from dflash_jax.decode import greedy_generate
+
+    shape = shape or TreeShape(32, branch)
+    prep = prepare_tree(pair, prompts, widest=shape.budget, max_new_tokens=max_new_tokens)
+    spec = prep.spec
+    gamma = spec.block_size - 1
+    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=max_new_tokens + gamma + 1)
+    state = begin_tree(pair, prep, shape.budget)
+    rows = []
+    while not np.asarray(state.done).all():
+        top_lp, top_tok = jax.device_get(_draft_top_k(pair.target, pair.draft, state, spec, branch))
+        made, done = np.asarray(state.num_generated), np.asarray(state.done)
+        state, _ = tree_round_jit(pair.target, pair.draft, state, spec, shape)
+        for i in np.flatnonzero(~done):
+            truth = plain[i][made[i]: made[i] + gamma]
+            off = False
+            for d, tok in enumerate(truth):
+                hit = np.flatnonzero(top_tok[i, d] == tok)
+                for r in range(branch):
+                    rows.append((d + 1, r, top_lp[i, d, r], off, len(hit) > 0 and hit[0] == r))
+                if not len(hit):
+                    break
+                off = off or hit[0] > 0
+    return np.asarray(rows, np.float64).reshape(-1, 5)
+
+
+def fit_calibration(samples: np.ndarray, *, l2: float = 1e-2, iters: int = 50) -> TreeCalibration:
+    """The logistic acceptance model (`TreeCalibration`) fitted to `calibration_samples` rows by Newton's
+    method (L2 `l2`). Deterministic given the rows."""
+    samples = np.asarray(samples, np.float64)
+    if samples.ndim != 2 or samples.shape[1] != 5 or not len(samples):
+        raise ValueError("fit_calibration needs calibration_samples rows [n, 5] (depth, rank, log q, off, hit)")
+    x = np.asarray(calibration_features(samples[:, 0], samples[:, 1], samples[:, 2], samples[:, 3]), np.float64)
+    y = samples[:, 4]
+    w = np.zeros(x.shape[1])
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-(x @ w)))
+        grad = x.T @ (p - y) + l2 * w
+        hess = x.T @ (x * (p * (1.0 - p))[:, None]) + l2 * np.eye(len(w))
+        w = w - np.linalg.solve(hess, grad)
+    return TreeCalibration(tuple(round(float(v), 6) for v in w))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # loops
 # ----------------------------------------------------------------------------------------------------------
@@ -597,14 +785,15 @@ def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, *
 
 
 def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branch: int = DEFAULT_BRANCH,
-                  temperature: float = DEFAULT_TEMPERATURE,
+                  temperature: float = DEFAULT_TEMPERATURE, calibration: TreeCalibration | None = None,
                   adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
                   sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
                   buckets: rq.Buckets | None = None):
     """Tree-verified DFlash generation in one jitted while_loop (`spec.loop.generate`'s contract and result).
 
     tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
-    width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`).
+    width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`);
+    calibration: a fitted acceptance model for the build (`TreeCalibration`, `fit_calibration`).
     adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
     Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
@@ -612,13 +801,33 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
     if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
         raise ValueError(f"branch must be a positive integer, got {branch!r}")
     request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
-    policy = (AdaptivePolicy() if adaptive is True else adaptive) or None
+    full = (AdaptivePolicy() if adaptive is True else adaptive) or None
+    policy = full.pruned() if full else None  # only the shapes it can choose are compiled and provisioned
+
+    def label(s):
+        return s.label() + ("" if s.is_chain else f" K={s.branch}")
+
+    if policy is not None and len(policy.shapes) == 1:  # one reachable shape: exactly its fixed loop
+        only = policy.shapes[0]
+        if only.is_chain:
+            from dflash_jax.spec.loop import generate
+
+            res = generate(pair, prompts, block_size=only.budget, warmup=warmup, buckets=buckets, **request)
+        else:
+            res = generate_tree(pair, prompts, tree_budget=only.budget, branch=only.branch,
+                                temperature=only.temperature, calibration=only.calibration, block_size=block_size,
+                                warmup=warmup, buckets=buckets, **request)
+        rounds = max((len(a) for a in res.acceptance_lengths), default=0)
+        res.stats["adaptive_rounds"] = {label(s): rounds if s == only else 0 for s in full.shapes}
+        return res
+    if policy is not None and block_size is None and all(s.is_chain for s in policy.shapes):
+        block_size = max(s.budget for s in policy.shapes)  # chains only: the draft block of the widest
     widest = max(s.budget for s in policy.shapes) if policy else tree_budget
     prep = prepare_tree(pair, prompts, widest=widest, block_size=block_size, buckets=buckets, **request)
     spec = prep.spec
     if spec.block_size < 2:
         raise ValueError("tree verification needs a draft block of at least 2 (one proposal position)")
-    shape = TreeShape(tree_budget, branch, temperature)
+    shape = TreeShape(tree_budget, branch, temperature, calibration)
 
     def run(state):
         if policy is None:
@@ -639,8 +848,8 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
     seconds = time.perf_counter() - t0
     stats = dict(_shape_stats(prep), loop="jit", seconds=seconds, tree_budget=tree_budget, branch=branch)
     if chosen is not None:
-        stats["adaptive_rounds"] = {s.label() + ("" if s.is_chain else f" K={s.branch}"): int(c)
-                                    for s, c in zip(policy.shapes, np.asarray(chosen))}
+        counts = dict(zip(policy.shapes, np.asarray(chosen)))
+        stats["adaptive_rounds"] = {label(s): int(counts.get(s, 0)) for s in full.shapes}
     return _result(state, stats, rows=prep.num_prompts)
 
 
