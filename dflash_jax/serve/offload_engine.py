@@ -430,6 +430,13 @@ class OffloadedEngine(Engine):
             self.offload_totals[k] += getattr(rec, k)
         self.offload_totals["rounds"] += int(verified)
 
+    def reset_cache(self) -> None:
+        """An empty expert cache (pins dropped) and zeroed totals, e.g. between benchmark points; call it while no
+        round runs."""
+        self.pool = self._new_cache({})
+        self._previous = {}
+        self.offload_totals = {k: 0 for k in self.offload_totals}
+
     def offload_summary(self) -> dict:
         """The totals so far, with the cache's size and the per-round and per-pair rates."""
         t = dict(self.offload_totals)
