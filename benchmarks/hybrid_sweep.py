@@ -1,27 +1,33 @@
 """The hybrid-target sweep: expert budget x speculation on/off x PFlash prefill compression on/off.
 
-  python benchmarks/hybrid_sweep.py [--pair NAME | --checkpoint DIR] [--prompt-len 1024] [--write-docs]
+  python benchmarks/hybrid_sweep.py [--pair NAME | --checkpoint DIR] [--prompt-len N] [--scorers LIST] [--write-docs]
 
 On a shipped pair (default: the Qwen3.5-MoE hybrid pair `tiny_pair_qwen3_5` when it is installed, else the
-Qwen3-MoE `tiny_pair`), with long held-out prompts (standard-library files the pair never trained on):
+Qwen3-MoE `tiny_pair`), with held-out prompts (standard-library files the pair never trained on) as long as the
+target's context allows (by default its positions less the new tokens, a block and 64 tokens of slack):
 
-1. Resident (every expert on the device), for PFlash off (the full prefill) and keep ratios 0.5 / 0.25 / 0.1,
-   plain greedy decoding (block 1) and DFlash (the draft's block): TTFT (the scorer's pass over the whole prompt +
-   the compressed prefill + the first token), decode tokens/s (the tokens after the first over the time after
-   it), DFlash acceptance (tokens per round), and quality against the full prefill's plain greedy output:
-   agreement of the first `--max-new` (64) greedy tokens (the fraction of equal positions, and the common
-   prefix), and exact match on a needle set (a line `secret_token = "<6 random letters>"` planted at 30% depth of
-   a held-out window, the prompt ending in the line's start, scored on the value) together with whether the
-   selection kept the needle line.
-2. Offloaded (`offload.OffloadedGenerator`, experts in host memory, a device expert cache of each budget):
-   the same PFlash x speculation grid: TTFT, decode tokens/s and MB moved host -> device, for the prefill (the
-   generator streams every expert table through the device, so its traffic does not depend on the prompt; the
-   experts the kept tokens route to, the least an on-demand prefill would move, are listed beside it) and for
-   the decode. Every offloaded output is checked equal to the resident output of the same configuration.
+1. Resident (every expert on the device), for PFlash off (the full prefill) and keep ratios 0.5 / 0.25 / 0.1
+   with each scorer (`--scorers`: by default a cheap one, the first layer of a shipped pair with the same
+   tokenizer, and the target itself), plain greedy decoding (block 1) and DFlash (the draft's block): the TTFT
+   split into the scorer's pass over the whole prompt and the target's compressed prefill (with the first token),
+   decode tokens/s (the tokens after the first over the time after it), DFlash acceptance (tokens per round), and
+   quality against the full prefill's plain greedy output: agreement of the first `--max-new` (64) greedy tokens
+   (the fraction of equal positions, and the common prefix).
+2. A needle-retrieval set (`dflash_jax.pflash.needle`): a passage of held-out text planted early in a long
+   held-out prompt that ends by repeating the passage's start, so the right continuation is the planted text;
+   exact match of the next tokens, the same with the passage swapped for another (the chance level), and the
+   fraction of the passage each selection kept. Measured at keep 1 first: the set scores compression only when
+   the full prefill retrieves clearly above the chance level, and the report says which.
+3. Offloaded (`offload.OffloadedGenerator`, experts in host memory, a device expert cache of each budget), with the
+   first scorer: the same PFlash x speculation grid: TTFT, decode tokens/s and MB moved host -> device, for the
+   prefill (the generator streams every expert table through the device, so its traffic does not depend on the
+   prompt; the experts the kept tokens route to, the least an on-demand prefill would move, are listed beside
+   it) and for the decode. Every offloaded output is checked equal to the resident output of its configuration.
 
-Every timing is a warm run (compiled shapes), on this machine's shared CPU; ratios compare runs of one process.
-PFlash "off" runs the full prefill at explicit positions (every token kept), which tests/pflash show equal to
-the plain prefill token for token. Writes hybrid_sweep.{json,md,png} (docs/benchmarks with --write-docs).
+Every timing is a warm run (each compiled shape is run once before it is timed; the best of `--repeats`), on this
+machine's shared CPU; ratios compare runs of one process. PFlash "off" runs the full prefill at explicit positions
+(every token kept), which tests/pflash show equal to the plain prefill token for token. Writes
+hybrid_sweep.{json,md,png} (docs/benchmarks with --write-docs).
 """
 
 from __future__ import annotations
@@ -29,8 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import string
 import sys
 import time
 
@@ -68,20 +72,59 @@ def agreement(tokens, ref) -> tuple[float, int]:
     return same / n, prefix
 
 
-def needle_set(pair, tok, n: int, length: int, seed: int = 1):
-    """[(prompt ids, answer ids, needle span)]: a secret planted at 30% depth of a held-out window."""
-    from dflash_jax.train.data import file_windows
+def _same_file(a, b) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
 
-    rng = random.Random(seed)
-    out = []
-    for hay in file_windows(pair, "held_out", n, length, seed=seed):
-        value = "".join(rng.choice(string.ascii_lowercase) for _ in range(6))
-        needle = tok.encode(f'\n    secret_token = "{value}"\n', add_special_tokens=False).ids
-        query = tok.encode('\n    secret_token = "', add_special_tokens=False).ids
-        answer = tok.encode(f'{value}"', add_special_tokens=False).ids
-        at = int(len(hay) * 0.3)
-        out.append((hay[:at] + needle + hay[at:] + query, answer, (at, at + len(needle))))
-    return out
+
+def load_scorers(spec: str, pair, name: str):
+    """The scorers of a comma-separated list: `target` (the pair's target), `target:N` (its first N layers),
+    `PAIR[:N]` (a shipped pair's target, or its first N layers) or `DIR[:N]` (a converted checkpoint's); `auto`:
+    the first layer of another shipped pair with this pair's tokenizer (a cheap scorer) when there is one, then
+    the target."""
+    import dflash_jax
+    from dflash_jax import pflash
+
+    shipped = getattr(dflash_jax, "SHIPPED_PAIRS", {})
+    if spec == "auto":
+        items = []
+        for other, path in shipped.items():
+            tok = os.path.join(path, "tokenizer.json")
+            if other != name and pair.tokenizer_path and os.path.exists(tok) and _same_file(tok, pair.tokenizer_path):
+                items.append(f"{other}:1")
+                break
+        items.append("target")
+    else:
+        items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise SystemExit("--scorers is empty: give e.g. 'target' or 'tiny_pair:1,target'")
+    scorers = []
+    for item in items:
+        base, _, layers = item.partition(":")
+        try:
+            n_layers = int(layers) if layers else None
+        except ValueError:
+            raise SystemExit(f"--scorers item {item!r}: the part after ':' must be a layer count") from None
+        if base == "target":
+            other = pair
+        else:
+            path = shipped.get(base, base)
+            if not os.path.exists(os.path.join(path, "manifest.json")):
+                raise SystemExit(f"--scorers item {item!r}: {base!r} is neither 'target', a shipped pair "
+                                 f"({', '.join(shipped)}) nor a converted checkpoint directory")
+            other = dflash_jax.load(path, dequantize_experts="auto")
+            if not (other.tokenizer_path and pair.tokenizer_path and _same_file(other.tokenizer_path,
+                                                                                pair.tokenizer_path)):
+                raise SystemExit(f"--scorers item {item!r}: its tokenizer is not the pair's: a scorer must read the "
+                                 "same token ids (use a scorer trained with the pair's tokenizer)")
+            base = os.path.basename(str(path).rstrip("/"))
+        try:
+            scorer = pflash.Scorer.from_pair(other, name=f"{base}:target" if base != "target" else "target",
+                                             layers=n_layers)
+        except ValueError as e:
+            raise SystemExit(f"--scorers item {item!r}: {e}") from None
+        scorers.append(scorer)
+    return scorers
 
 
 def main(argv=None) -> int:
@@ -89,27 +132,33 @@ def main(argv=None) -> int:
     p.add_argument("--pair", default=None, metavar="NAME",
                    help=f"a shipped pair (default: {HYBRID} when installed, else tiny_pair)")
     p.add_argument("--checkpoint", default=None, help="a convert-weights checkpoint instead of a shipped pair")
-    p.add_argument("--prompt-len", type=int, default=1024, help="held-out prompt tokens (capped by the context)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="held-out prompt tokens (default and cap: the target's positions - max-new - block - 64)")
     p.add_argument("--prompts", type=int, default=2, help="long-form prompts for timing and agreement")
-    p.add_argument("--needles", type=int, default=4, help="needle-retrieval prompts")
+    p.add_argument("--needles", type=int, default=8, help="needle-retrieval prompts")
+    p.add_argument("--needle-answer", type=int, default=8, help="needle answer tokens scored by exact match")
     p.add_argument("--max-new", type=int, default=64, help="greedy tokens compared with the full prefill's")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (the fastest is kept)")
-    p.add_argument("--scorer-layers", type=int, default=None,
-                   help="score with the target's first N layers only (default: the whole target)")
+    p.add_argument("--scorers", default="auto",
+                   help="comma-separated scorers: target, target:N (its first N layers), PAIR[:N] or DIR[:N] (another "
+                        "model with the same tokenizer); auto: a shipped pair's first layer when one shares the "
+                        "tokenizer, then the target")
+    p.add_argument("--block-size", type=int, default=None, help="DFlash block (default: the draft's)")
     p.add_argument("--budgets", default="0.25,1.0",
                    help="offload budgets as fractions of all expert bytes (comma-separated; '' skips offload)")
     add_output_args(p)
     args = p.parse_args(argv)
-    if min(args.prompt_len, args.prompts, args.max_new) < 1 or args.needles < 0:
-        p.error("--prompt-len, --prompts and --max-new must be >= 1, --needles >= 0")
-
-    import jax
+    if min(args.prompts, args.max_new, args.repeats, args.needle_answer) < 1 or args.needles < 0 or (
+            args.prompt_len is not None and args.prompt_len < 128):
+        p.error("--prompts, --max-new, --repeats and --needle-answer must be >= 1, --needles >= 0, "
+                "--prompt-len >= 128")
 
     import dflash_jax
     from dflash_jax import pflash
     from dflash_jax.cli.generate import UsageError, load_tokenizer, resolve_pair
     from dflash_jax.offload import OffloadedGenerator
-    from dflash_jax.spec import Buckets
+    from dflash_jax.pflash import needle as nd
+    from dflash_jax.spec.loop import LOOP_BUCKETS
     from dflash_jax.train.data import file_windows
 
     name = args.pair if args.checkpoint else (args.pair or _default_pair())
@@ -120,84 +169,132 @@ def main(argv=None) -> int:
     pair = dflash_jax.load(directory, dequantize_experts="auto")
     tok = load_tokenizer(pair)
     tcfg = pair.target_cfg
-    block = pair.draft_cfg.block_size
+    block = args.block_size or pair.draft_cfg.block_size
+    if block < 2:
+        p.error("--block-size must be >= 2 (block 1 is the plain run, always measured)")
     n_new = args.max_new
-    length = min(args.prompt_len, tcfg.max_position_embeddings - n_new - block - 64)
+    cap = tcfg.max_position_embeddings - n_new - block - 64
+    length = cap if args.prompt_len is None else min(args.prompt_len, cap)
+    scorers = load_scorers(args.scorers, pair, name)
     prompts = file_windows(pair, "held_out", args.prompts, length)
-    needles = needle_set(pair, tok, args.needles, length) if tok is not None and args.needles else []
-    buckets = Buckets(cache=2 ** int(np.ceil(np.log2(length + 64 + n_new + block))))
-    scorer = pflash.Scorer.from_pair(pair, layers=args.scorer_layers)
+    needles = nd.needle_set(pair, args.needles, length, answer=args.needle_answer) if args.needles else []
     budgets = [float(x) for x in args.budgets.split(",") if x.strip()]
-    _log(f"pair {name or directory}: {tcfg.model_type}, {tcfg.num_layers} layers, block {block}; scorer {scorer.name}; "
-         f"{len(prompts)} prompts of {length} tokens, {len(needles)} needles, {n_new} new tokens; "
-         f"offload budgets {budgets}")
+    _log(f"pair {name or directory}: {tcfg.model_type}, {tcfg.num_layers} layers, {tcfg.max_position_embeddings} "
+         f"positions, block {block}; scorers {[s.name for s in scorers]}; {len(prompts)} prompts of {length} tokens, "
+         f"{len(needles)} needles, {n_new} new tokens; offload budgets {budgets}")
 
-    def compress(prompt, keep, timed=True):
-        kept = pflash.compress(scorer, prompt, keep_ratio=keep)  # compiles the scorer's bucket once
-        best = float("inf")
-        for _ in range(args.repeats if timed else 0):
-            t = time.perf_counter()
-            kept = pflash.compress(scorer, prompt, keep_ratio=keep)
-            best = min(best, time.perf_counter() - t)
-        return kept, (best if keep < 1 and timed else 0.0)
+    score_cache = {}
+
+    def score(prompt_id, prompt, scorer, timed=True):
+        """The scorer's per-token importance (its bucket compiled first) and its best time."""
+        key = (prompt_id, scorer.name)
+        if key not in score_cache:
+            scores = pflash.score_tokens(scorer, prompt)  # compiles this bucket (or hits the cache)
+            best = float("inf")
+            for _ in range(args.repeats if timed else 0):
+                t = time.perf_counter()
+                scores = pflash.score_tokens(scorer, prompt)
+                best = min(best, time.perf_counter() - t)
+            score_cache[key] = (scores, best if timed else float("nan"))
+        return score_cache[key]
+
+    def compress(prompt_id, prompt, keep, scorer, timed=True):
+        """(kept indices, scorer + selection seconds); keep 1 keeps everything without a scorer."""
+        if keep == 1:
+            return np.arange(len(prompt), dtype=np.int32), 0.0
+        scores, score_s = score(prompt_id, prompt, scorer, timed)
+        t = time.perf_counter()
+        kept = pflash.select_tokens(scores, keep_ratio=keep)
+        return kept, score_s + time.perf_counter() - t
+
+    warm_shapes = set()
 
     def run(prompt, kept, bs):
-        """The fastest of `repeats` warm runs (prefill and decode each at its best)."""
+        """The fastest of `repeats` warm runs (prefill and decode each at its best); a shape's first run compiles."""
+        shape = (LOOP_BUCKETS.prompt_len(len(kept)), bs)
         runs = [pflash.generate(pair, [prompt], [kept], max_new_tokens=n_new, block_size=bs, stop_ids=[],
-                                warmup=i == 0, buckets=buckets) for i in range(args.repeats)]
+                                warmup=i == 0 and shape not in warm_shapes) for i in range(args.repeats)]
+        warm_shapes.add(shape)
         best = runs[0]
         best.stats["prefill_s"] = min(r.stats["prefill_s"] for r in runs)
         best.stats["decode_s"] = min(r.stats["seconds"] - r.stats["prefill_s"] for r in runs)
         return best
 
     # ---- 1. resident: quality and speed ----
-    resident, refs = [], {}
+    resident = []
     for pi, prompt in enumerate(prompts):
-        refs[pi] = run(prompt, None, 1).tokens[0]
+        ref = None
         for keep in KEEPS:
-            kept, score_s = compress(prompt, keep)
-            for bs in (1, block):
-                r = run(prompt, kept, bs)
-                s = r.stats
-                decode_s = s["decode_s"]
-                agree, prefix = agreement(r.tokens[0], refs[pi])
-                row = {"prompt": pi, "prompt_tokens": len(prompt), "keep": keep, "kept_tokens": len(kept),
-                       "speculation": bs > 1, "block_size": bs, "score_s": score_s, "prefill_s": s["prefill_s"],
-                       "ttft_s": score_s + s["prefill_s"], "decode_tokens_per_s": (len(r.tokens[0]) - 1) / decode_s,
-                       "acceptance": s["mean_acceptance"], "agreement": agree, "common_prefix": prefix,
-                       "tokens": r.tokens[0]}
-                resident.append(row)
-                _log(f"resident prompt {pi} keep {keep:4.2f} ({len(kept):4d} kept) B={bs:2d}: TTFT "
-                     f"{row['ttft_s'] * 1e3:7.1f} ms, {row['decode_tokens_per_s']:6.1f} tok/s, tau "
-                     f"{row['acceptance']:.2f}, agreement {agree:.2f} (prefix {prefix})")
-    needle_rows = []
-    for ni, (prompt, answer, (lo, hi)) in enumerate(needles):
-        for keep in KEEPS:
-            kept, _ = compress(prompt, keep, timed=False)
-            r = pflash.generate(pair, [prompt], [kept], max_new_tokens=len(answer), block_size=block, stop_ids=[],
-                                buckets=buckets)
-            needle_rows.append({"needle": ni, "keep": keep, "exact_match": r.tokens[0][:len(answer)] == answer,
-                                "needle_kept": bool(set(range(lo, hi)) <= set(kept.tolist()))})
-        _log(f"needle {ni}: " + ", ".join(f"keep {x['keep']}: EM {int(x['exact_match'])} kept {int(x['needle_kept'])}"
-                                          for x in needle_rows[-len(KEEPS):]))
+            for scorer in ([None] if keep == 1 else scorers):
+                kept, score_s = compress(pi, prompt, keep, scorer)
+                for bs in (1, block):
+                    r = run(prompt, kept, bs)
+                    s = r.stats
+                    if ref is None:
+                        ref = r.tokens[0]  # the full prefill's plain greedy output (keep 1, block 1: first)
+                    agree, prefix = agreement(r.tokens[0], ref)
+                    row = {"prompt": pi, "prompt_tokens": len(prompt), "keep": keep, "kept_tokens": len(kept),
+                           "scorer": "-" if scorer is None else scorer.name, "speculation": bs > 1, "block_size": bs,
+                           "score_s": score_s, "prefill_s": s["prefill_s"], "ttft_s": score_s + s["prefill_s"],
+                           "decode_tokens_per_s": (len(r.tokens[0]) - 1) / s["decode_s"],
+                           "acceptance": s["mean_acceptance"], "agreement": agree, "common_prefix": prefix,
+                           "tokens": r.tokens[0]}
+                    resident.append(row)
+                    _log(f"resident prompt {pi} keep {keep:4.2f} ({len(kept):4d} kept, scorer {row['scorer']}) "
+                         f"B={bs:2d}: "
+                         f"scorer {score_s * 1e3:7.1f} ms + prefill {s['prefill_s'] * 1e3:7.1f} ms, "
+                         f"{row['decode_tokens_per_s']:6.1f} tok/s, tau {row['acceptance']:.2f}, agreement {agree:.2f} "
+                         f"(prefix {prefix})")
 
-    # ---- 2. offloaded: traffic and speed under each budget ----
+    # ---- 2. needles: keep 1 (and the chance level) first, then every scorer x keep ----
+    needle_rows = []
+
+    def answer_of(prompt, kept):
+        r = pflash.generate(pair, [prompt], [kept], max_new_tokens=args.needle_answer, block_size=1, stop_ids=[])
+        return r.tokens[0]
+
+    for ni, case in enumerate(needles):
+        full = np.arange(len(case.prompt), dtype=np.int32)
+        em, match = nd.score_answer(answer_of(case.prompt, full), case.answer)
+        cem, cmatch = nd.score_answer(answer_of(case.control, full), case.answer)
+        aem, amatch = nd.score_answer(answer_of(case.adjacent, full), case.answer)
+        needle_rows.append({"needle": ni, "depth": case.depth, "keep": 1.0, "scorer": "-", "exact_match": em,
+                            "token_match": match, "needle_kept": 1.0, "control_exact_match": cem,
+                            "control_token_match": cmatch, "adjacent_exact_match": aem, "adjacent_token_match": amatch})
+        _log(f"needle {ni} (depth {case.depth:.1f}) keep 1: EM {int(em)}, answer tokens matched {match:.2f}; "
+             f"passage swapped (chance): EM {int(cem)}, matched {cmatch:.2f}; passage right before the query: "
+             f"EM {int(aem)}, matched {amatch:.2f}")
+    if needles:
+        k1 = [x for x in needle_rows if x["keep"] == 1.0]
+        _log(f"needle set at keep 1: exact match {np.mean([x['exact_match'] for x in k1]):.2f} (chance "
+             f"{np.mean([x['control_exact_match'] for x in k1]):.2f}), answer tokens "
+             f"{np.mean([x['token_match'] for x in k1]):.2f} (chance "
+             f"{np.mean([x['control_token_match'] for x in k1]):.2f})")
+    for ni, case in enumerate(needles):
+        for scorer in scorers:
+            for keep in KEEPS[1:]:
+                kept, _ = compress(("needle", ni), case.prompt, keep, scorer, timed=False)
+                em, match = nd.score_answer(answer_of(case.prompt, kept), case.answer)
+                needle_rows.append({"needle": ni, "depth": case.depth, "keep": keep, "scorer": scorer.name,
+                                    "exact_match": em, "token_match": match,
+                                    "needle_kept": nd.kept_fraction(kept, case.span)})
+        _log(f"needle {ni}: " + ", ".join(f"{x['scorer']} keep {x['keep']}: EM {int(x['exact_match'])} kept "
+                                          f"{x['needle_kept']:.2f}" for x in needle_rows if x["needle"] == ni))
+
+    # ---- 3. offloaded: traffic and speed under each budget (the first scorer) ----
     offloaded = []
     if budgets:
         from dflash_jax.offload.store import HostExpertStore
 
         host_pair = dflash_jax.load(directory, expert_memory="pinned_host")
         store = HostExpertStore(host_pair.target)
-        prompt = prompts[0]
+        prompt, scorer = prompts[0], scorers[0]
         for frac in budgets:
             for bs in (1, block):
-                gen = None
+                gen = OffloadedGenerator(host_pair, budget_bytes=int(max(frac * store.total_bytes, 1)),
+                                         prefetcher="draft_router" if bs > 1 else "none", block_size=bs, store=store)
                 for keep in KEEPS:
-                    kept, score_s = compress(prompt, keep)
-                    if gen is None:
-                        gen = OffloadedGenerator(host_pair, budget_bytes=int(max(frac * store.total_bytes, 1)),
-                                                 prefetcher="draft_router" if bs > 1 else "none", block_size=bs,
-                                                 buckets=buckets, store=store)
+                    kept, score_s = compress(0, prompt, keep, scorer)
                     warm = gen.prefill([prompt], max_new_tokens=n_new, stop_ids=[], kept=[kept])
                     if not warm.done:
                         gen.round(warm)  # compiles this prefill's shapes and a round
@@ -207,12 +304,14 @@ def main(argv=None) -> int:
                         gen.round(session)
                     r = gen.result(session)
                     s, off = r.stats, r.stats["offload"]
-                    same = next(x for x in resident if x["prompt"] == 0 and x["keep"] == keep and x["block_size"] == bs)
+                    same = next(x for x in resident if x["prompt"] == 0 and x["keep"] == keep and x["block_size"] == bs
+                                and x["scorer"] in ("-", scorer.name))
                     decode_s = s["seconds"] - s["time_split"]["prefill_s"]
                     moved = s["route_ahead"]["summary"]["bytes_moved"]
                     row = {"budget_fraction": frac, "budget_mb": off["budget_bytes"] / 1e6, "keep": keep,
-                           "kept_tokens": len(kept), "speculation": bs > 1, "block_size": bs,
-                           "ttft_s": score_s + s["time_split"]["prefill_s"],
+                           "scorer": "-" if keep == 1 else scorer.name,
+                           "kept_tokens": len(kept), "speculation": bs > 1, "block_size": bs, "score_s": score_s,
+                           "prefill_s": s["time_split"]["prefill_s"], "ttft_s": score_s + s["time_split"]["prefill_s"],
                            "decode_tokens_per_s": (len(r.tokens[0]) - 1) / decode_s, "acceptance": s["mean_acceptance"],
                            "prefill_streamed_mb": off["prefill_bytes"] / 1e6,
                            "prefill_routed_mb": off["prefill_routed_bytes"] / 1e6,
@@ -224,7 +323,8 @@ def main(argv=None) -> int:
                          f"{row['prefill_routed_mb']:.3f} MB, decode {row['decode_mb_moved']:.3f} MB, lossless "
                          f"{row['lossless_vs_resident']}")
 
-    result = summarize(name or directory, scorer.name, pair, length, n_new, resident, needle_rows, offloaded)
+    result = summarize(name or directory, [s.name for s in scorers], pair, block, length, n_new, resident,
+                       needle_rows, offloaded, args.needle_answer)
     out = output_dir(args)
     with open(os.path.join(out, "hybrid_sweep.json"), "w") as fh:
         json.dump(result, fh, indent=1)
@@ -236,51 +336,89 @@ def main(argv=None) -> int:
     return 0
 
 
-def summarize(name, scorer_name, pair, length, n_new, resident, needle_rows, offloaded) -> dict:
-    """Per (keep, speculation) means over the prompts, the needle scores, and the recommendation."""
+def _mean(rows, key):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def summarize(name, scorer_names, pair, block, length, n_new, resident, needle_rows, offloaded, answer_len) -> dict:
+    """Per (keep, scorer, speculation) means over the prompts, the needle scores, and the recommendation."""
     grid = []
     for keep in KEEPS:
-        for spec in (False, True):
-            rows = [r for r in resident if r["keep"] == keep and r["speculation"] == spec]
-            needles = [x for x in needle_rows if x["keep"] == keep]
-            grid.append({
-                "keep": keep, "speculation": spec, "kept_tokens": float(np.mean([r["kept_tokens"] for r in rows])),
-                "ttft_ms": 1e3 * float(np.mean([r["ttft_s"] for r in rows])),
-                "score_ms": 1e3 * float(np.mean([r["score_s"] for r in rows])),
-                "prefill_ms": 1e3 * float(np.mean([r["prefill_s"] for r in rows])),
-                "decode_tokens_per_s": float(np.mean([r["decode_tokens_per_s"] for r in rows])),
-                "acceptance": float(np.mean([r["acceptance"] for r in rows])),
-                "agreement": float(np.mean([r["agreement"] for r in rows])),
-                "common_prefix": float(np.mean([r["common_prefix"] for r in rows])),
-                "needle_exact_match": float(np.mean([x["exact_match"] for x in needles])) if needles else None,
-                "needle_kept": float(np.mean([x["needle_kept"] for x in needles])) if needles else None,
-                "lossless_vs_plain_same_keep": all(
-                    a["tokens"] == b["tokens"] for a in rows for b in resident
-                    if b["prompt"] == a["prompt"] and b["keep"] == keep and not b["speculation"]),
-            })
+        for scorer in (["-"] if keep == 1 else scorer_names):
+            needles = [x for x in needle_rows if x["keep"] == keep and x["scorer"] == scorer]
+            for spec in (False, True):
+                rows = [r for r in resident if r["keep"] == keep and r["scorer"] == scorer and r["speculation"] == spec]
+                grid.append({
+                    "keep": keep, "scorer": scorer, "speculation": spec, "kept_tokens": _mean(rows, "kept_tokens"),
+                    "ttft_ms": 1e3 * _mean(rows, "ttft_s"), "score_ms": 1e3 * _mean(rows, "score_s"),
+                    "prefill_ms": 1e3 * _mean(rows, "prefill_s"),
+                    "decode_tokens_per_s": _mean(rows, "decode_tokens_per_s"), "acceptance": _mean(rows, "acceptance"),
+                    "agreement": _mean(rows, "agreement"), "common_prefix": _mean(rows, "common_prefix"),
+                    "needle_exact_match": _mean(needles, "exact_match"),
+                    "needle_token_match": _mean(needles, "token_match"),
+                    "needle_kept": _mean(needles, "needle_kept"),
+                    "lossless_vs_plain_same_keep": all(
+                        a["tokens"] == b["tokens"] for a in rows for b in resident
+                        if b["prompt"] == a["prompt"] and b["keep"] == keep and b["scorer"] == scorer
+                        and not b["speculation"]),
+                })
     full = {g["speculation"]: g for g in grid if g["keep"] == 1.0}
     for g in grid:
         base = full[False]
         g["ttft_vs_full"] = g["ttft_ms"] / base["ttft_ms"]
         g["prefill_vs_full"] = g["prefill_ms"] / base["prefill_ms"]
         g["decode_vs_plain"] = g["decode_tokens_per_s"] / next(
-            x for x in grid if x["keep"] == g["keep"] and not x["speculation"])["decode_tokens_per_s"]
+            x for x in grid if x["keep"] == g["keep"] and x["scorer"] == g["scorer"] and not x["speculation"]
+        )["decode_tokens_per_s"]
+    k1 = [x for x in needle_rows if x["keep"] == 1.0]
+    needle = None
+    if k1:
+        needle = {"cases": len(k1), "answer_tokens": answer_len,
+                  "keep1_exact_match": _mean(k1, "exact_match"), "chance_exact_match": _mean(k1, "control_exact_match"),
+                  "keep1_token_match": _mean(k1, "token_match"), "chance_token_match": _mean(k1, "control_token_match"),
+                  "adjacent_exact_match": _mean(k1, "adjacent_exact_match"),
+                  "adjacent_token_match": _mean(k1, "adjacent_token_match")}
+        needle["measurable"] = needle["keep1_exact_match"] - needle["chance_exact_match"] >= 0.25
     spec_gain = full[True]["decode_tokens_per_s"] / full[False]["decode_tokens_per_s"]
-    good = [g for g in grid if g["speculation"] and g["keep"] < 1 and g["agreement"] >= 0.9]
-    lines = [f"Speculation: DFlash decodes {spec_gain:.2f}x plain greedy with the full prefill "
-             f"({'on' if spec_gain > 1 else 'off'} recommended; output identical)."]
+    lines = [f"Speculation: DFlash (block {block}) decodes {spec_gain:.2f}x plain greedy after the full prefill "
+             f"(tau {full[True]['acceptance']:.2f}; {'on' if spec_gain > 1 else 'off'} recommended at this prompt "
+             "length; "
+             "output identical either way)."]
+    plain = [g for g in grid if not g["speculation"] and g["keep"] < 1]
+    needle_ok = (lambda g: True) if not (needle and needle["measurable"]) else (
+        lambda g: g["needle_exact_match"] >= 0.9 * needle["keep1_exact_match"])
+    good = [g for g in plain if g["agreement"] >= 0.9 and g["ttft_vs_full"] < 1 and needle_ok(g)]
     if good:
-        best = min(good, key=lambda g: g["keep"])
-        lines.append(f"PFlash: keep ratio {best['keep']} keeps {best['agreement']:.0%} agreement with the target's "
-                     f"prefill at {best['prefill_vs_full']:.2f}x and TTFT (scorer included) at "
-                     f"{best['ttft_vs_full']:.2f}x the full prefill's.")
+        best = min(good, key=lambda g: g["ttft_vs_full"])
+        lines.append(f"PFlash: keep {best['keep']} with the scorer {best['scorer']} keeps {best['agreement']:.0%} "
+                     f"agreement with the full prefill at {best['ttft_vs_full']:.2f}x its TTFT (scorer "
+                     f"{best['score_ms']:.0f} ms + target prefill {best['prefill_ms']:.0f} ms).")
     else:
-        mild = next(g for g in grid if g["speculation"] and g["keep"] == 0.5)
-        lines.append(f"PFlash: no keep ratio below 1 keeps 90% agreement with the full prefill on this pair "
-                     f"(keep 0.5: {mild['agreement']:.0%} agreement, common prefix {mild['common_prefix']:.1f} tokens; "
-                     f"target prefill {mild['prefill_vs_full']:.2f}x, TTFT with the scorer {mild['ttft_vs_full']:.2f}x "
-                     f"the full prefill's): keep PFlash off (keep 1) where output quality matters; it pays only with a "
-                     f"scorer much cheaper than the target and where divergence from the full prefill is acceptable.")
+        top = max(plain, key=lambda g: g["agreement"])
+        lines.append(f"PFlash: no keep ratio below 1 keeps 90% agreement with the full prefill on this pair (best: "
+                     f"keep "
+                     f"{top['keep']} with {top['scorer']}, {top['agreement']:.0%}, common prefix "
+                     f"{top['common_prefix']:.1f} tokens): keep PFlash off (keep 1) where the output should match the "
+                     "full prompt's.")
+        faster = [g for g in plain if g["ttft_vs_full"] < 0.8]
+        if faster:
+            pick = max(faster, key=lambda g: (round(g["agreement"], 2), -g["ttft_vs_full"]))
+            lines.append(f"Where time to first token matters more than fidelity: keep {pick['keep']} with the scorer "
+                         f"{pick['scorer']} (TTFT {pick['ttft_vs_full']:.2f}x the full prefill's: scorer "
+                         f"{pick['score_ms']:.0f} ms + target prefill {pick['prefill_ms']:.0f} ms against "
+                         f"{full[False]['prefill_ms']:.0f} ms; agreement {pick['agreement']:.0%}).")
+        for s in scorer_names:
+            worst = [g for g in plain if g["scorer"] == s]
+            if worst and min(g["ttft_vs_full"] for g in worst) >= 0.8:
+                lines.append(f"The scorer {s} costs {np.mean([g['score_ms'] for g in worst]):.0f} ms, about the "
+                             f"full prefill's {full[False]['prefill_ms']:.0f} ms: with it PFlash does not shorten "
+                             "TTFT.")
+    if needle is not None and not needle["measurable"]:
+        lines.append(f"Needles: the full prefill retrieves {needle['keep1_exact_match']:.0%} of the planted answers "
+                     f"(chance {needle['chance_exact_match']:.0%}; {needle['adjacent_exact_match']:.0%} with the "
+                     "passage right before the query): this target does not copy from its context, so the needle set "
+                     "cannot rank keep ratios here (the passage kept by each selection is listed).")
     if offloaded:
         fracs = sorted({o["budget_fraction"] for o in offloaded})
         best = max((o for o in offloaded if o["keep"] == 1.0), key=lambda o: o["decode_tokens_per_s"])
@@ -289,46 +427,78 @@ def summarize(name, scorer_name, pair, length, n_new, resident, needle_rows, off
                      f"{best['decode_mb_per_token']:.3f} MB/token); budgets swept {fracs}.")
     rec = " ".join(lines)
     cfg = pair.target_cfg
-    return {"pair": name, "scorer": scorer_name, "target": {"model_type": cfg.model_type, "layers": cfg.num_layers,
-                                     "experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
-                                     "max_positions": cfg.max_position_embeddings},
-            "block_size": pair.draft_cfg.block_size, "prompt_tokens": length, "new_tokens": n_new,
-            "grid": grid, "needles": needle_rows, "offloaded": offloaded,
+    return {"pair": name, "scorers": scorer_names, "target": {"model_type": cfg.model_type, "layers": cfg.num_layers,
+                                                              "experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
+                                                              "max_positions": cfg.max_position_embeddings},
+            "block_size": block, "prompt_tokens": length, "new_tokens": n_new,
+            "grid": grid, "needle_calibration": needle, "needles": needle_rows, "offloaded": offloaded,
             "resident": [{k: v for k, v in r.items() if k != "tokens"} for r in resident],
             "speculation_speedup_full_prefill": spec_gain, "recommendation": rec}
 
 
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
 def markdown(r: dict) -> str:
     t = r["target"]
+    n = r["needle_calibration"]
     lines = [
         "# Hybrid sweep: expert budget x speculation x PFlash",
         "",
         f"`python benchmarks/hybrid_sweep.py --write-docs` on the shipped pair `{r['pair']}` ({t['model_type']}, "
-        f"{t['layers']} layers, {t['experts']} experts top-{t['top_k']}, draft block {r['block_size']}): held-out "
-        f"prompts of {r['prompt_tokens']} tokens, {r['new_tokens']} greedy tokens, scorer `{r['scorer']}`. CPU, a "
-        "shared machine: absolute times are this machine's (best of the repeats); compare rows of one run.",
+        f"{t['layers']} layers, {t['experts']} experts top-{t['top_k']}, {t['max_positions']} positions, DFlash "
+        f"block {r['block_size']}): held-out prompts of {r['prompt_tokens']} tokens (as long as the context allows "
+        f"with {r['new_tokens']} new tokens), {r['new_tokens']} greedy tokens, scorers "
+        f"{', '.join('`' + s + '`' for s in r['scorers'])}. CPU, a shared machine: absolute times are this machine's "
+        "(best of the repeats, every shape compiled before it is timed); compare rows of one run.",
         "",
         f"**Recommended configuration.** {r['recommendation']}",
         "",
-        "## Resident experts: quality and speed by keep ratio",
+    ]
+    if n is not None:
+        lines += [
+            "## Needle set: calibrated at keep 1",
+            "",
+            f"{n['cases']} prompts of {r['prompt_tokens']} held-out tokens, each with a 48-token passage of another "
+            "held-out file planted at 10-70% depth and ending with the passage's first 16 tokens again; the answer is "
+            f"the passage's next {n['answer_tokens']} tokens (exact match of the greedy continuation). Chance: the "
+            "same prompt with another passage planted (positions and query unchanged).",
+            "",
+            "| | exact match | answer tokens matched |",
+            "|---|---|---|",
+            f"| full prefill (keep 1) | {n['keep1_exact_match']:.2f} | {n['keep1_token_match']:.2f} |",
+            f"| passage swapped (chance) | {n['chance_exact_match']:.2f} | {n['chance_token_match']:.2f} |",
+            f"| passage right before the query (easiest) | {n['adjacent_exact_match']:.2f} | "
+            f"{n['adjacent_token_match']:.2f} |",
+            "",
+            ("The full prefill retrieves clearly above chance: the needle columns below rank the keep ratios."
+             if n["measurable"] else
+             "The full prefill does not retrieve above chance on this target, so the needle's exact match cannot rank "
+             "the keep ratios here; 'passage kept' (the fraction of the planted passage the selection kept) still "
+             "measures the scorer."),
+            "",
+        ]
+    lines += [
+        "## Resident experts: TTFT, decode and quality by keep ratio and scorer",
         "",
+        "TTFT = the scorer's pass over the whole prompt + the target's compressed prefill (with the first token). "
         "Agreement: fraction of the first greedy tokens equal to the full prefill's plain greedy output (and the "
-        "common prefix). Needle: exact match of a planted secret (and how often the selection kept its line). "
-        "TTFT includes the scorer's pass over the whole prompt.",
+        "common prefix). Needle columns: plain greedy, per keep ratio and scorer.",
         "",
-        "| keep | kept tokens | speculation | scorer ms | target prefill ms (vs full) | TTFT ms (vs full) | "
-        "decode tok/s | vs plain | tau | agreement | common prefix | needle EM | needle kept | DFlash = plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| keep | scorer | kept tokens | speculation | scorer ms | target prefill ms (vs full) | TTFT ms (vs full) | "
+        "decode tok/s | vs plain | tau | agreement | common prefix | needle EM | needle answer tokens | passage kept | "
+        "DFlash = plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in r["grid"]:
-        em = "-" if g["needle_exact_match"] is None else f"{g['needle_exact_match']:.2f}"
-        nk = "-" if g["needle_kept"] is None else f"{g['needle_kept']:.2f}"
         lines.append(
-            f"| {g['keep']} | {g['kept_tokens']:.0f} | {'DFlash' if g['speculation'] else 'plain'} | "
+            f"| {g['keep']} | {g['scorer']} | {g['kept_tokens']:.0f} | {'DFlash' if g['speculation'] else 'plain'} | "
             f"{g['score_ms']:.1f} | {g['prefill_ms']:.1f} ({g['prefill_vs_full']:.2f}) | {g['ttft_ms']:.1f} "
             f"({g['ttft_vs_full']:.2f}) | {g['decode_tokens_per_s']:.1f} | "
             f"{g['decode_vs_plain']:.2f} | {g['acceptance']:.2f} | {g['agreement']:.2f} | {g['common_prefix']:.1f} | "
-            f"{em} | {nk} | {'yes' if g['lossless_vs_plain_same_keep'] else 'NO'} |")
+            f"{_f(g['needle_exact_match'])} | {_f(g['needle_token_match'])} | {_f(g['needle_kept'])} | "
+            f"{'yes' if g['lossless_vs_plain_same_keep'] else 'NO'} |")
     if r["offloaded"]:
         lines += [
             "",
@@ -338,14 +508,15 @@ def markdown(r: dict) -> str:
             "the prompt; prefill routed: the experts the (kept) prompt tokens route to, the least an on-demand prefill "
             "would move. Decode MB: host -> device expert bytes of all rounds.",
             "",
-            "| budget (of all experts) | MB | speculation | keep | kept | TTFT ms | decode tok/s | tau | prefill "
-            "streamed MB | prefill routed MB | decode MB | MB/token | = resident |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| budget (of all experts) | MB | speculation | keep | scorer | kept | scorer ms | prefill ms | TTFT ms | "
+            "decode tok/s | tau | prefill streamed MB | prefill routed MB | decode MB | MB/token | = resident |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for o in r["offloaded"]:
             lines.append(
                 f"| {o['budget_fraction']:.2f} | {o['budget_mb']:.3f} | {'DFlash' if o['speculation'] else 'plain'} | "
-                f"{o['keep']} | {o['kept_tokens']} | {o['ttft_s'] * 1e3:.1f} | {o['decode_tokens_per_s']:.1f} | "
+                f"{o['keep']} | {o['scorer']} | {o['kept_tokens']} | {o['score_s'] * 1e3:.1f} | "
+                f"{o['prefill_s'] * 1e3:.1f} | {o['ttft_s'] * 1e3:.1f} | {o['decode_tokens_per_s']:.1f} | "
                 f"{o['acceptance']:.2f} | {o['prefill_streamed_mb']:.3f} | {o['prefill_routed_mb']:.3f} | "
                 f"{o['decode_mb_moved']:.3f} | {o['decode_mb_per_token']:.4f} | "
                 f"{'yes' if o['lossless_vs_resident'] else 'NO'} |")
@@ -361,25 +532,29 @@ def plot(r: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for spec, style in ((False, "o--"), (True, "s-")):
-        rows = [g for g in r["grid"] if g["speculation"] == spec]
-        label = "DFlash" if spec else "plain"
-        a.plot([g["keep"] for g in rows], [g["agreement"] for g in rows], style, label=f"agreement ({label})")
-        b.plot([g["keep"] for g in rows], [g["ttft_ms"] for g in rows], style, label=f"TTFT ({label})")
-    rows = [g for g in r["grid"] if g["speculation"]]
-    if rows[0]["needle_kept"] is not None:
-        a.plot([g["keep"] for g in rows], [g["needle_kept"] for g in rows], "^:", label="needle line kept")
-        a.plot([g["keep"] for g in rows], [g["needle_exact_match"] for g in rows], "v:", label="needle exact match")
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.4))
+    full = next(g for g in r["grid"] if g["keep"] == 1.0 and not g["speculation"])
+    for si, scorer in enumerate(r["scorers"]):
+        rows = [full] + [g for g in r["grid"] if g["scorer"] == scorer and not g["speculation"]]
+        keeps = [g["keep"] for g in rows]
+        a.plot(keeps, [g["agreement"] for g in rows], "o-", color=f"C{si}", label=f"agreement ({scorer})")
+        if rows[-1]["needle_kept"] is not None:
+            a.plot(keeps, [g["needle_kept"] for g in rows], "^:", color=f"C{si}", label=f"passage kept ({scorer})")
+            a.plot(keeps, [g["needle_exact_match"] for g in rows], "v--", color=f"C{si}", alpha=0.6,
+                   label=f"needle exact match ({scorer})")
+        b.plot(keeps, [g["ttft_ms"] for g in rows], "o-", color=f"C{si}", label=f"TTFT, scorer {scorer}")
+    rows = [full] + [g for g in r["grid"] if g["scorer"] == r["scorers"][0] and not g["speculation"]]
+    b.plot([g["keep"] for g in rows], [g["prefill_ms"] for g in rows], "s--", color="gray",
+           label="target prefill alone")
     a.set_xlabel("PFlash keep ratio")
     a.set_ylabel("vs the full prefill")
     a.set_ylim(-0.05, 1.05)
-    a.legend(fontsize="small")
+    a.legend(fontsize="x-small")
     b.set_xlabel("PFlash keep ratio")
-    b.set_ylabel("time to first token (ms, scorer included)")
+    b.set_ylabel("time to first token (ms, plain)")
     b.set_ylim(bottom=0)
-    b.legend(fontsize="small")
-    for spec, keep, style in ((False, 1.0, "o--"), (True, 1.0, "s-"), (True, 0.25, "s:")):
+    b.legend(fontsize="x-small")
+    for spec, keep, style in ((False, 1.0, "o--"), (True, 1.0, "s-"), (False, 0.25, "o:"), (True, 0.25, "s:")):
         rows = [o for o in r["offloaded"] if o["speculation"] == spec and o["keep"] == keep]
         if rows:
             c.plot([o["budget_fraction"] for o in rows], [o["decode_tokens_per_s"] for o in rows], style,
@@ -387,7 +562,7 @@ def plot(r: dict, path: str) -> bool:
     c.set_xlabel("expert cache budget (fraction of all expert bytes)")
     c.set_ylabel("decode tokens/s (offloaded)")
     c.set_ylim(bottom=0)
-    c.legend(fontsize="small")
+    c.legend(fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
