@@ -5,22 +5,25 @@ the experts, DFlash vs the same engine without speculation (block size 1), at co
                                      [--cache-fraction 0.5] [--block-size B] [--byte-budgets cache,none]
                                      [--repeats 2] [--slots 4] [--out DIR | --write-docs]
 
-One `serve.offload_engine.OffloadedEngine` per mode (DFlash at the draft's block size, and B=1), `--slots` slots, an
-expert cache of `--cache-fraction` of all routed experts, the prefetch driven by the scheduler's demand (the
-admitted rows' projected experts); both warmed up first (compiles excluded, and counted while measuring). Each
-engine runs under each scheduler byte budget of `--byte-budgets`: `cache` (the default of offloaded serving:
-the admitted rows' projected union must fit in the cache) and `none` (every live row verifies every round). At concurrency c, `--requests` greedy requests (prompts:
-token windows of the pair's held-out standard-library files, `stop_ids=[]` so every mode produces exactly the
-same tokens, which is checked) are fed so that c are in flight at a time; the engine is driven in this
-process (no HTTP: `benchmarks/serve.py` measures the server). The cache starts empty at every point. The
-modes alternate for `--repeats` runs (order reversed every other run); the speedup is the median of the
-per-run ratios of tokens/s to B=1 under the same byte budget in the same run.
+One `serve.offload_engine.OffloadedEngine` per block size (DFlash at the draft's block size, and B=1), `--slots`
+slots, an expert cache of `--cache-fraction` of all routed experts, the prefetch driven by the scheduler's
+demand (the admitted rows' projected experts); both warmed up first (compiles excluded, and counted while
+measuring). Each engine runs under each scheduler byte budget of `--byte-budgets`: `cache` (the offloaded
+default: a round may move at most the cache's bytes, priced as the admitted rows' projected experts not
+resident in the cache) and `none` (unlimited: every live row verifies every round); `cache-all` prices the
+whole projected union against the cache's bytes (`byte_cost="all"`). At concurrency c,
+`--requests` greedy requests (prompts: token windows of the pair's held-out standard-library files,
+`stop_ids=[]` so every mode produces exactly the same tokens, which is checked) are fed so that c are in
+flight at a time; the engine is driven in this process (no HTTP: `benchmarks/serve.py` measures the server).
+The cache starts empty at every point. The modes alternate for `--repeats` runs (order reversed every other
+run); the speedup is the median of the per-run ratios of tokens/s to B=1 under the same byte budget in the
+same run.
 
 Measured per point: output tokens/s, rounds, tokens per verify, expert MB moved host -> device per round
 (prefetch + on demand) and per generated token, the hit rate (routed (layer, expert) pairs resident when their
 layer ran), the prediction's coverage (routed pairs the admitted rows' projection had prefetched), MB
 streamed by prefills. Bounded: repeats x modes x concurrency levels x --requests requests of --max-tokens
-tokens (about 3 minutes with the defaults on two shared CPU cores). Writes serve_offload.{json,md} to --out
+tokens (about 5 minutes with the defaults on two busy shared CPU cores). Writes serve_offload.{json,md} to --out
 (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
 
@@ -85,7 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-fraction", type=float, default=0.5, help="expert cache size / all routed experts' bytes")
     p.add_argument("--block-size", type=int, default=None, help="DFlash's block size (default: the draft's)")
     p.add_argument("--byte-budgets", default="cache,none",
-                   help="scheduler byte budgets to run: cache (the cache's bytes) and / or none (unlimited)")
+                   help="scheduler byte budgets to run: cache (a round moves at most the cache's bytes), none "
+                        "(unlimited), cache-all (the whole projected union priced against the cache's bytes)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--slots", type=int, default=4)
     add_output_args(p)
@@ -97,8 +101,8 @@ def main(argv=None) -> int:
     if not 0 < args.cache_fraction <= 1:
         p.error("--cache-fraction must be in (0, 1]")
     budgets = [b.strip() for b in args.byte_budgets.split(",") if b.strip()]
-    if not budgets or set(budgets) - {"cache", "none"}:
-        p.error("--byte-budgets must list cache and / or none")
+    if not budgets or set(budgets) - {"cache", "none", "cache-all"}:
+        p.error("--byte-budgets must list cache, none and / or cache-all")
 
     import dflash_jax
     from dflash_jax import compile_cache
@@ -129,7 +133,8 @@ def main(argv=None) -> int:
                 got, toks = {}, {}
                 for b in order:
                     eng = engines[b]
-                    eng.budgets = sched.Budgets(tokens=None, expert_bytes=eng.pool.bytes if bb == "cache" else None)
+                    eng.budgets = sched.Budgets(tokens=None, expert_bytes=None if bb == "none" else eng.pool.bytes)
+                    eng.byte_cost = "all" if bb == "cache-all" else "missing"
                     got[b], toks[b] = run_point(eng, prompts, args.max_tokens, c)
                     got[b].update(repeat=rep, byte_budget=bb)
                     rows.append(got[b])
@@ -167,8 +172,9 @@ def main(argv=None) -> int:
         f"`python benchmarks/serve_offload.py` ({result['machine']}, {total:.0f} s). The shipped pair, "
         f"`OffloadedEngine` with {args.slots} slots, an expert cache of {result['cache_bytes'] / 1e6:.3f} MB of "
         f"{store.total_bytes / 1e6:.3f} MB routed experts (--cache-fraction {args.cache_fraction}), the prefetch "
-        f"driven by the scheduler's demand; scheduler byte budget `cache` (the cache's bytes, the offloaded default) "
-        f"or `none` (unlimited: every live row verifies); {args.requests} greedy requests per point "
+        "driven by the scheduler's demand; scheduler byte budget `cache` (the offloaded default: a round moves at "
+        "most the cache's bytes, priced as the admitted rows' projected experts not in the cache) or `none` "
+        f"(unlimited: every live row verifies); {args.requests} greedy requests per point "
         f"({args.prompt_len}-token prompts from held-out stdlib files, {args.max_tokens} tokens each, c in flight), "
         f"engine driven in-process (no HTTP), cache emptied before every point. Medians over {args.repeats} runs, "
         "the modes alternating; vs B=1: the median of the per-run ratios to B=1 under the same byte budget. Every "

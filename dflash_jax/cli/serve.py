@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep the target's routed experts in host memory: the admitted rows' projected experts are "
                           "prefetched into the device cache before each verify; lossless (same tokens)")
     off.add_argument("--expert-budget-mb", type=float, default=None,
-                     help="device memory for the expert cache in MB (1e6 bytes), shared by every MoE layer and request; "
-                          "any value from one expert up runs; required with --offload. The scheduler's byte budget "
-                          "(--round-expert-mb) defaults to it")
+                     help="device memory for the expert cache in MB (1e6 bytes), shared by every MoE layer and "
+                          "request; any value from one expert up runs; required with --offload. The scheduler's byte "
+                          "budget (--round-expert-mb: bytes a round may move, its projected experts not in the cache) "
+                          "defaults to it")
     off.add_argument("--pin-experts", default="auto",
                      help="auto: pin the first prompts' hottest experts in what one round's routed union leaves; none; "
                           "or N: at most N pinned (layer, expert) pairs")

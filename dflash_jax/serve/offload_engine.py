@@ -10,8 +10,12 @@ target's routed experts in a host store (`offload.store.HostExpertStore`) and ON
      the device for that layer only (`offload.forward.forward_layerwise`, as `OffloadedGenerator.prefill`);
   2. the draft of every live slot, and each row's projected expert set [L, E] (the draft-router projection
      of `engine._draft`): the scheduler's per-row expert demand;
-  3. the scheduler (`scheduler.schedule`) admits verifies under the budgets; the expert-byte budget defaults
-     to the cache's bytes, so the union of the admitted rows' projected experts fits in the cache;
+  3. the scheduler (`scheduler.schedule`) admits verifies under the budgets. With byte_cost="missing" (the
+     default) a round's byte cost is the bytes of the admitted rows' projected union that are NOT resident in
+     the cache (what the prefetch has to move), and the byte budget defaults to the cache's bytes: a round
+     moves at most a cache's worth, rows whose experts are resident are cheap, and a row whose experts were
+     evicted waits its turn (the deficit rule and its wait bound are unchanged). byte_cost="all" prices the
+     whole union, as the resident engine does;
   4. prefetch: that union (and only that: rows that sit the round out move nothing), each layer's experts
      ranked by how many admitted rows project them, is put into the cache before the verify is dispatched
      (`ExpertCache.prefetch`: best effort, never evicting a pinned or held expert nor what the previous
@@ -80,6 +84,7 @@ class OffloadRound:
     requested: dict = dataclasses.field(default_factory=dict)  # {MoE layer: expert ids prefetch was asked for}
     row_demand: dict = dataclasses.field(default_factory=dict)  # {slot: bool [L, E]} every live row's projection
     resident_bytes: int = 0  # the cache's resident bytes after the round
+    priced_bytes: float = 0.0  # the round's byte cost to the scheduler (byte_cost="missing": the union not resident)
 
     @property
     def moved_bytes(self) -> int:
@@ -134,21 +139,25 @@ class OffloadedEngine(Engine):
     pin: False (the default): nothing pinned, the cache is LRFU over every request's experts; True or a count:
       at the first admission, pin the hottest (layer, expert) pairs of those prompts' prefill in what one
       round's routed union leaves (`placement.plan_shared`, as `OffloadedGenerator`).
-    expert_byte_budget: the scheduler's per-round byte budget; "cache" (the default): the cache's bytes, so the
-      admitted rows' projected union fits in the cache; None: unlimited; a number: those bytes.
+    expert_byte_budget: the scheduler's per-round byte budget; "cache" (the default): the cache's bytes; None:
+      unlimited; a number: those bytes. byte_cost: what the budget counts, "missing" (the default): the bytes
+      of the admitted rows' projected union not resident in the cache (to move), or "all": the union's bytes.
     hybrid: an `offload.HostCompute`: missing experts the cost model prefers to compute on the host are.
     transfer: the cache's copies ("device_put": host rows put on the device ahead of the verify; "pull_rows").
     store: a `HostExpertStore` of `pair.target` to reuse. bandwidth: host->device bytes/s (default: probed).
     Every other keyword is `Engine`'s (no `mesh`: offloaded serving runs on one device)."""
 
     def __init__(self, pair, *, budget_bytes: int, predictor: str = "draft_router", pin=False,
-                 expert_byte_budget="cache", hybrid=None, transfer: str = "device_put", crf_lambda: float = 0.5,
-                 store=None, bandwidth: float | None = None, poison: bool = False, **engine_kwargs):
+                 expert_byte_budget="cache", byte_cost: str = "missing", hybrid=None, transfer: str = "device_put",
+                 crf_lambda: float = 0.5, store=None, bandwidth: float | None = None, poison: bool = False,
+                 **engine_kwargs):
         if engine_kwargs.get("mesh") is not None:
             raise ValueError("the offloaded engine runs on one device: drop mesh (or serve resident on the mesh)")
         if predictor not in PREDICTORS:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)} for serving (the prefetch follows the "
                              f"scheduler's demand, the draft-router projection), got {predictor!r}")
+        if byte_cost not in ("missing", "all"):
+            raise ValueError(f"byte_cost must be 'missing' or 'all', got {byte_cost!r}")
         if not getattr(pair.target_cfg, "is_moe", False):
             raise ValueError("offloaded serving needs an MoE target (this target has no routed experts)")
         # what a request does not change: the host store, the stripped target, the provider pieces (budget checked)
@@ -156,7 +165,7 @@ class OffloadedEngine(Engine):
                                       hybrid=hybrid, store=store, bandwidth=bandwidth, verify="layerwise")
         self.store = self.gen.store
         self.budget_bytes = int(budget_bytes)
-        self.predictor, self.pin, self.transfer = predictor, pin, transfer
+        self.predictor, self.pin, self.transfer, self.byte_cost = predictor, pin, transfer, byte_cost
         self.crf_lambda, self.poison = crf_lambda, poison
         self.pool = self._new_cache({})
         byte_budget = self.pool.bytes if isinstance(expert_byte_budget, str) and expert_byte_budget == "cache" \
@@ -335,6 +344,10 @@ class OffloadedEngine(Engine):
         expert passes when the cache is small) is compiled too. The cache starts empty afterwards."""
         t0 = time.perf_counter()
         super().warmup(prompt_buckets)
+        layer, n = self.moe_layers[0], 1
+        while n <= min(self.store.num_experts, self.pool.capacity(layer)):  # every copy size into the cache
+            self._new_cache({}).fetch(layer, np.arange(n))
+            n *= 2
         everyone = np.ones(self.slots, bool)  # free rows are done: a verify commits nothing to them
         for _ in range(2):
             for w in self.widths:
@@ -392,7 +405,10 @@ class OffloadedEngine(Engine):
         demand = np.asarray(demand)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
-        decision = sched.schedule(demands, self.sched_state, self.budgets, self.expert_bytes)
+        cost = self.expert_bytes
+        if self.byte_cost == "missing":  # resident experts move nothing
+            cost = np.where(np.stack([self.pool.resident(l) for l in self.moe_layers]), 0.0, cost)
+        decision = sched.schedule(demands, self.sched_state, self.budgets, cost)
         self.sched_state = decision.state
         slot_of = {self.requests[s].id: s for s in live}
         active = np.zeros(self.slots, bool)
@@ -400,9 +416,12 @@ class OffloadedEngine(Engine):
             active[slot_of[key]] = True
         for key in decision.waiting:
             self.requests[slot_of[key]].rounds_waited += 1
-        info.verified, info.verify_tokens, info.expert_bytes = int(active.sum()), decision.tokens, decision.expert_bytes
+        union = demand[active].any(axis=0)
+        info.verified, info.verify_tokens = int(active.sum()), decision.tokens
+        info.expert_bytes = float(self.expert_bytes[union].sum())  # the union's bytes (as Engine reports them)
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
         rec.row_demand = {s: demand[s] for s in live}
+        rec.priced_bytes = decision.expert_bytes
         before = np.asarray(self.state.num_generated)
         t_device = time.perf_counter()
         asked = self._prefetch(demand, active, rec)

@@ -78,8 +78,9 @@ def test_prefetch_is_the_admitted_rows_union_and_stats_are_visible(served):
         union = np.logical_or.reduce([rec.row_demand[s] for s in admitted])  # [L, E]
         for j, layer in enumerate(engine.moe_layers):
             assert sorted(rec.requested[layer].tolist()) == np.flatnonzero(union[j]).tolist()
-        # the scheduler's byte cost is that union's bytes, and the byte budget is the cache
+        # RoundInfo.expert_bytes is that union's bytes; the scheduler priced the part not in the cache
         assert info.expert_bytes == pytest.approx(float(engine.expert_bytes[union].sum()))
+        assert 0 <= rec.priced_bytes <= info.expert_bytes + 1e-6  # priced: the part not resident in the cache
         everyone = np.logical_or.reduce(list(rec.row_demand.values()))
         sat_out += int((everyone & ~union).any())  # a row sat out: its experts were not prefetched
         assert rec.predicted == int(union.sum()) and rec.used > 0
@@ -93,6 +94,27 @@ def test_prefetch_is_the_admitted_rows_union_and_stats_are_visible(served):
                  'dflash_offload_expert_lookups_total{result="miss"}', 'dflash_offload_experts_total{set="covered"}'):
         line = next(line for line in metrics.splitlines() if line.startswith(name))
         assert float(line.split()[-1]) > 0, line
+
+
+def test_server_metrics_show_the_offload(served):
+    """`dflash-serve --offload` wiring: the server's /metrics registry gets the offload metrics."""
+    pytest.importorskip("fastapi")
+    from dflash_jax.serve.offload_engine import attach_server_metrics
+    from dflash_jax.serve.server import create_app
+
+    engine = served[0]
+    before = list(engine.observers)
+    try:
+        create_app(engine)
+        server = engine.observers[-1].__self__
+        assert attach_server_metrics(engine) == 1
+        serve_generate(engine, [PROMPTS[0]], max_new_tokens=6, stop_ids=[])
+        text = server.metrics.render()[0].decode()
+    finally:
+        engine.observers[:] = before
+    moved = [line for line in text.splitlines() if line.startswith("dflash_offload_round_bytes_moved_count")]
+    assert moved and float(moved[0].split()[-1]) > 0
+    assert "dflash_offload_cache_bytes" in text and "dflash_acceptance_length" in text
 
 
 def test_offload_engine_errors(pair):
