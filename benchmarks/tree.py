@@ -42,15 +42,26 @@ def log(msg: str) -> None:
     print(f"[tree] {msg}", file=sys.stderr, flush=True)
 
 
-def interleaved(runs: dict, repeats: int, what: str = "") -> dict:
-    """{name: fastest seconds} over `repeats` rounds of one run of each (compiled) function."""
+def interleaved(runs: dict, repeats: int, what: str = "", alternate: bool = False) -> dict:
+    """{name: fastest seconds} over `repeats` rounds of one run of each (compiled) function; `alternate`: the
+    order reversed every other round (A B, B A, ...), so that neither runs first in every round."""
     best = {}
     for r in range(repeats):
-        for name, fn in runs.items():
+        order = list(runs.items())
+        for name, fn in (order[::-1] if alternate and r % 2 else order):
             seconds = fn().stats["seconds"]
             best[name] = min(best.get(name, seconds), seconds)
         log(f"{what}timing repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.items()))
     return best
+
+
+RANGE = (0.5, 2.0)  # the adaptive policy's calibration range (AdaptivePolicy.calibration_range)
+
+
+def label(shape) -> str:
+    if shape.is_chain:
+        return shape.label()
+    return f"{shape.label()} K={shape.branch}" + (" cal" if shape.calibration is not None else "")
 
 
 def taus(result) -> float:
@@ -82,22 +93,23 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
-def resident(args, pair, shapes, calib_prompts, sets):
+def resident(args, pair, shapes, calib_prompts, sets, policy_shapes):
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate
-    from dflash_jax.spec.tree import (
-        AdaptivePolicy, VerifyCost, generate_tree, generate_tree_stepping, measure_round_seconds,
-    )
+    from dflash_jax.spec.tree import AdaptivePolicy, VerifyCost, calibrate_policy, generate_tree, generate_tree_stepping
 
     n = args.max_new
     t0 = time.perf_counter()
-    measured = measure_round_seconds(pair, calib_prompts, [s for _, s in shapes], max_new_tokens=n,
-                                     repeats=args.repeats)
-    log("warm-up measured per round: " + ", ".join(f"{c * 1e3:.1f} ms" for c in measured.seconds))
-    cost = VerifyCost.fit([s for _, s in shapes], measured.seconds)
-    policy = AdaptivePolicy(tuple(s for _, s in shapes), cost)
-    log("warm-up cost per round: " + ", ".join(f"{s.label()} {c * 1e3:.1f} ms" for (_, s), c in
-                                              zip(shapes, cost.seconds)) + f" ({time.perf_counter() - t0:.0f} s)")
+    parts = [calibrate_policy(pair, batch, policy_shapes, max_new_tokens=n, repeats=args.repeats,
+                              calibration_range=RANGE, log=log) for batch in calib_prompts]
+    # over the calibration batches: the fastest seconds per round, the mean tokens per round
+    policy = AdaptivePolicy(tuple(policy_shapes), VerifyCost(tuple(np.min([p.cost.seconds for p in parts], axis=0))),
+                            taus=tuple(float(t) for t in np.mean([p.taus for p in parts], axis=0)),
+                            calibration_range=RANGE)
+    cost = policy.cost
+    log("calibration: " + ", ".join(f"{label(s)} {c * 1e3:.1f} ms/round tau {t:.2f}" for s, c, t in
+                                    zip(policy_shapes, cost.seconds, policy.taus))
+        + f"; reachable {[label(policy.shapes[i]) for i in policy.reachable()]} ({time.perf_counter() - t0:.0f} s)")
     rows, summary = [], {}
     for si, (name, prompts) in enumerate(sets):
         plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
@@ -106,14 +118,15 @@ def resident(args, pair, shapes, calib_prompts, sets):
             if kind == "chain":
                 return lambda: generate(pair, prompts, max_new_tokens=n, block_size=shape.budget)
             return lambda: generate_tree(pair, prompts, max_new_tokens=n, tree_budget=shape.budget,
-                                         branch=shape.branch, temperature=shape.temperature)
+                                         branch=shape.branch, temperature=shape.temperature,
+                                         calibration=shape.calibration)
 
         runs, set_rows = {}, []
         for kind, shape in shapes:
             t0 = time.perf_counter()
-            runs[shape.label()] = runner(kind, shape)
-            res = runs[shape.label()]()
-            assert res.tokens == plain, f"{shape.label()}: output differs from plain greedy"
+            runs[label(shape)] = runner(kind, shape)
+            res = runs[label(shape)]()
+            assert res.tokens == plain, f"{label(shape)}: output differs from plain greedy"
             union = off = None
             if si == 0:
                 stepped, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=n, shape=shape)
@@ -121,11 +134,12 @@ def resident(args, pair, shapes, calib_prompts, sets):
                 live = np.concatenate([r["live"] for r in rounds])
                 union = round(float(np.concatenate([r["expert_union"] for r in rounds])[live].mean()), 2)
                 off = round(float(np.concatenate([r["off_chain"] for r in rounds])[live].mean()), 3)
-            set_rows.append(dict(set=name, kind=kind, shape=shape.label(), budget=shape.budget, branch=shape.branch,
+            set_rows.append(dict(set=name, kind=kind, shape=label(shape), budget=shape.budget, branch=shape.branch,
+                                 calibrated=shape.calibration is not None,
                                  tokens_per_round=round(taus(res), 3), expert_union_per_round=union,
                                  off_chain_rounds=off, tokens=sum(len(t) for t in res.tokens),
                                  rounds=int(res.stats["rounds"])))
-            log(f"[{name}] {shape.label():>14}: tau {set_rows[-1]['tokens_per_round']:.2f} "
+            log(f"[{name}] {label(shape):>14}: tau {set_rows[-1]['tokens_per_round']:.2f} "
                 f"({time.perf_counter() - t0:.0f} s)")
         best = interleaved(runs, args.repeats, f"[{name}] ")
         for r in set_rows:
@@ -135,8 +149,9 @@ def resident(args, pair, shapes, calib_prompts, sets):
         adaptive = lambda prompts=prompts: generate_tree(pair, prompts, max_new_tokens=n, adaptive=policy)  # noqa: E731
         res = adaptive()
         assert res.tokens == plain, "adaptive: output differs from plain greedy"
-        paired = interleaved({"adaptive": adaptive, fastest["shape"]: runs[fastest["shape"]]}, args.repeats,
-                             f"[{name}] paired ")
+        paired = interleaved({"adaptive": adaptive, fastest["shape"]: runs[fastest["shape"]],
+                              "control": runs[fastest["shape"]]}, args.paired_repeats, f"[{name}] paired ",
+                             alternate=True)
         chosen = res.stats["adaptive_rounds"]
         tokens = sum(len(t) for t in res.tokens)
         set_rows.append(dict(set=name, kind="adaptive", shape="adaptive", budget=None, branch=None,
@@ -154,10 +169,11 @@ def resident(args, pair, shapes, calib_prompts, sets):
             tree_budget_le_32_over_best_chain=round(at32["tokens_per_round"] / best_chain["tokens_per_round"], 3),
             fastest_fixed=fastest["shape"],
             adaptive_over_fastest_fixed_tokens_per_second=round(paired[fastest["shape"]] / paired["adaptive"], 3),
+            control_over_fastest_fixed=round(paired[fastest["shape"]] / paired["control"], 3),
             adaptive_rounds=chosen)
         log(f"[{name}] adaptive: tau {set_rows[-1]['tokens_per_round']:.2f}, {summary[name]}")
         rows += set_rows
-    return rows, summary, cost
+    return rows, summary, policy
 
 
 def offloaded(args, label, pair, prompts, calib, shapes, fraction):
@@ -178,13 +194,19 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
         return OffloadedGenerator(pair, budget_bytes=budget, store=store, prefetcher="draft_router", tree=shape)
 
     gens = {s.label(): gen(s) for s in shapes}
-    per_round = []
-    for s in shapes:  # calibration prompts: compile + seconds per round
-        res = gens[s.label()].generate(calib, max_new_tokens=n)
-        res = gens[s.label()].generate(calib, max_new_tokens=n)
-        per_round.append((res.stats["time_split"]["draft_s"] + res.stats["time_split"]["verify_s"]
-                          + res.stats["time_split"]["host_s"]) / max(1, res.stats["rounds"]))
-    policy = AdaptivePolicy(tuple(shapes), VerifyCost.fit(shapes, per_round))
+    per_round, cal_taus = [float("inf")] * len(shapes), []
+    for i, s in enumerate(shapes):  # calibration prompts: compile, then tokens and seconds per round (best of 2)
+        for _ in range(3):
+            res = gens[s.label()].generate(calib, max_new_tokens=n)
+            split = res.stats["time_split"]
+            per_round[i] = min(per_round[i], (split["draft_s"] + split["verify_s"] + split["host_s"])
+                               / max(1, res.stats["rounds"]))
+        cal_taus.append(taus(res))
+    policy = AdaptivePolicy(tuple(shapes), VerifyCost(tuple(per_round)), taus=tuple(cal_taus),
+                            calibration_range=RANGE)
+    log(f"[{label}] calibration: " + ", ".join(f"{s.label()} {c * 1e3:.1f} ms/round tau {t:.2f}"
+                                               for s, c, t in zip(shapes, per_round, cal_taus))
+        + f"; reachable {[shapes[i].label() for i in policy.reachable()]}")
     gens["adaptive"] = gen(policy)
     runs, rows = {}, []
     for name, g in gens.items():
@@ -202,15 +224,21 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
     fixed_runs = {k: v for k, v in runs.items() if k != "adaptive"}
     best = interleaved(fixed_runs, 2, f"[{label}] ")
     fastest = min(best, key=lambda k: best[k] / next(r["tokens"] for r in rows if r["shape"] == k))
-    paired = interleaved({"adaptive": runs["adaptive"], fastest: runs[fastest]}, args.offload_repeats,
-                         f"[{label}] paired ")
+    control = gen(next(s for s in shapes if s.label() == fastest))  # the fastest fixed shape again
+    control.generate(prompts, max_new_tokens=n)
+    paired = interleaved({"adaptive": runs["adaptive"], fastest: runs[fastest],
+                          "control": lambda: control.generate(prompts, max_new_tokens=n)}, args.offload_repeats,
+                         f"[{label}] paired ", alternate=True)
     best["adaptive"] = paired["adaptive"]
     best[fastest] = min(best[fastest], paired[fastest])
     for r in rows:
         r["seconds"] = round(best[r["shape"]], 4)
         r["tokens_per_second"] = round(r["tokens"] / best[r["shape"]], 1)
     summary = dict(fastest_fixed=fastest, cost_per_round_s=[round(c, 4) for c in per_round],
+                   calibration_taus=[round(t, 3) for t in cal_taus],
+                   reachable=[shapes[i].label() for i in policy.reachable()],
                    adaptive_over_fastest_fixed_tokens_per_second=round(paired[fastest] / paired["adaptive"], 3),
+                   control_over_fastest_fixed=round(paired[fastest] / paired["control"], 3),
                    budget_bytes=budget, expert_bytes_all=store.total_bytes)
     log(f"[{label}] {summary}")
     return rows, summary
@@ -225,12 +253,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--chains", default="4,8,16")
     p.add_argument("--trees", default="8,16,32")
-    p.add_argument("--branch", type=int, default=None, help="candidates per node (default spec.tree's)")
+    p.add_argument("--branch", type=int, default=8, help="candidates per node of the calibrated trees")
+    p.add_argument("--calib-seeds", default="7,11,13,17",
+                   help="training-split prompt sets (seeds) the tree build's acceptance model is fitted on")
+    p.add_argument("--no-calibration", action="store_true", help="build trees from the draft's marginals")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-offload", action="store_true")
     p.add_argument("--offload-prompts", type=int, default=2)
     p.add_argument("--offload-new", type=int, default=32)
-    p.add_argument("--offload-repeats", type=int, default=4, help="paired repeats, adaptive vs the fastest fixed")
+    p.add_argument("--offload-repeats", type=int, default=6, help="paired repeats, adaptive vs the fastest fixed")
+    p.add_argument("--paired-repeats", type=int, default=6, help="resident paired repeats")
     p.add_argument("--keep-resident", action="store_true",
                    help="reuse the resident rows of the tree.json already in the output directory (offloaded only)")
     add_output_args(p)
@@ -241,21 +273,32 @@ def main(argv=None) -> int:
 
     import dflash_jax
     from dflash_jax import SHIPPED_PAIR, testing
-    from dflash_jax.spec.tree import DEFAULT_BRANCH, DEFAULT_TEMPERATURE, TreeShape
+    from dflash_jax.spec.tree import DEFAULT_TEMPERATURE, TreeShape, calibration_samples, fit_calibration
     from dflash_jax.train.data import file_windows
     from dflash_jax.train.tiny_pair import target_config
 
-    branch = args.branch or DEFAULT_BRANCH
+    branch = args.branch
     pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR)
     sets = []
     for item in args.sets.split(","):
         split, seed = item.split(":")
         sets.append((f"{split}:{seed}", file_windows(pair, split, args.prompts, args.prompt_len, int(seed))))
-    calib = file_windows(pair, "train", args.prompts, args.prompt_len, 7)
+    calib = [file_windows(pair, "train", args.prompts, args.prompt_len, seed) for seed in (7, 11)]
+    cal, cal_rows = None, 0
+    if not args.no_calibration:  # the build's acceptance model, fitted on training-split prompts only
+        t0 = time.perf_counter()
+        samples = np.concatenate([calibration_samples(pair, file_windows(pair, "train", args.prompts, args.prompt_len,
+                                                                         int(seed)), max_new_tokens=args.max_new)
+                                  for seed in args.calib_seeds.split(",")])
+        cal, cal_rows = fit_calibration(samples), len(samples)
+        log(f"tree calibration fitted on {cal_rows} candidates of train seeds {args.calib_seeds}: {cal.weights} "
+            f"({time.perf_counter() - t0:.0f} s)")
     shapes = ([("chain", TreeShape(int(b), 1)) for b in args.chains.split(",")]
-              + [("tree", TreeShape(int(t), branch)) for t in args.trees.split(",")])
+              + [("tree", TreeShape(int(t), branch, calibration=cal)) for t in args.trees.split(",")])
+    policy_shapes = [s for _, s in shapes]
+    shapes.append(("tree", TreeShape(max(int(t) for t in args.trees.split(",")), 4)))  # the plain build, reference
     log(f"sets {[s for s, _ in sets]} of {args.prompts} prompts x {args.prompt_len} tokens, {args.max_new} new; "
-        f"shapes {[s.label() for _, s in shapes]} (branch {branch}, draft temperature {DEFAULT_TEMPERATURE})")
+        f"shapes {[label(s) for _, s in shapes]} (draft temperature {DEFAULT_TEMPERATURE})")
     if args.keep_resident:
         with open(os.path.join(out_dir, "tree.json")) as fh:
             old = json.load(fh)
@@ -263,12 +306,15 @@ def main(argv=None) -> int:
         from dflash_jax.spec.tree import VerifyCost
 
         cost = VerifyCost(tuple(old["warmup_cost_s"]))
+        reach, res_taus = old.get("reachable", []), old.get("calibration_taus", [])
     else:
-        rows, summary, cost = resident(args, pair, shapes, calib, sets)
+        rows, summary, policy = resident(args, pair, shapes, calib, sets, policy_shapes)
+        cost, res_taus = policy.cost, list(policy.taus)
+        reach = [label(policy.shapes[i]) for i in policy.reachable()]
 
     off_rows, off_summary = [], {}
     if not args.no_offload:
-        oshapes = [TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, branch)]
+        oshapes = [TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 4)]
         ocal = file_windows(pair, "train", args.offload_prompts, args.prompt_len, 11)
         oprompts = sets[0][1][: args.offload_prompts]
         r, s = offloaded(args, "shipped pair, 4 of 8 experts", pair, oprompts, ocal, oshapes, 0.5)
@@ -286,6 +332,8 @@ def main(argv=None) -> int:
     result = dict(checkpoint=os.path.basename((args.checkpoint or SHIPPED_PAIR).rstrip("/")), prompts=args.prompts,
                   repeats=args.repeats, prompt_len=args.prompt_len, max_new=args.max_new, branch=branch,
                   temperature=DEFAULT_TEMPERATURE, warmup_cost_s=[round(c, 5) for c in cost.seconds],
+                  calibration_taus=[round(t, 3) for t in res_taus], reachable=reach, calibration_range=list(RANGE),
+                  tree_calibration=list(cal.weights) if cal else None, tree_calibration_rows=cal_rows,
                   platform=f"{platform.machine()} {jax.devices()[0].platform}, jax {jax.__version__}",
                   rows=rows, summary=summary, offloaded=off_rows, offloaded_summary=off_summary, lossless=True)
     with open(os.path.join(out_dir, "tree.json"), "w") as fh:
@@ -293,10 +341,13 @@ def main(argv=None) -> int:
     has_plot = plot(rows, os.path.join(out_dir, "tree.png"))
     md = ["# Chain vs tree verification vs the adaptive policy", "",
           f"`python benchmarks/tree.py --write-docs` - shipped pair; prompt sets of {args.prompts} stdlib windows of "
-          f"{args.prompt_len} tokens as one batch, {args.max_new} new tokens each, greedy; trees of {branch} "
-          f"candidates a node built at draft temperature {DEFAULT_TEMPERATURE}; {result['platform']}. Every "
-          "run's output equals the target's plain greedy output. Expert union: distinct experts per MoE layer "
-          "that one verify's rows route to (mean over layers and rounds; first set).", "",
+          f"{args.prompt_len} tokens as one batch, {args.max_new} new tokens each, greedy; trees `K=k cal`: k "
+          "candidates a node, built from the acceptance model (`spec.tree.TreeCalibration`) fitted on "
+          f"{cal_rows} candidates of training-split prompts (seeds {args.calib_seeds}, never the measured sets); "
+          "the tree without `cal` is the plain build (the draft's marginals, the earlier default); "
+          f"{result['platform']}. Every run's output equals the target's plain greedy output. Expert union: "
+          "distinct experts per MoE layer that one verify's rows route to (mean over layers and rounds; first "
+          "set).", "",
           "| set | shape | tokens / round | experts / layer / verify | off-chain rounds | tokens/s | rounds |",
           "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -309,19 +360,24 @@ def main(argv=None) -> int:
         md.append(f"- **{name}**: best tree ({s['best_tree']}) / best chain ({s['best_chain']}) tokens per round "
                   f"**{s['tree_over_best_chain_tokens_per_round']:.2f}x** (budget <= 32: "
                   f"{s['tree_budget_le_32_over_best_chain']:.2f}x); adaptive / fastest fixed ({s['fastest_fixed']}) "
-                  f"tokens/s, paired: **{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x**; rounds per "
+                  f"tokens/s, paired: **{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x** (control, the "
+                  f"fastest fixed against itself: {s['control_over_fastest_fixed']:.2f}x); rounds per "
                   f"shape {s['adaptive_rounds']}")
-    md += ["", "Adaptive costs (the fixed + per-row model fitted to seconds per round measured at warm-up on "
-           "training-split calibration prompts): "
-           + ", ".join(f"{lbl} {c * 1e3:.1f} ms" for lbl, c in zip([s.label() for _, s in shapes], cost.seconds))
-           + ". Tokens/s are CPU figures on a shared 2-core machine (fastest of the interleaved repeats; the "
-           "adaptive row's from its paired repeats with the fastest fixed shape).", ""]
+    md += ["", "Adaptive policy figures (`spec.tree.calibrate_policy`: each shape's fixed loop on two batches of "
+           "training-split calibration prompts (seeds 7, 11), seconds per round of the fastest of the interleaved "
+           f"repeats, and tokens per round (mean of the batches); calibration range {RANGE}): "
+           + ", ".join(f"{label(s)} {c * 1e3:.1f} ms, tau {t:.2f}" for s, c, t in
+                       zip(policy_shapes, cost.seconds, res_taus))
+           + f"; shapes it can choose (compiled, provisioned): {reach}. Tokens/s are CPU figures on a shared "
+           "2-core machine (fastest of the interleaved repeats; the adaptive row's from its paired repeats with "
+           "the fastest fixed shape).", ""]
     if off_rows:
         md += ["## Offloaded (experts in host memory, `draft_router` prefetch)", "",
                f"{args.offload_prompts} prompts, {args.offload_new} new tokens; seconds the fastest of 2 "
                f"interleaved runs of the fixed shapes, then {args.offload_repeats} paired runs of the adaptive "
-               "policy and the fastest fixed shape (the ratio below); the adaptive policy's costs are the model "
-               "fitted to the fixed shapes' offloaded seconds per round on calibration prompts.", "",
+               "policy and the fastest fixed shape (the ratio below); the adaptive policy's figures are the fixed "
+               "shapes' offloaded seconds per round (best of 3, transfers included) and tokens per round on "
+               f"calibration prompts, calibration range {RANGE}; it provisions only the shapes it can choose.", "",
                "| pair, cache | shape | tokens / round | expert MB moved / round | tokens/s | rounds chosen |",
                "|---|---|---|---|---|---|"]
         for r in off_rows:
@@ -331,7 +387,10 @@ def main(argv=None) -> int:
         md.append("")
         for name, s in off_summary.items():
             md.append(f"- **{name}**: adaptive / fastest fixed ({s['fastest_fixed']}) tokens/s "
-                      f"**{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x**")
+                      f"**{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x** (control, the fastest fixed "
+                      f"against a second generator of it: {s['control_over_fastest_fixed']:.2f}x); calibration "
+                      f"ms/round {[round(c * 1e3, 1) for c in s['cost_per_round_s']]}, tau {s['calibration_taus']}; "
+                      f"reachable {s['reachable']}")
         md.append("")
     if has_plot:
         md += ["![tree benchmark](tree.png)", ""]

@@ -39,7 +39,12 @@ The adaptive policy (`AdaptivePolicy`) picks, each round and before the draft, o
 (chains of B and trees of budget N, each a branch of one `lax.switch` running exactly that shape's round) by
 expected tokens per second: each shape's tokens per round (a prior or calibrated figures, scaled per sequence
 by the acceptance so far) over its cost (a `VerifyCost` per shape: measured at warm-up, or modelled from rows
-and expert bytes). Deterministic given the state.
+and expert bytes). Deterministic given the state. `calibrate_policy` measures both figures in the mode the
+policy runs in; a policy compiles and provisions only the shapes it can choose (`AdaptivePolicy.pruned`), and
+one reachable shape runs as that fixed shape.
+
+The build's node scores can come from a fitted acceptance model instead of the draft's marginals
+(`TreeCalibration`, fitted by `fit_calibration` on `calibration_samples` of training-split prompts).
 """
 
 from __future__ import annotations
@@ -531,10 +536,11 @@ class AdaptivePolicy:
     where tau_s is the shape's tokens per round (`taus`: calibrated, e.g. measured at warm-up; default the
     model-draft prior `prior_tokens_per_round`), seconds(s) its round time (`cost`; default 1 + budget / 16,
     compute-bound) and c the sequence's calibration: proposals accepted so far over the proposals the chosen
-    shapes' tau predicted, both decayed by `decay` per round (prior 1). The chosen shape's round is exactly the
-    fixed loop's (a chain drafts at its own B, a tree at the draft's block), one branch of a `lax.switch`:
-    the adaptive loop pays nothing per round that the fixed loop does not, beyond the choice itself.
-    Deterministic given the state (no clocks, no randomness)."""
+    shapes' tau predicted, both decayed by `decay` per round (prior 1), clipped to `calibration_range` when
+    given. The chosen shape's round is exactly the fixed loop's (a chain drafts at its own B, a tree at the
+    draft's block), one branch of a `lax.switch`. Only the shapes the policy can choose are compiled and
+    provisioned (`pruned`); one reachable shape runs as that fixed shape. `calibrate_policy` measures taus
+    and costs in the mode the policy runs in. Deterministic given the state (no clocks, no randomness)."""
 
     shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES
     cost: VerifyCost | None = None
