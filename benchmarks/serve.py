@@ -2,11 +2,14 @@
 speculation (block size 1), at concurrency 1, 4, 16, 32.
 
   python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 2] [--max-tokens 64]
-                             [--prompt-len 64] [--modes auto8,8,4] [--repeats 2] [--out DIR | --write-docs]
+                             [--prompt-len 64] [--modes auto8,4] [--repeats 3] [--slots 32]
+                             [--out DIR | --write-docs]
 
-For each concurrency c and each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by
-its cost model; a fixed block size N; and B=1): an engine of c slots is built and
-warmed up (compiles excluded) behind the OpenAI-compatible server on 127.0.0.1 (uvicorn, in this process);
+For each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by its cost model; a fixed
+block size N; and B=1) one engine of `--slots` slots (default: the largest concurrency; 0: an engine per
+concurrency with as many slots as clients) is built and warmed up (compiles excluded) behind the
+OpenAI-compatible server on 127.0.0.1 (uvicorn, in this process); it serves every concurrency, computing each
+round only for the row bucket (1, 2, 4, ..) that holds its live requests. At each concurrency c,
 c clients (asyncio + httpx, in a separate process, as real clients are) each send `--requests-per-client`
 streaming completions back to back, at least 8 requests per point (prompts: token windows of the pair's
 held-out standard-library files; greedy; `ignore_eos`, so every mode produces exactly the same tokens, which
@@ -111,15 +114,15 @@ def metric_sum(text: str, name: str) -> float:
 class Point:
     """One mode at one concurrency: a warmed engine behind a running server."""
 
-    def __init__(self, pair, tokenizer, mode, concurrency, prompt_len, max_tokens):
+    def __init__(self, pair, tokenizer, mode, slots, prompt_len, max_tokens):
         from dflash_jax.serve.engine import Engine
         from dflash_jax.serve.server import create_app
 
-        self.mode, self.concurrency = mode, concurrency
+        self.mode, self.slots = mode, slots
         adaptive = mode.startswith("auto")
         self.block_size = int(mode[4:] if adaptive else mode)
-        self.engine = Engine(pair, slots=concurrency, block_size=self.block_size, max_prompt_len=prompt_len,
-                             max_new_tokens=max_tokens, max_queue=4 * concurrency,
+        self.engine = Engine(pair, slots=slots, block_size=self.block_size, max_prompt_len=prompt_len,
+                             max_new_tokens=max_tokens, max_queue=4 * slots,
                              widths="auto" if adaptive else None)
         t = time.perf_counter()
         self.engine.warmup([prompt_len])
@@ -131,11 +134,14 @@ class Point:
 
         text = httpx.get(self.base + "/metrics").text
         names = ("dflash_rounds_total", "dflash_acceptance_length_count", "dflash_acceptance_length_sum",
-                 "dflash_round_expert_bytes_sum", "dflash_round_expert_bytes_count", "dflash_compile_events_total")
+                 "dflash_round_expert_bytes_sum", "dflash_round_expert_bytes_count", "dflash_compile_events_total",
+                 "dflash_round_seconds_sum")
         out = {n: metric_sum(text, n) for n in names}
         for line in text.splitlines():
             if line.startswith("dflash_round_width_total{"):
                 out["width " + line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+            if line.startswith("dflash_round_rows_total{"):
+                out["rows " + line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
         return out
 
     def close(self):
@@ -143,7 +149,7 @@ class Point:
         self.thread.join(60)
 
 
-def measure(point: Point, work, max_tokens) -> dict:
+def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
     """One load run on a point; the engine's counters are read before and after (deltas)."""
     before = point.metrics()
     records, wall = run_clients(point.base, work, max_tokens)
@@ -157,7 +163,8 @@ def measure(point: Point, work, max_tokens) -> dict:
             itl += [(b - a) / n] * n
     verified, count = m["dflash_acceptance_length_count"], m["dflash_round_expert_bytes_count"]
     return {
-        "mode": point.mode, "block_size": point.block_size, "concurrency": point.concurrency, "requests": len(records), "tokens": tokens,
+        "mode": point.mode, "block_size": point.block_size, "concurrency": concurrency, "slots": point.slots,
+        "requests": len(records), "tokens": tokens,
         "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
         "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 1), "ttft_ms_p99": round(1e3 * percentile(ttft, 99), 1),
         "itl_ms_p50": round(1e3 * percentile(itl, 50), 2), "itl_ms_p99": round(1e3 * percentile(itl, 99), 2),
@@ -167,7 +174,10 @@ def measure(point: Point, work, max_tokens) -> dict:
         "all_expert_mb": round(float(point.engine.expert_bytes.sum()) / 1e6, 4),
         "compiles_while_serving": int(m["dflash_compile_events_total"]), "warmup_s": round(point.warm_s, 1),
         "rounds_by_width": {k.split()[1]: int(v) for k, v in sorted(m.items()) if k.startswith("width ") and v},
-        "round_ms_by_width": {str(w): round(1e3 * t, 2) for w, t in (point.engine.round_seconds or {}).items()},
+        "rounds_by_rows": {k.split()[1]: int(v) for k, v in sorted(m.items()) if k.startswith("rows ") and v},
+        "engine_busy_s": round(m["dflash_round_seconds_sum"], 3),
+        "round_ms_by_width": {str(w): round(1e3 * t, 2) for w, t in
+                              point.engine.seconds_table(point.engine.row_bucket(range(concurrency))).items()},
         "outputs": {json.dumps(r["prompt"]): r["ids"] for r in records},
     }
 
@@ -218,10 +228,13 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2, help="load runs per mode and concurrency (best kept)")
-    p.add_argument("--modes", default="auto8,8,4",
+    p.add_argument("--repeats", type=int, default=3, help="load runs per mode and concurrency (best kept)")
+    p.add_argument("--modes", default="auto8,4",
                    help="DFlash modes besides B=1: `autoN` (the verify width chosen per round by the engine's cost "
-                        "model from 1, 2, 4, .. N) or a fixed block size N (default auto8,8,4)")
+                        "model from 1, 2, 4, .. N) or a fixed block size N (default auto8,4)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="the engine's slots, one engine per mode for every concurrency (default: the largest "
+                        "concurrency); 0: an engine per concurrency with as many slots as clients")
     add_output_args(p)
     args = p.parse_args(argv)
     out_dir = output_dir(args)
@@ -244,8 +257,16 @@ def main(argv=None) -> int:
     rows = []
     paired: dict = {m: {} for m in dmodes}  # mode -> concurrency -> [ratio to B=1 in the same repeat]
     t_start = time.perf_counter()
+    slots = max(levels) if args.slots is None else args.slots
+    if slots < 0 or 0 < slots < max(levels):
+        p.error(f"--slots {slots} is below the largest concurrency {max(levels)}: give at least that many, or 0")
+    shared = None
+    if slots:
+        shared = {m: Point(pair, tokenizer, m, slots, args.prompt_len, args.max_tokens) for m in modes}
+        print("warm-ups: " + ", ".join(f"{m} {shared[m].warm_s:.0f}s" for m in modes), flush=True)
     for c in levels:
-        points = [Point(pair, tokenizer, m, c, args.prompt_len, args.max_tokens) for m in modes]
+        points = ([shared[m] for m in modes] if shared else
+                  [Point(pair, tokenizer, m, c, args.prompt_len, args.max_tokens) for m in modes])
         per_client = max(args.requests_per_client, -(-8 // c))  # at least 8 requests per point (low c is noisy)
         work = [[prompts[(i * per_client + j) % len(prompts)] for j in range(per_client)] for i in range(c)]
         best = {}
@@ -253,21 +274,26 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):  # the modes alternate, so a busy spell of the machine hits all
                 this = {}
                 for point in (points if rep % 2 == 0 else points[::-1]):
-                    row = measure(point, work, args.max_tokens)
+                    row = measure(point, work, args.max_tokens, c)
                     this[point.mode] = row["tokens_per_s"]
                     if point.mode not in best or row["tokens_per_s"] > best[point.mode]["tokens_per_s"]:
                         best[point.mode] = row
                     print(f"c={c:>3} {point.mode:>6} run {rep + 1}: {row['tokens_per_s']:>8.1f} tok/s  "
                           f"TTFT p50 {row['ttft_ms_p50']:.0f} ms  ITL p50 {row['itl_ms_p50']:.2f} ms "
                           f"p99 {row['itl_ms_p99']:.2f} ms  tau {row['tokens_per_verify']} widths "
-                          f"{row['rounds_by_width']}  ({row['wall_s']:.1f}s run, {row['warmup_s']:.0f}s warm-up, "
+                          f"{row['rounds_by_width']} rows {row['rounds_by_rows']} engine busy "
+                          f"{row['engine_busy_s']:.1f}s ({row['wall_s']:.1f}s run, {row['warmup_s']:.0f}s warm-up, "
                           f"{time.perf_counter() - t_start:.0f}s so far)", flush=True)
                 for m in dmodes:
                     paired[m].setdefault(c, []).append(this[m] / this["1"])
         finally:
-            for point in points:
-                point.close()
+            if not shared:
+                for point in points:
+                    point.close()
         rows += [best[m] for m in modes]
+    if shared:
+        for point in shared.values():
+            point.close()
     # lossless: with ignore_eos and greedy decoding both modes emit exactly the same tokens for every prompt
     def row_of(c, m):
         return next(r for r in rows if r["concurrency"] == c and r["mode"] == m)
@@ -302,24 +328,31 @@ def main(argv=None) -> int:
         f"Each client sends {args.requests_per_client} streaming greedy completions back to back (at least 8 requests "
         "per point) "
         f"({args.prompt_len}-token prompts from held-out stdlib files, {args.max_tokens} tokens each, `ignore_eos`); "
-        f"the engine has as many slots as clients. {args.repeats} runs per point, the modes alternating (order "
+        + (f"one engine of {slots} slots per mode serves every concurrency (a round computes the smallest row "
+           "bucket, 1, 2, 4, .., holding the live requests, which are kept in the lowest slots). " if slots else
+           "the engine has as many slots as clients. ")
+        + f"{args.repeats} runs per point, the modes alternating (order "
         "reversed every other run); tokens/s and latencies: the best run; speedup: the median over the runs of "
         "the ratio to B=1 measured in the same run (range in brackets). Every mode produced the same tokens as "
         "no speculation (B=1) for every prompt (checked), and no compile happened while serving.", "",
         "| concurrency | mode | tokens/s | speedup [range] | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tokens per verify "
-        "| rounds by width | expert MB per round (of all) |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---:|",
+        "| rounds by width | rounds by rows | engine busy | expert MB per round (of all) |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
         m = r["mode"]
         sp = (f"{speedups[m][r['concurrency']]:.2f}x [{ratio_ranges[m][r['concurrency']][0]:.2f}-"
               f"{ratio_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
         widths = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_width"].items(), key=lambda x: int(x[0])))
+        by_rows = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_rows"].items(), key=lambda x: int(x[0])))
+        busy = f"{100 * r['engine_busy_s'] / r['wall_s']:.0f}%"
         lines.append(f"| {r['concurrency']} | {mode_label(m)} | {r['tokens_per_s']:.1f} | {sp} | {r['ttft_ms_p50']:.0f} / "
                      f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.2f} / {r['itl_ms_p99']:.2f} | "
-                     f"{r['tokens_per_verify']} | {widths} | {r['expert_mb_per_round']} ({r['all_expert_mb']}) |")
+                     f"{r['tokens_per_verify']} | {widths} | {by_rows} | {busy} | {r['expert_mb_per_round']} "
+                     f"({r['all_expert_mb']}) |")
     lines += ["", "ITL: each streamed chunk's gap after the previous chunk, spread evenly over the tokens it carries "
-              "(DFlash delivers several tokens per round). Expert MB per round: the bytes of the union of the "
+              "(DFlash delivers several tokens per round). Engine busy: the engine's round time over the run's wall "
+              "time (the rest: waiting for requests, HTTP). Expert MB per round: the bytes of the union of the "
               "experts the verified rows' drafted blocks are projected to route to (the draft-router projection the "
               "scheduler prices rounds with; block 1 projects from the anchor token's embedding)."]
     if has_plot:

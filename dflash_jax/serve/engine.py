@@ -276,13 +276,15 @@ def expected_tokens(alpha, width: int):
     return (1.0 - alpha ** width) / (1.0 - alpha)
 
 
-def choose_width(alphas, seconds: dict) -> int:
+def choose_width(alphas, seconds: dict, margin: float = 0.0) -> int:
     """The width with the most expected tokens per second over the live rows: argmax over w of
-    sum_r expected_tokens(alpha_r, w) / seconds[w] (ties: the narrower). Pure and deterministic."""
+    sum_r expected_tokens(alpha_r, w) / seconds[w], where a wider width must beat the best narrower one by the
+    factor 1 + `margin` (ties and near-ties: the narrower; the margin covers the table's error, so a round
+    speculates only where the gain is clear). Pure and deterministic."""
     best, best_rate = None, -1.0
     for w in sorted(seconds):
         rate = float(np.sum(expected_tokens(alphas, w))) / seconds[w]
-        if rate > best_rate * (1 + 1e-9):
+        if rate > best_rate * (1 + margin + 1e-9):
             best, best_rate = w, rate
     return best
 
@@ -349,10 +351,16 @@ class Engine:
     widths: the verify widths (each <= block_size) the engine chooses from each round, by the cost model below;
     None: block_size only (a fixed width). "auto": `default_widths(block_size)`. One draft and one verify are
     compiled per width at warm-up; the state has the layout of the widest, so any width serves any round.
-    round_seconds: {width: seconds of one round (draft + verify of all slots)}, the cost model's table;
-    None: measured by `warmup()` (`measure_rounds`: paired, medians of ratios); `learn_costs=True` also keeps
-    the table up to date from the rounds served (`learn_round_seconds`). acceptance_prior: the per-proposal
-    acceptance assumed before any verify (then learned per request and engine-wide).
+    round_seconds: {width: seconds of one round}, a fixed cost table for every row bucket; None: `cost_table`
+    {rows: {width: seconds}} measured by `warmup()` (`measure_rounds`: paired, medians of ratios);
+    `learn_costs=True` also keeps the table up to date from the rounds served (`learn_round_seconds`).
+    width_margin: a wider verify is chosen only when its expected tokens per second beat the narrower's by this
+    factor (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
+    no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
+    request and engine-wide).
+    row_buckets: the row counts a round is compiled for ("auto": 1, 2, 4, .. and `slots`; None: `slots` only).
+    Live requests are kept in the lowest slots (a row moves down when a lower slot frees), and a round computes
+    only the smallest bucket holding them, so its cost follows the load, not the slot count.
     max_prompt_len / max_new_tokens: the largest request served (requests beyond them get a RequestError);
     they fix the cache and output-buffer shapes. method: acceptance rule of sampled requests
     ("exact_match" | "rejection"). token_budget / expert_byte_budget: the scheduler's per-round budgets
@@ -365,7 +373,7 @@ class Engine:
                  expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool = False, mesh=None,
-                 row_buckets: Sequence[int] | str | None = "auto"):
+                 row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -395,6 +403,8 @@ class Engine:
         row_buckets = tuple(sorted({int(r) for r in row_buckets} | {int(slots)}))
         if row_buckets[0] < 1 or row_buckets[-1] > slots:
             raise ValueError(f"row_buckets must be row counts between 1 and slots {slots}, got {list(row_buckets)}")
+        if not width_margin >= 0.0:
+            raise ValueError(f"width_margin must be >= 0, got {width_margin}")
         if not 0.0 <= acceptance_prior < 1.0:
             raise ValueError(f"acceptance_prior must be in [0, 1), got {acceptance_prior}")
         rq.check_int(max_prompt_len, "max_prompt_len", low=1, what="a positive integer")
@@ -427,6 +437,7 @@ class Engine:
         self.round_seconds = round_seconds
         self.cost_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds (measured at warm-up)
         self.learn_costs = bool(learn_costs)
+        self.width_margin = float(width_margin)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
@@ -710,7 +721,7 @@ class Engine:
         # every round also pays the host's work around the draft and the verify (the same at every width, so it
         # favours the wider verifies, which need fewer rounds)
         seconds = {w: t + self.host_seconds for w, t in seconds.items()}
-        return choose_width([self.row_acceptance(self.requests[s]) for s in live], seconds)
+        return choose_width([self.row_acceptance(self.requests[s]) for s in live], seconds, self.width_margin)
 
     def _observe_acceptance(self, req: Request, width: int, committed: int, finished: bool) -> None:
         """Updates the acceptance estimates from one verify: `committed - 1` proposals accepted of `width - 1`,
