@@ -8,16 +8,22 @@ row that is done. Nothing a request varies (prompt length inside a bucket, budge
 ids, seed, slot) is a compiled shape, so after `warmup()` no request compiles anything (tested with
 `compile_cache.CompileCounter`).
 
+Live requests are kept in the lowest slots: when a slot below the highest live one frees, that row moves down
+into it (`_move_row`, every leaf of the row). Each round computes only the smallest compiled row bucket
+(`row_buckets`: 1, 2, 4, .., slots) holding the live rows: `_draft` and `_verify` slice the first `rows` rows
+and write them back in place (the state is donated), so one client on a 32-slot engine costs a one-row round.
+
 One round (`step`):
   1. admit queued requests into free slots (grouped prefill + insert; their first token is emitted at once);
   2. choose the round's verify width from the compiled widths (`choose_width`: the most expected tokens per
-     second, from each live row's acceptance so far and the round time of each width: measured at warm-up,
-     then learned from the rounds served, plus the host's per-round work);
+     second, from each live row's acceptance so far and the round time of each width at the round's row
+     bucket, measured at warm-up, plus the host's per-round work; a wider width must win by `width_margin`);
   3. draft every live slot at that width (`_draft`: the draft forward, plus each row's projected expert set:
      every MoE layer's router on the draft's hidden states of the block, the route-ahead "draft router"
      projection); width 1 drafts nothing but feeds the draft's context cache;
   4. the scheduler (`scheduler.schedule`, pure) picks the slots that verify under the round's budgets of
-     verify tokens and expert bytes;
+     verify tokens and expert bytes (with both budgets unlimited every live slot verifies: the verify is
+     started first and the scheduler runs, for its deficits and stats, while it computes);
   5. verify (`_verify`): the target forward over all slots at that width, acceptance, commit, and then every
      row the scheduler left out (or that is free) is put back as it was before the round: every state leaf
      is selected from the old state, except the KV buffers, of which only the lengths are (a verify writes
@@ -25,7 +31,8 @@ One round (`step`):
      it was, and a row that verifies computes what it computes alone: each request's output is its output
      run alone (greedy: the same tokens at any mix of widths; sampled: at a given width the same draws from
      its own per-request key as `spec.generate` at that block size, so the target's distribution);
-  6. new tokens go to each request's callback; finished or cancelled requests free their slots.
+  6. one host fetch (counts, done flags, output buffer); new tokens go to each request's callback; finished or
+     cancelled requests free their slots, and the live rows are compacted.
 
 `Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
 rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
