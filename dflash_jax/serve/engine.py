@@ -732,12 +732,19 @@ class Engine:
 
     def _observe_acceptance(self, req: Request, width: int, committed: int, finished: bool) -> None:
         """Updates the acceptance estimates from one verify: `committed - 1` proposals accepted of `width - 1`,
-        and a rejection when fewer than all were accepted (unless the budget or a stop cut the round)."""
-        if width < 2 or finished:
+        and a rejection when fewer than all were accepted (unless the budget or a stop cut the round).
+
+        A width-1 round proposes nothing, so it cannot show whether the draft got better: the request's own
+        evidence fades instead (decayed like a verify's), its estimate returning to the engine-wide one, so a
+        request the chooser moved to width 1 after a few poor rounds is tried at a wider width again."""
+        d = ACCEPTANCE_DECAY
+        if width < 2:
+            req.accept_hits, req.accept_misses = d * req.accept_hits, d * req.accept_misses
+            return
+        if finished:
             return
         hits = float(committed - 1)
         misses = 1.0 if committed < width else 0.0
-        d = ACCEPTANCE_DECAY
         req.accept_hits, req.accept_misses = d * req.accept_hits + hits, d * req.accept_misses + misses
         self._hits, self._misses = d * self._hits + hits, d * self._misses + misses
 
@@ -895,6 +902,10 @@ class Engine:
             self._emit(req, new, info)
             if done[s]:
                 self._finish(req, self._reason(req), info)
+        if width < 2:  # the engine-wide estimate fades toward the prior in rounds that propose nothing
+            d, prior = ACCEPTANCE_DECAY, self._prior
+            self._hits = d * self._hits + (1 - d) * 2.0 * prior
+            self._misses = d * self._misses + (1 - d) * 2.0 * (1.0 - prior)
         self._compact()
 
     # -- loops -----------------------------------------------------------------------------------------

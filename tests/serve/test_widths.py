@@ -117,3 +117,21 @@ def test_width_arguments_are_checked(pair):
         Engine(pair, slots=1, block_size=4, widths=[1, 8])
     with pytest.raises(ValueError, match="round_seconds must give a positive time for each width"):
         Engine(pair, slots=1, block_size=4, widths="auto", round_seconds={1: 1.0})
+
+
+def test_width_one_rounds_fade_a_requests_evidence(pair):
+    """A request moved to width 1 after poor rounds is tried wider again: width-1 rounds propose nothing, so its
+    own evidence fades and its estimate returns to the engine-wide one. The margin keeps near-ties narrow."""
+    from dflash_jax.serve.engine import Request
+
+    eng = Engine(pair, slots=1, block_size=4, widths="auto", round_seconds={1: 1.0, 2: 1.3, 4: 1.9})
+    req = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0)
+    for _ in range(6):
+        eng._observe_acceptance(req, 4, 1, False)  # nothing accepted
+    low = eng.row_acceptance(req)
+    assert low < 0.2
+    for _ in range(20):
+        eng._observe_acceptance(req, 1, 1, False)
+    assert eng.row_acceptance(req) > 2 * low
+    assert choose_width([0.5], {1: 1.0, 2: 1.4}) == 2  # 1.5 / 1.4: a 7% gain
+    assert choose_width([0.5], {1: 1.0, 2: 1.4}, margin=0.1) == 1  # within the margin: no speculation
