@@ -20,7 +20,8 @@ target's routed experts in a host store (`offload.store.HostExpertStore`) and ON
      ranked by how many admitted rows project them, is put into the cache before the verify is dispatched
      (`ExpertCache.prefetch`: best effort, never evicting a pinned or held expert nor what the previous
      verify routed to);
-  5. the verify runs layer by layer: each MoE layer's exact routing is read on the host and what the
+  5. the verify runs layer by layer over the round's row bucket (the live rows are kept in the lowest slots,
+     as `Engine` does): each MoE layer's exact routing is read on the host and what the
      admitted rows route to and is not resident is fetched on demand (passes when it does not fit; hybrid
      placement may compute it on the host), with `OffloadedGenerator`'s provider pieces. The rows that do
      not verify (sitting out, or free slots) still flow through the batched forward, but their outputs are
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import time
 
 import jax
@@ -53,7 +53,7 @@ from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_pro
 from dflash_jax.offload.stats import layer_round_stats
 from dflash_jax.offload.store import memory_sharding
 from dflash_jax.serve import scheduler as sched
-from dflash_jax.serve.engine import Engine, RoundInfo, _keep_rows, _release
+from dflash_jax.serve.engine import Engine, RoundInfo, _head, _keep_rows, _put_head, _release
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams
 from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, commit_verify, init_target_cache, verify_block
@@ -127,6 +127,8 @@ def _commit(state: SpecState, draft, draft_lengths, out, active, spec: SpecConfi
 
 
 _block = jax.jit(verify_block)
+_head_jit = jax.jit(_head, static_argnums=1)  # the first rows of the state (a row bucket)
+_put_head_jit = jax.jit(_put_head, donate_argnums=0)  # ... written back in place
 
 
 class OffloadedEngine(Engine):
@@ -172,8 +174,6 @@ class OffloadedEngine(Engine):
             else expert_byte_budget
         if isinstance(byte_budget, str):
             raise ValueError(f"expert_byte_budget must be 'cache', None or a number of bytes, got {byte_budget!r}")
-        if "row_buckets" in inspect.signature(Engine.__init__).parameters:
-            engine_kwargs.setdefault("row_buckets", None)  # the offloaded verify runs every slot's row
         super().__init__(pair, expert_byte_budget=byte_budget, **engine_kwargs)
         # every program the base engine runs on the target (draft, projection) gets the target without expert
         # tables: nothing here can read an expert that is not in the cache
@@ -282,9 +282,14 @@ class OffloadedEngine(Engine):
         return ExpertOperands(ops.tables, jax.device_put(table, memory_sharding("device")), resident, mask=mask)
 
     def _offload_verify(self, draft, draft_lengths, active: np.ndarray, width: int, asked: dict,
-                        rec: OffloadRound | None) -> SpecState:
+                        rec: OffloadRound | None, bucket: int) -> SpecState:
+        """The verify of the first `bucket` rows (a row bucket holding every live row; the others are free and
+        come back as they were), layer by layer from the cache, then `_commit`."""
         spec, pool, gen, store = self.specs[width], self.pool, self.gen, self.store
-        rows = np.repeat(active, width)  # [slots * width]: the block rows of verifying slots
+        full = self.state
+        state = full if bucket == self.slots else _head_jit(full, bucket)
+        active = active[:bucket]
+        rows = np.repeat(active, width)  # [bucket * width]: the block rows of verifying slots
         routed_active: dict[int, np.ndarray] = {}
 
         def provider(layer, experts):
@@ -321,22 +326,23 @@ class OffloadedEngine(Engine):
             return (self._lenient(ops, layer, ignored, i == 0)
                     for i, ops in enumerate(gen._passes(pool, layer, passes, host)))
 
-        block = _block(self.state.replace(done=self.state.done | ~active), draft)
-        out = forward_layerwise(gen.stripped, block, self.state.target_cache, spec.target, provider=provider,
+        block = _block(state, draft)
+        out = forward_layerwise(gen.stripped, block, state.target_cache, spec.target, provider=provider,
                                 tap_layers=self.spec.taps, logits="all", implementation=gen.implementation,
                                 dispatched=lambda i, x: pool.returned(x))
-        state = _commit(self.state, draft, draft_lengths, out.out, jnp.asarray(active), spec, self.spec)
+        new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), spec, self.spec)
         pool.release()
         pool.advance()
         self._previous = {layer: np.unique(e) for layer, e in routed_active.items()}
-        return state
+        return new if bucket == self.slots else _put_head_jit(full, new)
 
     def _round(self, width: int, active: np.ndarray, rows: int | None = None) -> None:
-        """A round on every slot (the offloaded verify computes every row; `rows`, a row bucket, is ignored)."""
-        draft, lengths, demand = self._draft_call(width)
+        """A round computing the first `rows` rows (default: every slot), for warm-up and cost measurement."""
+        rows = self.slots if rows is None else rows
+        draft, lengths, demand = self._draft_call(width, rows)
         demand = np.asarray(demand)
-        asked = self._prefetch(demand, active, None)
-        self.state = self._offload_verify(draft, lengths, active, width, asked, None)
+        asked = self._prefetch(demand, active[:rows], None)
+        self.state = self._offload_verify(draft, lengths, active, width, asked, None, rows)
 
     def warmup(self, prompt_buckets=None) -> float:
         """`Engine.warmup`, then two rounds per width that verify every (free) slot on a scratch cache, so that
@@ -350,8 +356,9 @@ class OffloadedEngine(Engine):
             n *= 2
         everyone = np.ones(self.slots, bool)  # free rows are done: a verify commits nothing to them
         for _ in range(2):
-            for w in self.widths:
-                self._round(w, everyone)
+            for rows in self.row_buckets:
+                for w in self.widths:
+                    self._round(w, everyone, rows)
         jax.block_until_ready(self.state.done)
         self.pool = self._new_cache({})
         self._previous = {}
@@ -374,6 +381,7 @@ class OffloadedEngine(Engine):
                 self._finish(r, r.cancel_reason, info)
         if free.any():
             self.state = _release(self.state, free)
+        self._compact()
         while len(self.requests) < self.slots:
             free = [s for s in range(self.slots) if s not in self.requests]
             with self._wake:
@@ -384,6 +392,7 @@ class OffloadedEngine(Engine):
             if not reqs:
                 break
             self._admit(reqs, free[: len(reqs)], info)
+            self._compact()  # a request that ended at its first token
 
     def _step(self, info: RoundInfo) -> None:
         rec = info.offload = OffloadRound()
@@ -396,12 +405,14 @@ class OffloadedEngine(Engine):
             self._account(rec, False)
             return
         live = sorted(self.requests)
-        info.live = len(live)
+        rows = self.row_bucket(live)  # the live rows are the lowest slots (compacted)
+        info.live, info.rows = len(live), rows
         width = self.choose_width(live)
         info.width = width
         self.width_rounds[width] += 1
+        self.rows_rounds[rows] += 1
         t_device = time.perf_counter()
-        draft, draft_lengths, demand = self._draft_call(width)
+        draft, draft_lengths, demand = self._draft_call(width, rows)
         demand = np.asarray(demand)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
@@ -416,7 +427,7 @@ class OffloadedEngine(Engine):
             active[slot_of[key]] = True
         for key in decision.waiting:
             self.requests[slot_of[key]].rounds_waited += 1
-        union = demand[active].any(axis=0)
+        union = demand[active[:rows]].any(axis=0)
         info.verified, info.verify_tokens = int(active.sum()), decision.tokens
         info.expert_bytes = float(self.expert_bytes[union].sum())  # the union's bytes (as Engine reports them)
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
@@ -424,9 +435,9 @@ class OffloadedEngine(Engine):
         rec.priced_bytes = decision.expert_bytes
         before = np.asarray(self.state.num_generated)
         t_device = time.perf_counter()
-        asked = self._prefetch(demand, active, rec)
+        asked = self._prefetch(demand, active[:rows], rec)
         rec.requested = asked
-        self.state = self._offload_verify(draft, draft_lengths, active, width, asked, rec)
+        self.state = self._offload_verify(draft, draft_lengths, active, width, asked, rec, rows)
         after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
         self._device_seconds = t_draft + time.perf_counter() - t_device
         output = np.asarray(self.state.output)

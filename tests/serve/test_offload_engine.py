@@ -21,8 +21,8 @@ CACHE_EXPERTS = 12  # of 4 layers x 8 experts: misses happen
 
 @pytest.fixture(scope="module")
 def served(pair):
-    """One run of the offloaded engine (3 slots, a 12-expert cache): five requests queue and join as others
-    leave, a sixth arrives mid-run. Returns (engine, requests, round infos, metrics text)."""
+    """One run of the offloaded engine (3 slots, row buckets 1 and 3, a 12-expert cache): five requests queue and
+    join as others leave (the live rows compacted into the lowest slots), a sixth arrives mid-run. Returns (engine, requests, round infos, metrics text)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from dflash_jax.offload import HostExpertStore
@@ -31,7 +31,8 @@ def served(pair):
     store = HostExpertStore(pair.target)
     budget = CACHE_EXPERTS * store.expert_bytes(store.layer_ids[0])
     engine = OffloadedEngine(pair, budget_bytes=budget, slots=3, block_size=BLOCK, max_prompt_len=16,
-                             max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0})
+                             max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0},
+                             row_buckets=(1, 3))
     engine.warmup([16])
     registry = CollectorRegistry()
     attach_metrics(engine, registry)
@@ -58,6 +59,7 @@ def test_offloaded_greedy_equals_alone_with_joins_and_leaves(served, pair):
     joined = [i for i, info in enumerate(infos) if info.admitted]
     left = [i for i, info in enumerate(infos) if info.finished]
     assert len(joined) >= 3 and len(left) >= 3
+    assert {info.rows for info in infos if info.width} == {1, 3}  # rounds of one row once one request was left
     # the cache was too small: experts moved (prefetch and on demand), proposals were accepted
     totals = engine.offload_summary()
     assert totals["prefetched_bytes"] > 0 and totals["on_demand_bytes"] > 0 and totals["misses"] > 0
