@@ -10,17 +10,19 @@ files, one batch):
   - expert union per round: distinct experts the verify's rows route to, per MoE layer (first set only);
   - tokens/s of the warmed jitted loop: the fastest of `--repeats` runs, the runs of all shapes interleaved
     (repeat 1 of every shape, then repeat 2, ...) so that a shared machine's load drifts across all alike;
-  - the adaptive policy (`spec.tree.AdaptivePolicy`): its costs are the cost model (fixed + per row) fitted
-    to each shape's seconds per round measured at warm-up on calibration prompts (`measure_round_seconds`,
-    training-split windows, not the measured sets; `VerifyCost.fit`), its tokens-per-round prior the
-    model-draft prior (no data); it is timed interleaved with the
-    fastest fixed shape of the set, and their ratio comes from that paired measurement.
+  - trees built from the acceptance model (`spec.tree.TreeCalibration`) fitted on training-split prompts
+    (`--calib-seeds`), `--branch` candidates a node, and the plain build at the largest budget (reference);
+  - the adaptive policy (`spec.tree.AdaptivePolicy`): its seconds and tokens per round measured by
+    `calibrate_policy` (each shape's fixed loop, interleaved repeats) on two training-split calibration
+    batches, not the measured sets; it compiles and provisions only the shapes it can choose. It is timed
+    against the fastest fixed shape of the set in alternating order, with a control (that fixed shape
+    against itself) that shows the machine's noise on identical work.
 Offloaded (`offload.OffloadedGenerator`, experts in host memory, a device cache below all experts,
 `draft_router` prefetch): the shipped pair and a random pair of the route-study shape (64 experts top-4,
 MXFP4): tokens per round, expert bytes moved per round, seconds (fastest of 2, shapes interleaved); the
-adaptive policy's costs are the model fitted to the fixed shapes' offloaded seconds per round on
-calibration prompts. Every output is checked equal to the target's plain greedy output. Writes
-tree.{json,md} (+ tree.png with
+adaptive policy's figures are the fixed shapes' offloaded seconds and tokens per round on calibration
+prompts (transfers included), timed as above with a control (a second generator of the fastest shape).
+Every output is checked equal to the target's plain greedy output. Writes tree.{json,md} (+ tree.png with
 matplotlib) to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
 
@@ -195,13 +197,14 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
 
     gens = {s.label(): gen(s) for s in shapes}
     per_round, cal_taus = [float("inf")] * len(shapes), []
-    for i, s in enumerate(shapes):  # calibration prompts: compile, then tokens and seconds per round (best of 2)
-        for _ in range(3):
+    for s in shapes:  # calibration prompts: compile, tokens per round
+        cal_taus.append(taus(gens[s.label()].generate(calib, max_new_tokens=n)))
+    for _ in range(args.offload_calib_repeats):  # seconds per round, the shapes interleaved, the fastest
+        for i, s in enumerate(shapes):
             res = gens[s.label()].generate(calib, max_new_tokens=n)
             split = res.stats["time_split"]
             per_round[i] = min(per_round[i], (split["draft_s"] + split["verify_s"] + split["host_s"])
                                / max(1, res.stats["rounds"]))
-        cal_taus.append(taus(res))
     policy = AdaptivePolicy(tuple(shapes), VerifyCost(tuple(per_round)), taus=tuple(cal_taus),
                             calibration_range=RANGE)
     log(f"[{label}] calibration: " + ", ".join(f"{s.label()} {c * 1e3:.1f} ms/round tau {t:.2f}"
@@ -263,6 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--offload-new", type=int, default=32)
     p.add_argument("--offload-repeats", type=int, default=6, help="paired repeats, adaptive vs the fastest fixed")
     p.add_argument("--paired-repeats", type=int, default=6, help="resident paired repeats")
+    p.add_argument("--offload-calib-repeats", type=int, default=4, help="offloaded calibration repeats")
     p.add_argument("--keep-resident", action="store_true",
                    help="reuse the resident rows of the tree.json already in the output directory (offloaded only)")
     add_output_args(p)
@@ -376,7 +380,8 @@ def main(argv=None) -> int:
                f"{args.offload_prompts} prompts, {args.offload_new} new tokens; seconds the fastest of 2 "
                f"interleaved runs of the fixed shapes, then {args.offload_repeats} paired runs of the adaptive "
                "policy and the fastest fixed shape (the ratio below); the adaptive policy's figures are the fixed "
-               "shapes' offloaded seconds per round (best of 3, transfers included) and tokens per round on "
+               f"shapes' offloaded seconds per round (fastest of {args.offload_calib_repeats} interleaved runs, "
+               "transfers included) and tokens per round on "
                f"calibration prompts, calibration range {RANGE}; it provisions only the shapes it can choose.", "",
                "| pair, cache | shape | tokens / round | expert MB moved / round | tokens/s | rounds chosen |",
                "|---|---|---|---|---|---|"]
