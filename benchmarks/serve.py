@@ -2,7 +2,7 @@
 speculation (block size 1), at concurrency 1, 4, 16, 32.
 
   python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 2] [--max-tokens 64]
-                             [--prompt-len 64] [--modes auto8,4] [--repeats 3] [--slots 32]
+                             [--prompt-len 64] [--modes auto8,4] [--repeats 4] [--slots 32]
                              [--out DIR | --write-docs]
 
 For each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by its cost model; a fixed
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="load runs per mode and concurrency (best kept)")
+    p.add_argument("--repeats", type=int, default=4, help="load runs per mode and concurrency (best kept)")
     p.add_argument("--modes", default="auto8,4",
                    help="DFlash modes besides B=1: `autoN` (the verify width chosen per round by the engine's cost "
                         "model from 1, 2, 4, .. N) or a fixed block size N (default auto8,4)")

@@ -451,7 +451,8 @@ class Engine:
         self.width_rounds = collections.Counter()
         self.rows_rounds = collections.Counter()  # rounds by the row bucket computed
         self.moves = 0  # rows moved down to keep live requests in the lowest slots
-        self.host_seconds = 0.0  # per round, outside draft and verify (emission, callbacks, scheduling): decayed mean
+        self.host_seconds = 0.0  # per served round, beyond its cost-table entry (host work, serving): decayed mean
+        self._host_samples = 0
         self._device_seconds = 0.0
         self.budgets = sched.Budgets(tokens=token_budget, expert_bytes=expert_byte_budget)
         self.max_queue = int(max_queue)
@@ -784,8 +785,12 @@ class Engine:
         info.compiles = counter.compiles
         info.seconds = time.perf_counter() - t0
         if info.width and not info.admitted and not info.compiles:
-            host = max(info.seconds - self._device_seconds, 0.0)
-            self.host_seconds = host if self.rounds == 0 else 0.9 * self.host_seconds + 0.1 * host
+            # what a served round takes beyond its table entry: the host's work (choice, scheduling, emission,
+            # callbacks) and what serving adds to the compute (an HTTP loop and clients sharing the cores). The
+            # same at every width, so it favours the wider verifies, which need fewer rounds per token.
+            over = max(info.seconds - self.seconds_table(info.rows)[info.width], 0.0)
+            self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
+            self._host_samples += 1
         self.rounds += 1
         for obs in self.observers:
             obs(info)
