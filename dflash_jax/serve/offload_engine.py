@@ -8,7 +8,7 @@ target's routed experts in a host store (`offload.store.HostExpertStore`) and ON
 
   1. admissions: a waiting group is prefilled layer by layer with each MoE layer's whole table streamed to
      the device for that layer only (`offload.forward.forward_layerwise`, as `OffloadedGenerator.prefill`);
-  2. the draft of every live slot, and each row's projected expert set [L, E] (the draft-router projection
+  2. the draft of the round's rows, and each row's projected expert set [L, E] (the draft-router projection
      of `engine._draft`): the scheduler's per-row expert demand;
   3. the scheduler (`scheduler.schedule`) admits verifies under the budgets. With byte_cost="missing" (the
      default) a round's byte cost is the bytes of the admitted rows' projected union that are NOT resident in
@@ -286,6 +286,8 @@ class OffloadedEngine(Engine):
         """The verify of the first `bucket` rows (a row bucket holding every live row; the others are free and
         come back as they were), layer by layer from the cache, then `_commit`."""
         spec, pool, gen, store = self.specs[width], self.pool, self.gen, self.store
+        pool.returned()  # nothing is lent or held from a round that failed half-way
+        pool.release()
         full = self.state
         state = full if bucket == self.slots else _head_jit(full, bucket)
         active = active[:bucket]
