@@ -22,7 +22,8 @@ CACHE_EXPERTS = 12  # of 4 layers x 8 experts: misses happen
 @pytest.fixture(scope="module")
 def served(pair):
     """One run of the offloaded engine (3 slots, row buckets 1 and 3, a 12-expert cache): five requests queue and
-    join as others leave (the live rows compacted into the lowest slots), a sixth arrives mid-run. Returns (engine, requests, round infos, metrics text)."""
+    join as others leave (the live rows compacted into the lowest slots), a sixth arrives mid-run. Returns
+    (engine, requests, round infos, metrics text)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from dflash_jax.offload import HostExpertStore
@@ -163,3 +164,61 @@ def test_serve_offload_flag_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dflash-serve: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_serve_offload_process_matches_generate_and_shows_metrics(tmp_path, capsys):
+    """A real `dflash-serve --offload` process: a greedy completion equals `dflash-generate --offload`'s tokens for
+    the same prompt and budget, /metrics shows the bytes moved, SIGTERM stops it."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from dflash_jax.cli.generate import main as generate_main
+
+    assert generate_main(["--prompt", "def fib(n):", "--max-new-tokens", "12", "--block-size", "8", "--offload",
+                          "--expert-budget-mb", "0.6", "--ignore-eos", "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)["tokens"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, DFLASH_JAX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), "--slots", "2",
+                             "--block-size", "8", "--widths", "fixed", "--max-prompt-len", "16",
+                             "--max-new-tokens", "16", "--offload", "--expert-budget-mb", "0.6",
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 400
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5).read()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.time() < deadline, "dflash-serve --offload did not start"
+                time.sleep(0.5)
+        body = json.dumps({"model": "tiny_pair", "prompt": "def fib(n):", "max_tokens": 12, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body, headers={"content-type": "application/json"})
+        out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, proc.stderr.read()
+    assert out["choices"][0]["token_ids"] == want
+    prefill = 'dflash_offload_bytes_moved_total{kind="prefill"}'
+    moved = [line for line in metrics.splitlines() if line.startswith(prefill)]
+    assert moved and float(moved[0].split()[-1]) > 0
+    assert "dflash_offload_round_bytes_moved_count" in metrics
