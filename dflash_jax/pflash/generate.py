@@ -115,7 +115,8 @@ def generate(pair, prompts: Sequence[Sequence[int]], kept=None, *, max_new_token
     """DFlash (block_size > 1) or plain (block_size 1) generation after a compressed prefill of each prompt's
     `kept` tokens (one index list per prompt, `pflash.compress`; None = every token, the full prefill at
     explicit positions). Arguments as `spec.generate`. `stats` adds `prefill_s` (the compressed prefill and the
-    first token, timed apart) and `pflash` (prompt and kept token counts)."""
+    first token, timed apart), `cpu_s` and `prefill_cpu_s` (the process's CPU seconds over the whole run and the
+    prefill: the work, which a loaded machine does not inflate) and `pflash` (prompt and kept token counts)."""
     batch = prepare_compressed(pair, prompts, kept, block_size=block_size, max_new_tokens=max_new_tokens,
                                sampling=sampling, stop_ids=stop_ids, seed=seed, buckets=buckets)
     prep, spec = batch.prepared, batch.spec
@@ -123,15 +124,16 @@ def generate(pair, prompts: Sequence[Sequence[int]], kept=None, *, max_new_token
         state = begin_compressed(pair, batch)
         jax.block_until_ready(run_loop(pair.target, pair.draft, state.replace(done=jnp.ones_like(state.done)),
                                        spec).output)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     state = begin_compressed(pair, batch)
     jax.block_until_ready(state.anchor)
-    prefill_s = time.perf_counter() - t0
+    prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     state = run_loop(pair.target, pair.draft, state, spec)
     jax.block_until_ready(state.output)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     n = prep.num_prompts
-    stats = dict(_shape_stats(prep), loop="jit", seconds=seconds, prefill_s=prefill_s,
+    stats = dict(_shape_stats(prep), loop="jit", seconds=seconds, cpu_s=cpu_s, prefill_s=prefill_s,
+                 prefill_cpu_s=prefill_cpu_s,
                  pflash={"prompt_tokens": batch.prompt_lengths.tolist(),
                          "kept_tokens": [int(x) for x in prep.lengths[:n]]})
     return _result(state, stats, rows=n)
