@@ -83,6 +83,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--blocks", default="1,2,4,8,16")
+    p.add_argument("--dequantize-experts", choices=("no", "yes"), default="no",
+                   help="no: the FP4 expert tables as stored, dequantized inside every forward (plain and DFlash "
+                        "alike); yes: dequantized once at load (what dflash-generate does on a CPU). With yes the "
+                        "outputs are named <pair>_dense")
     add_output_args(p)
     args = p.parse_args(argv)
     if min(args.prompts, args.prompt_len, args.max_new) < 1:
@@ -100,7 +104,10 @@ def main(argv=None) -> int:
     except UsageError as e:
         raise SystemExit(str(e))
     stem = args.pair if args.pair and args.pair != "tiny_pair" else "tiny_pair"
-    pair = dflash_jax.load(directory)
+    dense = args.dequantize_experts == "yes"
+    if dense:
+        stem += "_dense"
+    pair = dflash_jax.load(directory, dequantize_experts=dense)
     from dflash_jax.train.data import file_windows
 
     try:
@@ -154,21 +161,27 @@ def main(argv=None) -> int:
     print(loops)
     result = {"checkpoint": os.path.basename(pair.directory.rstrip("/")), "prompts": len(prompts),
               "prompt_len": args.prompt_len, "max_new_tokens": n, "backend": jax.default_backend(),
+              "expert_tables": "dense (dequantized at load)" if dense else "as stored (FP4 dequantized per forward)",
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "by_block_size": rows, "loops": loops}
     out_dir = output_dir(args)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     kind = {"qwen3_5": "hybrid Qwen3.5-MoE"}.get(pair.target_cfg.model_type.removesuffix("_moe"), "")
-    title = f"The shipped {kind} pair `{stem}`" if stem != "tiny_pair" else "The shipped pair"
-    cmd = "python benchmarks/tiny_pair.py" + (f" --pair {stem}" if stem != "tiny_pair" else "") + \
+    name = stem.removesuffix("_dense")
+    title = f"The shipped {kind} pair `{name}`" if name != "tiny_pair" else "The shipped pair"
+    if dense:
+        title += ", expert tables dequantized at load"
+    cmd = "python benchmarks/tiny_pair.py" + (f" --pair {name}" if name != "tiny_pair" else "") + \
         (f" --blocks {args.blocks}" if args.blocks != "1,2,4,8,16" else "") + \
         "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k, d in
-                (("prompts", 8), ("prompt_len", 128), ("max_new", 128)) if getattr(args, k) != d) + " --write-docs"
+                (("prompts", 8), ("prompt_len", 128), ("max_new", 128)) if getattr(args, k) != d) + \
+        (" --dequantize-experts yes" if dense else "") + " --write-docs"
     md = [f"# {title}: acceptance and speed (CPU)", "",
           f"`{cmd}` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} tokens, "
           f"{n} new tokens each, greedy, batch 1, compiled loops, best of 2; {result['machine']}, "
-          f"backend {result['backend']}. Speedup = DFlash jitted loop tokens/s over the plain greedy jitted loop "
-          "of the same target, each prompt's plain and DFlash runs back to back (so each row's plain tok/s is its own).",
+          f"backend {result['backend']}; expert tables {result['expert_tables']}. "
+          "Speedup = DFlash jitted loop tokens/s over the plain greedy jitted loop of the same target, each prompt's "
+          "plain and DFlash runs back to back (so each row's plain tok/s is its own).",
           "",
           "| block size | tau (tokens/round) | DFlash tok/s | plain tok/s | speedup | output == plain greedy |",
           "|---|---|---|---|---|---|"]

@@ -1,0 +1,165 @@
+"""Where a verify forward of the shipped hybrid Qwen3.5-MoE target spends its time, piece by piece, by width.
+
+  python benchmarks/hybrid_profile.py [--widths 1,4,8,16] [--reps 40] [--dequantize-experts] [--out DIR | --write-docs]
+
+After a 128-token prefill of a held-out prompt (cache rollback width 16, as a B=16 DFlash run keeps), each piece
+of the target's forward is jitted alone and timed at widths T = 1 / 4 / 8 / 16 (one sequence): the whole
+forward (all logits, the draft's taps) with the routed experts as the model runs them and with them through
+`ragged_dot` (what the model ran before), one MoE layer both ways, its shared expert, a DeltaNet mixer and
+its parts (the committed-state replay, the qkv projection + causal conv, the gated delta rule), the gated
+attention mixer, the final norm + lm_head, the rollback after a verify, and the draft's round.
+
+Timing: process CPU time of each call, the minimum over `--reps` calls made in turn (pieces interleaved), with
+XLA's CPU runtime on one thread (set before jax is imported): on a shared machine the minimum CPU time is far
+steadier than wall time, and one thread makes the pieces add up. Numbers are therefore per-core costs, not the
+wall time of a multi-threaded run. Writes hybrid_profile.{json,md} to --out (default bench_out/) or, with
+--write-docs, to docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+
+import numpy as np  # noqa: E402
+
+from _output import add_output_args, output_dir  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--widths", default="1,4,8,16")
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--dequantize-experts", action="store_true",
+                   help="expert tables dequantized at load (dflash-generate on a CPU); default: FP4 as stored")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
+    if min(widths) < 1 or max(widths) > 16 or args.reps < 1:
+        p.error("--widths must be in 1..16 (the rollback width) and --reps >= 1")
+
+    import jax
+    import jax.numpy as jnp
+
+    import dflash_jax
+    from dflash_jax.models import qwen3_5 as q
+    from dflash_jax.nn import gated_deltanet as gdn
+    from dflash_jax.nn.mlp import swiglu
+    from dflash_jax.nn.moe import swiglu_experts
+    from dflash_jax.spec import session
+    from dflash_jax.train.data import file_windows
+
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS["tiny_pair_qwen3_5"], dequantize_experts=args.dequantize_experts)
+    w, cfg = pair.target, pair.target_cfg
+    prompt = file_windows(pair, "held_out", 1, 128)[0]
+    width = q.DEFAULT_ROLLBACK_WIDTH
+    c0 = q.forward_jit(w, jnp.asarray([prompt], jnp.int32), q.init_cache(cfg, 1, 512, rollback_width=width), cfg,
+                       logits="last").cache
+    taps = tuple(range(cfg.num_layers))
+    lin_i = cfg.linear_layers[0]
+    att_i = cfg.full_layers[0]
+    lin_layer, att_layer = w.layers[lin_i], w.layers[att_i]
+
+    def forward(impl):
+        return jax.jit(lambda w, t, c: q.forward(w, t, c, cfg, tap_layers=taps, logits="all", implementation=impl))
+
+    def moe_layer(per_slot):
+        def run(layer, x):
+            h = q.mlp_input(layer, x, cfg)
+            rt = q.route(layer.mlp, h, cfg)
+            if per_slot:
+                routed = q._experts_per_slot(h, rt, layer.mlp.gate_up, layer.mlp.down)
+            else:
+                routed = swiglu_experts(h, rt.experts, rt.weights, layer.mlp.gate_up, layer.mlp.down)
+            return routed
+        return jax.jit(run)
+
+    def shared(layer, x):
+        h = q.mlp_input(layer, x, cfg)
+        m = layer.mlp
+        return jax.nn.sigmoid(h @ m.shared_gate) * swiglu(h, m.shared.gate, m.shared.up, m.shared.down)
+
+    def qkv_conv(lw, h, tail):
+        window = jnp.concatenate([tail, h @ lw.qkv], axis=1)
+        return jax.nn.silu(gdn.causal_depthwise_conv(window, lw.conv))
+
+    rows = {}
+    for t in widths:
+        blk = jnp.asarray([prompt[:t]], jnp.int32)
+        x, ctx = q.block_context(w, blk, c0, cfg)
+        # a cache whose kept extension holds 16 rows of which 3 are committed: the next forward replays them
+        c3 = q.rollback(q.forward_jit(w, jnp.asarray([prompt[:width]], jnp.int32), c0, cfg).cache, c0.lengths + 3)
+        fwd, fwd_ragged = forward("auto"), forward("xla")
+        after = fwd(w, blk, c0).cache
+        lin = c0.linear[0]
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        key = jax.random.split(jax.random.key(t), 3)
+        kq = gdn.l2_normalize(jax.random.normal(key[0], (1, t, hk, dk)))
+        vv = jax.random.normal(key[1], (1, t, hv, dv))
+        g = -jnp.abs(jax.random.normal(key[2], (1, t, hv)))
+        pieces = {
+            "forward (as run)": (fwd, (w, blk, c0)),
+            "forward, experts via ragged_dot (before)": (fwd_ragged, (w, blk, c0)),
+            "forward after a partial commit (replays 3 rows)": (fwd, (w, blk, c3)),
+            "MoE routed experts, 1 layer (as run)": (moe_layer(True), (lin_layer, x)),
+            "MoE routed experts, 1 layer, ragged_dot (before)": (moe_layer(False), (lin_layer, x)),
+            "shared expert, 1 layer": (jax.jit(shared), (lin_layer, x)),
+            "DeltaNet mixer, 1 layer": (
+                jax.jit(lambda l, x, s, c: q.mixer_sublayer(l, x, s, c, "linear_attention", cfg)),
+                (lin_layer, x, lin, ctx)),
+            "  committed-state replay of 3 rows": (
+                jax.jit(gdn.committed_state), (c3.linear[0], jnp.full((1,), 3, jnp.int32))),
+            "  qkv projection + causal conv": (jax.jit(qkv_conv), (lin_layer.mixer, x, lin.conv_window[:, :3])),
+            "  gated delta rule": (
+                jax.jit(gdn.gated_delta_rule), (kq * dk**-0.5, kq, vv, g, jax.nn.sigmoid(g), lin.state)),
+            "gated attention mixer": (jax.jit(lambda l, x, s, c: q.mixer_sublayer(l, x, s, c, "full_attention", cfg)),
+                                      (att_layer, x, (c0.keys[0], c0.values[0]), ctx)),
+            "final norm + lm_head": (jax.jit(lambda w, x: q.lm_head_logits(w, q.final_norm(w, x, cfg))), (w, x)),
+            "rollback after the verify": (jax.jit(lambda c: q.rollback(c, c.linear_lengths + 1)), (after,)),
+        }
+        if t > 1:
+            spec, state = session.begin(pair, [prompt], block_size=t, max_new_tokens=64)
+            pieces["draft round (block T)"] = (session.draft_round_jit, (w, pair.draft, state, spec))
+        for f, a in pieces.values():
+            jax.block_until_ready(f(*a))
+        times = {k: [] for k in pieces}
+        for _ in range(args.reps):
+            for k, (f, a) in pieces.items():
+                t0 = time.process_time()
+                jax.block_until_ready(f(*a))
+                times[k].append(time.process_time() - t0)
+        rows[t] = {k: round(float(np.min(v)) * 1e3, 3) for k, v in times.items()}
+        print(t, rows[t], flush=True)
+
+    names = list(dict.fromkeys(k for r in rows.values() for k in r))
+    result = {"pair": "tiny_pair_qwen3_5", "dequantize_experts": args.dequantize_experts, "reps": args.reps,
+              "backend": jax.default_backend(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "ms_by_width": rows}
+    out_dir = output_dir(args)
+    stem = "hybrid_profile" + ("_dense" if args.dequantize_experts else "")
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    tables = "dequantized at load" if args.dequantize_experts else "FP4 as stored, dequantized in every forward"
+    md = [f"# The hybrid target's forward, piece by piece (CPU, expert tables {tables})", "",
+          f"`python benchmarks/hybrid_profile.py{' --dequantize-experts' if args.dequantize_experts else ''} "
+          f"--write-docs` - ms of one core (process CPU time, minimum of {args.reps} interleaved calls, XLA on one "
+          f"thread); batch 1 after a 128-token prefill, rollback width 16; {result['machine']}.", "",
+          "| piece | " + " | ".join(f"T={t}" for t in rows) + " |", "|---|" + "---|" * len(rows)]
+    for k in names:
+        md.append(f"| {k} | " + " | ".join(f"{rows[t][k]:.2f}" if k in rows[t] else "-" for t in rows) + " |")
+    md.append("")
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
+        fh.write("\n".join(md))
+    print(f"wrote {out_dir}/{stem}.{{json,md}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
