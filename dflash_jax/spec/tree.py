@@ -674,14 +674,24 @@ def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new
 
 def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_tokens: int = 64, repeats: int = 3,
                      calibration_range: tuple[float, float] | None = (0.5, 2.0), decay: float = 0.9,
-                     log=None) -> AdaptivePolicy:
+                     clock: str = "wall", log=None) -> AdaptivePolicy:
     """An `AdaptivePolicy` whose figures are measured on calibration prompts in the mode it will run in (the
     resident jitted loops): each shape's fixed loop (a chain: `spec.loop.generate` at block B; a tree:
     `generate_tree`) runs `prompts`, compiled first, then `repeats` times interleaved; its seconds per round
     are the fastest run's seconds over its rounds, its tokens per round the run's mean. With the prompts' own
     figures and c = 1 the policy picks the fastest fixed shape there; `calibration_range` bounds how far a
-    sequence's acceptance may move it (and so which shapes it provisions)."""
+    sequence's acceptance may move it (and so which shapes it provisions). clock: "wall" (seconds of the run)
+    or "cpu" (this process's CPU seconds over the call, prefill included: the work, which other jobs on a
+    shared machine do not inflate)."""
     from dflash_jax.spec.loop import generate
+
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+
+    def timed(s):
+        c0 = time.process_time()
+        seconds = run(s).stats["seconds"]
+        return seconds if clock == "wall" else time.process_time() - c0
 
     def run(s):
         if s.is_chain:
@@ -696,7 +706,7 @@ def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_toke
         rounds.append(max(1, int(res.stats["rounds"])))
     for r in range(repeats):
         for i, s in enumerate(shapes):
-            best[i] = min(best[i], run(s).stats["seconds"])
+            best[i] = min(best[i], timed(s))
         if log:
             log(f"calibration repeat {r + 1}/{repeats}: " + ", ".join(
                 f"{s.label()} {b / n * 1e3:.1f} ms/round" for s, b, n in zip(shapes, best, rounds)))
