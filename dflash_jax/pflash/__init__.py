@@ -4,7 +4,8 @@ A small scorer model reads the whole prompt and scores each token by the attenti
 it (`score_tokens`); a selection keeps the sink tokens, the last window and the best chunks under a keep ratio or
 a token budget (`select_tokens`); the target prefills only the kept tokens at their original positions and then
 decodes normally, with DFlash or plainly (`generate`). Lossy by design: what the prefill drops is gone; the
-benchmark (`benchmarks/hybrid_sweep.py`, docs/pflash.md) measures the quality it costs.
+benchmark (`benchmarks/hybrid_sweep.py`, docs/pflash.md) measures the quality it costs, with agreement against the
+full prefill and a needle-retrieval set built from held-out text (`pflash.needle`).
 
   scorer = pflash.Scorer.from_pair(pair)                 # or pflash.load_scorer(DIR): any converted target
   kept = pflash.compress(scorer, prompt, keep_ratio=0.25)
