@@ -113,6 +113,8 @@ def test_keep_ratio_one_reproduces_the_full_prefill(shipped):
     full = generate(pair, [prompt], max_new_tokens=24, buckets=BUCKETS)
     again = pflash.generate(pair, [prompt], [kept], max_new_tokens=24, buckets=BUCKETS)
     assert again.tokens == full.tokens and again.acceptance_lengths == full.acceptance_lengths
+    s = again.stats  # the prefill timed apart, in wall and process CPU seconds
+    assert 0 < s["prefill_s"] <= s["seconds"] and 0 < s["prefill_cpu_s"] <= s["cpu_s"]
 
 
 def test_dflash_over_a_compressed_prefill_equals_plain_greedy_over_it(shipped):
