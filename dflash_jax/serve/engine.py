@@ -796,10 +796,9 @@ class Engine:
             obs(info)
         return info
 
-    def _step(self, info: RoundInfo) -> None:
-        if self.state is None:
-            self.state = self._empty_state()
-        # cancellations
+    def _admissions(self, info: RoundInfo) -> None:
+        """Cancellations, then the waiting requests that fit in free slots, prefilled in groups (one batched
+        prefill each); live rows stay compacted in the lowest slots."""
         with self._wake:
             cancelled_queue = [r for r in self.queue if r.cancel_requested]
             for r in cancelled_queue:
@@ -814,7 +813,6 @@ class Engine:
         if free.any():
             self.state = _release(self.state, free)
         self._compact()
-        # admissions: the waiting requests that fit in free slots, prefilled in groups (one batched prefill each)
         while len(self.requests) < self.slots:
             free = [s for s in range(self.slots) if s not in self.requests]
             with self._wake:
@@ -826,6 +824,11 @@ class Engine:
                 break
             self._admit(reqs, free[: len(reqs)], info)
             self._compact()  # a request that ended at its first token
+
+    def _step(self, info: RoundInfo) -> None:
+        if self.state is None:
+            self.state = self._empty_state()
+        self._admissions(info)
         if not self.requests:
             return
         self._round_step(info)

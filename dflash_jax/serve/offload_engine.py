@@ -368,34 +368,6 @@ class OffloadedEngine(Engine):
 
     # -- one round (the base engine's, with the prefetch and the offloaded verify) ------------------------------
 
-    def _admissions(self, info: RoundInfo) -> None:
-        """Cancellations, then the waiting requests that fit in free slots, prefilled in groups (as `Engine`)."""
-        with self._wake:
-            cancelled_queue = [r for r in self.queue if r.cancel_requested]
-            for r in cancelled_queue:
-                self.queue.remove(r)
-        for r in cancelled_queue:
-            self._finish(r, r.cancel_reason, info)
-        free = np.zeros(self.slots, bool)
-        for slot, r in list(self.requests.items()):
-            if r.cancel_requested:
-                free[slot] = True
-                self._finish(r, r.cancel_reason, info)
-        if free.any():
-            self.state = _release(self.state, free)
-        self._compact()
-        while len(self.requests) < self.slots:
-            free = [s for s in range(self.slots) if s not in self.requests]
-            with self._wake:
-                take = min(len(free), len(self.queue), self.prefill_groups[-1])
-                if take and next(g for g in self.prefill_groups if g >= take) > 2 * take:
-                    take = max(g for g in self.prefill_groups if g <= take)  # not mostly padding rows
-                reqs = [self.queue.popleft() for _ in range(take)]
-            if not reqs:
-                break
-            self._admit(reqs, free[: len(reqs)], info)
-            self._compact()  # a request that ended at its first token
-
     def _step(self, info: RoundInfo) -> None:
         rec = info.offload = OffloadRound()
         if self.state is None:
