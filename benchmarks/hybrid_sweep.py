@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     from dflash_jax.offload import OffloadedGenerator
     from dflash_jax.pflash import needle as nd
     from dflash_jax.spec.loop import LOOP_BUCKETS
+    from dflash_jax.study.needle import needle_set
     from dflash_jax.train.data import file_windows
 
     name = args.pair if args.checkpoint else (args.pair or _default_pair())
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     length = cap if args.prompt_len is None else min(args.prompt_len, cap)
     scorers = load_scorers(args.scorers, pair, name)
     prompts = file_windows(pair, "held_out", args.prompts, length)
-    needles = nd.needle_set(pair, args.needles, length, answer=args.needle_answer) if args.needles else []
+    needles = needle_set(pair, args.needles, length, answer=args.needle_answer) if args.needles else []
     budgets = [float(x) for x in args.budgets.split(",") if x.strip()]
     _log(f"pair {name or directory}: {tcfg.model_type}, {tcfg.num_layers} layers, {tcfg.max_position_embeddings} "
          f"positions, block {block}; scorers {[s.name for s in scorers]}; {len(prompts)} prompts of {length} tokens, "

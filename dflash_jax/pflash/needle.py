@@ -1,7 +1,7 @@
 """A needle-retrieval set for PFlash: can the target still reproduce a passage planted early in a long prompt?
 
-Each case is built from held-out text only (token lists; `needle_set` draws them from a trained pair's held-out
-files, `build_needles` takes any):
+Each case is built from held-out text only (token lists; `dflash_jax.study.needle.needle_set` draws them from a
+trained pair's held-out files, `build_needles` takes any):
 
   prompt  = haystack[:at] + passage + haystack[at:] + passage[:query]      (a copy / induction task)
   answer  = passage[query : query + answer]                                 (what the prompt asks for again)
@@ -82,24 +82,6 @@ def build_needles(haystacks: Sequence[Sequence[int]], passages: Sequence[Sequenc
                                 span=(at, at + passage), control=hay[:at] + other + hay[at:] + q,
                                 adjacent=hay + planted + q, depth=depth))
     return cases
-
-
-def needle_set(pair, n: int, length: int, *, passage: int = 48, query: int = 16, answer: int = 8,
-               depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7), seed: int = 1) -> list[NeedleCase]:
-    """`n` cases of `length` tokens from a trained pair's held-out files (`train.data.file_windows`): haystacks
-    and passages are windows of different files (two seeded draws; a passage drawn from a haystack's own file is
-    skipped)."""
-    from dflash_jax.train.data import file_windows
-
-    hay_len = length - passage - query
-    hays = file_windows(pair, "held_out", n, hay_len, seed=seed)
-    pool = file_windows(pair, "held_out", 4 * n + 8, passage, seed=seed + 1000)
-    hay_sets = [set(zip(h, h[1:], h[2:])) for h in hays]
-    passages = [p for p in pool if not any(len(set(zip(p, p[1:], p[2:])) & s) > passage // 2 for s in hay_sets)]
-    if len(passages) < len(hays) + 1:
-        raise ValueError(f"only {len(passages)} held-out passages not overlapping the haystacks: lower n ({n})")
-    return build_needles(hays, passages, length=length, passage=passage, query=query, answer=answer, depths=depths,
-                         seed=seed)
 
 
 def score_answer(tokens: Sequence[int], answer: Sequence[int]) -> tuple[bool, float]:

@@ -725,13 +725,14 @@ def calibration_samples(pair, prompts, *, max_new_tokens: int = 64, branch: int 
     runs greedy on `prompts`; at every round and live sequence, for each depth d whose parent on the target's
     greedy path is still among the draft's candidates, one row per candidate: (depth, rank, log q, parent off
     the argmax chain, is the target's token). The target's path is its plain greedy continuation."""
-    from dflash_jax.decode import greedy_generate
+    from dflash_jax.spec.loop import generate as chain_generate
 
     shape = shape or TreeShape(32, branch)
     prep = prepare_tree(pair, prompts, widest=shape.budget, max_new_tokens=max_new_tokens)
     spec = prep.spec
     gamma = spec.block_size - 1
-    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=max_new_tokens + gamma + 1)
+    # the target's greedy continuation: the chain loop's greedy output is the plain greedy output (lossless)
+    plain = chain_generate(pair, prompts, max_new_tokens=max_new_tokens + gamma + 1).tokens
     state = begin_tree(pair, prep, shape.budget)
     rows = []
     while not np.asarray(state.done).all():

@@ -8,6 +8,7 @@ import pytest
 
 import dflash_jax
 from dflash_jax.pflash import needle as nd
+from dflash_jax.study.needle import needle_set
 
 
 def _synthetic(n_hays=3, hay_len=200, n_passages=4, passage_len=60):
@@ -60,7 +61,7 @@ def test_scoring_helpers():
 
 def test_needle_set_from_the_shipped_pairs_held_out_files():
     pair = dflash_jax.load(dequantize_experts="auto")
-    cases = nd.needle_set(pair, 2, 300)
+    cases = needle_set(pair, 2, 300)
     assert len(cases) == 2
     for c in cases:
         assert len(c.prompt) == 300 and max(c.prompt) < pair.target_cfg.vocab_size

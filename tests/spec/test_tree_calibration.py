@@ -104,3 +104,25 @@ def test_policy_provisions_only_the_shapes_it_can_choose():
             assert int(choose_shape(policy, xp.full(2, acc, xp.float32), xp.zeros(2, xp.float32), live)) == 0
     # every shape reachable: the policy is returned as is
     assert AdaptivePolicy(shapes[:1]).pruned().shapes == shapes[:1]
+
+
+def test_calibration_samples_from_the_shipped_pair_fit_a_model_that_ranks_the_argmax_first():
+    """`calibration_samples` on the shipped pair (a small tree loop, greedy): rows (depth, rank, log q, off, hit)
+    with at most one hit per (round, depth) group, hits at depth 1 (the target's next token is the draft's
+    candidate often), and a fitted model that scores the draft's argmax above its second choice."""
+    import dflash_jax
+    from dflash_jax.spec.tree import calibration_samples
+    from dflash_jax.train.data import file_windows
+
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
+    prompts = file_windows(pair, "train", 1, 48, 3)
+    rows = calibration_samples(pair, prompts, max_new_tokens=12, branch=2, shape=TreeShape(8, 2))
+    assert rows.ndim == 2 and rows.shape[1] == 5 and len(rows) >= 8
+    depth, rank, lq, hit = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 4]
+    assert set(np.unique(rank)) == {0.0, 1.0} and (lq <= 0).all() and depth.min() == 1
+    first = rows[depth == 1]
+    assert first[:, 4].sum() >= 1  # the target's token is among the draft's 2 candidates at depth 1 somewhere
+    assert hit.sum() <= len(rows) / 2  # one hit at most per group of 2 candidates
+    cal = fit_calibration(rows)
+    a0, a1 = cal.log_accept(np.array([1, 1]), np.array([0, 1]), np.array([-0.2, -2.0]), np.array([False, False]))
+    assert float(a0) > float(a1)
