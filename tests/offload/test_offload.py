@@ -459,6 +459,7 @@ def test_learned_router_starts_as_the_draft_router_and_learns(pair):
     assert np.mean(losses[-5:]) < 0.8 * losses[0]
 
 
+@pytest.mark.slow  # (fast-set time: the mechanism is covered by a faster test)
 def test_learned_router_with_token_features_and_threshold(pair):
     """Token features read the verify block's tokens; the threshold knob selects exactly the experts whose
     block-level probability 1 - prod_rows(1 - p) reaches it, most probable first; generation with it stays

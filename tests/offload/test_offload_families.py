@@ -226,6 +226,7 @@ def test_learned_router_starts_exactly_at_the_familys_router(pair):
     assert all(set(learned[l].tolist()) == set(draft[l].tolist()) for l in layers)
 
 
+@pytest.mark.slow  # (fast-set time: the mechanism is covered by a faster test)
 def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference):
     """The family's next-layer router (norm, bias, top-k rule) on the previous layer's post-attention residual,
     checked by hand with the family's layer pieces; width top_k: the prediction is exactly the routing the next

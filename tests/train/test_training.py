@@ -132,6 +132,7 @@ def test_hf_export_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # (fast-set time: the mechanism is covered by a faster test)
 def test_hf_export_round_trip_qwen3_5(tmp_path):
     """A Qwen3.5-MoE target (DeltaNet + gated attention, shared expert) exports in the layout transformers
     writes: it loads back bit for bit and transformers' own model of the directory gives our logits."""
