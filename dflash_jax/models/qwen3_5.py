@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from pallas_kernels import ops
+from pallas_kernels import target as kernel_target
 
 from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
 from dflash_jax.models import decoder
@@ -384,7 +385,8 @@ def _experts_per_slot_wanted(mlp: SparseMoEWeights, h: jax.Array, implementation
     whose grouped matmul would be XLA's `ragged_dot` on a backend without a native lowering of it (the CPU).
     There `ragged_dot` multiplies every row by every expert's (masked) table, k times the work of running
     each expert once on every token, and copies the tables masked by `group_sizes > 0` on every call."""
-    if implementation != "auto" or mlp.slot_of is not None or jax.default_backend() in ("gpu", "tpu"):
+    # the platform traced for: a deviceless H200 compile on a CPU host traces for the GPU (`compiling_for`)
+    if implementation != "auto" or mlp.slot_of is not None or kernel_target.platform() in ("gpu", "cuda", "tpu"):
         return False
     if moe.expert_parallel_mesh() is not None:
         return False

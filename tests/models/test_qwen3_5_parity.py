@@ -409,3 +409,18 @@ def test_wrapper_configs():
         edit(c)
         with pytest.raises(ConfigError, match=message):
             from_hf_config(c)
+
+
+def test_batched_experts_only_where_ragged_dot_is_generic():
+    """The routed experts run as a batched matmul over the experts only when traced for the CPU, never for a
+    GPU (a deviceless H200 compile on a CPU host keeps the grouped path) nor on a slot pool."""
+    from dflash_jax import testing as T
+    from dflash_jax.models import qwen3_5 as q35
+    from pallas_kernels import target
+
+    mlp = T.random_pair(T.tiny_qwen3_5_config(), seed=0, expert_format="dense").target.layers[0].mlp
+    h = jnp.zeros((4, mlp.router.shape[0]), jnp.float32)
+    assert q35._experts_per_slot_wanted(mlp, h, "auto") == (jax.default_backend() == "cpu")
+    assert not q35._experts_per_slot_wanted(mlp, h, "xla")
+    with target.compiling_for("gpu"):
+        assert not q35._experts_per_slot_wanted(mlp, h, "auto")
