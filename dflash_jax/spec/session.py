@@ -295,14 +295,16 @@ def _begin(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec:
 
 
 def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig,
-                params: RowParams | None = None, context_positions: jax.Array | None = None) -> SpecState:
+                params: RowParams | None = None, context_positions: jax.Array | None = None,
+                draft_cache: KVCache | None = None) -> SpecState:
     """The state after a prefill `out` (a ForwardOutput with "last" logits and the draft taps): the first
     token, the draft's context cache fed with the prompt taps. `target_w` is read for `embed.dtype` only.
 
     params: the per-sequence settings; None = `spec.static_request` for every sequence with the shared
     stop ids `stop_ids` [S] (the `make_spec` form). key: one key (sequence i draws from fold_in(key, i))
     or one key per sequence [b]. context_positions: [b, T] the prompt rows' RoPE positions when the prefill
-    ran at explicit positions (`dflash_jax.pflash`), None = slot positions."""
+    ran at explicit positions (`dflash_jax.pflash`), None = slot positions. draft_cache: the draft's context
+    cache already fed with every prompt row (a chunked prefill, `spec.prefill`); `out.taps` are then not read."""
     b = lengths.shape[0]
     if params is None:
         if spec.static_request is None:
@@ -313,12 +315,13 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
     key, k_first = _split_rows(key)
     first = next_token_rows(k_first, out.logits, params.sampling)
     feat = spec.draft.num_taps * spec.target.hidden_size
-    draft_cache = None
-    if spec.block_size > 1:
+    if spec.block_size > 1 and draft_cache is None:
         draft_cache = draft_model.init_draft_cache(spec.draft, b, spec.max_len, draft_w.fc.dtype)
         draft_cache = draft_model.append_context(
             draft_w, spec.draft, context_features=draft_model.context_features(out.taps), num_context=lengths,
             cache=draft_cache, positions=context_positions)
+    elif spec.block_size == 1:
+        draft_cache = None
     n = spec.output_len
     done = _is_stop(first, params.stop_ids) | (params.budget <= 1)
     return SpecState(
