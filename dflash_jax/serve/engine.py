@@ -83,6 +83,102 @@ def learn_round_seconds(table: dict, width: int, seconds: float, *, down: float 
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------
+# the cost table kept current while serving (pure: the rule is tested on its own)
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CostRule:
+    """How the width chooser's cost table is kept current from served rounds.
+
+    Every served round of a row bucket updates that bucket's entry of the width it ran (`observe_cost`: the
+    median of the width's last `window` served times, so one slow round on a shared machine moves nothing). A
+    width the chooser does not pick is measured by exploration (`explore_width`): in one round of every
+    `explore_every` rounds of a bucket, a width adjacent to the chosen one runs instead when its entry is
+    unconfirmed (fewer than `confirm` served times: a warm-up figure) or stale (no served time in `stale_after`
+    rounds of the bucket). So at most 1 / `explore_every` of a bucket's rounds explore, an exploring round still
+    commits tokens (any width is lossless), and a mispriced entry is re-measured within tens of rounds.
+    """
+
+    explore_every: int = 8
+    stale_after: int = 64
+    confirm: int = 3
+    window: int = 5
+
+    def __post_init__(self):
+        if int(self.explore_every) < 0 or int(self.stale_after) < 1 or int(self.confirm) < 0 or int(self.window) < 1:
+            raise ValueError(f"CostRule: explore_every >= 0 (0: never explore), stale_after >= 1, confirm >= 0 and "
+                             f"window >= 1, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketCosts:
+    """One row bucket's learned costs: the table {width: seconds}, each width's recent served times (newest
+    last), each width's age (rounds of the bucket since its last served time) and the bucket's rounds so far."""
+
+    seconds: dict
+    recent: dict
+    age: dict
+    rounds: int = 0
+
+    @classmethod
+    def fresh(cls, seconds: dict, rule: CostRule = CostRule()) -> "BucketCosts":
+        """A table measured at warm-up (or given): no served time yet, every entry stale."""
+        return cls(seconds={int(w): float(t) for w, t in seconds.items()}, recent={int(w): () for w in seconds},
+                   age={int(w): int(rule.stale_after) for w in seconds})
+
+    def stale(self, width: int, rule: CostRule) -> bool:
+        return len(self.recent[width]) < rule.confirm or self.age[width] >= rule.stale_after
+
+
+def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule = CostRule()) -> BucketCosts:
+    """The bucket's costs after one served round of `width` took `seconds` (pure). The entry becomes the median
+    of the width's last `rule.window` served times (geometric mean of the middle two for an even count): the
+    first served time replaces a warm-up figure (measured when the machine may have been busier or quieter), one
+    slow round among three or more moves nothing, a lasting change shows within `window` // 2 + 1 rounds. A
+    stale entry keeps only its newest time. Every other width ages by one round."""
+    recent = costs.recent[width]
+    if costs.age[width] >= rule.stale_after:
+        recent = recent[-1:]
+    recent = (recent + (max(float(seconds), 1e-9),))[-int(rule.window):]
+    table = dict(costs.seconds)
+    table[width] = float(np.exp(np.median(np.log(recent))))
+    times = dict(costs.recent)
+    times[width] = recent
+    age = {w: a + 1 for w, a in costs.age.items()}
+    age[width] = 0
+    return BucketCosts(seconds=table, recent=times, age=age, rounds=costs.rounds + 1)
+
+
+def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) -> int | None:
+    """The width to run instead of `chosen` to re-measure its cost, or None (pure, deterministic): only in the
+    bucket's rounds numbered explore_every - 1, 2 * explore_every - 1, .. (at most 1 / explore_every of them),
+    only a width adjacent to `chosen` in the bucket's widths, and only if its entry is stale or unconfirmed
+    (`BucketCosts.stale`); of two such neighbours an unconfirmed one first, then the older entry, then the wider.
+    Never with a single width."""
+    widths = sorted(costs.seconds)
+    if len(widths) < 2 or rule.explore_every <= 0 or chosen not in costs.seconds:
+        return None
+    if (costs.rounds + 1) % rule.explore_every:
+        return None
+    i = widths.index(chosen)
+    near = [widths[j] for j in (i + 1, i - 1) if 0 <= j < len(widths)]
+    near = [w for w in near if costs.stale(w, rule)]
+    if not near:
+        return None
+    return max(near, key=lambda w: (len(costs.recent[w]) < rule.confirm, costs.age[w], w))
+
+
+def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
+                 rule: CostRule | None = CostRule()) -> tuple[int, bool]:
+    """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
+    time, then `explore_width` (rule None: no exploration). Pure."""
+    seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
+    chosen = choose_width(alphas, seconds, margin)
+    other = None if rule is None else explore_width(costs, chosen, rule)
+    return (chosen, False) if other is None else (other, True)
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve (the message names the cause and the fix): a 400 for the server."""
 
@@ -349,6 +445,7 @@ class RoundInfo:
     compiles: int = 0
     width: int = 0  # the verify width chosen for the round (0: no verify)
     rows: int = 0  # the row bucket the round computed (live requests are kept in the lowest slots)
+    explored: bool = False  # the width ran to re-measure its cost (not the chooser's pick; `explore_width`)
 
 
 class Engine:
@@ -359,8 +456,10 @@ class Engine:
     None: block_size only (a fixed width). "auto": `default_widths(block_size)`. One draft and one verify are
     compiled per width at warm-up; the state has the layout of the widest, so any width serves any round.
     round_seconds: {width: seconds of one round}, a fixed cost table for every row bucket; None: `cost_table`
-    {rows: {width: seconds}} measured by `warmup()` (`measure_rounds`: paired, medians of ratios);
-    `learn_costs=True` also keeps the table up to date from the rounds served (`learn_round_seconds`).
+    {rows: {width: seconds}} measured by `warmup()` (`measure_rounds`: paired, medians of ratios).
+    learn_costs: keep the table current from the rounds served, per row bucket (`observe_cost`), with a bounded
+    exploration of the widths next to the chosen one whose entries are stale (`explore_width`, by `cost_rule`;
+    `explore_rounds` / `explore_seconds` count it). Default (None): on, unless `round_seconds` fixes the table.
     width_margin: a wider verify is chosen only when its expected tokens per second beat the narrower's by this
     factor (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
     no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
@@ -379,8 +478,9 @@ class Engine:
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
                  expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
-                 acceptance_prior: float = 0.7, learn_costs: bool = False, mesh=None,
-                 row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1):
+                 acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
+                 row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
+                 cost_rule: CostRule | None = None):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -443,7 +543,14 @@ class Engine:
         self.specs = {w: dataclasses.replace(self.spec, block_size=w) for w in widths}
         self.round_seconds = round_seconds
         self.cost_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds (measured at warm-up)
-        self.learn_costs = bool(learn_costs)
+        self.learn_costs = (round_seconds is None) if learn_costs is None else bool(learn_costs)
+        self.cost_rule = CostRule() if cost_rule is None else cost_rule
+        if not isinstance(self.cost_rule, CostRule):
+            raise ValueError(f"cost_rule must be a CostRule, got {type(cost_rule).__name__}")
+        self._costs: dict[int, BucketCosts] = {}  # rows -> the bucket's learned costs (while serving)
+        self._explored = None  # the width this round explores (None: the chosen one runs)
+        self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
+        self.explore_seconds = 0.0  # their wall time
         self.width_margin = float(width_margin)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
@@ -715,21 +822,45 @@ class Engine:
 
     def seconds_table(self, rows: int) -> dict:
         """{width: seconds} of a round computing `rows` rows: `round_seconds` when given, else the measured table
-        of that row bucket (a rough default before warm-up)."""
+        of that row bucket (a rough default before warm-up); learned from served rounds once it has any."""
+        if rows in self._costs:
+            return self._costs[rows].seconds
         if self.round_seconds is not None:
             return self.round_seconds
         return self.cost_table.get(rows) or {w: 1.0 + w / 16.0 for w in self.widths}
 
+    def bucket_costs(self, rows: int) -> BucketCosts:
+        """The row bucket's learned costs (from its warm-up or given table until a round of it is served)."""
+        costs = self._costs.get(rows)
+        return costs if costs is not None else BucketCosts.fresh(self.seconds_table(rows), self.cost_rule)
+
     def choose_width(self, live: Sequence[int]) -> int:
-        """This round's verify width (`choose_width` over the live rows' acceptance and the cost table of the
-        row bucket the round computes)."""
+        """This round's verify width (`decide_width`: `choose_width` over the live rows' acceptance and the cost
+        table of the row bucket the round computes, and, when the table is learned, the exploration of a stale
+        neighbouring width; `self._explored` says which)."""
+        self._explored = None
         if len(self.widths) == 1:
             return self.widths[0]
-        seconds = self.seconds_table(self.row_bucket(live))
         # every round also pays the host's work around the draft and the verify (the same at every width, so it
         # favours the wider verifies, which need fewer rounds)
-        seconds = {w: t + self.host_seconds for w, t in seconds.items()}
-        return choose_width([self.row_acceptance(self.requests[s]) for s in live], seconds, self.width_margin)
+        width, explored = decide_width([self.row_acceptance(self.requests[s]) for s in live],
+                                       self.bucket_costs(self.row_bucket(live)), self.host_seconds,
+                                       self.width_margin, self.cost_rule if self.learn_costs else None)
+        self._explored = width if explored else None
+        return width
+
+    def _learn_cost(self, info: RoundInfo) -> None:
+        """Updates the round's bucket entry from its device time (draft + verify + fetch) and counts an explored
+        round."""
+        if info.explored:
+            self.explore_rounds[info.width] += 1
+            self.explore_seconds += info.seconds
+        if not self.learn_costs or len(self.widths) < 2 or info.compiles or info.width not in self.specs:
+            return
+        costs = observe_cost(self.bucket_costs(info.rows), info.width, self._device_seconds, self.cost_rule)
+        self._costs[info.rows] = costs
+        if self.round_seconds is None:
+            self.cost_table[info.rows] = costs.seconds
 
     def _observe_acceptance(self, req: Request, width: int, committed: int, finished: bool) -> None:
         """Updates the acceptance estimates from one verify: `committed - 1` proposals accepted of `width - 1`,
@@ -780,10 +911,12 @@ class Engine:
         """One round: admissions, draft, schedule, verify, emission. Returns what it did."""
         info = RoundInfo()
         t0 = time.perf_counter()
+        self._explored = None
         with compile_cache.CompileCounter() as counter:
             self._step(info)
         info.compiles = counter.compiles
         info.seconds = time.perf_counter() - t0
+        info.explored = bool(info.width) and self._explored == info.width
         if info.width and not info.admitted and not info.compiles:
             # what a served round takes beyond its table entry: the host's work (choice, scheduling, emission,
             # callbacks) and what serving adds to the compute (an HTTP loop and clients sharing the cores). The
@@ -791,6 +924,8 @@ class Engine:
             over = max(info.seconds - self.seconds_table(info.rows)[info.width], 0.0)
             self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
             self._host_samples += 1
+        if info.width:
+            self._learn_cost(info)
         self.rounds += 1
         for obs in self.observers:
             obs(info)
@@ -891,14 +1026,6 @@ class Engine:
                                  self.spec, rows)
         after, done, output = jax.device_get((self.state.num_generated, self.state.done, self.state.output))
         self._device_seconds = t_draft + time.perf_counter() - t_device
-        if self.learn_costs:
-            table = self.round_seconds if self.round_seconds is not None else self.cost_table.get(rows)
-            if table is not None:
-                table = learn_round_seconds(table, width, self._device_seconds)
-                if self.round_seconds is not None:
-                    self.round_seconds = table
-                else:
-                    self.cost_table[rows] = table
         for s in live:
             req = self.requests[s]
             if not active[s]:
@@ -972,6 +1099,42 @@ class Engine:
             self._thread = None
         with self._wake:
             self._stopping = False  # stopped: the engine may be started (or stepped) again
+
+
+def attach_cost_metrics(engine: Engine) -> int:
+    """Adds the cost table's learning to the /metrics of every server observing `engine`
+    (`serve.server.create_app` adds one): `dflash_width_explore_rounds_total{width}` and
+    `dflash_width_explore_seconds_total` (the rounds run at an explored width, and their wall time) and
+    `dflash_cost_table_seconds{rows,width}` (the table the chooser prices widths with, as learned). Returns how
+    many registries got them."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self):
+            rounds = CounterMetricFamily("dflash_width_explore_rounds",
+                                         "Rounds run at a width next to the chosen one to re-measure its stale cost "
+                                         "(at most one in explore_every rounds of a row bucket)", labels=["width"])
+            for w in engine.widths:
+                rounds.add_metric([str(w)], float(engine.explore_rounds.get(w, 0)))
+            yield rounds
+            yield CounterMetricFamily("dflash_width_explore_seconds", "Wall time of the explored rounds",
+                                      value=float(engine.explore_seconds))
+            table = GaugeMetricFamily("dflash_cost_table_seconds", "The width chooser's round time by row bucket and "
+                                      "width (measured at warm-up, then learned from served rounds)",
+                                      labels=["rows", "width"])
+            for rows in engine.row_buckets:
+                for w, t in sorted(engine.seconds_table(rows).items()):
+                    table.add_metric([str(rows), str(w)], float(t))
+            yield table
+
+    n = 0
+    for obs in list(engine.observers):
+        registry = getattr(getattr(getattr(obs, "__self__", None), "metrics", None), "registry", None)
+        if registry is not None and not getattr(registry, "_dflash_costs", False):
+            registry.register(Collector())
+            registry._dflash_costs = True
+            n += 1
+    return n
 
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(),
