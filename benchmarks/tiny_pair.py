@@ -1,17 +1,22 @@
 """Benchmark on the shipped pair: acceptance (tau) by block size, DFlash vs plain decoding, jit vs Python loop.
 
-  python benchmarks/tiny_pair.py [--checkpoint DIR | --pair NAME] [--prompts 8] [--prompt-len 128] [--max-new 128]
-                                 [--out DIR | --write-docs]
+  python benchmarks/tiny_pair.py [--checkpoint DIR | --pair NAME] [--prompts 10] [--prompt-len 128] [--max-new 256]
+                                 [--repeats 3] [--threads one|all] [--out DIR | --write-docs]
   python benchmarks/tiny_pair.py --pair tiny_pair_qwen3_5 --blocks 4,8,16 --write-docs   # the hybrid pair
 
 Prompts are windows of the held-out standard-library files (split.json of the pair, never trained on).
 In one run, with compiled (warmed-up) jitted loops and batch 1 as in interactive use:
-  - tau = tokens committed per round, per block size 1, 2, 4, 8, 16;
-  - tokens/s of the DFlash jitted loop vs the plain greedy jitted loop of the same target -> speedup;
+  - tau = tokens committed per round, per block size;
+  - tokens/s of the DFlash jitted loop vs the plain greedy jitted loop of the same target -> speedup, from
+    paired, interleaved runs: per prompt, `--repeats` times [plain, DFlash at each block size] back to back;
+    wall time and process CPU time, best-of and median per prompt (with `--threads one`, the default, XLA's CPU
+    runtime runs on one thread for both modes, so CPU time measures the work and is steady under load);
+    the load average is recorded;
   - rounds/s of the jitted while_loop vs the Python stepping loop, and the host share of a round.
-Every DFlash output is checked equal to the plain greedy output (lossless). Writes <name>.{json,md,png} to
+Every DFlash run's output is checked equal to the plain greedy output (lossless). Writes <name>.{json,md,png} to
 --out (default bench_out/, ignored by git) or, with --write-docs, to docs/benchmarks/; <name> is the pair's name
-(tiny_pair for the default pair or --checkpoint, tiny_pair_qwen3_5 for `--pair tiny_pair_qwen3_5`).
+(tiny_pair for the default pair or --checkpoint, tiny_pair_qwen3_5 for `--pair tiny_pair_qwen3_5`). A report's
+hand-written reading below the line `<!-- reading: kept across --write-docs reruns -->` is kept on a rerun.
 """
 
 from __future__ import annotations
@@ -28,18 +33,21 @@ import numpy as np
 from _output import add_output_args, output_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-def timed(fn, repeats: int = 2):
-    fn()  # compile
-    best = None
-    out = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - t0
-        best = dt if best is None else min(best, dt)
-    return out, best
+def timed(fn):
+    """(result, wall seconds, process CPU seconds) of one call."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w0, time.process_time() - c0
+
+
+def load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def plot(rows: list[dict], path: str) -> bool:
@@ -75,22 +83,56 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
+READING_MARK = "<!-- reading: kept across --write-docs reruns -->"
+
+
+def summary(times: dict, key: str, tokens: int) -> dict:
+    """tokens/s of the plain loop and each block size from per-prompt lists of timings, by the sum over prompts of
+    each prompt's best (minimum) and median time; per-prompt ratios of the medians."""
+    out = {}
+    for stat, fn in (("best", np.min), ("median", np.median)):
+        plain = sum(fn(r[key]) for r in times["plain"])
+        out[f"plain_tokens_per_s_{stat}"] = round(tokens / plain, 1)
+        for block, runs in times["dflash"].items():
+            t = sum(fn(r[key]) for r in runs)
+            out.setdefault(block, {})[f"tokens_per_s_{stat}"] = round(tokens / t, 1)
+            out[block][f"speedup_{stat}"] = round(plain / t, 3)
+    for block, runs in times["dflash"].items():
+        ratios = [np.median(p[key]) / np.median(r[key]) for p, r in zip(times["plain"], runs)]
+        out[block]["speedup_per_prompt_min"] = round(float(np.min(ratios)), 3)
+        out[block]["speedup_per_prompt_max"] = round(float(np.max(ratios)), 3)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None, help="default: the shipped pair")
     p.add_argument("--pair", default=None, metavar="NAME", help="a shipped pair by name (dflash_jax.SHIPPED_PAIRS)")
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and mode (interleaved)")
     p.add_argument("--blocks", default="1,2,4,8,16")
+    p.add_argument("--threads", choices=("one", "all"), default="one",
+                   help="one: XLA's CPU runtime on one thread (--xla_cpu_multi_thread_eigen=false "
+                        "intra_op_parallelism_threads=1), for plain and DFlash alike, so CPU time = work; all: XLA's "
+                        "defaults")
     p.add_argument("--dequantize-experts", choices=("no", "yes"), default="no",
                    help="no: the FP4 expert tables as stored, dequantized inside every forward (plain and DFlash "
                         "alike); yes: dequantized once at load (what dflash-generate does on a CPU). With yes the "
                         "outputs are named <pair>_dense")
     add_output_args(p)
     args = p.parse_args(argv)
-    if min(args.prompts, args.prompt_len, args.max_new) < 1:
-        p.error("--prompts, --prompt-len and --max-new must be >= 1")
+    if min(args.prompts, args.prompt_len, args.max_new, args.repeats) < 1:
+        p.error("--prompts, --prompt-len, --max-new and --repeats must be >= 1")
+    try:
+        blocks = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        p.error(f"--blocks must be comma-separated integers, not {args.blocks!r}")
+    if min(blocks) < 1:
+        p.error("--blocks must be >= 1")
+    if args.threads == "one":  # before jax is imported; the same flags for both modes
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + ONE_THREAD).strip()
 
     import jax
 
@@ -110,46 +152,74 @@ def main(argv=None) -> int:
     pair = dflash_jax.load(directory, dequantize_experts=dense)
     from dflash_jax.train.data import file_windows
 
+    if args.prompt_len + args.max_new > pair.target_cfg.max_position_embeddings:
+        raise SystemExit(f"--prompt-len + --max-new ({args.prompt_len + args.max_new}) exceeds the target's "
+                         f"{pair.target_cfg.max_position_embeddings} positions: ask for fewer tokens")
     try:
         prompts = file_windows(pair, "held_out", args.prompts, args.prompt_len)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(str(e))
-    blocks = [int(b) for b in args.blocks.split(",")]
     n = args.max_new
-    rows = []
-    plain_out = []
+    load_before = load_avg()
 
     def plain(prompt):
-        return greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=n, stop_ids=[])
+        return greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=n, stop_ids=[])[0]
 
-    for prompt in prompts:
-        plain_out.append(plain(prompt)[0])  # compiles once; the reference output
+    def dflash(prompt, block):
+        return generate(pair, [prompt], max_new_tokens=n, block_size=block)
+
+    # every program compiled before any timing
+    plain(prompts[0])
     for block in blocks:
-        # each prompt's plain and DFlash runs back to back, so a row's ratio compares runs made at the same
-        # moment of a shared, noisy machine
-        total_time, plain_time, taus, lossless, lengths = 0.0, 0.0, [], True, []
-        for prompt, ref in zip(prompts, plain_out):
-            _, pdt = timed(lambda: plain(prompt))
-            res, dt = timed(lambda: generate(pair, [prompt], max_new_tokens=n, block_size=block))
-            total_time += dt
-            plain_time += pdt
-            taus.append(res.mean_acceptance())
-            lengths += res.acceptance_lengths[0]
-            lossless &= res.tokens[0] == ref
-        tps = len(prompts) * n / total_time
-        plain_tps = len(prompts) * n / plain_time
-        row = {"block_size": block, "tau": round(float(np.mean(taus)), 3), "tokens_per_s": round(tps, 1),
-               "plain_tokens_per_s": round(plain_tps, 1), "speedup": round(tps / plain_tps, 2),
-               "lossless": bool(lossless),
+        dflash(prompts[0], block)
+    times = {"plain": [], "dflash": {b: [] for b in blocks}}
+    taus, lossless, lengths, loads = {b: [] for b in blocks}, {b: True for b in blocks}, {b: [] for b in blocks}, []
+    for i, prompt in enumerate(prompts):
+        # paired and interleaved: each repeat runs plain, then every block size, on this prompt, so each ratio
+        # compares runs made moments apart on a shared, noisy machine
+        ref = None
+        rec = {"plain": {"wall": [], "cpu": []}, **{b: {"wall": [], "cpu": []} for b in blocks}}
+        for _ in range(args.repeats):
+            out, wall, cpu = timed(lambda: plain(prompt))
+            ref = out if ref is None else ref
+            if out != ref:
+                raise SystemExit("plain greedy decoding is not deterministic: the reference is ill-defined")
+            rec["plain"]["wall"].append(wall)
+            rec["plain"]["cpu"].append(cpu)
+            for block in blocks:
+                res, wall, cpu = timed(lambda: dflash(prompt, block))
+                rec[block]["wall"].append(wall)
+                rec[block]["cpu"].append(cpu)
+                lossless[block] &= res.tokens[0] == ref  # checked on every run
+                if len(rec[block]["wall"]) == 1:
+                    taus[block].append(res.mean_acceptance())
+                    lengths[block] += res.acceptance_lengths[0]
+        times["plain"].append(rec["plain"])
+        for block in blocks:
+            times["dflash"][block].append(rec[block])
+        loads.append(load_avg())
+        print(f"prompt {i + 1}/{len(prompts)}: plain {n / min(rec['plain']['wall']):.1f} tok/s; " + ", ".join(
+            f"B={b} {min(rec['plain']['wall']) / min(rec[b]['wall']):.2f}x" for b in blocks)
+            + f"; load {loads[-1]}", flush=True)
+    tokens = len(prompts) * n
+    wall, cpu = summary(times, "wall", tokens), summary(times, "cpu", tokens)
+    rows = []
+    for block in blocks:
+        row = {"block_size": block, "tau": round(float(np.mean(taus[block])), 3),
+               "tokens_per_s": wall[block]["tokens_per_s_best"], "plain_tokens_per_s": wall["plain_tokens_per_s_best"],
+               "speedup": round(wall[block]["speedup_best"], 2), "lossless": bool(lossless[block]),
+               "wall": wall[block], "cpu": cpu[block],
                # rounds that committed k tokens, k = 1..block (accepted proposals + the bonus)
-               "acceptance_histogram": np.bincount(lengths, minlength=block + 1)[1:].tolist()}
+               "acceptance_histogram": np.bincount(lengths[block], minlength=block + 1)[1:].tolist()}
         rows.append(row)
         print(row, flush=True)
     # jit vs Python stepping at the draft's trained block size
     block = pair.draft_cfg.block_size if pair.draft_cfg.block_size in blocks else blocks[-1]
     prompt = prompts[0]
-    jit_res, jit_dt = timed(lambda: generate(pair, [prompt], max_new_tokens=n, block_size=block))
-    step_res, step_dt = timed(lambda: generate_stepping(pair, [prompt], max_new_tokens=n, block_size=block))
+    jit_res, jit_dt, _ = min((timed(lambda: dflash(prompt, block)) for _ in range(2)), key=lambda r: r[1])
+    generate_stepping(pair, [prompt], max_new_tokens=n, block_size=block)  # compile
+    step_res, step_dt, _ = min((timed(lambda: generate_stepping(pair, [prompt], max_new_tokens=n, block_size=block))
+                                for _ in range(2)), key=lambda r: r[1])
     split = step_res.stats["time_split"]
     loops = {
         "block_size": block, "rounds": jit_res.stats["rounds"],
@@ -159,10 +229,17 @@ def main(argv=None) -> int:
         "host_share_of_round": round(split["host_s"] / (step_dt - split["prefill_s"]), 3),
     }
     print(loops)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
     result = {"checkpoint": os.path.basename(pair.directory.rstrip("/")), "prompts": len(prompts),
-              "prompt_len": args.prompt_len, "max_new_tokens": n, "backend": jax.default_backend(),
+              "prompt_len": args.prompt_len, "max_new_tokens": n, "repeats": args.repeats,
+              "backend": jax.default_backend(), "threads": args.threads, "xla_flags": xla_flags,
               "expert_tables": "dense (dequantized at load)" if dense else "as stored (FP4 dequantized per forward)",
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "by_block_size": rows, "loops": loops}
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "load_average_1_5_15": {"before": load_before, "after_each_prompt": loads},
+              "plain_tokens_per_s": {"wall": {k: wall[f"plain_tokens_per_s_{k}"] for k in ("best", "median")},
+                                     "cpu": {k: cpu[f"plain_tokens_per_s_{k}"] for k in ("best", "median")}},
+              "by_block_size": rows, "loops": loops,
+              "times_s": {"plain": times["plain"], "dflash": {str(b): v for b, v in times["dflash"].items()}}}
     out_dir = output_dir(args)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
@@ -174,27 +251,49 @@ def main(argv=None) -> int:
     cmd = "python benchmarks/tiny_pair.py" + (f" --pair {name}" if name != "tiny_pair" else "") + \
         (f" --blocks {args.blocks}" if args.blocks != "1,2,4,8,16" else "") + \
         "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k, d in
-                (("prompts", 8), ("prompt_len", 128), ("max_new", 128)) if getattr(args, k) != d) + \
+                (("prompts", 10), ("prompt_len", 128), ("max_new", 256), ("repeats", 3), ("threads", "one"))
+                if getattr(args, k) != d) + \
         (" --dequantize-experts yes" if dense else "") + " --write-docs"
+    threads = ("XLA's CPU runtime on one thread for both modes (`XLA_FLAGS=" + ONE_THREAD + "`)"
+               if args.threads == "one" else "XLA's default threading")
+    loads_seen = [l[0] for l in loads if l]
     md = [f"# {title}: acceptance and speed (CPU)", "",
           f"`{cmd}` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} tokens, "
-          f"{n} new tokens each, greedy, batch 1, compiled loops, best of 2; {result['machine']}, "
-          f"backend {result['backend']}; expert tables {result['expert_tables']}. "
-          "Speedup = DFlash jitted loop tokens/s over the plain greedy jitted loop of the same target, each prompt's "
-          "plain and DFlash runs back to back (so each row's plain tok/s is its own).",
+          f"{n} new tokens each, greedy, batch 1, compiled loops; {result['machine']}, "
+          f"backend {result['backend']}; {threads}; expert tables {result['expert_tables']}. "
+          f"Paired runs: for each prompt, {args.repeats} rounds of [plain, then DFlash at each block size] back to "
+          "back, every run's output checked against the plain greedy output. Tokens/s = prompts x new tokens over "
+          "the sum over prompts of each prompt's best (or median) time, end to end (prefill included); "
+          "speedup = DFlash tokens/s over plain tokens/s of the same statistic; wall = elapsed time, "
+          "CPU = process CPU time (with one XLA thread: the work done, steadier on a loaded machine). "
+          f"Load average (1 min) over the run: {min(loads_seen, default=0):.1f} - {max(loads_seen, default=0):.1f} "
+          f"(before: {load_before[0] if load_before else '?'}).",
           "",
-          "| block size | tau (tokens/round) | DFlash tok/s | plain tok/s | speedup | output == plain greedy |",
-          "|---|---|---|---|---|---|"]
+          f"Plain greedy: {wall['plain_tokens_per_s_best']} tok/s wall (best), {wall['plain_tokens_per_s_median']} "
+          f"(median); {cpu['plain_tokens_per_s_best']} tok per CPU-s (best), {cpu['plain_tokens_per_s_median']} "
+          "(median).", "",
+          "| block size | tau (tokens/round) | DFlash tok/s wall, best | speedup wall, best | speedup wall, median "
+          "| speedup CPU, best | speedup CPU, median | per-prompt speedup (wall, median), min - max "
+          "| output == plain greedy |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['block_size']} | {r['tau']} | {r['tokens_per_s']} | {r['plain_tokens_per_s']} | "
-                  f"{r['speedup']}x | {'yes' if r['lossless'] else 'NO'} |")
+        md.append(f"| {r['block_size']} | {r['tau']} | {r['wall']['tokens_per_s_best']} | "
+                  f"{r['wall']['speedup_best']:.2f}x | {r['wall']['speedup_median']:.2f}x | "
+                  f"{r['cpu']['speedup_best']:.2f}x | {r['cpu']['speedup_median']:.2f}x | "
+                  f"{r['wall']['speedup_per_prompt_min']:.2f} - {r['wall']['speedup_per_prompt_max']:.2f} | "
+                  f"{'yes' if r['lossless'] else 'NO'} |")
     md += ["", f"Loops at block size {block}: jitted while_loop {loops['jit_rounds_per_s']} rounds/s, Python "
            f"stepping loop {loops['python_rounds_per_s']} rounds/s; in the stepping loop the host (dispatch, "
            f"transfers, Python) takes {loops['host_share_of_round'] * 100:.0f}% of the decode time "
            f"(split: {loops['python_time_split_s']}).", ""]
     if plot(rows, os.path.join(out_dir, f"{stem}.png")):
         md += [f"![tau and speedup by block size; tokens per round histograms]({stem}.png)", ""]
-    with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
+    md_path = os.path.join(out_dir, f"{stem}.md")
+    if os.path.exists(md_path):  # a hand-written reading below the mark survives the rerun
+        old = open(md_path).read()
+        if READING_MARK in old:
+            md += [READING_MARK + old.split(READING_MARK, 1)[1].rstrip("\n"), ""]
+    with open(md_path, "w") as fh:
         fh.write("\n".join(md))
     print(f"wrote {out_dir}/{stem}.{{json,md}}")
     return 0
