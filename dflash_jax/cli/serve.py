@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", default="auto",
                    help="verify widths the engine chooses from each round by its cost model: 'auto' (1, 2, 4, .. B; "
                         "the default), a comma list (e.g. 1,4,8), or 'fixed' (always B)")
+    p.add_argument("--no-learn-costs", action="store_true",
+                   help="keep the width chooser's warm-up cost table as measured (default: learn it from the rounds "
+                        "served, per row bucket, exploring a stale neighbouring width now and then)")
+    p.add_argument("--explore-every", type=int, default=8,
+                   help="at most one round in N of a row bucket runs a neighbouring width whose cost entry is stale, "
+                        "to re-measure it (default 8; 0: never explore)")
     p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt served, in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="largest max_tokens a request may ask")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
@@ -97,6 +103,8 @@ def check_args(args) -> None:
                 from None
         if not widths or min(widths) < 1:
             raise UsageError(f"--widths must be positive integers, got {args.widths!r}")
+    if getattr(args, "explore_every", 0) < 0:
+        raise UsageError(f"--explore-every must be >= 0 (0: never explore), got {args.explore_every}")
     if args.grace_seconds < 0:
         raise UsageError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
     directory = args.checkpoint or SHIPPED_PAIR
@@ -144,7 +152,7 @@ def build_app(args):
     import dflash_jax
     from dflash_jax import compile_cache
     from dflash_jax.cli.generate import load_tokenizer
-    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.engine import CostRule, Engine, attach_cost_metrics
     from dflash_jax.serve.server import create_app
 
     if args.no_compile_cache:
@@ -166,7 +174,8 @@ def build_app(args):
         byte_budget = None if args.round_expert_mb is None else args.round_expert_mb * 1e6
         common = dict(slots=args.slots, block_size=args.block_size, widths=widths, max_prompt_len=args.max_prompt_len,
                       max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
-                      max_queue=args.max_queue)
+                      max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
+                      cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)))
         if offload:
             from dflash_jax.cli.generate import _pin_experts
             from dflash_jax.offload import PoolTooSmall
@@ -197,6 +206,7 @@ def build_app(args):
     eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
     app = create_app(engine, load_tokenizer(pair), model_name=name, chat_template=chat_template(directory),
                      eos_ids=eos, grace_s=args.grace_seconds)
+    attach_cost_metrics(engine)  # /metrics: the cost table as learned, the exploration's rounds and seconds
     if offload:  # /metrics: bytes moved per round, hits / misses, predicted vs used experts
         from dflash_jax.serve.offload_engine import attach_server_metrics
 

@@ -136,3 +136,14 @@ def test_the_engine_learns_by_default_and_counts_exploration(pair):
     fixed._device_seconds = 0.5
     fixed._learn_cost(RoundInfo(width=4, rows=1, seconds=0.5))
     assert fixed.bucket_costs(1).rounds == 0  # one width: nothing to choose, nothing learned
+
+
+def test_serve_flags(capsys):
+    from dflash_jax.cli.serve import build_parser, main
+
+    assert main(["--explore-every", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash-serve: error:") and "--explore-every must be >= 0" in err and "\n" not in err
+    args = build_parser().parse_args([])
+    assert not args.no_learn_costs and args.explore_every == 8  # learning on by default
+    assert build_parser().parse_args(["--no-learn-costs"]).no_learn_costs
