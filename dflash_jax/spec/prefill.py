@@ -1,0 +1,123 @@
+"""Prefill by chunks: a long prompt enters the caches C tokens at a time, with the state `begin` would build.
+
+  pre = prefill_start(tw, dw, tokens[:, :C], num_valid, spec)       the first chunk starts the caches
+  pre = prefill_chunk(tw, dw, pre, tokens[:, kC:(k+1)C], num_valid, spec)   each next chunk extends them
+  state = prefill_finish(tw, dw, pre, params, key_data, key_fold, spec)     the first token, as `begin`
+
+A chunk of C tokens (right-padded, `num_valid` [b] real ones) runs the target forward on the cache at its
+positions `lengths + [0, C)` (slot = position: attention reads the earlier chunks' rows like any extension;
+gpt-oss's sliding windows and sinks mask by position; Qwen3.5's Gated DeltaNet layers carry their conv tail and
+recurrent state from chunk to chunk, a forward wider than the rollback width committing them, a narrower one
+keeping its rows for the next forward to replay), and appends the chunk's draft taps to the draft's context
+cache (`models.draft.append_context`). `Prefill.logits` holds each row's logits after its last real token so
+far (a row with no real token in a chunk keeps its own), so after the last chunk they are the prefill's "last"
+logits, and `prefill_finish` is `session.start_state` on them: the same first token (same key split), the same
+caches (up to float rounding of differently shaped matmuls) as the one-shot `begin`.
+
+Everything here is pure and jittable; `chunked_begin` is the whole prefill of a batch as one `lax.scan` over
+its chunks (the one-shot `_begin`'s signature plus the static chunk size). The serving engine runs the pieces
+one chunk per round (`serve.engine`), so a long prompt never stalls the live requests for more than one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.cache import KVCache
+from dflash_jax.models import draft as draft_model
+from dflash_jax.models.decoder import ForwardOutput
+from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, init_target_cache, start_state, target_family
+
+
+@struct.dataclass
+class Prefill:
+    """A prefill in progress: the target cache and the draft's context cache holding the chunks so far, and
+    each row's fp32 logits after its last real token so far [b, V]."""
+
+    target_cache: Any
+    draft_cache: KVCache | None
+    logits: jax.Array
+
+    @property
+    def lengths(self) -> jax.Array:
+        """[b] prompt tokens prefilled so far."""
+        return self.target_cache.lengths
+
+
+def prefill_init(target_w, draft_w, batch: int, spec: SpecConfig) -> Prefill:
+    """Empty caches of `batch` rows (the shapes `begin` builds for `spec`) and zero logits."""
+    cache = init_target_cache(spec.target, batch, spec.max_len, target_w.embed.dtype, verify_width=spec.block_size)
+    draft_cache = None
+    if spec.block_size > 1:
+        draft_cache = draft_model.init_draft_cache(spec.draft, batch, spec.max_len, draft_w.fc.dtype)
+    return Prefill(target_cache=cache, draft_cache=draft_cache,
+                   logits=jnp.zeros((batch, spec.target.vocab_size), jnp.float32))
+
+
+def prefill_chunk(target_w, draft_w, pre: Prefill, tokens: jax.Array, num_valid: jax.Array,
+                  spec: SpecConfig) -> Prefill:
+    """Extends the prefill by one chunk `tokens` [b, C] (row i's first `num_valid[i]` are real, 0 allowed): the
+    target forward writes them at each row's length, their draft taps join the draft's context."""
+    num_valid = jnp.asarray(num_valid, jnp.int32)
+    fam = target_family(spec.target)
+    out = fam.forward(target_w, tokens, pre.target_cache, spec.target, num_valid=num_valid, tap_layers=spec.taps,
+                      logits="last")
+    draft_cache = pre.draft_cache
+    if draft_cache is not None:
+        draft_cache = draft_model.append_context(draft_w, spec.draft,
+                                                 context_features=draft_model.context_features(out.taps),
+                                                 num_context=num_valid, cache=draft_cache)
+    logits = jnp.where((num_valid > 0)[:, None], out.logits.astype(jnp.float32), pre.logits)
+    return Prefill(target_cache=out.cache, draft_cache=draft_cache, logits=logits)
+
+
+def prefill_start(target_w, draft_w, tokens: jax.Array, num_valid: jax.Array, spec: SpecConfig) -> Prefill:
+    """The first chunk: `prefill_chunk` on empty caches."""
+    return prefill_chunk(target_w, draft_w, prefill_init(target_w, draft_w, tokens.shape[0], spec), tokens,
+                         num_valid, spec)
+
+
+def prefill_finish(target_w, draft_w, pre: Prefill, params: RowParams, key_data, key_fold,
+                   spec: SpecConfig) -> SpecState:
+    """The state `begin` returns after the whole prompt is in (`session.start_state` on the last logits, with
+    the draft's context cache the chunks fed): keys `fold_in(key(key_data[i]), key_fold[i])` as `_begin`."""
+    keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
+    out = ForwardOutput(logits=pre.logits, taps=(), router_experts=(), cache=pre.target_cache)
+    return start_state(target_w, draft_w, out, pre.lengths, None, keys, spec, params=params,
+                       draft_cache=pre.draft_cache)
+
+
+def chunked_begin(target_w, draft_w, tokens, lengths, params: RowParams, key_data, key_fold, spec: SpecConfig,
+                  chunk: int) -> SpecState:
+    """`session._begin` by chunks of `chunk` tokens (static): the prompts [b, T] (right-padded, `lengths` [b]
+    real) run as ceil(T / chunk) chunks, the first starting the caches and the rest one `lax.scan` step each;
+    a shorter prompt's chunks past its end are all padding and change nothing of its row."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    b, t = tokens.shape
+    n = -(-t // chunk)
+    tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, n * chunk - t)))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    valid = jnp.clip(lengths[None, :] - chunk * jnp.arange(n, dtype=jnp.int32)[:, None], 0, chunk)  # [n, b]
+    pieces = tokens.reshape(b, n, chunk).transpose(1, 0, 2)  # [n, b, C]
+    pre = prefill_start(target_w, draft_w, pieces[0], valid[0], spec)
+    if n > 1:
+        def step(carry, xs):
+            return prefill_chunk(target_w, draft_w, carry, xs[0], xs[1], spec), None
+
+        pre, _ = jax.lax.scan(step, pre, (pieces[1:], valid[1:]))
+    return prefill_finish(target_w, draft_w, pre, params, key_data, key_fold, spec)
+
+
+# jitted forms (spec and chunk static); the engine's per-round pieces donate the prefill they extend
+chunked_begin_jit = jax.jit(chunked_begin, static_argnames=("spec", "chunk"))
+prefill_start_jit = jax.jit(prefill_start, static_argnames=("spec",))
+prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("spec",), donate_argnames=("pre",))
+prefill_finish_jit = jax.jit(prefill_finish, static_argnames=("spec",), donate_argnames=("pre",))
+
+__all__ = ["Prefill", "chunked_begin", "chunked_begin_jit", "prefill_chunk", "prefill_chunk_jit", "prefill_finish",
+           "prefill_finish_jit", "prefill_init", "prefill_start", "prefill_start_jit"]
