@@ -16,9 +16,13 @@ held-out standard-library files; greedy; `ignore_eos`, so every mode produces ex
 is checked). The modes alternate for `--repeats` runs (the order reversed every other run), so a busy spell of
 the (shared) machine does not land on one mode only; the speedup is the median of the per-run ratios to B=1.
 
-Measured: output tokens/s over the run, TTFT and inter-token latency (each streamed chunk's gap spread over
+Measured: output tokens/s over the run, the server process's CPU seconds per output token (process CPU time of
+the process running the engine and the HTTP loop over the run: the work done, which other jobs' load on a shared
+machine inflates far less than wall time; the load average is recorded with every run), TTFT and inter-token
+latency (each streamed chunk's gap spread over
 the tokens it carries) p50 / p99, tokens per verify (acceptance) and expert bytes per round (the union of the
-verified rows' projected experts), the last two from the server's /metrics. Bounded: repeats x modes x
+verified rows' projected experts), the last two from the server's /metrics; the width chooser's explored rounds (the cost table is learned while
+serving). Bounded: repeats x modes x
 max(c * requests-per-client, 8) requests of max-tokens tokens per concurrency. Writes serve.{json,md,png} to
 --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
@@ -115,7 +119,7 @@ class Point:
     """One mode at one concurrency: a warmed engine behind a running server."""
 
     def __init__(self, pair, tokenizer, mode, slots, prompt_len, max_tokens):
-        from dflash_jax.serve.engine import Engine
+        from dflash_jax.serve.engine import Engine, attach_cost_metrics
         from dflash_jax.serve.server import create_app
 
         self.mode, self.slots = mode, slots
@@ -127,7 +131,9 @@ class Point:
         t = time.perf_counter()
         self.engine.warmup([prompt_len])
         self.warm_s = time.perf_counter() - t
+        self.warm_table = {r: dict(t) for r, t in self.engine.cost_table.items()}  # before any served round
         self.server, self.thread, self.base = start_server(create_app(self.engine, tokenizer, model_name="tiny"))
+        attach_cost_metrics(self.engine)
 
     def metrics(self) -> dict:
         import httpx
@@ -152,7 +158,12 @@ class Point:
 def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
     """One load run on a point; the engine's counters are read before and after (deltas)."""
     before = point.metrics()
+    explored = sum(point.engine.explore_rounds.values())
+    cpu = time.process_time()  # this process: the engines and their HTTP loops (the clients run in another)
     records, wall = run_clients(point.base, work, max_tokens)
+    cpu = time.process_time() - cpu
+    load = os.getloadavg()[0]
+    explored = sum(point.engine.explore_rounds.values()) - explored
     after = point.metrics()
     m = {k: after[k] - before.get(k, 0.0) for k in after}
     tokens = sum(len(r["ids"]) for r in records)
@@ -166,6 +177,8 @@ def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
         "mode": point.mode, "block_size": point.block_size, "concurrency": concurrency, "slots": point.slots,
         "requests": len(records), "tokens": tokens,
         "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+        "cpu_s": round(cpu, 3), "cpu_ms_per_token": round(1e3 * cpu / max(tokens, 1), 3), "load_avg_1m": round(load, 2),
+        "explored_rounds": explored,
         "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 1), "ttft_ms_p99": round(1e3 * percentile(ttft, 99), 1),
         "itl_ms_p50": round(1e3 * percentile(itl, 50), 2), "itl_ms_p99": round(1e3 * percentile(itl, 99), 2),
         "tokens_per_verify": round(m["dflash_acceptance_length_sum"] / verified, 2) if verified else None,
@@ -178,6 +191,8 @@ def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
         "engine_busy_s": round(m["dflash_round_seconds_sum"], 3),
         "round_ms_by_width": {str(w): round(1e3 * t, 2) for w, t in
                               point.engine.seconds_table(point.engine.row_bucket(range(concurrency))).items()},
+        "warmup_round_ms_by_width": {str(w): round(1e3 * t, 2) for w, t in
+                                     point.warm_table.get(point.engine.row_bucket(range(concurrency)), {}).items()},
         "outputs": {json.dumps(r["prompt"]): r["ids"] for r in records},
     }
 
@@ -256,6 +271,8 @@ def main(argv=None) -> int:
     modes = dmodes + ["1"]
     rows = []
     paired: dict = {m: {} for m in dmodes}  # mode -> concurrency -> [ratio to B=1 in the same repeat]
+    paired_cpu: dict = {m: {} for m in dmodes}  # the same by CPU seconds per token (B=1's over the mode's)
+    loads: list = []
     t_start = time.perf_counter()
     slots = max(levels) if args.slots is None else args.slots
     if slots < 0 or 0 < slots < max(levels):
@@ -272,20 +289,25 @@ def main(argv=None) -> int:
         best = {}
         try:
             for rep in range(args.repeats):  # the modes alternate, so a busy spell of the machine hits all
-                this = {}
+                this, this_cpu = {}, {}
                 for point in (points if rep % 2 == 0 else points[::-1]):
                     row = measure(point, work, args.max_tokens, c)
                     this[point.mode] = row["tokens_per_s"]
+                    this_cpu[point.mode] = row["cpu_ms_per_token"]
+                    loads.append(row["load_avg_1m"])
                     if point.mode not in best or row["tokens_per_s"] > best[point.mode]["tokens_per_s"]:
                         best[point.mode] = row
                     print(f"c={c:>3} {point.mode:>6} run {rep + 1}: {row['tokens_per_s']:>8.1f} tok/s  "
                           f"TTFT p50 {row['ttft_ms_p50']:.0f} ms  ITL p50 {row['itl_ms_p50']:.2f} ms "
                           f"p99 {row['itl_ms_p99']:.2f} ms  tau {row['tokens_per_verify']} widths "
                           f"{row['rounds_by_width']} rows {row['rounds_by_rows']} engine busy "
-                          f"{row['engine_busy_s']:.1f}s ({row['wall_s']:.1f}s run, {row['warmup_s']:.0f}s warm-up, "
+                          f"{row['engine_busy_s']:.1f}s, CPU {row['cpu_ms_per_token']:.2f} ms/token, explored "
+                          f"{row['explored_rounds']}, load {row['load_avg_1m']:.1f} ({row['wall_s']:.1f}s run, "
+                          f"{row['warmup_s']:.0f}s warm-up, "
                           f"{time.perf_counter() - t_start:.0f}s so far)", flush=True)
                 for m in dmodes:
                     paired[m].setdefault(c, []).append(this[m] / this["1"])
+                    paired_cpu[m].setdefault(c, []).append(this_cpu["1"] / this_cpu[m])
         finally:
             if not shared:
                 for point in points:
@@ -307,9 +329,15 @@ def main(argv=None) -> int:
     speedups = {m: {c: round(float(np.median(paired[m][c])), 2) for c in levels} for m in dmodes}
     ratio_ranges = {m: {c: [round(min(paired[m][c]), 2), round(max(paired[m][c]), 2)] for c in levels}
                     for m in dmodes}
+    cpu_speedups = {m: {c: round(float(np.median(paired_cpu[m][c])), 2) for c in levels} for m in dmodes}
+    cpu_ranges = {m: {c: [round(min(paired_cpu[m][c]), 2), round(max(paired_cpu[m][c]), 2)] for c in levels}
+                  for m in dmodes}
+    load_summary = {"min": round(min(loads), 2), "median": round(float(np.median(loads)), 2),
+                    "max": round(max(loads), 2)}
     result = {
         "benchmark": "serve", "modes": dmodes, "speedup_by_mode_and_concurrency": speedups,
-        "paired_ratio_range": ratio_ranges, "repeats": args.repeats,
+        "paired_ratio_range": ratio_ranges, "cpu_speedup_by_mode_and_concurrency": cpu_speedups,
+        "paired_cpu_ratio_range": cpu_ranges, "load_avg_1m": load_summary, "repeats": args.repeats,
         "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
         "requests_per_client": args.requests_per_client,
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
@@ -334,19 +362,29 @@ def main(argv=None) -> int:
         + f"{args.repeats} runs per point, the modes alternating (order "
         "reversed every other run); tokens/s and latencies: the best run; speedup: the median over the runs of "
         "the ratio to B=1 measured in the same run (range in brackets). Every mode produced the same tokens as "
-        "no speculation (B=1) for every prompt (checked), and no compile happened while serving.", "",
-        "| concurrency | mode | tokens/s | speedup [range] | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tokens per verify "
-        "| rounds by width | rounds by rows | engine busy | expert MB per round (of all) |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+        "no speculation (B=1) for every prompt (checked), and no compile happened while serving. "
+        f"Load average (1 min, taken after each run) {load_summary['min']:.1f} / {load_summary['median']:.1f} / "
+        f"{load_summary['max']:.1f} (min / median / max); the machine is shared with other jobs, so the CPU columns "
+        "(the server process's CPU seconds per output token, and B=1's over the mode's, paired by run) are given "
+        "beside wall time.", "",
+        "| concurrency | mode | tokens/s | speedup [range] | CPU ms per token | CPU speedup [range] | TTFT p50 / p99 (ms) "
+        "| ITL p50 / p99 (ms) | tokens per verify | rounds by width (explored) | rounds by rows | engine busy "
+        "| expert MB per round (of all) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
         m = r["mode"]
         sp = (f"{speedups[m][r['concurrency']]:.2f}x [{ratio_ranges[m][r['concurrency']][0]:.2f}-"
               f"{ratio_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
+        cpu_sp = (f"{cpu_speedups[m][r['concurrency']]:.2f}x [{cpu_ranges[m][r['concurrency']][0]:.2f}-"
+                  f"{cpu_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
         widths = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_width"].items(), key=lambda x: int(x[0])))
+        if r["explored_rounds"]:
+            widths += f" ({r['explored_rounds']} explored)"
         by_rows = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_rows"].items(), key=lambda x: int(x[0])))
         busy = f"{100 * r['engine_busy_s'] / r['wall_s']:.0f}%"
-        lines.append(f"| {r['concurrency']} | {mode_label(m)} | {r['tokens_per_s']:.1f} | {sp} | {r['ttft_ms_p50']:.0f} / "
+        lines.append(f"| {r['concurrency']} | {mode_label(m)} | {r['tokens_per_s']:.1f} | {sp} | "
+                     f"{r['cpu_ms_per_token']:.2f} | {cpu_sp} | {r['ttft_ms_p50']:.0f} / "
                      f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.2f} / {r['itl_ms_p99']:.2f} | "
                      f"{r['tokens_per_verify']} | {widths} | {by_rows} | {busy} | {r['expert_mb_per_round']} "
                      f"({r['all_expert_mb']}) |")
@@ -355,11 +393,20 @@ def main(argv=None) -> int:
               "time (the rest: waiting for requests, HTTP). Expert MB per round: the bytes of the union of the "
               "experts the verified rows' drafted blocks are projected to route to (the draft-router projection the "
               "scheduler prices rounds with; block 1 projects from the anchor token's embedding)."]
+    tables = [r for r in rows if r["mode"].startswith("auto")]
+    if tables:
+        lines += ["", "The width chooser's cost table (ms per round at the row bucket of the concurrency, widths 1, 2, "
+                  "4, ..), at warm-up and as learned from the served rounds (at the end of the run shown):", ""]
+        for r in tables:
+            def fmt(t):
+                return " / ".join(f"{v:.1f}" for _, v in sorted(t.items(), key=lambda x: int(x[0])))
+            lines.append(f"- {r['concurrency']} clients ({mode_label(r['mode'])}): warm-up "
+                         f"{fmt(r['warmup_round_ms_by_width'])}; learned {fmt(r['round_ms_by_width'])}")
     if has_plot:
         lines += ["", "![tokens/s, TTFT and ITL by concurrency](serve.png)"]
     with open(os.path.join(out_dir, "serve.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(json.dumps(speedups), f"-> {out_dir}")
+    print(json.dumps(speedups), "CPU", json.dumps(cpu_speedups), f"load {load_summary}", f"-> {out_dir}")
     return 0
 
 
