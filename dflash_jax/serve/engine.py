@@ -61,6 +61,7 @@ from dflash_jax.offload.store import moe_layer_ids
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams
+from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.session import (
     Draft, RowParams, SpecConfig, SpecState, _begin, commit_verify, draft_round, verify_block,
 )
@@ -446,6 +447,18 @@ class RoundInfo:
     width: int = 0  # the verify width chosen for the round (0: no verify)
     rows: int = 0  # the row bucket the round computed (live requests are kept in the lowest slots)
     explored: bool = False  # the width ran to re-measure its cost (not the chooser's pick; `explore_width`)
+    prefill_chunks: int = 0  # chunks of long prompts prefilled this round (at most one: the round's prefill budget)
+    prefill_tokens: int = 0  # prompt tokens prefilled this round (whole prompts and chunks)
+
+
+@dataclasses.dataclass
+class _Prefilling:
+    """A request whose prompt is prefilled by chunks, one per round: its one-row partial state (`spec.prefill`)
+    is held outside the batch, and the request stays in the queue (its slot reserved) until its last chunk."""
+
+    req: Request
+    pre: object  # spec.prefill.Prefill of one row
+    done: int  # prompt tokens prefilled so far
 
 
 class Engine:
@@ -472,7 +485,14 @@ class Engine:
     ("exact_match" | "rejection"). token_budget / expert_byte_budget: the scheduler's per-round budgets
     (None: unlimited). max_queue: requests waiting for a slot before `submit` raises QueueFull.
     mesh: a (data, expert, tensor) `jax.sharding` mesh (`dflash_jax.sharding.make_mesh`): the pair is placed on
-    it by its weight declarations and every round runs on it (outputs equal the single-device engine's)."""
+    it by its weight declarations and every round runs on it (outputs equal the single-device engine's).
+    prefill_chunk: a prompt longer than this many tokens (rounded up to a prompt bucket) joins by chunks, one
+    chunk per round between the live rows' rounds (`spec.prefill`: its partial one-row state held outside the
+    batch, then inserted into a free slot reserved for it), so it never stalls them for more than one chunk;
+    shorter prompts join whole. One prefill per chunk width (the prompt buckets up to the chunk) is compiled at
+    warm-up, so `max_prompt_len` may reach the target's context. None: every prompt joins whole (one prefill
+    program per prompt bucket up to `max_prompt_len`). A subclass with its own prefill (the offloaded engine's
+    layer-wise one) always prefills whole prompts."""
 
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
@@ -480,7 +500,7 @@ class Engine:
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
-                 cost_rule: CostRule | None = None):
+                 cost_rule: CostRule | None = None, prefill_chunk: int | None = 256):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -515,6 +535,13 @@ class Engine:
         if not 0.0 <= acceptance_prior < 1.0:
             raise ValueError(f"acceptance_prior must be in [0, 1), got {acceptance_prior}")
         rq.check_int(max_prompt_len, "max_prompt_len", low=1, what="a positive integer")
+        if prefill_chunk is not None:
+            rq.check_int(prefill_chunk, "prefill_chunk", low=1, what="a positive number of tokens (or None)")
+        max_pos = tcfg.max_position_embeddings
+        if int(max_prompt_len) + 1 + int(block_size) > max_pos:
+            raise ValueError(f"max_prompt_len {max_prompt_len} exceeds the target's context: its {max_pos} positions "
+                             f"hold a prompt of at most {max_pos - 1 - int(block_size)} tokens (one new token and a "
+                             f"verify block of {int(block_size)} after it); lower max_prompt_len")
         rq.check_int(max_new_tokens, "max_new_tokens", low=1, what="a positive integer")
         rq.check_int(max_queue, "max_queue", low=0, what="a non-negative integer")
         if method not in ("exact_match", "rejection"):
@@ -536,6 +563,12 @@ class Engine:
         self.max_prompt_len = min(self.max_prompt_len, max_len - self.block_size - 1)
         self.max_new_tokens = int(max_new_tokens)
         self.stops_len = self.buckets.stops_len(4)
+        whole_only = type(self)._prefill_group is not Engine._prefill_group  # a subclass with its own prefill
+        self.prefill_chunk = (None if prefill_chunk is None or whole_only
+                              else self.buckets.prompt_len(int(prefill_chunk)))
+        self._prefilling: _Prefilling | None = None
+        self.prefill_chunks = 0  # chunks of long prompts prefilled (total)
+        self.prefill_tokens = 0  # prompt tokens prefilled (total: whole prompts and chunks)
         self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
                                output_len=self.output_len, method=method)
         self.widths = widths
@@ -624,6 +657,10 @@ class Engine:
                                "--max-new-tokens)")
         if len(stop_ids) > self.stops_len:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {self.stops_len} per request")
+        room = self.spec.max_len - self.block_size
+        if len(prompt) + max_new_tokens > room:  # only when the cache is capped at the target's context
+            raise RequestError(f"the prompt ({len(prompt)} tokens) and max_tokens {max_new_tokens} exceed this "
+                               f"server's context of {room} tokens: lower max_tokens or shorten the prompt")
 
     def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] = (), seed: int = 0, on_tokens=None, on_finish=None) -> Request:
@@ -652,7 +689,8 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.queue)
+        """Requests waiting for a slot (one in chunked prefill not counted)."""
+        return len(self.queue) - (self._prefilling is not None)
 
     @property
     def slots_in_use(self) -> int:
@@ -701,6 +739,13 @@ class Engine:
     def _admit(self, reqs: list, slots: list, info: RoundInfo | None) -> None:
         """Prefills `reqs` together and writes them into `slots`; emits their first tokens."""
         rows = self._prefill_group(reqs)
+        if info is not None:
+            info.prefill_tokens += sum(len(r.prompt) for r in reqs)
+            self.prefill_tokens += sum(len(r.prompt) for r in reqs)
+        self._place(reqs, slots, rows, info)
+
+    def _place(self, reqs: list, slots: list, rows: SpecState, info: RoundInfo | None) -> None:
+        """Writes the prefilled k-row state `rows` into `slots` (rows past them: dropped); emits the first tokens."""
         n = rows.done.shape[0]
         index = np.full(n, self.slots, np.int32)  # padding rows: dropped
         index[: len(slots)] = slots
@@ -737,7 +782,7 @@ class Engine:
             sizes, n = [], 1
             while True:
                 b = self.buckets.prompt_len(n)
-                if b > self.max_prompt_len:
+                if b > min(self.max_prompt_len, self.prefill_chunk or self.max_prompt_len):
                     break
                 sizes.append(b)
                 n = b + 1
@@ -751,6 +796,8 @@ class Engine:
                                     stop_ids=[], seed=0)] * group
                     free = [s for s in range(self.slots) if s not in self.requests][:group]
                     self._admit(reqs, free, None)  # dummy rows that are done: their slots stay free
+            if self.prefill_chunk is not None and self.max_prompt_len > self.prefill_chunk:
+                self._warm_chunks()
             self.state = _release(self.state, idle)
             self.state = _move_row(self.state, np.int32(self.slots - 1), np.int32(self.slots - 1))  # a no-op
             for rows in self.row_buckets:
@@ -917,7 +964,7 @@ class Engine:
         info.compiles = counter.compiles
         info.seconds = time.perf_counter() - t0
         info.explored = bool(info.width) and self._explored == info.width
-        if info.width and not info.admitted and not info.compiles:
+        if info.width and not info.admitted and not info.compiles and not info.prefill_chunks:
             # what a served round takes beyond its table entry: the host's work (choice, scheduling, emission,
             # callbacks) and what serving adds to the compute (an HTTP loop and clients sharing the cores). The
             # same at every width, so it favours the wider verifies, which need fewer rounds per token.
@@ -947,14 +994,31 @@ class Engine:
                 self._finish(r, r.cancel_reason, info)
         if free.any():
             self.state = _release(self.state, free)
+        if self._prefilling is not None and self._prefilling.req.cancel_requested:
+            self._prefilling = None  # cancelled mid-prefill (finished above): its partial state is dropped
         self._compact()
-        while len(self.requests) < self.slots:
+        chunk_ran = self._advance_prefill(info)  # one chunk per round: the round's prefill budget
+        self._compact()
+        while len(self.requests) + (self._prefilling is not None) < self.slots:
             free = [s for s in range(self.slots) if s not in self.requests]
+            start = None
             with self._wake:
-                take = min(len(free), len(self.queue), self.prefill_groups[-1])
+                # in arrival order: whole prompts join in groups; a long one starts its chunked prefill (one at a
+                # time, a slot reserved for it) and the requests behind it may take the other free slots
+                line = [r for r in self.queue if self._prefilling is None or r is not self._prefilling.req]
+                whole = next((i for i, r in enumerate(line) if self._chunked(r)), len(line))
+                take = min(len(free) - (self._prefilling is not None), whole, self.prefill_groups[-1])
                 if take and next(g for g in self.prefill_groups if g >= take) > 2 * take:
                     take = max(g for g in self.prefill_groups if g <= take)  # not mostly padding rows
-                reqs = [self.queue.popleft() for _ in range(take)]
+                reqs = line[:take]
+                for r in reqs:
+                    self.queue.remove(r)
+                if not reqs and line and whole == 0 and self._prefilling is None and not chunk_ran:
+                    start = line[0]
+            if start is not None:
+                self._start_prefill(start, info)
+                chunk_ran = True
+                continue
             if not reqs:
                 break
             self._admit(reqs, free[: len(reqs)], info)
@@ -967,6 +1031,82 @@ class Engine:
         if not self.requests:
             return
         self._round_step(info)
+
+    # -- chunked prefill ---------------------------------------------------------------------------------
+
+    def _chunked(self, req: Request) -> bool:
+        """Whether `req` joins by chunks (its prompt is longer than one chunk)."""
+        return self.prefill_chunk is not None and len(req.prompt) > self.prefill_chunk
+
+    def chunk_widths(self) -> list[int]:
+        """The compiled chunk shapes: the prompt buckets up to the chunk (a prompt's last chunk is padded to its
+        bucket), the chunk the widest."""
+        out, n = [], 1
+        while self.prefill_chunk is not None:
+            b = self.buckets.prompt_len(n)
+            if b > self.prefill_chunk:
+                break
+            out.append(b)
+            n = b + 1
+        return out
+
+    def _chunk_inputs(self, req: Request, start: int):
+        """The chunk of `req`'s prompt from token `start`: ([1, bucket] int32 right-padded, [1] real tokens)."""
+        n = min(self.prefill_chunk, len(req.prompt) - start)
+        tokens = np.zeros((1, self.buckets.prompt_len(n)), np.int32)
+        tokens[0, :n] = req.prompt[start: start + n]
+        return tokens, np.array([n], np.int32)
+
+    def _count_chunk(self, n: int, info: RoundInfo) -> None:
+        info.prefill_chunks += 1
+        info.prefill_tokens += n
+        self.prefill_chunks += 1
+        self.prefill_tokens += n
+
+    def _start_prefill(self, req: Request, info: RoundInfo) -> None:
+        """The first chunk of a long prompt (`spec.prefill.prefill_start`): its one-row state starts outside the
+        batch; the request stays queued, a slot reserved for it."""
+        tokens, valid = self._chunk_inputs(req, 0)
+        pre = chunked.prefill_start_jit(self.pair.target, self.pair.draft, tokens, valid, self.spec)
+        jax.block_until_ready(pre.logits)  # the round's draft and verify are timed on their own
+        self._prefilling = _Prefilling(req=req, pre=pre, done=int(valid[0]))
+        self._count_chunk(int(valid[0]), info)
+
+    def _advance_prefill(self, info: RoundInfo) -> bool:
+        """The next chunk of the request in chunked prefill, if any (returns whether a chunk ran). After its last
+        chunk its state is finished (`prefill_finish`: the first token, as a whole-prompt prefill), written into
+        a free slot and its first token emitted."""
+        p = self._prefilling
+        if p is None:
+            return False
+        tokens, valid = self._chunk_inputs(p.req, p.done)
+        p.pre = chunked.prefill_chunk_jit(self.pair.target, self.pair.draft, p.pre, tokens, valid, self.spec)
+        p.done += int(valid[0])
+        self._count_chunk(int(valid[0]), info)
+        if p.done < len(p.req.prompt):
+            jax.block_until_ready(p.pre.logits)
+            return True
+        self._prefilling = None
+        with self._wake:
+            self.queue.remove(p.req)
+        _, _, params, key_data, key_fold = self._row_inputs(p.req)
+        rows = chunked.prefill_finish_jit(self.pair.target, self.pair.draft, p.pre, params, key_data, key_fold,
+                                          self.spec)
+        free = [s for s in range(self.slots) if s not in self.requests]
+        self._place([p.req], free[:1], rows, info)
+        return True
+
+    def _warm_chunks(self) -> None:
+        """Compiles the chunked prefill: the first chunk, a next chunk of every width, the finish and its insert
+        (a dummy row, dropped)."""
+        tw, dw, c = self.pair.target, self.pair.draft, self.prefill_chunk
+        pre = chunked.prefill_start_jit(tw, dw, np.zeros((1, c), np.int32), np.array([c], np.int32), self.spec)
+        for width in self.chunk_widths():  # 0 real tokens: the dummy prompt stays inside the cache
+            pre = chunked.prefill_chunk_jit(tw, dw, pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32),
+                                            self.spec)
+        _, _, params, key_data, key_fold = self._row_inputs(None)
+        rows = chunked.prefill_finish_jit(tw, dw, pre, params, key_data, key_fold, self.spec)
+        self.state = _insert_rows(self.state, rows, np.full(1, self.slots, np.int32))
 
     def _compact(self) -> None:
         """Keeps the live requests in the lowest slots: while a slot below the highest live one is free, the
@@ -1079,6 +1219,7 @@ class Engine:
                     self._finish(r, "error", info)
                 self.queue.clear()
                 self.requests.clear()
+                self._prefilling = None
                 self.state = None
 
     def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:

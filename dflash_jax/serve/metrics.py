@@ -39,6 +39,10 @@ class Metrics:
         self.rows = Counter("dflash_round_rows", "Rounds by the row bucket computed (the live requests are kept in "
                             "the lowest slots; a round computes the smallest compiled bucket holding them)", ["rows"],
                             registry=r)
+        self.prefill_chunks = Counter("dflash_prefill_chunks", "Chunks of long prompts prefilled (one per round at "
+                                      "most, between the live rows' rounds)", registry=r)
+        self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens prefilled (whole prompts and chunks); "
+                                      "its rate over rounds is the prefill tokens per round", registry=r)
         self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
         self.finished = Counter("dflash_requests_finished", "Requests finished, by finish reason", ["reason"],
                                 registry=r)
@@ -61,6 +65,8 @@ class Metrics:
             self.widths.labels(width=str(info.width)).inc()
         if getattr(info, "rows", 0):
             self.rows.labels(rows=str(info.rows)).inc()
+        self.prefill_chunks.inc(getattr(info, "prefill_chunks", 0))
+        self.prefill_tokens.inc(getattr(info, "prefill_tokens", 0))
         self.round_seconds.observe(info.seconds)
         for reason in info.finished:
             self.finished.labels(reason=reason).inc()

@@ -1,0 +1,90 @@
+"""Chunked prefill in the engine: a long prompt joins one chunk per round while the live rows keep decoding,
+then takes a free slot. Lossless (its greedy output equals it run alone, one-shot prefill, by `spec.generate`;
+the others' outputs are unchanged), nothing compiles while serving, a cancellation mid-prefill frees its
+slot, and `max_prompt_len` beyond the target's context is one clear error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_jax.compile_cache import CompileCounter
+from dflash_jax.spec import generate as spec_generate
+
+CHUNK = 16
+LONG = [int(t) for t in np.random.default_rng(5).integers(3, 1000, 70)]  # 5 chunks: 4 x 16 and a ragged 6
+SHORT = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300]]
+
+
+@pytest.fixture(scope="module")
+def chunk_engine(pair):
+    from dflash_jax.serve.engine import Engine
+
+    eng = Engine(pair, slots=3, max_prompt_len=96, max_new_tokens=64, max_queue=8, prefill_chunk=CHUNK, widths=None,
+                 row_buckets=None)
+    eng.warmup()
+    return eng
+
+
+def test_long_prompt_joins_by_chunks_while_others_decode(chunk_engine, pair):
+    eng = chunk_engine
+    infos = []
+    eng.observers.append(infos.append)
+    try:
+        with CompileCounter() as counter:
+            short = [eng.submit(p, max_new_tokens=64, stop_ids=[]) for p in SHORT]
+            eng.step()
+            eng.step()
+            long = eng.submit(LONG, max_new_tokens=24, stop_ids=[])
+            eng.run_until_idle()
+    finally:
+        eng.observers.remove(infos.append)
+    assert counter.compiles == 0 and all(i.compiles == 0 for i in infos)
+    chunks = [i for i in infos if i.prefill_chunks]
+    assert len(chunks) == 5 and all(i.prefill_chunks == 1 for i in chunks)  # one chunk per round
+    assert sum(i.prefill_tokens for i in chunks) == len(LONG)
+    assert all(i.verified >= 2 for i in chunks)  # the live rows kept decoding meanwhile (3: the long one joined)
+    assert chunks[-1].admitted == 1 and not eng.queue and not eng.requests and eng._prefilling is None
+    assert all(r.finish_reason == "length" for r in short + [long])
+    # the long request equals itself run alone with a one-shot prefill (`spec.generate`); the others equal
+    # themselves run alone on the engine (the same programs)
+    assert long.tokens == spec_generate(pair, [LONG], max_new_tokens=24, stop_ids=[]).tokens[0]
+    for req, prompt in zip(short, SHORT):
+        alone = eng.submit(prompt, max_new_tokens=64, stop_ids=[])
+        eng.run_until_idle()
+        assert req.tokens == alone.tokens
+    assert np.mean(long.acceptance) > 1.3  # the draft drafted well from the context its chunks fed it
+
+
+def test_cancel_mid_prefill_frees_its_slot(chunk_engine):
+    eng = chunk_engine
+    req = eng.submit(LONG, max_new_tokens=8, stop_ids=[])
+    eng.step()  # the first chunk
+    assert eng._prefilling is not None and eng._prefilling.req is req and eng.queue_depth == 0
+    eng.cancel(req)
+    eng.step()
+    assert req.finish_reason == "cancelled" and not req.tokens
+    assert eng._prefilling is None and not eng.queue and not eng.requests
+    after = eng.submit(SHORT[1], max_new_tokens=4, stop_ids=[])
+    eng.run_until_idle()
+    assert after.finish_reason == "length" and len(after.tokens) == 4
+
+
+def test_prefill_metrics(chunk_engine):
+    from dflash_jax.serve.engine import RoundInfo
+    from dflash_jax.serve.metrics import Metrics
+
+    m = Metrics()
+    m.on_round(RoundInfo(prefill_chunks=1, prefill_tokens=16), queue_depth=0, slots_in_use=1)
+    text = m.render()[0].decode()
+    assert "dflash_prefill_chunks_total 1.0" in text and "dflash_prefill_tokens_total 16.0" in text
+    assert chunk_engine.prefill_chunks >= 5 and chunk_engine.prefill_tokens >= len(LONG)
+
+
+def test_max_prompt_len_beyond_the_context_is_a_clear_error(pair):
+    from dflash_jax.serve.engine import Engine
+
+    with pytest.raises(ValueError, match="exceeds the target's context"):
+        Engine(pair, slots=1, max_prompt_len=pair.target_cfg.max_position_embeddings)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(pair, slots=1, prefill_chunk=0)
