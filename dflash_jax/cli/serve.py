@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "to re-measure it (default 8; 0: never explore)")
     p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt served, in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="largest max_tokens a request may ask")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="a prompt longer than this many tokens is prefilled one chunk per round while the running "
+                        "requests keep decoding (prompts up to --max-prompt-len, which may reach the target's "
+                        "context); 0: every prompt prefilled whole in one go (default: 256)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--acceptance", choices=["exact_match", "rejection"], default="exact_match",
                    help="acceptance rule of sampled requests (temperature > 0)")
@@ -91,6 +95,8 @@ def check_args(args) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if getattr(args, "prefill_chunk", 0) < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0 (0: whole prompts), got {args.prefill_chunk}")
     if args.token_budget is not None and args.token_budget < 1:
         raise UsageError(f"--token-budget must be >= 1, got {args.token_budget}")
     if args.round_expert_mb is not None and not args.round_expert_mb > 0:
@@ -175,7 +181,8 @@ def build_app(args):
         common = dict(slots=args.slots, block_size=args.block_size, widths=widths, max_prompt_len=args.max_prompt_len,
                       max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
-                      cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)))
+                      cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
+                      prefill_chunk=getattr(args, "prefill_chunk", 0) or None)
         if offload:
             from dflash_jax.cli.generate import _pin_experts
             from dflash_jax.offload import PoolTooSmall
@@ -196,7 +203,8 @@ def build_app(args):
         else:
             engine = Engine(pair, mesh=mesh, expert_byte_budget=byte_budget, **common)
     except (TypeError, ValueError) as e:
-        raise UsageError(str(e).replace("block_size", "--block-size").replace("widths", "--widths")) from None
+        raise UsageError(str(e).replace("block_size", "--block-size").replace("widths", "--widths")
+                         .replace("max_prompt_len", "--max-prompt-len")) from None
     if not args.no_warmup:
         print(f"dflash-serve: compiling {args.slots} slots, prompts up to {engine.max_prompt_len} tokens ...",
               file=sys.stderr, flush=True)
