@@ -20,7 +20,7 @@ One round (`step`):
      bucket, measured at warm-up, plus the host's per-round work; a wider width must win by `width_margin`);
   3. draft every live slot at that width (`_draft`: the draft forward, plus each row's projected expert set:
      every MoE layer's router on the draft's hidden states of the block, the route-ahead "draft router"
-     projection); width 1 drafts nothing but feeds the draft's context cache;
+     projection); width 1 drafts nothing, and leaves the draft's context append to the next drafting round;
   4. the scheduler (`scheduler.schedule`, pure) picks the slots that verify under the round's budgets of
      verify tokens and expert bytes (with both budgets unlimited every live slot verifies: the verify is
      started first and the scheduler runs, for its deficits and stats, while it computes);
@@ -170,11 +170,24 @@ def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) 
     return max(near, key=lambda w: (len(costs.recent[w]) < rule.confirm, costs.age[w], w))
 
 
+def monotone_seconds(seconds: dict) -> dict:
+    """{width: seconds} with each entry raised to the largest entry of a narrower width (pure)."""
+    out, top = {}, 0.0
+    for w in sorted(seconds):
+        top = max(top, float(seconds[w]))
+        out[w] = top
+    return out
+
+
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
                  rule: CostRule | None = CostRule()) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
-    time, then `explore_width` (rule None: no exploration). Pure."""
-    seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
+    time, then `explore_width` (rule None: no exploration). Pure.
+
+    The table is read as non-decreasing in width (`monotone_seconds`): a wider verify of the same rows is more
+    work, so an entry below a narrower width's (learned in a quieter spell of a shared machine) is priced at
+    the narrower one's."""
+    seconds = {w: t + host_seconds for w, t in monotone_seconds(costs.seconds).items()}
     chosen = choose_width(alphas, seconds, margin)
     other = None if rule is None else explore_width(costs, chosen, rule)
     return (chosen, False) if other is None else (other, True)
@@ -271,10 +284,10 @@ def _keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first", "rows"),
+@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first", "rows", "defer"),
                    donate_argnames=("draft_buffers",))
 def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, biases, spec: SpecConfig,
-           wide: SpecConfig, options, topk_first, rows: int | None = None):
+           wide: SpecConfig, options, topk_first, rows: int | None = None, defer: bool = False):
     """The draft of a width-`spec.block_size` verify on a state built for width `wide.block_size` (>=), and each
     row's projected expert set. Width 1 in a speculative engine drafts nothing but still feeds the draft's
     context cache with the last verify's rows, so a wider round after it drafts from the whole context.
@@ -285,7 +298,11 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
 
     rows: compute only the first `rows` rows of the state (a row bucket >= the live rows, which the engine keeps
     in the lowest slots); the draft, the lengths and the demand have `rows` rows, the buffers all of them (the
-    first `rows` written in place)."""
+    first `rows` written in place).
+
+    defer (width 1 only): skip the context append; the verify then adds its row to the pending context rows
+    (`_verify`), which the next drafting round appends all at once. A width-1 round then costs what a block-1
+    engine's round costs. The caller defers only while every live row's pending rows leave room for one more."""
     full_buffers = draft_buffers
     if rows is not None:
         state = _head(state, rows)
@@ -297,7 +314,7 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
         hidden = draft.hidden
     else:
         cache = state.draft_cache
-        if wide.taps:
+        if wide.taps and not defer:
             cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context,
                                                num_context=state.num_context, cache=cache)
         draft = Draft(tokens=jnp.zeros((state.anchor.shape[0], 0), jnp.int32), probs=None, draft_cache=cache)
@@ -315,16 +332,19 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
     return draft.replace(draft_cache=None), buffers, cache.lengths, demand
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide", "rows"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("spec", "wide", "rows", "defer"), donate_argnames=("state",))
 def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: SpecConfig,
-            wide: SpecConfig, rows: int | None = None) -> SpecState:
+            wide: SpecConfig, rows: int | None = None, defer: bool = False) -> SpecState:
     """The width-`spec.block_size` verify for the rows where `active` [b] is set; every other row keeps its old
     state (`_keep_rows`). The state keeps the layout of width `wide.block_size`: the draft's context rows
     (the target taps of the committed rows) padded to `wide.block_size` rows. `state.draft_cache` holds the
     buffers `_draft` wrote and the lengths before it; `draft_lengths` are the lengths after it.
 
     rows: only the first `rows` rows are computed (the draft has `rows` rows); the others are returned as they
-    were, and the first `rows` are written back in place (the state is donated)."""
+    were, and the first `rows` are written back in place (the state is donated).
+
+    defer: the width-1 draft did not append the pending context rows (`_draft`), so the new row is written after
+    them (row `num_context`) and counted with them, instead of replacing them."""
     full = state
     if rows is not None:
         state, active = _head(state, rows), active[:rows]
@@ -337,10 +357,16 @@ def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: Spec
     new = commit_verify(run, draft, out, spec)
     if wide.taps:
         context = draft_model.context_features(out.taps)
-        pad = wide.block_size - context.shape[1]
-        if pad:
-            context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
-        new = new.replace(context=context.astype(state.context.dtype))
+        if defer:  # the row joins the rows the draft has not seen yet (room checked by the caller)
+            pending = state.num_context
+            context = state.context.at[jnp.arange(context.shape[0]), pending].set(
+                context[:, 0].astype(state.context.dtype), mode="drop")
+            new = new.replace(context=context, num_context=pending + new.num_context)
+        else:
+            pad = wide.block_size - context.shape[1]
+            if pad:
+                context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
+            new = new.replace(context=context.astype(state.context.dtype))
     new = new.replace(done=jnp.where(active, new.done, state.done))
     new = _keep_rows(active, new, state)
     return new if rows is None else _put_head(full, new)
@@ -473,6 +499,10 @@ class Engine:
     learn_costs: keep the table current from the rounds served, per row bucket (`observe_cost`), with a bounded
     exploration of the widths next to the chosen one whose entries are stale (`explore_width`, by `cost_rule`;
     `explore_rounds` / `explore_seconds` count it). Default (None): on, unless `round_seconds` fixes the table.
+    defer_context: a width-1 round skips the draft's context append (the target taps of the committed row) and
+    keeps the row pending, up to the widest block's rows; the next drafting round appends them at once (the same
+    draft context, so the same proposals; outputs never depend on it). A width-1 round then costs what a round
+    of a block-1 engine does.
     width_margin: a wider verify is chosen only when its expected tokens per second beat the narrower's by this
     factor (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
     no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
@@ -500,7 +530,7 @@ class Engine:
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
-                 cost_rule: CostRule | None = None, prefill_chunk: int | None = 256):
+                 cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
@@ -584,6 +614,10 @@ class Engine:
         self._explored = None  # the width this round explores (None: the chosen one runs)
         self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
         self.explore_seconds = 0.0  # their wall time
+        # width-1 rounds leave the draft's context append to the next drafting round (`_draft`, `_verify`); not in a
+        # subclass that runs its own rounds (the offloaded engine's verify commits the context itself)
+        self.defer_context = bool(defer_context) and bool(self.spec.taps) and type(self)._step is Engine._step
+        self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append
         self.width_margin = float(width_margin)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
@@ -803,6 +837,8 @@ class Engine:
             for rows in self.row_buckets:
                 for w in self.widths:
                     self._round(w, idle, rows)
+                    if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
+                        self._round(w, idle, rows, defer=False)
         jax.block_until_ready(self.state.done)
         if self.round_seconds is None and not self.cost_table:
             self.cost_table = self.measure_rounds()
@@ -837,14 +873,27 @@ class Engine:
         top = max(live) + 1 if len(live) else 1
         return next(r for r in self.row_buckets if r >= top)
 
-    def _round(self, width: int, active: np.ndarray, rows: int | None = None) -> None:
+    def _round(self, width: int, active: np.ndarray, rows: int | None = None, defer: bool | None = None) -> None:
+        """One round of the rows where `active` is set (warm-up, `measure_rounds`); defer None: as served (a
+        width-1 round defers the draft's context append when the engine does; rows that do not verify keep
+        their state, so there is always room)."""
         rows = self.slots if rows is None else rows
-        draft, lengths, demand = self._draft_call(width, rows)
+        defer = (width == 1 and self.defer_context) if defer is None else defer
+        draft, lengths, demand = self._draft_call(width, rows, defer)
         np.asarray(demand)
         self.state = _verify(self.pair.target, self.state, draft, lengths, active, self.specs[width], self.spec,
-                             rows)
+                             rows, defer)
 
-    def _draft_call(self, width: int | None = None, rows: int | None = None):
+    def _defers(self, width: int, live: Sequence[int]) -> bool:
+        """Whether this width-1 round defers the draft's context append: while every live row's pending context
+        rows (`num_context`: committed rows the draft has not seen) leave room for one more in the widest block's
+        rows; else the round appends them (and the draft cache is current again)."""
+        if width != 1 or not self.defer_context or not len(live):
+            return False
+        pending = np.asarray(self.state.num_context)[np.asarray(live)]
+        return int(pending.max()) < self.block_size
+
+    def _draft_call(self, width: int | None = None, rows: int | None = None, defer: bool = False):
         """(draft, the draft cache's new lengths, demand), for the first `rows` rows (default: all). The state's
         draft-cache buffers are donated to the draft, and the state takes the buffers it returns (with the old
         lengths until the verify)."""
@@ -856,7 +905,7 @@ class Engine:
             state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
         draft, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._norms,
                                                  self._routers, self._biases, spec, self.spec, self._options,
-                                                 self._topk_first, rows)
+                                                 self._topk_first, rows, defer)
         if cache is not None:
             self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
         return draft, lengths, demand
@@ -1138,14 +1187,16 @@ class Engine:
         info.width = width
         self.width_rounds[width] += 1
         self.rows_rounds[rows] += 1
+        defer = self._defers(width, live)
+        self.deferred_rounds += defer
         t_device = time.perf_counter()
-        draft, draft_lengths, demand = self._draft_call(width, rows)
+        draft, draft_lengths, demand = self._draft_call(width, rows, defer)
         overlap = self._unlimited()
         if overlap:  # every live row verifies: start the verify now, schedule (stats) while it runs
             active = np.zeros(self.slots, bool)
             active[live] = True
             self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width],
-                                 self.spec, rows)
+                                 self.spec, rows, defer)
         demand = np.asarray(demand)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
@@ -1163,7 +1214,7 @@ class Engine:
         t_device = time.perf_counter()
         if not overlap:
             self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width],
-                                 self.spec, rows)
+                                 self.spec, rows, defer)
         after, done, output = jax.device_get((self.state.num_generated, self.state.done, self.state.output))
         self._device_seconds = t_draft + time.perf_counter() - t_device
         for s in live:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.serve.engine import (
-    BucketCosts, CostRule, Engine, RoundInfo, choose_width, decide_width, explore_width, observe_cost,
+    BucketCosts, CostRule, Engine, RoundInfo, choose_width, decide_width, explore_width, monotone_seconds,
+    observe_cost,
 )
 
 # a 32-row bucket as the serving benchmark met it: the warm-up table, measured while the machine was busy,
@@ -90,6 +91,15 @@ def test_no_exploration_with_one_width_or_when_off():
         c = observe_cost(c, w, TRUE[w], never)
     c = BucketCosts.fresh(WARMUP)
     assert all(not decide_width(ALPHAS, c, HOST, MARGIN, None)[1] for _ in range(20))
+
+
+def test_the_table_is_read_non_decreasing_in_width():
+    """A wider verify of the same rows is more work: an entry learned below a narrower width's (a quieter spell of
+    the machine) is priced at the narrower one's."""
+    assert monotone_seconds({1: 11.0, 2: 7.7, 4: 16.4, 8: 11.8}) == {1: 11.0, 2: 11.0, 4: 16.4, 8: 16.4}
+    odd = BucketCosts.fresh({1: 0.02, 2: 0.01})
+    assert choose_width([0.05], {1: 0.02, 2: 0.01}) == 2  # read as it is, the quiet spell's entry wins
+    assert decide_width([0.05], odd, 0.0, MARGIN, None) == (1, False)
 
 
 def test_observe_cost_follows_the_median_of_recent_rounds():
