@@ -11,10 +11,12 @@ files, one batch):
   - tokens/s of the warmed jitted loop: the fastest of `--repeats` runs, the runs of all shapes interleaved
     (repeat 1 of every shape, then repeat 2, ...) so that a shared machine's load drifts across all alike;
   - trees built from the acceptance model (`spec.tree.TreeCalibration`) fitted on training-split prompts
-    (`--calib-seeds`), `--branch` candidates a node, and the plain build at the largest budget (reference);
+    (the pair's shipped `spec.tree.CALIBRATION_FILE`, written by `--fit-calibration` from `--fit-seeds`; without
+    one, fitted on `--calib-seeds`), `--branch` candidates a node, and the plain build at the largest budget;
   - the adaptive policy (`spec.tree.AdaptivePolicy`): its seconds and tokens per round measured by
     `calibrate_policy` (each shape's fixed loop, interleaved repeats) on two training-split calibration
-    batches, not the measured sets; it compiles and provisions only the shapes it can choose. It is timed
+    batches, not the measured sets, with a prior toward the cheapest shape (`--margin`); it compiles and
+    provisions only the shapes it can choose. It is timed
     against the fastest fixed shape of the set in alternating order, with a control (that fixed shape
     against itself) that shows the machine's noise on identical work.
 Offloaded (`offload.OffloadedGenerator`, experts in host memory, a device cache below all experts,
@@ -117,10 +119,10 @@ def resident(args, pair, shapes, calib_prompts, sets, policy_shapes):
     t0 = time.perf_counter()
     parts = [calibrate_policy(pair, batch, policy_shapes, max_new_tokens=n, repeats=args.repeats,
                               calibration_range=RANGE, clock=args.clock, log=log) for batch in calib_prompts]
-    # over the calibration batches: the fastest seconds per round, the mean tokens per round
-    policy = AdaptivePolicy(tuple(policy_shapes), VerifyCost(tuple(np.min([p.cost.seconds for p in parts], axis=0))),
+    # over the calibration batches: the mean seconds and tokens per round; the prior toward the cheapest shape
+    policy = AdaptivePolicy(tuple(policy_shapes), VerifyCost(tuple(np.mean([p.cost.seconds for p in parts], axis=0))),
                             taus=tuple(float(t) for t in np.mean([p.taus for p in parts], axis=0)),
-                            calibration_range=RANGE)
+                            calibration_range=RANGE, margin=args.margin)
     cost = policy.cost
     log("calibration: " + ", ".join(f"{label(s)} {c * 1e3:.1f} ms/round tau {t:.2f}" for s, c, t in
                                     zip(policy_shapes, cost.seconds, policy.taus))
@@ -210,19 +212,28 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
         return OffloadedGenerator(pair, budget_bytes=budget, store=store, prefetcher="draft_router", tree=shape)
 
     gens = {s.label(): gen(s) for s in shapes}
-    per_round, cal_taus = [float("inf")] * len(shapes), []
-    for s in shapes:  # calibration prompts: compile, tokens per round
-        cal_taus.append(taus(gens[s.label()].generate(calib, max_new_tokens=n)))
-    for _ in range(args.offload_calib_repeats):  # seconds per round, the shapes interleaved, the fastest
-        for i, s in enumerate(shapes):
-            c0 = time.process_time()
-            res = gens[s.label()].generate(calib, max_new_tokens=n)
-            split = res.stats["time_split"]
-            spent = (time.process_time() - c0 if args.clock == "cpu"
-                     else split["draft_s"] + split["verify_s"] + split["host_s"])
-            per_round[i] = min(per_round[i], spent / max(1, res.stats["rounds"]))
+    # calibration batches (training-split prompts, never the measured ones): each shape's offloaded generate,
+    # transfers included; per batch the median over interleaved repeats of its seconds, then seconds per round
+    # = the batches' seconds over their rounds, tokens per round the batches' mean
+    spent = [[[] for _ in calib] for _ in shapes]
+    rounds = [[1] * len(calib) for _ in shapes]
+    tau_b = [[0.0] * len(calib) for _ in shapes]
+    for i, s in enumerate(shapes):  # compile, tokens per round
+        for j, batch in enumerate(calib):
+            res = gens[s.label()].generate(batch, max_new_tokens=n)
+            tau_b[i][j], rounds[i][j] = taus(res), max(1, int(res.stats["rounds"]))
+    for _ in range(args.offload_calib_repeats):
+        for j, batch in enumerate(calib):
+            for i, s in enumerate(shapes):
+                c0 = time.process_time()
+                res = gens[s.label()].generate(batch, max_new_tokens=n)
+                split = res.stats["time_split"]
+                spent[i][j].append(time.process_time() - c0 if args.clock == "cpu"
+                                   else split["draft_s"] + split["verify_s"] + split["host_s"])
+    per_round = [sum(float(np.median(t)) for t in spent[i]) / sum(rounds[i]) for i in range(len(shapes))]
+    cal_taus = [float(np.mean(t)) for t in tau_b]
     policy = AdaptivePolicy(tuple(shapes), VerifyCost(tuple(per_round)), taus=tuple(cal_taus),
-                            calibration_range=RANGE)
+                            calibration_range=RANGE, margin=args.margin)
     log(f"[{label}] calibration: " + ", ".join(f"{s.label()} {c * 1e3:.1f} ms/round tau {t:.2f}"
                                                for s, c, t in zip(shapes, per_round, cal_taus))
         + f"; reachable {[shapes[i].label() for i in policy.reachable()]}")
@@ -284,6 +295,14 @@ def main(argv=None) -> int:
     p.add_argument("--offload-repeats", type=int, default=6, help="paired repeats, adaptive vs the fastest fixed")
     p.add_argument("--paired-repeats", type=int, default=6, help="resident paired repeats")
     p.add_argument("--offload-calib-repeats", type=int, default=4, help="offloaded calibration repeats")
+    p.add_argument("--margin", type=float, default=0.15,
+                   help="the adaptive policy's prior toward the cheapest shape (AdaptivePolicy.margin): another shape "
+                        "must promise this much more tokens/s; the spread of identical work by CPU time here")
+    p.add_argument("--fit-calibration", action="store_true",
+                   help="fit the tree build's acceptance model on --fit-seeds and write it beside the pair "
+                        "(spec.tree.CALIBRATION_FILE, loaded by default), then exit")
+    p.add_argument("--fit-seeds", default="7,11,13,17,19,23,29,31,37,41,43,47,53,59,61,67,71,73,79,83,89,97",
+                   help="training-split prompt sets (seeds) for --fit-calibration")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="the adaptive policy's calibration clock: process CPU seconds (the work) or wall seconds")
     p.add_argument("--keep-resident", action="store_true",
@@ -296,7 +315,10 @@ def main(argv=None) -> int:
 
     import dflash_jax
     from dflash_jax import SHIPPED_PAIR, testing
-    from dflash_jax.spec.tree import DEFAULT_TEMPERATURE, TreeShape, calibration_samples, fit_calibration
+    from dflash_jax.spec.tree import (
+        CALIBRATION_FILE, DEFAULT_TEMPERATURE, TreeShape, calibration_samples, fit_calibration, pair_calibration,
+        save_calibration,
+    )
     from dflash_jax.train.data import file_windows
     from dflash_jax.train.tiny_pair import target_config
 
@@ -307,15 +329,35 @@ def main(argv=None) -> int:
         split, seed = item.split(":")
         sets.append((f"{split}:{seed}", file_windows(pair, split, args.prompts, args.prompt_len, int(seed))))
     calib = [file_windows(pair, "train", args.prompts, args.prompt_len, seed) for seed in (7, 11)]
-    cal, cal_rows = None, 0
-    if not args.no_calibration:  # the build's acceptance model, fitted on training-split prompts only
+    def fit(seeds):
         t0 = time.perf_counter()
         samples = np.concatenate([calibration_samples(pair, file_windows(pair, "train", args.prompts, args.prompt_len,
                                                                          int(seed)), max_new_tokens=args.max_new)
-                                  for seed in args.calib_seeds.split(",")])
-        cal, cal_rows = fit_calibration(samples), len(samples)
-        log(f"tree calibration fitted on {cal_rows} candidates of train seeds {args.calib_seeds}: {cal.weights} "
+                                  for seed in seeds.split(",")])
+        fitted = fit_calibration(samples)
+        log(f"tree calibration fitted on {len(samples)} candidates of train seeds {seeds}: {fitted.weights} "
             f"({time.perf_counter() - t0:.0f} s)")
+        return fitted, len(samples)
+
+    if args.fit_calibration:  # the shipped acceptance model: training-split prompts only, deterministic
+        fitted, n_rows = fit(args.fit_seeds)
+        path = save_calibration(fitted, pair.directory, pair=pair, fitted_on=dict(
+            split="train", seeds=[int(x) for x in args.fit_seeds.split(",")], prompts=args.prompts,
+            prompt_len=args.prompt_len, max_new_tokens=args.max_new, tree="N=32 K=8 plain build", rows=n_rows))
+        log(f"wrote {os.path.relpath(path)}")
+        return 0
+    cal, cal_rows, cal_from = None, 0, ""
+    if not args.no_calibration:  # the build's acceptance model, fitted on training-split prompts only
+        cal = pair_calibration(pair)
+        if cal is not None:
+            with open(os.path.join(pair.directory, CALIBRATION_FILE)) as fh:
+                fitted_on = json.load(fh)["fitted_on"]
+            cal_rows, cal_from = fitted_on["rows"], f"the pair's shipped {CALIBRATION_FILE}, "
+            seeds = ",".join(str(x) for x in fitted_on["seeds"])
+        else:
+            cal, cal_rows = fit(args.calib_seeds)
+            seeds = args.calib_seeds
+        cal_from += f"{cal_rows} candidates of training-split prompts (seeds {seeds}, never the measured sets)"
     shapes = ([("chain", TreeShape(int(b), 1)) for b in args.chains.split(",")]
               + [("tree", TreeShape(int(t), branch, calibration=cal)) for t in args.trees.split(",")])
     policy_shapes = [s for _, s in shapes]
@@ -338,7 +380,7 @@ def main(argv=None) -> int:
     off_rows, off_summary = [], {}
     if not args.no_offload:
         oshapes = [TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 4)]
-        ocal = file_windows(pair, "train", args.offload_prompts, args.prompt_len, 11)
+        ocal = [file_windows(pair, "train", args.offload_prompts, args.prompt_len, seed) for seed in (7, 11)]
         oprompts = sets[0][1][: args.offload_prompts]
         r, s = offloaded(args, "shipped pair, 4 of 8 experts", pair, oprompts, ocal, oshapes, 0.5)
         off_rows += r
@@ -346,9 +388,10 @@ def main(argv=None) -> int:
         cfg = target_config(num_experts=64, top_k=4, expert_intermediate=32)
         rpair = testing.random_pair(cfg, seed=0, expert_format="mxfp4")
         rng = np.random.default_rng(0)
-        rp = [rng.integers(0, cfg.vocab_size - 2, args.prompt_len).tolist() for _ in range(2 * args.offload_prompts)]
+        rp = [rng.integers(0, cfg.vocab_size - 2, args.prompt_len).tolist() for _ in range(3 * args.offload_prompts)]
         r, s = offloaded(args, "route-study shape, 64 experts top-4, 16 of 64 cached", rpair,
-                         rp[: args.offload_prompts], rp[args.offload_prompts:], oshapes, 0.25)
+                         rp[: args.offload_prompts], [rp[args.offload_prompts: 2 * args.offload_prompts],
+                                                      rp[2 * args.offload_prompts:]], oshapes, 0.25)
         off_rows += r
         off_summary["route_study"] = s
 
@@ -357,6 +400,7 @@ def main(argv=None) -> int:
                   temperature=DEFAULT_TEMPERATURE, warmup_cost_s=[round(c, 5) for c in cost.seconds],
                   calibration_taus=[round(t, 3) for t in res_taus], reachable=reach, calibration_range=list(RANGE),
                   tree_calibration=list(cal.weights) if cal else None, tree_calibration_rows=cal_rows,
+                  tree_calibration_from=cal_from, margin=args.margin,
                   platform=f"{platform.machine()} {jax.devices()[0].platform}, jax {jax.__version__}",
                   rows=rows, summary=summary, offloaded=off_rows, offloaded_summary=off_summary, lossless=True)
     with open(os.path.join(out_dir, "tree.json"), "w") as fh:
@@ -365,8 +409,8 @@ def main(argv=None) -> int:
     md = ["# Chain vs tree verification vs the adaptive policy", "",
           f"`python benchmarks/tree.py --write-docs` - shipped pair; prompt sets of {args.prompts} stdlib windows of "
           f"{args.prompt_len} tokens as one batch, {args.max_new} new tokens each, greedy; trees `K=k cal`: k "
-          "candidates a node, built from the acceptance model (`spec.tree.TreeCalibration`) fitted on "
-          f"{cal_rows} candidates of training-split prompts (seeds {args.calib_seeds}, never the measured sets); "
+          "candidates a node, built from the acceptance model (`spec.tree.TreeCalibration`): "
+          f"{cal_from}; "
           "the tree without `cal` is the plain build (the draft's marginals, the earlier default); "
           f"{result['platform']}. Every run's output equals the target's plain greedy output. Expert union: "
           "distinct experts per MoE layer that one verify's rows route to (mean over layers and rounds; first "
@@ -390,8 +434,9 @@ def main(argv=None) -> int:
                   f"shape {s['adaptive_rounds']}")
     md += ["", "Adaptive policy figures (`spec.tree.calibrate_policy`: each shape's fixed loop on two batches of "
            f"training-split calibration prompts (seeds 7, 11), {args.clock} seconds per run over its rounds, the "
-           f"least of the interleaved repeats, and tokens per round (mean of the batches); calibration range "
-           f"{RANGE}): "
+           f"least of the interleaved repeats, and tokens per round, each the mean of the batches; calibration "
+           f"range {RANGE}; prior toward the cheapest shape: margin {args.margin}, i.e. another shape is chosen only "
+           f"when its figures promise more than {args.margin:.0%} above the cheapest's tokens/s): "
            + ", ".join(f"{label(s)} {c * 1e3:.1f} ms, tau {t:.2f}" for s, c, t in
                        zip(policy_shapes, cost.seconds, res_taus))
            + f"; shapes it can choose (compiled, provisioned): {reach}. Tokens/s are CPU figures on a shared "
@@ -404,9 +449,11 @@ def main(argv=None) -> int:
                f"{args.offload_prompts} prompts, {args.offload_new} new tokens; seconds the fastest of 2 "
                f"interleaved runs of the fixed shapes, then {args.offload_repeats} paired runs of the adaptive "
                "policy and the fastest fixed shape (the ratio below); the adaptive policy's figures are the fixed "
-               f"shapes' offloaded {args.clock} seconds per round (least of {args.offload_calib_repeats} "
-               "interleaved runs, transfers included) and tokens per round on "
-               f"calibration prompts, calibration range {RANGE}; it provisions only the shapes it can choose.", "",
+               f"shapes' offloaded {args.clock} seconds per round (transfers included; per calibration batch the "
+               f"median of {args.offload_calib_repeats} interleaved runs, two batches of training-split prompts "
+               f"(seeds 7, 11; random prompts for the random pair), their seconds over their rounds) and tokens per "
+               f"round (the batches' mean), calibration range {RANGE}, margin {args.margin} toward the cheapest "
+               "shape; it provisions only the shapes it can choose.", "",
                "| pair, cache | shape | tokens / round | expert MB moved / round | tokens/s | rounds chosen |",
                "|---|---|---|---|---|---|"]
         for r in off_rows:

@@ -51,6 +51,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
 import time
 from typing import Sequence
 
@@ -138,6 +141,78 @@ class TreeCalibration:
         """log P(accept) of candidates (`calibration_features`' arguments)."""
         z = calibration_features(depth, rank, logq, off) @ jnp.asarray(self.weights, jnp.float32)
         return -jnp.logaddexp(0.0, -z)
+
+
+CALIBRATION_FILE = "tree_calibration.json"  # a pair's shipped acceptance model, beside its checkpoint
+CALIBRATION_FORMAT = "dflash_jax.tree_calibration/1"
+
+
+def pair_fingerprint(pair) -> str | None:
+    """sha256 over the manifest checksums of the pair's target and draft files (what a calibration was fitted
+    for); None when the manifest has no checksums."""
+    files = (getattr(pair, "manifest", None) or {}).get("checksums", {}).get("files")
+    if not files:
+        return None
+    entries = sorted((k, v.get("sha256", "")) for k, v in files.items() if k.startswith(("target/", "draft/")))
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def _calibration_digest(body: dict) -> str:
+    keep = {k: body[k] for k in ("format", "features", "weights", "pair_fingerprint")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+
+def save_calibration(cal: "TreeCalibration", path: str, *, pair=None, fitted_on: dict | None = None) -> str:
+    """Writes `cal` as a small JSON file (its weights, the feature names, what it was fitted on, the pair's
+    fingerprint and a sha256 over them); `path` a file or a pair's directory (then `CALIBRATION_FILE` in it).
+    Returns the file's path."""
+    if os.path.isdir(path):
+        path = os.path.join(path, CALIBRATION_FILE)
+    body = dict(format=CALIBRATION_FORMAT, features=list(CALIBRATION_FEATURES), weights=list(cal.weights),
+                pair_fingerprint=None if pair is None else pair_fingerprint(pair), fitted_on=fitted_on or {})
+    body["sha256"] = _calibration_digest(body)
+    with open(path, "w") as fh:
+        json.dump(body, fh, indent=1)
+        fh.write("\n")
+    return path
+
+
+def load_calibration(path: str, pair=None) -> "TreeCalibration":
+    """A `TreeCalibration` from `save_calibration`'s file, its checksum checked, and with `pair` the pair's
+    fingerprint (a calibration fitted for another target or draft is refused)."""
+    return _load_calibration(path, None if pair is None else pair_fingerprint(pair))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_calibration(path: str, fingerprint: str | None) -> "TreeCalibration":
+    fix = "refit it (benchmarks/tree.py --fit-calibration, or spec.tree.fit_calibration + save_calibration)"
+    try:
+        with open(path) as fh:
+            body = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tree calibration {path} cannot be read ({e}): {fix}") from None
+    if not isinstance(body, dict) or body.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"tree calibration {path} is not a {CALIBRATION_FORMAT} file: {fix}")
+    if body.get("sha256") != _calibration_digest(body):
+        raise ValueError(f"tree calibration {path} fails its sha256 (edited or truncated): {fix}")
+    if list(body["features"]) != list(CALIBRATION_FEATURES):
+        raise ValueError(f"tree calibration {path} has features {body['features']}, this version uses "
+                         f"{list(CALIBRATION_FEATURES)}: {fix}")
+    stored = body.get("pair_fingerprint")
+    if fingerprint is not None and stored not in (None, fingerprint):
+        raise ValueError(f"tree calibration {path} was fitted for another target/draft (fingerprint "
+                         f"{str(stored)[:12]} vs the pair's {fingerprint[:12]}): {fix}, or delete the file")
+    return TreeCalibration(tuple(float(w) for w in body["weights"]))
+
+
+def pair_calibration(pair) -> "TreeCalibration | None":
+    """The acceptance model shipped beside the pair's checkpoint (`CALIBRATION_FILE`, checked by
+    `load_calibration` against the pair), or None (the plain build) when the pair has none. `generate_tree`
+    builds from it by default."""
+    directory = getattr(pair, "directory", None)
+    if not directory or not os.path.exists(os.path.join(directory, CALIBRATION_FILE)):
+        return None
+    return load_calibration(os.path.join(directory, CALIBRATION_FILE), pair)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -549,13 +624,29 @@ class AdaptivePolicy:
     # (lo, hi): the calibration c is clipped to it (None: c >= 0 unclipped). With taus measured on
     # calibration prompts, a range around 1 says how far a sequence may drift from them.
     calibration_range: tuple[float, float] | None = None
+    # a prior toward the cheapest shape (least seconds per round): every other shape's rate is divided by
+    # 1 + margin, so it is chosen only when its figures promise more than `margin` above the cheapest's (figures
+    # measured on a few calibration prompts, on a loaded machine, are that uncertain)
+    margin: float = 0.0
+
+    def __post_init__(self):
+        if not self.margin >= 0:
+            raise ValueError(f"margin must be >= 0 (a prior toward the cheapest shape), got {self.margin}")
+
+    def scored_seconds(self) -> tuple[float, ...]:
+        """The seconds per round the choice divides by: `seconds()`, every shape but the cheapest times 1 + margin."""
+        secs = self.seconds()
+        if not self.margin:
+            return secs
+        cheapest = int(np.argmin(secs))
+        return tuple(float(t) if i == cheapest else float(t) * (1.0 + self.margin) for i, t in enumerate(secs))
 
     def reachable(self) -> tuple[int, ...]:
         """The indices of the shapes the policy can ever choose: those of the largest rate for some calibration c
         in `calibration_range` (or c >= 0). The rate is linear in c per shape, so the winners over c are the
         upper envelope of lines: checked at the range's ends and at every pairwise crossing inside it."""
         taus = np.asarray(self.tokens_per_round(), np.float32) - 1.0
-        secs = np.asarray(self.seconds(), np.float32)
+        secs = np.asarray(self.scored_seconds(), np.float32)
         lo, hi = self.calibration_range or (0.0, np.inf)
         cs = {lo} | ({hi} if np.isfinite(hi) else {1e6})
         for i in range(len(taus)):
@@ -574,8 +665,9 @@ class AdaptivePolicy:
         if len(keep) == len(self.shapes):
             return self
         pick = lambda xs: None if xs is None else tuple(xs[i] for i in keep)  # noqa: E731
+        # the margin is baked into the kept shapes' seconds (the cheapest shape may be among those pruned)
         return dataclasses.replace(self, shapes=pick(self.shapes), taus=pick(self.tokens_per_round()),
-                                   cost=VerifyCost(pick(self.seconds())))
+                                   cost=VerifyCost(pick(self.scored_seconds())), margin=0.0)
 
     def seconds(self) -> tuple[float, ...]:
         if self.cost is not None:
@@ -599,7 +691,7 @@ def choose_shape(policy: AdaptivePolicy, accepted_sum: jax.Array, expected_sum: 
     engine can call it per round on its own slots); ties go to the earlier shape."""
     xp = np if isinstance(accepted_sum, np.ndarray) else jnp  # numpy on a host loop: no device round trip
     taus = xp.asarray(policy.tokens_per_round(), xp.float32)
-    seconds = xp.asarray(policy.seconds(), xp.float32)
+    seconds = xp.asarray(policy.scored_seconds(), xp.float32)
     calib = (accepted_sum + xp.float32(1.0)) / (expected_sum + xp.float32(1.0))
     if policy.calibration_range is not None:
         calib = xp.clip(calib, *policy.calibration_range)
@@ -674,7 +766,7 @@ def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new
 
 def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_tokens: int = 64, repeats: int = 3,
                      calibration_range: tuple[float, float] | None = (0.5, 2.0), decay: float = 0.9,
-                     clock: str = "wall", log=None) -> AdaptivePolicy:
+                     clock: str = "wall", statistic: str = "min", margin: float = 0.0, log=None) -> AdaptivePolicy:
     """An `AdaptivePolicy` whose figures are measured on calibration prompts in the mode it will run in (the
     resident jitted loops): each shape's fixed loop (a chain: `spec.loop.generate` at block B; a tree:
     `generate_tree`) runs `prompts`, compiled first, then `repeats` times interleaved; its seconds per round
@@ -682,11 +774,14 @@ def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_toke
     figures and c = 1 the policy picks the fastest fixed shape there; `calibration_range` bounds how far a
     sequence's acceptance may move it (and so which shapes it provisions). clock: "wall" (seconds of the run)
     or "cpu" (this process's CPU seconds over the call, prefill included: the work, which other jobs on a
-    shared machine do not inflate)."""
+    shared machine do not inflate). statistic: "min" (the fastest repeat) or "median" (of the repeats: robust to
+    one lucky or loaded run). margin: the policy's prior toward the cheapest shape (`AdaptivePolicy.margin`)."""
     from dflash_jax.spec.loop import generate
 
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    if statistic not in ("min", "median"):
+        raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
 
     def timed(s):
         c0 = time.process_time()
@@ -699,19 +794,21 @@ def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_toke
         return generate_tree(pair, prompts, max_new_tokens=max_new_tokens, tree_budget=s.budget, branch=s.branch,
                              temperature=s.temperature, calibration=s.calibration)
 
-    taus, rounds, best = [], [], [float("inf")] * len(shapes)
+    taus, rounds, times = [], [], [[] for _ in shapes]
     for s in shapes:
         res = run(s)
         taus.append(float(np.mean([a for seq in res.acceptance_lengths for a in seq])))
         rounds.append(max(1, int(res.stats["rounds"])))
+    stat = np.min if statistic == "min" else np.median
     for r in range(repeats):
         for i, s in enumerate(shapes):
-            best[i] = min(best[i], timed(s))
+            times[i].append(timed(s))
         if log:
             log(f"calibration repeat {r + 1}/{repeats}: " + ", ".join(
-                f"{s.label()} {b / n * 1e3:.1f} ms/round" for s, b, n in zip(shapes, best, rounds)))
-    return AdaptivePolicy(tuple(shapes), VerifyCost(tuple(b / n for b, n in zip(best, rounds))),
-                          taus=tuple(round(t, 4) for t in taus), decay=decay, calibration_range=calibration_range)
+                f"{s.label()} {stat(t) / n * 1e3:.1f} ms/round" for s, t, n in zip(shapes, times, rounds)))
+    return AdaptivePolicy(tuple(shapes), VerifyCost(tuple(float(stat(t)) / n for t, n in zip(times, rounds))),
+                          taus=tuple(round(t, 4) for t in taus), decay=decay, calibration_range=calibration_range,
+                          margin=margin)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "k"))
@@ -802,7 +899,7 @@ def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, *
 
 
 def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branch: int = DEFAULT_BRANCH,
-                  temperature: float = DEFAULT_TEMPERATURE, calibration: TreeCalibration | None = None,
+                  temperature: float = DEFAULT_TEMPERATURE, calibration: TreeCalibration | str | None = "pair",
                   adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
                   sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
                   buckets: rq.Buckets | None = None):
@@ -810,13 +907,19 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
 
     tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
     width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`);
-    calibration: a fitted acceptance model for the build (`TreeCalibration`, `fit_calibration`).
+    calibration: a fitted acceptance model for the build (`TreeCalibration`, `fit_calibration`); "pair" (the
+    default) the one shipped with the pair (`pair_calibration`; the plain build when it has none); None the
+    plain build (the draft's marginals).
     adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
     Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
         raise ValueError(f"tree_budget must be a positive integer, got {tree_budget!r}")
     if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
         raise ValueError(f"branch must be a positive integer, got {branch!r}")
+    if isinstance(calibration, str):
+        if calibration != "pair":
+            raise ValueError(f"calibration must be a TreeCalibration, None or 'pair', got {calibration!r}")
+        calibration = pair_calibration(pair)
     request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
     full = (AdaptivePolicy() if adaptive is True else adaptive) or None
     policy = full.pruned() if full else None  # only the shapes it can choose are compiled and provisioned

@@ -188,8 +188,8 @@ def test_greedy_tree_equals_plain_greedy_on_the_shipped_pair(shipped):
     tau_chain = np.mean([a for seq in chain.acceptance_lengths for a in seq])
     tau_tree = np.mean([a for seq in result.acceptance_lengths for a in seq])
     assert tau_tree > 1.1 * tau_chain, (tau_tree, tau_chain)
-    # the jitted loop gives the same rounds
-    looped = generate_tree(pair, SHIPPED_PROMPTS, max_new_tokens=n, tree_budget=16, branch=4)
+    # the jitted loop gives the same rounds (the plain build: by default the pair's shipped calibration builds)
+    looped = generate_tree(pair, SHIPPED_PROMPTS, max_new_tokens=n, tree_budget=16, branch=4, calibration=None)
     assert looped.tokens == plain and looped.acceptance_lengths == result.acceptance_lengths
 
 
@@ -294,6 +294,8 @@ def test_bad_arguments(shipped):
         generate_tree(shipped, [[1, 2]], max_new_tokens=4, tree_budget=0)
     with pytest.raises(ValueError, match="branch"):
         generate_tree(shipped, [[1, 2]], max_new_tokens=4, branch=0)
+    with pytest.raises(ValueError, match="'pair'"):
+        generate_tree(shipped, [[1, 2]], max_new_tokens=4, calibration="shipped")
 
 
 # ----------------------------------------------------------------------------------------------------------

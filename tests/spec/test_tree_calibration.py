@@ -126,3 +126,55 @@ def test_calibration_samples_from_the_shipped_pair_fit_a_model_that_ranks_the_ar
     cal = fit_calibration(rows)
     a0, a1 = cal.log_accept(np.array([1, 1]), np.array([0, 1]), np.array([-0.2, -2.0]), np.array([False, False]))
     assert float(a0) > float(a1)
+
+
+def test_shipped_calibration_file_is_checked_and_loaded_by_default(tmp_path):
+    """The shipped pair's acceptance model (`CALIBRATION_FILE`) loads with its checksum and the pair's
+    fingerprint; `save_calibration` round-trips; an edited file or another pair's file is refused with the fix."""
+    import json
+
+    import dflash_jax
+    from dflash_jax.spec.tree import CALIBRATION_FILE, load_calibration, pair_calibration, save_calibration
+
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR, verify=False)
+    cal = pair_calibration(pair)
+    assert isinstance(cal, TreeCalibration)
+    with open(f"{pair.directory}/{CALIBRATION_FILE}") as fh:
+        body = json.load(fh)
+    assert cal.weights == tuple(body["weights"]) and body["fitted_on"]["split"] == "train"
+    path = save_calibration(TreeCalibration(WEIGHTS), str(tmp_path / "cal.json"), pair=pair, fitted_on={"rows": 1})
+    assert load_calibration(path, pair).weights == WEIGHTS
+    body = json.loads(open(path).read())
+    body["weights"][0] += 1.0
+    (tmp_path / "edited.json").write_text(json.dumps(body))
+    with pytest.raises(ValueError, match="sha256.*refit"):
+        load_calibration(str(tmp_path / "edited.json"))
+
+    class Other:  # another checkpoint: different file checksums
+        manifest = {"checksums": {"files": {"draft/x": {"sha256": "0" * 64}}}}
+
+    with pytest.raises(ValueError, match="another target/draft"):
+        load_calibration(path, Other())
+    assert pair_calibration(Other()) is None  # no directory: the plain build
+
+
+def test_margin_prefers_the_cheapest_shape_and_survives_pruning():
+    shapes = (TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 4))
+    # figures from a small calibration set: the tree promises 8% more tokens/s than the chain of 4
+    cost, taus = VerifyCost((0.0566, 0.0604, 0.0687)), (1.879, 2.0, 2.48)
+    live = np.ones(3, bool)
+    plain = AdaptivePolicy(shapes, cost, taus=taus, calibration_range=(0.5, 2.0))
+    prior = AdaptivePolicy(shapes, cost, taus=taus, calibration_range=(0.5, 2.0), margin=0.15)
+    zero = np.zeros(3, np.float32)
+    assert int(choose_shape(plain, zero, zero, live)) == 2
+    assert int(choose_shape(prior, zero, zero, live)) == 0
+    # a sequence accepting twice what was calibrated still earns the tree under the prior
+    assert int(choose_shape(prior, np.full(3, 40.0, np.float32), np.full(3, 10.0, np.float32), live)) == 2
+    pruned = prior.pruned()
+    assert pruned.margin == 0.0 and 0 in prior.reachable()
+    for acc in (0.0, 10.0, 40.0):
+        for xp in (np, jnp):
+            a, e = xp.full(3, acc, xp.float32), xp.full(3, 10.0, xp.float32)
+            assert pruned.shapes[int(choose_shape(pruned, a, e, live))] == shapes[int(choose_shape(prior, a, e, live))]
+    with pytest.raises(ValueError, match="margin"):
+        AdaptivePolicy(shapes, margin=-0.1)
