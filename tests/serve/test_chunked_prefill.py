@@ -30,6 +30,7 @@ def test_long_prompt_joins_by_chunks_while_others_decode(chunk_engine, pair):
     eng = chunk_engine
     infos = []
     eng.observers.append(infos.append)
+    before = eng.prefill_chunks, eng.prefill_tokens
     try:
         with CompileCounter() as counter:
             short = [eng.submit(p, max_new_tokens=64, stop_ids=[]) for p in SHORT]
@@ -43,6 +44,7 @@ def test_long_prompt_joins_by_chunks_while_others_decode(chunk_engine, pair):
     chunks = [i for i in infos if i.prefill_chunks]
     assert len(chunks) == 5 and all(i.prefill_chunks == 1 for i in chunks)  # one chunk per round
     assert sum(i.prefill_tokens for i in chunks) == len(LONG)
+    assert (eng.prefill_chunks - before[0], eng.prefill_tokens - before[1]) == (5, len(LONG) + sum(map(len, SHORT)))
     assert all(i.verified >= 2 for i in chunks)  # the live rows kept decoding meanwhile (3: the long one joined)
     assert chunks[-1].admitted == 1 and not eng.queue and not eng.requests and eng._prefilling is None
     assert all(r.finish_reason == "length" for r in short + [long])
@@ -61,16 +63,18 @@ def test_cancel_mid_prefill_frees_its_slot(chunk_engine):
     req = eng.submit(LONG, max_new_tokens=8, stop_ids=[])
     eng.step()  # the first chunk
     assert eng._prefilling is not None and eng._prefilling.req is req and eng.queue_depth == 0
+    behind = eng.submit(SHORT[1], max_new_tokens=30, stop_ids=[])
+    eng.step()  # the second chunk; the request behind takes a free slot meanwhile (one stays reserved)
+    assert eng._prefilling.done == 2 * CHUNK and behind.tokens and behind.slot is not None
     eng.cancel(req)
     eng.step()
     assert req.finish_reason == "cancelled" and not req.tokens
-    assert eng._prefilling is None and not eng.queue and not eng.requests
-    after = eng.submit(SHORT[1], max_new_tokens=4, stop_ids=[])
+    assert eng._prefilling is None and not eng.queue and list(eng.requests.values()) == [behind]
     eng.run_until_idle()
-    assert after.finish_reason == "length" and len(after.tokens) == 4
+    assert behind.finish_reason == "length" and len(behind.tokens) == 30
 
 
-def test_prefill_metrics(chunk_engine):
+def test_prefill_metrics():
     from dflash_jax.serve.engine import RoundInfo
     from dflash_jax.serve.metrics import Metrics
 
@@ -78,13 +82,17 @@ def test_prefill_metrics(chunk_engine):
     m.on_round(RoundInfo(prefill_chunks=1, prefill_tokens=16), queue_depth=0, slots_in_use=1)
     text = m.render()[0].decode()
     assert "dflash_prefill_chunks_total 1.0" in text and "dflash_prefill_tokens_total 16.0" in text
-    assert chunk_engine.prefill_chunks >= 5 and chunk_engine.prefill_tokens >= len(LONG)
 
 
 def test_max_prompt_len_beyond_the_context_is_a_clear_error(pair):
-    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.engine import Engine, RequestError
 
     with pytest.raises(ValueError, match="exceeds the target's context"):
         Engine(pair, slots=1, max_prompt_len=pair.target_cfg.max_position_embeddings)
     with pytest.raises(ValueError, match="prefill_chunk"):
         Engine(pair, slots=1, prefill_chunk=0)
+    # a prompt up to the context is accepted; with max_tokens it must still fit the (capped) cache
+    eng = Engine(pair, slots=1, max_prompt_len=4000, max_new_tokens=256)
+    eng.validate([1] * 3800, max_new_tokens=256)
+    with pytest.raises(RequestError, match="exceed this server's context"):
+        eng.validate([1] * 4000, max_new_tokens=256)
