@@ -92,8 +92,9 @@ def learn_round_seconds(table: dict, width: int, seconds: float, *, down: float 
 class CostRule:
     """How the width chooser's cost table is kept current from served rounds.
 
-    Every served round of a row bucket updates that bucket's entry of the width it ran (`observe_cost`: the
-    median of the width's last `window` served times, so one slow round on a shared machine moves nothing). A
+    Every served round of a row bucket updates that bucket's table (`observe_cost`: the chosen width's rounds
+    the machine's load, which scales every entry; each width's rounds its cost relative to that load; medians of
+    the last `window` rounds, so one slow round on a shared machine moves nothing). A
     width the chooser does not pick is measured by exploration (`explore_width`): in one round of every
     `explore_every` rounds of a bucket, a width adjacent to the chosen one runs instead when its entry is
     unconfirmed (fewer than `confirm` served times: a warm-up figure) or stale (no served time in `stale_after`
@@ -114,41 +115,66 @@ class CostRule:
 
 @dataclasses.dataclass(frozen=True)
 class BucketCosts:
-    """One row bucket's learned costs: the table {width: seconds}, each width's recent served times (newest
-    last), each width's age (rounds of the bucket since its last served time) and the bucket's rounds so far."""
+    """One row bucket's learned costs, as a load factor times a cost per width: a round of width w takes about
+    `load * cost[w]` seconds (`seconds`). A shared machine's load moves every width's time together, so the load
+    is learned from the rounds of the chosen width (the most recent information, every round) and a width's cost
+    relative to it from the width's own rounds, which are thereby compared with rounds of the same minute (paired,
+    as the warm-up measurement is), not with figures from another load. `cost` starts as the warm-up table (load
+    1); `recent`: each width's last served times divided by the load of their time; `load_recent`: the last
+    ratios of a chosen round's time to its width's cost; `age`: rounds of the bucket since the width last ran;
+    `rounds`: the bucket's rounds so far."""
 
-    seconds: dict
+    cost: dict
     recent: dict
     age: dict
+    load: float = 1.0
+    load_recent: tuple = ()
     rounds: int = 0
+
+    @property
+    def seconds(self) -> dict:
+        """{width: seconds} of a round now."""
+        return {w: self.load * c for w, c in self.cost.items()}
 
     @classmethod
     def fresh(cls, seconds: dict, rule: CostRule = CostRule()) -> "BucketCosts":
         """A table measured at warm-up (or given): no served time yet, every entry stale."""
-        return cls(seconds={int(w): float(t) for w, t in seconds.items()}, recent={int(w): () for w in seconds},
+        return cls(cost={int(w): float(t) for w, t in seconds.items()}, recent={int(w): () for w in seconds},
                    age={int(w): int(rule.stale_after) for w in seconds})
 
     def stale(self, width: int, rule: CostRule) -> bool:
         return len(self.recent[width]) < rule.confirm or self.age[width] >= rule.stale_after
 
 
-def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule = CostRule()) -> BucketCosts:
-    """The bucket's costs after one served round of `width` took `seconds` (pure). The entry becomes the median
-    of the width's last `rule.window` served times (geometric mean of the middle two for an even count): the
-    first served time replaces a warm-up figure (measured when the machine may have been busier or quieter), one
-    slow round among three or more moves nothing, a lasting change shows within `window` // 2 + 1 rounds. A
-    stale entry keeps only its newest time. Every other width ages by one round."""
+def _geomedian(values) -> float:
+    return float(np.exp(np.median(np.log(np.asarray(values, np.float64)))))
+
+
+def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule = CostRule(),
+                 explored: bool = False) -> BucketCosts:
+    """The bucket's costs after one served round of `width` took `seconds` (pure). A chosen round (not
+    `explored`) first updates the load: the median of the last `rule.window` ratios of a chosen round's time to
+    its width's cost, so the whole table follows the machine (one slow round among three or more moves nothing,
+    a lasting change shows within `window` // 2 + 1 rounds) and keeps its ratios. Then the width's cost becomes
+    the median of its last `window` times divided by the load of their time: for an explored width, its time
+    against the chosen rounds just before it. A stale entry keeps only its newest time. Every other width ages
+    by one round."""
+    t = max(float(seconds), 1e-9)
+    load, window = costs.load, costs.load_recent
+    if not explored:
+        window = (window + (t / costs.cost[width],))[-int(rule.window):]
+        load = _geomedian(window)
     recent = costs.recent[width]
     if costs.age[width] >= rule.stale_after:
         recent = recent[-1:]
-    recent = (recent + (max(float(seconds), 1e-9),))[-int(rule.window):]
-    table = dict(costs.seconds)
-    table[width] = float(np.exp(np.median(np.log(recent))))
+    recent = (recent + (t / load,))[-int(rule.window):]
+    cost = dict(costs.cost)
+    cost[width] = _geomedian(recent)
     times = dict(costs.recent)
     times[width] = recent
     age = {w: a + 1 for w, a in costs.age.items()}
     age[width] = 0
-    return BucketCosts(seconds=table, recent=times, age=age, rounds=costs.rounds + 1)
+    return BucketCosts(cost=cost, recent=times, age=age, load=load, load_recent=window, rounds=costs.rounds + 1)
 
 
 def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) -> int | None:
@@ -157,8 +183,8 @@ def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) 
     only a width adjacent to `chosen` in the bucket's widths, and only if its entry is stale or unconfirmed
     (`BucketCosts.stale`); of two such neighbours an unconfirmed one first, then the older entry, then the wider.
     Never with a single width."""
-    widths = sorted(costs.seconds)
-    if len(widths) < 2 or rule.explore_every <= 0 or chosen not in costs.seconds:
+    widths = sorted(costs.cost)
+    if len(widths) < 2 or rule.explore_every <= 0 or chosen not in costs.cost:
         return None
     if (costs.rounds + 1) % rule.explore_every:
         return None
@@ -170,24 +196,11 @@ def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) 
     return max(near, key=lambda w: (len(costs.recent[w]) < rule.confirm, costs.age[w], w))
 
 
-def monotone_seconds(seconds: dict) -> dict:
-    """{width: seconds} with each entry raised to the largest entry of a narrower width (pure)."""
-    out, top = {}, 0.0
-    for w in sorted(seconds):
-        top = max(top, float(seconds[w]))
-        out[w] = top
-    return out
-
-
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
                  rule: CostRule | None = CostRule()) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
-    time, then `explore_width` (rule None: no exploration). Pure.
-
-    The table is read as non-decreasing in width (`monotone_seconds`): a wider verify of the same rows is more
-    work, so an entry below a narrower width's (learned in a quieter spell of a shared machine) is priced at
-    the narrower one's."""
-    seconds = {w: t + host_seconds for w, t in monotone_seconds(costs.seconds).items()}
+    time, then `explore_width` (rule None: no exploration). Pure."""
+    seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
     chosen = choose_width(alphas, seconds, margin)
     other = None if rule is None else explore_width(costs, chosen, rule)
     return (chosen, False) if other is None else (other, True)
@@ -588,7 +601,8 @@ class Engine:
         max_pos = tcfg.max_position_embeddings
         self.output_len = self.buckets.output_len(int(max_new_tokens))
         max_len = min(self.buckets.cache_len(self.max_prompt_len + self.output_len + self.block_size), max_pos)
-        # the bucket may pass the context: the prompts served stop there (the request checked above fits)
+        if max_len < self.max_prompt_len + 1 + self.block_size:
+            raise ValueError(f"max_prompt_len {max_prompt_len} leaves no room in the target's {max_pos} positions")
         self.max_prompt_len = min(self.max_prompt_len, max_len - self.block_size - 1)
         self.max_new_tokens = int(max_new_tokens)
         self.stops_len = self.buckets.stops_len(4)
@@ -952,7 +966,8 @@ class Engine:
             self.explore_seconds += info.seconds
         if not self.learn_costs or len(self.widths) < 2 or info.compiles or info.width not in self.specs:
             return
-        costs = observe_cost(self.bucket_costs(info.rows), info.width, self._device_seconds, self.cost_rule)
+        costs = observe_cost(self.bucket_costs(info.rows), info.width, self._device_seconds, self.cost_rule,
+                             info.explored)
         self._costs[info.rows] = costs
         if self.round_seconds is None:
             self.cost_table[info.rows] = costs.seconds

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.serve.engine import (
-    BucketCosts, CostRule, Engine, RoundInfo, choose_width, decide_width, explore_width, monotone_seconds,
-    observe_cost,
+    BucketCosts, CostRule, Engine, RoundInfo, choose_width, decide_width, explore_width, observe_cost,
 )
 
 # a 32-row bucket as the serving benchmark met it: the warm-up table, measured while the machine was busy,
@@ -20,15 +19,16 @@ HOST = 0.010
 MARGIN = 0.1
 
 
-def simulate(costs, true, rounds, rule=CostRule(), noise=0.05, seed=0):
-    """Serves `rounds` rounds: each round's width by `decide_width`, its time the true cost times a deterministic
-    noise factor (a shared machine: up to 1 + noise, and a 3x spike every 17th round)."""
+def simulate(costs, true, rounds, rule=CostRule(), noise=0.05, seed=0, load=lambda r: 1.0):
+    """Serves `rounds` rounds: each round's width by `decide_width`, its time the true cost times the machine's
+    load factor of the round and a deterministic noise factor (a shared machine: up to 1 + noise, and a 3x
+    spike every 17th round)."""
     rng = np.random.default_rng(seed)
     picks = []
     for r in range(rounds):
         width, explored = decide_width(ALPHAS, costs, HOST, MARGIN, rule)
-        t = true[width] * (1.0 + noise * rng.random()) * (3.0 if r % 17 == 16 else 1.0)
-        costs = observe_cost(costs, width, t, rule)
+        t = true[width] * load(r) * (1.0 + noise * rng.random()) * (3.0 if r % 17 == 16 else 1.0)
+        costs = observe_cost(costs, width, t, rule, explored)
         picks.append((width, explored))
     return costs, picks
 
@@ -52,9 +52,23 @@ def test_a_stale_table_converges_within_tens_of_rounds():
 def test_a_table_that_underprices_wide_rounds_recovers_too():
     cheap = {1: 0.030, 2: 0.031, 4: 0.032, 8: 0.033}  # warm-up on an idle machine, served under load
     steep = {1: 0.030, 2: 0.060, 4: 0.120, 8: 0.240}
-    _, picks = simulate(BucketCosts.fresh(cheap), steep, 120)
-    late = [w for w, explored in picks[40:] if not explored]
+    _, picks = simulate(BucketCosts.fresh(cheap), steep, 150)
+    late = [w for w, explored in picks[60:] if not explored]
     assert set(late) == {1}, late
+
+
+def test_the_table_follows_the_load_and_keeps_its_ratios():
+    """The machine's load doubles, then halves, in slow waves: every width's time moves with it. The chosen
+    width's rounds carry the load to the whole table, so the widths' ratios (measured against rounds of the same
+    minute) stay right and the choice does not flip with the load."""
+    best = choose_width(ALPHAS, {w: t + HOST for w, t in TRUE.items()}, MARGIN)
+    wave = lambda r: 1.5 + 0.5 * np.sin(r / 40.0)  # noqa: E731
+    costs, picks = simulate(BucketCosts.fresh(WARMUP), TRUE, 300, load=wave)
+    late = [w for w, explored in picks[60:] if not explored]
+    assert late.count(best) >= 0.9 * len(late), late
+    ratios = {w: costs.seconds[w] / costs.seconds[best] for w in TRUE}
+    for w in (2, 4, 8):  # the widths explored near the end: their ratio to the chosen one
+        assert ratios[w] == pytest.approx(TRUE[w] / TRUE[best], rel=0.1), ratios
 
 
 def test_exploration_is_bounded_deterministic_and_adjacent():
@@ -93,35 +107,27 @@ def test_no_exploration_with_one_width_or_when_off():
     assert all(not decide_width(ALPHAS, c, HOST, MARGIN, None)[1] for _ in range(20))
 
 
-def test_the_table_is_read_non_decreasing_in_width():
-    """A wider verify of the same rows is more work: an entry learned below a narrower width's (a quieter spell of
-    the machine) is priced at the narrower one's."""
-    assert monotone_seconds({1: 11.0, 2: 7.7, 4: 16.4, 8: 11.8}) == {1: 11.0, 2: 11.0, 4: 16.4, 8: 16.4}
-    odd = BucketCosts.fresh({1: 0.02, 2: 0.01})
-    assert choose_width([0.05], {1: 0.02, 2: 0.01}) == 2  # read as it is, the quiet spell's entry wins
-    assert decide_width([0.05], odd, 0.0, MARGIN, None) == (1, False)
-
-
-def test_observe_cost_follows_the_median_of_recent_rounds():
+def test_observe_cost_follows_the_load_and_each_widths_cost():
     c = BucketCosts.fresh({1: 1.0, 2: 4.0})
-    c = observe_cost(c, 2, 2.0)
-    assert c.seconds[2] == pytest.approx(2.0) and c.recent[2] == (2.0,)  # the first served time replaces
-    assert c.age == {1: CostRule().stale_after + 1, 2: 0} and c.rounds == 1
-    c = observe_cost(c, 2, 8.0)  # two: their geometric mean
-    assert c.seconds[2] == pytest.approx(4.0)
+    c = observe_cost(c, 1, 2.0)  # a chosen round twice its warm-up figure: the machine is twice as loaded
+    assert c.load == pytest.approx(2.0) and c.seconds == pytest.approx({1: 2.0, 2: 8.0})  # ratios kept
+    assert c.age == {1: 0, 2: CostRule().stale_after + 1} and c.rounds == 1
+    c = observe_cost(c, 2, 4.0, explored=True)  # the explored width against the rounds just before it
+    assert c.load == pytest.approx(2.0) and c.seconds == pytest.approx({1: 2.0, 2: 4.0})
+    assert c.recent[2] == pytest.approx((2.0,))
     for _ in range(10):
-        c = observe_cost(c, 2, 1.0)
-    assert c.seconds[2] == pytest.approx(1.0) and len(c.recent[2]) == CostRule().window
-    assert observe_cost(c, 2, 3.0).seconds[2] == pytest.approx(1.0)  # one slow round moves nothing
+        c = observe_cost(c, 1, 2.0)
+    assert len(c.load_recent) == CostRule().window
+    assert observe_cost(c, 1, 6.0).seconds == pytest.approx({1: 2.0, 2: 4.0})  # one slow round moves nothing
     slow = c
-    for _ in range(3):  # a lasting slowdown shows within window // 2 + 1 rounds
-        slow = observe_cost(slow, 2, 2.0)
-    assert slow.seconds[2] == pytest.approx(2.0)
+    for _ in range(3):  # a lasting slowdown shows within window // 2 + 1 rounds, in every entry
+        slow = observe_cost(slow, 1, 4.0)
+    assert slow.seconds == pytest.approx({1: 4.0, 2: 8.0})
     rule = CostRule(stale_after=5)
     for _ in range(5):
-        c = observe_cost(c, 1, 1.0, rule)
+        c = observe_cost(c, 1, 2.0, rule)
     assert c.stale(2, rule) and not c.stale(1, CostRule(confirm=1))
-    assert observe_cost(c, 2, 4.0, rule).recent[2] == (1.0, 4.0)  # a stale entry keeps its newest time only
+    assert observe_cost(c, 2, 8.0, rule, explored=True).recent[2] == pytest.approx((2.0, 4.0))  # stale: newest only
     with pytest.raises(ValueError, match="window >= 1"):
         CostRule(window=0)
 
@@ -135,11 +141,13 @@ def test_the_engine_learns_by_default_and_counts_exploration(pair):
     assert eng.learn_costs
     eng.cost_table = {1: {1: 0.01, 2: 0.05, 4: 0.09}, 2: {1: 0.02, 2: 0.06, 4: 0.1}}
     eng._device_seconds = 0.02
-    eng._learn_cost(RoundInfo(width=2, rows=1, seconds=0.03))
-    assert eng.seconds_table(1)[2] == pytest.approx(0.02) and eng.cost_table[1][2] == pytest.approx(0.02)
+    eng._learn_cost(RoundInfo(width=2, rows=1, seconds=0.03))  # a chosen round: the load is 0.4 of the warm-up's
+    assert eng.seconds_table(1) == pytest.approx({1: 0.004, 2: 0.02, 4: 0.036})
+    assert eng.cost_table[1] == pytest.approx(eng.seconds_table(1))
     assert eng.seconds_table(2) == {1: 0.02, 2: 0.06, 4: 0.1}  # other buckets untouched
-    eng._learn_cost(RoundInfo(width=4, rows=1, seconds=0.05, explored=True))
+    eng._learn_cost(RoundInfo(width=4, rows=1, seconds=0.05, explored=True))  # measured: 0.02 s
     assert eng.explore_rounds[4] == 1 and eng.explore_seconds == pytest.approx(0.05)
+    assert eng.seconds_table(1)[4] == pytest.approx(0.02) and eng.bucket_costs(1).load == pytest.approx(0.4)
     eng._learn_cost(RoundInfo(width=2, rows=1, seconds=0.03, compiles=1))  # a compiling round teaches nothing
     assert eng.bucket_costs(1).rounds == 2
     fixed = Engine(pair, slots=2, block_size=4, widths=[4])
