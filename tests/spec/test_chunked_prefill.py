@@ -91,3 +91,26 @@ def test_chunked_prefill_rejects_a_bad_chunk():
     with pytest.raises(ValueError, match="chunk must be a positive"):
         prefill.chunked_begin(None, None, np.zeros((1, 4), np.int32), np.ones(1, np.int32), None, None, None, None,
                               chunk=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [8, 5])
+def test_qwen3_5_chunks_within_the_rollback_width(chunk):
+    """Chunks no wider than the DeltaNet rollback width (the verify block, 8) keep their rows instead of
+    committing them, and the next chunk replays them from the checkpoint: still the one-shot state."""
+    from dflash_jax.models.qwen3_5 import committed_linear_states
+
+    cfg = testing.tiny_qwen3_5_config()
+    pair = testing.random_pair(cfg, seed=3, block_size=8, mask_token_id=cfg.vocab_size - 1)
+    rng = np.random.default_rng(0)
+    prep = prepare(pair, [rng.integers(0, 100, n).tolist() for n in (29, 11)], max_new_tokens=16, stop_ids=[])
+    args = (pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold)
+    whole = _begin(*args, prep.spec)
+    chunked = prefill.chunked_begin_jit(*args, prep.spec, chunk=chunk)
+    committed = jax.jit(committed_linear_states)
+    for (sa, ta), (sb, tb) in zip(committed(whole.target_cache), committed(chunked.target_cache)):
+        np.testing.assert_allclose(np.asarray(sa), np.asarray(sb), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(ta), np.asarray(tb), rtol=1e-4, atol=1e-4)
+    a = run_loop(pair.target, pair.draft, whole, prep.spec)
+    b = run_loop(pair.target, pair.draft, chunked, prep.spec)
+    np.testing.assert_array_equal(np.asarray(a.output), np.asarray(b.output))
