@@ -96,3 +96,25 @@ def test_max_prompt_len_beyond_the_context_is_a_clear_error(pair):
     eng.validate([1] * 3800, max_new_tokens=256)
     with pytest.raises(RequestError, match="exceed this server's context"):
         eng.validate([1] * 4000, max_new_tokens=256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_chunked_admission_on_the_other_families(family):
+    """The engine's chunked admission on the hybrid (DeltaNet state carried across chunks, then inserted into a
+    slot) and on gpt-oss (sliding window 16 < the prompt): greedy output equals each request alone."""
+    from dflash_jax import testing
+    from dflash_jax.serve.engine import Engine, generate as serve_generate
+
+    cfg = testing.tiny_qwen3_5_config() if family == "qwen3_5" else testing.tiny_gpt_oss_config()
+    pair = testing.random_pair(cfg, seed=3, block_size=8, mask_token_id=cfg.vocab_size - 1)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 100, n).tolist() for n in (9, 45, 5, 38)]
+    engine = Engine(pair, slots=2, max_prompt_len=64, max_new_tokens=32, prefill_chunk=16, widths=None,
+                    row_buckets=None)
+    engine.warmup()
+    with CompileCounter() as counter:
+        reqs = serve_generate(engine, prompts, max_new_tokens=20, stop_ids=[])
+    assert counter.compiles == 0 and engine.prefill_chunks == 6
+    for p, r in zip(prompts, reqs):
+        assert r.tokens == spec_generate(pair, [p], max_new_tokens=20, stop_ids=[]).tokens[0]
