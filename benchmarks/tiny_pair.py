@@ -22,6 +22,7 @@ hand-written reading below the line `<!-- reading: kept across --write-docs reru
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -41,6 +42,55 @@ def timed(fn):
     w0, c0 = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - w0, time.process_time() - c0
+
+
+def plain_without_rollback(pair, n: int):
+    """Plain greedy decoding as `decode.greedy_generate` (same buckets, prefill and decode loop), but with a target
+    cache that keeps no rollback rows (`verify_width=0`): for a DeltaNet target every step then commits its state
+    directly instead of keeping the row (greedy_generate keeps one, replayed by the next step). The strictest plain
+    baseline; the same target forward at width 1. Returns prompt -> generated ids."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.decode import _decode_loop
+    from dflash_jax.spec import requests as rq
+    from dflash_jax.spec.session import init_target_cache, target_family
+
+    cfg, weights, buckets = pair.target_cfg, pair.target, rq.Buckets(pad_batch=True)
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def prefill(tokens, lengths, max_len):
+        cache = init_target_cache(cfg, tokens.shape[0], max_len, weights.embed.dtype, verify_width=0)
+        out = target_family(cfg).forward(weights, tokens, cache, cfg, num_valid=lengths, logits="last")
+        return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+
+    output_len = buckets.output_len(n)
+
+    def run(prompt):
+        checked = rq.check_prompts([prompt], cfg.vocab_size)
+        prompt_len = buckets.prompt_len(len(prompt))
+        max_len = min(buckets.cache_len(prompt_len + output_len), cfg.max_position_embeddings)
+        tokens, lengths = rq.pad_prompts(checked, min(prompt_len, max_len), buckets.batch_size(1))
+        first, cache = prefill(tokens, lengths, max_len)
+        stops = np.full((buckets.stops_len(0),), -1, np.int32)
+        budgets = np.full((tokens.shape[0],), n, np.int32)
+        out, num, _ = _decode_loop(weights, first, cache, stops, budgets, cfg, output_len)
+        out, num = np.asarray(out), np.asarray(num)
+        return list(map(int, out[0, : num[0]]))
+
+    return run
+
+
+def repeated_share(prompt, out, n: int = 8) -> float:
+    """Share of the generated tokens that end an n-gram already seen in the prompt or earlier output: how much a
+    greedy continuation loops (drafts accept more on repeated text)."""
+    seq = list(prompt) + list(out)
+    seen, repeated = set(), 0
+    for j in range(n, len(seq) + 1):
+        gram = tuple(seq[j - n: j])
+        repeated += j > len(prompt) and gram in seen
+        seen.add(gram)
+    return repeated / max(len(out), 1)
 
 
 def load_avg() -> list[float] | None:
@@ -86,19 +136,19 @@ def plot(rows: list[dict], path: str) -> bool:
 READING_MARK = "<!-- reading: kept across --write-docs reruns -->"
 
 
-def summary(times: dict, key: str, tokens: int) -> dict:
-    """tokens/s of the plain loop and each block size from per-prompt lists of timings, by the sum over prompts of
-    each prompt's best (minimum) and median time; per-prompt ratios of the medians."""
+def summary(times: dict, key: str, tokens: int, base: str = "plain") -> dict:
+    """tokens/s of the plain loop `base` and each block size from per-prompt lists of timings, by the sum over
+    prompts of each prompt's best (minimum) and median time; per-prompt ratios of the medians."""
     out = {}
     for stat, fn in (("best", np.min), ("median", np.median)):
-        plain = sum(fn(r[key]) for r in times["plain"])
+        plain = sum(fn(r[key]) for r in times[base])
         out[f"plain_tokens_per_s_{stat}"] = round(tokens / plain, 1)
         for block, runs in times["dflash"].items():
             t = sum(fn(r[key]) for r in runs)
             out.setdefault(block, {})[f"tokens_per_s_{stat}"] = round(tokens / t, 1)
             out[block][f"speedup_{stat}"] = round(plain / t, 3)
     for block, runs in times["dflash"].items():
-        ratios = [np.median(p[key]) / np.median(r[key]) for p, r in zip(times["plain"], runs)]
+        ratios = [np.median(p[key]) / np.median(r[key]) for p, r in zip(times[base], runs)]
         out[block]["speedup_per_prompt_min"] = round(float(np.min(ratios)), 3)
         out[block]["speedup_per_prompt_max"] = round(float(np.max(ratios)), 3)
     return out
@@ -168,24 +218,33 @@ def main(argv=None) -> int:
     def dflash(prompt, block):
         return generate(pair, [prompt], max_new_tokens=n, block_size=block)
 
+    from dflash_jax.spec.session import target_family
+
+    # a DeltaNet target: also the plain loop whose cache keeps no rollback row (the strictest baseline)
+    strict = plain_without_rollback(pair, n) if target_family(pair.target_cfg).needs_rollback_width else None
     # every program compiled before any timing
     plain(prompts[0])
+    if strict is not None:
+        strict(prompts[0])
     for block in blocks:
         dflash(prompts[0], block)
-    times = {"plain": [], "dflash": {b: [] for b in blocks}}
+    baselines = ["plain"] + (["plain_w0"] if strict is not None else [])
+    times = {"plain": [], "plain_w0": [], "dflash": {b: [] for b in blocks}}
     taus, lossless, lengths, loads = {b: [] for b in blocks}, {b: True for b in blocks}, {b: [] for b in blocks}, []
+    per_prompt = []
     for i, prompt in enumerate(prompts):
         # paired and interleaved: each repeat runs plain, then every block size, on this prompt, so each ratio
         # compares runs made moments apart on a shared, noisy machine
         ref = None
-        rec = {"plain": {"wall": [], "cpu": []}, **{b: {"wall": [], "cpu": []} for b in blocks}}
+        rec = {k: {"wall": [], "cpu": []} for k in baselines + blocks}
         for _ in range(args.repeats):
-            out, wall, cpu = timed(lambda: plain(prompt))
-            ref = out if ref is None else ref
-            if out != ref:
-                raise SystemExit("plain greedy decoding is not deterministic: the reference is ill-defined")
-            rec["plain"]["wall"].append(wall)
-            rec["plain"]["cpu"].append(cpu)
+            for base in baselines:
+                out, wall, cpu = timed(lambda: (plain if base == "plain" else strict)(prompt))
+                ref = out if ref is None else ref
+                if out != ref:
+                    raise SystemExit(f"{base} decoding disagrees with plain greedy: the reference is ill-defined")
+                rec[base]["wall"].append(wall)
+                rec[base]["cpu"].append(cpu)
             for block in blocks:
                 res, wall, cpu = timed(lambda: dflash(prompt, block))
                 rec[block]["wall"].append(wall)
@@ -194,21 +253,30 @@ def main(argv=None) -> int:
                 if len(rec[block]["wall"]) == 1:
                     taus[block].append(res.mean_acceptance())
                     lengths[block] += res.acceptance_lengths[0]
-        times["plain"].append(rec["plain"])
+        for base in baselines:
+            times[base].append(rec[base])
         for block in blocks:
             times["dflash"][block].append(rec[block])
         loads.append(load_avg())
+        per_prompt.append({
+            "repeated_8gram_share": round(repeated_share(prompt, ref), 3),
+            "tau": {b: round(taus[b][-1], 3) for b in blocks},
+            "cpu_speedup_median": {b: round(float(np.median(rec["plain"]["cpu"]) / np.median(rec[b]["cpu"])), 3)
+                                   for b in blocks}})
         print(f"prompt {i + 1}/{len(prompts)}: plain {n / min(rec['plain']['wall']):.1f} tok/s; " + ", ".join(
             f"B={b} {min(rec['plain']['wall']) / min(rec[b]['wall']):.2f}x" for b in blocks)
             + f"; load {loads[-1]}", flush=True)
     tokens = len(prompts) * n
     wall, cpu = summary(times, "wall", tokens), summary(times, "cpu", tokens)
+    strict_sum = {k: summary(times, k, tokens, "plain_w0") for k in ("wall", "cpu")} if strict is not None else None
     rows = []
     for block in blocks:
         row = {"block_size": block, "tau": round(float(np.mean(taus[block])), 3),
                "tokens_per_s": wall[block]["tokens_per_s_best"], "plain_tokens_per_s": wall["plain_tokens_per_s_best"],
                "speedup": round(wall[block]["speedup_best"], 2), "lossless": bool(lossless[block]),
                "wall": wall[block], "cpu": cpu[block],
+               "vs_plain_without_rollback": None if strict_sum is None else
+               {k: {s: strict_sum[k][block][f"speedup_{s}"] for s in ("best", "median")} for k in ("wall", "cpu")},
                # rounds that committed k tokens, k = 1..block (accepted proposals + the bonus)
                "acceptance_histogram": np.bincount(lengths[block], minlength=block + 1)[1:].tolist()}
         rows.append(row)
@@ -238,8 +306,12 @@ def main(argv=None) -> int:
               "load_average_1_5_15": {"before": load_before, "after_each_prompt": loads},
               "plain_tokens_per_s": {"wall": {k: wall[f"plain_tokens_per_s_{k}"] for k in ("best", "median")},
                                      "cpu": {k: cpu[f"plain_tokens_per_s_{k}"] for k in ("best", "median")}},
-              "by_block_size": rows, "loops": loops,
-              "times_s": {"plain": times["plain"], "dflash": {str(b): v for b, v in times["dflash"].items()}}}
+              "plain_without_rollback_tokens_per_s": None if strict_sum is None else {
+                  m: {k: strict_sum[m][f"plain_tokens_per_s_{k}"] for k in ("best", "median")}
+                  for m in ("wall", "cpu")},
+              "by_block_size": rows, "per_prompt": per_prompt, "loops": loops,
+              "times_s": {"plain": times["plain"], "plain_without_rollback": times["plain_w0"],
+                          "dflash": {str(b): v for b, v in times["dflash"].items()}}}
     out_dir = output_dir(args)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
@@ -256,7 +328,7 @@ def main(argv=None) -> int:
         (" --dequantize-experts yes" if dense else "") + " --write-docs"
     threads = ("XLA's CPU runtime on one thread for both modes (`XLA_FLAGS=" + ONE_THREAD + "`)"
                if args.threads == "one" else "XLA's default threading")
-    loads_seen = [l[0] for l in loads if l]
+    loads_seen = [x[0] for x in loads if x]
     md = [f"# {title}: acceptance and speed (CPU)", "",
           f"`{cmd}` - {len(prompts)} held-out stdlib prompts of {args.prompt_len} tokens, "
           f"{n} new tokens each, greedy, batch 1, compiled loops; {result['machine']}, "
@@ -271,7 +343,10 @@ def main(argv=None) -> int:
           "",
           f"Plain greedy: {wall['plain_tokens_per_s_best']} tok/s wall (best), {wall['plain_tokens_per_s_median']} "
           f"(median); {cpu['plain_tokens_per_s_best']} tok per CPU-s (best), {cpu['plain_tokens_per_s_median']} "
-          "(median).", "",
+          "(median)." + ("" if strict_sum is None else
+          f" Plain greedy with no rollback row kept (`verify_width=0`, the strictest plain loop of a DeltaNet "
+          f"target): {strict_sum['wall']['plain_tokens_per_s_best']} tok/s wall (best), "
+          f"{strict_sum['cpu']['plain_tokens_per_s_best']} tok per CPU-s (best)."), "",
           "| block size | tau (tokens/round) | DFlash tok/s wall, best | speedup wall, best | speedup wall, median "
           "| speedup CPU, best | speedup CPU, median | per-prompt speedup (wall, median), min - max "
           "| output == plain greedy |",
@@ -282,6 +357,21 @@ def main(argv=None) -> int:
                   f"{r['cpu']['speedup_best']:.2f}x | {r['cpu']['speedup_median']:.2f}x | "
                   f"{r['wall']['speedup_per_prompt_min']:.2f} - {r['wall']['speedup_per_prompt_max']:.2f} | "
                   f"{'yes' if r['lossless'] else 'NO'} |")
+    if strict_sum is not None:
+        md += ["", "Against the plain loop that keeps no rollback row (same statistics):", "",
+               "| block size | speedup wall, best | speedup wall, median | speedup CPU, best | speedup CPU, median |",
+               "|---|---|---|---|---|"]
+        for r in rows:
+            v = r["vs_plain_without_rollback"]
+            md.append(f"| {r['block_size']} | {v['wall']['best']:.2f}x | {v['wall']['median']:.2f}x | "
+                      f"{v['cpu']['best']:.2f}x | {v['cpu']['median']:.2f}x |")
+    md += ["", "Per prompt (the plain greedy output's share of tokens ending an 8-gram seen before: how much the "
+           "continuation repeats itself; tau; the CPU-time speedup of the medians):", "",
+           "| prompt | repeated 8-gram share | " + " | ".join(f"tau B={b}" for b in blocks) + " | "
+           + " | ".join(f"speedup B={b}" for b in blocks) + " |", "|---|---|" + "---|" * (2 * len(blocks))]
+    for i, pp in enumerate(per_prompt):
+        md.append(f"| {i + 1} | {pp['repeated_8gram_share']:.2f} | " + " | ".join(f"{pp['tau'][b]:.2f}" for b in blocks)
+                  + " | " + " | ".join(f"{pp['cpu_speedup_median'][b]:.2f}x" for b in blocks) + " |")
     md += ["", f"Loops at block size {block}: jitted while_loop {loops['jit_rounds_per_s']} rounds/s, Python "
            f"stepping loop {loops['python_rounds_per_s']} rounds/s; in the stepping loop the host (dispatch, "
            f"transfers, Python) takes {loops['host_share_of_round'] * 100:.0f}% of the decode time "
