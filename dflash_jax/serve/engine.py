@@ -6,7 +6,9 @@ requests join in groups: one prefill of up to 4 of them together (`spec.session.
 slots of the batched state (`_insert_rows`: one jitted scatter, the slot indices traced). A free slot is a
 row that is done. Nothing a request varies (prompt length inside a bucket, budget, sampling settings, stop
 ids, seed, slot) is a compiled shape, so after `warmup()` no request compiles anything (tested with
-`compile_cache.CompileCounter`).
+`compile_cache.CompileCounter`). A prompt longer than `prefill_chunk` joins by chunks instead (`spec.prefill`),
+one chunk per round while the live rows keep decoding, its one-row state held outside the batch and a slot
+reserved for it, then inserted like a grouped prefill's row.
 
 Live requests are kept in the lowest slots: when a slot below the highest live one frees, that row moves down
 into it (`_move_row`, every leaf of the row). Each round computes only the smallest compiled row bucket
@@ -14,7 +16,8 @@ into it (`_move_row`, every leaf of the row). Each round computes only the small
 and write them back in place (the state is donated), so one client on a 32-slot engine costs a one-row round.
 
 One round (`step`):
-  1. admit queued requests into free slots (grouped prefill + insert; their first token is emitted at once);
+  1. admit queued requests into free slots (grouped prefill + insert; their first token is emitted at once; a
+     long prompt's next chunk, and its insert after the last one);
   2. choose the round's verify width from the compiled widths (`choose_width`: the most expected tokens per
      second, from each live row's acceptance so far and the round time of each width at the round's row
      bucket, measured at warm-up, plus the host's per-round work; a wider width must win by `width_margin`);
