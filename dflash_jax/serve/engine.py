@@ -125,7 +125,8 @@ class BucketCosts:
     as the warm-up measurement is), not with figures from another load. `cost` starts as the warm-up table (load
     1); `recent`: each width's last served times divided by the load of their time; `load_recent`: the last
     ratios of a chosen round's time to its width's cost; `age`: rounds of the bucket since the width last ran;
-    `rounds`: the bucket's rounds so far."""
+    `rounds`: the bucket's rounds so far; `prior`: the warm-up costs, which count as one sample of a width
+    with fewer than `confirm` served ones (one noisy round does not replace a paired measurement)."""
 
     cost: dict
     recent: dict
@@ -133,6 +134,7 @@ class BucketCosts:
     load: float = 1.0
     load_recent: tuple = ()
     rounds: int = 0
+    prior: dict = dataclasses.field(default_factory=dict)
 
     @property
     def seconds(self) -> dict:
@@ -142,8 +144,9 @@ class BucketCosts:
     @classmethod
     def fresh(cls, seconds: dict, rule: CostRule = CostRule()) -> "BucketCosts":
         """A table measured at warm-up (or given): no served time yet, every entry stale."""
-        return cls(cost={int(w): float(t) for w, t in seconds.items()}, recent={int(w): () for w in seconds},
-                   age={int(w): int(rule.stale_after) for w in seconds})
+        cost = {int(w): float(t) for w, t in seconds.items()}
+        return cls(cost=cost, recent={w: () for w in cost}, age={w: int(rule.stale_after) for w in cost},
+                   prior=dict(cost))
 
     def stale(self, width: int, rule: CostRule) -> bool:
         return len(self.recent[width]) < rule.confirm or self.age[width] >= rule.stale_after
@@ -159,9 +162,9 @@ def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule 
     `explored`) first updates the load: the median of the last `rule.window` ratios of a chosen round's time to
     its width's cost, so the whole table follows the machine (one slow round among three or more moves nothing,
     a lasting change shows within `window` // 2 + 1 rounds) and keeps its ratios. Then the width's cost becomes
-    the median of its last `window` times divided by the load of their time: for an explored width, its time
-    against the chosen rounds just before it. A stale entry keeps only its newest time. Every other width ages
-    by one round."""
+    the median of its last `window` times divided by the load of their time (and of its warm-up cost while it has
+    fewer than `rule.confirm`): for an explored width, its time against the chosen rounds just before it. A
+    stale entry keeps only its newest time. Every other width ages by one round."""
     t = max(float(seconds), 1e-9)
     load, window = costs.load, costs.load_recent
     if not explored:
@@ -172,12 +175,14 @@ def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule 
         recent = recent[-1:]
     recent = (recent + (t / load,))[-int(rule.window):]
     cost = dict(costs.cost)
-    cost[width] = _geomedian(recent)
+    prior = (costs.prior[width],) if width in costs.prior and len(recent) < rule.confirm else ()
+    cost[width] = _geomedian(recent + prior)
     times = dict(costs.recent)
     times[width] = recent
     age = {w: a + 1 for w, a in costs.age.items()}
     age[width] = 0
-    return BucketCosts(cost=cost, recent=times, age=age, load=load, load_recent=window, rounds=costs.rounds + 1)
+    return BucketCosts(cost=cost, recent=times, age=age, load=load, load_recent=window, rounds=costs.rounds + 1,
+                       prior=costs.prior)
 
 
 def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) -> int | None:

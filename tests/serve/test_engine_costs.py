@@ -112,9 +112,11 @@ def test_observe_cost_follows_the_load_and_each_widths_cost():
     c = observe_cost(c, 1, 2.0)  # a chosen round twice its warm-up figure: the machine is twice as loaded
     assert c.load == pytest.approx(2.0) and c.seconds == pytest.approx({1: 2.0, 2: 8.0})  # ratios kept
     assert c.age == {1: 0, 2: CostRule().stale_after + 1} and c.rounds == 1
-    c = observe_cost(c, 2, 4.0, explored=True)  # the explored width against the rounds just before it
-    assert c.load == pytest.approx(2.0) and c.seconds == pytest.approx({1: 2.0, 2: 4.0})
-    assert c.recent[2] == pytest.approx((2.0,))
+    c = observe_cost(c, 2, 4.0, explored=True)  # the explored width against the rounds just before it:
+    assert c.load == pytest.approx(2.0) and c.recent[2] == pytest.approx((2.0,))  # 2 at load 1, the warm-up said 4
+    assert c.seconds == pytest.approx({1: 2.0, 2: 2.0 * 8 ** 0.5})  # one round moves it halfway (geometric)
+    c = observe_cost(c, 2, 4.0, explored=True)  # a second one confirms it: the median of (2, 2, 4)
+    assert c.seconds == pytest.approx({1: 2.0, 2: 4.0})
     for _ in range(10):
         c = observe_cost(c, 1, 2.0)
     assert len(c.load_recent) == CostRule().window
@@ -147,7 +149,8 @@ def test_the_engine_learns_by_default_and_counts_exploration(pair):
     assert eng.seconds_table(2) == {1: 0.02, 2: 0.06, 4: 0.1}  # other buckets untouched
     eng._learn_cost(RoundInfo(width=4, rows=1, seconds=0.05, explored=True))  # measured: 0.02 s
     assert eng.explore_rounds[4] == 1 and eng.explore_seconds == pytest.approx(0.05)
-    assert eng.seconds_table(1)[4] == pytest.approx(0.02) and eng.bucket_costs(1).load == pytest.approx(0.4)
+    assert eng.bucket_costs(1).load == pytest.approx(0.4)  # halfway from the warm-up's 0.036 s at this load
+    assert eng.seconds_table(1)[4] == pytest.approx((0.02 * 0.036) ** 0.5)
     eng._learn_cost(RoundInfo(width=2, rows=1, seconds=0.03, compiles=1))  # a compiling round teaches nothing
     assert eng.bucket_costs(1).rounds == 2
     fixed = Engine(pair, slots=2, block_size=4, widths=[4])
