@@ -609,8 +609,7 @@ class Engine:
         max_pos = tcfg.max_position_embeddings
         self.output_len = self.buckets.output_len(int(max_new_tokens))
         max_len = min(self.buckets.cache_len(self.max_prompt_len + self.output_len + self.block_size), max_pos)
-        if max_len < self.max_prompt_len + 1 + self.block_size:
-            raise ValueError(f"max_prompt_len {max_prompt_len} leaves no room in the target's {max_pos} positions")
+        # the bucket may pass the context: the prompts served stop there (the request checked above fits)
         self.max_prompt_len = min(self.max_prompt_len, max_len - self.block_size - 1)
         self.max_new_tokens = int(max_new_tokens)
         self.stops_len = self.buckets.stops_len(4)
