@@ -118,3 +118,13 @@ def test_chunked_admission_on_the_other_families(family):
     assert counter.compiles == 0 and engine.prefill_chunks == 6
     for p, r in zip(prompts, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=20, stop_ids=[]).tokens[0]
+
+
+def test_prefill_chunk_flag():
+    from dflash_jax.cli.serve import build_parser, check_args
+    from dflash_jax.errors import UsageError
+
+    assert build_parser().parse_args([]).prefill_chunk == 256
+    args = build_parser().parse_args(["--prefill-chunk", "-1"])
+    with pytest.raises(UsageError, match="--prefill-chunk must be >= 0"):
+        check_args(args)
