@@ -20,7 +20,8 @@ One round (`step`):
      long prompt's next chunk, and its insert after the last one);
   2. choose the round's verify width from the compiled widths (`choose_width`: the most expected tokens per
      second, from each live row's acceptance so far and the round time of each width at the round's row
-     bucket, measured at warm-up, plus the host's per-round work; a wider width must win by `width_margin`);
+     bucket, measured at warm-up and learned from the rounds served, plus the host's per-round work; a wider
+     width must win by `width_margin`; now and then a stale neighbouring width runs to re-measure it);
   3. draft every live slot at that width (`_draft`: the draft forward, plus each row's projected expert set:
      every MoE layer's router on the draft's hidden states of the block, the route-ahead "draft router"
      projection); width 1 drafts nothing, and leaves the draft's context append to the next drafting round;
