@@ -81,7 +81,8 @@ def learn_round_seconds(table: dict, width: int, seconds: float, *, down: float 
     when it is lower and slowly when higher: it follows the low end of the width's times (a shared, busy
     machine only ever adds time, so the low end is the width's own cost) and still rises when a slowdown
     lasts. Every other entry shrinks by `explore`, so a width whose entry came out too high (one slow
-    measurement) is tried again after a while and then corrected."""
+    measurement) is tried again after a while and then corrected. The engine no longer uses this rule (it
+    learns by `observe_cost` and `explore_width`); kept for callers of the earlier API."""
     out = {w: t * (1.0 - explore) for w, t in table.items()}
     old = table[width]
     out[width] = old + (down if seconds < old else up) * (seconds - old)
