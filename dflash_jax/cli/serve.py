@@ -21,6 +21,11 @@ from dflash_jax import SHIPPED_PAIR
 from dflash_jax.cli.errors import run_cli
 from dflash_jax.errors import Interrupted, UsageError
 
+# the verify block of `--widths fixed` when --block-size is not given: on the shipped pair (CPU, 1-32 clients)
+# DFlash at a fixed block 4 was never below no speculation in five paired runs, where the chooser of `--widths
+# auto` dipped below at 16-32 clients (docs/benchmarks/serve.md)
+DEFAULT_FIXED_BLOCK = 4
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-serve", description=__doc__.splitlines()[0])
@@ -30,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
     p.add_argument("--slots", type=int, default=4, help="batch slots: requests decoded together (a compiled shape)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="the widest verify B (default: the draft's trained size; 1 = no speculation)")
-    p.add_argument("--widths", default="auto",
-                   help="verify widths the engine chooses from each round by its cost model: 'auto' (1, 2, 4, .. B; "
-                        "the default), a comma list (e.g. 1,4,8), or 'fixed' (always B)")
+                   help="the verify block B, the widest with --widths auto (default: 4 with --widths fixed, the "
+                        "setting measured never below no speculation at 1-32 clients on the shipped pair; the "
+                        "draft's trained size with --widths auto or a list; the default is at most the draft's size; "
+                        "1 = no speculation)")
+    p.add_argument("--widths", default="fixed",
+                   help="'fixed' (the default: every round verifies B), 'auto' (the engine chooses each round's "
+                        "width from 1, 2, 4, .. B by its cost model, learned while serving), or a comma list to "
+                        "choose from (e.g. 1,4,8)")
     p.add_argument("--no-learn-costs", action="store_true",
                    help="keep the width chooser's warm-up cost table as measured (default: learn it from the rounds "
                         "served, per row bucket, exploring a stale neighbouring width now and then)")
@@ -177,8 +186,11 @@ def build_app(args):
     try:
         widths = (None if args.widths == "fixed" else "auto" if args.widths == "auto"
                   else [int(w) for w in args.widths.split(",")])
+        block_size = args.block_size
+        if block_size is None and widths is None:
+            block_size = min(DEFAULT_FIXED_BLOCK, pair.draft_cfg.block_size)
         byte_budget = None if args.round_expert_mb is None else args.round_expert_mb * 1e6
-        common = dict(slots=args.slots, block_size=args.block_size, widths=widths, max_prompt_len=args.max_prompt_len,
+        common = dict(slots=args.slots, block_size=block_size, widths=widths, max_prompt_len=args.max_prompt_len,
                       max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
