@@ -28,3 +28,12 @@ def output_dir(args: argparse.Namespace) -> str:
     path = DOCS if args.write_docs else (args.out or DEFAULT_OUT)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def save_figure(fig, path: str) -> None:
+    """Lays the figure out, writes it as a PNG at the reports' resolution and frees it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

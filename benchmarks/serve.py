@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir
+from _output import add_output_args, output_dir, save_figure
 
 
 def percentile(values, q):
@@ -230,9 +230,7 @@ def plot(rows, path) -> bool:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize="small")
     ax3.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

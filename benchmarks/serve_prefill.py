@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir
+from _output import add_output_args, output_dir, save_figure
 
 
 def percentile(values, q):
@@ -132,9 +132,7 @@ def plot(runs, path) -> bool:
     ax.set_yscale("log")
     ax.set_title("running requests while a long prompt is admitted")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir
+from _output import add_output_args, output_dir, save_figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -127,9 +127,7 @@ def plot(rows: list[dict], path: str) -> bool:
     ax2.set_xlabel("tokens committed in a round")
     ax2.set_ylabel("fraction of rounds")
     ax2.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir
+from _output import add_output_args, output_dir, save_figure
 
 
 def log(msg: str) -> None:
@@ -104,9 +104,7 @@ def plot(rows: list[dict], path: str) -> bool:
         ax.bar(labels, [r.get(key) or 0 for r in first], color=colors)
         ax.set_title(f"{title} ({first[0]['set']})")
         ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
