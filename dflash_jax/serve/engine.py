@@ -75,20 +75,6 @@ PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests 
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
 
 
-def learn_round_seconds(table: dict, width: int, seconds: float, *, down: float = 0.3, up: float = 0.1,
-                        explore: float = 0.0005) -> dict:
-    """The cost table after a round of `width` took `seconds`. The entry moves toward the time seen, fast
-    when it is lower and slowly when higher: it follows the low end of the width's times (a shared, busy
-    machine only ever adds time, so the low end is the width's own cost) and still rises when a slowdown
-    lasts. Every other entry shrinks by `explore`, so a width whose entry came out too high (one slow
-    measurement) is tried again after a while and then corrected. The engine no longer uses this rule (it
-    learns by `observe_cost` and `explore_width`); kept for callers of the earlier API."""
-    out = {w: t * (1.0 - explore) for w, t in table.items()}
-    old = table[width]
-    out[width] = old + (down if seconds < old else up) * (seconds - old)
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------
 # the cost table kept current while serving (pure: the rule is tested on its own)
 # ----------------------------------------------------------------------------------------------------------
