@@ -4,8 +4,6 @@ client and shuts down gracefully on SIGTERM (slow)."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +11,7 @@ import time
 import pytest
 
 from dflash_jax.cli.serve import main
+from tests.serve._process import free_port, stop
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -43,9 +42,7 @@ def test_help_names_the_flags(capsys):
 @pytest.mark.slow
 def test_process_serves_and_stops_on_sigterm(tmp_path):
     openai = pytest.importorskip("openai")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, DFLASH_JAX_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), "--slots", "2",
                              "--max-prompt-len", "16", "--max-new-tokens", "16", "--log-level", "warning"],
@@ -65,12 +62,7 @@ def test_process_serves_and_stops_on_sigterm(tmp_path):
         out = client.completions.create(model="tiny_pair", prompt="def fib(n):", max_tokens=8, temperature=0)
         assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        code = stop(proc)
     err = proc.stderr.read()
     assert code == 0, err
     assert "ready in" in err and "stopped (SIGTERM)" in err

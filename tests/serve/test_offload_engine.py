@@ -11,6 +11,7 @@ import pytest
 from dflash_jax.serve.engine import generate as serve_generate
 from dflash_jax.spec import SamplingParams
 from dflash_jax.spec import generate as spec_generate
+from tests.serve._process import free_port, stop
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [7] * 12, list(range(40, 56)), [1, 2, 3, 4]]
 BUDGETS = [20, 8, 24, 12, 16]
@@ -172,8 +173,6 @@ def test_serve_offload_process_matches_generate_and_shows_metrics(tmp_path, caps
     the same prompt and budget, /metrics shows the bytes moved, SIGTERM stops it."""
     import json
     import os
-    import signal
-    import socket
     import subprocess
     import sys
     import time
@@ -184,9 +183,7 @@ def test_serve_offload_process_matches_generate_and_shows_metrics(tmp_path, caps
     assert generate_main(["--prompt", "def fib(n):", "--max-new-tokens", "12", "--block-size", "8", "--offload",
                           "--expert-budget-mb", "0.6", "--ignore-eos", "--json"]) == 0
     want = json.loads(capsys.readouterr().out)["tokens"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, DFLASH_JAX_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), "--slots", "2",
                              "--block-size", "8", "--widths", "fixed", "--max-prompt-len", "16",
@@ -210,12 +207,7 @@ def test_serve_offload_process_matches_generate_and_shows_metrics(tmp_path, caps
         out = json.loads(urllib.request.urlopen(req, timeout=120).read())
         metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        code = stop(proc)
     assert code == 0, proc.stderr.read()
     assert out["choices"][0]["token_ids"] == want
     prefill = 'dflash_offload_bytes_moved_total{kind="prefill"}'
