@@ -67,9 +67,14 @@ def interleaved(runs: dict, repeats: int, what: str = "", alternate: bool = Fals
 RANGE = (0.5, 2.0)  # the adaptive policy's calibration range (AdaptivePolicy.calibration_range)
 
 
+HAS_HEAD = False  # the pair carries a branch head (set in main): trees of `use_head` shapes build from it
+
+
 def label(shape) -> str:
     if shape.is_chain:
         return shape.label()
+    if HAS_HEAD and shape.use_head:
+        return f"{shape.label()} K={shape.branch} head"
     return f"{shape.label()} K={shape.branch}" + (" cal" if shape.calibration is not None else "")
 
 
@@ -134,14 +139,15 @@ def resident(args, pair, shapes, calib_prompts, sets, policy_shapes):
                 return lambda: generate(pair, prompts, max_new_tokens=n, block_size=shape.budget)
             return lambda: generate_tree(pair, prompts, max_new_tokens=n, tree_budget=shape.budget,
                                          branch=shape.branch, temperature=shape.temperature,
-                                         calibration=shape.calibration)
+                                         calibration=shape.calibration, branch_head=shape.use_head)
 
         runs, set_rows = {}, []
         for kind, shape in shapes:
             t0 = time.perf_counter()
-            runs[label(shape)] = runner(kind, shape)
-            res = runs[label(shape)]()
-            assert res.tokens == plain, f"{label(shape)}: output differs from plain greedy"
+            name_s = label(shape)
+            runs[name_s] = runner(kind, shape)
+            res = runs[name_s]()
+            assert res.tokens == plain, f"{name_s}: output differs from plain greedy"
             union = off = None
             if si == 0:
                 stepped, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=n, shape=shape)
@@ -149,12 +155,12 @@ def resident(args, pair, shapes, calib_prompts, sets, policy_shapes):
                 live = np.concatenate([r["live"] for r in rounds])
                 union = round(float(np.concatenate([r["expert_union"] for r in rounds])[live].mean()), 2)
                 off = round(float(np.concatenate([r["off_chain"] for r in rounds])[live].mean()), 3)
-            set_rows.append(dict(set=name, kind=kind, shape=label(shape), budget=shape.budget, branch=shape.branch,
-                                 calibrated=shape.calibration is not None,
+            set_rows.append(dict(set=name, kind=kind, shape=name_s, budget=shape.budget, branch=shape.branch,
+                                 calibrated=shape.calibration is not None, head=HAS_HEAD and shape.use_head,
                                  tokens_per_round=round(taus(res), 3), expert_union_per_round=union,
                                  off_chain_rounds=off, tokens=sum(len(t) for t in res.tokens),
                                  rounds=int(res.stats["rounds"])))
-            log(f"[{name}] {label(shape):>14}: tau {set_rows[-1]['tokens_per_round']:.2f} "
+            log(f"[{name}] {name_s:>14}: tau {set_rows[-1]['tokens_per_round']:.2f} "
                 f"({time.perf_counter() - t0:.0f} s)")
         cpu = {}
         best = interleaved(runs, args.repeats, f"[{name}] ", cpu=cpu)
@@ -178,8 +184,14 @@ def resident(args, pair, shapes, calib_prompts, sets, policy_shapes):
         trees = [r for r in set_rows if r["kind"] == "tree"]
         best_tree = max(trees, key=lambda r: r["tokens_per_round"])
         at32 = max((r for r in trees if r["budget"] <= 32), key=lambda r: r["tokens_per_round"])
+        extra = {}
+        marg = [r for r in trees if not r.get("head")]
+        if marg and HAS_HEAD:
+            bm = max(marg, key=lambda r: r["tokens_per_round"])
+            extra.update(best_marginal_tree=bm["shape"], marginal_tree_over_best_chain=round(
+                bm["tokens_per_round"] / best_chain["tokens_per_round"], 3))
         summary[name] = dict(
-            best_chain=best_chain["shape"], best_tree=best_tree["shape"],
+            best_chain=best_chain["shape"], best_tree=best_tree["shape"], **extra,
             tree_over_best_chain_tokens_per_round=round(
                 best_tree["tokens_per_round"] / best_chain["tokens_per_round"], 3),
             tree_budget_le_32_over_best_chain=round(at32["tokens_per_round"] / best_chain["tokens_per_round"], 3),
@@ -273,6 +285,38 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
     return rows, summary
 
 
+def fit_head(args) -> int:
+    """The shipped branch head: training-split prompts only (seeds `--head-seeds`), deterministic; reports the
+    cross-entropy of the head and of the draft's marginals on held-out prompts."""
+    import dflash_jax
+    from dflash_jax import SHIPPED_PAIR
+    from dflash_jax.pair import save_branch_head
+    from dflash_jax.train.branch_head import branch_head_data, fit_branch_head, marginal_ce
+    from dflash_jax.train.data import file_windows
+
+    pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR, branch_head=False)
+    t0 = time.perf_counter()
+    seeds = [int(x) for x in args.head_seeds.split(",")]
+    parts = []
+    for seed in seeds:
+        parts.append(branch_head_data(pair, file_windows(pair, "train", args.head_windows, args.prompt_len, seed),
+                                      seed=seed))
+        log(f"head data: seed {seed} done ({time.perf_counter() - t0:.0f} s)")
+    data = {k: np.concatenate([d[k] for d in parts]) for k in parts[0]}
+    held = branch_head_data(pair, file_windows(pair, "held_out", args.head_windows, args.prompt_len, 0), seed=0,
+                            anchors_per_seq=0)
+    head, losses = fit_branch_head(pair, data, steps=args.head_steps)
+    ce = dict(marginals=round(marginal_ce(pair, held), 4), head=round(marginal_ce(pair, held, head), 4))
+    log(f"held-out cross-entropy at block positions 1..B-1 (teacher-forced parents): {ce} "
+        f"({time.perf_counter() - t0:.0f} s)")
+    path = save_branch_head(head, pair.directory, pair=pair, fitted_on=dict(
+        split="train", seeds=seeds, windows=args.head_windows, prompt_len=args.prompt_len, continuation=96,
+        anchors_per_seq=32, examples=int(len(data["label"])), steps=args.head_steps,
+        final_loss=round(losses[-1], 4), held_out_ce=ce))
+    log(f"wrote {os.path.relpath(path)}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None)
@@ -286,6 +330,8 @@ def main(argv=None) -> int:
     p.add_argument("--calib-seeds", default="7,11,13,17",
                    help="training-split prompt sets (seeds) the tree build's acceptance model is fitted on")
     p.add_argument("--no-calibration", action="store_true", help="build trees from the draft's marginals")
+    p.add_argument("--no-branch-head", action="store_true",
+                   help="build the measured trees from the draft's marginals even when the pair carries a branch head")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-offload", action="store_true")
     p.add_argument("--offload-prompts", type=int, default=2)
@@ -301,6 +347,13 @@ def main(argv=None) -> int:
                         "(spec.tree.CALIBRATION_FILE, loaded by default), then exit")
     p.add_argument("--fit-seeds", default="7,11,13,17,19,23,29,31,37,41,43,47,53,59,61,67,71,73,79,83,89,97",
                    help="training-split prompt sets (seeds) for --fit-calibration")
+    p.add_argument("--fit-branch-head", action="store_true",
+                   help="fit the pair's branch head (models.draft.BranchHeadWeights) on training-split prompts and "
+                        "write it beside the checkpoint (dflash_jax.pair.BRANCH_HEAD_FILE), then exit")
+    p.add_argument("--head-seeds", default="101,102,103,104,105,106,107,108",
+                   help="training-split prompt sets (seeds) for --fit-branch-head")
+    p.add_argument("--head-windows", type=int, default=256, help="prompts per --head-seeds set")
+    p.add_argument("--head-steps", type=int, default=3000)
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="the adaptive policy's calibration clock: process CPU seconds (the work) or wall seconds")
     p.add_argument("--keep-resident", action="store_true",
@@ -321,6 +374,8 @@ def main(argv=None) -> int:
     from dflash_jax.train.tiny_pair import target_config
 
     branch = args.branch
+    if args.fit_branch_head:
+        return fit_head(args)
     pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR)
     sets = []
     for item in args.sets.split(","):
@@ -356,10 +411,27 @@ def main(argv=None) -> int:
             cal, cal_rows = fit(args.calib_seeds)
             seeds = args.calib_seeds
         cal_from += f"{cal_rows} candidates of training-split prompts (seeds {seeds}, never the measured sets)"
+    global HAS_HEAD
+    HAS_HEAD = pair.draft.branch_head is not None and not args.no_branch_head
+    head_from = ""
+    if HAS_HEAD:
+        from safetensors import safe_open
+
+        from dflash_jax.pair import BRANCH_HEAD_FILE
+
+        with safe_open(os.path.join(pair.directory, BRANCH_HEAD_FILE), framework="numpy") as fh:
+            fitted = json.loads(fh.metadata()["fitted_on"])
+        head_from = (f"{BRANCH_HEAD_FILE}, {fitted['examples']} examples of seeds {fitted['seeds']}, held-out "
+                     f"cross-entropy {fitted['held_out_ce']['head']} vs the marginals' "
+                     f"{fitted['held_out_ce']['marginals']}")
+    widest = max(int(t) for t in args.trees.split(","))
     shapes = ([("chain", TreeShape(int(b), 1)) for b in args.chains.split(",")]
-              + [("tree", TreeShape(int(t), branch, calibration=cal)) for t in args.trees.split(",")])
+              + [("tree", TreeShape(int(t), branch, calibration=cal, use_head=HAS_HEAD))
+                 for t in args.trees.split(",")])
     policy_shapes = [s for _, s in shapes]
-    shapes.append(("tree", TreeShape(max(int(t) for t in args.trees.split(",")), 4)))  # the plain build, reference
+    if HAS_HEAD:  # reference: the calibrated marginal build (the earlier default)
+        shapes.append(("tree", TreeShape(widest, branch, calibration=cal, use_head=False)))
+    shapes.append(("tree", TreeShape(widest, 4, use_head=False)))  # the plain build, reference
     log(f"sets {[s for s, _ in sets]} of {args.prompts} prompts x {args.prompt_len} tokens, {args.max_new} new; "
         f"shapes {[label(s) for _, s in shapes]} (draft temperature {DEFAULT_TEMPERATURE})")
     if args.keep_resident:
@@ -398,7 +470,7 @@ def main(argv=None) -> int:
                   temperature=DEFAULT_TEMPERATURE, warmup_cost_s=[round(c, 5) for c in cost.seconds],
                   calibration_taus=[round(t, 3) for t in res_taus], reachable=reach, calibration_range=list(RANGE),
                   tree_calibration=list(cal.weights) if cal else None, tree_calibration_rows=cal_rows,
-                  tree_calibration_from=cal_from, margin=args.margin,
+                  tree_calibration_from=cal_from, margin=args.margin, branch_head=head_from or None,
                   platform=f"{platform.machine()} {jax.devices()[0].platform}, jax {jax.__version__}",
                   rows=rows, summary=summary, offloaded=off_rows, offloaded_summary=off_summary, lossless=True)
     with open(os.path.join(out_dir, "tree.json"), "w") as fh:
@@ -406,10 +478,13 @@ def main(argv=None) -> int:
     has_plot = plot(rows, os.path.join(out_dir, "tree.png"))
     md = ["# Chain vs tree verification vs the adaptive policy", "",
           f"`python benchmarks/tree.py --write-docs` - shipped pair; prompt sets of {args.prompts} stdlib windows of "
-          f"{args.prompt_len} tokens as one batch, {args.max_new} new tokens each, greedy; trees `K=k cal`: k "
-          "candidates a node, built from the acceptance model (`spec.tree.TreeCalibration`): "
-          f"{cal_from}; "
-          "the tree without `cal` is the plain build (the draft's marginals, the earlier default); "
+          f"{args.prompt_len} tokens as one batch, {args.max_new} new tokens each, greedy; "
+          + (f"trees `K=k head`: k candidates a node, each node's children from the pair's branch head "
+             f"(`{head_from}`: the draft's distribution at the next position given the node's token, fitted on "
+             "training-split prompts only); " if HAS_HEAD else "")
+          + "trees `K=k cal`: built from the draft's marginals scored by the acceptance model "
+          f"(`spec.tree.TreeCalibration`): {cal_from}; "
+          "a tree with neither is the plain build (the draft's marginals); chains are the draft's argmax chain; "
           f"{result['platform']}. Every run's output equals the target's plain greedy output. Expert union: "
           "distinct experts per MoE layer that one verify's rows route to (mean over layers and rounds; first "
           "set).", "",
@@ -424,7 +499,10 @@ def main(argv=None) -> int:
     for name, s in summary.items():
         md.append(f"- **{name}**: best tree ({s['best_tree']}) / best chain ({s['best_chain']}) tokens per round "
                   f"**{s['tree_over_best_chain_tokens_per_round']:.2f}x** (budget <= 32: "
-                  f"{s['tree_budget_le_32_over_best_chain']:.2f}x); adaptive / fastest fixed ({s['fastest_fixed']}) "
+                  f"{s['tree_budget_le_32_over_best_chain']:.2f}x"
+                  + (f"; the best marginal build, {s['best_marginal_tree']}: {s['marginal_tree_over_best_chain']:.2f}x"
+                     if "best_marginal_tree" in s else "")
+                  + f"); adaptive / fastest fixed ({s['fastest_fixed']}) "
                   f"tokens/s, paired: **{s['adaptive_over_fastest_fixed_tokens_per_second']:.2f}x** (control, the "
                   f"fastest fixed against itself: {s['control_over_fastest_fixed']:.2f}x); by process CPU time "
                   f"against the least of the fixed shapes ({s['least_cpu_fixed']}): "

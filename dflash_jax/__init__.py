@@ -19,17 +19,18 @@ SHIPPED_PAIRS = {
 
 
 def load(directory=None, *, expert_memory: str = "device", verify: bool = True, mesh=None,
-         dequantize_experts=False):
+         dequantize_experts=False, branch_head: bool = True):
     """A converted target + draft pair (`dflash_jax.pair.Pair`) from a `convert-weights` checkpoint (None: the
     shipped pair, `SHIPPED_PAIR`); `verify` checks every file's sha256 first (see `dflash_jax.pair.load`).
     HuggingFace directories load with `convert.load_hf_target` / `convert.load_hf_pair`. `dequantize_experts`
     ("auto", True, False; default False): FP4 expert tables dequantized once at load ("auto": where no FP4
     kernel runs and memory allows, `dflash_jax.pair.dense_experts_wanted`; `dflash-generate` uses "auto"). `mesh`: restore
-    every array into its sharding on that mesh (`dflash_jax.sharding`, docs/sharding.md)."""
+    every array into its sharding on that mesh (`dflash_jax.sharding`, docs/sharding.md). `branch_head`: attach the
+    pair's shipped branch head (token trees build from it; `dflash_jax.models.draft.BranchHeadWeights`)."""
     from dflash_jax.pair import load as _load  # keeps `import dflash_jax` light (no model code until a load)
 
     return _load(SHIPPED_PAIR if directory is None else directory, expert_memory=expert_memory, verify=verify,
-                 mesh=mesh, dequantize_experts=dequantize_experts)
+                 mesh=mesh, dequantize_experts=dequantize_experts, branch_head=branch_head)
 
 
 def __getattr__(name):

@@ -118,7 +118,7 @@ def _check_tensors_match_config(directory: str, model: str, cfg, declared_target
 
 
 def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify: bool = True, mesh=None,
-         dequantize_experts: str | bool = False) -> Pair:
+         dequantize_experts: str | bool = False, branch_head: bool = True) -> Pair:
     """Loads a checkpoint written by `convert-weights`.
 
     expert_memory: "device" or "pinned_host" - where the target's stacked expert tables are placed (the
@@ -134,6 +134,9 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     mesh: a `jax.sharding.Mesh` with axes (data, expert, tensor) (`dflash_jax.sharding.make_mesh`): every
     array is restored straight into the sharding its declaration gives it (`dflash_jax.sharding.place`);
     generate under `jax.set_mesh(mesh)`.
+    branch_head: attach the branch head shipped beside the checkpoint (`BRANCH_HEAD_FILE`, checked against the
+    pair by `load_branch_head`) to the draft weights; token trees are then built from it. False: the draft
+    alone.
     """
     from dflash_jax.config import from_hf_config
 
@@ -174,6 +177,14 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
         manifest=manifest,
         directory=directory,
     )
+    head_file = os.path.join(directory, BRANCH_HEAD_FILE)
+    if branch_head and os.path.exists(head_file):
+        head = load_branch_head(head_file, pair)
+        if mesh is not None:
+            import jax
+
+            head = jax.device_put(head, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        pair = with_branch_head(pair, head)
     if dense_experts_wanted(pair, dequantize_experts, expert_memory=expert_memory):
         pair = with_dense_experts(pair)
     return pair
@@ -261,3 +272,104 @@ def __getattr__(name):
     if name == "load_hf_pair":  # moved: the runtime never imports the converter
         raise AttributeError("dflash_jax.pair.load_hf_pair moved to convert.load_hf_pair")
     raise AttributeError(f"module 'dflash_jax.pair' has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the branch head shipped beside a pair's checkpoint
+# ----------------------------------------------------------------------------------------------------------
+
+BRANCH_HEAD_FILE = "branch_head.safetensors"
+BRANCH_HEAD_FORMAT = "dflash_jax.branch_head/1"
+_BRANCH_HEAD_FIX = ("refit it for this pair (python benchmarks/tree.py --fit-branch-head, or "
+                    "dflash_jax.train.branch_head.fit_branch_head + save_branch_head), or delete the file")
+
+
+def pair_fingerprint(pair) -> str | None:
+    """sha256 over the manifest checksums of the pair's target and draft files (what a tree calibration or a
+    branch head was fitted for); None when the manifest has no checksums."""
+    import hashlib
+    import json
+
+    files = (getattr(pair, "manifest", None) or {}).get("checksums", {}).get("files")
+    if not files:
+        return None
+    entries = sorted((k, v.get("sha256", "")) for k, v in files.items() if k.startswith(("target/", "draft/")))
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def _branch_head_digest(arrays: dict, fingerprint: str | None, fitted_on: str) -> str:
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256(f"{BRANCH_HEAD_FORMAT}|{fingerprint}|{fitted_on}".encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"|{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def save_branch_head(head: draft_model.BranchHeadWeights, path: str, *, pair=None,
+                     fitted_on: dict | None = None) -> str:
+    """Writes a branch head as safetensors (fp32) whose metadata carry the format, the pair's fingerprint, what
+    it was fitted on and a sha256 over all of it; `path` a file or a pair's directory (then `BRANCH_HEAD_FILE`
+    in it). Written to a temporary file and renamed: no half-written file is left. Returns the path."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    if os.path.isdir(path):
+        path = os.path.join(path, BRANCH_HEAD_FILE)
+    arrays = {"w_in": np.asarray(head.w_in, np.float32), "w_out": np.asarray(head.w_out, np.float32)}
+    fingerprint = None if pair is None else pair_fingerprint(pair)
+    fitted = json.dumps(fitted_on or {}, sort_keys=True)
+    meta = {"format": BRANCH_HEAD_FORMAT, "pair_fingerprint": fingerprint or "", "fitted_on": fitted,
+            "sha256": _branch_head_digest(arrays, fingerprint, fitted)}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        save_file(arrays, tmp, metadata=meta)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # an ordinary file's mode, whatever the writer created it with
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def load_branch_head(path: str, pair=None) -> draft_model.BranchHeadWeights:
+    """A branch head from `save_branch_head`'s file: its sha256 checked and, with `pair`, its fingerprint (a head
+    fitted for another target or draft is refused, with the fix)."""
+    import jax.numpy as jnp
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as fh:
+            meta = fh.metadata() or {}
+            arrays = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:  # noqa: BLE001  (a truncated or foreign file: one clear error)
+        raise CheckpointError(f"branch head {path} cannot be read ({e}); {_BRANCH_HEAD_FIX}") from None
+    if meta.get("format") != BRANCH_HEAD_FORMAT or set(arrays) != {"w_in", "w_out"}:
+        raise CheckpointError(f"branch head {path} is not a {BRANCH_HEAD_FORMAT} file; {_BRANCH_HEAD_FIX}")
+    stored = meta.get("pair_fingerprint") or None
+    if meta.get("sha256") != _branch_head_digest(arrays, stored, meta.get("fitted_on", "")):
+        raise CheckpointError(f"branch head {path} fails its sha256 (edited or truncated); {_BRANCH_HEAD_FIX}")
+    fingerprint = None if pair is None else pair_fingerprint(pair)
+    if fingerprint is not None and stored not in (None, fingerprint):
+        raise CheckpointError(f"branch head {path} was fitted for another target/draft (fingerprint "
+                              f"{stored[:12]} vs the pair's {fingerprint[:12]}); {_BRANCH_HEAD_FIX}")
+    w_in, w_out = arrays["w_in"], arrays["w_out"]
+    if pair is not None:
+        h = pair.draft_cfg.hidden_size
+        if w_in.shape[0] != 2 * h or w_out.shape != (w_in.shape[1], h):
+            raise CheckpointError(f"branch head {path} has shapes w_in {w_in.shape}, w_out {w_out.shape}; the draft's "
+                                  f"hidden size {h} needs w_in [{2 * h}, F], w_out [F, {h}]; {_BRANCH_HEAD_FIX}")
+    return draft_model.BranchHeadWeights(w_in=jnp.asarray(w_in), w_out=jnp.asarray(w_out))
+
+
+def with_branch_head(pair: Pair, head: draft_model.BranchHeadWeights | None) -> Pair:
+    """The pair with `head` carried by its draft weights (None removes it: trees build from the marginals)."""
+    return dataclasses.replace(pair, draft=pair.draft.replace(branch_head=head))

@@ -85,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: python with --trace, else jit)")
     p.add_argument("--tree-budget", type=int, default=None,
                    help="verify a token tree of N nodes per round (the anchor included) built from the draft's "
-                        "per-position distributions instead of the argmax chain; lossless (attention families; "
-                        "Qwen3.5 verifies a chain)")
+                        "distributions (its branch head when the pair ships one) instead of the argmax chain; "
+                        "lossless, every family")
     p.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node (with --tree-budget)")
+    p.add_argument("--no-branch-head", action="store_true",
+                   help="build trees from the draft's per-position marginals even when the pair ships a branch head")
     p.add_argument("--adaptive", action="store_true",
                    help="choose each round's verify shape (chain B = 4/8/16 or tree N = 8/16/32) from the acceptance "
                         "so far and each shape's cost; deterministic, lossless")
@@ -179,6 +181,8 @@ def run(args) -> dict:
         raise UsageError(f"--tree-budget must be >= 1 (nodes per verify), got {args.tree_budget}")
     if args.tree_branch < 1:
         raise UsageError(f"--tree-branch must be >= 1, got {args.tree_branch}")
+    if args.no_branch_head and not tree:
+        raise UsageError("--no-branch-head only applies to trees: add --tree-budget N or --adaptive")
     if tree and (args.offload or args.trace or args.loop == "python"):
         raise UsageError("--tree-budget / --adaptive run the jitted loop: drop --offload, --trace and --loop python")
     if args.pflash_keep is not None:
@@ -268,7 +272,7 @@ def run(args) -> dict:
             from dflash_jax.spec.tree import generate_tree
 
             result = generate_tree(pair, [prompt], tree_budget=args.tree_budget or 16, branch=args.tree_branch,
-                                   adaptive=args.adaptive, **kwargs)
+                                   adaptive=args.adaptive, branch_head=not args.no_branch_head, **kwargs)
         elif loop == "jit":
             if args.trace:
                 raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")

@@ -50,6 +50,9 @@ from dflash_jax.nn.rope import apply_rope, rope_cos_sin
 Head = Union[jax.Array, None, Callable[[jax.Array], jax.Array]]
 
 __all__ = [
+    "BranchHeadWeights",
+    "branch_head_logits",
+    "init_branch_head",
     "DraftWeights",
     "init_draft_cache",
     "context_features",
@@ -63,14 +66,55 @@ __all__ = [
 
 
 @struct.dataclass
+class BranchHeadWeights:
+    """A branch head: the draft's distribution at block position k given the token at position k - 1.
+
+    One draft forward predicts every position of the block from the anchor alone (marginals). Below a node
+    of a token tree the marginals ignore which token the node holds, so after a branch the later argmaxes
+    are often wrong. The head conditions on it:
+
+        logits_k(x | parent) = lm_head(h_k + silu([h_k ; n(e(parent))] @ w_in) @ w_out)
+
+    h_k: the draft's final-normed hidden state at position k, e(parent): the target's embedding of the
+    token at position k - 1 (the anchor for k = 1), n: RMS normalization without a gain. `w_out` starts at 0
+    (the head starts as the marginals). Trained on teacher-forced target paths (`train.branch_head`), i.e.
+    it models P(x_k | the path up to k - 1 is the target's), the quantity a best-first tree ranks by."""
+
+    w_in: jax.Array  # [2H, F]
+    w_out: jax.Array  # [F, H]
+
+
+@struct.dataclass
 class DraftWeights:
     """fc [n_taps * H_target, H] ([in, out]); layers with `attn: AttentionWeights` (biases when the config
-    has attention_bias) and `mlp: MLPWeights`; `hidden_norm` and `final_norm` [H]."""
+    has attention_bias) and `mlp: MLPWeights`; `hidden_norm` and `final_norm` [H]; `branch_head`: an
+    optional `BranchHeadWeights` (a pair ships it beside its checkpoint; token trees are built from it)."""
 
     fc: jax.Array
     hidden_norm: jax.Array
     layers: tuple[DecoderLayerWeights, ...]
     final_norm: jax.Array
+    branch_head: BranchHeadWeights | None = None
+
+
+def init_branch_head(hidden_size: int, key: jax.Array, *, width: int | None = None,
+                     dtype=jnp.float32) -> BranchHeadWeights:
+    """A fresh branch head (`w_out` = 0: exactly the marginals until trained); width F defaults to 2H."""
+    f = width or 2 * hidden_size
+    w_in = jax.random.normal(key, (2 * hidden_size, f), jnp.float32) / (2 * hidden_size) ** 0.5
+    return BranchHeadWeights(w_in=w_in.astype(dtype), w_out=jnp.zeros((f, hidden_size), dtype))
+
+
+def branch_head_logits(head: BranchHeadWeights, hidden: jax.Array, parent: jax.Array, cfg: DraftConfig, *,
+                       embed: jax.Array, lm_head: Head) -> jax.Array:
+    """fp32 logits [..., V] at positions with final-normed hidden states [..., H] whose previous block
+    position holds the tokens `parent` [...] (see `BranchHeadWeights`)."""
+    e = _embed_block(embed, parent, cfg).astype(jnp.float32)
+    e = e * jax.lax.rsqrt(jnp.mean(e * e, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    h = hidden.astype(jnp.float32)
+    z = jnp.concatenate([h, e], axis=-1)
+    delta = jax.nn.silu(z @ head.w_in.astype(jnp.float32)) @ head.w_out.astype(jnp.float32)
+    return draft_logits((h + delta).astype(hidden.dtype), cfg, embed=embed, lm_head=lm_head)
 
 
 def init_draft_cache(cfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:

@@ -66,6 +66,7 @@ from dflash_jax import compile_cache
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
+from dflash_jax.pair import pair_fingerprint  # noqa: F401  (re-exported: calibrations use it)
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.loop import LOOP_BUCKETS, _result, _shape_stats
 from dflash_jax.spec.sampling import SamplingParams, processed_scores, sample_rows
@@ -147,16 +148,6 @@ CALIBRATION_FILE = "tree_calibration.json"  # a pair's shipped acceptance model,
 CALIBRATION_FORMAT = "dflash_jax.tree_calibration/1"
 
 
-def pair_fingerprint(pair) -> str | None:
-    """sha256 over the manifest checksums of the pair's target and draft files (what a calibration was fitted
-    for); None when the manifest has no checksums."""
-    files = (getattr(pair, "manifest", None) or {}).get("checksums", {}).get("files")
-    if not files:
-        return None
-    entries = sorted((k, v.get("sha256", "")) for k, v in files.items() if k.startswith(("target/", "draft/")))
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
-
-
 def _calibration_digest(body: dict) -> str:
     keep = {k: body[k] for k in ("format", "features", "weights", "pair_fingerprint")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
@@ -226,6 +217,9 @@ class TreeShape:
     # the build's node scores from a fitted acceptance model instead of the draft's marginals
     # (`TreeCalibration`, `fit_calibration`); None = the (sharpened) marginals
     calibration: "TreeCalibration | None" = None
+    # a tree (branch >= 2) builds from the draft's branch head when its weights carry one (`build_tree_from_head`);
+    # False: from the marginals (and `calibration`) even then
+    use_head: bool = True
 
     def __post_init__(self):
         if self.budget < 1 or self.branch < 1:
@@ -266,16 +260,15 @@ class Tree:
         return TreeBlock(depths=self.depth, mask=self.mask)
 
 
-def _build(anchor, top_lp, top_tok, budget: int, off_lp=None):
-    """The trees of a batch. top_lp, top_tok [b, D, K]: the candidates' log scores / tokens at block
-    positions 1..D, best first (scores non-increasing in rank); off_lp [b, D, K]: the scores of children
-    whose parent's path left the argmax chain (None: top_lp). Frontier slot i holds node i's next
-    unexpanded child (rank r): a node's first child enters at its own slot, and taking a candidate replaces
-    it by its next sibling. Written batched (the loop index is shared, the chosen frontier slot is a per-row
-    one-hot), which XLA runs far faster on the CPU than a vmapped loop of scatters."""
-    b, depth_max, branch = top_lp.shape
-    if off_lp is None:
-        off_lp = top_lp
+def _build(anchor, children, budget: int, branch: int, depth_max: int):
+    """The trees of a batch, best first. `children(pos, token, off)` gives a node's candidate children, best
+    first (scores non-increasing in rank): pos [b] the index of their block position (position pos + 1),
+    token [b] the node's token, off [b] whether its path left the argmax chain; returns (log scores [b, K],
+    tokens [b, K]). Node i's candidates are computed once, when it is taken. Frontier slot i holds node i's
+    next unexpanded child (rank r): a node's first child enters at its own slot, and taking a candidate
+    replaces it by its next sibling. Written batched (the loop index is shared, the chosen frontier slot is a
+    per-row one-hot), which XLA runs far faster on the CPU than a vmapped loop of scatters."""
+    b = anchor.shape[0]
     n = budget
     neg = jnp.float32(-jnp.inf)
     idx = jnp.arange(n)
@@ -288,21 +281,20 @@ def _build(anchor, top_lp, top_tok, budget: int, off_lp=None):
     mask = jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n))
     rank = jnp.zeros((b, n), jnp.int32)
     off = jnp.zeros((b, n), bool)  # the node's path left the argmax chain (a node of rank > 0 on it)
-    f_score = jnp.full((b, n), neg).at[:, 0].set(top_lp[:, 0, 0] if depth_max > 0 else neg)
+    lp0, tok0 = children(jnp.zeros((b,), jnp.int32), anchor, jnp.zeros((b,), bool))
+    c_lp = jnp.full((b, n, branch), neg).at[:, 0].set(lp0)  # node i's candidate children
+    c_tok = jnp.zeros((b, n, branch), jnp.int32).at[:, 0].set(tok0)
+    f_score = jnp.full((b, n), neg).at[:, 0].set(lp0[:, 0] if depth_max > 0 else neg)
     f_rank = jnp.zeros((b, n), jnp.int32)
 
-    def lp_at(is_off, pos, r):
-        return jnp.where(is_off, off_lp[rows, pos, r], top_lp[rows, pos, r])
-
     def step(i, carry):
-        tokens, parent, depth, score, valid, mask, rank, off, f_score, f_rank = carry
+        tokens, parent, depth, score, valid, mask, rank, off, c_lp, c_tok, f_score, f_rank = carry
         j = jnp.argmax(f_score, axis=1).astype(jnp.int32)  # [b]
         at_j = idx[None] == j[:, None]  # [b, N]
         s, r = f_score[rows, j], f_rank[rows, j]
         ok = s > neg
         d = depth[rows, j] + 1  # the candidate is a child of node j at depth d (block position d)
-        pos = jnp.clip(d - 1, 0, depth_max - 1)
-        tok = top_tok[rows, pos, r]
+        tok = c_tok[rows, j, r]
         put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=1)  # noqa: E731
         tokens = put(tokens, jnp.where(ok, tok, 0))
         parent = put(parent, jnp.where(ok, j, i))
@@ -310,26 +302,27 @@ def _build(anchor, top_lp, top_tok, budget: int, off_lp=None):
         score = put(score, jnp.where(ok, s, neg))
         valid = put(valid, ok)
         rank = put(rank, jnp.where(ok, r, 0))
-        off_j = off[rows, j]
-        off_i = ok & (off_j | (r > 0))
+        off_i = ok & (off[rows, j] | (r > 0))
         off = put(off, off_i)
         own = idx[None] == i
         row = jnp.where(ok[:, None], mask[rows, j] | own, own)
         mask = put(mask, row)
         # node j's next sibling candidate replaces the one just taken; node i's first child enters slot i
         sib_ok = ok & (r + 1 < branch)
-        sib = score[rows, j] + lp_at(off_j, pos, jnp.minimum(r + 1, branch - 1))
+        sib = score[rows, j] + c_lp[rows, j, jnp.minimum(r + 1, branch - 1)]
         f_score = jnp.where(at_j & ok[:, None], jnp.where(sib_ok, sib, neg)[:, None], f_score)
         f_rank = jnp.where(at_j & ok[:, None], (r + 1)[:, None], f_rank)
+        lp_i, tok_i = children(jnp.clip(d, 0, max(depth_max - 1, 0)), tok, off_i)
+        c_lp = put(c_lp, lp_i)
+        c_tok = put(c_tok, tok_i.astype(jnp.int32))
         child_ok = ok & (d < depth_max)
-        child = s + lp_at(off_i, jnp.clip(d, 0, depth_max - 1), 0)
-        f_score = put(f_score, jnp.where(child_ok, child, neg))
+        f_score = put(f_score, jnp.where(child_ok, s + lp_i[:, 0], neg))
         f_rank = put(f_rank, jnp.zeros((b,), jnp.int32))
-        return tokens, parent, depth, score, valid, mask, rank, off, f_score, f_rank
+        return tokens, parent, depth, score, valid, mask, rank, off, c_lp, c_tok, f_score, f_rank
 
-    carry = (tokens, parent, depth, score, valid, mask, rank, off, f_score, f_rank)
-    tokens, parent, depth, score, valid, mask, rank, _, _, _ = jax.lax.fori_loop(1, n, step, carry)
-    return tokens, parent, depth, mask, score, valid, rank
+    carry = (tokens, parent, depth, score, valid, mask, rank, off, c_lp, c_tok, f_score, f_rank)
+    tokens, parent, depth, score, valid, mask, rank = jax.lax.fori_loop(1, n, step, carry)[:7]
+    return Tree(tokens=tokens, parent=parent, depth=depth, mask=mask, score=score, valid=valid, rank=rank)
 
 
 def build_tree(anchor: jax.Array, draft_logprobs: jax.Array, shape: TreeShape) -> Tree:
@@ -356,9 +349,54 @@ def build_tree(anchor: jax.Array, draft_logprobs: jax.Array, shape: TreeShape) -
     # TopkDecomposer fails on a barrier fed by the partitioned top-k (a check failure, jax 0.10.2)
     if jax.sharding.get_abstract_mesh().empty:
         top_lp, top_tok, off_lp = jax.lax.optimization_barrier((top_lp, top_tok, off_lp))
-    tokens, parent, depth, mask, score, valid, rank = _build(anchor, top_lp, top_tok.astype(jnp.int32),
-                                                            shape.budget, off_lp)
-    return Tree(tokens=tokens, parent=parent, depth=depth, mask=mask, score=score, valid=valid, rank=rank)
+    if off_lp is None:
+        off_lp = top_lp
+    top_tok = top_tok.astype(jnp.int32)
+    depth_max = top_lp.shape[1]
+    if depth_max == 0:  # a block of 1: the root alone (a placeholder position nothing reads)
+        top_lp, off_lp, top_tok = (jnp.zeros(x.shape[:1] + (1,) + x.shape[2:], x.dtype) for x in (top_lp, off_lp, top_tok))
+    rows = jnp.arange(anchor.shape[0])
+
+    def children(pos, token, off):
+        return jnp.where(off[:, None], off_lp[rows, pos], top_lp[rows, pos]), top_tok[rows, pos]
+
+    return _build(anchor, children, shape.budget, branch, depth_max)
+
+
+def build_tree_from_head(anchor: jax.Array, hidden: jax.Array, head, shape: TreeShape, spec_draft, *,
+                         embed: jax.Array, lm_head) -> Tree:
+    """Best-first trees whose every node's children come from the draft's branch head given the node's token
+    (`models.draft.BranchHeadWeights`): a node scores the sum over its path of log q_head(x_d | x_{d-1}),
+    sharpened by 1/`shape.temperature`; candidates are the top-`shape.branch` of that distribution. hidden
+    [b, D, H]: the draft's final-normed hidden states at block positions 1..D. One head evaluation per node
+    (the budget's worth, batched over rows); `shape.calibration` is not used (the head's probabilities are
+    conditional already). With branch 1 this is the head's greedy chain."""
+    branch = min(shape.branch, spec_draft.vocab_size or embed.shape[0])
+    rows = jnp.arange(anchor.shape[0])
+
+    def children(pos, token, off):
+        logits = draft_model.branch_head_logits(head, hidden[rows, pos], token, spec_draft, embed=embed,
+                                                lm_head=lm_head)
+        lp = jax.nn.log_softmax(logits / shape.temperature, axis=-1)
+        return jax.lax.top_k(lp, branch)
+
+    return _build(anchor, children, shape.budget, branch, hidden.shape[1])
+
+
+def uses_head(draft_w, shape: TreeShape) -> bool:
+    """Whether trees of `shape` are built from the draft's branch head: it has one, the shape asks for it and is
+    a tree (branch >= 2). A chain (branch 1) is always the draft's argmax chain, the chain loop's proposals,
+    wherever it runs."""
+    return getattr(draft_w, "branch_head", None) is not None and shape.use_head and not shape.is_chain
+
+
+def round_tree(target_w, draft_w, anchor: jax.Array, draft: "TreeDraft", shape: TreeShape, spec: SpecConfig) -> Tree:
+    """The round's tree from its draft forward: from the branch head when `uses_head`, else from the marginals
+    (`build_tree`)."""
+    if not uses_head(draft_w, shape):
+        return build_tree(anchor, draft.logprobs, shape)
+    return build_tree_from_head(anchor, draft.hidden[:, 1:], draft_w.branch_head, shape, spec.draft,
+                                embed=target_w.embed, lm_head=target_w.lm_head)
 
 
 def accept_tree(tree: Tree, target_tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -509,7 +547,7 @@ def tree_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: Tre
     """One round with a fixed tree shape: draft, build, verify. Returns (state, TreeRoundInfo)."""
     _check_state(state, spec)
     draft = tree_draft(target_w, draft_w, state, spec)
-    tree = build_tree(state.anchor, draft.logprobs, shape)
+    tree = round_tree(target_w, draft_w, state.anchor, draft, shape, spec)
     return verify_tree(target_w, state, tree, draft.draft_cache, spec)
 
 
@@ -521,7 +559,7 @@ def tree_draft_build(target_w, draft_w, state: SpecState, spec: SpecConfig, shap
     """The round's draft and its tree, jitted (the first half of a round whose verify runs elsewhere, e.g. layer
     by layer with offloaded experts). Returns (Tree, TreeDraft)."""
     draft = tree_draft(target_w, draft_w, state, spec)
-    return build_tree(state.anchor, draft.logprobs, shape), draft
+    return round_tree(target_w, draft_w, state.anchor, draft, shape, spec), draft
 
 
 commit_tree_jit = jax.jit(commit_tree, static_argnames=("spec",))
@@ -902,7 +940,7 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
                   temperature: float = DEFAULT_TEMPERATURE, calibration: TreeCalibration | str | None = "pair",
                   adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
                   sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
-                  buckets: rq.Buckets | None = None):
+                  buckets: rq.Buckets | None = None, branch_head: bool = True):
     """Tree-verified DFlash generation in one jitted while_loop (`spec.loop.generate`'s contract and result).
 
     tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
@@ -910,6 +948,8 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
     calibration: a fitted acceptance model for the build (`TreeCalibration`, `fit_calibration`); "pair" (the
     default) the one shipped with the pair (`pair_calibration`; the plain build when it has none); None the
     plain build (the draft's marginals).
+    branch_head: build from the draft's branch head when the pair carries one (`build_tree_from_head`; the
+    shipped pair does); False: from the marginals (and `calibration`).
     adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
     Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
@@ -936,7 +976,7 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
         else:
             res = generate_tree(pair, prompts, tree_budget=only.budget, branch=only.branch,
                                 temperature=only.temperature, calibration=only.calibration, block_size=block_size,
-                                warmup=warmup, buckets=buckets, **request)
+                                warmup=warmup, buckets=buckets, branch_head=only.use_head, **request)
         rounds = max((len(a) for a in res.acceptance_lengths), default=0)
         res.stats["adaptive_rounds"] = {label(s): rounds if s == only else 0 for s in full.shapes}
         return res
@@ -947,7 +987,7 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
     spec = prep.spec
     if spec.block_size < 2:
         raise ValueError("tree verification needs a draft block of at least 2 (one proposal position)")
-    shape = TreeShape(tree_budget, branch, temperature, calibration)
+    shape = TreeShape(tree_budget, branch, temperature, calibration, use_head=branch_head)
 
     def run(state):
         if policy is None:

@@ -188,9 +188,16 @@ def test_greedy_tree_equals_plain_greedy_on_the_shipped_pair(shipped):
     tau_chain = np.mean([a for seq in chain.acceptance_lengths for a in seq])
     tau_tree = np.mean([a for seq in result.acceptance_lengths for a in seq])
     assert tau_tree > 1.1 * tau_chain, (tau_tree, tau_chain)
-    # the jitted loop gives the same rounds (the plain build: by default the pair's shipped calibration builds)
+    # the jitted loop gives the same rounds (the head build; the calibration only scores the marginal build)
     looped = generate_tree(pair, SHIPPED_PROMPTS, max_new_tokens=n, tree_budget=16, branch=4, calibration=None)
     assert looped.tokens == plain and looped.acceptance_lengths == result.acceptance_lengths
+    # the pair's branch head builds the trees: from the marginals alone the same budget commits fewer tokens
+    assert pair.draft.branch_head is not None
+    marginal = generate_tree(pair, SHIPPED_PROMPTS, max_new_tokens=n, tree_budget=16, branch=4, calibration=None,
+                             branch_head=False)
+    assert marginal.tokens == plain
+    tau_marginal = np.mean([a for seq in marginal.acceptance_lengths for a in seq])
+    assert tau_tree > 1.1 * tau_marginal, (tau_tree, tau_marginal)
 
 
 @pytest.mark.slow
@@ -274,6 +281,24 @@ def test_greedy_tree_equals_plain_greedy_on_qwen3_5():
 
 
 @pytest.mark.slow
+def test_greedy_trees_from_a_branch_head_on_qwen3_5():
+    # the head changes which paths the DeltaNet layers run; the output stays the target's
+    from dflash_jax.models.draft import init_branch_head
+    from dflash_jax.pair import with_branch_head
+
+    pair = _second_choice_pair(0)
+    fresh = init_branch_head(pair.draft_cfg.hidden_size, jax.random.key(1))
+    pair = with_branch_head(pair, fresh.replace(w_out=jax.random.normal(jax.random.key(2), fresh.w_out.shape) * 0.05))
+    prompts = [[3, 17, 42, 5, 9, 11, 7, 2], list(range(40, 63))]
+    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=32)
+    result, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=32, shape=TreeShape(8, 3))
+    assert result.tokens == plain
+    live = np.concatenate([r["live"] for r in rounds])
+    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
+    assert accepted.mean() >= 0.5 and accepted.max() >= 2, accepted
+
+
+@pytest.mark.slow
 def test_qwen3_5_tree_loop_and_tree_wider_than_the_block():
     # the jitted loop, and a tree of 24 nodes > the block of 8 (the DeltaNet rollback width is widened)
     pair = _second_choice_pair(2)
@@ -315,6 +340,7 @@ def _cli(capsys, *argv):
     (["--tree-budget", "8", "--tree-branch", "0"], "--tree-branch must be >= 1"),
     (["--adaptive", "--trace"], "drop --offload, --trace and --loop python"),
     (["--tree-budget", "8", "--offload", "--expert-budget-mb", "1"], "drop --offload"),
+    (["--no-branch-head"], "--no-branch-head only applies to trees"),
 ])
 def test_cli_tree_flags_errors(capsys, argv, message):
     code, _, err = _cli(capsys, "--prompt-ids", "1,2,3", *argv)

@@ -60,11 +60,21 @@ def _chi_square_pvalue(counts, expected):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=6, top_p=0.9)],
-                         ids=["plain", "topk-topp"])
-def test_tree_sampling_reproduces_the_target_distribution(small_vocab_pair, params):
+@pytest.mark.parametrize("params, head", [(dict(temperature=1.0), False),
+                                          (dict(temperature=0.8, top_k=6, top_p=0.9), False),
+                                          (dict(temperature=1.0), True)],
+                         ids=["plain", "topk-topp", "branch-head"])
+def test_tree_sampling_reproduces_the_target_distribution(small_vocab_pair, params, head):
     pytest.importorskip("scipy")
     pair = small_vocab_pair
+    if head:  # trees built from a branch head (other nodes than the marginals'): the rule does not depend on them
+        import jax
+
+        from dflash_jax.models.draft import init_branch_head
+        from dflash_jax.pair import with_branch_head
+
+        fresh = init_branch_head(pair.draft_cfg.hidden_size, jax.random.key(1))
+        pair = with_branch_head(pair, fresh.replace(w_out=jax.random.normal(jax.random.key(2), fresh.w_out.shape) * 0.2))
     sampling = SamplingParams(**params)
     prompt = [3, 1, 4, 1, 5, 2]
     n, n_greedy = 6000, 16

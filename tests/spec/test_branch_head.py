@@ -1,0 +1,160 @@
+"""The draft's branch head (`models.draft.BranchHeadWeights`): a fresh head is exactly the marginals, the tree
+built from a head takes the most probable paths under its conditional distributions (checked by enumeration),
+tree generation with a head stays lossless with proposals accepted, and the head file beside a checkpoint is
+checked (sha256, the pair it was fitted for, shapes) and attached at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax
+from dflash_jax import testing
+from dflash_jax.decode import greedy_generate
+from dflash_jax.errors import CheckpointError
+from dflash_jax.models import draft as dm
+from dflash_jax.pair import BRANCH_HEAD_FILE, load_branch_head, save_branch_head, with_branch_head
+from dflash_jax.spec.tree import TreeShape, build_tree, build_tree_from_head, generate_tree_stepping
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = testing.tiny_qwen3_moe_config(num_layers=2)
+    return testing.random_pair(cfg, seed=0, target_layer_ids=(0, 1), block_size=8)
+
+
+def _random_head(pair, seed: int, scale: float):
+    fresh = dm.init_branch_head(pair.draft_cfg.hidden_size, jax.random.key(seed))
+    w_out = jax.random.normal(jax.random.key(seed + 1), fresh.w_out.shape) * scale / np.sqrt(fresh.w_out.shape[0])
+    return fresh.replace(w_out=w_out)
+
+
+def _logits(pair, head, hidden, parent):
+    return dm.branch_head_logits(head, hidden, parent, pair.draft_cfg, embed=pair.target.embed,
+                                 lm_head=pair.target.lm_head)
+
+
+def test_a_fresh_head_is_the_marginals_and_a_trained_one_depends_on_the_parent(pair):
+    h = pair.draft_cfg.hidden_size
+    hidden = jax.random.normal(jax.random.key(3), (2, 5, h))
+    parent = jnp.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]], jnp.int32)
+    fresh = dm.init_branch_head(h, jax.random.key(0))
+    marginal = dm.draft_logits(hidden, pair.draft_cfg, embed=pair.target.embed, lm_head=pair.target.lm_head)
+    np.testing.assert_allclose(_logits(pair, fresh, hidden, parent), marginal, rtol=1e-6, atol=1e-6)
+    head = _random_head(pair, 1, 1.0)
+    a = _logits(pair, head, hidden, parent)
+    b = _logits(pair, head, hidden, parent[::-1])
+    assert not np.allclose(a, b)  # the same positions, other parents: other distributions
+
+
+def _reference_paths(pair, head, hidden, anchor, branch, budget):
+    """The budget-1 most probable paths by enumeration: a path's children are the top-`branch` tokens of the
+    head's distribution at the next position given the path's last token."""
+    depth = hidden.shape[0]
+    paths, frontier = [], [((), 0.0, int(anchor))]
+    for d in range(depth):
+        nxt = []
+        for toks, score, last in frontier:
+            lp = np.asarray(jax.nn.log_softmax(_logits(pair, head, hidden[d], jnp.int32(last))))
+            for x in np.argsort(-lp, kind="stable")[:branch]:
+                nxt.append((toks + (int(x),), score + float(lp[x]), int(x)))
+        paths += nxt
+        frontier = nxt
+    return heapq.nlargest(budget - 1, paths, key=lambda p: p[1])
+
+
+def test_the_head_build_takes_the_most_probable_conditional_paths(pair):
+    h = pair.draft_cfg.hidden_size
+    depth, budget, branch = 3, 11, 3
+    hidden = jax.random.normal(jax.random.key(5), (2, depth, h)) * 3.0
+    anchor = jnp.array([4, 11], jnp.int32)
+    head = _random_head(pair, 2, 4.0)
+    kw = dict(embed=pair.target.embed, lm_head=pair.target.lm_head)
+    tree = jax.tree.map(np.asarray, build_tree_from_head(anchor, hidden, head, TreeShape(budget, branch),
+                                                         pair.draft_cfg, **kw))
+    for b in range(2):
+        got = {0: ()}
+        for t in range(1, budget):
+            p = int(tree.parent[b, t])
+            assert p < t and tree.depth[b, t] == tree.depth[b, p] + 1
+            got[t] = got[p] + (int(tree.tokens[b, t]),)
+        want = _reference_paths(pair, head, np.asarray(hidden[b]), anchor[b], branch, budget)
+        assert sorted(got[t] for t in range(1, budget)) == sorted(p for p, _, _ in want)
+        np.testing.assert_allclose(sorted(tree.score[b, 1:]), sorted(s for _, s, _ in want), rtol=1e-4)
+    # a fresh head builds exactly the marginal tree
+    fresh = dm.init_branch_head(h, jax.random.key(0))
+    marg = build_tree(anchor, jax.nn.log_softmax(dm.draft_logits(hidden, pair.draft_cfg, **kw)), TreeShape(budget, branch))
+    same = build_tree_from_head(anchor, hidden, fresh, TreeShape(budget, branch), pair.draft_cfg, **kw)
+    for field in ("tokens", "parent", "depth", "mask", "rank"):
+        np.testing.assert_array_equal(getattr(same, field), getattr(marg, field))
+    np.testing.assert_allclose(same.score, marg.score, rtol=1e-5)
+    # branch 1: the head's greedy chain
+    chain = build_tree_from_head(anchor, hidden, head, TreeShape(depth + 1, 1), pair.draft_cfg, **kw)
+    for b in range(2):
+        last = int(anchor[b])
+        for d in range(depth):
+            last = int(jnp.argmax(_logits(pair, head, hidden[b, d], jnp.int32(last))))
+            assert int(chain.tokens[b, d + 1]) == last
+
+
+def test_greedy_trees_from_a_head_equal_plain_greedy(pair):
+    # a head that reorders the planted draft's candidates: the output is still the target's, proposals accepted
+    with_head = with_branch_head(pair, _random_head(pair, 4, 0.5))
+    prompts = [[3, 17, 42, 5, 9, 11, 7, 2], list(range(40, 63))]
+    n = 32
+    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
+    result, rounds = generate_tree_stepping(with_head, prompts, max_new_tokens=n, shape=TreeShape(8, 3))
+    assert result.tokens == plain
+    live = np.concatenate([r["live"] for r in rounds])
+    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
+    assert accepted.mean() >= 0.3 and accepted.max() >= 2, accepted
+
+
+def _fingerprinted(pair, digest: str):
+    return dataclasses.replace(pair, manifest={"checksums": {"files": {"target/model.safetensors": {"sha256": digest}}}})
+
+
+def test_head_file_round_trip_and_refusals(pair, tmp_path):
+    mine, other = _fingerprinted(pair, "a" * 64), _fingerprinted(pair, "b" * 64)
+    head = _random_head(pair, 6, 1.0)
+    path = save_branch_head(head, str(tmp_path), pair=mine, fitted_on={"seeds": [1]})
+    assert path == os.path.join(str(tmp_path), BRANCH_HEAD_FILE)
+    assert [p.name for p in tmp_path.iterdir()] == [BRANCH_HEAD_FILE]  # no temporary file left behind
+    back = load_branch_head(path, mine)
+    np.testing.assert_array_equal(back.w_in, head.w_in)
+    np.testing.assert_array_equal(back.w_out, head.w_out)
+    with pytest.raises(CheckpointError, match="fitted for another target/draft.*refit it"):
+        load_branch_head(path, other)
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x40  # one bit of w_out
+    bad = tmp_path / "tampered.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="fails its sha256"):
+        load_branch_head(str(bad), mine)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_branch_head(str(tmp_path / "junk.safetensors"), mine)
+    small = dm.init_branch_head(pair.draft_cfg.hidden_size // 2, jax.random.key(0))
+    wrong = save_branch_head(small, str(tmp_path / "small.safetensors"), pair=mine)
+    with pytest.raises(CheckpointError, match="hidden size"):
+        load_branch_head(wrong, mine)
+
+
+def test_load_attaches_the_pairs_head(tmp_path):
+    shipped = dflash_jax.load(verify=False)
+    assert shipped.draft.branch_head is not None  # the shipped pair carries its fitted head
+    assert dflash_jax.load(verify=False, branch_head=False).draft.branch_head is None
+    # a copy whose head was fitted for another pair is refused at load, with the fix
+    copy = tmp_path / "pair"
+    shutil.copytree(dflash_jax.SHIPPED_PAIR, copy)
+    save_branch_head(shipped.draft.branch_head, str(copy), pair=_fingerprinted(shipped, "c" * 64))
+    with pytest.raises(CheckpointError, match="another target/draft"):
+        dflash_jax.load(str(copy), verify=False)
+    assert dflash_jax.load(str(copy), verify=False, branch_head=False).draft.branch_head is None
