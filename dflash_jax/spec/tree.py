@@ -45,6 +45,12 @@ one reachable shape runs as that fixed shape.
 
 The build's node scores can come from a fitted acceptance model instead of the draft's marginals
 (`TreeCalibration`, fitted by `fit_calibration` on `calibration_samples` of training-split prompts).
+
+When the draft carries a branch head (`models.draft.BranchHeadWeights`, attached by `pair.load` from the file
+shipped beside the checkpoint), a tree's nodes take their children from it instead: the draft's distribution
+at the next position given the node's own token (`build_tree_from_head`). The marginals ignore which branch a
+node is on, so below a node off the argmax chain they mostly miss; the head models exactly what a best-first
+tree ranks by, P(token | the path so far is the target's). Chains (branch 1) stay the argmax chain.
 """
 
 from __future__ import annotations

@@ -104,6 +104,7 @@ def test_the_head_build_takes_the_most_probable_conditional_paths(pair):
             assert int(chain.tokens[b, d + 1]) == last
 
 
+@pytest.mark.slow  # the fast set proves it on the shipped pair's own head (tests/spec/test_tree.py)
 def test_greedy_trees_from_a_head_equal_plain_greedy(pair):
     # a head that reorders the planted draft's candidates: the output is still the target's, proposals accepted
     with_head = with_branch_head(pair, _random_head(pair, 4, 0.5))

@@ -106,6 +106,7 @@ def test_policy_provisions_only_the_shapes_it_can_choose():
     assert AdaptivePolicy(shapes[:1]).pruned().shapes == shapes[:1]
 
 
+@pytest.mark.slow  # the marginal build's model; the shipped pair's trees build from its branch head by default
 def test_calibration_samples_from_the_shipped_pair_fit_a_model_that_ranks_the_argmax_first():
     """`calibration_samples` on the shipped pair (a small tree loop, greedy): rows (depth, rank, log q, off, hit)
     with at most one hit per (round, depth) group, hits at depth 1 (the target's next token is the draft's
