@@ -150,7 +150,10 @@ def test_head_file_round_trip_and_refusals(pair, tmp_path):
 
 def test_load_attaches_the_pairs_head(tmp_path):
     shipped = dflash_jax.load(verify=False)
-    assert shipped.draft.branch_head is not None  # the shipped pair carries its fitted head
+    assert shipped.draft.branch_head is not None  # the shipped pairs carry their fitted heads
+    hybrid = dflash_jax.load(dflash_jax.SHIPPED_PAIRS["tiny_pair_qwen3_5"], verify=False)
+    assert hybrid.draft.branch_head is not None
+    assert hybrid.draft.branch_head.w_in.shape == (2 * hybrid.draft_cfg.hidden_size, 2 * hybrid.draft_cfg.hidden_size)
     assert dflash_jax.load(verify=False, branch_head=False).draft.branch_head is None
     # a copy whose head was fitted for another pair is refused at load, with the fix
     copy = tmp_path / "pair"
