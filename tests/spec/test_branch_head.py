@@ -17,11 +17,11 @@ import pytest
 
 import dflash_jax
 from dflash_jax import testing
-from dflash_jax.decode import greedy_generate
 from dflash_jax.errors import CheckpointError
 from dflash_jax.models import draft as dm
 from dflash_jax.pair import BRANCH_HEAD_FILE, load_branch_head, save_branch_head, with_branch_head
-from dflash_jax.spec.tree import TreeShape, build_tree, build_tree_from_head, generate_tree_stepping
+from dflash_jax.spec.tree import TreeShape, build_tree, build_tree_from_head
+from tests.spec._trees import lossless_tree_rounds
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +109,7 @@ def test_greedy_trees_from_a_head_equal_plain_greedy(pair):
     # a head that reorders the planted draft's candidates: the output is still the target's, proposals accepted
     with_head = with_branch_head(pair, _random_head(pair, 4, 0.5))
     prompts = [[3, 17, 42, 5, 9, 11, 7, 2], list(range(40, 63))]
-    n = 32
-    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
-    result, rounds = generate_tree_stepping(with_head, prompts, max_new_tokens=n, shape=TreeShape(8, 3))
-    assert result.tokens == plain
-    live = np.concatenate([r["live"] for r in rounds])
-    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
+    _, accepted, _ = lossless_tree_rounds(with_head, prompts, 32, TreeShape(8, 3))
     assert accepted.mean() >= 0.3 and accepted.max() >= 2, accepted
 
 

@@ -20,9 +20,9 @@ from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
 from dflash_jax.spec import generate
 from dflash_jax.spec.tree import (
-    AdaptivePolicy, TreeShape, VerifyCost, accept_tree, build_tree, generate_tree, generate_tree_stepping,
-    tree_supported,
+    AdaptivePolicy, TreeShape, VerifyCost, accept_tree, build_tree, generate_tree, tree_supported,
 )
+from tests.spec._trees import lossless_tree_rounds
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,11 +176,7 @@ def test_greedy_tree_equals_plain_greedy_on_the_shipped_pair(shipped):
     plain = greedy_generate(pair.target, pair.target_cfg, SHIPPED_PROMPTS, max_new_tokens=n)
     chain = generate(pair, SHIPPED_PROMPTS, max_new_tokens=n)
     assert chain.tokens == plain
-    result, rounds = generate_tree_stepping(pair, SHIPPED_PROMPTS, max_new_tokens=n, shape=TreeShape(16, 4))
-    assert result.tokens == plain
-    live = np.concatenate([r["live"] for r in rounds])
-    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
-    off_chain = np.concatenate([r["off_chain"] for r in rounds])[live]
+    result, accepted, off_chain = lossless_tree_rounds(pair, SHIPPED_PROMPTS, n, TreeShape(16, 4))
     # proposals are accepted, some of them on a branch other than the draft's argmax chain, and the tree
     # commits more tokens per round than the chain of the same draft
     assert accepted.mean() >= 3.0, accepted.mean()
@@ -240,12 +236,7 @@ def test_greedy_tree_equals_plain_greedy_on_random_pairs(family):
     pair = testing.random_pair(cfg, seed=1 if family == "gpt_oss" else 0, target_layer_ids=(0, 1), block_size=8)
     rng = np.random.default_rng(2)
     prompts = [[3, 17, 42, 5, 9, 11, 7, 2], rng.integers(0, 500, 23).tolist()]
-    n = 40
-    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
-    result, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=n, shape=TreeShape(8, 3))
-    assert result.tokens == plain
-    live = np.concatenate([r["live"] for r in rounds])
-    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
+    _, accepted, _ = lossless_tree_rounds(pair, prompts, 40, TreeShape(8, 3))
     # proposals accepted (the planted agreement puts the draft's second choice far below its first, so
     # off-chain acceptance is asserted on the shipped pair and in the sampling test instead)
     assert accepted.mean() >= 0.3 and accepted.max() >= 2, accepted
@@ -269,13 +260,7 @@ def test_greedy_tree_equals_plain_greedy_on_qwen3_5():
     pair = _second_choice_pair(0)
     assert tree_supported(pair.target_cfg)
     prompts = [[3, 17, 42, 5, 9, 11, 7, 2], list(range(40, 63))]
-    n = 32
-    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n)
-    result, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=n, shape=TreeShape(8, 3))
-    assert result.tokens == plain
-    live = np.concatenate([r["live"] for r in rounds])
-    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
-    off_chain = np.concatenate([r["off_chain"] for r in rounds])[live]
+    _, accepted, off_chain = lossless_tree_rounds(pair, prompts, 32, TreeShape(8, 3))
     assert accepted.mean() >= 0.5 and accepted.max() >= 2, accepted
     assert off_chain.sum() >= 2, off_chain
 
@@ -290,11 +275,7 @@ def test_greedy_trees_from_a_branch_head_on_qwen3_5():
     fresh = init_branch_head(pair.draft_cfg.hidden_size, jax.random.key(1))
     pair = with_branch_head(pair, fresh.replace(w_out=jax.random.normal(jax.random.key(2), fresh.w_out.shape) * 0.05))
     prompts = [[3, 17, 42, 5, 9, 11, 7, 2], list(range(40, 63))]
-    plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=32)
-    result, rounds = generate_tree_stepping(pair, prompts, max_new_tokens=32, shape=TreeShape(8, 3))
-    assert result.tokens == plain
-    live = np.concatenate([r["live"] for r in rounds])
-    accepted = np.concatenate([r["accepted"] for r in rounds])[live]
+    _, accepted, _ = lossless_tree_rounds(pair, prompts, 32, TreeShape(8, 3))
     assert accepted.mean() >= 0.5 and accepted.max() >= 2, accepted
 
 
