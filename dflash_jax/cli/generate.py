@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node (with --tree-budget)")
     p.add_argument("--no-branch-head", action="store_true",
                    help="build trees from the draft's per-position marginals even when the pair ships a branch head")
+    p.add_argument("--head-chain", action="store_true",
+                   help="propose the chain from the pair's branch head, each position given the previous proposal, "
+                        "instead of the draft's per-position argmax (lossless; more tokens per round)")
     p.add_argument("--adaptive", action="store_true",
                    help="choose each round's verify shape (chain B = 4/8/16 or tree N = 8/16/32) from the acceptance "
                         "so far and each shape's cost; deterministic, lossless")
@@ -183,6 +186,9 @@ def run(args) -> dict:
         raise UsageError(f"--tree-branch must be >= 1, got {args.tree_branch}")
     if args.no_branch_head and not tree:
         raise UsageError("--no-branch-head only applies to trees: add --tree-budget N or --adaptive")
+    if args.head_chain and (tree or args.offload or args.pflash_keep is not None):
+        raise UsageError("--head-chain proposes the chain of the resident loop: drop --tree-budget / --adaptive, "
+                         "--offload and --pflash-keep")
     if tree and (args.offload or args.trace or args.loop == "python"):
         raise UsageError("--tree-budget / --adaptive run the jitted loop: drop --offload, --trace and --loop python")
     if args.pflash_keep is not None:
@@ -276,9 +282,9 @@ def run(args) -> dict:
         elif loop == "jit":
             if args.trace:
                 raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
-            result = generate(pair, [prompt], **kwargs)
+            result = generate(pair, [prompt], branch_head=args.head_chain, **kwargs)
         else:
-            result = generate_stepping(pair, [prompt], trace=args.trace, **kwargs)
+            result = generate_stepping(pair, [prompt], trace=args.trace, branch_head=args.head_chain, **kwargs)
     out = {
         "tokens": result.tokens[0],
         "acceptance_lengths": result.acceptance_lengths[0],

@@ -81,10 +81,18 @@ def _result(state: SpecState, stats: dict, trace=None, rows: int | None = None) 
     return GenerationResult(tokens=tokens, acceptance_lengths=acceptance, stats=stats, trace=trace)
 
 
-def _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets) -> Prepared:
+def _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets,
+             branch_head: bool = False) -> Prepared:
     compile_cache.ensure_enabled()
-    return prepare(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
+    if branch_head and getattr(pair.draft, "branch_head", None) is None:
+        raise ValueError("branch_head=True proposes the chain from the draft's branch head, and this pair's draft has "
+                         "none: load a pair shipped with branch_head.safetensors, or attach one "
+                         "(dflash_jax.pair.with_branch_head)")
+    prep = prepare(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
                    stop_ids=stop_ids, seed=seed, buckets=LOOP_BUCKETS if buckets is None else buckets)
+    if branch_head:
+        prep = dataclasses.replace(prep, spec=dataclasses.replace(prep.spec, chain_head=True))
+    return prep
 
 
 def _shape_stats(prep: Prepared) -> dict:
@@ -96,14 +104,17 @@ def _shape_stats(prep: Prepared) -> dict:
 
 def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_size: int | None = None,
              sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
-             buckets: Buckets | None = None) -> GenerationResult:
+             buckets: Buckets | None = None, branch_head: bool = False) -> GenerationResult:
     """DFlash generation in one jitted while_loop.
+
+    branch_head: propose the chain from the draft's branch head, position after position
+    (`session.head_chain_draft`; the pair's draft must carry one) instead of the per-position argmax.
 
     max_new_tokens, sampling, stop_ids, seed: one value for every prompt, or one per prompt (stop_ids:
     one list of ids, or one list per prompt); they are traced, so requests that differ only in them (and
     in prompt lengths inside one bucket) reuse one compiled program. `warmup=True` compiles first (without
     running a round) so `stats.seconds` times only the run (prefill + decode)."""
-    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets)
+    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets, branch_head)
     if warmup:  # compile the prefill and the loop: a state with every sequence done runs no round
         state = begin_prepared(pair, prep)
         jax.block_until_ready(run_loop(pair.target, pair.draft, state.replace(done=jnp.ones_like(state.done)),
@@ -118,9 +129,9 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_si
 
 def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_size: int | None = None,
                       sampling=SamplingParams(), stop_ids=(), seed=0, trace: bool = False, warmup: bool = False,
-                      buckets: Buckets | None = None) -> GenerationResult:
+                      buckets: Buckets | None = None, branch_head: bool = False) -> GenerationResult:
     """The same rounds driven from Python; times draft and verify separately (each synchronized)."""
-    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets)
+    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets, branch_head)
     spec = prep.spec
     if warmup:  # one round compiles the prefill, the draft and the verify
         state = begin_prepared(pair, prep)

@@ -100,6 +100,9 @@ class SpecConfig:
     output_len: int
     method: AcceptanceMode = "exact_match"
     static_request: StaticRequest | None = None
+    # the chain's proposals from the draft's branch head, one position after another (`head_chain_draft`);
+    # False: the draft's per-position argmax (DFlash). Needs a draft that carries a head.
+    chain_head: bool = False
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -361,6 +364,8 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
     logits, hidden, draft_cache = draft_model.draft_forward(
         draft_w, spec.draft, embed=target_w.embed, lm_head=target_w.lm_head, block_tokens=block,
         context_features=state.context, num_context=state.num_context, cache=state.draft_cache)
+    if spec.chain_head:
+        return head_chain_draft(target_w, draft_w, state, spec, hidden, draft_cache)
     logits = logits[:, 1:]
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if spec.method == "exact_match":
@@ -376,6 +381,47 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
         return argmax, jnp.zeros(logits.shape, jnp.float32)
 
     tokens, probs = jax.lax.cond(_all_greedy(state), greedy, sampled)
+    return Draft(tokens=tokens, probs=probs, draft_cache=draft_cache, hidden=hidden)
+
+
+def head_chain_draft(target_w, draft_w, state: SpecState, spec: SpecConfig, hidden: jax.Array, draft_cache) -> Draft:
+    """The chain's B-1 proposals from the draft's branch head (`models.draft.BranchHeadWeights`), position by
+    position: d_k from the head's distribution at position k given d_{k-1} (d_0 = the anchor), over the one
+    draft forward's hidden states. Greedy sequences and the exact-match method take the head's argmax; sampled
+    sequences under the rejection method draw d_k from the head's processed distribution given their own
+    d_{k-1}, which `Draft.probs` keeps: the proposal is autoregressive, so the rejection rule stays exact."""
+    head = getattr(draft_w, "branch_head", None)
+    if head is None:
+        raise ValueError("spec.chain_head needs a draft that carries a branch head (dflash_jax.pair.with_branch_head, "
+                         "or a pair shipped with branch_head.safetensors)")
+    rows = state.params.sampling
+    sampled = spec.method != "exact_match"
+    gamma = spec.block_size - 1
+    # per position a key of a stream no other draw of the round touches: fold_in(key, i) is split(key)[i] here,
+    # and split(key)[1]'s children are the acceptance's uniforms, so fold_in(fold_in(key, 1), 0) would draw
+    # d_1 with the very bits its acceptance test uses (measured: chi-square p ~ 1e-13 against the target)
+    keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 2), max(gamma, 1)))(state.key)  # [b, gamma]
+
+    def step(prev, xs):
+        h, k = xs
+        logits = draft_model.branch_head_logits(head, h, prev, spec.draft, embed=target_w.embed,
+                                                lm_head=target_w.lm_head)
+        argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if not sampled:
+            return argmax, (argmax, jnp.zeros((prev.shape[0], 0), jnp.float32))
+
+        def draw():
+            probs = sampling_probs(logits[:, None], rows)[:, 0]
+            drawn = sample_probs_rows(keys[:, k], probs[:, None])[:, 0]
+            return jnp.where(rows.greedy, argmax, drawn), probs
+
+        tok, probs = jax.lax.cond(_all_greedy(state), lambda: (argmax, jnp.zeros(logits.shape, jnp.float32)), draw)
+        return tok, (tok, probs)
+
+    _, (tokens, probs) = jax.lax.scan(step, state.anchor, (jnp.swapaxes(hidden[:, 1:gamma + 1], 0, 1),
+                                                           jnp.arange(gamma, dtype=jnp.int32)))
+    tokens = jnp.swapaxes(tokens, 0, 1)
+    probs = jnp.swapaxes(probs, 0, 1) if sampled else None
     return Draft(tokens=tokens, probs=probs, draft_cache=draft_cache, hidden=hidden)
 
 

@@ -216,13 +216,32 @@ def _chi_square_pvalue(counts, expected):
 def test_sampling_reproduces_the_target_distribution(small_vocab_pair, mode, params):
     """The sampled sequences share their batch with greedy ones (per-sequence settings): the greedy ones
     still give the target's greedy output, the sampled ones the target's distribution."""
+    _check_sampling(small_vocab_pair, mode, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exact_match", "rejection"])
+def test_head_chain_sampling_reproduces_the_target_distribution(small_vocab_pair, mode):
+    """Proposals from a branch head, each drawn given the previous one (rejection: the head's conditional
+    distributions are the proposal's q): still exactly the target's distribution."""
+    import jax
+
+    from dflash_jax.models.draft import init_branch_head
+    from dflash_jax.pair import with_branch_head
+
     pair = small_vocab_pair
+    fresh = init_branch_head(pair.draft_cfg.hidden_size, jax.random.key(1))
+    pair = with_branch_head(pair, fresh.replace(w_out=jax.random.normal(jax.random.key(2), fresh.w_out.shape) * 0.3))
+    _check_sampling(pair, mode, dict(temperature=1.0), branch_head=True)
+
+
+def _check_sampling(pair, mode, params, **kwargs):
     sampling = SamplingParams(mode=mode, **params)
     prompt = [3, 1, 4, 1, 5, 2]
     n, n_greedy = 6000, 16
     result = generate(pair, [prompt] * (n + n_greedy), max_new_tokens=N_TOKENS, block_size=4,
                       sampling=[sampling] * n + [SamplingParams(mode=mode)] * n_greedy, seed=7,
-                      buckets=Buckets(prompt=8, output=4, cache=16, pad_batch=True))
+                      buckets=Buckets(prompt=8, output=4, cache=16, pad_batch=True), **kwargs)
     greedy = greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=N_TOKENS)[0]
     assert result.tokens[n:] == [greedy] * n_greedy
     draws = np.array(result.tokens[:n])

@@ -322,6 +322,7 @@ def _cli(capsys, *argv):
     (["--adaptive", "--trace"], "drop --offload, --trace and --loop python"),
     (["--tree-budget", "8", "--offload", "--expert-budget-mb", "1"], "drop --offload"),
     (["--no-branch-head"], "--no-branch-head only applies to trees"),
+    (["--head-chain", "--tree-budget", "8"], "--head-chain proposes the chain of the resident loop"),
 ])
 def test_cli_tree_flags_errors(capsys, argv, message):
     code, _, err = _cli(capsys, "--prompt-ids", "1,2,3", *argv)
