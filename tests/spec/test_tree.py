@@ -184,6 +184,11 @@ def test_greedy_tree_equals_plain_greedy_on_the_shipped_pair(shipped):
     tau_chain = np.mean([a for seq in chain.acceptance_lengths for a in seq])
     tau_tree = np.mean([a for seq in result.acceptance_lengths for a in seq])
     assert tau_tree > 1.1 * tau_chain, (tau_tree, tau_chain)
+    # the chain proposed from the pair's branch head (opt-in): the same output, more tokens per round
+    head_chain = generate(pair, SHIPPED_PROMPTS, max_new_tokens=n, branch_head=True)
+    assert head_chain.tokens == plain
+    tau_head_chain = np.mean([a for seq in head_chain.acceptance_lengths for a in seq])
+    assert tau_head_chain > 1.1 * tau_chain, (tau_head_chain, tau_chain)
     # the jitted loop gives the same rounds (the head build; the calibration only scores the marginal build)
     looped = generate_tree(pair, SHIPPED_PROMPTS, max_new_tokens=n, tree_budget=16, branch=4, calibration=None)
     assert looped.tokens == plain and looped.acceptance_lengths == result.acceptance_lengths
