@@ -11,15 +11,17 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with "stream": t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 from typing import Sequence
 
 from dflash_jax import SHIPPED_PAIR
 from dflash_jax.cli.errors import run_cli
-from dflash_jax.errors import Interrupted, UsageError
+from dflash_jax.errors import UsageError
 
 # the verify block of `--widths fixed` when --block-size is not given: on the shipped pair (CPU, 1-32 clients)
 # DFlash at a fixed block 4 was never below no speculation in five paired runs, where the chooser of `--widths
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests keep decoding (prompts up to --max-prompt-len, which may reach the target's "
                         "context); 0: every prompt prefilled whole in one go (default: 256)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--max-request-mb", type=float, default=8.0,
+                   help="largest request body in MB (1e6 bytes); a larger one gets 413 before it is read (default 8)")
     p.add_argument("--acceptance", choices=["exact_match", "rejection"], default="exact_match",
                    help="acceptance rule of sampled requests (temperature > 0)")
     p.add_argument("--token-budget", type=int, default=None,
@@ -120,8 +124,10 @@ def check_args(args) -> None:
             raise UsageError(f"--widths must be positive integers, got {args.widths!r}")
     if getattr(args, "explore_every", 0) < 0:
         raise UsageError(f"--explore-every must be >= 0 (0: never explore), got {args.explore_every}")
-    if args.grace_seconds < 0:
-        raise UsageError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
+    if not 0 <= args.grace_seconds <= 86400:
+        raise UsageError(f"--grace-seconds must be in 0..86400, got {args.grace_seconds}")
+    if not 1e-3 <= getattr(args, "max_request_mb", 8.0) <= 1e5:
+        raise UsageError(f"--max-request-mb must be in 0.001..100000, got {args.max_request_mb}")
     directory = args.checkpoint or SHIPPED_PAIR
     if getattr(args, "offload", False):
         from dflash_jax.cli import generate as generate_cli  # the same checks as dflash-generate --offload
@@ -152,14 +158,43 @@ def check_args(args) -> None:
             from None
 
 
-def chat_template(directory: str) -> str | None:
-    """The checkpoint's chat template (tokenizer_config.json's `chat_template`), or None."""
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        template = json.load(f).get("chat_template")
-    return template if isinstance(template, str) else None
+def chat_template(directory: str):
+    """The checkpoint's chat template as a checked, sandboxed `serve.templates.ChatTemplate`, or None when it has none.
+
+    HF's places, in HF's order: `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or
+    a list of named templates, of which "default" is used). A template that is not valid Jinja, fails on a plain
+    conversation or reaches for Python internals is refused here, at start, in one line: it is never run."""
+    from dflash_jax.errors import CheckpointError, open_regular
+    from dflash_jax.serve.templates import ChatTemplate, TemplateRefused
+
+    jinja = os.path.join(directory, "chat_template.jinja")
+    config = os.path.join(directory, "tokenizer_config.json")
+    try:
+        if os.path.lexists(jinja):
+            with open_regular(jinja, UsageError, what="chat template file") as f:
+                text, source = f.read().decode("utf-8"), jinja
+        elif os.path.lexists(config):
+            with open_regular(config, UsageError, what="tokenizer config file") as f:
+                data = json.loads(f.read().decode("utf-8"))
+            if not isinstance(data, dict):
+                raise UsageError(f"{config} is not a JSON object: restore the checkpoint's tokenizer_config.json")
+            text, source = data.get("chat_template"), f"the chat template in {config}"
+            if isinstance(text, list):  # [{"name": ..., "template": ...}]: the default one
+                named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}
+                text = named.get("default")
+            if text is None:
+                return None
+        else:
+            return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{jinja if os.path.lexists(jinja) else config} cannot be read as a chat template "
+                         f"({type(e).__name__}: {e}); restore it from the checkpoint's source") from None
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    try:
+        return ChatTemplate(text, source=source)
+    except TemplateRefused as e:
+        raise UsageError(f"{e} (checkpoint {directory})") from None
 
 
 def build_app(args):
@@ -183,6 +218,7 @@ def build_app(args):
     offload = getattr(args, "offload", False)
     pair = (dflash_jax.load(directory, expert_memory="pinned_host", dequantize_experts=False) if offload
             else dflash_jax.load(directory, mesh=mesh))
+    template = chat_template(directory)  # checked (and refused) before the long warm-up
     try:
         widths = (None if args.widths == "fixed" else "auto" if args.widths == "auto"
                   else [int(w) for w in args.widths.split(",")])
@@ -224,8 +260,9 @@ def build_app(args):
         print(f"dflash-serve: ready in {seconds:.1f}s", file=sys.stderr, flush=True)
     name = args.model_name or os.path.basename(os.path.normpath(directory))
     eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
-    app = create_app(engine, load_tokenizer(pair), model_name=name, chat_template=chat_template(directory),
-                     eos_ids=eos, grace_s=args.grace_seconds)
+    app = create_app(engine, load_tokenizer(pair), model_name=name, chat_template=template,
+                     eos_ids=eos, grace_s=args.grace_seconds,
+                     max_body_bytes=int(getattr(args, "max_request_mb", 8.0) * 1e6))
     attach_cost_metrics(engine)  # /metrics: the cost table as learned, the exploration's rounds and seconds
     if offload:  # /metrics: bytes moved per round, hits / misses, predicted vs used experts
         from dflash_jax.serve.offload_engine import attach_server_metrics
@@ -234,21 +271,68 @@ def build_app(args):
     return app, engine
 
 
+class _Server:
+    """uvicorn's server with dflash-serve's shutdown: the first SIGINT / SIGTERM stops taking requests and gives
+    the ones in flight `--grace-seconds` to finish (the engine cancels the rest, whose streams then end with
+    [DONE]); a second signal cancels everything at once. The signal is remembered for the exit code, not
+    re-raised."""
+
+    def __init__(self, config, engine, grace_s: float):
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+            def handle_exit(self, sig, frame):
+                outer.signals.append(sig)
+                if self.should_exit:  # the second signal: no more grace
+                    self.force_exit = True
+                    threading.Thread(target=outer.engine.stop, kwargs=dict(cancel=True, timeout=None),
+                                     name="dflash-cancel", daemon=True).start()
+                else:
+                    self.should_exit = True
+                    threading.Thread(target=outer.engine.stop, kwargs=dict(timeout=outer.grace_s),
+                                     name="dflash-drain", daemon=True).start()
+
+        self.engine, self.grace_s, self.signals = engine, grace_s, []
+        self.server = Server(config)
+
+    def run(self) -> int | None:
+        """Serves until a signal; returns it (None when the server stopped by itself)."""
+        try:
+            self.server.run()
+        finally:  # whatever ended the server, the engine's thread is done before the interpreter exits
+            self.engine.stop(cancel=True, timeout=None)
+        return self.signals[0] if self.signals else None
+
+
 def _serve(args) -> int:
     check_args(args)
     import uvicorn
 
-    app, _ = build_app(args)
+    from dflash_jax.cli import errors
+
+    # loading, compiling and warming up run on a worker thread: a signal ends the process at once (exit 130 / 143)
+    run = getattr(errors, "run_interruptibly", lambda prog, fn: fn())
+    app, engine = run("dflash-serve", lambda: build_app(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
-    server = uvicorn.Server(config)
-    try:
-        # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight requests, lifespan shutdown (the engine
-        # finishes or cancels what is left), and then re-raises the signal, which lands here: a clean stop
-        server.run()
-    except KeyboardInterrupt as e:  # Interrupted (SIGTERM) or Ctrl-C
-        name = signal.Signals(e.signum).name if isinstance(e, Interrupted) else "SIGINT"
-        print(f"dflash-serve: stopped ({name})", file=sys.stderr, flush=True)
-    return 0
+    signum = _Server(config, engine, args.grace_seconds).run()
+    if signum is None:
+        return 0
+    print(f"dflash-serve: stopped ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def main(argv: Sequence[str] | None = None) -> int:

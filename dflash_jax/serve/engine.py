@@ -678,6 +678,9 @@ class Engine:
                  stop_ids: Sequence[int] = (), seed: int = 0) -> None:
         """Raises RequestError (naming the cause and the fix) for a request this engine cannot serve."""
         vocab = self.spec.target.vocab_size
+        if hasattr(prompt, "__len__") and len(prompt) > self.max_prompt_len:  # before looking at each id
+            raise RequestError(f"the prompt has {len(prompt)} tokens; this server takes at most "
+                               f"{self.max_prompt_len} (shorten the prompt or restart with a larger --max-prompt-len)")
         try:
             rq.check_prompts([list(prompt)], vocab)
             rq.check_int(max_new_tokens, "max_tokens", low=1, high=2**31, what="a positive integer")
@@ -687,6 +690,10 @@ class Engine:
             raise RequestError(str(e)) from None
         if not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        try:  # the row's traced settings (int32 / float32) are built here, never first inside a round
+            RowSampling.of([sampling])
+        except (OverflowError, TypeError, ValueError) as e:
+            raise RequestError(f"sampling settings out of range: {e}") from None
         if not sampling.greedy and sampling.mode != self.method:
             raise RequestError(f"this engine samples with the {self.method!r} acceptance rule; the request asks "
                                f"for {sampling.mode!r}")
@@ -1290,16 +1297,19 @@ class Engine:
                 for r in list(self.queue) + list(self.requests.values()):
                     r.cancel_requested = True
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():  # still busy: cancel what is left and wait for the round to end
+        thread = self._thread  # stop may run on two threads at once (a signal's drain, the app's shutdown)
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():  # still busy: cancel what is left and wait for the round to end
                 with self._wake:
                     for r in list(self.queue) + list(self.requests.values()):
                         r.cancel_requested = True
-                self._thread.join(timeout)
-            self._thread = None
+                    self._wake.notify_all()
+                thread.join(timeout)
         with self._wake:
-            self._stopping = False  # stopped: the engine may be started (or stepped) again
+            if self._thread is thread and (thread is None or not thread.is_alive()):
+                self._thread = None
+                self._stopping = False  # stopped: the engine may be started (or stepped) again
 
 
 def attach_cost_metrics(engine: Engine) -> int:

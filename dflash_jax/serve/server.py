@@ -17,7 +17,9 @@ taking requests, lets in-flight ones finish for `grace_s`, then cancels what is 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import json
 import secrets
 import time
@@ -26,10 +28,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_jax.serve.engine import Engine, QueueFull, Request, RequestError, RoundInfo
 from dflash_jax.serve.metrics import Metrics
 from dflash_jax.spec.sampling import SamplingParams
+
+
+logger = logging.getLogger("dflash_jax.serve")
+ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed this request (its error message): 500, or an error event in a stream."""
 
 
 class BadRequest(Exception):
@@ -47,35 +58,77 @@ def _error(e: BadRequest) -> JSONResponse:
 
 
 PLAIN_TEMPLATE = "plain"
+INT32_MAX = 2**31 - 1
+# the roles a chat message may have (OpenAI's; "developer" is the newer name of "system")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# request fields that change what is generated, which this server does not implement: refused (400) unless they
+# hold their no-op value, never silently ignored
+UNSUPPORTED = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+               "logit_bias": ({},), "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,), "logprobs": (False, 0),
+               "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+               "tool_choice": ("none",), "response_format": ({"type": "text"},), "guided_json": (),
+               "guided_regex": (), "guided_choice": (), "guided_grammar": ()}
+DEFAULT_MAX_BODY_BYTES = 8_000_000  # `--max-request-mb 8`
+
+
+def check_text(text: str, param: str) -> str:
+    """`text` must be valid Unicode: a lone UTF-16 surrogate (`"\\ud800"` in JSON) has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"`{param}` is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start} (send UTF-8 text)", param) from None
+    return text
 
 
 class Tokens:
-    """Text <-> ids through the checkpoint's tokenizer (`tokenizers.Tokenizer`, or None: ids only)."""
+    """Text <-> ids through the checkpoint's tokenizer (`tokenizers.Tokenizer`, or None: ids only), and its chat
+    template (a `templates.ChatTemplate`: sandboxed, checked when loaded). Encoding and decoding go through the
+    tokenizer's batch calls, which release the GIL: the server runs them on worker threads, so a long text never
+    stalls the event loop."""
 
-    def __init__(self, tokenizer, chat_template: str | None = None):
+    def __init__(self, tokenizer, chat_template: "ChatTemplate | str | None" = None):
+        from dflash_jax.serve.templates import ChatTemplate
+
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        self.chat_template = ChatTemplate(chat_template) if isinstance(chat_template, str) else chat_template
+        self._max_token_bytes: int | None = None
 
-    def encode(self, text: str, param: str) -> list[int]:
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (at least 1): a text of N bytes has >= N / this tokens."""
+        if self._max_token_bytes is None:
+            n = self.tokenizer.get_vocab_size(with_added_tokens=True)
+            pieces = self.tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+            self._max_token_bytes = max([1] + [len(p.encode("utf-8", "replace")) for p in pieces])
+        return self._max_token_bytes
+
+    def encode(self, text: str, param: str, max_tokens: int | None = None) -> list[int]:
         if self.tokenizer is None:
             raise BadRequest(f"this checkpoint has no tokenizer.json: send `{param}` as a list of token ids", param)
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        check_text(text, param)
+        if max_tokens is not None:
+            # far too long to fit: refused before tokenizing (4x the bound leaves room for normalizers that shrink
+            # text), so no request makes the server tokenize megabytes it will refuse anyway
+            size = len(text.encode("utf-8"))
+            if size > 4 * max_tokens * self.max_token_bytes:
+                raise BadRequest(f"`{param}` is {size} bytes, far more than the {max_tokens} tokens this server takes "
+                                 "(shorten the prompt or restart with a larger --max-prompt-len)", param)
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode_batch([list(ids)])[0]
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if self.chat_template is not None:
-            import jinja2  # a checkpoint's HF chat template is a jinja2 template
+            from dflash_jax.serve.templates import TemplateRenderError
 
             try:
-                template = jinja2.Environment().from_string(self.chat_template)
-                return template.render(messages=messages, add_generation_prompt=True)
-            except jinja2.TemplateError as e:
-                raise BadRequest(f"the checkpoint's chat template failed on these messages: {e}", "messages") \
-                    from None
+                return check_text(self.chat_template.render(messages), "messages")
+            except TemplateRenderError as e:
+                raise BadRequest(str(e), "messages") from None
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
@@ -100,8 +153,12 @@ class Server:
     """The HTTP layer: parses requests, feeds the engine, streams its tokens back."""
 
     def __init__(self, engine: Engine, tokens: Tokens, *, model_name: str, eos_ids: tuple[int, ...] = (),
-                 grace_s: float = 10.0):
+                 grace_s: float = 10.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
         self.engine, self.tokens, self.model_name = engine, tokens, model_name
+        self.max_body_bytes = max_body_bytes
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-text")
         self.eos_ids = tuple(eos_ids)
         self.grace_s = grace_s
         self.metrics = Metrics()
@@ -115,18 +172,21 @@ class Server:
     # -- request parsing -------------------------------------------------------------------------------
 
     def _settings(self, body: dict, *, default_max_tokens: int) -> dict:
-        if body.get("n", 1) != 1:
+        if body.get("n") is not None and not (type(body["n"]) is int and body["n"] == 1):
             raise BadRequest("only n = 1 is supported: send one request per completion", "n")
-        for name in ("best_of", "logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
-            if body.get(name) not in (None, False, 1 if name == "best_of" else None):
-                raise BadRequest(f"`{name}` is not supported by this server", name)
+        for name, no_ops in UNSUPPORTED.items():
+            value = body.get(name)
+            if value is not None and not any(type(value) is type(v) and value == v for v in no_ops):
+                raise BadRequest(f"`{name}` is not supported by this server (it would change the output, so it is "
+                                 "refused rather than ignored): drop the field", name)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadRequest(f"`max_tokens` must be a positive integer, got {max_tokens!r}", "max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= INT32_MAX:
+            raise BadRequest(f"`max_tokens` must be a positive integer (at most {INT32_MAX}), got {max_tokens!r}",
+                             "max_tokens")
         temperature = _number(body, "temperature", 1.0, float, low=0, high=2)
         top_p = _number(body, "top_p", 1.0, float, low=0, high=1, low_open=True)
-        top_k = _number(body, "top_k", 0, int, low=0)
+        top_k = _number(body, "top_k", 0, int, low=0, high=INT32_MAX)
         # no seed: a fresh one per request (OpenAI's default); a seed makes a sampled request reproducible
         seed = _number(body, "seed", secrets.randbits(63), int, low=-2**63, high=2**63 - 1)
         stop = body.get("stop")
@@ -136,8 +196,10 @@ class Server:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise BadRequest("`stop` must be a string or a list of up to 4 non-empty strings", "stop")
+        for i, x in enumerate(stop):
+            check_text(x, "stop")
         stop_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        if not isinstance(stop_ids, list) or not all(_is_id(t) and 0 <= t <= INT32_MAX for t in stop_ids):
             raise BadRequest("`stop_token_ids` must be a list of token ids", "stop_token_ids")
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
@@ -159,10 +221,13 @@ class Server:
                              "(GET /v1/models)", "model", status=404, kind="not_found_error")
 
     def _prompt_ids(self, prompt) -> list[int]:
+        """The ids of a completions `prompt`: a string, a list of ids, or a list holding one of those. Runs on a
+        worker thread (it may tokenize)."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one level only: deeper nesting is not a prompt
+        limit = self.engine.max_prompt_len
         if isinstance(prompt, str):
-            ids = self.tokens.encode(prompt, "prompt")
-        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            return self._prompt_ids(prompt[0])
+            ids = self.tokens.encode(prompt, "prompt", max_tokens=limit)
         elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -174,21 +239,36 @@ class Server:
         return ids
 
     def _chat_ids(self, messages) -> list[int]:
+        """The ids of a chat's `messages` through the chat template. Runs on a worker thread."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("`messages` must be a non-empty list of {role, content} objects", "messages")
         clean = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}] must be an object with a `role` and a `content`", "messages")
+            if m["role"] not in ROLES:
+                raise BadRequest(f"messages[{i}].role {check_text(m['role'], 'messages')[:64]!r} is not a chat role: "
+                                 f"use one of {', '.join(ROLES)}", "messages")
             content = m.get("content")
             if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                           for p in content):
                     raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
                 content = "".join(p.get("text", "") for p in content)
             if not isinstance(content, str):
                 raise BadRequest(f"messages[{i}].content must be a string", "messages")
-            clean.append({"role": m["role"], "content": content})
-        return self.tokens.encode(self.tokens.chat_prompt(clean), "messages")
+            clean.append({"role": m["role"], "content": check_text(content, "messages")})
+        limit = self.engine.max_prompt_len
+        if self.tokens.tokenizer is not None:  # far too long before the template even runs
+            size = sum(len(m["content"].encode("utf-8")) for m in clean)
+            if size > 4 * limit * self.tokens.max_token_bytes:
+                raise BadRequest(f"`messages` hold {size} bytes of text, far more than the {limit} tokens this server "
+                                 "takes (shorten them or restart with a larger --max-prompt-len)", "messages")
+        return self.tokens.encode(self.tokens.chat_prompt(clean), "messages", max_tokens=limit)
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on a worker thread: tokenizing, templating and decoding never block the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -240,7 +320,7 @@ class Server:
                         return
                     if timed_out:
                         continue
-                ids_now, text, stopped = self._visible(req, s)
+                ids_now, text, stopped = await self._off_loop(self._visible, req, s)
                 if stopped:
                     self.engine.cancel(req, reason="stop")
                 finished = req.done_event.is_set() or stopped
@@ -250,7 +330,7 @@ class Server:
                 if finished:
                     reason = "stop" if stopped else req.finish_reason
                     if reason == "error":
-                        raise RuntimeError(req.error)
+                        raise EngineFailed(req.error)
                 if text.startswith(sent) and (len(text) > len(sent) or reason or self.tokens.tokenizer is None):
                     yield text[len(sent):], reason, req, ids_now[sent_ids:]
                     sent, sent_ids = text, len(ids_now)
@@ -273,14 +353,35 @@ class Server:
             finally:
                 await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.engine.stop(timeout=self.grace_s))
+                self._pool.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="dflash_jax", lifespan=lifespan)
 
         async def body_of(http: HttpRequest) -> dict:
+            """The JSON object of a request body of at most `max_body_bytes` (413 beyond: by its Content-Length before
+            anything is read, or as it streams in); parsed on a worker thread."""
+            limit = self.max_body_bytes
+            too_large = BadRequest(f"the request body is larger than this server's limit of {limit} bytes "
+                                   "(send a shorter prompt, or restart with a larger --max-request-mb)",
+                                   status=413, kind="request_too_large")
+            declared = http.headers.get("content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > limit):
+                raise too_large
+            chunks, size = [], 0
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+            raw = b"".join(chunks)
+            del chunks
             try:
-                body = await http.json()
+                body = await self._off_loop(json.loads, raw)
             except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
                 raise BadRequest("the request body is not valid JSON") from None
+            except RecursionError:
+                raise BadRequest("the request body nests too deeply to be a request (arrays or objects inside "
+                                 "each other thousands of levels deep)") from None
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
             return body
@@ -288,6 +389,26 @@ class Server:
         @app.exception_handler(BadRequest)
         async def bad_request(http, e: BadRequest):
             return _error(e)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(http, e: StarletteHTTPException):  # 404, 405, ..: OpenAI's error shape too
+            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+            detail = e.detail if isinstance(e.detail, str) else str(e.detail)
+            if e.status_code == 404:
+                detail = f"{http.url.path} is not an endpoint of this server ({', '.join(ENDPOINTS)})"
+            elif e.status_code == 405:
+                detail = f"{http.method} is not allowed on {http.url.path}"
+            return JSONResponse(error_body(detail, kind), status_code=e.status_code, headers=e.headers)
+
+        @app.exception_handler(EngineFailed)
+        async def engine_failed(http, e: EngineFailed):
+            return JSONResponse(error_body(f"generation failed: {e}", "server_error"), status_code=500)
+
+        @app.exception_handler(Exception)
+        async def internal_error(http, e: Exception):  # a bug: logged with its traceback, answered in OpenAI's shape
+            logger.exception("internal error on %s %s", http.method, http.url.path)
+            return JSONResponse(error_body(f"internal server error ({type(e).__name__})", "server_error"),
+                                status_code=500)
 
         @app.get("/health")
         async def health():
@@ -312,7 +433,7 @@ class Server:
             if "prompt" not in body:
                 raise BadRequest("`prompt` is required", "prompt")
             s = self._settings(body, default_max_tokens=min(16, self.engine.max_new_tokens))
-            ids = self._prompt_ids(body["prompt"])
+            ids = await self._off_loop(self._prompt_ids, body["prompt"])
             return await self._respond(http, ids, s, chat=False)
 
         @app.post("/v1/chat/completions")
@@ -322,7 +443,7 @@ class Server:
             if "messages" not in body:
                 raise BadRequest("`messages` is required", "messages")
             s = self._settings(body, default_max_tokens=self.engine.max_new_tokens)
-            ids = self._chat_ids(body["messages"])
+            ids = await self._off_loop(self._chat_ids, body["messages"])
             return await self._respond(http, ids, s, chat=True)
 
         return app
@@ -353,7 +474,7 @@ class Server:
                     item = None
             if req is None:  # the client went away
                 return JSONResponse(error_body("the request was cancelled", "cancelled"), status_code=499)
-            token_ids = self._visible(req, s)[0]
+            token_ids = (await self._off_loop(self._visible, req, s))[0]
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
             choice["token_ids"] = token_ids
@@ -383,6 +504,9 @@ class Server:
                         item = await gen.__anext__()
                     except StopAsyncIteration:
                         item = None
+                    except EngineFailed as e:  # the stream ends with an error event, then [DONE] as always
+                        yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
+                        item = None
                 yield "data: [DONE]\n\n"
             finally:
                 await gen.aclose()
@@ -390,8 +514,9 @@ class Server:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def create_app(engine: Engine, tokenizer=None, *, model_name: str = "dflash", chat_template: str | None = None,
-               eos_ids=(), grace_s: float = 10.0) -> FastAPI:
-    """The FastAPI app serving `engine` (the engine thread starts and stops with the app's lifespan)."""
+def create_app(engine: Engine, tokenizer=None, *, model_name: str = "dflash", chat_template=None,
+               eos_ids=(), grace_s: float = 10.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` (the engine thread starts and stops with the app's lifespan).
+    `chat_template`: a `templates.ChatTemplate`, its source text (checked and sandboxed here), or None."""
     return Server(engine, Tokens(tokenizer, chat_template), model_name=model_name, eos_ids=eos_ids,
-                  grace_s=grace_s).app
+                  grace_s=grace_s, max_body_bytes=max_body_bytes).app

@@ -64,8 +64,8 @@ def test_process_serves_and_stops_on_sigterm(tmp_path):
     finally:
         code = stop(proc)
     err = proc.stderr.read()
-    assert code == 0, err
-    assert "ready in" in err and "stopped (SIGTERM)" in err
+    assert code == 128 + 15, err
+    assert "ready in" in err and "stopped (SIGTERM)" in err and "Traceback" not in err
 
 
 def test_default_is_a_fixed_block_4_and_auto_chooses_up_to_the_drafts_block():

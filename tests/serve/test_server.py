@@ -202,3 +202,150 @@ def test_metrics_and_no_compiles(client, server):
     assert "dflash_scheduler_sat_out_total" in text
     # every request of this module sat in the warmed prompt bucket: the server compiled nothing
     assert _metric(text, "dflash_compile_events_total") == 0
+
+
+# -- hostile and malformed requests (issue: no request may stall the server or others) ---------------------------
+
+
+def _post(server, path: str, content: bytes, **headers) -> httpx.Response:
+    return httpx.post(server + path, content=content, headers={"content-type": "application/json", **headers},
+                      timeout=60)
+
+
+def test_malformed_requests_get_400_naming_the_field(client, server):
+    """What used to be plain-text 500s with server tracebacks: each is one 400 in OpenAI's error shape."""
+    surrogate = b'{"model": "tiny", "prompt": "abc \\ud800 def", "max_tokens": 2}'
+    r = _post(server, "/v1/completions", surrogate)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "surrogate" in r.json()["error"]["message"]
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "x\\udfff"}], "max_tokens": 2}'
+    r = _post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    nested = b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}"
+    r = _post(server, "/v1/completions", nested)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    for prompt in ([[[1, 2]]], [["a"]], [[1, [2]]]):  # one level of list around a prompt, no deeper
+        r = _post(server, "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt}).encode())
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", prompt
+    for field, value in [("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": 10}),
+                         ("n", 2), ("n", True), ("logprobs", 2), ("echo", True), ("min_p", 0.1),
+                         ("top_k", 2**31), ("max_tokens", 2**31), ("seed", 2**64), ("stop_token_ids", [2**31]),
+                         ("response_format", {"type": "json_object"})]:
+        r = _post(server, "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPT, field: value}).encode())
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field or field in r.json()["error"]["message"], (field, r.text)
+    # their no-op values are accepted (clients send them by default)
+    out = _post(server, "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+                                                       "presence_penalty": 0, "frequency_penalty": 0.0,
+                                                       "logit_bias": {}, "n": 1, "temperature": 0}).encode())
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] >= 1
+    r = _post(server, "/v1/chat/completions",
+              json.dumps({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}).encode())
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/health", 405)]:
+        r = httpx.request(method, server + path)
+        assert r.status_code == status
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+def test_body_limit_and_health_during_a_maximal_body(server):
+    """A body past the limit is refused with 413 (by its Content-Length, and when it streams in without one);
+    `/health` answers in well under 100 ms while a maximal body is received, parsed and refused."""
+    import dflash_jax.serve.server as srv
+
+    limit = srv.DEFAULT_MAX_BODY_BYTES
+    r = _post(server, "/v1/completions", b"x" * (limit + 1))
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+    def chunks():
+        for _ in range(limit // 2**16 + 2):
+            yield b" " * 2**16
+
+    r = httpx.post(server + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+    text = "def f(x): return x * 2; "
+    body = json.dumps({"model": "tiny", "prompt": text * ((limit - 200) // len(text))}).encode()
+    assert limit - 400 < len(body) <= limit
+    latencies, results = [], []
+    sender = threading.Thread(target=lambda: results.append(_post(server, "/v1/completions", body)))
+    with httpx.Client() as health:
+        health.get(server + "/health")  # the connection is open before the big request starts
+        sender.start()
+        while sender.is_alive():
+            t = time.perf_counter()
+            assert health.get(server + "/health").status_code == 200
+            latencies.append(time.perf_counter() - t)
+            time.sleep(0.005)
+    assert results[0].status_code == 400 and "--max-prompt-len" in results[0].json()["error"]["message"]
+    assert latencies and max(latencies) < 0.1, max(latencies)
+
+
+def test_a_bad_request_never_touches_the_ones_in_flight(client, server):
+    """top_k = 2**31 (once accepted, then an int32 overflow inside the engine that cut every stream) is a 400,
+    and a stream in flight beside it finishes untouched: the same tokens as alone, and [DONE]."""
+    settings = dict(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    alone = client.completions.create(**settings).choices[0].model_extra["token_ids"]
+    ids, done = [], []
+
+    def stream():
+        with httpx.stream("POST", server + "/v1/completions", json={**settings.pop("extra_body", {}), **settings,
+                                                                      "ignore_eos": True, "stream": True},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done.append(True)
+                elif line.startswith("data: "):
+                    ids.extend(json.loads(line[6:])["choices"][0]["token_ids"])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=1.0,
+                                      extra_body={"top_k": 2**31})
+        assert e.value.body["param"] == "top_k"
+    t.join(60)
+    assert done == [True] and ids == alone
+
+
+def test_chat_templates_render_sandboxed(tmp_path, engine):
+    """A checkpoint's chat template never runs code: one that reaches for Python internals is refused at load
+    (even in a branch no request reaches) and leaves no file; a template that raises on some messages is a 400."""
+    from dflash_jax.cli.serve import chat_template
+    from dflash_jax.errors import UsageError
+    from dflash_jax.serve.server import BadRequest, Server, Tokens
+
+    pwned = tmp_path / "PWNED"
+    hostile = [
+        "{{ cycler.__init__.__globals__.os.popen('touch " + str(pwned) + "').read() }}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "{% for m in messages %}{% if m.role == 'never' %}{{ joiner.__init__.__globals__ }}{% endif %}"
+        "{{ m.content }}{% endfor %}",
+        "{% for m in messages %}{{ m|attr('__class__') }}{% endfor %}",
+    ]
+    for i, template in enumerate(hostile):
+        ckpt = tmp_path / f"ckpt{i}"
+        ckpt.mkdir()
+        (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        with pytest.raises(UsageError, match="Python internals"):
+            chat_template(str(ckpt))
+    # built at run time past the static check: the sandbox stops it when it runs
+    sneaky = ("{% set n = '_' ~ '_init_' ~ '_' %}{{ (cycler|attr(n)) }}{% for m in messages %}{{ m.content }}"
+              "{% endfor %}")
+    (tmp_path / "ckpt0" / "tokenizer_config.json").write_text(json.dumps({"chat_template": sneaky}))
+    rendered = chat_template(str(tmp_path / "ckpt0")).render([{"role": "user", "content": "hi"}])
+    assert "function" not in rendered and "hi" in rendered
+    assert not pwned.exists()
+
+    strict = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+              "<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "ckpt1" / "chat_template.jinja").write_text(strict)  # HF's file wins over tokenizer_config.json
+    from dflash_jax.cli.generate import load_tokenizer
+
+    server = Server(engine, Tokens(load_tokenizer(engine.pair), chat_template(str(tmp_path / "ckpt1"))),
+                    model_name="tiny")
+    assert server._chat_ids([{"role": "user", "content": "hi"}])
+    with pytest.raises(BadRequest, match="no tools here") as e:
+        server._chat_ids([{"role": "tool", "content": "{}"}])
+    assert e.value.param == "messages" and e.value.status == 400
