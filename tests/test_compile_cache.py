@@ -9,6 +9,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from dflash_jax import compile_cache
 from dflash_jax.compile_cache import compile_notice
@@ -67,3 +68,126 @@ def test_the_notice_speaks_only_while_a_compile_runs():
     with compile_notice(lambda: said.append(2), after_s=0.0):
         f(x).block_until_ready()  # compiled already: nothing to say
     assert said == [1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# damaged caches: every entry is checked against its header, nothing but a regular file is opened, and an
+# unusable cache path is named with its reason
+# ----------------------------------------------------------------------------------------------------------
+
+_PROGRAMS = """
+import jax, jax.numpy as jnp
+from dflash_jax import compile_cache
+from dflash_jax.compile_cache import CompileCounter
+where = compile_cache.ensure_enabled()
+with CompileCounter() as c:
+    a = jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(5.0))
+    b = jax.jit(lambda x: (x @ x.T).sum(0))(jnp.ones((3, 4), jnp.int32))
+    print(float(a.sum()), b.tolist(), type(compile_cache._jax_store()).__name__, c.compiles, c.cache_hits)
+"""
+
+
+def _run_programs(cache):
+    env = dict(os.environ, DFLASH_JAX_CACHE_DIR=str(cache), JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", _PROGRAMS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    *values, store, compiles, hits = out.stdout.split()
+    return " ".join(values), store, int(compiles), int(hits), out.stderr.strip().splitlines()
+
+
+def test_damaged_entries_are_misses_with_a_note_and_a_fifo_never_hangs(tmp_path):
+    """Entries whose contents were swapped between names (JAX's own store then runs another program's
+    executable and fails deep inside jax), a truncated entry and a FIFO in place of an entry: the run
+    recompiles them with one note per kind naming the cache, and the next run is warm again."""
+    cache = tmp_path / "cache"
+    values, store, compiles, hits = _run_programs(cache)[:4]
+    assert store == "GuardedCache" and hits == 0 and compiles >= 3
+    entries = sorted(p for p in cache.iterdir() if p.name.endswith(compile_cache.ENTRY_SUFFIX))
+    assert len(entries) == compiles and not [p for p in cache.iterdir() if p not in entries]
+    data = [p.read_bytes() for p in entries]
+    for p, d in zip(entries, data[1:] + data[:1]):  # every entry now holds its neighbour's program
+        p.write_bytes(d)
+    again, _, _, hits, notes = _run_programs(cache)
+    assert again == values and hits == 0
+    assert len(notes) == 1 and "moved, copied or swapped" in notes[0] and str(cache) in notes[0], notes
+    entries[0].write_bytes(entries[0].read_bytes()[:-7])
+    entries[1].unlink()
+    os.mkfifo(entries[1])
+    os.mkfifo(cache / ("jit_x-0" + "-cache"))  # a JAX-named file is never read at all
+    again, _, _, hits, notes = _run_programs(cache)  # the others: the recompiled programs replaced them
+    assert again == values and hits == compiles - 2
+    assert len(notes) == 2, notes
+    assert any("truncated" in n and str(cache) in n for n in notes)
+    assert any("is a FIFO (named pipe), not a file" in n and f"rm {entries[1]}" in n for n in notes)
+    assert os.path.exists(entries[1]) and not os.path.isfile(entries[1])  # left for the user, not replaced
+
+
+def test_entries_are_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compile_cache, "_noted", set())
+    path = str(tmp_path / ("k-1" + compile_cache.ENTRY_SUFFIX))
+    assert compile_cache.write_entry(path, "k-1", b"payload" * 100)
+    assert compile_cache.read_entry(path, "k-1") == b"payload" * 100
+    assert compile_cache.read_entry(path, "k-2") is None  # another key's entry
+    assert compile_cache.read_entry(str(tmp_path / "absent"), "k-1") is None
+    assert "another program's entry" in capsys.readouterr().err
+
+    def killed(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compile_cache.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compile_cache.write_entry(str(tmp_path / "k-3"), "k-3", b"x" * 10)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temporary file, no half entry
+    monkeypatch.undo()
+    stale = tmp_path / ".dflash-tmp-old"
+    stale.write_bytes(b"half")
+    os.utime(stale, (1, 1))
+    compile_cache._remove_stale_temporaries(str(tmp_path))
+    assert not stale.exists() and os.path.exists(path)
+
+
+@pytest.mark.parametrize("kind", ["file", "under_a_file", "fifo", "read_only"])
+def test_an_unusable_cache_path_is_named_with_its_reason(tmp_path, monkeypatch, capsys, kind):
+    monkeypatch.setattr(compile_cache, "_state", {"resolved": False, "dir": None, "reason": None})
+    monkeypatch.setattr(compile_cache, "_noted", set())
+    before = jax.config.jax_compilation_cache_dir
+    target = tmp_path / "cache"
+    if kind == "file":
+        target.write_text("x")
+        want = f"{target} is a file, not a directory"
+    elif kind == "under_a_file":
+        (tmp_path / "f").write_text("x")
+        target = tmp_path / "f" / "cache"
+        want = "a part of its path is a file"
+    elif kind == "fifo":
+        os.mkfifo(target)
+        want = "is a FIFO (named pipe), not a directory"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        target.mkdir()
+        target.chmod(0o555)
+        want = "is not writable (Permission denied)"
+    monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(target))
+    assert compile_cache.ensure_enabled() is None
+    assert jax.config.jax_compilation_cache_dir == before  # nothing else changed
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0] and "DFLASH_JAX_CACHE_DIR=off" in err[0], err
+    assert want in compile_cache.off_reason()
+    if before is None:
+        compile_cache.print_notice("dflash-generate")()
+        line = capsys.readouterr().err
+        assert want in line and "not set" not in line and "to enable" not in line
+
+
+def test_the_notice_says_why_the_cache_is_off(monkeypatch, capsys):
+    monkeypatch.setattr(compile_cache, "_state", {"resolved": False, "dir": None, "reason": None})
+    monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", "off")
+    assert compile_cache.enable() is None
+    assert compile_cache.off_reason() == "compilation cache off: DFLASH_JAX_CACHE_DIR=off"
+    compile_cache.disable()
+    assert compile_cache.off_reason() == "compilation cache off: turned off for this run"
+    if jax.config.jax_compilation_cache_dir is None:
+        compile_cache.print_notice("dflash-generate")()
+        assert "compilation cache off: turned off for this run" in capsys.readouterr().err
