@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from convert.output import naming_os_errors
 from dflash_jax.checkpoint import CHECKSUM, MANIFEST, chunk_of, describe, file_sha256, quiet_orbax, tensor_to_tree
 from dflash_jax.errors import CheckpointError
 
@@ -132,8 +133,9 @@ def checksum_files(directory: str, *, skip: tuple[str, ...] = (MANIFEST,)) -> di
 
 
 def write_json(path: str, data: Any) -> None:
-    """Writes JSON and fsyncs it (the manifest is the last file written before the rename)."""
-    with open(path, "w") as fh:
+    """Writes JSON and fsyncs it (the manifest is the last file written before the rename). A failed write
+    (a full disk) is an OSError naming the file."""
+    with naming_os_errors(path), open(path, "w") as fh:
         json.dump(data, fh, indent=1)
         fh.flush()
         with contextlib.suppress(OSError):

@@ -3,10 +3,12 @@
 The rules (docs/reliability.md has the full list and the cases tried):
 - `--out` is refused when it is empty, a symbolic link, an input, inside an input, or contains one.
 - An existing `--out` is replaced only with `overwrite=True` and only when it is itself a dflash_jax
-  checkpoint (a directory with a convert-weights `manifest.json`), and never `/`, the home or the current
-  directory or a directory containing them.
+  checkpoint (a directory whose `manifest.json` verifies its own `manifest_sha256`), and never `/`, the home
+  or the current directory or a directory containing them.
 - The output is built in a fresh `tempfile.mkdtemp` directory `.NAME.partial-XXXXXXXX` beside `--out`,
-  holding a marker with this run's pid, host, boot id and process start time; only this run removes it.
+  holding a marker with this run's pid, host, boot id and process start time. The run that made it removes
+  it on any failure, from the moment `mkdtemp` returns (a disk that is full before the marker is written
+  included); no other run removes it while it may be running.
 - An advisory lock (`flock` on `.NAME.lock` beside `--out`) admits one conversion per `--out` at a time;
   the lock file is removed when the run ends.
 - The final step is a rename: `rename(partial, out)` with RENAME_NOREPLACE (a directory that appeared at
@@ -160,17 +162,48 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def is_checkpoint_dir(path: str) -> bool:
-    """A directory holding a convert-weights manifest (the only thing `overwrite` may replace)."""
-    manifest = os.path.join(path, "manifest.json")
-    if os.path.islink(path) or not os.path.isdir(path) or os.path.islink(manifest) or not os.path.isfile(manifest):
-        return False
+def not_a_checkpoint(path: str) -> str | None:
+    """None when `path` is a dflash_jax checkpoint `overwrite` may replace: a real directory whose
+    `manifest.json` (a regular file) carries a `manifest_sha256` that matches its content. Otherwise why it
+    is not one, as a clause ("it has no manifest.json", ...). A manifest without the digest (an older
+    convert-weights, or any JSON that happens to have a checkpoint's keys) is not enough."""
+    from dflash_jax.checkpoint import MANIFEST, MANIFEST_DIGEST, manifest_verifies
+
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return "it is not a directory"
+    if os.path.islink(manifest) or not os.path.isfile(manifest):
+        return f"it has no {MANIFEST}"
     try:
         with open(manifest, "rb") as fh:
             data = json.loads(fh.read(64 * 2**20).decode("utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and {"format_version", "converter_version", "tensors"} <= set(data)
+    except (OSError, ValueError, RecursionError):
+        return f"its {MANIFEST} is not readable JSON"
+    verified = manifest_verifies(data)
+    if verified is None:
+        return (f"its {MANIFEST} has no {MANIFEST_DIGEST} (not written by convert-weights, or by a version before "
+                "manifests carried one)")
+    if not verified:
+        return f"its {MANIFEST} does not match its {MANIFEST_DIGEST} (edited or damaged)"
+    return None
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """A directory holding a convert-weights manifest that verifies its own digest (the only thing
+    `overwrite` may replace)."""
+    return not_a_checkpoint(path) is None
+
+
+@contextlib.contextmanager
+def naming_os_errors(path: str):
+    """Gives an OSError raised without a file name (a write or close on a full disk) the name `path`, so the
+    one-line error says which file could not be written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror or os.strerror(e.errno), path) from None
+        raise
 
 
 def check_input_dir(flag: str, path: str | os.PathLike) -> str:
@@ -279,9 +312,11 @@ class StagedOutput:
         for what, real in _protected_dirs():
             if _inside(real, self.out):
                 raise UsageError(f"--overwrite will not replace {self.out}: it is (or contains) {what}")
-        if not is_checkpoint_dir(self.out):
-            raise UsageError(f"--overwrite replaces only a dflash_jax checkpoint (a directory with a convert-weights "
-                             f"manifest.json); {self.out} is not one: remove it yourself or choose another --out")
+        why = not_a_checkpoint(self.out)
+        if why is not None:
+            raise UsageError(f"--overwrite replaces only a dflash_jax checkpoint (a directory whose convert-weights "
+                             f"manifest.json verifies its own digest); {self.out} is not one ({why}): remove it "
+                             "yourself or choose another --out")
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> "StagedOutput":
@@ -291,16 +326,29 @@ class StagedOutput:
                 self._lock()
                 self._recover()
                 self._check_existing(self.out)
+                # from here on self.path is ours: any failure below (ENOSPC while writing the marker, a
+                # signal) removes it, by the name mkdtemp returned, not by its marker
                 self.path = tempfile.mkdtemp(prefix=f".{self.name}.partial-", dir=self.parent)
                 umask = os.umask(0o022)
                 os.umask(umask)
                 os.chmod(self.path, 0o777 & ~umask)  # mkdtemp's 0700 would make the output private
-                with open(os.path.join(self.path, MARKER), "w") as fh:
-                    json.dump(run_identity(), fh)
+                self._write_marker()
         except BaseException:
-            self._release()
+            self.guard.raised = True  # the cleanup below is never interrupted by a signal
+            try:
+                if self.path is not None:
+                    self._remove(self.path)
+                    self.path = None
+            finally:
+                self._release()
             raise
         return self
+
+    def _write_marker(self) -> None:
+        marker = os.path.join(self.path, MARKER)
+        with naming_os_errors(marker), open(marker, "w") as fh:
+            json.dump(run_identity(), fh)
+            fh.flush()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.guard.raised = True  # from here on signals are recorded, never raised

@@ -24,18 +24,17 @@ from convert import draft as draft_table
 from convert.cli import DTYPES, EXPERT_FORMATS
 from convert.checkpoint import ChunkWriter, checksum_files, write_json
 from convert.loader import dtype_rule, source_precision, table_for
-from convert.output import MARKER, StagedOutput, check_input_dir
+from convert.output import MARKER, StagedOutput, check_input_dir, naming_os_errors
 from convert.safetensors_io import HFCheckpoint, trusted_file
 from convert.table import FP4Joiner, assemble, iter_with_progress, joined_keys, table_targets
-from dflash_jax.checkpoint import CHECKSUM, FORMAT_VERSION, MANIFEST, file_sha256, is_expert_table
+from dflash_jax.checkpoint import (CHECKSUM, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, file_sha256, is_expert_table,
+                                   seal_manifest)
 from dflash_jax.config import ConfigError, DraftConfig, GptOssConfig, from_hf_config, load_hf_config_dict
 from dflash_jax.errors import UsageError, open_regular
 from dflash_jax.pair import check_pair
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4_np, quantize_mxfp4_np, quantize_nvfp4_np
 
 CONVERTER_VERSION = "0.2.0"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json", "chat_template.jinja")
 _BLOCK = {"mxfp4": 32, "nvfp4": 16}
 _BF16, _FP32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 # Draft `model_type`s that name the family of the target they were built for: z-lab ships gpt-oss drafts
@@ -178,8 +177,13 @@ def _check_families(target_dir: str, draft_dir: str, target_cfg, draft_cfg) -> N
 
 
 def _copy_regular(src: str, dst: str) -> None:
-    with open_regular(src) as fin, open(dst, "wb") as fout:
-        while block := fin.read(16 * 2**20):
+    """Copies a regular file; a failed read or write (a full disk) is an OSError naming the file."""
+    with open_regular(src) as fin, naming_os_errors(dst), open(dst, "wb") as fout:
+        while True:
+            with naming_os_errors(src):
+                block = fin.read(16 * 2**20)
+            if not block:
+                break
             fout.write(block)
 
 
@@ -270,7 +274,8 @@ def convert(
     target_raw, target_cfg = _read_config(target_dir)
     draft_raw, draft_cfg = _read_config(draft_dir)
     _check_families(target_dir, draft_dir, target_cfg, draft_cfg)
-    check_pair(target_cfg, draft_cfg)
+    check_pair(target_cfg, draft_cfg, fix=f"the --draft {draft_dir} was made for another target than --target "
+               f"{target_dir} (their config.json files disagree): pass the draft trained for this target")
     _check_expert_dims(target_cfg, expert_format)
     target_table = table_for(target_cfg, target_dir)
     target_src, draft_src = HFCheckpoint(target_dir), HFCheckpoint(draft_dir)
@@ -330,6 +335,7 @@ def convert(
             "checksums": checksum_files(tmp, skip=(MANIFEST, MARKER)),
             "seconds": round(time.perf_counter() - t0, 3),
         }
+        manifest = seal_manifest(manifest)  # its own digest: what --overwrite and load recognise it by
         write_json(os.path.join(tmp, MANIFEST), manifest)
         stage.commit()
     return manifest

@@ -7,21 +7,38 @@ Layout of a checkpoint directory:
   target/globals/        orbax checkpoint: embed, final_norm, lm_head (anything not under layers.N)
   target/layers/NNNN/    orbax checkpoint: one decoder layer (expert tables stacked, possibly FP4)
   draft/globals/, draft/layers/NNNN/
-  tokenizer files copied from the target directory, when present
+  tokenizer and template files copied from the target directory, when present (`TOKENIZER_FILES`)
 
-Reading checks, in order: the manifest's structure (every field and type), then every file it lists
-(size always; sha256 unless `verify=False`), then each restored tensor against the manifest's shape,
+The manifest carries `manifest_sha256`, a sha256 over its own canonical JSON without that field
+(`seal_manifest`): a manifest that was edited or damaged after it was written does not verify, and
+`convert-weights --overwrite` replaces only a directory whose manifest verifies. Manifests written before
+the field existed still load (format version 2); they cannot be told from edited ones, so `--overwrite`
+refuses them.
+
+Reading checks, in order: the manifest's digest and structure (every field and type), then every file it
+lists (size always; sha256 unless `verify=False`, except the files beside `target/` and `draft/`, such as
+the tokenizer files, which are always hashed), then each restored tensor against the manifest's shape,
 dtype and format. The manifest's configs are checked against its tensor list by the pair loader.
+
+Side files: the tokenizer and template files (`TOKENIZER_FILES`) are part of the checkpoint: listed in
+`checksums.files` and verified like the weights. One that sits in the directory without being listed (added
+after conversion) is refused at load; `add_side_file` records such a file. Code that reads a side file
+later (a chat template from `tokenizer_config.json`) goes through `verified_side_file`, which checks it
+again at the time of reading. Files written beside a checkpoint after conversion by other tools carry their
+own checks (`branch_head.safetensors`, `tree_calibration.json`: a sha256 and the pair's fingerprint in the
+file) or are records the runtime does not read (`split.json`, `train_summary.json`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
+import tempfile
 from typing import Any, Callable
 
 import jax
@@ -36,6 +53,12 @@ READABLE_VERSIONS = (1, 2)
 CHECKSUM = "sha256"
 TENSOR_FORMATS = ("dense", "mxfp4", "nvfp4")
 REDO = "re-run convert-weights to write it again"
+#: the manifest's own digest: sha256 over its canonical JSON without this field (`manifest_digest`)
+MANIFEST_DIGEST = "manifest_sha256"
+#: tokenizer and chat-template files convert-weights copies from the target directory; in a checkpoint they
+#: are covered by the manifest's checksums like the weights (`verified_side_file`)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json", "chat_template.jinja")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -99,6 +122,58 @@ def _damaged(path: str, what: str) -> CheckpointError:
     return CheckpointError(f"{path}: {what}; the checkpoint is damaged or was edited: {REDO}")
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 (hex) of the manifest's canonical JSON (sorted keys, no spaces) without `MANIFEST_DIGEST`."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def seal_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `manifest` carrying its own digest (`MANIFEST_DIGEST`, last)."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    return {**body, MANIFEST_DIGEST: manifest_digest(body)}
+
+
+def manifest_verifies(manifest: Any) -> bool | None:
+    """True when the manifest carries a digest that matches its content, False when the digest is there
+    and does not match (edited or damaged), None when it has none (written before digests existed)."""
+    if not isinstance(manifest, dict) or MANIFEST_DIGEST not in manifest:
+        return None
+    digest = manifest[MANIFEST_DIGEST]
+    return isinstance(digest, str) and digest == manifest_digest(manifest)
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Writes `manifest` sealed (`seal_manifest`) as `directory/manifest.json`, atomically: a temporary file
+    in the directory, fsynced, renamed over the old one (a crash leaves the old manifest or the new one,
+    never half of one, and the temporary file is removed on any error). For tools that change a finished
+    checkpoint's manifest; returns the sealed manifest."""
+    directory = os.fspath(directory)
+    sealed = seal_manifest(manifest)
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(sealed, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make the manifest private
+        os.replace(tmp, os.path.join(directory, MANIFEST))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return sealed
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -154,6 +229,9 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         raise _damaged(path, f"not valid JSON ({e})") from None
     if not isinstance(manifest, dict):
         raise _damaged(path, f"holds a {type(manifest).__name__}, not an object")
+    if manifest_verifies(manifest) is False:
+        raise CheckpointError(f"{path} was edited or damaged after convert-weights wrote it (its {MANIFEST_DIGEST} "
+                              f"does not match its content); restore the original {MANIFEST} or {REDO}")
     version = manifest.get("format_version")
     if version not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: checkpoint format version {version!r} is not one this dflash_jax reads "
@@ -172,6 +250,13 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
             _check_tensor_entry(path, f"tensors.{model}", key, info)
     if version >= 2:
         _check_checksums(path, manifest.get("checksums"))
+    tokenizer_files = manifest.get("tokenizer_files", [])
+    if not isinstance(tokenizer_files, list) or not all(isinstance(n, str) for n in tokenizer_files):
+        raise _damaged(path, "field 'tokenizer_files' must be a list of file names")
+    if version >= 2:
+        unlisted = [n for n in tokenizer_files if n not in manifest["checksums"]["files"]]
+        if unlisted:
+            raise _damaged(path, f"tokenizer file {unlisted[0]} is not in checksums.files")
     return manifest
 
 
@@ -180,9 +265,51 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _is_side_file(rel: str) -> bool:
+    """Files beside the weights (tokenizer, template): not under `target/` or `draft/`."""
+    return rel.split("/", 1)[0] not in ("target", "draft")
+
+
+def _record_hint(directory: str, name: str) -> str:
+    return f"dflash_jax.checkpoint.add_side_file({directory!r}, {name!r})"
+
+
+def _check_file(directory: str, rel: str, entry: dict[str, Any], *, hashed: bool) -> str:
+    """One listed file: present, regular, of the recorded size and (`hashed`) sha256. Returns its path."""
+    path = os.path.join(directory, *rel.split("/"))
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{path} is missing (listed in {MANIFEST}): the checkpoint is incomplete; copy it "
+                              f"again or {REDO}")
+    if hashed:
+        digest, size = file_sha256(path)
+    else:
+        with open_regular(path) as fh:
+            size, digest = os.fstat(fh.fileno()).st_size, None
+    if (size != entry["bytes"] or (digest is not None and digest != entry[CHECKSUM])) and _is_side_file(rel):
+        raise CheckpointError(f"{path} was edited or damaged after convert-weights wrote it (it does not match its "
+                              f"size and {CHECKSUM} in {MANIFEST}); restore the original, or record this version with "
+                              f"{_record_hint(directory, rel)}")
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path} has {size} bytes, {MANIFEST} records {entry['bytes']}: the file is "
+                              f"truncated or was replaced; copy the checkpoint again or {REDO}")
+    if digest is not None and digest != entry[CHECKSUM]:
+        raise CheckpointError(f"{path} does not match its {CHECKSUM} in {MANIFEST}: the file is damaged or was "
+                              f"modified; copy the checkpoint again or {REDO}")
+    return path
+
+
+def _unlisted_side_file(directory: str, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{os.path.join(directory, name)} is not covered by the checksums in {MANIFEST} (it was put there after "
+        f"convert-weights wrote the checkpoint, so nothing vouches for it); remove it, or record it with "
+        f"{_record_hint(directory, name)}, or put it in the --target directory and re-run convert-weights")
+
+
 def verify_files(directory: str, manifest: dict[str, Any], *, checksums: bool = True) -> None:
     """Checks every file the manifest lists: present, regular, of the recorded size and (with `checksums`)
-    of the recorded sha256. Files the manifest does not list are not read."""
+    of the recorded sha256. The files beside `target/` and `draft/` (tokenizer, template) are hashed even
+    without `checksums` (they are small, and read as they are), and a tokenizer or template file
+    (`TOKENIZER_FILES`) that the manifest does not list is refused. Other unlisted files are not read."""
     files = manifest.get("checksums", {}).get("files")
     if files is None:
         if checksums:
@@ -192,21 +319,64 @@ def verify_files(directory: str, manifest: dict[str, Any], *, checksums: bool = 
                 "load it unchecked with verify=False")
         return
     for rel, entry in sorted(files.items()):
-        path = os.path.join(directory, *rel.split("/"))
-        if not os.path.lexists(path):
-            raise CheckpointError(f"{path} is missing (listed in {MANIFEST}): the checkpoint is incomplete; copy it "
-                                  f"again or {REDO}")
-        if checksums:
-            digest, size = file_sha256(path)
-        else:
-            with open_regular(path) as fh:
-                size, digest = os.fstat(fh.fileno()).st_size, None
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, {MANIFEST} records {entry['bytes']}: the file is "
-                                  f"truncated or was replaced; copy the checkpoint again or {REDO}")
-        if digest is not None and digest != entry[CHECKSUM]:
-            raise CheckpointError(f"{path} does not match its {CHECKSUM} in {MANIFEST}: the file is damaged or was "
-                                  f"modified; copy the checkpoint again or {REDO}")
+        _check_file(directory, rel, entry, hashed=checksums or _is_side_file(rel))
+    for name in TOKENIZER_FILES:
+        if name not in files and os.path.lexists(os.path.join(directory, name)):
+            raise _unlisted_side_file(directory, name)
+
+
+def _side_file_name(name: Any) -> str:
+    if (not safe_relpath(name) or "/" in name or name in (MANIFEST, "target", "draft")):
+        raise ValueError(f"{name!r} is not the name of a file beside a checkpoint's weights (a plain file name, "
+                         f"not {MANIFEST}, target or draft)")
+    return name
+
+
+def verified_side_file(directory: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> str | None:
+    """The path of side file `name` (e.g. "tokenizer_config.json") of a checkpoint, checked now against the
+    manifest's checksums (size and sha256), or None when the checkpoint has no such file.
+
+    Raises CheckpointError (one line: the file, the cause, the fix) when the file is listed but missing or
+    different (edited or damaged), or present but not listed (added after conversion). `manifest`: the
+    checkpoint's manifest when the caller has read it (`Pair.manifest`), else it is read and validated here.
+    A version-1 checkpoint has no checksums: its file is returned unchecked (such checkpoints load only with
+    `verify=False`)."""
+    directory = os.fspath(directory)
+    name = _side_file_name(name)
+    if manifest is None:
+        manifest = read_manifest(directory)
+    files = (manifest.get("checksums") or {}).get("files")
+    path = os.path.join(directory, name)
+    if files is None:
+        return path if os.path.lexists(path) else None
+    entry = files.get(name)
+    if entry is None:
+        if os.path.lexists(path):
+            raise _unlisted_side_file(directory, name)
+        return None
+    return _check_file(directory, name, entry, hashed=True)
+
+
+def add_side_file(directory: str | os.PathLike, name: str) -> dict[str, Any]:
+    """Records file `name`, put beside a finished checkpoint's weights by hand (a tokenizer, a chat template
+    in `tokenizer_config.json`, or a new version of one), in the checkpoint's manifest: its size and sha256
+    in `checksums.files` (a tokenizer or template file also in `tokenizer_files`), the manifest resealed and
+    replaced atomically (`write_manifest`). From then on it is verified like the rest. Returns the new
+    manifest."""
+    directory = os.fspath(directory)
+    name = _side_file_name(name)
+    manifest = read_manifest(directory)
+    if manifest.get("checksums") is None:
+        raise CheckpointError(f"{os.path.join(directory, MANIFEST)} has no checksums (format version "
+                              f"{manifest.get('format_version')}); {REDO} with the file in the --target directory")
+    path = os.path.join(directory, name)
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link; a checkpoint holds regular files only: copy the file there")
+    digest, size = file_sha256(path)
+    manifest["checksums"]["files"][name] = {"bytes": size, CHECKSUM: digest}
+    if name in TOKENIZER_FILES and name not in manifest.setdefault("tokenizer_files", []):
+        manifest["tokenizer_files"].append(name)
+    return write_manifest(directory, manifest)
 
 
 # ----------------------------------------------------------------------------------------------------------

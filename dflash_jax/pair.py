@@ -5,27 +5,38 @@ from __future__ import annotations
 from dflash_jax.config import ConfigError, DraftConfig
 
 
-def check_pair(target_cfg, draft_cfg: DraftConfig) -> None:
-    """Raises ConfigError when the draft cannot condition on / read out through this target."""
+#: what a pair mismatch means when the configs come from HuggingFace directories (convert-weights --target /
+#: --draft, `convert.load_hf_pair`): the draft was built for another target
+PAIR_FIX = "the draft was trained for another target: pass the matching --target/--draft pair"
+
+
+def pair_mismatch(target_cfg, draft_cfg: DraftConfig) -> str | None:
+    """Why the draft cannot condition on / read out through this target (one clause), or None."""
     n = target_cfg.num_layers
-    fix = "the draft was trained for another target: pass the matching --target/--draft pair"
     bad = [i for i in draft_cfg.target_layer_ids if not 0 <= i < n]
     if bad:
-        raise ConfigError(f"draft target_layer_ids {list(draft_cfg.target_layer_ids)} name layers {bad} outside "
-                          f"the target's {n} layers; {fix}")
+        return (f"draft target_layer_ids {list(draft_cfg.target_layer_ids)} name layers {bad} outside the target's "
+                f"{n} layers")
     if draft_cfg.num_target_layers is not None and draft_cfg.num_target_layers != n:
-        raise ConfigError(f"the draft expects a target with {draft_cfg.num_target_layers} layers, this target has "
-                          f"{n}; {fix}")
+        return f"the draft expects a target with {draft_cfg.num_target_layers} layers, this target has {n}"
     if draft_cfg.target_hidden_size != target_cfg.hidden_size:
-        raise ConfigError(
-            f"the draft's fc takes {draft_cfg.num_taps} x {draft_cfg.target_hidden_size} features but the target's "
-            f"hidden size is {target_cfg.hidden_size}; {fix}")
+        return (f"the draft's fc takes {draft_cfg.num_taps} x {draft_cfg.target_hidden_size} features but the target's "
+                f"hidden size is {target_cfg.hidden_size}")
     if not 0 <= draft_cfg.mask_token_id < target_cfg.vocab_size:
-        raise ConfigError(f"the draft's mask_token_id {draft_cfg.mask_token_id} is outside the target's embedding "
-                          f"({target_cfg.vocab_size} rows); {fix}")
+        return (f"the draft's mask_token_id {draft_cfg.mask_token_id} is outside the target's embedding "
+                f"({target_cfg.vocab_size} rows)")
     if draft_cfg.vocab_size is not None and draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise ConfigError(f"the draft's vocab_size {draft_cfg.vocab_size} differs from the target's "
-                          f"{target_cfg.vocab_size}; {fix}")
+        return f"the draft's vocab_size {draft_cfg.vocab_size} differs from the target's {target_cfg.vocab_size}"
+    return None
+
+
+def check_pair(target_cfg, draft_cfg: DraftConfig, *, fix: str = PAIR_FIX) -> None:
+    """Raises ConfigError when the draft cannot condition on / read out through this target: the mismatch,
+    then `fix` (by default: the draft was trained for another target; `load` says instead that the
+    checkpoint's manifest was edited, since convert-weights checked the pair before writing it)."""
+    why = pair_mismatch(target_cfg, draft_cfg)
+    if why is not None:
+        raise ConfigError(f"{why}; {fix}")
 
 
 import dataclasses  # noqa: E402
@@ -76,7 +87,18 @@ class Pair:
 
     @property
     def tokenizer_path(self) -> str | None:
-        path = os.path.join(self.directory, "tokenizer.json")
+        """The checkpoint's tokenizer.json, verified against the manifest's checksums now (`side_file`)."""
+        return self.side_file("tokenizer.json")
+
+    def side_file(self, name: str) -> str | None:
+        """The path of a file beside the pair's weights (`tokenizer.json`, `tokenizer_config.json`, ...) or
+        None when there is none. For a pair loaded from a checkpoint the file is checked against the
+        manifest's checksums at this call (`dflash_jax.checkpoint.verified_side_file`: CheckpointError when it
+        was edited, or added after conversion); a pair built from HuggingFace directories has no manifest to
+        check against."""
+        if "format_version" in self.manifest:
+            return ckpt_io.verified_side_file(self.directory, name, self.manifest)
+        path = os.path.join(self.directory, name)
         return path if os.path.exists(path) else None
 
 
@@ -94,7 +116,19 @@ def _declared_shapes(targets: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_tensors_match_config(directory: str, model: str, cfg, declared_targets: dict, stored: dict[str, dict]) -> None:
+def _config_edited(manifest: dict) -> str:
+    """The cause and fix when a manifest's configs disagree with its own tensor list or with each other:
+    convert-weights writes all of them from one source and checks the pair first, so the manifest was
+    changed afterwards."""
+    if ckpt_io.manifest_verifies(manifest):
+        return (f"its {ckpt_io.MANIFEST_DIGEST} verifies, so a tool other than convert-weights rewrote the manifest: "
+                f"{ckpt_io.REDO}")
+    return (f"the config was edited after convert-weights wrote the manifest (convert-weights writes both from the "
+            f"same source): restore the original {ckpt_io.MANIFEST} or {ckpt_io.REDO}")
+
+
+def _check_tensors_match_config(directory: str, model: str, cfg, declared_targets: dict, stored: dict[str, dict],
+                                manifest: dict | None = None) -> None:
     """The manifest's config must describe exactly the stored tensors: an edited config (one layer fewer,
     a smaller vocabulary) would otherwise load and silently drop or misread weights."""
     where = os.path.join(directory, ckpt_io.MANIFEST)
@@ -106,15 +140,14 @@ def _check_tensors_match_config(directory: str, model: str, cfg, declared_target
             parts.append(f"{len(extra)} stored tensors it does not describe (e.g. {', '.join(extra[:3])})")
         if missing:
             parts.append(f"{len(missing)} tensors it needs that are not stored (e.g. {', '.join(missing[:3])})")
-        raise CheckpointError(f"{where}: the {model} config does not match the stored tensors: {'; '.join(parts)}; "
-                              f"the manifest was edited or belongs to another checkpoint: {ckpt_io.REDO}")
+        raise CheckpointError(f"{where}: the {model} config in it does not match the stored tensors: "
+                              f"{'; '.join(parts)}; {_config_edited(manifest or {})}")
     for key, shape in declared.items():
         info = stored[key]
         want = list(shape) if info["format"] == "dense" else [*shape[:-2], shape[-1], shape[-2]]
         if info["shape"] != want:
             raise CheckpointError(f"{where}: {model} tensor {key} is stored with shape {info['shape']}, but the "
-                                  f"{model} config implies {want}; the manifest was edited or belongs to another "
-                                  f"checkpoint: {ckpt_io.REDO}")
+                                  f"{model} config in it implies {want}; {_config_edited(manifest or {})}")
 
 
 def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify: bool = True, mesh=None,
@@ -124,9 +157,11 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     expert_memory: "device" or "pinned_host" - where the target's stacked expert tables are placed (the
     host expert store of offloaded inference reads them from pinned host memory).
     verify: check every file's sha256 against the manifest before reading it (docs/reliability.md has the
-    measured cost per GB). With verify=False only the files' sizes are checked. Either way the manifest's
-    configs must describe exactly the stored tensors, and each restored tensor must have the manifest's
-    shape, dtype and format.
+    measured cost per GB). With verify=False only the weight files' sizes are checked. Either way the
+    manifest must verify its own digest (`manifest_sha256`, when it has one), the tokenizer and template
+    files are hashed and one the manifest does not list is refused (`Pair.side_file` reads them later,
+    checked again), the manifest's configs must describe exactly the stored tensors, and each restored
+    tensor must have the manifest's shape, dtype and format.
     dequantize_experts: "auto", True or False (default: the tables as stored): whether FP4 (MXFP4 / NVFP4)
     expert tables are dequantized once here, to the target's compute dtype, instead of on every call of the
     XLA path ("auto": where no FP4 kernel runs and memory allows, see `dense_experts_wanted`; exact: the same
@@ -145,16 +180,21 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
     directory = os.fspath(directory)
     manifest = ckpt_io.read_manifest(directory)
     ckpt_io.verify_files(directory, manifest, checksums=verify)
-    target_cfg = from_hf_config(manifest["target_config"], source=f"{directory} (target config)")
-    draft_cfg = from_hf_config(manifest["draft_config"], source=f"{directory} (draft config)")
+    where = os.path.join(directory, ckpt_io.MANIFEST)
+    target_cfg = from_hf_config(manifest["target_config"], source=f"{where} (target_config)")
+    draft_cfg = from_hf_config(manifest["draft_config"], source=f"{where} (draft_config)")
     if not isinstance(draft_cfg, DraftConfig):
-        raise CheckpointError(f"{directory}: {ckpt_io.MANIFEST}'s draft_config is not a DFlash draft; {ckpt_io.REDO}")
-    check_pair(target_cfg, draft_cfg)
+        raise CheckpointError(f"{where}: its draft_config is not a DFlash draft config; {_config_edited(manifest)}")
+    why = pair_mismatch(target_cfg, draft_cfg)
+    if why is not None:  # convert-weights refuses such a pair before writing anything
+        raise CheckpointError(f"{where}: its draft_config does not fit its target_config ({why}); "
+                              f"{_config_edited(manifest)}")
     family = family_of(target_cfg)
     tensors = manifest["tensors"]
-    _check_tensors_match_config(directory, "target", target_cfg, family.declare_weights(target_cfg), tensors["target"])
+    _check_tensors_match_config(directory, "target", target_cfg, family.declare_weights(target_cfg), tensors["target"],
+                                manifest)
     _check_tensors_match_config(directory, "draft", draft_cfg, draft_model.declare_weights(draft_cfg),
-                                tensors["draft"])
+                                tensors["draft"], manifest)
     place, shardings = ckpt_io.ExpertPlacement(expert_memory), {"target": None, "draft": None}
     if mesh is not None:
         from dflash_jax.sharding import checkpoint_shardings

@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import dflash_jax  # noqa: E402
 from convert.cli import main  # noqa: E402
+from dflash_jax.checkpoint import manifest_verifies  # noqa: E402
 from convert.pipeline import convert  # noqa: E402
 from dflash_jax.errors import CheckpointError, UsageError  # noqa: E402
 from dflash_jax.config import ConfigError  # noqa: E402
@@ -84,6 +85,7 @@ def test_draft_weights_and_manifest(hf_pair, converted):
     assert m["target_config"] == json.loads((tdir / "config.json").read_text())
     assert m["draft_config"] == json.loads((ddir / "config.json").read_text())
     assert m["converter_version"] and "tokenizer.json" in m["tokenizer_files"]
+    assert "tokenizer.json" in m["checksums"]["files"] and manifest_verifies(m) is True  # covered, sealed
     assert pair.tokenizer_path and os.path.exists(pair.tokenizer_path)
     sha = hashlib.sha256((tdir / "model.safetensors").read_bytes()).hexdigest()
     assert m["sources"]["sha256"]["target/model.safetensors"] == sha

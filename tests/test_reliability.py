@@ -8,6 +8,7 @@ new checkpoint). Fixtures are tiny numpy-written HF pairs (no torch).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -25,7 +26,7 @@ import dflash_jax
 from convert.cli import main as convert_main
 from convert.output import MARKER, SignalGuard, run_identity
 from convert.pipeline import convert
-from dflash_jax.checkpoint import MANIFEST
+from dflash_jax.checkpoint import MANIFEST, MANIFEST_DIGEST, manifest_verifies, seal_manifest
 from dflash_jax.cli.errors import run_cli
 from dflash_jax.config import ConfigError
 from dflash_jax.errors import CheckpointError, Interrupted
@@ -406,6 +407,120 @@ def test_a_full_disk_is_one_line_naming_the_file(work, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["src"]
 
 
+@pytest.mark.slow
+def test_a_disk_full_before_the_marker_is_written_leaves_nothing(work, tmp_path):
+    """Writes past 64 bytes fail (RLIMIT_FSIZE): the run marker itself cannot be written. The run that made
+    the partial directory removes it (it knows it from mkdtemp, not from the marker)."""
+    target, draft = work
+    proc = _start_conversion(tmp_path, target, draft, tmp_path / "out", delay=0, env={"TEST_FSIZE": "64"})
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 1, stderr
+    assert stderr.count("\n") == 1 and "File too large: " in stderr and MARKER in stderr, stderr
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+class _FullFile:
+    """A file on a disk that fills up after `room` more bytes: the write that does not fit raises ENOSPC
+    (without a file name, as Python's buffered writes do)."""
+
+    def __init__(self, fh, room):
+        self.fh, self.room = fh, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.fh.write(data[: self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def _disk_full_for(name, room=16):
+    """An `open` (to shadow the builtin in one module) whose files called `name` hit a full disk."""
+    import builtins
+
+    def fake(path, mode="r", *args, **kwargs):
+        fh = builtins.open(path, mode, *args, **kwargs)
+        return _FullFile(fh, room) if "w" in mode and os.path.basename(os.fspath(path)) == name else fh
+
+    return fake
+
+
+def _inject_disk_full(monkeypatch, point):
+    import orbax.checkpoint as ocp
+
+    import convert.checkpoint as ckpt_writer
+    import convert.output as output
+    import convert.pipeline as pipeline
+
+    if point == "marker":  # the very first write of the run, right after mkdtemp
+        monkeypatch.setattr(output, "open", _disk_full_for(MARKER), raising=False)
+    elif point == "tokenizer":
+        monkeypatch.setattr(pipeline, "open", _disk_full_for("tokenizer.json"), raising=False)
+    elif point == "manifest":  # the last file written
+        monkeypatch.setattr(ckpt_writer, "open", _disk_full_for(MANIFEST), raising=False)
+    elif point == "chunk":  # the target's second layer chunk, after the first was written
+        real_save = ocp.StandardCheckpointer.save
+
+        def save(self, directory, *args, **kwargs):
+            if os.fspath(directory).endswith(os.path.join("target", "layers", "0001")):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(directory))
+            return real_save(self, directory, *args, **kwargs)
+
+        monkeypatch.setattr(ocp.StandardCheckpointer, "save", save)
+    elif point == "commit":  # the final rename (with --overwrite: after the old checkpoint was moved aside)
+        def rename(src, dst):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), src, None, dst)
+
+        monkeypatch.setattr(output, "rename_noreplace", rename)
+
+
+@pytest.mark.parametrize("point", ["marker", "tokenizer", "chunk", "manifest", "commit"])
+def test_a_full_disk_at_any_write_leaves_the_tree_as_it_was(work, converted, tmp_path, capsys, monkeypatch, point):
+    """ENOSPC at each write of a conversion, into a new --out and over a checkpoint with --overwrite: exit 1,
+    one line naming the file, and the directory around the run byte-for-byte as before (no partial
+    directory, no lock file, the old checkpoint intact)."""
+    target, draft = work
+    (target / "tokenizer.json").write_text('{"version": "1.0"}')
+    shutil.copytree(converted, tmp_path / "pair")
+    _inject_disk_full(monkeypatch, point)
+    for out, extra in ((tmp_path / "new", []), (tmp_path / "pair", ["--overwrite"])):
+        before = snapshot(tmp_path)
+        code, stdout, err = cli(capsys, "--target", target, "--draft", draft, "--out", out, *extra)
+        assert_one_line_error(code, err, "No space left on device: ", str(tmp_path), exit_code=1)
+        assert stdout == "" and snapshot(tmp_path) == before, point
+
+
+def test_overwrite_recognises_a_checkpoint_only_by_its_verifying_digest(work, converted, tmp_path, capsys):
+    """A user's directory whose manifest.json happens to have a checkpoint's keys, a checkpoint whose manifest
+    was edited, and one from before manifests carried their digest are all refused, untouched."""
+    target, draft = work
+    argv = ["--target", target, "--draft", draft, "--overwrite", "--out"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / MANIFEST).write_text(json.dumps({"format_version": 2, "converter_version": "1", "tensors": {}}))
+    (mine / "thesis.tex").write_text("years of work")
+    assert_refused(capsys, tmp_path, [*argv, mine], "replaces only a dflash_jax checkpoint",
+                   f"has no {MANIFEST_DIGEST}")
+    edited = tmp_path / "edited"
+    shutil.copytree(converted, edited)
+    _edit_manifest(edited, lambda m: m.update(note="mine now"), digest="keep")
+    assert_refused(capsys, tmp_path, [*argv, edited], f"does not match its {MANIFEST_DIGEST} (edited or damaged)")
+    older = tmp_path / "older"
+    shutil.copytree(converted, older)
+    _edit_manifest(older, lambda m: None, digest="drop")
+    assert_refused(capsys, tmp_path, [*argv, older], f"has no {MANIFEST_DIGEST}")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_a_read_only_parent_is_one_line(work, tmp_path, capsys):
     target, draft = work
@@ -491,10 +606,18 @@ def _largest_data_file(d):
     return max(files, key=lambda p: p.stat().st_size)
 
 
-def _edit_manifest(d, edit):
+def _edit_manifest(d, edit, *, digest="drop"):
+    """Edits the manifest. digest: "drop" removes its digest (a manifest from before digests, edited: the
+    field-by-field checks are what catches it), "keep" leaves it stale (what a hand edit does), "reseal"
+    recomputes it (a tool that rewrote the manifest)."""
     m = json.loads((d / MANIFEST).read_text())
     result = edit(m)
-    (d / MANIFEST).write_text(json.dumps(m if result is None else result))
+    result = m if result is None else result
+    if isinstance(result, dict) and digest == "drop":
+        result.pop(MANIFEST_DIGEST, None)
+    elif isinstance(result, dict) and digest == "reseal":
+        result = seal_manifest(result)
+    (d / MANIFEST).write_text(json.dumps(result))
 
 
 def test_flipped_byte_is_caught_by_the_checksum(ckpt):
@@ -530,7 +653,7 @@ def _smaller_vocab(m):
 
 @pytest.mark.parametrize("edit, error, message", [
     (_drop_last_layer, CheckpointError, "does not match the stored tensors"),
-    (_smaller_vocab, CheckpointError, "is stored with shape [256, 64], but the target config implies [248, 64]"),
+    (_smaller_vocab, CheckpointError, "is stored with shape [256, 64], but the target config in it implies [248, 64]"),
     (lambda m: [], CheckpointError, "holds a list, not an object"),
     (lambda m: {k: v for k, v in m.items() if k != "tensors"}, CheckpointError, "field 'tensors'"),
     (lambda m: m.update(format_version=99), CheckpointError, "format version 99"),
@@ -547,6 +670,135 @@ def test_edited_manifests_are_refused(ckpt, edit, error, message):
         dflash_jax.load(ckpt)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit", [_drop_last_layer, _smaller_vocab,
+                                  lambda m: m["target_config"].update(rms_norm_eps=-1.0),
+                                  lambda m: m["sources"].update(target="elsewhere"),
+                                  lambda m: m.update({MANIFEST_DIGEST: None})],
+                         ids=["one-layer-fewer", "smaller-vocab", "negative-eps", "sources", "digest-null"])
+def test_a_hand_edited_manifest_fails_its_own_digest(ckpt, edit):
+    """Any edit of a manifest that carries its digest is one line naming the cause (edited or damaged),
+    before any of its fields is trusted, with verify=False too."""
+    assert manifest_verifies(json.loads((ckpt / MANIFEST).read_text())) is True
+    _edit_manifest(ckpt, edit, digest="keep")
+    for verify in (True, False):
+        with pytest.raises(CheckpointError) as e:
+            dflash_jax.load(ckpt, verify=verify)
+        text = str(e.value)
+        assert text.startswith(str(ckpt / MANIFEST)) and "was edited or damaged after convert-weights wrote it" in text
+        assert MANIFEST_DIGEST in text and "\n" not in text and "another target" not in text
+
+
+def test_config_errors_at_load_name_the_edit_not_another_target(ckpt):
+    """The pair check at load: convert-weights checked the pair before writing, so configs that disagree
+    mean the manifest was edited (or rewritten by another tool), never "trained for another target"."""
+    def fewer_draft_layers(m):
+        m["draft_config"]["num_target_layers"] = m["target_config"]["num_hidden_layers"] + 3
+
+    _edit_manifest(ckpt, fewer_draft_layers)  # an older manifest (no digest), edited by hand
+    with pytest.raises(CheckpointError) as e:
+        dflash_jax.load(ckpt)
+    text = str(e.value)
+    assert "its draft_config does not fit its target_config (the draft expects a target with 5 layers" in text
+    assert "the config was edited after convert-weights wrote the manifest" in text
+    assert "another target" not in text and "--target/--draft" not in text
+    _edit_manifest(ckpt, lambda m: None, digest="reseal")  # the same manifest, resealed by some tool
+    with pytest.raises(CheckpointError, match="a tool other than convert-weights rewrote the manifest"):
+        dflash_jax.load(ckpt)
+
+
+def test_manifests_without_a_digest_still_load(ckpt):
+    """Checkpoints written before manifests carried their digest load as before (format version 2)."""
+    _edit_manifest(ckpt, lambda m: None)
+    assert MANIFEST_DIGEST not in json.loads((ckpt / MANIFEST).read_text())
+    assert dflash_jax.load(ckpt).expert_format == "mxfp4"
+
+
+def test_shipped_manifests_verify_their_digest_and_cover_the_tokenizer():
+    for name, path in dflash_jax.SHIPPED_PAIRS.items():
+        m = json.loads(open(os.path.join(path, MANIFEST)).read())
+        assert manifest_verifies(m) is True, name
+        assert m["tokenizer_files"] == ["tokenizer.json"] and "tokenizer.json" in m["checksums"]["files"], name
+
+
+TOKENIZER_CONFIG = '{"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}'
+
+
+@pytest.fixture(scope="module")
+def converted_with_tokenizer(hf, tmp_path_factory):
+    """A checkpoint converted from a target directory holding tokenizer and template files."""
+    root = tmp_path_factory.mktemp("tok")
+    shutil.copytree(hf[0], root / "target")
+    (root / "target" / "tokenizer.json").write_text('{"version": "1.0"}')
+    (root / "target" / "tokenizer_config.json").write_text(TOKENIZER_CONFIG)
+    (root / "target" / "chat_template.jinja").write_text("{{ messages }}")
+    convert(str(root / "target"), str(hf[1]), str(root / "pair"), progress=False)
+    return root / "pair"
+
+
+def test_tokenizer_and_template_files_are_covered_and_verified(converted_with_tokenizer, tmp_path):
+    from dflash_jax.checkpoint import verified_side_file
+
+    d = tmp_path / "pair"
+    shutil.copytree(converted_with_tokenizer, d)
+    m = json.loads((d / MANIFEST).read_text())
+    names = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(m["tokenizer_files"]) == names and set(names) <= set(m["checksums"]["files"])
+    pair = dflash_jax.load(d)
+    assert pair.side_file("tokenizer_config.json") == str(d / "tokenizer_config.json")
+    assert pair.tokenizer_path == str(d / "tokenizer.json")
+    assert verified_side_file(d, "special_tokens_map.json") is None  # none shipped: None, no error
+    # an edit of the same size (so only the hash can tell), with verify=False too, and after the load
+    (d / "tokenizer_config.json").write_text(TOKENIZER_CONFIG.replace("content", "CONTENT"))
+    for verify in (True, False):
+        with pytest.raises(CheckpointError) as e:
+            dflash_jax.load(d, verify=verify)
+        text = str(e.value)
+        assert text.startswith(str(d / "tokenizer_config.json")) and "was edited or damaged" in text
+        assert "add_side_file" in text and "\n" not in text
+    with pytest.raises(CheckpointError, match="was edited or damaged"):
+        pair.side_file("tokenizer_config.json")
+    with pytest.raises(CheckpointError, match="was edited or damaged"):
+        verified_side_file(d, "tokenizer_config.json")
+
+
+def test_a_tokenizer_file_added_after_conversion_is_refused_until_recorded(converted, tmp_path, capsys):
+    from convert.output import is_checkpoint_dir
+    from dflash_jax.checkpoint import add_side_file, verified_side_file
+    from dflash_jax.cli.generate import main as generate_main
+
+    d = tmp_path / "pair"
+    shutil.copytree(converted, d)
+    (d / "tokenizer_config.json").write_text(TOKENIZER_CONFIG)
+    with pytest.raises(CheckpointError, match="is not covered by the checksums in manifest.json") as e:
+        dflash_jax.load(d, verify=False)
+    assert str(e.value).startswith(str(d / "tokenizer_config.json")) and "add_side_file" in str(e.value)
+    with pytest.raises(CheckpointError, match="is not covered"):
+        verified_side_file(d, "tokenizer_config.json")
+    code = generate_main(["--checkpoint", str(d), "--prompt-ids", "1,2,3"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "is not covered" in err, err
+    # recorded in the manifest (size, sha256, resealed): loads, and --overwrite still recognises the checkpoint
+    m = add_side_file(d, "tokenizer_config.json")
+    assert m["tokenizer_files"] == ["tokenizer_config.json"] and manifest_verifies(m) is True
+    assert json.loads((d / MANIFEST).read_text()) == m and is_checkpoint_dir(str(d))
+    assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in converted.iterdir()) + [
+        "tokenizer_config.json"]  # no temporary file left beside the manifest
+    assert dflash_jax.load(d, verify=False).side_file("tokenizer_config.json") == str(d / "tokenizer_config.json")
+    for bad in (MANIFEST, "target", "../x", "sub/tokenizer.json"):
+        with pytest.raises(ValueError, match="is not the name of a file beside"):
+            add_side_file(d, bad)
+
+
+def test_convert_names_a_mismatched_pair_and_its_directories(work, tmp_path, capsys):
+    """A genuinely mismatched pair at conversion: the two config.json files disagree, the draft was made for
+    another target; the message names both directories."""
+    target, draft = work
+    edit_config(draft, num_target_layers=7)
+    assert_refused(capsys, tmp_path, ["--target", target, "--draft", draft, "--out", tmp_path / "out"],
+                   "the draft expects a target with 7 layers, this target has 2",
+                   f"the --draft {draft} was made for another target than --target {target}")
 
 
 def test_edited_tensor_entry_and_damaged_chunk_metadata(ckpt):
