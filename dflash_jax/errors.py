@@ -39,9 +39,11 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: str | os.PathLike, error: type[Exception] = CheckpointError, *, what: str = "file"):
+def open_regular(path: str | os.PathLike, error: type[Exception] = CheckpointError, *, what: str = "file",
+                 fix: str | None = None):
     """Opens `path` for binary reading if it is a regular file (following symlinks); anything else (a
-    directory, a FIFO that would block forever, a device) raises `error` naming the path.
+    directory, a FIFO that would block forever, a device) raises `error` naming the path. `fix`: what the
+    message tells the user to do (default: point at the file / replace it with the real file).
 
     The file is opened non-blocking and checked with fstat on the open descriptor, so a FIFO is refused
     without hanging and nothing can be swapped in between the check and the read."""
@@ -49,11 +51,12 @@ def open_regular(path: str | os.PathLike, error: type[Exception] = CheckpointErr
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except IsADirectoryError:
-        raise error(f"{path} is a directory, not a {what}; point at the file (or remove the directory)") from None
+        raise error(f"{path} is a directory, not a {what}; "
+                    f"{fix or 'point at the file (or remove the directory)'}") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise error(f"{path} is {file_kind(mode)}, not a {what}; replace it with the real file")
+            raise error(f"{path} is {file_kind(mode)}, not a {what}; {fix or 'replace it with the real file'}")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")

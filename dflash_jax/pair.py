@@ -380,20 +380,100 @@ def save_branch_head(head: draft_model.BranchHeadWeights, path: str, *, pair=Non
     return path
 
 
-def load_branch_head(path: str, pair=None) -> draft_model.BranchHeadWeights:
-    """A branch head from `save_branch_head`'s file: its sha256 checked and, with `pair`, its fingerprint (a head
-    fitted for another target or draft is refused, with the fix)."""
-    import jax.numpy as jnp
-    from safetensors import safe_open
+_BRANCH_HEAD_TENSORS = ("w_in", "w_out")
+_BRANCH_HEAD_MAX_HEADER = 1 << 20  # the header of a head file is a few hundred bytes
+
+
+def _read_branch_head_file(path: str, hidden: int | None) -> tuple[dict, dict]:
+    """(metadata, {"w_in", "w_out": fp32 arrays}) of a branch-head safetensors file, every header field checked
+    before a tensor byte is read: a regular file (opened non-blocking: a FIFO is refused, never read), a header
+    that fits the file, exactly the tensors w_in [2H, F] and w_out [F, H] as F32 (H: the draft's `hidden` size
+    when given), their bytes inside the data section and not overlapping, string metadata, finite values."""
+    import json
+    import struct
+
+    import numpy as np
+
+    from dflash_jax.errors import open_regular
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"branch head {path} {why}; {_BRANCH_HEAD_FIX}")
 
     try:
-        with safe_open(path, framework="numpy") as fh:
-            meta = fh.metadata() or {}
-            arrays = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as e:  # noqa: BLE001  (a truncated or foreign file: one clear error)
-        raise CheckpointError(f"branch head {path} cannot be read ({e}); {_BRANCH_HEAD_FIX}") from None
-    if meta.get("format") != BRANCH_HEAD_FORMAT or set(arrays) != {"w_in", "w_out"}:
-        raise CheckpointError(f"branch head {path} is not a {BRANCH_HEAD_FORMAT} file; {_BRANCH_HEAD_FIX}")
+        fh = open_regular(path, CheckpointError, what="branch head file (safetensors)",
+                          fix=f"put the real file there, or {_BRANCH_HEAD_FIX}")
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror or e})") from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise bad(f"cannot be read (a {size}-byte file has no safetensors header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, _BRANCH_HEAD_MAX_HEADER):
+            raise bad(f"cannot be read (its header length {n} does not fit the {size}-byte file: truncated or not "
+                      f"a safetensors file)")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise bad("cannot be read (its safetensors header is not JSON)") from None
+        if not isinstance(header, dict):
+            raise bad("cannot be read (its safetensors header is not a JSON object)")
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise bad("cannot be read (its safetensors __metadata__ is not a map of strings)")
+        if meta.get("format") != BRANCH_HEAD_FORMAT or set(header) != set(_BRANCH_HEAD_TENSORS):
+            raise bad(f"is not a {BRANCH_HEAD_FORMAT} file (format {meta.get('format')!r}, tensors "
+                      f"{sorted(header)[:4]}; it needs exactly {list(_BRANCH_HEAD_TENSORS)})")
+        data_len = size - 8 - n
+        spans, shapes = [], {}
+        for name in _BRANCH_HEAD_TENSORS:
+            info = header[name]
+            if not isinstance(info, dict):
+                raise bad(f"cannot be read (tensor {name}'s header entry is not a JSON object)")
+            shape, offsets = info.get("shape"), info.get("data_offsets")
+            if info.get("dtype") != "F32":
+                raise bad(f"stores {name} as {info.get('dtype')!r}; a branch head is F32 (float32)")
+            if (not isinstance(shape, list) or len(shape) != 2
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 1 << 24 for d in shape)):
+                raise bad(f"gives {name} the shape {shape!r}; it must be two sizes [rows, columns]")
+            if (not isinstance(offsets, list) or len(offsets) != 2
+                    or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                    or not 0 <= offsets[0] <= offsets[1] <= data_len
+                    or offsets[1] - offsets[0] != shape[0] * shape[1] * 4):
+                raise bad(f"cannot be read (tensor {name}'s data_offsets {offsets!r} do not hold {shape} float32 "
+                          f"values inside the file's {data_len} data bytes: truncated or edited)")
+            spans.append(tuple(offsets))
+            shapes[name] = tuple(shape)
+        (a0, a1), (b0, b1) = sorted(spans)
+        if a1 > b0:
+            raise bad("cannot be read (its tensors w_in and w_out share bytes: edited)")
+        (h2, f), (f2, h) = shapes["w_in"], shapes["w_out"]
+        if hidden is not None and (h2 != 2 * hidden or h != hidden or f2 != f):
+            raise bad(f"has shapes w_in {list(shapes['w_in'])}, w_out {list(shapes['w_out'])}; the draft's hidden "
+                      f"size {hidden} needs w_in [{2 * hidden}, F], w_out [F, {hidden}]")
+        if h2 != 2 * h or f2 != f:
+            raise bad(f"has shapes w_in {list(shapes['w_in'])}, w_out {list(shapes['w_out'])}, which do not fit "
+                      f"together (w_in [2H, F], w_out [F, H])")
+        data = fh.read(data_len)  # bounded by the file's size, checked against the offsets above
+    if len(data) != data_len:
+        raise bad("cannot be read (the file changed while it was read)")
+    arrays = {}
+    for name, (b, e) in zip(_BRANCH_HEAD_TENSORS, (header[k]["data_offsets"] for k in _BRANCH_HEAD_TENSORS)):
+        arrays[name] = np.frombuffer(data, dtype="<f4", count=(e - b) // 4, offset=b).reshape(shapes[name])
+    return meta, arrays
+
+
+def load_branch_head(path: str, pair=None) -> draft_model.BranchHeadWeights:
+    """A branch head from `save_branch_head`'s file: its header checked field by field before any tensor is
+    read (`_read_branch_head_file`; a FIFO or a device is refused, never read), its sha256 checked and, with
+    `pair`, its shapes against the draft's hidden size and its fingerprint (a head fitted for another target
+    or draft is refused, with the fix). Every failure is a CheckpointError naming the file and the fix."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    hidden = None if pair is None else pair.draft_cfg.hidden_size
+    meta, arrays = _read_branch_head_file(os.fspath(path), hidden)
     stored = meta.get("pair_fingerprint") or None
     if meta.get("sha256") != _branch_head_digest(arrays, stored, meta.get("fitted_on", "")):
         raise CheckpointError(f"branch head {path} fails its sha256 (edited or truncated); {_BRANCH_HEAD_FIX}")
@@ -401,13 +481,9 @@ def load_branch_head(path: str, pair=None) -> draft_model.BranchHeadWeights:
     if fingerprint is not None and stored not in (None, fingerprint):
         raise CheckpointError(f"branch head {path} was fitted for another target/draft (fingerprint "
                               f"{stored[:12]} vs the pair's {fingerprint[:12]}); {_BRANCH_HEAD_FIX}")
-    w_in, w_out = arrays["w_in"], arrays["w_out"]
-    if pair is not None:
-        h = pair.draft_cfg.hidden_size
-        if w_in.shape[0] != 2 * h or w_out.shape != (w_in.shape[1], h):
-            raise CheckpointError(f"branch head {path} has shapes w_in {w_in.shape}, w_out {w_out.shape}; the draft's "
-                                  f"hidden size {h} needs w_in [{2 * h}, F], w_out [F, {h}]; {_BRANCH_HEAD_FIX}")
-    return draft_model.BranchHeadWeights(w_in=jnp.asarray(w_in), w_out=jnp.asarray(w_out))
+    if not all(np.isfinite(a).all() for a in arrays.values()):
+        raise CheckpointError(f"branch head {path} holds NaN or infinite weights (a diverged fit); {_BRANCH_HEAD_FIX}")
+    return draft_model.BranchHeadWeights(w_in=jnp.asarray(arrays["w_in"]), w_out=jnp.asarray(arrays["w_out"]))
 
 
 def with_branch_head(pair: Pair, head: draft_model.BranchHeadWeights | None) -> Pair:

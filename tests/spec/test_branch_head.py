@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 import os
 import shutil
+import struct
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +165,99 @@ def test_load_attaches_the_pairs_head(tmp_path):
         dflash_jax.load(str(copy), verify=False)
     assert dflash_jax.load(str(copy), verify=False, branch_head=False).draft.branch_head is None
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a damaged or foreign head file: one CheckpointError naming the file and the fix, never a hang
+# ----------------------------------------------------------------------------------------------------------
+
+def _split(path) -> tuple[dict, bytes]:
+    blob = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8:8 + n]), blob[8 + n:]
+
+
+def _join(header, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _edit(fn):
+    def damage(header, data):
+        header = json.loads(json.dumps(header))
+        fn(header)
+        return _join(header, data)
+    return damage
+
+
+_DAMAGES = {
+    "empty": (lambda h, d: b"", "no safetensors header"),
+    "header_length_past_the_end": (lambda h, d: struct.pack("<Q", 1 << 40) + b"{}", "does not fit"),
+    "header_not_json": (lambda h, d: struct.pack("<Q", 4) + b"\xff\xfe{[" + d, "not JSON"),
+    "header_a_list": (lambda h, d: _join([1, 2], d), "not a JSON object"),
+    "no_w_out": (_edit(lambda h: h.pop("w_out")), "needs exactly ['w_in', 'w_out']"),
+    "extra_tensor": (_edit(lambda h: h.update(bias=h["w_out"])), "needs exactly"),
+    "wrong_format": (_edit(lambda h: h["__metadata__"].update(format="other/1")), "is not a dflash_jax.branch_head/1"),
+    "metadata_not_strings": (_edit(lambda h: h["__metadata__"].update(sha256=1)), "map of strings"),
+    "entry_not_an_object": (_edit(lambda h: h.update(w_in=[1])), "not a JSON object"),
+    "float16": (_edit(lambda h: h["w_in"].update(dtype="F16")), "F32"),
+    "one_dimensional": (_edit(lambda h: h["w_in"].update(shape=[h["w_in"]["shape"][0]])), "two sizes"),
+    "shape_a_string": (_edit(lambda h: h["w_out"].update(shape="[2, 3]")), "two sizes"),
+    "offsets_past_the_end": (_edit(lambda h: h["w_out"].update(data_offsets=[0, 10 ** 9])), "data_offsets"),
+    "offsets_not_numbers": (_edit(lambda h: h["w_out"].update(data_offsets=["0", "8"])), "data_offsets"),
+    "overlapping": (_edit(lambda h: h["w_out"].update(
+        data_offsets=[h["w_in"]["data_offsets"][0], h["w_in"]["data_offsets"][0] + h["w_out"]["data_offsets"][1]
+                      - h["w_out"]["data_offsets"][0]])), "share bytes"),
+    "truncated": (lambda h, d: _join(h, d[:-8]), "truncated"),
+    "transposed": (_edit(lambda h: h["w_out"].update(shape=h["w_out"]["shape"][::-1])), "hidden size"),
+}
+
+
+def _load_in_thread(path, pair, timeout=60.0):
+    """load_branch_head(path, pair) in a thread: a read that blocks (a FIFO) fails the test instead of hanging it."""
+    out = {}
+
+    def go():
+        try:
+            out["value"] = load_branch_head(str(path), pair)
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"load_branch_head({path}) blocked"
+    return out
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGES))
+def test_a_damaged_head_file_is_one_clear_error(pair, tmp_path, damage):
+    mine = _fingerprinted(pair, "a" * 64)
+    path = save_branch_head(_random_head(pair, 6, 1.0), str(tmp_path), pair=mine)
+    header, data = _split(path)
+    make, want = _DAMAGES[damage]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(make(header, data))
+    with pytest.raises(CheckpointError) as info:
+        load_branch_head(str(bad), mine)
+    message = str(info.value)
+    assert want in message and str(bad) in message and "refit it" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "nan"])
+def test_a_head_path_that_is_no_head_is_refused_without_reading(pair, tmp_path, kind):
+    mine = _fingerprinted(pair, "a" * 64)
+    path = tmp_path / BRANCH_HEAD_FILE
+    if kind == "fifo":
+        os.mkfifo(path)
+        want = "is a FIFO (named pipe), not a branch head file"
+    elif kind == "directory":
+        path.mkdir()
+        want = "is a directory, not a branch head file"
+    else:
+        head = _random_head(pair, 6, 1.0)
+        save_branch_head(head.replace(w_out=head.w_out.at[0, 0].set(jnp.nan)), str(path), pair=mine)
+        want = "NaN or infinite"
+    out = _load_in_thread(path, mine)
+    assert isinstance(out.get("error"), CheckpointError), out
+    assert want in str(out["error"]) and "refit it" in str(out["error"]), out["error"]

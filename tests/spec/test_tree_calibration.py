@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
+import os
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -179,3 +182,92 @@ def test_margin_prefers_the_cheapest_shape_and_survives_pruning():
             assert pruned.shapes[int(choose_shape(pruned, a, e, live))] == shapes[int(choose_shape(prior, a, e, live))]
     with pytest.raises(ValueError, match="margin"):
         AdaptivePolicy(shapes, margin=-0.1)
+
+
+def _edited(change, resign=True):
+    def make(body):
+        change(body)
+        from dflash_jax.spec.tree import _calibration_digest
+
+        if resign and {"format", "features", "weights", "pair_fingerprint", "sha256"} <= set(body):
+            try:
+                body["sha256"] = _calibration_digest(body)  # edits that keep the checksum right
+            except (TypeError, ValueError):
+                pass
+        return json.dumps(body).encode()
+    return make
+
+
+_BAD_CALIBRATIONS = {
+    "no_weights": (_edited(lambda b: b.pop("weights")), "lacks the field 'weights'"),
+    "no_sha256_nor_features": (_edited(lambda b: (b.pop("sha256"), b.pop("features"))), "lacks the fields"),
+    "weights_too_few": (_edited(lambda b: b["weights"].pop()), "not a list of 9 finite numbers"),
+    "weights_a_string": (_edited(lambda b: b.update(weights="0.1")), "not a list of 9"),
+    "weight_nan": (_edited(lambda b: b["weights"].__setitem__(0, float("nan"))), "finite"),
+    "weight_huge": (_edited(lambda b: b["weights"].__setitem__(0, 1e300)), "finite"),
+    "weight_a_bool": (_edited(lambda b: b["weights"].__setitem__(0, True)), "finite numbers"),
+    "weight_null": (_edited(lambda b: b["weights"].__setitem__(0, None)), "finite numbers"),
+    "features_a_string": (_edited(lambda b: b.update(features="1, log q")), "not a list of feature names"),
+    "other_features": (_edited(lambda b: b["features"].__setitem__(0, "bias")), "this version uses"),
+    "fingerprint_a_number": (_edited(lambda b: b.update(pair_fingerprint=7)), "sha256 hex digest"),
+    "fitted_on_a_list": (_edited(lambda b: b.update(fitted_on=[1])), "'fitted_on'"),
+    "sha256_a_number": (_edited(lambda b: b.update(sha256=3), resign=False), "fails its sha256"),
+    "format_missing": (_edited(lambda b: b.pop("format")), "is not a dflash_jax.tree_calibration/1 file"),
+    "a_list": (lambda b: b"[1, 2]", "is not a dflash_jax.tree_calibration/1 file"),
+    "null": (lambda b: b"null", "is not a dflash_jax.tree_calibration/1 file"),
+    "invalid_json": (lambda b: b'{"format": ', "not valid JSON"),
+    "not_utf8": (lambda b: b"\xff\xfe\x00{", "not UTF-8"),
+    "huge": (lambda b: b" " * (1 << 20) + b"{}", "larger than"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_BAD_CALIBRATIONS))
+def test_a_damaged_calibration_file_is_one_clear_error(tmp_path, damage):
+    """Every field of the file is checked (type, length, range) before use: one CheckpointError (a ValueError,
+    printed by the CLIs as one line) naming the file and the fix, never a KeyError or TypeError."""
+    from dflash_jax.errors import CheckpointError
+    from dflash_jax.spec.tree import load_calibration, save_calibration
+
+    body = json.loads(open(save_calibration(TreeCalibration(WEIGHTS), str(tmp_path / "good.json"))).read())
+    make, want = _BAD_CALIBRATIONS[damage]
+    bad = tmp_path / "tree_calibration.json"
+    bad.write_bytes(make(body))
+    with pytest.raises(CheckpointError) as info:
+        load_calibration(str(bad))
+    message = str(info.value)
+    assert want in message and str(bad) in message and "refit it" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_calibration_path_that_is_no_file_is_refused_without_reading(tmp_path, kind):
+    from dflash_jax.errors import CheckpointError
+    from dflash_jax.spec.tree import load_calibration
+
+    path = tmp_path / "tree_calibration.json"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    out = {}
+
+    def go():
+        try:
+            load_calibration(str(path))
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "load_calibration blocked on a FIFO"
+    assert isinstance(out.get("error"), CheckpointError), out
+    want = "is a FIFO (named pipe)" if kind == "fifo" else "is a directory"
+    assert want in str(out["error"]) and "refit it" in str(out["error"])
+
+
+def test_a_rewritten_calibration_file_is_read_again(tmp_path):
+    from dflash_jax.spec.tree import load_calibration, save_calibration
+
+    path = save_calibration(TreeCalibration(WEIGHTS), str(tmp_path / "cal.json"))
+    assert load_calibration(path).weights == WEIGHTS
+    other = tuple(w + 1.0 for w in WEIGHTS)
+    save_calibration(TreeCalibration(other), path)
+    assert load_calibration(path).weights == other
+    assert [p.name for p in tmp_path.iterdir()] == ["cal.json"]  # written through a renamed temporary file
