@@ -292,6 +292,8 @@ def make_portable(pair_dir: str) -> None:
     """Strips what names the machine a pair was converted on, so it can ship: the manifest's source paths
     become the source directories' names (their files' sha256 stay), and orbax's commit_success.txt
     markers (which hold the absolute write path; only object stores need them) are removed."""
+    from dflash_jax.checkpoint import write_manifest
+
     path = os.path.join(pair_dir, "manifest.json")
     with open(path) as fh:
         manifest = json.load(fh)
@@ -299,8 +301,7 @@ def make_portable(pair_dir: str) -> None:
     for key in ("target", "draft"):
         if isinstance(sources.get(key), str):
             sources[key] = os.path.basename(os.path.normpath(sources[key]))
-    with open(path, "w") as fh:
-        json.dump(manifest, fh, indent=1)
+    write_manifest(pair_dir, manifest)  # sealed again: its digest covers the rewritten sources
     for root, _, files in os.walk(pair_dir):
         if "commit_success.txt" in files:
             os.remove(os.path.join(root, "commit_success.txt"))
