@@ -158,22 +158,33 @@ def check_args(args) -> None:
             from None
 
 
-def chat_template(directory: str):
+def chat_template(directory: str, side_file=None):
     """The checkpoint's chat template as a checked, sandboxed `serve.templates.ChatTemplate`, or None when it has none.
 
     HF's places, in HF's order: `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or
-    a list of named templates, of which "default" is used). A template that is not valid Jinja, fails on a plain
-    conversation or reaches for Python internals is refused here, at start, in one line: it is never run."""
+    a list of named templates, of which "default" is used). `side_file(name) -> path | None` finds a file and
+    verifies it against the checkpoint's checksums (`Pair.side_file`: an edited or added template file is refused
+    in one line); without it the directory's files are read as they are. A template that is not valid Jinja,
+    fails on a plain conversation or reaches for Python internals is refused here, at start, in one line: it is
+    never run."""
     from dflash_jax.errors import CheckpointError, open_regular
     from dflash_jax.serve.templates import ChatTemplate, TemplateRefused
 
-    jinja = os.path.join(directory, "chat_template.jinja")
-    config = os.path.join(directory, "tokenizer_config.json")
+    def find(name: str) -> str | None:
+        if side_file is not None:
+            return side_file(name)
+        path = os.path.join(directory, name)
+        return path if os.path.lexists(path) else None
+
     try:
-        if os.path.lexists(jinja):
+        jinja, config = find("chat_template.jinja"), find("tokenizer_config.json")
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    try:
+        if jinja is not None:
             with open_regular(jinja, UsageError, what="chat template file") as f:
                 text, source = f.read().decode("utf-8"), jinja
-        elif os.path.lexists(config):
+        elif config is not None:
             with open_regular(config, UsageError, what="tokenizer config file") as f:
                 data = json.loads(f.read().decode("utf-8"))
             if not isinstance(data, dict):
@@ -187,7 +198,7 @@ def chat_template(directory: str):
         else:
             return None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{jinja if os.path.lexists(jinja) else config} cannot be read as a chat template "
+        raise UsageError(f"{jinja or config} cannot be read as a chat template "
                          f"({type(e).__name__}: {e}); restore it from the checkpoint's source") from None
     except CheckpointError as e:
         raise UsageError(str(e)) from None
@@ -218,7 +229,7 @@ def build_app(args):
     offload = getattr(args, "offload", False)
     pair = (dflash_jax.load(directory, expert_memory="pinned_host", dequantize_experts=False) if offload
             else dflash_jax.load(directory, mesh=mesh))
-    template = chat_template(directory)  # checked (and refused) before the long warm-up
+    template = chat_template(directory, pair.side_file)  # verified, checked (or refused) before the long warm-up
     try:
         widths = (None if args.widths == "fixed" else "auto" if args.widths == "auto"
                   else [int(w) for w in args.widths.split(",")])

@@ -9,9 +9,14 @@ Extensions (accepted in the request body, e.g. the `openai` client's `extra_body
 (token ids that end the generation; the target's eos is one unless `ignore_eos`), `ignore_eos`. Each
 choice also carries `token_ids`: the generated ids (in a stream, the ids new in that chunk).
 
-Bad requests get 400 with an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; a full queue
-429; a client that disconnects (streaming or not) cancels its request and frees its slot. Shutdown stops
-taking requests, lets in-flight ones finish for `grace_s`, then cancels what is left.
+Bad requests get 400 with an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` (so do 404 and
+405; a body over `max_body_bytes` gets 413 before it is read; a full queue 429); a client that disconnects
+(streaming or not) cancels its request and frees its slot. Fields that would change the output and are not
+implemented (`presence_penalty`, `frequency_penalty`, `logit_bias`, `n` > 1, `logprobs`, ...) are refused with a
+400 naming them unless they hold their no-op value, never silently ignored. Every number is range-checked before
+it reaches a traced int32 / float32. JSON parsing, chat templates (sandboxed: `serve.templates`), tokenizing and
+detokenizing run on worker threads with the GIL released, so `/health` answers during any request. Shutdown
+stops taking requests, lets in-flight ones finish for `grace_s`, then cancels what is left.
 """
 
 from __future__ import annotations
@@ -147,6 +152,45 @@ def _number(body: dict, name: str, default, kind, low=None, high=None, low_open=
     if high is not None and value > high:
         raise BadRequest(f"`{name}` must be <= {high}, got {value}", name)
     return kind(value)
+
+
+LARGE_BODY_BYTES = 1_000_000
+
+
+def _malloc_trim() -> None:
+    """Hands the C heap's free pages back to the system (glibc); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _ReturnMemory:
+    """ASGI middleware: after a request whose body was large (its text, parsed JSON and token lists are gone by
+    then), the freed heap is handed back, so the server's memory returns to its baseline (measured over 15 refused 8 MB
+    bodies: +37 MB that stayed without this, back at the baseline with it)."""
+
+    def __init__(self, app, threshold: int):
+        self.app, self.threshold = app, threshold
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        size = 0
+
+        async def counting():
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            return message
+
+        try:
+            await self.app(scope, counting, send)
+        finally:
+            if size >= self.threshold:
+                await asyncio.get_running_loop().run_in_executor(None, _malloc_trim)
 
 
 class Server:
@@ -356,6 +400,7 @@ class Server:
                 self._pool.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="dflash_jax", lifespan=lifespan)
+        app.add_middleware(_ReturnMemory, threshold=LARGE_BODY_BYTES)
 
         async def body_of(http: HttpRequest) -> dict:
             """The JSON object of a request body of at most `max_body_bytes` (413 beyond: by its Content-Length before

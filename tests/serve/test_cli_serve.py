@@ -82,3 +82,35 @@ def test_default_is_a_fixed_block_4_and_auto_chooses_up_to_the_drafts_block():
     assert engine.widths[0] == 1 and engine.widths[-1] == block > 4
     _, engine = build_app(parse(["--no-warmup", "--slots", "1", "--max-prompt-len", "16", "--block-size", "8"]))
     assert engine.widths == (8,)
+
+
+def test_a_checkpoints_hostile_chat_template_is_refused_at_start_and_never_runs(tmp_path, capsys):
+    """The reproduction: the shipped pair with a tokenizer_config.json whose chat template reaches Python's `os`.
+    Recorded in the checksums (as its publisher would ship it), `dflash-serve` refuses it in one line before
+    warming up and the file the template would create never appears; edited after conversion, it fails the
+    checksum at load."""
+    import json
+    import shutil
+
+    from dflash_jax import SHIPPED_PAIR
+    from dflash_jax.checkpoint import add_side_file
+
+    ckpt = tmp_path / "pair"
+    shutil.copytree(SHIPPED_PAIR, ckpt)
+    pwned = tmp_path / "PWNED"
+    template = ("{{ cycler.__init__.__globals__.os.popen('touch " + str(pwned) + "').read() }}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    argv = ["--checkpoint", str(ckpt), "--no-warmup", "--no-compile-cache", "--slots", "1", "--max-prompt-len", "16"]
+    assert main(argv) == 2  # not in the checksums: refused as added after conversion
+    err = capsys.readouterr().err.strip()
+    assert "tokenizer_config.json" in err and "\n" not in err, err
+    add_side_file(str(ckpt), "tokenizer_config.json")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Python internals" in err and "\n" not in err and "compiling" not in err, err
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert main(argv) == 2  # edited after it was recorded: the checksum fails
+    err = capsys.readouterr().err.strip()
+    assert "tokenizer_config.json" in err and "\n" not in err, err
+    assert not pwned.exists()
