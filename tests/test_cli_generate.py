@@ -95,6 +95,9 @@ def test_text_prompt_through_tokenizer(checkpoint, tmp_path, capsys):
     d = tmp_path / "with_tok"
     shutil.copytree(checkpoint, d)
     tok.save(str(d / "tokenizer.json"))
+    from dflash_jax.checkpoint import add_side_file
+
+    add_side_file(d, "tokenizer.json")  # a file put beside the weights by hand is recorded in the manifest
     code, printed, err = _run(capsys, "--checkpoint", d, "--prompt", "def fib(n):", "--max-new-tokens", 8)
     assert code == 0 and "tok/s" in err and "tau" in err
     code, out, _ = _run(capsys, "--checkpoint", d, "--prompt", "def fib(n):", "--max-new-tokens", 8, "--json")
@@ -120,6 +123,30 @@ def test_text_prompt_through_tokenizer(checkpoint, tmp_path, capsys):
         (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
         (["--prompt", "hello"], "no tokenizer.json"),
         (["--prompt-ids", "1,2", "--trace", "--loop", "jit"], "--trace needs --loop python"),
+        # numbers beyond what their traced int32 / float32 can hold: one line before anything loads
+        (["--prompt-ids", "1,2", "--top-k", str(2**31)], "--top-k must be at most 2^31 - 1"),
+        (["--prompt-ids", "1,2", "--top-k", "-1"], "--top-k must be >= 0"),
+        (["--prompt-ids", "1,2", "--temperature", "1e308"], "--temperature must be at most 10000"),
+        (["--prompt-ids", "1,2", "--temperature", "inf"], "--temperature must be >= 0 and finite"),
+        (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature must be >= 0 and finite"),
+        (["--prompt-ids", "1,2", "--top-p", "nan"], "--top-p must be in (0, 1]"),
+        (["--prompt-ids", "1,2", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--prompt-ids", "1,2", "--seed", "-1"], "--seed must be in 0 .. 2^32 - 1"),
+        (["--prompt-ids", "1,2", "--seed", str(2**32)], "--seed must be in 0 .. 2^32 - 1"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", str(2**31)], "--max-new-tokens must be at most 2^31 - 1"),
+        (["--prompt-ids", "1,-2"], "token id -2 is negative"),
+        (["--prompt-ids", "1,2", "--stop-ids", "3,-1"], "token id -1 is negative"),
+        (["--prompt-ids", "1,2", "--tree-budget", str(2**31)], "--tree-budget must be at most 2^31 - 1"),
+        (["--prompt-ids", "1,2", "--tree-budget", "4", "--tree-branch", str(2**40)], "--tree-branch must be at most"),
+        (["--prompt-ids", "1,2", "--block-size", str(2**40)], "block size must be between 1 and the draft's"),
+        (["--prompt-ids", "1,2", "--pflash-keep", "nan"], "--pflash-keep must be a fraction in (0, 1]"),
+        (["--prompt-ids", "1,2", "--offload", "--expert-budget-mb", "inf"], "--expert-budget-mb must be a finite"),
+        (["--prompt-ids", "1,2", "--offload", "--expert-budget-mb", "nan"], "--expert-budget-mb must be a finite"),
+        (["--prompt-ids", "1,2", "--offload", "--expert-budget-mb", "-1"], "--expert-budget-mb must be a finite"),
+        (["--prompt-ids", "1,2", "--offload", "--expert-budget-mb", "1", "--predictor-width", "0"],
+         "--predictor-width must be >= 1"),
+        (["--prompt-ids", "1,2", "--offload", "--expert-budget-mb", "1", "--pin-experts", str(2**40)],
+         "--pin-experts must be at most 2^31 - 1"),
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, capsys, argv, message):
@@ -133,3 +160,20 @@ def test_missing_checkpoint(tmp_path, capsys):
     assert code == 2 and "does not exist" in err
     code, _, err = _run(capsys, "--checkpoint", tmp_path, "--prompt-ids", "1")
     assert code == 2 and "not a dflash_jax checkpoint" in err
+
+
+def test_sampling_params_ranges():
+    """The rules every caller gets (the CLI and the server build SamplingParams): temperature in [0, 1e4],
+    finite; top_p in (0, 1]; top_k an integer in 0 .. 2^31 - 1 (>= the vocabulary: every token kept)."""
+    from dflash_jax.spec.sampling import MAX_TEMPERATURE, MAX_TOP_K, RowSampling, SamplingParams
+
+    assert MAX_TOP_K == 2**31 - 1 and MAX_TEMPERATURE == 1e4
+    edge = SamplingParams(temperature=MAX_TEMPERATURE, top_p=1e-50, top_k=MAX_TOP_K)
+    rows = RowSampling.of(edge)  # every value fits its fp32 / int32 row, none becomes inf
+    assert rows.top_k[0] == MAX_TOP_K and rows.temperature[0] == MAX_TEMPERATURE
+    for bad, says in [(dict(top_k=2**31), "top_k must be at most 2^31 - 1"),
+                      (dict(temperature=1e308), "temperature must be at most"),
+                      (dict(temperature=10**400), "temperature is far beyond"),
+                      (dict(temperature=float("inf")), "temperature must be >= 0 and finite")]:
+        with pytest.raises(ValueError, match=says.replace("^", r"\^")):
+            SamplingParams(**bad)

@@ -17,6 +17,10 @@ The handler also flushes stdout itself, so a write error at the very end (`> /de
 any other instead of as "Exception ignored" at interpreter exit. Only the standard library is imported
 here: the tools import their heavy dependencies inside `body`, so a Ctrl-C during those imports is
 handled too.
+
+`run_interruptibly` runs work that must stop at once on Ctrl-C / SIGTERM (dflash-generate's whole run,
+dflash-serve's loading and warm-up) in a worker thread and ends the process from the main thread: see its
+docstring for why that is the only safe way out of a run with XLA work in flight.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 from dflash_jax.config import ConfigError
 from dflash_jax.errors import CheckpointError, Interrupted, UsageError
 
 EXIT_OK, EXIT_OS_ERROR, EXIT_USAGE, EXIT_BROKEN_PIPE = 0, 1, 2, 128 + 13
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, UsageError)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def one_line(text: str) -> str:
@@ -107,3 +113,119 @@ def run_cli(prog: str, body: Callable[[], int], *, known: tuple[type[BaseExcepti
             _silence_stdout()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# interruptible runs (dflash-generate, dflash-serve's loading and warm-up)
+# ----------------------------------------------------------------------------------------------------------
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_POLL_S = 0.05  # the main thread's wait slice: a signal is acted on within this, whichever thread it hit
+
+
+def exit_interrupted(prog: str, signum: int) -> None:
+    """Writes `PROG: interrupted (SIGNAME)` to stderr and ends the process at once with 128 + signum,
+    without running the interpreter's finalisation (see `run_interruptibly`). Never returns."""
+    line = f"{prog}: interrupted ({_signal_name(signum)})\n".encode("utf-8", "replace")
+    try:
+        os.write(2, line)  # not through sys.stderr: its lock may be held by a thread that is never resumed
+    except OSError:
+        pass
+    os._exit(128 + signum)
+
+
+def exit_on_signals(prog: str) -> None:
+    """From now on, SIGINT / SIGTERM end the process at once as during `run_interruptibly` (one line,
+    128 + signum); signals that are ignored stay ignored. For a CLI process whose work is done and whose
+    output is written, so that a signal during the interpreter's exit (JAX's atexit hooks, the final
+    collection) cannot turn into a traceback or a half-finalised crash. Main thread only; never from a
+    function others call in-process (it changes the process's handlers for good)."""
+    for s in _STOP_SIGNALS:
+        if signal.getsignal(s) != signal.SIG_IGN:
+            signal.signal(s, lambda signum, frame: exit_interrupted(prog, signum))
+
+
+def run_interruptibly(prog: str, fn: Callable[[], T], *, finish: Callable[[T], R] | None = None) -> T | R:
+    """Runs `fn()` so that SIGINT / SIGTERM end the process within a fraction of a second at any moment of
+    it: imports, loading, compiling, a long jitted loop. Returns fn's result (or `finish(result)`); an
+    exception from fn is raised again here (so `run_cli` turns it into one line as usual).
+
+    How: fn runs in a daemon worker thread, with SIGINT and SIGTERM blocked in it (so they are delivered to
+    the main thread, and every thread fn's libraries start inherits the block). The main thread only waits,
+    in short slices, with handlers installed for both signals; a signal makes it write
+    `PROG: interrupted (SIGNAME)` to stderr and call `os._exit(128 + signum)` (130 / 143).
+
+    Why the process ends by `os._exit` and not by raising KeyboardInterrupt and returning: a
+    KeyboardInterrupt raised in the thread that drives JAX lands at an arbitrary bytecode. Inside one of
+    JAX's Python callbacks it is printed as "Exception ignored" and lost (the run goes on and exits 0).
+    While JAX waits for a compile, it abandons the compile, which goes on in XLA's thread pool; the
+    interpreter then finalises, its last garbage collection frees the PjRt client, and the compile thread,
+    finishing, builds its executable on devices the client has destroyed: a segmentation fault (seen in a
+    core dump: `xla::ifrt::SingleDeviceSharding::Create` on a freed device, called from
+    `PjRtLoadedExecutable::Create` on the compile thread, while the main thread is in `~PjRtClient`
+    joining that pool under `Py_FinalizeEx`). With a jitted loop in flight the same finalisation instead
+    waits for the whole loop (tens of seconds). So the interrupted process never finalises: `os._exit`
+    skips the atexit handlers, the C++ destructors and the final collection, and the kernel stops every
+    thread at once, the in-flight computation included.
+
+    That is safe only for work whose writes are atomic or disposable. fn must not write the final output
+    itself: pass `finish`, which runs in the main thread after fn returns, with the two signals held until
+    it returns (so output is written whole; a signal that came meanwhile then ends the process with the
+    same line and code once stdout is flushed). dflash-generate writes nothing else but the compile
+    cache, whose entries are written to a temporary file and renamed into place (a temporary left by
+    `os._exit` is removed by a later run); dflash-serve's loading writes nothing. What fn has printed to
+    stdout but not flushed is dropped (stderr notes are line-buffered and already out).
+
+    Called from a thread other than the main one (signal handlers can only be installed there), or where
+    both signals are ignored (`nohup`, a background job's SIGINT), it runs fn (and finish) in place.
+    A signal that is ignored when this starts (SIG_IGN) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        result = fn()
+        return result if finish is None else finish(result)
+    stops = [s for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN]
+    if not stops:
+        result = fn()
+        return result if finish is None else finish(result)
+    state: dict = {"holding": False, "pending": None}
+
+    def on_signal(signum, frame):
+        if not state["holding"]:
+            exit_interrupted(prog, signum)
+        state["pending"] = state["pending"] or signum
+
+    done = threading.Event()
+    box: dict = {}
+
+    def work():
+        try:
+            if hasattr(signal, "pthread_sigmask"):
+                signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - carried to the main thread, raised there
+            box["error"] = e
+        finally:
+            done.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in stops}
+    try:
+        worker = threading.Thread(target=work, name=f"{prog}-run", daemon=True)
+        worker.start()
+        while not done.wait(_POLL_S):
+            pass
+        worker.join()
+        if "error" in box:
+            raise box.pop("error")
+        result = box.pop("value")
+        if finish is None:
+            return result
+        state["holding"] = True
+        return finish(result)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        if state["pending"] is not None:  # a signal held while `finish` wrote: the output is whole, then exit
+            try:
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+            exit_interrupted(prog, state["pending"])

@@ -25,12 +25,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from typing import Sequence
 
 from dflash_jax import SHIPPED_PAIR, SHIPPED_PAIRS  # noqa: F401  (re-exported for scripts)
-from dflash_jax.cli.errors import run_cli
+from dflash_jax.cli.errors import exit_on_signals, run_cli, run_interruptibly
+
+PROG = "dflash-generate"
+INT32_MAX = 2**31 - 1
 
 
 class UsageError(Exception):
@@ -47,7 +51,55 @@ def _parse_ids(text: str) -> list[int]:
     huge = [i for i in ids if abs(i) >= 2**31]
     if huge:
         raise UsageError(f"token id {huge[0]} is far outside any vocabulary; ids are 0 .. vocab size - 1")
+    negative = [i for i in ids if i < 0]
+    if negative:
+        raise UsageError(f"token id {negative[0]} is negative; ids are 0 .. vocab size - 1")
     return ids
+
+
+def _check_int_flag(flag: str, value: int | None, low: int, high: int = INT32_MAX, what: str = "") -> None:
+    """An integer flag in [low, high] (every count the run traces is an int32), or one line naming it."""
+    if value is None:
+        return
+    if value < low:
+        raise UsageError(f"{flag} must be >= {low}{what}, got {value}")
+    if value > high:
+        bound = "2^31 - 1" if high == INT32_MAX else str(high)
+        raise UsageError(f"{flag} must be at most {bound}{what}, got {value}")
+
+
+def check_numbers(args) -> None:
+    """Every numeric flag in range, before anything loads or traces (the sampling values are checked by
+    `SamplingParams`, in `sampling_params`; ids in `_parse_ids`; the block size against the draft at load)."""
+    _check_int_flag("--max-new-tokens", args.max_new_tokens, 1,
+                    what=" (and the prompt plus it must fit the target's positions)")
+    if not -2**63 <= args.seed < 2**63:
+        raise UsageError(f"--seed must fit in 64 bits (-2^63 .. 2^63 - 1), got {args.seed}")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in 0 .. 2^32 - 1 (the random key holds 32 bits: seeds equal modulo 2^32 "
+                         f"would draw the same tokens), got {args.seed}")
+    _check_int_flag("--tree-budget", args.tree_budget, 1, what=" (nodes per verify)")
+    _check_int_flag("--tree-branch", args.tree_branch, 1)
+    _check_int_flag("--predictor-width", args.predictor_width, 1, what=" (experts per token)")
+    budget = args.expert_budget_mb
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise UsageError(f"--expert-budget-mb must be a finite number of MB > 0, got {budget:g}")
+    if args.pflash_keep is not None and not 0 < args.pflash_keep <= 1:
+        raise UsageError(f"--pflash-keep must be a fraction in (0, 1] (1 keeps every token), got {args.pflash_keep:g}")
+
+
+def sampling_params(args):
+    """`SamplingParams` from the flags; its range errors name the flag (`dflash_jax.spec.sampling`)."""
+    from dflash_jax.spec.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, mode=args.acceptance)
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        for name, flag in (("temperature", "--temperature"), ("top_p", "--top-p"), ("top_k", "--top-k")):
+            if message.startswith(name):
+                message = flag + message[len(name):]
+        raise UsageError(message) from None
 
 
 def load_tokenizer(pair):
@@ -151,16 +203,14 @@ def resolve_pair(checkpoint: str | None, pair: str | None) -> str:
 def run(args) -> dict:
     import dflash_jax
     from dflash_jax import compile_cache
-    from dflash_jax.spec import SamplingParams, generate, generate_stepping
+    from dflash_jax.spec import generate, generate_stepping
 
     directory = resolve_pair(args.checkpoint, getattr(args, "pair", None))
     if args.checkpoint is None and not os.path.exists(os.path.join(directory, "manifest.json")):
         raise UsageError("the shipped pair is missing from this installation; pass --checkpoint DIR "
                          "(a convert-weights output) or reinstall dflash_jax")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not -2**63 <= args.seed < 2**63:
-        raise UsageError(f"--seed must fit in 64 bits (-2^63 .. 2^63 - 1), got {args.seed}")
+    check_numbers(args)
+    sampling = sampling_params(args)
     if args.prompt is not None:
         try:
             args.prompt.encode("utf-8")
@@ -169,7 +219,7 @@ def run(args) -> dict:
     if args.offload:
         from dflash_jax.offload import PREDICTORS
 
-        if args.expert_budget_mb is None or args.expert_budget_mb <= 0:
+        if args.expert_budget_mb is None:
             raise UsageError("--offload needs --expert-budget-mb X (device MB for the expert pool, X > 0)")
         if args.predictor not in PREDICTORS:
             raise UsageError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {args.predictor!r}")
@@ -180,10 +230,6 @@ def run(args) -> dict:
     elif args.expert_budget_mb is not None:
         raise UsageError("--expert-budget-mb only applies with --offload")
     tree = args.tree_budget is not None or args.adaptive
-    if args.tree_budget is not None and args.tree_budget < 1:
-        raise UsageError(f"--tree-budget must be >= 1 (nodes per verify), got {args.tree_budget}")
-    if args.tree_branch < 1:
-        raise UsageError(f"--tree-branch must be >= 1, got {args.tree_branch}")
     if args.no_branch_head and not tree:
         raise UsageError("--no-branch-head only applies to trees: add --tree-budget N or --adaptive")
     if args.head_chain and (tree or args.offload or args.pflash_keep is not None):
@@ -192,8 +238,6 @@ def run(args) -> dict:
     if tree and (args.offload or args.trace or args.loop == "python"):
         raise UsageError("--tree-budget / --adaptive run the jitted loop: drop --offload, --trace and --loop python")
     if args.pflash_keep is not None:
-        if not 0 < args.pflash_keep <= 1:
-            raise UsageError(f"--pflash-keep must be a fraction in (0, 1] (1 keeps every token), got {args.pflash_keep:g}")
         if tree or args.offload or args.mesh is not None or args.trace or args.loop == "python":
             raise UsageError("--pflash-keep runs the jitted loop: drop --tree-budget / --adaptive, --offload, --mesh, "
                              "--trace and --loop python")
@@ -237,7 +281,11 @@ def run(args) -> dict:
         stops = _parse_ids(args.stop_ids)
     else:
         stops = [t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size]
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, mode=args.acceptance)
+    if args.offload and args.predictor_width is not None:
+        experts = _routed_experts(pair.target_cfg)
+        if experts and args.predictor_width > experts:
+            raise UsageError(f"--predictor-width must be in 1 .. {experts} (the target's routed experts per layer), "
+                             f"got {args.predictor_width}")
     if sampling.greedy and sampling.filters:
         print("dflash-generate: note: --top-p / --top-k do nothing at --temperature 0 (greedy decoding)",
               file=sys.stderr)
@@ -313,10 +361,16 @@ def jax_set_mesh(mesh):
 OFFLOAD_TRACE = ("bytes_moved", "hits", "misses", "on_demand", "host", "prefetched", "coverage", "passes")
 
 
+def _routed_experts(cfg) -> int:
+    """The routed experts per MoE layer of a target config (0 when it has none)."""
+    return int(getattr(getattr(cfg, "moe", None), "num_experts", 0) or 0)
+
+
 def _pin_experts(value: str):
     if value in ("auto", "none"):
         return value == "auto"
     if value.isdigit():
+        _check_int_flag("--pin-experts", int(value), 0)
         return int(value)
     raise UsageError(f"--pin-experts must be auto, none or a count N >= 0, got {value!r}")
 
@@ -336,16 +390,28 @@ def _check_budget(directory: str, budget_mb: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI. The run (imports, loading, compiling, generating) goes through `run_interruptibly`: SIGINT /
+    SIGTERM at any moment of it end the process within a fraction of a second with one line and 130 / 143,
+    never a traceback or a crash at exit (its docstring says why the process must end by `os._exit`, and
+    why that is safe here: nothing but the atomic compile-cache entries is written before the output, and
+    the output is written whole by the main thread, signals held)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     # bad block size, token ids, sampling values, bad checkpoints raise ValueError: one line, exit 2
-    return run_cli("dflash-generate", lambda: _run_and_print(args), known=(UsageError, ValueError))
+    code = run_cli(PROG, lambda: run_interruptibly(PROG, lambda: run(args), finish=lambda out: _print(args, out)),
+                   known=(UsageError, ValueError))
+    if argv is None:  # this process is the CLI (the console script, `python -m`): its exit is not interrupted
+        exit_on_signals(PROG)
+    return code
 
 
 def _run_and_print(args) -> int:
-    out = run(args)
+    return _print(args, run(args))
+
+
+def _print(args, out: dict) -> int:
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
         return 0
     s = out["stats"]
     print(out.get("text", " ".join(map(str, out["tokens"]))), flush=True)

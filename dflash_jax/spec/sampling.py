@@ -30,12 +30,20 @@ from flax import struct
 AcceptanceMode = Literal["exact_match", "rejection"]
 MODES = ("exact_match", "rejection")
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+# The ranges `SamplingParams` accepts (each value is traced as an fp32 / int32 row, `RowSampling`):
+# temperature in [0, MAX_TEMPERATURE]: beyond it every token of a realistic model is already about equally
+# likely (logit gaps of 40 change the odds by under 0.5%), and far beyond it fp32 holds only inf.
+MAX_TEMPERATURE = 1e4
+MAX_TOP_K = 2**31 - 1  # int32; a top_k >= the vocabulary keeps every token, like 0
 
 
 def _real(value, name: str) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) beyond any float
+        raise ValueError(f"{name} is far beyond the range it allows, got {value}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +55,17 @@ class SamplingParams:
     mode "rejection": the draft samples each slot from its own (processed) distribution q; proposal d at
     a row is accepted with probability min(1, p(d) / q(d)); the first rejection resamples from
     normalize(max(p - q, 0)) (speculative sampling; exact in distribution).
-    The values are traced (changing them never recompiles); the mode picks the compiled program."""
+    The values are traced (changing them never recompiles); the mode picks the compiled program.
+
+    Ranges (anything else is a ValueError, or a TypeError for a non-number, naming the field):
+      temperature  a real number in [0, MAX_TEMPERATURE = 1e4] (NaN and inf refused); a positive value below
+                   fp32's smallest normal (1.2e-38, down to 5e-324) counts as 1.2e-38 (module doc)
+      top_p        a real number in (0, 1] (NaN refused); one below fp32's smallest subnormal (1.4e-45)
+                   rounds to 0 in fp32, which keeps only the most likely token(s): the p -> 0 limit
+      top_k        an integer (not a bool) in [0, MAX_TOP_K = 2^31 - 1]; 0, or any value >= the
+                   vocabulary size, keeps every token (so no vocabulary is needed to check it)
+      mode         "exact_match" or "rejection".
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -58,6 +76,9 @@ class SamplingParams:
         temperature = _real(self.temperature, "temperature")
         if not temperature >= 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be at most {MAX_TEMPERATURE:g} (already about uniform over the "
+                             f"vocabulary; 0 = greedy), got {self.temperature}")
         top_p = _real(self.top_p, "top_p")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
@@ -65,6 +86,9 @@ class SamplingParams:
             raise TypeError(f"top_k must be an integer (0 = off), got {type(self.top_k).__name__} {self.top_k!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be at most 2^31 - 1 (0 = off; any value >= the vocabulary size keeps every "
+                             f"token too), got {self.top_k}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'exact_match' or 'rejection', got {self.mode!r}")
         object.__setattr__(self, "temperature", temperature)
