@@ -128,7 +128,7 @@ def exit_interrupted(prog: str, signum: int) -> None:
     without running the interpreter's finalisation (see `run_interruptibly`). Never returns."""
     line = f"{prog}: interrupted ({_signal_name(signum)})\n".encode("utf-8", "replace")
     try:
-        os.write(2, line)  # not through sys.stderr: its lock may be held by a thread that is never resumed
+        os.write(2, line)  # not through sys.stderr, whose lock the worker may hold
     except OSError:
         pass
     os._exit(128 + signum)
@@ -176,8 +176,8 @@ def run_interruptibly(prog: str, fn: Callable[[], T], *, finish: Callable[[T], R
     `os._exit` is removed by a later run); dflash-serve's loading writes nothing. What fn has printed to
     stdout but not flushed is dropped (stderr notes are line-buffered and already out).
 
-    Called from a thread other than the main one (signal handlers can only be installed there), or where
-    both signals are ignored (`nohup`, a background job's SIGINT), it runs fn (and finish) in place.
+    Called from a thread other than the main one (only the main thread can install signal handlers), or
+    where both signals are ignored (`nohup`, a background job's SIGINT), it runs fn (and finish) in place.
     A signal that is ignored when this starts (SIG_IGN) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         result = fn()
