@@ -1,7 +1,8 @@
 """dflash_jax: lossless DFlash speculative decoding for Mixture-of-Experts LLMs in JAX."""
 
-from dflash_jax.config import ConfigError, from_hf_config
-from dflash_jax.errors import CheckpointError
+# light on purpose: a console script imports this package before its own code can install signal handlers, so
+# nothing heavy (the config module, jax) is imported here; `from_hf_config` is loaded on first use
+from dflash_jax.errors import CheckpointError, ConfigError
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,10 @@ def load(directory=None, *, expert_memory: str = "device", verify: bool = True, 
 
 
 def __getattr__(name):
+    if name == "from_hf_config":
+        from dflash_jax.config import from_hf_config
+
+        return from_hf_config
     if name == "load_hf_target":  # moved: the runtime never imports the converter
         raise AttributeError("dflash_jax.load_hf_target moved to convert.load_hf_target")
     raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")

@@ -17,8 +17,7 @@ import os
 from typing import Any, Callable, Literal, Mapping
 
 
-class ConfigError(ValueError):
-    """A configuration the library cannot run exactly; the message names the cause and the fix."""
+from dflash_jax.errors import ConfigError  # noqa: E402  (defined with the other error classes; re-exported here)
 
 
 def _check_heads(num_heads: int, num_kv_heads: int) -> None:

@@ -11,6 +11,10 @@ import signal
 import stat
 
 
+class ConfigError(ValueError):
+    """A configuration the library cannot run exactly; the message names the cause and the fix."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or written as asked; the message names the file, the cause and the fix."""
 

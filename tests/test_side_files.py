@@ -30,11 +30,15 @@ def _run(capsys, *argv, timeout=120.0):
     return out.get("code"), capsys.readouterr().err.strip().splitlines()
 
 
-def test_a_fifo_branch_head_fails_in_one_line_without_tree_flags(tmp_path, capsys):
+def test_a_fifo_branch_head_is_never_read_and_fails_in_one_line_when_a_tree_needs_it(tmp_path, capsys):
+    """Without tree flags the branch head is not read at all (the run generates); a tree that needs it gets one
+    line naming the FIFO, never a hang."""
     pair = _copy(tmp_path)
     os.remove(pair / BRANCH_HEAD_FILE)
     os.mkfifo(pair / BRANCH_HEAD_FILE)
     code, err = _run(capsys, "--checkpoint", pair, "--prompt-ids", "1,2,3", "--max-new-tokens", 2)
+    assert code == 0, err
+    code, err = _run(capsys, "--checkpoint", pair, "--prompt-ids", "1,2,3", "--max-new-tokens", 2, "--tree-budget", 4)
     assert code == 2 and len(err) == 1, err
     assert f"{pair / BRANCH_HEAD_FILE} is a FIFO (named pipe)" in err[0] and "refit it" in err[0], err
 

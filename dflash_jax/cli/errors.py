@@ -32,8 +32,7 @@ import sys
 import threading
 from typing import Callable, TypeVar
 
-from dflash_jax.config import ConfigError
-from dflash_jax.errors import CheckpointError, Interrupted, UsageError
+from dflash_jax.errors import CheckpointError, ConfigError, Interrupted, UsageError
 
 EXIT_OK, EXIT_OS_ERROR, EXIT_USAGE, EXIT_BROKEN_PIPE = 0, 1, 2, 128 + 13
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, UsageError)

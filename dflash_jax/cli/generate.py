@@ -264,7 +264,8 @@ def run(args) -> dict:
         raise UsageError("--dequantize-experts yes does not combine with --offload (it moves the FP4 bytes)")
     pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device",
                            dequantize_experts=False if args.offload or (mesh is not None and dequantize == "auto")
-                           else dequantize, mesh=None if args.offload else mesh)  # offload: shards placed below
+                           else dequantize, mesh=None if args.offload else mesh,  # offload: shards placed below
+                           branch_head=(tree and not args.no_branch_head) or args.head_chain)  # read only when used
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
         if tokenizer is None:
