@@ -393,10 +393,18 @@ class StagedOutput:
 
     # ---- pieces -----------------------------------------------------------------------------------------------
     def _remove(self, path: str) -> None:
+        # a writer's helper thread (orbax's lock files after a failed write) may still add or remove a file while
+        # the tree is removed: a file that vanished is not a failure, and a tree that gained one is removed again
         failed: list[str] = []
-        shutil.rmtree(path, onerror=lambda fn, p, info: failed.append(f"{p} ({info[0].__name__})"))
-        if failed and os.path.lexists(path):
-            self.log(f"could not remove {path} completely ({failed[0]}); remove it by hand")
+        for attempt in range(5):
+            failed.clear()
+            shutil.rmtree(path, onerror=lambda fn, p, info: None if issubclass(info[0], FileNotFoundError)
+                          else failed.append(f"{p} ({info[0].__name__})"))
+            if not os.path.lexists(path):
+                return
+            time.sleep(0.05 * (attempt + 1))
+        self.log(f"could not remove {path} completely ({failed[0] if failed else 'it keeps changing'}); "
+                 "remove it by hand")
 
     def _lock(self) -> None:
         path = os.path.join(self.parent, f".{self.name}.lock")

@@ -285,8 +285,9 @@ def build_app(args):
 class _Server:
     """uvicorn's server with dflash-serve's shutdown: the first SIGINT / SIGTERM stops taking requests and gives
     the ones in flight `--grace-seconds` to finish (the engine cancels the rest, whose streams then end with
-    [DONE]); a second signal cancels everything at once. The signal is remembered for the exit code, not
-    re-raised."""
+    [DONE]); a second signal cancels everything at once (the shutdown then runs as usual: the app's lifespan ends,
+    nothing is torn down mid-task); a third stops waiting for open connections. The signal is remembered for the
+    exit code, not re-raised."""
 
     def __init__(self, config, engine, grace_s: float):
         import uvicorn
@@ -308,8 +309,9 @@ class _Server:
 
             def handle_exit(self, sig, frame):
                 outer.signals.append(sig)
-                if self.should_exit:  # the second signal: no more grace
+                if len(outer.signals) >= 3:  # a third: stop waiting for connections (their clients are gone)
                     self.force_exit = True
+                elif self.should_exit:  # the second: no more grace; the streams end now, with [DONE]
                     threading.Thread(target=outer.engine.stop, kwargs=dict(cancel=True, timeout=None),
                                      name="dflash-cancel", daemon=True).start()
                 else:
