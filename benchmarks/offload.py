@@ -7,9 +7,9 @@
   B1  block 1, experts offloaded, on-demand fetch (`offload.OffloadedGenerator`, prefetcher "none")
   B2  block B, offloaded, on-demand fetch only
   B3  block B, offloaded, route-ahead prefetch issued before the verify, for each predictor
-Budgets are fractions of all routed experts' bytes (slots per layer = fraction x E). Every offloaded
+Budgets are fractions of all routed experts' bytes (cache slots = fraction x E x MoE layers). Every offloaded
 output is checked equal to the resident output (`lossless` in each row). Also measured: the per-layer cost
-of the layer-wise verify (a full pool verified layer by layer vs in one program) and the host->device
+of the layer-wise verify (a full cache verified layer by layer vs in one program) and the host->device
 bandwidth of this machine.
 
 Model: `--checkpoint DIR` (a convert-weights pair; held-out prompts when it has split.json, as
@@ -50,25 +50,27 @@ def learned_predictor(pair, args, train_prompts):
 
 
 def verify_overhead(pair, store, prompts, block: int, repeats: int = 30) -> dict:
-    """Best-of-`repeats` wall time of one width-`block` verify on a pool holding every expert: as ONE jitted
-    program (`qwen3.forward` with the pool) vs layer by layer (`offload.forward_layerwise`); the difference
+    """Best-of-`repeats` wall time of one width-`block` verify on a cache holding every expert: as ONE jitted
+    program (`qwen3.forward` with the cache) vs layer by layer (`offload.forward_layerwise`); the difference
     per MoE layer is the layer-wise verify's own cost (dispatch + routing read + host bookkeeping)."""
     import jax
     import jax.numpy as jnp
 
     from dflash_jax.models import qwen3
-    from dflash_jax.offload import ExpertOperands, ExpertPool, forward_layerwise, strip_experts
+    from dflash_jax.offload import ExpertCache, ExpertOperands, forward_layerwise, strip_experts
 
     cfg = pair.target_cfg
-    pool = ExpertPool(store, store.num_experts, pinned={l: np.arange(store.num_experts) for l in store.layer_ids})
+    expert_cache = ExpertCache(store, store.total_bytes,
+                               pinned={l: np.arange(store.num_experts) for l in store.layer_ids})
     stripped = strip_experts(pair.target)
     tokens = jnp.asarray([prompts[0]], jnp.int32)
     cache = qwen3.forward_jit(pair.target, tokens, qwen3.init_cache(cfg, 1, tokens.shape[1] + block), cfg).cache
     blk = tokens[:, :block]
-    pooled = pool.pooled_weights(stripped)
+    pooled = expert_cache.pooled_weights(stripped)
 
     def provide(layer, experts):
-        return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+        return ExpertOperands(expert_cache.operands(layer), expert_cache.slot_table(layer),
+                              expert_cache.resident(layer))
 
     runs = {
         "single": lambda: qwen3.forward_jit(pooled, blk, cache, cfg).logits,

@@ -55,7 +55,7 @@ NVFP4_BLOCK_SIZE = 16
 # ----------------------------------------------------------------------------------
 
 
-def _bitcast(xp: Any, a: Any, dtype: Any) -> Any:
+def bitcast(xp: Any, a: Any, dtype: Any) -> Any:
     """Same-width bit reinterpretation for numpy or jax arrays."""
     if xp is np:
         return np.asarray(a).view(dtype)
@@ -74,8 +74,8 @@ def _f32_bits_to(xp: Any, bits: Any, dtype: Any) -> Any:
     other dtypes go through float32 and an ordinary (round-to-nearest-even) cast.
     """
     if _is_bf16(dtype):
-        return _bitcast(xp, (bits >> 16).astype(xp.uint16), ml_dtypes.bfloat16)
-    f = _bitcast(xp, bits.astype(xp.uint32), xp.float32)
+        return bitcast(xp, (bits >> 16).astype(xp.uint16), ml_dtypes.bfloat16)
+    f = bitcast(xp, bits.astype(xp.uint32), xp.float32)
     if np.dtype(dtype) == np.float32:
         return f
     with np.errstate(over="ignore"):  # e.g. float16: overflow to inf is the intended result
@@ -115,13 +115,13 @@ def _scaled_decode_bits_xp(xp: Any, codes: Any, exp_biased: Any) -> Any:
     return xp.where(s == 255, xp.uint32(0x7FC00000), bits)
 
 
-def _decode_xp(xp: Any, codes: Any, dtype: Any) -> Any:
+def decode_xp(xp: Any, codes: Any, dtype: Any) -> Any:
     """E2M1 codes -> values of ``dtype`` (exactly the E2M1 table)."""
     bits = _scaled_decode_bits_xp(xp, codes, xp.full((), E8M0_BIAS, xp.int32))
     return _f32_bits_to(xp, bits, dtype)
 
 
-def _unpack_xp(xp: Any, packed: Any) -> Any:
+def unpack_xp(xp: Any, packed: Any) -> Any:
     """Bytes ``[..., K//2]`` -> uint8 codes ``[..., K]`` (low nibble first)."""
     if packed.ndim == 0:
         raise ValueError("unpack_fp4: expected an array with at least one axis")
@@ -135,7 +135,7 @@ def _check_uint8(name: str, a: Any) -> None:
         raise TypeError(f"{name} must be uint8; got {a.dtype}")
 
 
-def _expand_prefix(xp: Any, ts: Any, ndim: int, lead: tuple[int, ...], fn: str) -> Any:
+def expand_prefix(xp: Any, ts: Any, ndim: int, lead: tuple[int, ...], fn: str) -> Any:
     """Reshape a scalar / leading-prefix tensor scale so it broadcasts over ``ndim`` dims."""
     if ts.ndim > len(lead) or tuple(ts.shape) != tuple(lead[: ts.ndim]):
         raise ValueError(
@@ -145,7 +145,8 @@ def _expand_prefix(xp: Any, ts: Any, ndim: int, lead: tuple[int, ...], fn: str) 
     return ts.reshape(*ts.shape, *([1] * (ndim - ts.ndim)))
 
 
-def _dequantize_mxfp4_xp(xp: Any, blocks: Any, scales: Any, dtype: Any) -> Any:
+def dequantize_mxfp4_xp(xp: Any, blocks: Any, scales: Any, dtype: Any) -> Any:
+    """``dequantize_mxfp4`` in the array namespace ``xp`` (numpy or jax.numpy)."""
     _check_uint8("MXFP4 blocks", blocks)
     _check_uint8("MXFP4 scales", scales)
     if blocks.ndim < 2 or blocks.shape[-1] != MXFP4_BLOCK_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
@@ -153,16 +154,17 @@ def _dequantize_mxfp4_xp(xp: Any, blocks: Any, scales: Any, dtype: Any) -> Any:
             "MXFP4 expects blocks [..., K//32, 16] and scales [..., K//32]; "
             f"got blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}"
         )
-    codes = _unpack_xp(xp, blocks)  # [..., G, 32]
+    codes = unpack_xp(xp, blocks)  # [..., G, 32]
     bits = _scaled_decode_bits_xp(xp, codes, scales[..., None])
     out = _f32_bits_to(xp, bits, dtype)
     return out.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK_SIZE)
 
 
-def _dequantize_nvfp4_xp(xp: Any, packed: Any, block_scales: Any, tensor_scale: Any, dtype: Any) -> Any:
+def dequantize_nvfp4_xp(xp: Any, packed: Any, block_scales: Any, tensor_scale: Any, dtype: Any) -> Any:
+    """``dequantize_nvfp4`` in the array namespace ``xp`` (numpy or jax.numpy)."""
     _check_uint8("NVFP4 packed", packed)
     if np.dtype(block_scales.dtype) == np.uint8:  # raw bytes, e.g. straight from safetensors
-        block_scales = _bitcast(xp, block_scales, ml_dtypes.float8_e4m3fn)
+        block_scales = bitcast(xp, block_scales, ml_dtypes.float8_e4m3fn)
     if np.dtype(block_scales.dtype) != np.dtype(ml_dtypes.float8_e4m3fn):
         raise TypeError(f"NVFP4 block_scales must be float8_e4m3fn (or its uint8 bytes); got {block_scales.dtype}")
     if (
@@ -175,10 +177,10 @@ def _dequantize_nvfp4_xp(xp: Any, packed: Any, block_scales: Any, tensor_scale: 
             f"got packed {tuple(packed.shape)} and block_scales {tuple(block_scales.shape)}"
         )
     ts = xp.asarray(tensor_scale, xp.float32)
-    tsb = _expand_prefix(xp, ts, block_scales.ndim, tuple(block_scales.shape[:-1]), "dequantize_nvfp4")
+    tsb = expand_prefix(xp, ts, block_scales.ndim, tuple(block_scales.shape[:-1]), "dequantize_nvfp4")
     *lead, g = block_scales.shape
-    codes = _unpack_xp(xp, packed).reshape(*lead, g, NVFP4_BLOCK_SIZE)
-    vals = _decode_xp(xp, codes, np.float32)
+    codes = unpack_xp(xp, packed).reshape(*lead, g, NVFP4_BLOCK_SIZE)
+    vals = decode_xp(xp, codes, np.float32)
     out = (vals * block_scales.astype(xp.float32)[..., None]) * tsb[..., None]
     out = out.reshape(*lead, g * NVFP4_BLOCK_SIZE)
     if np.dtype(dtype) == np.float32:
@@ -194,12 +196,12 @@ def _dequantize_nvfp4_xp(xp: Any, packed: Any, block_scales: Any, tensor_scale: 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _dequantize_mxfp4_jit(blocks: jax.Array, scales: jax.Array, dtype: np.dtype) -> jax.Array:
-    return _dequantize_mxfp4_xp(jnp, blocks, scales, dtype)
+    return dequantize_mxfp4_xp(jnp, blocks, scales, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _dequantize_nvfp4_jit(packed: jax.Array, block_scales: jax.Array, tensor_scale: Any, dtype: np.dtype) -> jax.Array:
-    return _dequantize_nvfp4_xp(jnp, packed, block_scales, tensor_scale, dtype)
+    return dequantize_nvfp4_xp(jnp, packed, block_scales, tensor_scale, dtype)
 
 
 def dequantize_mxfp4(blocks: Any, scales: Any, dtype: Any = jnp.bfloat16) -> jax.Array:

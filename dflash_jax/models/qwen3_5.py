@@ -399,9 +399,9 @@ def _experts_per_slot(h: jax.Array, routing: Routing, gate_up, down) -> jax.Arra
     combine them. The same sum (the unpicked terms are exact zeros) in E * T rows instead of `ragged_dot`'s
     generic lowering (E * k * T rows plus masked table copies): on the CPU, the MoE layer of a width-16 verify
     of the shipped hybrid pair in about half the time. FP4 tables are dequantized after the routing is known
-    (`nn.moe._read_after`), as in `swiglu_experts`. h [N, H] -> [N, H]."""
+    (`nn.moe.read_after`), as in `swiglu_experts`. h [N, H] -> [N, H]."""
     num = ops.weight_dims(gate_up)[0]
-    gate_up, down = moe._read_after(routing.experts, gate_up, down)
+    gate_up, down = moe.read_after(routing.experts, gate_up, down)
     gu_w, down_w = ops.dense_weight(gate_up, h.dtype), ops.dense_weight(down, h.dtype)  # [E, H, 2I], [E, I, H]
     combine = jnp.sum(jnp.where(routing.experts[:, :, None] == jnp.arange(num, dtype=routing.experts.dtype),
                                 routing.weights.astype(jnp.float32)[:, :, None], 0.0), axis=1)  # [N, E]

@@ -69,7 +69,7 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float
     return (u + 1) * (g * jax.nn.sigmoid(alpha * g))
 
 
-def _read_after(token: jax.Array, *tables):
+def read_after(token: jax.Array, *tables):
     """`tables` unchanged, made to depend on `token` (this layer's routing) so that XLA cannot dequantize
     FP4 tables before the layer runs. Without it XLA hoists every layer's dequantization (it depends on
     the weights only) to the start of the program and holds all layers' dense tables at once (measured on
@@ -156,7 +156,7 @@ def _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bia
     x_sorted = jnp.take(x, token_of_row, axis=0)
     group_sizes = jnp.bincount(flat, length=num_slots).astype(jnp.int32)
     if ops.resolve_implementation(implementation, gate_up, x.dtype) == "xla":  # dequantizes whole tables
-        gate_up, down = _read_after(group_sizes, gate_up, down)
+        gate_up, down = read_after(group_sizes, gate_up, down)
     gu = ops.grouped_matmul(x_sorted, gate_up, group_sizes, implementation=implementation)
     if gate_up_bias is not None:
         gu = gu + jnp.take(gate_up_bias, slot_of_row, axis=0).astype(gu.dtype)

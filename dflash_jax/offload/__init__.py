@@ -2,8 +2,8 @@
 
   store.py        HostExpertStore: per-layer stacked expert tables (dense / FP4 parts, biases) in pinned_host memory
   cache.py        ExpertCache: one device expert cache shared by every MoE layer (a slab per expert shape, per-layer
-                  slot tables), eviction across layers, passes when a layer's routed experts do not fit
-  pool.py         ExpertPool: per MoE layer S device slots, slot table, LRFU eviction, pinning (the per-layer form)
+                  slot tables), LRFU eviction across layers, pinning, passes when a layer's routed experts do not fit;
+                  PoolTooSmall
   hybrid.py       HostCompute: the per-expert, per-round cost-model choice to compute a cold expert on the host
   placement.py    pin the hottest experts of a routing profile under the budget, warm the cache slots
   forward.py      forward_layerwise: the verify layer by layer, exact routing read before each expert GEMM
@@ -21,7 +21,7 @@
 Study code (the B0-B3 cost model, offline scoring, round recording) lives in `dflash_jax.study`.
 """
 
-from dflash_jax.offload.cache import ExpertCache, min_budget_bytes
+from dflash_jax.offload.cache import ExpertCache, PoolTooSmall, min_budget_bytes
 from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise
 from dflash_jax.offload.hybrid import HostCompute
 from dflash_jax.offload.loop import (
@@ -31,7 +31,6 @@ from dflash_jax.offload.loop import (
 from dflash_jax.offload.placement import (
     cache_reserve, plan_placement, plan_shared, routing_profile, warm_set, warm_shared,
 )
-from dflash_jax.offload.pool import ExpertPool, PoolTooSmall, slots_for_budget
 from dflash_jax.offload.predictors import (
     PREDICTORS, DraftRouter, LearnedRouter, NextLayerResidual, NoPrediction, PreviousRound, RoundInputs, Union,
     in_verify_part, make_predictor, ranked_union,
@@ -42,11 +41,11 @@ from dflash_jax.offload.stats import (
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 
 __all__ = [
-    "DraftRouter", "ExpertCache", "ExpertOperands", "ExpertPool", "HostCompute", "HostExpertStore", "LayerRoundStats", "LearnedRouter",
-    "NextLayerResidual", "NoPrediction", "NonResidentExpert", "OffloadResult", "OffloadSession", "OffloadedGenerator",
-    "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundObserver", "RoundPrefetch", "RoundStats",
-    "RoundTokens", "RouteAheadStats", "RoutePrefetcher", "TraceObserver", "Union", "cache_reserve",
-    "commit_verify_jit", "forward_layerwise", "generate_offloaded", "in_verify_part", "layer_round_stats",
-    "make_predictor", "min_budget_bytes", "moe_layer_ids", "plan_placement", "plan_shared", "ranked_union", "routing_profile", "slots_for_budget",
-    "strip_experts", "warm_set", "warm_shared",
+    "DraftRouter", "ExpertCache", "ExpertOperands", "HostCompute", "HostExpertStore", "LayerRoundStats",
+    "LearnedRouter", "NextLayerResidual", "NoPrediction", "NonResidentExpert", "OffloadResult", "OffloadSession",
+    "OffloadedGenerator", "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundObserver",
+    "RoundPrefetch", "RoundStats", "RoundTokens", "RouteAheadStats", "RoutePrefetcher", "TraceObserver", "Union",
+    "cache_reserve", "commit_verify_jit", "forward_layerwise", "generate_offloaded", "in_verify_part",
+    "layer_round_stats", "make_predictor", "min_budget_bytes", "moe_layer_ids", "plan_placement", "plan_shared",
+    "ranked_union", "routing_profile", "strip_experts", "warm_set", "warm_shared",
 ]

@@ -8,7 +8,7 @@ to their layers' total expert bytes; a model whose MoE layers are alike has one 
 experts through its own slot table `slot_of[l]` [E] int32 into its slab (sentinel N = not resident); the
 family's grouped MoE runs on the slab unchanged (`ModelFamily.with_expert_pool`). With `poison=True` the slab
 has one extra *trap* row N and every free slot and the trap hold huge finite weights, so a read of a
-non-resident expert blows the output up (`pool._poison_leaves`).
+non-resident expert blows the output up (`_poison_leaves`).
 
 Budget. The smallest budget that runs is one slot per slab (`min_budget_bytes`): a layer whose routed union
 does not fit in the slots it can use runs its experts in *passes* (`plan_passes`): each pass makes a group of
@@ -21,8 +21,8 @@ current step needs (`fetch`'s own set and `protect`), and experts *held* (`hold`
 the loop holds it until its experts are dispatched, so an in-verify prefetch for the next layer cannot evict
 them). Experts prefetched this round for a layer that has not run yet are evicted only after every other
 candidate (`soft` protection, cleared by `advance`). Among the rest the victim is the entry with the lowest
-CRF score (LRFU, as `pool.ExpertPool`: every use at round t adds 2^(-lambda (now - t))), then the least
-recently used, then the lowest slot; free slots are used first.
+CRF score (LRFU: every use at round t adds 2^(-lambda (now - t)), so lambda = 1 is LRU-like and lambda -> 0
+LFU), then the least recently used, then the lowest slot; free slots are used first.
 
 Copies. Chosen host rows move with `store.pull_rows` (a jitted dynamic slice of the pinned host table placed in
 device memory, written into the donated slab) in power-of-two chunks, or, with `transfer="device_put"`, as
@@ -41,8 +41,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.offload.pool import FetchRecord, PoolTooSmall, _poison_leaves
 from dflash_jax.offload.store import HostExpertStore, as_int32, memory_sharding, power_of_two_chunks, pull_rows
+from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
+
+
+class PoolTooSmall(RuntimeError):
+    """The expert budget is below one expert of each expert shape, or a fetch needs more distinct experts of a
+    layer resident at once than the cache can hold now (pinned and held entries stay)."""
+
+
+@dataclasses.dataclass
+class FetchRecord:
+    """What one `fetch` / `prefetch` call moved: expert ids and bytes."""
+
+    experts: np.ndarray
+    bytes: int
+
+
+def _poison_leaves(le, rows: int) -> list[jax.Array]:
+    """Leaves `[rows, ...]` (aligned with the store's per-expert leaves) of huge FINITE expert weights: a GEMM
+    row that reads them blows up (inf / NaN downstream, or a visibly different output), while a product with
+    zero stays zero. Finite matters: XLA's CPU `ragged_dot` is a dense dot over all slots with the unrouted
+    ones multiplied by zero, so NaN poison would leak into every row. Dense tables: 1e30 (fp16: 1e3);
+    MXFP4: codes +6 and E8M0 scale 2^73; NVFP4: codes +6, block scale 448 (per-expert tensor scale 1e30)."""
+    def full(a, value):
+        return jnp.full((rows,) + tuple(a.shape[1:]), value, a.dtype)
+
+    def poison(t):
+        if isinstance(t, MXFP4Tensor):
+            return MXFP4Tensor(blocks=full(t.blocks, 0x77), scales=full(t.scales, 0xC8))
+        if isinstance(t, NVFP4Tensor):
+            scale = t.tensor_scale
+            if getattr(scale, "ndim", 0) >= 1 and scale.shape[0] == le.num_experts:
+                scale = full(scale, 1e30)
+            return NVFP4Tensor(packed=full(t.packed, 0x77), block_scales=full(t.block_scales, 448.0),
+                               tensor_scale=scale)
+        return full(t, 1e3 if t.dtype == jnp.float16 else 1e30)
+
+    tables = le.tables(le.leaves)
+    poisoned = jax.tree.map(poison, tables, is_leaf=lambda t: isinstance(t, (MXFP4Tensor, NVFP4Tensor)))
+    return jax.tree.leaves(poisoned)
 
 
 def _shape_key(le) -> tuple:

@@ -63,13 +63,12 @@ from dflash_jax.offload.cache import ExpertCache, min_budget_bytes, slab_groups,
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise, host_device
 from dflash_jax.offload.hybrid import HostCompute, flops_per_row
 from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
-from dflash_jax.offload.pool import PoolTooSmall
 from dflash_jax.offload.predictors import NoPrediction, PreviousRound, RoundInputs, in_verify_part, make_predictor
 from dflash_jax.offload.sharded import ShardedExpertCache
 from dflash_jax.offload.stats import RoundStats, RoundTokens, RouteAheadStats, TraceObserver, layer_round_stats
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 from dflash_jax.sharding.place import shard_weights
-from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, _result
+from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, generation_result
 from dflash_jax.spec.requests import Buckets
 from dflash_jax.spec.sampling import SamplingParams
 from dflash_jax.spec.session import (
@@ -77,7 +76,7 @@ from dflash_jax.spec.session import (
     verify_block,
 )
 from dflash_jax.spec.tree import (
-    AdaptivePolicy, TreeShape, _pad_cols, choose_shape, commit_tree_jit, prepare_tree, tree_draft_build,
+    AdaptivePolicy, TreeShape, choose_shape, commit_tree_jit, pad_cols, prepare_tree, tree_draft_build,
     update_calibration, verify_tree_pooled,
 )
 
@@ -87,7 +86,7 @@ commit_verify_jit = jax.jit(commit_verify, static_argnames=("spec",))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _start(target_w, draft_w, out, lengths, params, key_data, key_fold, spec, positions=None):
+def start_prepared(target_w, draft_w, out, lengths, params, key_data, key_fold, spec, positions=None):
     """The state after the layer-wise prefill `out`, with the prepared per-sequence settings and keys (as
     `spec.session.begin_prepared` makes them); `positions`: the prompt rows' positions of a compressed prefill."""
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
@@ -414,8 +413,8 @@ class OffloadedGenerator:
         pre = forward_layerwise(self.stripped, jnp.asarray(prep.tokens), cache, cfg, provider=self._whole_table,
                                 num_valid=lengths, tap_layers=spec.taps, logits="last",
                                 implementation=self.implementation, positions=positions)
-        state = _start(self.stripped, self.pair.draft, pre.out, lengths, prep.params, prep.key_data, prep.key_fold,
-                       spec, positions)
+        state = start_prepared(self.stripped, self.pair.draft, pre.out, lengths, prep.params, prep.key_data,
+                               prep.key_fold, spec, positions)
         host = _host_view(state)
         prefill_s = time.perf_counter() - t_start
 
@@ -540,7 +539,7 @@ class OffloadedGenerator:
             logits = verify.out.router_logits
         pool.release()
         if spec_r is not spec:  # a narrower chain of an adaptive session: the context back to the draft block
-            state = state.replace(context=_pad_cols(state.context, spec.block_size))
+            state = state.replace(context=pad_cols(state.context, spec.block_size))
         before = session.host
         output, num, acc, bonus, anchor, done = jax.device_get(
             (state.output, state.num_generated, state.last_accepted, state.last_bonus, state.anchor, state.done))
@@ -644,7 +643,7 @@ class OffloadedGenerator:
                       else {self._only: session.rounds})
             run_stats["adaptive_rounds"] = {sh.label() + ("" if sh.is_chain else f" K={sh.branch}"):
                                             int(counts.get(sh, 0)) for sh in self.policy.shapes}
-        base = _result(session.state, run_stats, trace=trace, rows=prep.num_prompts)
+        base = generation_result(session.state, run_stats, trace=trace, rows=prep.num_prompts)
         return OffloadResult(tokens=base.tokens, acceptance_lengths=base.acceptance_lengths, stats=base.stats,
                              trace=base.trace, route_ahead=session.route_ahead)
 

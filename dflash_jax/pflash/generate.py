@@ -24,7 +24,7 @@ import numpy as np
 
 from dflash_jax import compile_cache
 from dflash_jax.spec import requests as rq
-from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, _result, _shape_stats, run_loop
+from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, generation_result, run_loop, shape_stats
 from dflash_jax.spec.sampling import SamplingParams
 from dflash_jax.spec.session import (Prepared, SpecConfig, SpecState, init_target_cache, prepare, start_state,
                                     target_family)
@@ -76,7 +76,7 @@ def prepare_compressed(pair, prompts: Sequence[Sequence[int]], kept=None, *, blo
     bsz = pair.draft_cfg.block_size if block_size is None else block_size
     lengths = np.array([len(p) for p in checked])
     max_pos = pair.target_cfg.max_position_embeddings
-    if rq._is_int(bsz) and int((lengths + budgets).max()) + int(bsz) > max_pos:
+    if rq.is_int(bsz) and int((lengths + budgets).max()) + int(bsz) > max_pos:
         raise ValueError(f"prompt ({int(lengths.max())}) + max_new_tokens ({int(budgets.max())}) exceeds the target's "
                          f"{max_pos} positions (with the block size {bsz}); compression keeps original positions")
     prep = prepare(pair, [p[k] for p, k in zip(checked, kept)], block_size=block_size, max_new_tokens=max_new_tokens,
@@ -132,8 +132,8 @@ def generate(pair, prompts: Sequence[Sequence[int]], kept=None, *, max_new_token
     jax.block_until_ready(state.output)
     seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     n = prep.num_prompts
-    stats = dict(_shape_stats(prep), loop="jit", seconds=seconds, cpu_s=cpu_s, prefill_s=prefill_s,
+    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, cpu_s=cpu_s, prefill_s=prefill_s,
                  prefill_cpu_s=prefill_cpu_s,
                  pflash={"prompt_tokens": batch.prompt_lengths.tolist(),
                          "kept_tokens": [int(x) for x in prep.lengths[:n]]})
-    return _result(state, stats, rows=n)
+    return generation_result(state, stats, rows=n)

@@ -23,7 +23,7 @@ Nothing relies on the ``float4_e2m1fn`` / ``float8_*`` dtypes for rounding:
 encoding is done with exact comparisons and decoding with integer bit arithmetic,
 so results are identical on every backend and immune to flush-to-zero of float32
 subnormals (XLA:CPU flushes subnormal results of float arithmetic; see tests).
-Divisions go through :func:`_true_divide` because XLA otherwise turns them into
+Divisions go through :func:`true_divide` because XLA otherwise turns them into
 reciprocal multiplies that are not correctly rounded.
 """
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.formats import _bitcast, _decode_xp, _unpack_xp
+from pallas_kernels.formats import bitcast, decode_xp, unpack_xp
 
 # ----------------------------------------------------------------------------------
 # The code table (single source of truth).
@@ -74,7 +74,7 @@ _THRESHOLDS = _encode_thresholds()
 # ----------------------------------------------------------------------------------
 
 
-def _true_divide(xp: Any, a: Any, b: Any) -> Any:
+def true_divide(xp: Any, a: Any, b: Any) -> Any:
     """Correctly rounded IEEE ``a / b`` (broadcasting), identical under numpy and XLA.
 
     XLA's algebraic simplifier rewrites ``A / broadcast(B)`` and ``A / constant`` into
@@ -91,19 +91,19 @@ def _true_divide(xp: Any, a: Any, b: Any) -> Any:
     return a / lax.optimization_barrier(b_full)
 
 
-def _f32_exponent_field(xp: Any, x: Any) -> Any:
+def f32_exponent_field(xp: Any, x: Any) -> Any:
     """Biased exponent field (bits 23..30) of float32 ``x`` as int32.
 
     For a normal positive float32 ``a``, ``floor(log2(a)) == field - 127`` exactly;
     zero and subnormals give 0, inf/NaN give 255.
     """
-    bits = _bitcast(xp, x.astype(xp.float32), xp.uint32)
+    bits = bitcast(xp, x.astype(xp.float32), xp.uint32)
     return ((bits >> 23) & 0xFF).astype(xp.int32)
 
 
-def _pow2_f32(xp: Any, e: Any) -> Any:
+def pow2_f32(xp: Any, e: Any) -> Any:
     """Exact ``2.0**e`` as float32 for integer ``e`` in [-126, 127] (normal range)."""
-    return _bitcast(xp, ((e + 127).astype(xp.uint32) << 23), xp.float32)
+    return bitcast(xp, ((e + 127).astype(xp.uint32) << 23), xp.float32)
 
 
 # ----------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def _pow2_f32(xp: Any, e: Any) -> Any:
 # ----------------------------------------------------------------------------------
 
 
-def _encode_xp(xp: Any, y: Any) -> Any:
+def encode_xp(xp: Any, y: Any) -> Any:
     """float -> E2M1 codes (uint8), round-to-nearest-even, saturating to +-6.
 
     ``mag = #thresholds passed by |y|`` (see :func:`_encode_thresholds`),
@@ -125,7 +125,8 @@ def _encode_xp(xp: Any, y: Any) -> Any:
     return mag | (xp.signbit(y).astype(xp.uint8) << 3)
 
 
-def _pack_xp(xp: Any, codes: Any) -> Any:
+def pack_xp(xp: Any, codes: Any) -> Any:
+    """uint8 codes ``[..., K]`` -> bytes ``[..., K//2]`` (low nibble first)."""
     if codes.ndim == 0 or codes.shape[-1] % 2:
         raise ValueError(
             f"pack_fp4: last axis must have even length (two codes per byte); got shape {tuple(codes.shape)}"
@@ -134,7 +135,8 @@ def _pack_xp(xp: Any, codes: Any) -> Any:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
-def _check_block_multiple(fn: str, shape: tuple[int, ...], block: int) -> int:
+def check_block_multiple(fn: str, shape: tuple[int, ...], block: int) -> int:
+    """The number of ``block``-sized groups of the last axis of ``shape``; ValueError naming ``fn`` otherwise."""
     if len(shape) == 0 or shape[-1] % block:
         raise ValueError(
             f"{fn}: the last (contraction) axis must be a multiple of the block size {block}; got shape {tuple(shape)}"
@@ -147,10 +149,10 @@ def _check_block_multiple(fn: str, shape: tuple[int, ...], block: int) -> int:
 # ----------------------------------------------------------------------------------
 
 
-_encode_jit = jax.jit(functools.partial(_encode_xp, jnp))
-_decode_jit = jax.jit(functools.partial(_decode_xp, jnp), static_argnums=1)
-_pack_jit = jax.jit(functools.partial(_pack_xp, jnp))
-_unpack_jit = jax.jit(functools.partial(_unpack_xp, jnp))
+_encode_jit = jax.jit(functools.partial(encode_xp, jnp))
+_decode_jit = jax.jit(functools.partial(decode_xp, jnp), static_argnums=1)
+_pack_jit = jax.jit(functools.partial(pack_xp, jnp))
+_unpack_jit = jax.jit(functools.partial(unpack_xp, jnp))
 
 
 def e2m1_encode(x: Any) -> Any:
@@ -188,19 +190,19 @@ def unpack_fp4(packed: Any) -> Any:
 
 def e2m1_encode_np(x: Any) -> np.ndarray:
     """numpy twin of :func:`e2m1_encode`."""
-    return _encode_xp(np, np.asarray(x, np.float32))
+    return encode_xp(np, np.asarray(x, np.float32))
 
 
 def e2m1_decode_np(codes: Any, dtype: Any = np.float32) -> np.ndarray:
     """numpy twin of :func:`e2m1_decode`."""
-    return _decode_xp(np, np.asarray(codes), dtype)
+    return decode_xp(np, np.asarray(codes), dtype)
 
 
 def pack_fp4_np(codes: Any) -> np.ndarray:
     """numpy twin of :func:`pack_fp4`."""
-    return _pack_xp(np, np.asarray(codes))
+    return pack_xp(np, np.asarray(codes))
 
 
 def unpack_fp4_np(packed: Any) -> np.ndarray:
     """numpy twin of :func:`unpack_fp4`."""
-    return _unpack_xp(np, np.asarray(packed))
+    return unpack_xp(np, np.asarray(packed))

@@ -43,14 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.quant.fp4 import _check_block_multiple, _encode_xp, _f32_exponent_field, _pack_xp, _pow2_f32
+from dflash_jax.quant.fp4 import check_block_multiple, encode_xp, f32_exponent_field, pack_xp, pow2_f32
 from pallas_kernels.formats import (  # the container and its decode belong to the kernels that read it
     E8M0_BIAS,
     E8M0_NAN,
     MXFP4_BLOCK_SIZE,
     MXFP4Tensor,
-    _dequantize_mxfp4_xp,
     dequantize_mxfp4,
+    dequantize_mxfp4_xp,
 )
 
 #: Exponent of the largest E2M1 normal (6 = 1.5 * 2^2), ``emax_elem`` in the OCP spec.
@@ -58,15 +58,15 @@ E2M1_EMAX = 2
 
 
 def _quantize_xp(xp: Any, x: Any, fn: str) -> tuple[Any, Any]:
-    g = _check_block_multiple(fn, tuple(x.shape), MXFP4_BLOCK_SIZE)
+    g = check_block_multiple(fn, tuple(x.shape), MXFP4_BLOCK_SIZE)
     xb = x.astype(xp.float32).reshape(*x.shape[:-1], g, MXFP4_BLOCK_SIZE)
     amax = xp.max(xp.abs(xb), axis=-1)
-    field = _f32_exponent_field(xp, amax)  # floor(log2 amax) + 127 for normal amax
+    field = f32_exponent_field(xp, amax)  # floor(log2 amax) + 127 for normal amax
     s = xp.where(field == 255, E8M0_NAN, xp.maximum(field - E2M1_EMAX, 0))
     # 1 / 2^X = 2^(127 - s); s <= 252 for finite amax, so this is a normal float32.
-    inv_scale = _pow2_f32(xp, xp.where(s == E8M0_NAN, 0, E8M0_BIAS - s))
-    codes = _encode_xp(xp, xb * inv_scale[..., None])
-    return _pack_xp(xp, codes), s.astype(xp.uint8)
+    inv_scale = pow2_f32(xp, xp.where(s == E8M0_NAN, 0, E8M0_BIAS - s))
+    codes = encode_xp(xp, xb * inv_scale[..., None])
+    return pack_xp(xp, codes), s.astype(xp.uint8)
 
 
 @jax.jit
@@ -95,4 +95,4 @@ def quantize_mxfp4_np(x: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_mxfp4_np(blocks: Any, scales: Any, dtype: Any = np.float32) -> np.ndarray:
     """Host-side (numpy) :func:`dequantize_mxfp4`, bit-identical; dtype may be ``ml_dtypes.bfloat16``."""
-    return _dequantize_mxfp4_xp(np, np.asarray(blocks), np.asarray(scales), dtype)
+    return dequantize_mxfp4_xp(np, np.asarray(blocks), np.asarray(scales), dtype)

@@ -45,19 +45,19 @@ import numpy as np
 
 from dflash_jax.quant.fp4 import (
     E2M1_MAX,
-    _check_block_multiple,
-    _encode_xp,
-    _f32_exponent_field,
-    _pack_xp,
-    _pow2_f32,
-    _true_divide,
+    check_block_multiple,
+    encode_xp,
+    f32_exponent_field,
+    pack_xp,
+    pow2_f32,
+    true_divide,
 )
 from pallas_kernels.formats import (  # the container and its decode belong to the kernels that read it
     NVFP4_BLOCK_SIZE,
     NVFP4Tensor,
-    _dequantize_nvfp4_xp,
-    _expand_prefix,
     dequantize_nvfp4,
+    dequantize_nvfp4_xp,
+    expand_prefix,
 )
 
 #: Largest finite float8_e4m3fn value.
@@ -76,32 +76,32 @@ def _round_to_e4m3_xp(xp: Any, v: Any) -> Any:
     (including -0) is kept. The result converts to float8_e4m3fn exactly.
     """
     a = xp.abs(v)
-    e = xp.clip(_f32_exponent_field(xp, a) - 127, _E4M3_EMIN, 127)
-    r = xp.round(a * _pow2_f32(xp, _E4M3_MANT_BITS - e)) * _pow2_f32(xp, e - _E4M3_MANT_BITS)
+    e = xp.clip(f32_exponent_field(xp, a) - 127, _E4M3_EMIN, 127)
+    r = xp.round(a * pow2_f32(xp, _E4M3_MANT_BITS - e)) * pow2_f32(xp, e - _E4M3_MANT_BITS)
     r = xp.minimum(r, xp.float32(E4M3_MAX))
     return xp.where(xp.signbit(v), -r, r)
 
 
 def _quantize_xp(xp: Any, x: Any, tensor_scale: Any, fn: str) -> tuple[Any, Any, Any]:
-    g = _check_block_multiple(fn, tuple(x.shape), NVFP4_BLOCK_SIZE)
+    g = check_block_multiple(fn, tuple(x.shape), NVFP4_BLOCK_SIZE)
     x32 = x.astype(xp.float32)
     if tensor_scale is None:
         amax_t = xp.max(xp.abs(x32)) if x32.size else xp.float32(0)
-        ts = _true_divide(xp, amax_t, xp.float32(E2M1_MAX * E4M3_MAX)).astype(xp.float32)
+        ts = true_divide(xp, amax_t, xp.float32(E2M1_MAX * E4M3_MAX)).astype(xp.float32)
     else:
         ts = xp.asarray(tensor_scale, xp.float32)
-    tsb = _expand_prefix(xp, ts, x.ndim, tuple(x.shape[:-1]), fn)  # broadcasts against [..., G]
+    tsb = expand_prefix(xp, ts, x.ndim, tuple(x.shape[:-1]), fn)  # broadcasts against [..., G]
     xb = x32.reshape(*x.shape[:-1], g, NVFP4_BLOCK_SIZE)
     amax_b = xp.max(xp.abs(xb), axis=-1)
     ts_pos = tsb > 0
-    per_elem_max = _true_divide(xp, amax_b, xp.float32(E2M1_MAX))
-    bs = xp.where(ts_pos, _true_divide(xp, per_elem_max, xp.where(ts_pos, tsb, 1)), 0)
+    per_elem_max = true_divide(xp, amax_b, xp.float32(E2M1_MAX))
+    bs = xp.where(ts_pos, true_divide(xp, per_elem_max, xp.where(ts_pos, tsb, 1)), 0)
     bs = _round_to_e4m3_xp(xp, bs.astype(xp.float32))
     denom = bs * tsb
     ok = denom > 0
     signed_zero = xp.where(xp.signbit(xb), xp.float32(-0.0), xp.float32(0.0))
-    y = xp.where(ok[..., None], _true_divide(xp, xb, xp.where(ok, denom, 1)[..., None]), signed_zero)
-    packed = _pack_xp(xp, _encode_xp(xp, y.astype(xp.float32)))
+    y = xp.where(ok[..., None], true_divide(xp, xb, xp.where(ok, denom, 1)[..., None]), signed_zero)
+    packed = pack_xp(xp, encode_xp(xp, y.astype(xp.float32)))
     packed = packed.reshape(*x.shape[:-1], x.shape[-1] // 2)
     return packed, bs.astype(ml_dtypes.float8_e4m3fn), ts
 
@@ -132,4 +132,4 @@ def quantize_nvfp4_np(x: Any, tensor_scale: Any = None) -> tuple[np.ndarray, np.
 
 def dequantize_nvfp4_np(packed: Any, block_scales: Any, tensor_scale: Any, dtype: Any = np.float32) -> np.ndarray:
     """Host-side (numpy) :func:`dequantize_nvfp4`."""
-    return _dequantize_nvfp4_xp(np, np.asarray(packed), np.asarray(block_scales), tensor_scale, dtype)
+    return dequantize_nvfp4_xp(np, np.asarray(packed), np.asarray(block_scales), tensor_scale, dtype)

@@ -1,7 +1,7 @@
 """Continuous batching on the round API: a fixed number of slots, requests joining and leaving between rounds.
 
 The engine keeps ONE batched `SpecState` of `slots` rows (a compiled shape) for its whole life. Waiting
-requests join in groups: one prefill of up to 4 of them together (`spec.session._begin` at a group size of
+requests join in groups: one prefill of up to 4 of them together (`spec.session.begin_arrays` at a group size of
 1 or 4, prompts right-padded to the group's largest prompt bucket), whose rows are then written into free
 slots of the batched state (`_insert_rows`: one jitted scatter, the slot indices traced). A free slot is a
 row that is done. Nothing a request varies (prompt length inside a bucket, budget, sampling settings, stop
@@ -67,7 +67,7 @@ from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.session import (
-    Draft, RowParams, SpecConfig, SpecState, _begin, commit_verify, draft_round, verify_block,
+    Draft, RowParams, SpecConfig, SpecState, begin_arrays, commit_verify, draft_round, verify_block,
 )
 
 
@@ -239,12 +239,12 @@ def _move_row(state: SpecState, src, dst) -> SpecState:
     return _rowwise(lambda x: x.at[dst].set(x[src]), state)
 
 
-def _head(tree, rows: int):
+def head_rows(tree, rows: int):
     """The first `rows` rows of every leaf (a static slice; the identity when that is all of them)."""
     return _rowwise(lambda x: x if x.shape[0] == rows else x[:rows], tree)
 
 
-def _put_head(full, head):
+def put_head_rows(full, head):
     """`full` with its first rows replaced by `head` (a dynamic-update-slice: in place when `full` is donated)."""
     def put(f, h):
         if f.shape[0] == h.shape[0]:
@@ -254,7 +254,7 @@ def _put_head(full, head):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _release(state: SpecState, free) -> SpecState:
+def release_rows(state: SpecState, free) -> SpecState:
     """Marks the rows where `free` [b] bool is set as done (a cancelled request stops at once)."""
     return state.replace(done=state.done | free)
 
@@ -275,7 +275,7 @@ def _project_experts(target_w, hidden, router_args, num_experts: int, top_k: int
     return onehot.reshape(onehot.shape[0], b, w, num_experts).any(axis=2).transpose(1, 0, 2)
 
 
-def _keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
+def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     """Row `i` of `new` where `active[i]`, else row `i` of `old`. KV buffers are the exception: a row's slots
     at or past its length are scratch (never read; `cache` module invariant), and a verify writes only there,
     so the buffers are taken from `new` as they are and only the lengths are selected. That saves a select
@@ -314,8 +314,8 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
     engine's round costs. The caller defers only while every live row's pending rows leave room for one more."""
     full_buffers = draft_buffers
     if rows is not None:
-        state = _head(state, rows)
-        draft_buffers = None if draft_buffers is None else _head(draft_buffers, rows)
+        state = head_rows(state, rows)
+        draft_buffers = None if draft_buffers is None else head_rows(draft_buffers, rows)
     if draft_buffers is not None:
         state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
     if spec.block_size > 1:
@@ -337,7 +337,7 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
         return draft, None, None, demand
     buffers = (cache.keys, cache.values)
     if rows is not None:
-        buffers = _put_head(full_buffers, buffers)
+        buffers = put_head_rows(full_buffers, buffers)
     return draft.replace(draft_cache=None), buffers, cache.lengths, demand
 
 
@@ -345,7 +345,7 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
 def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: SpecConfig,
             wide: SpecConfig, rows: int | None = None, defer: bool = False) -> SpecState:
     """The width-`spec.block_size` verify for the rows where `active` [b] is set; every other row keeps its old
-    state (`_keep_rows`). The state keeps the layout of width `wide.block_size`: the draft's context rows
+    state (`keep_rows`). The state keeps the layout of width `wide.block_size`: the draft's context rows
     (the target taps of the committed rows) padded to `wide.block_size` rows. `state.draft_cache` holds the
     buffers `_draft` wrote and the lengths before it; `draft_lengths` are the lengths after it.
 
@@ -356,7 +356,7 @@ def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: Spec
     them (row `num_context`) and counted with them, instead of replacing them."""
     full = state
     if rows is not None:
-        state, active = _head(state, rows), active[:rows]
+        state, active = head_rows(state, rows), active[:rows]
     if state.draft_cache is not None:
         draft = draft.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
     run = state.replace(done=state.done | ~active)
@@ -377,8 +377,8 @@ def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: Spec
                 context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
             new = new.replace(context=context.astype(state.context.dtype))
     new = new.replace(done=jnp.where(active, new.done, state.done))
-    new = _keep_rows(active, new, state)
-    return new if rows is None else _put_head(full, new)
+    new = keep_rows(active, new, state)
+    return new if rows is None else put_head_rows(full, new)
 
 
 def _on_mesh(method):
@@ -762,7 +762,7 @@ class Engine:
 
     def _prefill(self, req: Request | None) -> SpecState:
         tokens, lengths, params, key_data, key_fold = self._row_inputs(req)
-        return _begin(self.pair.target, self.pair.draft, tokens, lengths, params, key_data, key_fold, self.spec)
+        return begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data, key_fold, self.spec)
 
     @property
     def prefill_groups(self) -> tuple[int, ...]:
@@ -782,7 +782,7 @@ class Engine:
                            stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
         key_data = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in reqs]
                             + [np.asarray(jax.random.key_data(jax.random.key(0)))] * pad)
-        return _begin(self.pair.target, self.pair.draft, tokens, lengths, params, key_data,
+        return begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data,
                       np.zeros(rows, np.int32), self.spec)
 
     def _admit(self, reqs: list, slots: list, info: RoundInfo | None) -> None:
@@ -812,7 +812,7 @@ class Engine:
                 self._finish(req, self._reason(req), info)
                 finished[slot] = True
         if finished.any():
-            self.state = _release(self.state, finished)
+            self.state = release_rows(self.state, finished)
 
     def _empty_state(self) -> SpecState:
         row = self._prefill(None)
@@ -847,7 +847,7 @@ class Engine:
                     self._admit(reqs, free, None)  # dummy rows that are done: their slots stay free
             if self.prefill_chunk is not None and self.max_prompt_len > self.prefill_chunk:
                 self._warm_chunks()
-            self.state = _release(self.state, idle)
+            self.state = release_rows(self.state, idle)
             self.state = _move_row(self.state, np.int32(self.slots - 1), np.int32(self.slots - 1))  # a no-op
             for rows in self.row_buckets:
                 for w in self.widths:
@@ -1058,7 +1058,7 @@ class Engine:
                 free[slot] = True
                 self._finish(r, r.cancel_reason, info)
         if free.any():
-            self.state = _release(self.state, free)
+            self.state = release_rows(self.state, free)
         if self._prefilling is not None and self._prefilling.req.cancel_requested:
             self._prefilling = None  # cancelled mid-prefill (finished above): its partial state is dropped
         self._compact()
@@ -1352,10 +1352,10 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
              stop_ids=(), seed=0) -> list[Request]:
     """Submits every prompt and runs the engine until all are done (the synchronous form)."""
     n = len(prompts)
-    budgets = rq.per_row(max_new_tokens, n, "max_new_tokens", lambda v: not rq._is_sequence(v))
+    budgets = rq.per_row(max_new_tokens, n, "max_new_tokens", lambda v: not rq.is_sequence(v))
     samplings = rq.per_row(sampling, n, "sampling", lambda v: isinstance(v, SamplingParams))
-    seeds = rq.per_row(seed, n, "seed", lambda v: not rq._is_sequence(v))
-    nested = bool(stop_ids) and all(rq._is_sequence(s) for s in stop_ids)
+    seeds = rq.per_row(seed, n, "seed", lambda v: not rq.is_sequence(v))
+    nested = bool(stop_ids) and all(rq.is_sequence(s) for s in stop_ids)
     stops = rq.per_row(list(stop_ids), n, "stop_ids", lambda v: not nested)
     reqs = [engine.submit(p, max_new_tokens=m, sampling=s, stop_ids=st, seed=sd)
             for p, m, s, st, sd in zip(prompts, budgets, samplings, stops, seeds)]

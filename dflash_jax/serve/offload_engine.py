@@ -25,7 +25,7 @@ target's routed experts in a host store (`offload.store.HostExpertStore`) and ON
      admitted rows route to and is not resident is fetched on demand (passes when it does not fit; hybrid
      placement may compute it on the host), with `OffloadedGenerator`'s provider pieces. The rows that do
      not verify (sitting out, or free slots) still flow through the batched forward, but their outputs are
-     thrown away (every row is put back as it was, `engine._keep_rows`); their experts are not fetched: the
+     thrown away (every row is put back as it was, `engine.keep_rows`); their experts are not fetched: the
      layer's slot table points them at a resident slot. So whatever the prediction, every admitted row's
      expert products read exactly its routed experts: the verify is the resident verify, and each request's
      output is its output run alone.
@@ -48,12 +48,12 @@ import numpy as np
 from dflash_jax.models import draft as draft_model
 from dflash_jax.offload.cache import ExpertCache
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
-from dflash_jax.offload.loop import OffloadedGenerator, _start
+from dflash_jax.offload.loop import OffloadedGenerator, start_prepared
 from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
 from dflash_jax.offload.stats import layer_round_stats
 from dflash_jax.offload.store import memory_sharding
 from dflash_jax.serve import scheduler as sched
-from dflash_jax.serve.engine import Engine, RoundInfo, _head, _keep_rows, _put_head, _release
+from dflash_jax.serve.engine import Engine, RoundInfo, head_rows, keep_rows, put_head_rows
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams
 from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, commit_verify, init_target_cache, verify_block
@@ -111,7 +111,7 @@ _TOTALS = ("prefetched_bytes", "on_demand_bytes", "prefill_bytes", "hits", "miss
 @functools.partial(jax.jit, static_argnames=("spec", "wide"))
 def _commit(state: SpecState, draft, draft_lengths, out, active, spec: SpecConfig, wide: SpecConfig) -> SpecState:
     """`engine._verify` after its target forward: acceptance and commit for the rows where `active` is set,
-    every other row kept as it was (`_keep_rows`); `out` is the layer-wise forward of `_block`."""
+    every other row kept as it was (`keep_rows`); `out` is the layer-wise forward of `_block`."""
     if state.draft_cache is not None:
         draft = draft.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
     run = state.replace(done=state.done | ~active)
@@ -123,12 +123,12 @@ def _commit(state: SpecState, draft, draft_lengths, out, active, spec: SpecConfi
             context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
         new = new.replace(context=context.astype(state.context.dtype))
     new = new.replace(done=jnp.where(active, new.done, state.done))
-    return _keep_rows(active, new, state)
+    return keep_rows(active, new, state)
 
 
 _block = jax.jit(verify_block)
-_head_jit = jax.jit(_head, static_argnums=1)  # the first rows of the state (a row bucket)
-_put_head_jit = jax.jit(_put_head, donate_argnums=0)  # ... written back in place
+_head_jit = jax.jit(head_rows, static_argnums=1)  # the first rows of the state (a row bucket)
+_put_head_jit = jax.jit(put_head_rows, donate_argnums=0)  # ... written back in place
 
 
 class OffloadedEngine(Engine):
@@ -200,7 +200,7 @@ class OffloadedEngine(Engine):
                                 implementation=gen.implementation)
         self._prefill_bytes += self.store.total_bytes
         self._last_prefill = (pre.routed, np.asarray(lengths), tokens.shape[1])
-        return _start(gen.stripped, self.pair.draft, pre.out, lengths, params, key_data, key_fold, spec)
+        return start_prepared(gen.stripped, self.pair.draft, pre.out, lengths, params, key_data, key_fold, spec)
 
     def _prefill(self, req) -> SpecState:
         return self._offload_begin(*self._row_inputs(req))

@@ -60,7 +60,7 @@ def _host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _result(state: SpecState, stats: dict, trace=None, rows: int | None = None) -> GenerationResult:
+def generation_result(state: SpecState, stats: dict, trace=None, rows: int | None = None) -> GenerationResult:
     """The first `rows` sequences (default: all) of a finished state."""
     out, num = _host(state.output), _host(state.num_generated)
     acc, rounds = _host(state.acceptance), _host(state.rounds)
@@ -95,7 +95,8 @@ def _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed
     return prep
 
 
-def _shape_stats(prep: Prepared) -> dict:
+def shape_stats(prep: Prepared) -> dict:
+    """The block size, acceptance method and compiled shapes of a prepared batch (the start of a run's stats)."""
     spec = prep.spec
     return {"block_size": spec.block_size, "method": spec.method,
             "shapes": {"batch": int(prep.tokens.shape[0]), "prompt": int(prep.tokens.shape[1]),
@@ -124,7 +125,7 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_si
     state = run_loop(pair.target, pair.draft, state, prep.spec)
     jax.block_until_ready(state.output)
     seconds = time.perf_counter() - t0
-    return _result(state, dict(_shape_stats(prep), loop="jit", seconds=seconds), rows=prep.num_prompts)
+    return generation_result(state, dict(shape_stats(prep), loop="jit", seconds=seconds), rows=prep.num_prompts)
 
 
 def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_size: int | None = None,
@@ -171,6 +172,6 @@ def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens,
         done = np.asarray(state.done)
     seconds = time.perf_counter() - t0
     host = seconds - t_prefill - t_draft - t_verify
-    stats = dict(_shape_stats(prep), loop="python", seconds=seconds,
+    stats = dict(shape_stats(prep), loop="python", seconds=seconds,
                  time_split={"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host})
-    return _result(state, stats, trace=rounds if trace else None, rows=prep.num_prompts)
+    return generation_result(state, stats, trace=rounds if trace else None, rows=prep.num_prompts)

@@ -15,7 +15,7 @@ logits, and `prefill_finish` is `session.start_state` on them: the same first to
 caches (up to float rounding of differently shaped matmuls) as the one-shot `begin`.
 
 Everything here is pure and jittable; `chunked_begin` is the whole prefill of a batch as one `lax.scan` over
-its chunks (the one-shot `_begin`'s signature plus the static chunk size). The serving engine runs the pieces
+its chunks (the one-shot `begin_arrays`'s signature plus the static chunk size). The serving engine runs the pieces
 one chunk per round (`serve.engine`), so a long prompt never stalls the live requests for more than one chunk.
 """
 
@@ -84,7 +84,7 @@ def prefill_start(target_w, draft_w, tokens: jax.Array, num_valid: jax.Array, sp
 def prefill_finish(target_w, draft_w, pre: Prefill, params: RowParams, key_data, key_fold,
                    spec: SpecConfig) -> SpecState:
     """The state `begin` returns after the whole prompt is in (`session.start_state` on the last logits, with
-    the draft's context cache the chunks fed): keys `fold_in(key(key_data[i]), key_fold[i])` as `_begin`."""
+    the draft's context cache the chunks fed): keys `fold_in(key(key_data[i]), key_fold[i])` as `begin_arrays`."""
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
     out = ForwardOutput(logits=pre.logits, taps=(), router_experts=(), cache=pre.target_cache)
     return start_state(target_w, draft_w, out, pre.lengths, None, keys, spec, params=params,
@@ -93,7 +93,7 @@ def prefill_finish(target_w, draft_w, pre: Prefill, params: RowParams, key_data,
 
 def chunked_begin(target_w, draft_w, tokens, lengths, params: RowParams, key_data, key_fold, spec: SpecConfig,
                   chunk: int) -> SpecState:
-    """`session._begin` by chunks of `chunk` tokens (static): the prompts [b, T] (right-padded, `lengths` [b]
+    """`session.begin_arrays` by chunks of `chunk` tokens (static): the prompts [b, T] (right-padded, `lengths` [b]
     real) run as ceil(T / chunk) chunks, the first starting the caches and the rest one `lax.scan` step each;
     a shorter prompt's chunks past its end are all padding and change nothing of its row."""
     if chunk < 1:

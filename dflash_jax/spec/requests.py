@@ -87,13 +87,14 @@ DEFAULT_BUCKETS = Buckets()
 # validation
 # ----------------------------------------------------------------------------------------------------------
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """A Python or numpy integer, not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def check_int(value, name: str, *, low: int | None = None, high: int | None = None, what: str = "an integer") -> int:
     """An integer (Python or numpy; not bool, not float) in [low, high); TypeError / ValueError naming `name`."""
-    if not _is_int(value):
+    if not is_int(value):
         hint = " (convert it with int() if that is what you mean)" if isinstance(value, (float, np.floating)) else ""
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}{hint}")
     value = int(value)
@@ -102,7 +103,8 @@ def check_int(value, name: str, *, low: int | None = None, high: int | None = No
     return value
 
 
-def _is_sequence(x) -> bool:
+def is_sequence(x) -> bool:
+    """A sequence or numpy array (one value per row), not a string."""
     return isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes))
 
 
@@ -118,7 +120,7 @@ def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
         raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
-    if _is_int(prompts[0]):
+    if is_int(prompts[0]):
         raise TypeError("prompts must be a list of prompts, each a list of token ids; got one flat list of "
                         "integers: pass [prompt]")
     out = []
@@ -135,7 +137,7 @@ def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
         elif isinstance(prompt, Sequence):
             ids = list(prompt)
             for j, t in enumerate(ids):
-                if not _is_int(t):
+                if not is_int(t):
                     hint = " (convert with int() if that is what you mean)" if isinstance(t, (float, np.floating)) \
                         else ""
                     raise TypeError(f"prompt {i}: token {j} must be an integer id, got {type(t).__name__} {t!r}"
@@ -172,7 +174,7 @@ def per_row(value, n: int, name: str, is_single) -> list:
     """`value` for every one of n sequences: one value shared, or a sequence of n values."""
     if is_single(value):
         return [value] * n
-    if not _is_sequence(value):
+    if not is_sequence(value):
         raise TypeError(f"{name} must be one value or a list of one per prompt, got {type(value).__name__}")
     value = list(value)
     if len(value) != n:
@@ -182,8 +184,8 @@ def per_row(value, n: int, name: str, is_single) -> list:
 
 def check_budgets(max_new_tokens, n: int) -> np.ndarray:
     """Tokens to generate per sequence (the first token included), int32 [n]."""
-    values = per_row(max_new_tokens, n, "max_new_tokens", lambda v: not _is_sequence(v))
-    names = ["max_new_tokens"] * n if not _is_sequence(max_new_tokens) else \
+    values = per_row(max_new_tokens, n, "max_new_tokens", lambda v: not is_sequence(v))
+    names = ["max_new_tokens"] * n if not is_sequence(max_new_tokens) else \
         [f"max_new_tokens[{i}]" for i in range(n)]
     return np.array([check_int(v, nm, low=1, high=2**31, what="a positive integer") for v, nm in zip(values, names)],
                     np.int32)
@@ -191,7 +193,7 @@ def check_budgets(max_new_tokens, n: int) -> np.ndarray:
 
 def check_seeds(seed, n: int) -> list[int] | int:
     """One seed (sequence i draws from fold_in(key(seed), i)) or one per sequence."""
-    if not _is_sequence(seed):
+    if not is_sequence(seed):
         return check_int(seed, "seed", low=-INT64, high=INT64, what="an integer in [-2**63, 2**63)")
     values = per_row(seed, n, "seed", lambda v: False)
     return [check_int(v, f"seed[{i}]", low=-INT64, high=INT64, what="an integer in [-2**63, 2**63)")
@@ -202,18 +204,18 @@ def check_stop_ids(stop_ids, n: int, vocab_size: int) -> list[list[int]]:
     """Stop ids shared by every sequence (a list of ints) or one list per sequence."""
     if stop_ids is None:
         return [[] for _ in range(n)]
-    if not _is_sequence(stop_ids):
+    if not is_sequence(stop_ids):
         raise TypeError(f"stop_ids must be a list of token ids (or one list per prompt), "
                         f"got {type(stop_ids).__name__} {stop_ids!r}")
     stop_ids = list(stop_ids)
-    nested = bool(stop_ids) and all(_is_sequence(s) for s in stop_ids)
+    nested = bool(stop_ids) and all(is_sequence(s) for s in stop_ids)
     rows = per_row(stop_ids, n, "stop_ids", lambda v: not nested)
     out = []
     for i, row in enumerate(rows):
         ids = []
         for t in row:
             name = f"stop_ids[{i}]" if nested else "stop_ids"
-            if _is_sequence(t):
+            if is_sequence(t):
                 raise TypeError(f"{name} must hold token ids, got a nested {type(t).__name__}")
             ids.append(check_int(t, f"{name} entry", low=0, high=vocab_size,
                                  what=f"a token id in [0, {vocab_size})"))
@@ -232,7 +234,7 @@ def check_sampling(sampling, n: int) -> tuple[list[SamplingParams], str]:
     """One `SamplingParams` per sequence and the acceptance method they share (the static part): the mode
     of the sampled sequences ("exact_match" when every sequence is greedy: greedy output is the same
     under both, and exact-match is the cheaper program)."""
-    if not isinstance(sampling, SamplingParams) and not _is_sequence(sampling):
+    if not isinstance(sampling, SamplingParams) and not is_sequence(sampling):
         raise TypeError(f"sampling must be a SamplingParams (or one per prompt), got {type(sampling).__name__} "
                         f"{sampling!r}")
     rows = per_row(sampling, n, "sampling", lambda v: isinstance(v, SamplingParams))

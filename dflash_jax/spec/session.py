@@ -184,7 +184,7 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
     dcfg, tcfg = pair.draft_cfg, pair.target_cfg
     if block_size is None:
         block_size = dcfg.block_size
-    if not rq._is_int(block_size) or not 1 <= block_size <= dcfg.block_size:
+    if not rq.is_int(block_size) or not 1 <= block_size <= dcfg.block_size:
         raise ValueError(f"block size must be between 1 and the draft's trained block size {dcfg.block_size}, "
                          f"got {block_size!r}")
     block_size = int(block_size)
@@ -241,12 +241,13 @@ def make_spec(pair, prompts, *, block_size, max_new_tokens, sampling=SamplingPar
 # the round
 # ----------------------------------------------------------------------------------------------------------
 
-def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's key [b] split in two: (the keys carried on [b], the keys used now [b])."""
     split = jax.vmap(jax.random.split)(keys)
     return split[:, 0], split[:, 1]
 
 
-def _emit(state: SpecState, accepted, bonus, proposals, spec: SpecConfig):
+def emit_tokens(state: SpecState, accepted, bonus, proposals, spec: SpecConfig):
     """Writes d_1..d_a, bonus (cut by each sequence's budget and stop tokens) into the output; returns
     (state, produced)."""
     b, width = proposals.shape[0], spec.block_size
@@ -288,7 +289,9 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _begin(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig) -> SpecState:
+def begin_arrays(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig) -> SpecState:
+    """The prefill of a batch from `prepare`'s arrays (right-padded tokens [b, T], lengths [b], per-row settings,
+    key data and folds): the target forward, then `start_state`. Jitted; `begin_prepared` is its usual caller."""
     fam = target_family(spec.target)
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
     cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
@@ -315,7 +318,7 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
         params = spec.static_request.rows(b, stop_ids)
     if key.ndim == 0:
         key = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
-    key, k_first = _split_rows(key)
+    key, k_first = split_rows(key)
     first = next_token_rows(k_first, out.logits, params.sampling)
     feat = spec.draft.num_taps * spec.target.hidden_size
     if spec.block_size > 1 and draft_cache is None:
@@ -345,7 +348,7 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
     )
 
 
-def _all_greedy(state: SpecState) -> jax.Array:
+def all_greedy(state: SpecState) -> jax.Array:
     """True when no live sequence samples: the sampling work of a round is then skipped (a real branch)."""
     return jnp.all(state.params.sampling.greedy | state.done)
 
@@ -354,7 +357,7 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
     """B-1 proposals from one draft forward over [anchor, MASK x (B-1)] (empty when B == 1). Greedy
     sequences and the exact-match method propose the draft's argmax; sampled sequences under the rejection
     method draw from the draft's processed distribution q (kept in `Draft.probs`)."""
-    _check_state(state, spec)
+    check_state(state, spec)
     b = state.anchor.shape[0]
     gamma = spec.block_size - 1
     if gamma == 0:
@@ -380,7 +383,7 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
     def greedy():
         return argmax, jnp.zeros(logits.shape, jnp.float32)
 
-    tokens, probs = jax.lax.cond(_all_greedy(state), greedy, sampled)
+    tokens, probs = jax.lax.cond(all_greedy(state), greedy, sampled)
     return Draft(tokens=tokens, probs=probs, draft_cache=draft_cache, hidden=hidden)
 
 
@@ -415,7 +418,7 @@ def head_chain_draft(target_w, draft_w, state: SpecState, spec: SpecConfig, hidd
             drawn = sample_probs_rows(keys[:, k], probs[:, None])[:, 0]
             return jnp.where(rows.greedy, argmax, drawn), probs
 
-        tok, probs = jax.lax.cond(_all_greedy(state), lambda: (argmax, jnp.zeros(logits.shape, jnp.float32)), draw)
+        tok, probs = jax.lax.cond(all_greedy(state), lambda: (argmax, jnp.zeros(logits.shape, jnp.float32)), draw)
         return tok, (tok, probs)
 
     _, (tokens, probs) = jax.lax.scan(step, state.anchor, (jnp.swapaxes(hidden[:, 1:gamma + 1], 0, 1),
@@ -448,7 +451,7 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
     `spec.method` (exact-match against the target's own draws, or rejection sampling)."""
     fam = target_family(spec.target)
     start = state.target_cache.lengths
-    key, k_acc = _split_rows(state.key)
+    key, k_acc = split_rows(state.key)
     rows = state.params.sampling
     greedy = rows.greedy
     target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
@@ -457,7 +460,7 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
             draws = sample_rows(k_acc, processed_scores(out.logits, rows))
             return jnp.where(greedy[:, None], target_argmax, draws)
 
-        target_tokens = jax.lax.cond(_all_greedy(state), lambda: target_argmax, sampled)
+        target_tokens = jax.lax.cond(all_greedy(state), lambda: target_argmax, sampled)
         accepted, bonus = match_accept(draft.tokens, target_tokens)
     else:
         greedy_accepted, greedy_bonus = match_accept(draft.tokens, target_argmax)
@@ -466,8 +469,8 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
             acc, bon = rejection_accept(k_acc, draft.tokens, sampling_probs(out.logits, rows), draft.probs)
             return jnp.where(greedy, greedy_accepted, acc), jnp.where(greedy, greedy_bonus, bon)
 
-        accepted, bonus = jax.lax.cond(_all_greedy(state), lambda: (greedy_accepted, greedy_bonus), sampled)
-    new, produced = _emit(state.replace(key=key), accepted, bonus, draft.tokens, spec)
+        accepted, bonus = jax.lax.cond(all_greedy(state), lambda: (greedy_accepted, greedy_bonus), sampled)
+    new, produced = emit_tokens(state.replace(key=key), accepted, bonus, draft.tokens, spec)
     context = draft_model.context_features(out.taps) if spec.taps else state.context
     return new.replace(
         target_cache=fam.rollback(out.cache, start + produced),
@@ -491,7 +494,8 @@ def _concrete(x) -> bool:
     return x is not None and not isinstance(x, jax.core.Tracer)
 
 
-def _check_state(state: SpecState, spec: SpecConfig) -> None:
+def check_state(state: SpecState, spec: SpecConfig) -> None:
+    """TypeError / ValueError when `state` and `spec` are not a SpecState and the SpecConfig it was built for."""
     if not isinstance(state, SpecState):
         raise TypeError(f"state must be a SpecState (from begin), got {type(state).__name__}")
     if not isinstance(spec, SpecConfig):
@@ -504,7 +508,7 @@ def _check_state(state: SpecState, spec: SpecConfig) -> None:
 def _check_draft(state: SpecState, draft: Draft, spec: SpecConfig) -> None:
     """Eager calls only: a verify of out-of-vocabulary proposals would index past the logits and emit a
     wrong bonus without a word."""
-    _check_state(state, spec)
+    check_state(state, spec)
     if not isinstance(draft, Draft):
         raise TypeError(f"draft must be a Draft (from draft_round), got {type(draft).__name__}")
     tokens = draft.tokens
@@ -543,5 +547,5 @@ def begin_prepared(pair, prep: Prepared) -> SpecState:
     from dflash_jax import compile_cache
 
     compile_cache.ensure_enabled()
-    return _begin(pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold,
+    return begin_arrays(pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold,
                   prep.spec)

@@ -75,11 +75,11 @@ from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
 from dflash_jax.pair import pair_fingerprint  # noqa: F401  (re-exported: calibrations use it)
 from dflash_jax.spec import requests as rq
-from dflash_jax.spec.loop import LOOP_BUCKETS, _result, _shape_stats
+from dflash_jax.spec.loop import LOOP_BUCKETS, generation_result, shape_stats
 from dflash_jax.spec.sampling import SamplingParams, processed_scores, sample_rows
 from dflash_jax.spec.session import (
-    Prepared, SpecConfig, SpecState, _all_greedy, _check_state, _emit, _split_rows, begin_prepared, prepare,
-    spec_round,
+    Prepared, SpecConfig, SpecState, all_greedy, begin_prepared, check_state, emit_tokens, prepare, spec_round,
+    split_rows,
 )
 
 DEFAULT_BRANCH = 4
@@ -480,7 +480,8 @@ def accept_tree(tree: Tree, target_tokens: jax.Array) -> tuple[jax.Array, jax.Ar
     return accepted, bonus, path
 
 
-def _pad_cols(x: jax.Array, width: int) -> jax.Array:
+def pad_cols(x: jax.Array, width: int) -> jax.Array:
+    """`x` [b, n, ...] cut or zero-padded to `width` columns (axis 1)."""
     if x.shape[1] >= width:
         return x[:, :width]
     return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
@@ -567,7 +568,7 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
     layer by layer with offloaded experts). Returns (state, TreeRoundInfo)."""
     fam = family_of(spec.target)
     start = state.target_cache.lengths
-    key, k_acc = _split_rows(state.key)
+    key, k_acc = split_rows(state.key)
     rows = state.params.sampling
     target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
 
@@ -575,12 +576,12 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
         draws = sample_rows(k_acc, processed_scores(out.logits, rows))
         return jnp.where(rows.greedy[:, None], target_argmax, draws)
 
-    target_tokens = jax.lax.cond(_all_greedy(state), lambda: target_argmax, sampled)
+    target_tokens = jax.lax.cond(all_greedy(state), lambda: target_argmax, sampled)
     accepted, bonus, path = accept_tree(tree, target_tokens)
     gamma = spec.block_size - 1
-    path = _pad_cols(path, spec.block_size)
+    path = pad_cols(path, spec.block_size)
     proposals = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)  # [b, B-1]: d_1 .. d_a on the path
-    new, produced = _emit(state.replace(key=key), accepted, bonus, proposals[:, :gamma], spec)
+    new, produced = emit_tokens(state.replace(key=key), accepted, bonus, proposals[:, :gamma], spec)
     cache = getattr(fam, "commit_tree_path", commit_path)(out.cache, start, path)
     context = draft_model.context_features(out.taps)  # [b, N, F]
     context = jnp.take_along_axis(context, path[..., None], axis=1)  # [b, B, F]: the path's rows
@@ -604,7 +605,7 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
 
 def tree_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape):
     """One round with a fixed tree shape: draft, build, verify. Returns (state, TreeRoundInfo)."""
-    _check_state(state, spec)
+    check_state(state, spec)
     draft = tree_draft(target_w, draft_w, state, spec)
     tree = round_tree(target_w, draft_w, state.anchor, draft, shape, spec)
     return verify_tree(target_w, state, tree, draft.draft_cache, spec)
@@ -825,7 +826,7 @@ def shape_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: Tr
     if shape.budget > width:
         raise ValueError(f"a chain of {shape.budget} is wider than the draft block {width}")
     new = spec_round(target_w, draft_w, state, dataclasses.replace(spec, block_size=shape.budget))
-    return new.replace(context=_pad_cols(new.context, width))
+    return new.replace(context=pad_cols(new.context, width))
 
 
 def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, policy: AdaptivePolicy):
@@ -1065,11 +1066,11 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
     state, chosen = run(begin_tree(pair, prep, widest))
     jax.block_until_ready(state.output)
     seconds = time.perf_counter() - t0
-    stats = dict(_shape_stats(prep), loop="jit", seconds=seconds, tree_budget=tree_budget, branch=branch)
+    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, tree_budget=tree_budget, branch=branch)
     if chosen is not None:
         counts = dict(zip(policy.shapes, np.asarray(chosen)))
         stats["adaptive_rounds"] = {label(s): int(counts.get(s, 0)) for s in full.shapes}
-    return _result(state, stats, rows=prep.num_prompts)
+    return generation_result(state, stats, rows=prep.num_prompts)
 
 
 def generate_tree_stepping(pair, prompts, *, max_new_tokens, shape: TreeShape, block_size: int | None = None,
@@ -1091,5 +1092,5 @@ def generate_tree_stepping(pair, prompts, *, max_new_tokens, shape: TreeShape, b
         rounds.append(row)
         done = np.asarray(state.done)
     seconds = time.perf_counter() - t0
-    stats = dict(_shape_stats(prep), loop="python", seconds=seconds, tree_budget=shape.budget, branch=shape.branch)
-    return _result(state, stats, rows=prep.num_prompts), rounds
+    stats = dict(shape_stats(prep), loop="python", seconds=seconds, tree_budget=shape.budget, branch=shape.branch)
+    return generation_result(state, stats, rows=prep.num_prompts), rounds

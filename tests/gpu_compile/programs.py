@@ -192,7 +192,7 @@ def round_inputs(model: str, batch: int = 1, prompt: int = PROMPT):
     prompts = [[1] * prompt for _ in range(batch)]
     prep = session.prepare(_AbstractPair(cfg, dcfg), prompts, block_size=WIDTH, max_new_tokens=MAX_LEN - prompt - 64)
     spec = dataclasses.replace(prep.spec, max_len=MAX_LEN)
-    state = jax.eval_shape(functools.partial(session._begin, spec=spec), target, draft, prep.tokens, prep.lengths,
+    state = jax.eval_shape(functools.partial(session.begin_arrays, spec=spec), target, draft, prep.tokens, prep.lengths,
                            prep.params, prep.key_data, prep.key_fold)
     drafted = jax.eval_shape(functools.partial(session.draft_round, spec=spec), target, draft, state)
     return spec, state, drafted

@@ -1,4 +1,4 @@
-"""Host-offloaded experts: stats arithmetic, placement, pool eviction, the layer-wise forward's exactness
+"""Host-offloaded experts: stats arithmetic, placement, cache eviction, the layer-wise forward's exactness
 and residency invariant, predictors, and lossless offloaded generation (B1/B2/B3) on a tiny random pair."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.models import qwen3
 from dflash_jax.offload import (
-    DraftRouter, ExpertCache, ExpertOperands, ExpertPool, HostExpertStore, NextLayerResidual, NonResidentExpert,
+    DraftRouter, ExpertCache, ExpertOperands, HostExpertStore, NextLayerResidual, NonResidentExpert,
     OffloadedGenerator, PoolTooSmall, PreviousRound, RoundInputs, RoundStats, RouteAheadStats, TraceObserver, Union,
     forward_layerwise, generate_offloaded, in_verify_part, layer_round_stats, make_predictor, plan_placement,
     ranked_union, strip_experts, warm_set,
@@ -22,8 +22,8 @@ from dflash_jax.offload import (
 from dflash_jax.spec import SamplingParams, generate, generate_stepping
 
 E = 16
-# the offloaded runs' pools: free slots and a trap slot hold blow-up values, so reading a non-resident expert
-# wrecks the output (`ExpertPool(poison=True)`)
+# the offloaded runs' caches: free slots and a trap slot hold blow-up values, so reading a non-resident expert
+# wrecks the output (`ExpertCache(poison=True)`)
 POISONED = functools.partial(ExpertCache, poison=True)
 CFG = testing.tiny_qwen3_moe_config(
     num_layers=3, moe=MoEConfig(num_experts=E, top_k=2, intermediate_size=32, norm_topk_prob=True))
@@ -136,11 +136,11 @@ def test_draft_router_applies_each_layers_router():
         assert set(pred[layer].tolist()) == set(top.reshape(-1).tolist())
 
 
-# ---- pool ----------------------------------------------------------------------------------------------------
-def _rows(pool, layer, expert):
-    le = pool.store.layers[layer]
-    slot = pool.layers[layer].slot_of[expert]
-    return [np.asarray(p)[slot] for p, i in zip(pool.layers[layer].leaves, le.per_expert) if i]
+# ---- the expert cache -----------------------------------------------------------------------------------------
+def _rows(cache, layer, expert):
+    """The cache's copy of `layer`'s expert `expert`: its row of every per-expert leaf of the layer's slab."""
+    slot = cache.layers[layer].slot_of[expert]
+    return [np.asarray(leaf)[slot] for leaf in cache.slabs[cache.layers[layer].slab].leaves]
 
 
 def _host_rows(store, layer, expert):
@@ -149,41 +149,42 @@ def _host_rows(store, layer, expert):
 
 
 @pytest.mark.parametrize("expert_format", ["dense", "mxfp4", "nvfp4"])
-def test_pool_holds_the_stores_rows_and_evicts_by_rule(expert_format):
+def test_cache_holds_the_stores_rows_and_evicts_by_rule(expert_format):
     weights = testing.random_qwen3_weights(CFG, jax.random.key(0))
     if expert_format != "dense":
         weights = testing.quantize_experts(weights, expert_format)
     store = HostExpertStore(weights)
     assert all(store.layers[0].leaves[j].sharding.memory_kind == "pinned_host"
                for j, i in enumerate(store.layers[0].per_expert) if i)
-    pool = ExpertPool(store, 3, pinned={0: [0]}, poison=True)
-    pool.fetch(0, [1, 2])
-    assert np.flatnonzero(pool.resident(0)).tolist() == [0, 1, 2]
+    cache = ExpertCache(store, 3 * store.expert_bytes(0), pinned={0: [0]}, poison=True)  # 3 slots, one pinned
+    assert cache.slots == 3
+    cache.fetch(0, [1, 2])
+    assert np.flatnonzero(cache.resident(0)).tolist() == [0, 1, 2]
     for e in (0, 1, 2):
-        for got, want in zip(_rows(pool, 0, e), _host_rows(store, 0, e)):
+        for got, want in zip(_rows(cache, 0, e), _host_rows(store, 0, e)):
             np.testing.assert_array_equal(got, want)
-    pool.touch(0, [1])
-    pool.advance()
-    pool.touch(0, [1, 2])  # expert 1 used twice, expert 2 once: 2 has the lower CRF score
-    pool.fetch(0, [3])
-    assert np.flatnonzero(pool.resident(0)).tolist() == [0, 1, 3]  # pinned 0 stays, 2 leaves
-    np.testing.assert_array_equal(_rows(pool, 0, 3)[0], _host_rows(store, 0, 3)[0])
-    pool.fetch(0, [4], protect=[1])
-    assert np.flatnonzero(pool.resident(0)).tolist() == [0, 1, 4]
+    cache.touch(0, [1])
+    cache.advance()
+    cache.touch(0, [1, 2])  # expert 1 used twice, expert 2 once: 2 has the lower CRF score
+    cache.fetch(0, [3])
+    assert np.flatnonzero(cache.resident(0)).tolist() == [0, 1, 3]  # pinned 0 stays, 2 leaves
+    np.testing.assert_array_equal(_rows(cache, 0, 3)[0], _host_rows(store, 0, 3)[0])
+    cache.fetch(0, [4], protect=[1])
+    assert np.flatnonzero(cache.resident(0)).tolist() == [0, 1, 4]
     with pytest.raises(PoolTooSmall, match="raise the expert budget"):
-        pool.fetch(0, [5, 6, 7])  # three unpinned experts at once, two unpinned slots
-    moved = pool.prefetch(0, [9, 8, 7], protect=[1])  # room for one: the most likely
-    assert moved.experts.tolist() == [9] and pool.resident(0)[[0, 1, 9]].all()
-    assert pool.slot_table(0).shape == (E,) and int(pool.slot_table(0)[5]) == 3  # sentinel = S
+        cache.fetch(0, [5, 6, 7])  # three unpinned experts at once, two unpinned slots
+    moved = cache.prefetch(0, [9, 8, 7], protect=[1])  # room for one: the most likely
+    assert moved.experts.tolist() == [9] and cache.resident(0)[[0, 1, 9]].all()
+    assert cache.slot_table(0).shape == (E,) and int(cache.slot_table(0)[5]) == 3  # sentinel = N (the trap row)
 
 
 # ---- the layer-wise forward --------------------------------------------------------------------------------
-def _pool_provider(pool, record=None):
+def _cache_provider(cache, record=None):
     def provide(layer, experts):
-        pool.fetch(layer, experts)
+        cache.fetch(layer, experts)
         if record is not None:
             record[layer] = np.unique(experts)
-        return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+        return ExpertOperands(cache.operands(layer), cache.slot_table(layer), cache.resident(layer))
     return provide
 
 
@@ -197,11 +198,12 @@ def test_layerwise_forward_equals_resident_and_reads_only_resident_experts(exper
     block = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
     want = qwen3.forward_jit(weights, block, prompt_out.cache, CFG, tap_layers=(0, 2))
     store = HostExpertStore(weights)
-    pool = ExpertPool(store, E, poison=True)  # filled in routing order: slot != expert id
-    got = forward_layerwise(strip_experts(weights), block, prompt_out.cache, CFG, provider=_pool_provider(pool),
-                            tap_layers=(0, 2))
+    # every expert of every layer fits; filled in routing order, layer after layer: slot != expert id
+    expert_cache = POISONED(store, store.total_bytes)
+    got = forward_layerwise(strip_experts(weights), block, prompt_out.cache, CFG,
+                            provider=_cache_provider(expert_cache), tap_layers=(0, 2))
     # Same math; fp32 sums may associate differently: XLA's CPU ragged_dot is one dense dot over all slots'
-    # [S * K] contraction, so an expert's position in the pool changes the blocking of its sum (~1e-6).
+    # [N * K] contraction, so an expert's position in the slab changes the blocking of its sum (~1e-6).
     tol = dict(rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got.out.logits), np.asarray(want.logits), **tol)
     for a, b in zip(got.out.taps, want.taps):
@@ -211,7 +213,7 @@ def test_layerwise_forward_equals_resident_and_reads_only_resident_experts(exper
         np.testing.assert_array_equal(got.routed[layer], np.asarray(want.router_experts[layer]).reshape(-1, 2))
 
     # A provider that does not fetch is caught before the expert GEMM runs ...
-    empty = ExpertPool(store, E, poison=True)
+    empty = POISONED(store, store.total_bytes)
 
     def lazy(layer, experts):
         return ExpertOperands(empty.operands(layer), empty.slot_table(layer), empty.resident(layer))
@@ -237,13 +239,14 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 24)), jnp.int32)
     cache = qwen3.forward_jit(weights, tokens, qwen3.init_cache(CFG, 2, 40), CFG).cache
     block = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
-    pool = ExpertPool(HostExpertStore(weights), E)
+    store = HostExpertStore(weights)
+    expert_cache = ExpertCache(store, store.total_bytes)
     calls = []
     seen = {}
 
     def provide(layer, experts):
         calls.append(("provider", layer))
-        return _pool_provider(pool)(layer, experts)
+        return _cache_provider(expert_cache)(layer, experts)
 
     def hook(layer, experts, probs):
         calls.append(("ahead", layer))
@@ -265,7 +268,7 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual():
             np.testing.assert_allclose(np.asarray(got.ahead_logits[i + 1]), np.asarray(logits), rtol=1e-5, atol=1e-5)
         x = qwen3.mlp_sublayer(lw, x, qwen3.mlp_input(lw, x, CFG), CFG)
     # and without the hook the forward is unchanged (no prediction computed)
-    plain = forward_layerwise(strip_experts(weights), block, cache, CFG, provider=_pool_provider(pool))
+    plain = forward_layerwise(strip_experts(weights), block, cache, CFG, provider=_cache_provider(expert_cache))
     assert plain.ahead == {} and plain.ahead_logits == {}
     np.testing.assert_array_equal(np.asarray(plain.out.logits), np.asarray(got.out.logits))
 

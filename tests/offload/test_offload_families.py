@@ -2,13 +2,13 @@
 MXFP4 packed experts, biased top-k-then-softmax router, sliding/full layers with sinks) and Qwen3.5-MoE
 (Gated DeltaNet + gated attention, shared expert, exact rollback state).
 
-- the layer-wise forward on a poisoned pool equals the family's jitted forward after a prefill (logits,
+- the layer-wise forward on a poisoned cache equals the family's jitted forward after a prefill (logits,
   taps, routing and every cache leaf: K/V buffers, DeltaNet states, conv windows and rollback buffers), and
   rolling both caches back gives the same cache;
 - a provider that lies about residency computes on poison and the output is wrecked;
 - offloaded greedy generation equals the resident `spec.generate` token for token and round for round at
   the smallest budget that runs, an intermediate one and all experts, with every predictor (the in-verify
-  "residual" alone and in unions included), poisoned pool;
+  "residual" alone and in unions included), poisoned cache;
 - the in-verify prediction is the next layer's router on the previous layer's post-attention residual; the
   learned predictor starts exactly at the family's router (gpt-oss bias, Qwen3.5 zero-centred norm).
 """
@@ -25,7 +25,7 @@ import pytest
 from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.offload import (
-    DraftRouter, ExpertCache, ExpertOperands, ExpertPool, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
+    DraftRouter, ExpertCache, ExpertOperands, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
     forward_layerwise, generate_offloaded, moe_layer_ids, strip_experts,
 )
 from dflash_jax.models.family import family_of
@@ -34,8 +34,8 @@ from dflash_jax.spec.loop import LOOP_BUCKETS
 from dflash_jax.spec.session import init_target_cache, prepare, target_family
 
 E = 16
-# the offloaded runs' pools: free slots and a trap slot hold blow-up values, so reading a non-resident expert
-# wrecks the output (`ExpertPool(poison=True)`)
+# the offloaded runs' caches: free slots and a trap slot hold blow-up values, so reading a non-resident expert
+# wrecks the output (`ExpertCache(poison=True)`)
 POISONED = functools.partial(ExpertCache, poison=True)
 
 
@@ -74,10 +74,10 @@ def _generation_shapes(pair):
     return prep.tokens, jnp.asarray(prep.lengths), prep.spec.max_len
 
 
-def _provider(pool):
+def _provider(cache):
     def provide(layer, experts):
-        pool.fetch(layer, experts)
-        return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
+        cache.fetch(layer, experts)
+        return ExpertOperands(cache.operands(layer), cache.slot_table(layer), cache.resident(layer))
     return provide
 
 
@@ -111,7 +111,7 @@ def test_store_holds_every_per_expert_leaf(pair):
 
 @pytest.fixture(scope="module")
 def reference(pair):
-    """The resident greedy run, and the offloaded run with every expert in a poisoned pool verifying layer by
+    """The resident greedy run, and the offloaded run with every expert in a poisoned cache verifying layer by
     layer (the layer-wise programs of the equality test below then have the same shapes: compiled once)."""
     want = generate(pair, PROMPTS, max_new_tokens=NEW, block_size=4)
     # proposals really accepted, and rejected: rollbacks of every length run in the offloaded verify too
@@ -143,9 +143,10 @@ def test_layerwise_forward_equals_the_jitted_forward(pair, reference):
     block = jax.device_put(jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32), device)
     taps = (0, 1, cfg.num_layers - 1)
     want = fam.forward_jit(weights, block, prompt.cache, cfg, tap_layers=taps)
-    pool = ExpertPool(store, E, poison=True)  # filled in routing order: slot != expert id
+    # every expert of every layer fits; filled in routing order, layer after layer: slot != expert id
+    expert_cache = POISONED(store, store.total_bytes)
     stripped = strip_experts(weights)
-    got = forward_layerwise(stripped, block, prompt.cache, cfg, provider=_provider(pool), tap_layers=taps)
+    got = forward_layerwise(stripped, block, prompt.cache, cfg, provider=_provider(expert_cache), tap_layers=taps)
     # Same math; fp32 sums may associate differently (an expert's slot position changes the blocking of XLA's
     # CPU ragged_dot), so ~1e-6 relative.
     tol = dict(rtol=1e-5, atol=1e-4)
@@ -170,15 +171,15 @@ def test_layerwise_forward_equals_the_jitted_forward(pair, reference):
     np.testing.assert_allclose(np.asarray(pre.out.logits), np.asarray(prompt.logits), **tol)
     _assert_trees_close(pre.out.cache, prompt.cache, **tol)
 
-    # The model's own forward on weights that read the pool (slot tables inside the weights: the
+    # The model's own forward on weights that read the cache (slot tables inside the weights: the
     # single-program verify of a full budget).
-    on_pool = fam.forward_jit(pool.pooled_weights(stripped), block, prompt.cache, cfg, tap_layers=taps)
-    np.testing.assert_allclose(np.asarray(on_pool.logits), np.asarray(want.logits), **tol)
-    _assert_trees_close(on_pool.cache, want.cache, **tol)
+    on_cache = fam.forward_jit(expert_cache.pooled_weights(stripped), block, prompt.cache, cfg, tap_layers=taps)
+    np.testing.assert_allclose(np.asarray(on_cache.logits), np.asarray(want.logits), **tol)
+    _assert_trees_close(on_cache.cache, want.cache, **tol)
 
     # A provider that lies about residency computes on poison: the output is wrecked (inf / NaN, or - through
     # the clamped SwiGLU and the norms - finite but far from the exact logits; an honest run is within 1e-4).
-    empty = ExpertPool(store, E, poison=True)
+    empty = POISONED(store, store.total_bytes)
 
     def lying(layer, experts):
         return ExpertOperands(empty.operands(layer), empty.slot_table(layer), np.ones(E, bool))
@@ -239,9 +240,9 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference
                                            init_target_cache(cfg, 2, max_len, jnp.float32, verify_width=4), cfg,
                                            num_valid=lengths, logits="last").cache
     block = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
-    pool = ExpertPool(store, E)
+    expert_cache = ExpertCache(store, store.total_bytes)
     seen = {}
-    got = forward_layerwise(strip_experts(weights), block, cache, cfg, provider=_provider(pool), ahead_width=2,
+    got = forward_layerwise(strip_experts(weights), block, cache, cfg, provider=_provider(expert_cache), ahead_width=2,
                             ahead=lambda j, experts, probs: seen.__setitem__(j, experts))
     assert sorted(seen) == sorted(got.ahead) == [1, 2]
     x, ctx = ofam.block_context(weights, block, cache, jnp.full((2,), 4, jnp.int32), cfg)

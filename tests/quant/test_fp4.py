@@ -444,20 +444,20 @@ def test_nvfp4_error_bounds_gaussian():
 
 @pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
 def test_true_divide_is_correctly_rounded(mode):
-    """XLA rewrites x / broadcast(d) into x * (1/d) (1-ulp errors); _true_divide must not."""
-    from dflash_jax.quant.fp4 import _true_divide
+    """XLA rewrites x / broadcast(d) into x * (1/d) (1-ulp errors); true_divide must not."""
+    from dflash_jax.quant.fp4 import true_divide
 
     rng = np.random.default_rng(14)
     x = rng.uniform(0, 1000, (256, 16)).astype(np.float32)
     d = rng.uniform(0.1, 10, (256,)).astype(np.float32)
     f = {
-        "eager": lambda x, d: _true_divide(jnp, x, d[:, None]),
-        "jit": jax.jit(lambda x, d: _true_divide(jnp, x, d[:, None])),
-        "vmap": jax.vmap(lambda x, d: _true_divide(jnp, x, d)),
+        "eager": lambda x, d: true_divide(jnp, x, d[:, None]),
+        "jit": jax.jit(lambda x, d: true_divide(jnp, x, d[:, None])),
+        "vmap": jax.vmap(lambda x, d: true_divide(jnp, x, d)),
     }[mode]
     np.testing.assert_array_equal(bits(f(x, d)), bits(x / d[:, None]))
     np.testing.assert_array_equal(
-        bits(jax.jit(lambda x: _true_divide(jnp, x, jnp.float32(6)))(x)), bits(x / np.float32(6))
+        bits(jax.jit(lambda x: true_divide(jnp, x, jnp.float32(6)))(x)), bits(x / np.float32(6))
     )
 
 

@@ -17,7 +17,7 @@ from dflash_jax import testing
 from dflash_jax.cache import KVCache
 from dflash_jax.spec import prefill
 from dflash_jax.spec.loop import run_loop
-from dflash_jax.spec.session import _begin, prepare
+from dflash_jax.spec.session import begin_arrays, prepare
 
 CHUNK = 16
 LENGTHS = (53, 21)
@@ -37,7 +37,7 @@ def states(request):
     prompts = [rng.integers(0, 100, n).tolist() for n in LENGTHS]
     prep = prepare(pair, prompts, max_new_tokens=24, stop_ids=[])
     args = (pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold)
-    whole = _begin(*args, prep.spec)
+    whole = begin_arrays(*args, prep.spec)
     chunked = prefill.chunked_begin_jit(*args, prep.spec, chunk=CHUNK)
     return request.param, pair, prep, whole, chunked
 
@@ -105,7 +105,7 @@ def test_qwen3_5_chunks_within_the_rollback_width(chunk):
     rng = np.random.default_rng(0)
     prep = prepare(pair, [rng.integers(0, 100, n).tolist() for n in (29, 11)], max_new_tokens=16, stop_ids=[])
     args = (pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold)
-    whole = _begin(*args, prep.spec)
+    whole = begin_arrays(*args, prep.spec)
     chunked = prefill.chunked_begin_jit(*args, prep.spec, chunk=chunk)
     committed = jax.jit(committed_linear_states)
     for (sa, ta), (sb, tb) in zip(committed(whole.target_cache), committed(chunked.target_cache)):
