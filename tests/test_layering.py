@@ -292,10 +292,7 @@ class PrivateUse:
 
 # (importer, home, name) still to be made public or moved: the command-line modules share option checks. Empty it
 # as they go; an entry that no longer occurs fails too.
-PRIVATE_ALLOWED = frozenset({
-    ("dflash_jax.cli.serve", "dflash_jax.cli.generate", "_pin_experts"),
-    ("dflash_jax.cli.serve", "dflash_jax.cli.generate", "_check_budget"),
-})
+PRIVATE_ALLOWED: frozenset = frozenset()
 
 
 def _private(name: str) -> bool:

@@ -225,8 +225,8 @@ def run(args) -> dict:
             raise UsageError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {args.predictor!r}")
         if args.loop == "jit":
             raise UsageError("--offload runs its own stepping loop: drop --loop jit")
-        pin = _pin_experts(args.pin_experts)
-        _check_budget(directory, args.expert_budget_mb)  # before anything heavy: from the manifest alone
+        pin = pin_experts_arg(args.pin_experts)
+        check_expert_budget(directory, args.expert_budget_mb)  # before anything heavy: from the manifest alone
     elif args.expert_budget_mb is not None:
         raise UsageError("--expert-budget-mb only applies with --offload")
     tree = args.tree_budget is not None or args.adaptive
@@ -367,7 +367,8 @@ def _routed_experts(cfg) -> int:
     return int(getattr(getattr(cfg, "moe", None), "num_experts", 0) or 0)
 
 
-def _pin_experts(value: str):
+def pin_experts_arg(value: str):
+    """`--pin-experts`: True for auto, False for none, or a count N."""
     if value in ("auto", "none"):
         return value == "auto"
     if value.isdigit():
@@ -376,7 +377,7 @@ def _pin_experts(value: str):
     raise UsageError(f"--pin-experts must be auto, none or a count N >= 0, got {value!r}")
 
 
-def _check_budget(directory: str, budget_mb: float) -> None:
+def check_expert_budget(directory: str, budget_mb: float) -> None:
     """Refuses a budget below the smallest that runs, from the checkpoint's manifest (no weights loaded)."""
     from dflash_jax.checkpoint import read_manifest
     from dflash_jax.offload.cache import min_budget_from_manifest

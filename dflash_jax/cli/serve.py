@@ -137,9 +137,9 @@ def check_args(args) -> None:
         if args.mesh is not None:
             raise UsageError("--offload serves on one device: drop --mesh (or serve resident on the mesh)")
         try:
-            generate_cli._pin_experts(args.pin_experts)
+            generate_cli.pin_experts_arg(args.pin_experts)
             if os.path.exists(os.path.join(directory, "manifest.json")):
-                generate_cli._check_budget(directory, args.expert_budget_mb)  # from the manifest alone
+                generate_cli.check_expert_budget(directory, args.expert_budget_mb)  # from the manifest alone
         except generate_cli.UsageError as e:
             raise UsageError(str(e)) from None
     elif getattr(args, "expert_budget_mb", None) is not None:
@@ -243,7 +243,7 @@ def build_app(args):
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None)
         if offload:
-            from dflash_jax.cli.generate import _pin_experts
+            from dflash_jax.cli.generate import pin_experts_arg
             from dflash_jax.offload import PoolTooSmall
             from dflash_jax.serve.offload_engine import OffloadedEngine
 
@@ -255,7 +255,7 @@ def build_app(args):
                 hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
             try:
                 engine = OffloadedEngine(pair, budget_bytes=int(args.expert_budget_mb * 1e6), predictor=args.predictor,
-                                         pin=_pin_experts(args.pin_experts), hybrid=hybrid,
+                                         pin=pin_experts_arg(args.pin_experts), hybrid=hybrid,
                                          expert_byte_budget="cache" if byte_budget is None else byte_budget, **common)
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None

@@ -208,7 +208,7 @@ def test_serve_offload_process_matches_generate_and_shows_metrics(tmp_path, caps
         metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     finally:
         code = stop(proc)
-    assert code == 0, proc.stderr.read()
+    assert code == 128 + 15, proc.stderr.read()  # stopped by the SIGTERM: 143, as every signal ends a CLI
     assert out["choices"][0]["token_ids"] == want
     prefill = 'dflash_offload_bytes_moved_total{kind="prefill"}'
     moved = [line for line in metrics.splitlines() if line.startswith(prefill)]
