@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Callable
 
-from dflash_jax.errors import CheckpointError, Interrupted, UsageError
+from dflash_jax.errors import CheckpointError, Interrupted, UsageError, fsync_dir
 
 MARKER = ".dflash_jax_partial.json"
 _TOKEN = r"[A-Za-z0-9_]+"
@@ -251,13 +251,6 @@ def rename_noreplace(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -364,7 +357,7 @@ class StagedOutput:
     def commit(self) -> None:
         """Moves the finished partial directory to `out` (atomically replacing an old checkpoint)."""
         with self.guard.critical():
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             aside = None
             if os.path.lexists(self.out):
                 if not self.overwrite or not is_checkpoint_dir(self.out):
@@ -385,7 +378,7 @@ class StagedOutput:
                 raise
             self.committed = True
             self.path = self.out
-            _fsync_dir(self.parent)
+            fsync_dir(self.parent)
             if aside is not None:
                 self._remove(aside)
             with contextlib.suppress(FileNotFoundError):

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from dflash_jax.errors import CheckpointError, open_regular, safe_relpath
+from dflash_jax.errors import CheckpointError, fsync_dir, open_regular, safe_relpath
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
 
 MANIFEST = "manifest.json"
@@ -165,12 +165,7 @@ def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> di
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    fsync_dir(directory)
     return sealed
 
 

@@ -77,3 +77,18 @@ def safe_relpath(rel: object) -> bool:
     if len(rel) > 1 and rel[1] == ":":  # a Windows drive
         return False
     return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def fsync_dir(path: str) -> None:
+    """Makes a rename or a new file in `path` durable (best effort: a filesystem without directory fsync is
+    left as it is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

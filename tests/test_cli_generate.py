@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -126,7 +127,7 @@ def test_text_prompt_through_tokenizer(checkpoint, tmp_path, capsys):
         # numbers beyond what their traced int32 / float32 can hold: one line before anything loads
         (["--prompt-ids", "1,2", "--top-k", str(2**31)], "--top-k must be at most 2^31 - 1"),
         (["--prompt-ids", "1,2", "--top-k", "-1"], "--top-k must be >= 0"),
-        (["--prompt-ids", "1,2", "--temperature", "1e308"], "--temperature must be at most 10000"),
+        (["--prompt-ids", "1,2", "--temperature", "1e308"], "--temperature must be at most 3.403e+38"),
         (["--prompt-ids", "1,2", "--temperature", "inf"], "--temperature must be >= 0 and finite"),
         (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature must be >= 0 and finite"),
         (["--prompt-ids", "1,2", "--top-p", "nan"], "--top-p must be in (0, 1]"),
@@ -163,11 +164,11 @@ def test_missing_checkpoint(tmp_path, capsys):
 
 
 def test_sampling_params_ranges():
-    """The rules every caller gets (the CLI and the server build SamplingParams): temperature in [0, 1e4],
-    finite; top_p in (0, 1]; top_k an integer in 0 .. 2^31 - 1 (>= the vocabulary: every token kept)."""
+    """The rules every caller gets (the CLI and the server build SamplingParams): temperature in [0, 3.4e38]
+    (float32's largest), finite; top_p in (0, 1]; top_k an integer in 0 .. 2^31 - 1 (>= the vocabulary: every token kept)."""
     from dflash_jax.spec.sampling import MAX_TEMPERATURE, MAX_TOP_K, RowSampling, SamplingParams
 
-    assert MAX_TOP_K == 2**31 - 1 and MAX_TEMPERATURE == 1e4
+    assert MAX_TOP_K == 2**31 - 1 and MAX_TEMPERATURE == float(np.float32(3.4028235e38))
     edge = SamplingParams(temperature=MAX_TEMPERATURE, top_p=1e-50, top_k=MAX_TOP_K)
     rows = RowSampling.of(edge)  # every value fits its fp32 / int32 row, none becomes inf
     assert rows.top_k[0] == MAX_TOP_K and rows.temperature[0] == MAX_TEMPERATURE

@@ -31,9 +31,9 @@ AcceptanceMode = Literal["exact_match", "rejection"]
 MODES = ("exact_match", "rejection")
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 # The ranges `SamplingParams` accepts (each value is traced as an fp32 / int32 row, `RowSampling`):
-# temperature in [0, MAX_TEMPERATURE]: beyond it every token of a realistic model is already about equally
-# likely (logit gaps of 40 change the odds by under 0.5%), and far beyond it fp32 holds only inf.
-MAX_TEMPERATURE = 1e4
+# temperature in [0, MAX_TEMPERATURE]: the largest finite fp32 (a larger value, 1e308 say, would be traced as inf;
+# long before it every token is about equally likely, which the sampler computes without overflow).
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
 MAX_TOP_K = 2**31 - 1  # int32; a top_k >= the vocabulary keeps every token, like 0
 
 
@@ -58,7 +58,7 @@ class SamplingParams:
     The values are traced (changing them never recompiles); the mode picks the compiled program.
 
     Ranges (anything else is a ValueError, or a TypeError for a non-number, naming the field):
-      temperature  a real number in [0, MAX_TEMPERATURE = 1e4] (NaN and inf refused); a positive value below
+      temperature  a real number in [0, MAX_TEMPERATURE = 3.4e38, fp32's largest] (NaN and inf refused); one below
                    fp32's smallest normal (1.2e-38, down to 5e-324) counts as 1.2e-38 (module doc)
       top_p        a real number in (0, 1] (NaN refused); one below fp32's smallest subnormal (1.4e-45)
                    rounds to 0 in fp32, which keeps only the most likely token(s): the p -> 0 limit
@@ -77,8 +77,8 @@ class SamplingParams:
         if not temperature >= 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if temperature > MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be at most {MAX_TEMPERATURE:g} (already about uniform over the "
-                             f"vocabulary; 0 = greedy), got {self.temperature}")
+            raise ValueError(f"temperature must be at most {MAX_TEMPERATURE:.4g} (the largest float32; 0 = greedy), "
+                             f"got {self.temperature}")
         top_p = _real(self.top_p, "top_p")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
