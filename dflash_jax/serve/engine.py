@@ -533,6 +533,10 @@ class Engine:
     program per prompt bucket up to `max_prompt_len`). A subclass with its own prefill (the offloaded engine's
     layer-wise one) always prefills whole prompts."""
 
+    # what this engine's rounds can do (a subclass that runs its own rounds says what it lacks)
+    chunked_prefill = True  # long prompts prefilled one chunk per round (`prefill_chunk`)
+    deferred_context = True  # width-1 rounds leave the draft's context append to the next drafting round
+
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
                  expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
@@ -601,8 +605,7 @@ class Engine:
         self.max_prompt_len = min(self.max_prompt_len, max_len - self.block_size - 1)
         self.max_new_tokens = int(max_new_tokens)
         self.stops_len = self.buckets.stops_len(4)
-        whole_only = type(self)._prefill_group is not Engine._prefill_group  # a subclass with its own prefill
-        self.prefill_chunk = (None if prefill_chunk is None or whole_only
+        self.prefill_chunk = (None if prefill_chunk is None or not self.chunked_prefill
                               else self.buckets.prompt_len(int(prefill_chunk)))
         self._prefilling: _Prefilling | None = None
         self.prefill_chunks = 0  # chunks of long prompts prefilled (total)
@@ -622,9 +625,8 @@ class Engine:
         self._explored = None  # the width this round explores (None: the chosen one runs)
         self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
         self.explore_seconds = 0.0  # their wall time
-        # width-1 rounds leave the draft's context append to the next drafting round (`_draft`, `_verify`); not in a
-        # subclass that runs its own rounds (the offloaded engine's verify commits the context itself)
-        self.defer_context = bool(defer_context) and bool(self.spec.taps) and type(self)._step is Engine._step
+        # width-1 rounds leave the draft's context append to the next drafting round (`_draft`, `_verify`)
+        self.defer_context = bool(defer_context) and bool(self.spec.taps) and self.deferred_context
         self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append
         self.width_margin = float(width_margin)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet

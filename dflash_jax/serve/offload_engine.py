@@ -149,6 +149,9 @@ class OffloadedEngine(Engine):
     store: a `HostExpertStore` of `pair.target` to reuse. bandwidth: host->device bytes/s (default: probed).
     Every other keyword is `Engine`'s (no `mesh`: offloaded serving runs on one device)."""
 
+    chunked_prefill = False  # its own prefill fetches each prompt's experts whole
+    deferred_context = False  # its verify commits the draft's context itself
+
     def __init__(self, pair, *, budget_bytes: int, predictor: str = "draft_router", pin=False,
                  expert_byte_budget="cache", byte_cost: str = "missing", hybrid=None, transfer: str = "device_put",
                  crf_lambda: float = 0.5, store=None, bandwidth: float | None = None, poison: bool = False,
