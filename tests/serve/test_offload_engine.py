@@ -34,7 +34,10 @@ def served(pair):
     budget = CACHE_EXPERTS * store.expert_bytes(store.layer_ids[0])
     engine = OffloadedEngine(pair, budget_bytes=budget, slots=3, block_size=BLOCK, max_prompt_len=16,
                              max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0},
-                             row_buckets=(1, 3))
+                             row_buckets=(1, 3), prefill_chunk=8, defer_context=True)
+    # what the offloaded rounds cannot do is switched off by the engine's capability flags, whatever was asked
+    assert not engine.chunked_prefill and engine.prefill_chunk is None
+    assert not engine.deferred_context and not engine.defer_context
     engine.warmup([16])
     registry = CollectorRegistry()
     attach_metrics(engine, registry)
