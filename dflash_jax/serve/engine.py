@@ -64,7 +64,7 @@ from dflash_jax.offload.predictors import router_topk
 from dflash_jax.offload.store import moe_layer_ids
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.spec import requests as rq
-from dflash_jax.spec.sampling import RowSampling, SamplingParams
+from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.session import (
     Draft, RowParams, SpecConfig, SpecState, begin_arrays, commit_verify, draft_round, verify_block,
@@ -759,7 +759,7 @@ class Engine:
                            sampling=RowSampling.of([sampling]),
                            stop_ids=rq.pad_stop_ids([req.stop_ids if req is not None else []], self.stops_len, 1))
         seed = req.seed if req is not None else 0
-        key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))[None]
+        key_data = seed_key_data(seed)[None]
         return tokens, lengths, params, key_data, np.zeros(1, np.int32)
 
     def _prefill(self, req: Request | None) -> SpecState:
@@ -782,8 +782,7 @@ class Engine:
         params = RowParams(budget=np.array([r.max_new_tokens for r in reqs] + [1] * pad, np.int32),
                            sampling=RowSampling.of(samplings),
                            stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
-        key_data = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in reqs]
-                            + [np.asarray(jax.random.key_data(jax.random.key(0)))] * pad)
+        key_data = np.stack([seed_key_data(r.seed) for r in reqs] + [seed_key_data(0)] * pad)
         return begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data,
                       np.zeros(rows, np.int32), self.spec)
 

@@ -55,7 +55,7 @@ from dflash_jax.offload.store import memory_sharding
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.serve.engine import Engine, RoundInfo, head_rows, keep_rows, put_head_rows
 from dflash_jax.spec import requests as rq
-from dflash_jax.spec.sampling import RowSampling, SamplingParams
+from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
 from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, commit_verify, init_target_cache, verify_block
 
 PREDICTORS = ("draft_router", "none")  # what drives the prefetch: the scheduler's demand, or nothing (on demand)
@@ -218,8 +218,7 @@ class OffloadedEngine(Engine):
         params = RowParams(budget=np.array([r.max_new_tokens for r in reqs] + [1] * pad, np.int32),
                            sampling=RowSampling.of([r.sampling for r in reqs] + [SamplingParams()] * pad),
                            stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
-        key_data = np.stack([np.asarray(jax.random.key_data(jax.random.key(r.seed))) for r in reqs]
-                            + [np.asarray(jax.random.key_data(jax.random.key(0)))] * pad)
+        key_data = np.stack([seed_key_data(r.seed) for r in reqs] + [seed_key_data(0)] * pad)
         state = self._offload_begin(tokens, lengths, params, key_data, np.zeros(rows, np.int32))
         if self._pin_pending and reqs and reqs[0].id >= 0:  # the first real requests: pin from their routing
             self._pin_from_prefill(len(reqs))

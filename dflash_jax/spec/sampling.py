@@ -37,6 +37,18 @@ MAX_TEMPERATURE = float(np.finfo(np.float32).max)
 MAX_TOP_K = 2**31 - 1  # int32; a top_k >= the vocabulary keeps every token, like 0
 
 
+def seed_key_data(seed: int) -> np.ndarray:
+    """The PRNG key data of a request's seed, any integer in [-2^63, 2^63). `jax.random.key` keeps only a seed's
+    low 32 bits, so seeds that differ above them would draw the same tokens: the key is `key(seed mod 2^32)`,
+    with the high word folded in when it is not zero. Seeds in [0, 2^32) keep exactly `jax.random.key(seed)`."""
+    seed = int(seed)
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    high = (seed >> 32) & 0xFFFFFFFF
+    if high:
+        key = jax.random.fold_in(key, high)
+    return np.asarray(jax.random.key_data(key))
+
+
 def _real(value, name: str) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")

@@ -47,7 +47,7 @@ from dflash_jax.spec.accept import match_accept, rejection_accept
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import (
     AcceptanceMode, RowSampling, SamplingParams, next_token_rows, processed_scores, sample_probs_rows, sample_rows,
-    sampling_probs,
+    sampling_probs, seed_key_data,
 )
 
 
@@ -213,11 +213,11 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
         stop_ids=rq.pad_stop_ids(stops, buckets.stops_len(max(len(s) for s in stops)), batch),
     )
     if isinstance(seeds, int):
-        base = np.asarray(jax.random.key_data(jax.random.key(seeds)))
+        base = seed_key_data(seeds)
         key_data = np.broadcast_to(base, (batch,) + base.shape).copy()
         key_fold = np.arange(batch, dtype=np.int32)
     else:
-        key_data = np.stack([np.asarray(jax.random.key_data(jax.random.key(s))) for s in seeds + [0] * pad])
+        key_data = np.stack([seed_key_data(s) for s in seeds + [0] * pad])
         key_fold = np.zeros(batch, np.int32)
     spec = SpecConfig(target=tcfg, draft=dcfg, block_size=block_size, max_len=max_len, output_len=output_len,
                       method=method)

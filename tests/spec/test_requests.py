@@ -220,3 +220,16 @@ def test_eager_verify_round_rejects_out_of_vocabulary_proposals(pair):
         verify_round(pair.target, state, short, spec)
     with pytest.raises(TypeError, match="draft must be a Draft"):
         verify_round(pair.target, state, draft.tokens, spec)
+
+
+def test_seeds_that_differ_only_above_32_bits_draw_differently():
+    """JAX's key keeps a seed's low 32 bits; a request's seed (any int64, as OpenAI clients send) folds its high
+    word in, while every seed in [0, 2^32) keeps exactly `jax.random.key(seed)`."""
+    import jax
+
+    from dflash_jax.spec.sampling import seed_key_data
+
+    for s in (0, 7, 2**31, 2**32 - 1):
+        np.testing.assert_array_equal(seed_key_data(s), np.asarray(jax.random.key_data(jax.random.key(s))))
+    seeds = [0, 2**32, 2**33, 2**32 + 7, 7, -1, 2**32 - 1, 2**63 - 1, -(2**63)]
+    assert len({tuple(seed_key_data(s)) for s in seeds}) == len(seeds)
