@@ -75,9 +75,6 @@ def check_numbers(args) -> None:
                     what=" (and the prompt plus it must fit the target's positions)")
     if not -2**63 <= args.seed < 2**63:
         raise UsageError(f"--seed must fit in 64 bits (-2^63 .. 2^63 - 1), got {args.seed}")
-    if not 0 <= args.seed < 2**32:
-        raise UsageError(f"--seed must be in 0 .. 2^32 - 1 (the random key holds 32 bits: seeds equal modulo 2^32 "
-                         f"would draw the same tokens), got {args.seed}")
     _check_int_flag("--tree-budget", args.tree_budget, 1, what=" (nodes per verify)")
     _check_int_flag("--tree-branch", args.tree_branch, 1)
     _check_int_flag("--predictor-width", args.predictor_width, 1, what=" (experts per token)")
