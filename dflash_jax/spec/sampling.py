@@ -38,12 +38,16 @@ MAX_TOP_K = 2**31 - 1  # int32; a top_k >= the vocabulary keeps every token, lik
 
 
 def seed_key_data(seed: int) -> np.ndarray:
-    """The PRNG key data of a request's seed, any integer in [-2^63, 2^63). `jax.random.key` keeps only a seed's
-    low 32 bits, so seeds that differ above them would draw the same tokens: the key is `key(seed mod 2^32)`,
-    with the high word folded in when it is not zero. Seeds in [0, 2^32) keep exactly `jax.random.key(seed)`."""
+    """The PRNG key data of a request's seed, any integer in [-2^63, 2^63), built on the host (no device work, so
+    no program is compiled while serving). With 32-bit JAX, `jax.random.key` keeps only a seed's low 32 bits, so
+    seeds that differ above them would draw the same tokens; here the threefry key is the seed's two 32-bit words
+    [high, low], which is what `jax.random.key` makes of a 64-bit seed with x64 on, and exactly
+    `jax.random.key(seed)` for seeds in [0, 2^32). Another PRNG implementation folds the high word in."""
     seed = int(seed)
-    key = jax.random.key(seed & 0xFFFFFFFF)
-    high = (seed >> 32) & 0xFFFFFFFF
+    low, high = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    if jax.config.jax_default_prng_impl == "threefry2x32":
+        return np.array([high, low], np.uint32)
+    key = jax.random.key(low)
     if high:
         key = jax.random.fold_in(key, high)
     return np.asarray(jax.random.key_data(key))

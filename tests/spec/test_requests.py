@@ -233,3 +233,14 @@ def test_seeds_that_differ_only_above_32_bits_draw_differently():
         np.testing.assert_array_equal(seed_key_data(s), np.asarray(jax.random.key_data(jax.random.key(s))))
     seeds = [0, 2**32, 2**33, 2**32 + 7, 7, -1, 2**32 - 1, 2**63 - 1, -(2**63)]
     assert len({tuple(seed_key_data(s)) for s in seeds}) == len(seeds)
+
+
+def test_a_seed_key_compiles_nothing():
+    """Serving compiles nothing after warm-up: a request's key (any seed) is built on the host."""
+    from dflash_jax.compile_cache import CompileCounter
+    from dflash_jax.spec.sampling import seed_key_data
+
+    with CompileCounter() as counter:
+        for s in (3, 2**31 + 5, 2**40 + 1, -(2**62) - 9):
+            seed_key_data(s)
+    assert counter.compiles == 0
