@@ -262,7 +262,9 @@ def test_cli_interrupted_at_every_moment(warm_cache):
         out, err = run.proc.communicate(timeout=300)
         r = dict(alive=True, code=run.proc.returncode, out=out, err=err.decode(errors="replace"),
                  latency=time.monotonic() - sent)
-        if r["code"] == 0 and b"3000 tokens" in err:  # finished before the signal: the run is shorter than this moment
+        if b"3000 tokens" in err:  # the run had finished its output before the signal: shorter than this moment
+            # the signal met the interpreter's exit (handlers restored): ended by it, or exited 0 first
+            assert r["code"] in (0, -sig, 128 + sig), r
             break
         assert_interrupted(r, sig)
         done += 1
