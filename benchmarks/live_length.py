@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     import dflash_jax
     from dflash_jax.cli.generate import SHIPPED_PAIR
-    from dflash_jax.decode import _decode_loop, _prefill
+    from dflash_jax.decode import decode_loop, prefill_cache
     from dflash_jax.nn import attention
     from dflash_jax.spec.loop import run_loop
     from dflash_jax.spec.session import begin_prepared, prepare
@@ -79,13 +79,13 @@ def main(argv=None) -> int:
     for size in sizes:
         prep = dataclasses.replace(prep0, spec=dataclasses.replace(prep0.spec, max_len=size))
         spec_state[size] = begin_prepared(pair, prep)
-        first, cache = _prefill(pair.target, tokens, lengths, tcfg, size)
+        first, cache = prefill_cache(pair.target, tokens, lengths, tcfg, size)
         plain_in[size] = (first, cache)
         for mode, fields in MODES.items():
             _log(f"compiling {mode:7s} loops, cache {size:6d} rows ...")
             with attention.attention_tuning(**fields):
                 spec_fn[mode, size] = run_loop.lower(pair.target, pair.draft, spec_state[size], prep.spec).compile()
-                plain_fn[mode, size] = _decode_loop.lower(pair.target, first, cache, stops, budgets, cfg=tcfg,
+                plain_fn[mode, size] = decode_loop.lower(pair.target, first, cache, stops, budgets, cfg=tcfg,
                                                           output_len=prep.spec.output_len).compile()
     _log(f"compiled {2 * len(MODES) * len(sizes)} programs in {time.perf_counter() - t_compile:.0f} s")
 

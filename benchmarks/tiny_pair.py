@@ -52,7 +52,7 @@ def plain_without_rollback(pair, n: int):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.decode import _decode_loop
+    from dflash_jax.decode import decode_loop
     from dflash_jax.spec import requests as rq
     from dflash_jax.spec.session import init_target_cache, target_family
 
@@ -74,7 +74,7 @@ def plain_without_rollback(pair, n: int):
         first, cache = prefill(tokens, lengths, max_len)
         stops = np.full((buckets.stops_len(0),), -1, np.int32)
         budgets = np.full((tokens.shape[0],), n, np.int32)
-        out, num, _ = _decode_loop(weights, first, cache, stops, budgets, cfg, output_len)
+        out, num, _ = decode_loop(weights, first, cache, stops, budgets, cfg, output_len)
         out, num = np.asarray(out), np.asarray(num)
         return list(map(int, out[0, : num[0]]))
 

@@ -38,7 +38,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "implementation"))
-def _prefill(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, implementation: str = "auto"):
+def prefill_cache(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, implementation: str = "auto"):
+    """A fresh target cache of `max_len` rows holding the right-padded prompts, and each row's first token."""
     from dflash_jax.spec.session import init_target_cache, target_family
 
     cache = init_target_cache(cfg, tokens.shape[0], max_len, weights.embed.dtype, verify_width=1)
@@ -48,7 +49,7 @@ def _prefill(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, implement
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "output_len", "implementation"), donate_argnames=("cache",))
-def _decode_loop(weights, first, cache, stop_ids, budgets, cfg: Qwen3Config, output_len: int,
+def decode_loop(weights, first, cache, stop_ids, budgets, cfg: Qwen3Config, output_len: int,
                  implementation: str = "auto"):
     """stop_ids [S] (-1 = unused), budgets [b] (tokens per sequence, the first included, <= output_len).
     The prefill's cache is donated and returned (the loop's carry reuses its buffers instead of holding a
@@ -119,7 +120,7 @@ def greedy_generate(
     stop_arr = np.full((buckets.stops_len(len(stops)),), -1, np.int32)
     stop_arr[: len(stops)] = stops
     compile_cache.ensure_enabled()
-    first, cache = _prefill(weights, tokens, lengths, cfg, max_len, implementation)
-    out, num, _ = _decode_loop(weights, first, cache, stop_arr, budgets, cfg, output_len, implementation)
+    first, cache = prefill_cache(weights, tokens, lengths, cfg, max_len, implementation)
+    out, num, _ = decode_loop(weights, first, cache, stop_arr, budgets, cfg, output_len, implementation)
     out, num = np.asarray(out), np.asarray(num)
     return [list(map(int, out[i, : num[i]])) for i in range(n)]

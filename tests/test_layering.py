@@ -392,3 +392,17 @@ def test_pallas_kernels_loads_no_sibling_at_run_time():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_resident_engine_does_not_import_offload():
+    """Routing is the family's (`nn.moe.router_topk`, `ModelFamily.moe_layer_ids`): only the offloaded engine knows
+    `offload`."""
+    import ast
+    import pathlib
+
+    import dflash_jax
+
+    path = pathlib.Path(dflash_jax.__file__).parent / "serve" / "engine.py"
+    imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m.startswith("dflash_jax.offload")}, imported

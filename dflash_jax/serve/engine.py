@@ -60,8 +60,7 @@ from dflash_jax import compile_cache
 from dflash_jax.cache import KVCache
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.family import family_of
-from dflash_jax.offload.predictors import router_topk
-from dflash_jax.offload.store import moe_layer_ids
+from dflash_jax.nn.moe import router_topk
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
@@ -641,7 +640,7 @@ class Engine:
         self.budgets = sched.Budgets(tokens=token_budget, expert_bytes=expert_byte_budget)
         self.max_queue = int(max_queue)
         fam = family_of(tcfg)
-        layers = moe_layer_ids(pair.target)
+        layers = family_of(pair.target_cfg).moe_layer_ids(pair.target)
         self.moe_layers = layers
         parts = [fam.router_parts(pair.target.layers[i]) for i in layers]
         self._norms = jnp.stack([p[0] for p in parts])

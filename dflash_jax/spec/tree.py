@@ -155,7 +155,8 @@ CALIBRATION_FILE = "tree_calibration.json"  # a pair's shipped acceptance model,
 CALIBRATION_FORMAT = "dflash_jax.tree_calibration/1"
 
 
-def _calibration_digest(body: dict) -> str:
+def calibration_digest(body: dict) -> str:
+    """The sha256 a calibration file carries of its own fitted content (format, features, weights, pair)."""
     keep = {k: body[k] for k in ("format", "features", "weights", "pair_fingerprint")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
@@ -168,7 +169,7 @@ def save_calibration(cal: "TreeCalibration", path: str, *, pair=None, fitted_on:
         path = os.path.join(path, CALIBRATION_FILE)
     body = dict(format=CALIBRATION_FORMAT, features=list(CALIBRATION_FEATURES), weights=list(cal.weights),
                 pair_fingerprint=None if pair is None else pair_fingerprint(pair), fitted_on=fitted_on or {})
-    body["sha256"] = _calibration_digest(body)
+    body["sha256"] = calibration_digest(body)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as fh:
@@ -243,7 +244,7 @@ def _load_calibration(path: str, fingerprint: str | None, stamp) -> "TreeCalibra
         raise bad(f"has 'pair_fingerprint' {str(body['pair_fingerprint'])[:80]!r}, not null or a sha256 hex digest")
     if "fitted_on" in body and not isinstance(body["fitted_on"], dict):
         raise bad(f"has 'fitted_on' {str(body['fitted_on'])[:80]!r}, not a JSON object")
-    if not _is_digest(body["sha256"]) or body["sha256"] != _calibration_digest(body):
+    if not _is_digest(body["sha256"]) or body["sha256"] != calibration_digest(body):
         raise bad("fails its sha256 (edited or truncated)")
     if features != list(CALIBRATION_FEATURES):
         raise bad(f"has features {features}, this version uses {list(CALIBRATION_FEATURES)}")

@@ -187,11 +187,11 @@ def test_margin_prefers_the_cheapest_shape_and_survives_pruning():
 def _edited(change, resign=True):
     def make(body):
         change(body)
-        from dflash_jax.spec.tree import _calibration_digest
+        from dflash_jax.spec.tree import calibration_digest
 
         if resign and {"format", "features", "weights", "pair_fingerprint", "sha256"} <= set(body):
             try:
-                body["sha256"] = _calibration_digest(body)  # edits that keep the checksum right
+                body["sha256"] = calibration_digest(body)  # edits that keep the checksum right
             except (TypeError, ValueError):
                 pass
         return json.dumps(body).encode()
