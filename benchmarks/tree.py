@@ -13,7 +13,7 @@ files, one batch):
   - trees built from the acceptance model (`spec.tree.TreeCalibration`) fitted on training-split prompts
     (the pair's shipped `spec.tree.CALIBRATION_FILE`, written by `--fit-calibration` from `--fit-seeds`; without
     one, fitted on `--calib-seeds`), `--branch` candidates a node, and the plain build at the largest budget;
-  - the adaptive policy (`spec.tree.AdaptivePolicy`): its seconds and tokens per round measured by
+  - the adaptive policy (`spec.policy.AdaptivePolicy`): its seconds and tokens per round measured by
     `calibrate_policy` (each shape's fixed loop, interleaved repeats) on two training-split calibration
     batches, not the measured sets, with a prior toward the cheapest shape (`--margin`); it compiles and
     provisions only the shapes it can choose. It is timed
@@ -116,7 +116,9 @@ def plot(rows: list[dict], path: str) -> bool:
 def resident(args, pair, shapes, calib_prompts, sets, policy_shapes):
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate
-    from dflash_jax.spec.tree import AdaptivePolicy, VerifyCost, calibrate_policy, generate_tree, generate_tree_stepping
+    from dflash_jax.spec.calibrate import calibrate_policy
+    from dflash_jax.spec.loop import generate_tree, generate_tree_stepping
+    from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
 
     n = args.max_new
     t0 = time.perf_counter()
@@ -208,7 +210,7 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
     """Offloaded rows of one pair: each shape, then the adaptive policy with the shapes' measured costs."""
     from dflash_jax.decode import greedy_generate
     from dflash_jax.offload import HostExpertStore, OffloadedGenerator
-    from dflash_jax.spec.tree import AdaptivePolicy, VerifyCost
+    from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
 
     n = args.offload_new
     store = HostExpertStore(pair.target)
@@ -366,9 +368,9 @@ def main(argv=None) -> int:
 
     import dflash_jax
     from dflash_jax import SHIPPED_PAIR, testing
+    from dflash_jax.spec.calibrate import calibration_samples, fit_calibration
     from dflash_jax.spec.tree import (
-        CALIBRATION_FILE, DEFAULT_TEMPERATURE, TreeShape, calibration_samples, fit_calibration, pair_calibration,
-        save_calibration,
+        CALIBRATION_FILE, DEFAULT_TEMPERATURE, TreeShape, pair_calibration, save_calibration,
     )
     from dflash_jax.train.data import file_windows
     from dflash_jax.train.tiny_pair import target_config
@@ -438,7 +440,7 @@ def main(argv=None) -> int:
         with open(os.path.join(out_dir, "tree.json")) as fh:
             old = json.load(fh)
         rows, summary = old["rows"], old["summary"]
-        from dflash_jax.spec.tree import VerifyCost
+        from dflash_jax.spec.policy import VerifyCost
 
         cost = VerifyCost(tuple(old["warmup_cost_s"]))
         reach, res_taus = old.get("reachable", []), old.get("calibration_taus", [])
@@ -508,7 +510,7 @@ def main(argv=None) -> int:
                   f"against the least of the fixed shapes ({s['least_cpu_fixed']}): "
                   f"**{s['adaptive_over_least_cpu_fixed']:.2f}x**; rounds per "
                   f"shape {s['adaptive_rounds']}")
-    md += ["", "Adaptive policy figures (`spec.tree.calibrate_policy`: each shape's fixed loop on two batches of "
+    md += ["", "Adaptive policy figures (`spec.calibrate.calibrate_policy`: each shape's fixed loop on two batches of "
            f"training-split calibration prompts (seeds 7, 11), {args.clock} seconds per run over its rounds, the "
            f"least of the interleaved repeats, and tokens per round, each the mean of the batches; calibration "
            f"range {RANGE}; prior toward the cheapest shape: margin {args.margin}, i.e. another shape is chosen only "

@@ -76,6 +76,7 @@ def check_numbers(args) -> None:
     if not -2**63 <= args.seed < 2**63:
         raise UsageError(f"--seed must fit in 64 bits (-2^63 .. 2^63 - 1), got {args.seed}")
     _check_int_flag("--tree-budget", args.tree_budget, 1, what=" (nodes per verify)")
+    _check_int_flag("--capacity", getattr(args, "capacity", None), 2, what=" (cache rows)")
     _check_int_flag("--tree-branch", args.tree_branch, 1)
     _check_int_flag("--predictor-width", args.predictor_width, 1, what=" (experts per token)")
     budget = args.expert_budget_mb
@@ -121,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=None, help="verify width B (default: the draft's trained size)")
+    shapes = p.add_mutually_exclusive_group()
+    shapes.add_argument("--capacity", type=int, default=None, metavar="N",
+                        help="cache rows of the compiled programs: any prompt + --max-new-tokens + block size up to N "
+                             "runs on the same programs (default: 2048, at most the target's positions)")
+    shapes.add_argument("--bucketed", action="store_true",
+                        help="size the programs by the request's prompt / budget buckets instead (a new bucket "
+                             "compiles again)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -182,6 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--predictor-width", type=int, default=None,
                      help="experts per token the predictor prefetches (default: the target's top-k)")
     return p
+
+
+def shape_buckets(args):
+    """The compiled shapes the flags ask for: None (the loops' capacity mode, `spec.loop.LOOP_BUCKETS`), another
+    capacity (--capacity N) or the bucketed shapes (--bucketed)."""
+    from dflash_jax.spec.requests import Buckets
+
+    if getattr(args, "capacity", None) is not None:
+        return Buckets(capacity=args.capacity, pad_batch=True)
+    if getattr(args, "bucketed", False):
+        return Buckets(pad_batch=True)
+    return None
 
 
 def resolve_pair(checkpoint: str | None, pair: str | None) -> str:
@@ -289,13 +309,13 @@ def run(args) -> dict:
               file=sys.stderr)
     loop = args.loop or ("python" if args.trace else "jit")
     kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
-                  stop_ids=stops, seed=args.seed, warmup=True)
+                  stop_ids=stops, seed=args.seed, warmup=True, buckets=shape_buckets(args))
     on_mesh = contextlib.nullcontext() if mesh is None else jax_set_mesh(mesh)
     with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")), on_mesh:
         if args.offload:
             from dflash_jax.offload import OffloadedGenerator, PoolTooSmall
 
-            request = {k: v for k, v in kwargs.items() if k not in ("block_size", "warmup")}
+            request = {k: v for k, v in kwargs.items() if k not in ("block_size", "warmup", "buckets")}
             try:
                 hybrid = None
                 if args.placement == "hybrid":
@@ -305,7 +325,7 @@ def run(args) -> dict:
                     hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
                 gen = OffloadedGenerator(pair, budget_bytes=int(args.expert_budget_mb * 1e6), prefetcher=args.predictor,
                                          width=args.predictor_width, block_size=args.block_size, pin=pin,
-                                         hybrid=hybrid, mesh=mesh)
+                                         hybrid=hybrid, mesh=mesh, buckets=kwargs["buckets"])
                 warm = gen.prefill([prompt], **request)  # compiles the prefill and a round: the timed run is compiled
                 if not warm.done:
                     gen.round(warm)
@@ -321,7 +341,7 @@ def run(args) -> dict:
             kept = pflash.compress(scorer, prompt, keep_ratio=args.pflash_keep)
             result = pflash.generate(pair, [prompt], [kept], **kwargs)
         elif tree:
-            from dflash_jax.spec.tree import generate_tree
+            from dflash_jax.spec.loop import generate_tree
 
             result = generate_tree(pair, [prompt], tree_budget=args.tree_budget or 16, branch=args.tree_branch,
                                    adaptive=args.adaptive, branch_head=not args.no_branch_head, **kwargs)

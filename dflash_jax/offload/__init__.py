@@ -25,8 +25,7 @@ from dflash_jax.offload.cache import ExpertCache, PoolTooSmall, min_budget_bytes
 from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise
 from dflash_jax.offload.hybrid import HostCompute
 from dflash_jax.offload.loop import (
-    OffloadedGenerator, OffloadResult, OffloadSession, RoundPrefetch, RoutePrefetcher, commit_verify_jit,
-    generate_offloaded,
+    OffloadedGenerator, OffloadResult, OffloadSession, RoundPrefetch, RoutePrefetcher, generate_offloaded,
 )
 from dflash_jax.offload.placement import (
     cache_reserve, plan_placement, plan_shared, routing_profile, warm_set, warm_shared,
@@ -45,7 +44,7 @@ __all__ = [
     "LearnedRouter", "NextLayerResidual", "NoPrediction", "NonResidentExpert", "OffloadResult", "OffloadSession",
     "OffloadedGenerator", "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundObserver",
     "RoundPrefetch", "RoundStats", "RoundTokens", "RouteAheadStats", "RoutePrefetcher", "TraceObserver", "Union",
-    "cache_reserve", "commit_verify_jit", "forward_layerwise", "generate_offloaded", "in_verify_part",
+    "cache_reserve", "forward_layerwise", "generate_offloaded", "in_verify_part",
     "layer_round_stats", "make_predictor", "min_budget_bytes", "moe_layer_ids", "plan_placement", "plan_shared",
     "ranked_union", "routing_profile", "strip_experts", "warm_set", "warm_shared",
 ]

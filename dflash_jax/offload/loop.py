@@ -71,18 +71,11 @@ from dflash_jax.sharding.place import shard_weights
 from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, generation_result
 from dflash_jax.spec.requests import Buckets
 from dflash_jax.spec.sampling import SamplingParams
-from dflash_jax.spec.session import (
-    Prepared, SpecState, commit_verify, draft_round_jit, init_target_cache, prepare, start_state, target_family,
-    verify_block,
-)
-from dflash_jax.spec.tree import (
-    AdaptivePolicy, TreeShape, choose_shape, commit_tree_jit, pad_cols, prepare_tree, tree_draft_build,
-    update_calibration, verify_tree_pooled,
-)
-
-# Acceptance, emission and commit/rollback of a verify forward's output (`spec.session.commit_verify`), jitted:
-# the last step of a round whose verify ran outside one program (layer by layer, or recorded by `study.rounds`).
-commit_verify_jit = jax.jit(commit_verify, static_argnames=("spec",))
+from dflash_jax.spec.loop import prepare_tree
+from dflash_jax.spec.policy import AdaptivePolicy, choose_shape, update_calibration
+from dflash_jax.spec.round import Chain, as_proposer, commit, commit_jit, propose_jit, verify_forward
+from dflash_jax.spec.session import Prepared, SpecState, init_target_cache, prepare, start_state
+from dflash_jax.spec.tree import TreeShape
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -93,15 +86,14 @@ def start_prepared(target_w, draft_w, out, lengths, params, key_data, key_fold, 
     return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "implementation", "router_logits"))
-def _verify_on_full_pool(pooled_w, state, draft, spec, implementation, router_logits):
-    """The verify as ONE program on target weights whose MoE layers read a pool that holds every expert of
-    every layer (nothing can miss, so the layer-wise host round trips would buy nothing); returns (state,
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "implementation", "router_logits"))
+def _verify_on_full_pool(pooled_w, state, proposal, spec, proposer, implementation, router_logits):
+    """The verify and commit as ONE program on target weights whose MoE layers read a pool that holds every expert
+    of every layer (nothing can miss, so the layer-wise host round trips would buy nothing); returns (state,
     per-layer router experts, per-layer router logits or None)."""
-    out = target_family(spec.target).forward(
-        pooled_w, verify_block(state, draft), state.target_cache, spec.target, tap_layers=spec.taps, logits="all",
-        implementation=implementation, return_router_logits=router_logits)
-    return commit_verify(state, draft, out, spec), out.router_experts, out.router_logits if router_logits else None
+    out = verify_forward(pooled_w, state, proposal, spec, implementation, router_logits=router_logits)
+    new, _ = commit(state, proposal, out, spec, proposer)
+    return new, out.router_experts, out.router_logits if router_logits else None
 
 
 @dataclasses.dataclass
@@ -283,8 +275,8 @@ class OffloadedGenerator:
     buckets: the compiled shapes (`spec.requests.Buckets`; default the loops' buckets, batch padded).
     tree: a `spec.tree.TreeShape`: each round verifies a token tree of `tree.budget` nodes (the draft's most
       probable continuations, `spec.tree`) instead of the chain; the experts its nodes route to are fetched as
-      for a chain (None: the chain of `block_size`). A `spec.tree.AdaptivePolicy`: each round's shape (chain B
-      or tree N) is chosen on the host before the draft (`spec.tree.choose_shape`), its costs e.g. seconds per
+      for a chain (None: the chain of `block_size`). A `spec.policy.AdaptivePolicy`: each round's shape (chain B
+      or tree N) is chosen on the host before the draft (`spec.policy.choose_shape`), its costs e.g. seconds per
       round measured with this budget (expert copies included); counts in `stats["adaptive_rounds"]`.
     observers: objects with `on_round(RoundStats)` called after every round of every request.
     mesh: a `jax.sharding.Mesh` to run on (build the generator and run it under `jax.set_mesh(mesh)`): the
@@ -446,14 +438,14 @@ class OffloadedGenerator:
             session.adaptive = {"accepted": zeros, "expected": zeros, "chosen": np.zeros(len(self.tree.shapes), int)}
         return session
 
-    def _round_shape(self, session: OffloadSession) -> TreeShape | None:
-        """This round's verify shape: None (the chain of the spec's block), the fixed tree, or the adaptive
+    def _round_proposer(self, session: OffloadSession):
+        """This round's proposer (`spec.round`): the chain of the spec's block, the fixed tree, or the adaptive
         policy's choice (before the draft, from the session's calibration)."""
         if not isinstance(self.tree, AdaptivePolicy):
-            return self.tree
+            return Chain() if self.tree is None else as_proposer(self.tree)
         a = session.adaptive  # numpy on the host: no device round trip per round
         a["choice"] = int(choose_shape(self.tree, a["accepted"], a["expected"], ~session.host["done"]))
-        return self.tree.shapes[a["choice"]]
+        return as_proposer(self.tree.shapes[a["choice"]])
 
     def round(self, session: OffloadSession) -> RoundStats:
         """One round: prefetch -> draft -> prefetch -> verify (layer-wise, fetching what is missing) -> commit.
@@ -468,20 +460,14 @@ class OffloadedGenerator:
 
         t0 = time.perf_counter()
         self.prefetcher.before_draft(rec)
-        shape = self._round_shape(session)
-        is_tree = shape is not None and not shape.is_chain
-        spec_r = spec if shape is None or is_tree else dataclasses.replace(spec, block_size=shape.budget)
-        if not is_tree:
-            draft = draft_round_jit(self.stripped, self.pair.draft, state, spec_r)
-            block, proposals = verify_block(state, draft), draft.tokens
-        else:  # the verify block is the tree's nodes; route-ahead reads each node's draft hidden state
-            tree, draft = tree_draft_build(self.stripped, self.pair.draft, state, spec, shape)
-            block, proposals = tree.tokens, tree.tokens[:, 1:]
+        proposer = self._round_proposer(session)
+        proposal = propose_jit(proposer, self.stripped, self.pair.draft, state, spec)
+        block, proposals = proposal.tokens, proposal.proposals
         jax.block_until_ready(block)
         t1 = time.perf_counter()
         if self.prefetcher.needs_draft:
             inputs.draft_tokens = proposals
-            inputs.draft_hidden = draft.node_hidden(tree) if is_tree else draft.hidden
+            inputs.draft_hidden = proposal.hidden
             inputs.block_tokens = block
         self.prefetcher.after_draft(rec)
         layer_stats = {}
@@ -508,16 +494,10 @@ class OffloadedGenerator:
 
         t2 = time.perf_counter()
         logits = None
-        if session.full_pool and is_tree:
-            state, _, router_experts = verify_tree_pooled(pool.pooled_weights(self.stripped), state, tree,
-                                                          draft.draft_cache, spec, self.implementation)
-            pool.returned(router_experts)
-            routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
-            for l in layers:
-                on_demand(l, routed[l])
-        elif session.full_pool:
+        if session.full_pool:
             state, router_experts, router_logits = _verify_on_full_pool(
-                pool.pooled_weights(self.stripped), state, draft, spec_r, self.implementation, self.wants_logits)
+                pool.pooled_weights(self.stripped), state, proposal, spec, proposer, self.implementation,
+                self.wants_logits)
             pool.returned(router_experts)
             routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
             for l in layers:
@@ -530,16 +510,11 @@ class OffloadedGenerator:
                                        provider=on_demand, tap_layers=spec.taps, logits="all",
                                        implementation=self.implementation, ahead=ahead, ahead_width=width,
                                        dispatched=lambda i, x: pool.returned(x),
-                                       tree=tree.block() if is_tree else None)
-            if not is_tree:
-                state = commit_verify_jit(state, draft, verify.out, spec_r)
-            else:
-                state, _ = commit_tree_jit(state, tree, draft.draft_cache, verify.out, spec)
+                                       tree=None if proposal.tree is None else proposal.tree.block())
+            state, _ = commit_jit(state, proposal, verify.out, spec, proposer)
             routed = verify.routed
             logits = verify.out.router_logits
         pool.release()
-        if spec_r is not spec:  # a narrower chain of an adaptive session: the context back to the draft block
-            state = state.replace(context=pad_cols(state.context, spec.block_size))
         before = session.host
         output, num, acc, bonus, anchor, done = jax.device_get(
             (state.output, state.num_generated, state.last_accepted, state.last_bonus, state.anchor, state.done))

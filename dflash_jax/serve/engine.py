@@ -58,16 +58,15 @@ import numpy as np
 
 from dflash_jax import compile_cache
 from dflash_jax.cache import KVCache
-from dflash_jax.models import draft as draft_model
 from dflash_jax.models.family import family_of
 from dflash_jax.nn.moe import router_topk
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
 from dflash_jax.spec import prefill as chunked
-from dflash_jax.spec.session import (
-    Draft, RowParams, SpecConfig, SpecState, begin_arrays, commit_verify, draft_round, verify_block,
-)
+from dflash_jax.spec.round import Chain, as_proposer, check_proposer, commit, propose, verify_forward, verify_width
+from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, begin_arrays
+from dflash_jax.spec.tree import TreeShape, widen_for_tree
 
 
 PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests (larger groups delay first tokens)
@@ -292,92 +291,74 @@ def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide", "options", "topk_first", "rows", "defer"),
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "options", "topk_first", "rows"),
                    donate_argnames=("draft_buffers",))
 def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, biases, spec: SpecConfig,
-           wide: SpecConfig, options, topk_first, rows: int | None = None, defer: bool = False):
-    """The draft of a width-`spec.block_size` verify on a state built for width `wide.block_size` (>=), and each
-    row's projected expert set. Width 1 in a speculative engine drafts nothing but still feeds the draft's
-    context cache with the last verify's rows, so a wider round after it drafts from the whole context.
+           proposer, options, topk_first, rows: int | None = None):
+    """The proposal of `proposer` (`spec.round.propose`: a chain of any width up to the state's block
+    `spec.block_size`, or a tree) and each row's projected expert set (every MoE layer's router on the draft's
+    hidden states of the verified rows; the anchor's embedding when nothing is drafted).
 
     The draft cache's K/V buffers come apart from the state (`state.draft_cache` has none) and are donated:
     appending the context rows writes them in place instead of copying every buffer each round. Returns
-    (the draft without its cache, the cache's new buffers, its new lengths, the demand).
+    (the proposal without its cache, the cache's new buffers, its new lengths, the demand).
 
     rows: compute only the first `rows` rows of the state (a row bucket >= the live rows, which the engine keeps
-    in the lowest slots); the draft, the lengths and the demand have `rows` rows, the buffers all of them (the
-    first `rows` written in place).
-
-    defer (width 1 only): skip the context append; the verify then adds its row to the pending context rows
-    (`_verify`), which the next drafting round appends all at once. A width-1 round then costs what a block-1
-    engine's round costs. The caller defers only while every live row's pending rows leave room for one more."""
+    in the lowest slots); the proposal, the lengths and the demand have `rows` rows, the buffers all of them (the
+    first `rows` written in place)."""
     full_buffers = draft_buffers
     if rows is not None:
         state = head_rows(state, rows)
         draft_buffers = None if draft_buffers is None else head_rows(draft_buffers, rows)
     if draft_buffers is not None:
         state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
-    if spec.block_size > 1:
-        draft = draft_round(target_w, draft_w, state, spec)
-        hidden = draft.hidden
-    else:
-        cache = state.draft_cache
-        if wide.taps and not defer:
-            cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context,
-                                               num_context=state.num_context, cache=cache)
-        draft = Draft(tokens=jnp.zeros((state.anchor.shape[0], 0), jnp.int32), probs=None, draft_cache=cache)
-        hidden = None
-    if hidden is None:
-        hidden = target_w.embed[state.anchor][:, None]
+    proposal = propose(proposer, target_w, draft_w, state, spec)
+    hidden = proposal.hidden if proposal.hidden is not None else target_w.embed[state.anchor][:, None]
     demand = _project_experts(target_w, hidden, (norms, routers, biases, options, topk_first),
                               spec.target.moe.num_experts, spec.target.moe.top_k, spec.target.rms_norm_eps)
-    cache = draft.draft_cache
+    cache = proposal.draft_cache
+    proposal = proposal.replace(draft_cache=None, hidden=None)
     if cache is None:
-        return draft, None, None, demand
+        return proposal, None, None, demand
     buffers = (cache.keys, cache.values)
     if rows is not None:
         buffers = put_head_rows(full_buffers, buffers)
-    return draft.replace(draft_cache=None), buffers, cache.lengths, demand
+    return proposal, buffers, cache.lengths, demand
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide", "rows", "defer"), donate_argnames=("state",))
-def _verify(target_w, state: SpecState, draft, draft_lengths, active, spec: SpecConfig,
-            wide: SpecConfig, rows: int | None = None, defer: bool = False) -> SpecState:
-    """The width-`spec.block_size` verify for the rows where `active` [b] is set; every other row keeps its old
-    state (`keep_rows`). The state keeps the layout of width `wide.block_size`: the draft's context rows
-    (the target taps of the committed rows) padded to `wide.block_size` rows. `state.draft_cache` holds the
-    buffers `_draft` wrote and the lengths before it; `draft_lengths` are the lengths after it.
-
-    rows: only the first `rows` rows are computed (the draft has `rows` rows); the others are returned as they
-    were, and the first `rows` are written back in place (the state is donated).
-
-    defer: the width-1 draft did not append the pending context rows (`_draft`), so the new row is written after
-    them (row `num_context`) and counted with them, instead of replacing them."""
-    full = state
+def verify_rows(state: SpecState, proposal, draft_lengths, active, rows: int | None):
+    """The state a round verifies: its first `rows` rows, the draft cache holding the buffers `_draft` wrote and
+    the lengths after it, and every row where `active` [b] is unset counted done (nothing committed). Returns
+    (the run state, the proposal with its cache, active cut to the rows)."""
     if rows is not None:
         state, active = head_rows(state, rows), active[:rows]
     if state.draft_cache is not None:
-        draft = draft.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
-    run = state.replace(done=state.done | ~active)
-    fam = family_of(spec.target)
-    out = fam.forward(target_w, verify_block(run, draft), run.target_cache, spec.target, tap_layers=wide.taps,
-                      logits="all")
-    new = commit_verify(run, draft, out, spec)
-    if wide.taps:
-        context = draft_model.context_features(out.taps)
-        if defer:  # the row joins the rows the draft has not seen yet (room checked by the caller)
-            pending = state.num_context
-            context = state.context.at[jnp.arange(context.shape[0]), pending].set(
-                context[:, 0].astype(state.context.dtype), mode="drop")
-            new = new.replace(context=context, num_context=pending + new.num_context)
-        else:
-            pad = wide.block_size - context.shape[1]
-            if pad:
-                context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
-            new = new.replace(context=context.astype(state.context.dtype))
-    new = new.replace(done=jnp.where(active, new.done, state.done))
-    new = keep_rows(active, new, state)
+        proposal = proposal.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
+    return state.replace(done=state.done | ~active), proposal, active
+
+
+def settle_rows(full: SpecState, old: SpecState, new: SpecState, active, rows: int | None) -> SpecState:
+    """The round's new rows where `active`, the old ones elsewhere (`keep_rows`), written back into the full state's
+    first `rows` rows."""
+    new = new.replace(done=jnp.where(active, new.done, old.done))
+    new = keep_rows(active, new, old)
     return new if rows is None else put_head_rows(full, new)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows"), donate_argnames=("state",))
+def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: SpecConfig, proposer,
+            rows: int | None = None) -> SpecState:
+    """The verify of `proposal` for the rows where `active` [b] is set (`spec.round.verify_forward` + `commit`);
+    every other row keeps its old state (`keep_rows`). The state keeps the layout of its block `spec.block_size`.
+    `state.draft_cache` holds the buffers `_draft` wrote and the lengths before it; `draft_lengths` are the
+    lengths after it.
+
+    rows: only the first `rows` rows are computed (the proposal has `rows` rows); the others are returned as they
+    were, and the first `rows` are written back in place (the state is donated)."""
+    old = head_rows(state, rows) if rows is not None else state
+    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows)
+    new, _ = commit(run, proposal, verify_forward(target_w, run, proposal, spec), spec, proposer)
+    return settle_rows(state, old, new, active, rows)
 
 
 def _on_mesh(method):
@@ -542,8 +523,16 @@ class Engine:
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
-                 cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256):
+                 cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256,
+                 proposer=None):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
+        tree = self._tree_of(proposer, pair)
+        head = self._head_of(proposer)
+        if tree is not None:
+            if widths is not None:
+                raise ValueError("a tree proposer verifies its own budget every round: drop widths (or use chains)")
+            block_size = dcfg.block_size if block_size is None else block_size
+            widths = (tree.budget,)
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
         rq.check_int(slots, "slots", low=1, what="a positive integer")
@@ -556,7 +545,7 @@ class Engine:
                 raise ValueError(f"widths must be 'auto' or a list of verify widths, got {widths!r}")
             widths = default_widths(int(block_size))
         widths = tuple(sorted({int(w) for w in widths}))
-        if not widths or widths[0] < 1 or widths[-1] > block_size:
+        if tree is None and (not widths or widths[0] < 1 or widths[-1] > block_size):
             raise ValueError(f"widths must be verify widths between 1 and block_size {block_size}, got {list(widths)}")
         if round_seconds is not None:
             round_seconds = {int(w): float(t) for w, t in round_seconds.items()}
@@ -580,10 +569,11 @@ class Engine:
         if prefill_chunk is not None:
             rq.check_int(prefill_chunk, "prefill_chunk", low=1, what="a positive number of tokens (or None)")
         max_pos = tcfg.max_position_embeddings
-        if int(max_prompt_len) + 1 + int(block_size) > max_pos:
+        widest = max(int(block_size), widths[-1])  # the widest verify (a tree may be wider than the block)
+        if int(max_prompt_len) + 1 + widest > max_pos:
             raise ValueError(f"max_prompt_len {max_prompt_len} exceeds the target's context: its {max_pos} positions "
-                             f"hold a prompt of at most {max_pos - 1 - int(block_size)} tokens (one new token and a "
-                             f"verify block of {int(block_size)} after it); lower max_prompt_len")
+                             f"hold a prompt of at most {max_pos - 1 - widest} tokens (one new token and a "
+                             f"verify of {widest} rows after it); lower max_prompt_len")
         rq.check_int(max_new_tokens, "max_new_tokens", low=1, what="a positive integer")
         rq.check_int(max_queue, "max_queue", low=0, what="a non-negative integer")
         if method not in ("exact_match", "rejection"):
@@ -595,13 +585,15 @@ class Engine:
             pair = shard_pair(pair, mesh)
         self.mesh = mesh
         self.pair, self.slots, self.block_size, self.method = pair, int(slots), int(block_size), method
+        self.widest = widest
+        self.tree = tree
         self.buckets = rq.DEFAULT_BUCKETS if buckets is None else buckets
         self.max_prompt_len = self.buckets.prompt_len(int(max_prompt_len))
         max_pos = tcfg.max_position_embeddings
         self.output_len = self.buckets.output_len(int(max_new_tokens))
-        max_len = min(self.buckets.cache_len(self.max_prompt_len + self.output_len + self.block_size), max_pos)
+        max_len = min(self.buckets.cache_len(self.max_prompt_len + self.output_len + widest), max_pos)
         # the bucket may pass the context: the prompts served stop there (the request checked above fits)
-        self.max_prompt_len = min(self.max_prompt_len, max_len - self.block_size - 1)
+        self.max_prompt_len = min(self.max_prompt_len, max_len - widest - 1)
         self.max_new_tokens = int(max_new_tokens)
         self.stops_len = self.buckets.stops_len(4)
         self.prefill_chunk = (None if prefill_chunk is None or not self.chunked_prefill
@@ -613,7 +605,11 @@ class Engine:
                                output_len=self.output_len, method=method)
         self.widths = widths
         self.row_buckets = row_buckets
-        self.specs = {w: dataclasses.replace(self.spec, block_size=w) for w in widths}
+        # the proposer of each width the chooser picks from (`spec.round`): chains of the width, or the one tree
+        self.proposers = ({tree.budget: tree} if tree is not None
+                          else {w: Chain(w, head=head and w > 1) for w in widths})
+        for p in self.proposers.values():
+            check_proposer(p, self.spec, pair.draft)
         self.round_seconds = round_seconds
         self.cost_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds (measured at warm-up)
         self.learn_costs = (round_seconds is None) if learn_costs is None else bool(learn_costs)
@@ -664,6 +660,40 @@ class Engine:
         self.warm = False
 
     @staticmethod
+    def _tree_of(proposer, pair) -> TreeShape | None:
+        """The tree a `proposer` argument asks for (None: chains). Accepted: None / "chain", "head-chain", a
+        `spec.round.Chain` of the block (head or not), a `spec.tree.TreeShape` (branch 1: the chain of its budget)."""
+        if proposer is None or isinstance(proposer, str) or isinstance(proposer, Chain):
+            if isinstance(proposer, str) and proposer not in ("chain", "head-chain"):
+                raise ValueError(f"proposer must be 'chain', 'head-chain', a spec.round.Chain or a spec.tree.TreeShape, "
+                                 f"got {proposer!r}")
+            if isinstance(proposer, Chain) and (proposer.width is not None or proposer.defer_context):
+                raise ValueError("the engine chooses each round's chain width itself (widths=): pass Chain() or "
+                                 "Chain(head=True)")
+            return None
+        if not isinstance(proposer, TreeShape):
+            raise TypeError(f"proposer must be 'chain', 'head-chain', a spec.round.Chain or a spec.tree.TreeShape, got "
+                            f"{type(proposer).__name__}")
+        if proposer.is_chain:
+            raise ValueError(f"a branch-1 TreeShape is the chain of width {proposer.budget}: pass widths="
+                             f"[{proposer.budget}] instead")
+        return proposer
+
+    @staticmethod
+    def _head_of(proposer) -> bool:
+        return proposer == "head-chain" or (isinstance(proposer, Chain) and proposer.head)
+
+    def _widen(self, rows: SpecState) -> SpecState:
+        """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block)."""
+        if self.tree is None:
+            return rows
+        return rows.replace(target_cache=widen_for_tree(self.spec.target, rows.target_cache, self.widest))
+
+    def _proposer(self, width: int, defer: bool = False):
+        """This round's proposer at `width` (a deferring width-1 chain when `defer`)."""
+        return Chain(1, defer_context=True) if defer else self.proposers[width]
+
+    @staticmethod
     def _expert_byte_table(pair, layers, num_experts) -> np.ndarray:
         """[L, E]: the bytes of one expert's tables (gate_up + down, as stored) in each MoE layer."""
         out = np.zeros((len(layers), num_experts))
@@ -707,7 +737,7 @@ class Engine:
                                "--max-new-tokens)")
         if len(stop_ids) > self.stops_len:
             raise RequestError(f"{len(stop_ids)} stop token ids; at most {self.stops_len} per request")
-        room = self.spec.max_len - self.block_size
+        room = self.spec.max_len - self.widest
         if len(prompt) + max_new_tokens > room:  # only when the cache is capped at the target's context
             raise RequestError(f"the prompt ({len(prompt)} tokens) and max_tokens {max_new_tokens} exceed this "
                                f"server's context of {room} tokens: lower max_tokens or shorten the prompt")
@@ -763,7 +793,8 @@ class Engine:
 
     def _prefill(self, req: Request | None) -> SpecState:
         tokens, lengths, params, key_data, key_fold = self._row_inputs(req)
-        return begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data, key_fold, self.spec)
+        return self._widen(begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data, key_fold,
+                                        self.spec))
 
     @property
     def prefill_groups(self) -> tuple[int, ...]:
@@ -782,8 +813,8 @@ class Engine:
                            sampling=RowSampling.of(samplings),
                            stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
         key_data = np.stack([seed_key_data(r.seed) for r in reqs] + [seed_key_data(0)] * pad)
-        return begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data,
-                      np.zeros(rows, np.int32), self.spec)
+        return self._widen(begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data,
+                                        np.zeros(rows, np.int32), self.spec))
 
     def _admit(self, reqs: list, slots: list, info: RoundInfo | None) -> None:
         """Prefills `reqs` together and writes them into `slots`; emits their first tokens."""
@@ -896,8 +927,8 @@ class Engine:
         defer = (width == 1 and self.defer_context) if defer is None else defer
         draft, lengths, demand = self._draft_call(width, rows, defer)
         np.asarray(demand)
-        self.state = _verify(self.pair.target, self.state, draft, lengths, active, self.specs[width], self.spec,
-                             rows, defer)
+        self.state = _verify(self.pair.target, self.state, draft, lengths, active, self.spec,
+                             self._proposer(width, defer), rows)
 
     def _defers(self, width: int, live: Sequence[int]) -> bool:
         """Whether this width-1 round defers the draft's context append: while every live row's pending context
@@ -912,15 +943,15 @@ class Engine:
         """(draft, the draft cache's new lengths, demand), for the first `rows` rows (default: all). The state's
         draft-cache buffers are donated to the draft, and the state takes the buffers it returns (with the old
         lengths until the verify)."""
-        spec = self.specs[self.widths[-1] if width is None else width]
+        proposer = self._proposer(self.widths[-1] if width is None else width, defer)
         rows = self.slots if rows is None else rows
         cache = self.state.draft_cache
         state, buffers = self.state, None
         if cache is not None:
             state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
         draft, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._norms,
-                                                 self._routers, self._biases, spec, self.spec, self._options,
-                                                 self._topk_first, rows, defer)
+                                                 self._routers, self._biases, self.spec, proposer, self._options,
+                                                 self._topk_first, rows)
         if cache is not None:
             self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
         return draft, lengths, demand
@@ -966,7 +997,7 @@ class Engine:
         if info.explored:
             self.explore_rounds[info.width] += 1
             self.explore_seconds += info.seconds
-        if not self.learn_costs or len(self.widths) < 2 or info.compiles or info.width not in self.specs:
+        if not self.learn_costs or len(self.widths) < 2 or info.compiles or info.width not in self.proposers:
             return
         costs = observe_cost(self.bucket_costs(info.rows), info.width, self._device_seconds, self.cost_rule,
                              info.explored)
@@ -1155,8 +1186,8 @@ class Engine:
         with self._wake:
             self.queue.remove(p.req)
         _, _, params, key_data, key_fold = self._row_inputs(p.req)
-        rows = chunked.prefill_finish_jit(self.pair.target, self.pair.draft, p.pre, params, key_data, key_fold,
-                                          self.spec)
+        rows = self._widen(chunked.prefill_finish_jit(self.pair.target, self.pair.draft, p.pre, params, key_data,
+                                                      key_fold, self.spec))
         free = [s for s in range(self.slots) if s not in self.requests]
         self._place([p.req], free[:1], rows, info)
         return True
@@ -1170,7 +1201,7 @@ class Engine:
             pre = chunked.prefill_chunk_jit(tw, dw, pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32),
                                             self.spec)
         _, _, params, key_data, key_fold = self._row_inputs(None)
-        rows = chunked.prefill_finish_jit(tw, dw, pre, params, key_data, key_fold, self.spec)
+        rows = self._widen(chunked.prefill_finish_jit(tw, dw, pre, params, key_data, key_fold, self.spec))
         self.state = _insert_rows(self.state, rows, np.full(1, self.slots, np.int32))
 
     def _compact(self) -> None:
@@ -1211,8 +1242,8 @@ class Engine:
         if overlap:  # every live row verifies: start the verify now, schedule (stats) while it runs
             active = np.zeros(self.slots, bool)
             active[live] = True
-            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width],
-                                 self.spec, rows, defer)
+            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.spec,
+                                 self._proposer(width, defer), rows)
         demand = np.asarray(demand)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
@@ -1229,8 +1260,8 @@ class Engine:
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
         t_device = time.perf_counter()
         if not overlap:
-            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.specs[width],
-                                 self.spec, rows, defer)
+            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.spec,
+                                 self._proposer(width, defer), rows)
         after, done, output = jax.device_get((self.state.num_generated, self.state.done, self.state.output))
         self._device_seconds = t_draft + time.perf_counter() - t_device
         for s in live:

@@ -45,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models import draft as draft_model
 from dflash_jax.offload.cache import ExpertCache
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
 from dflash_jax.offload.loop import OffloadedGenerator, start_prepared
@@ -53,10 +52,11 @@ from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_pro
 from dflash_jax.offload.stats import layer_round_stats
 from dflash_jax.offload.store import memory_sharding
 from dflash_jax.serve import scheduler as sched
-from dflash_jax.serve.engine import Engine, RoundInfo, head_rows, keep_rows, put_head_rows
+from dflash_jax.serve.engine import Engine, RoundInfo, head_rows, put_head_rows, settle_rows, verify_rows
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
-from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, commit_verify, init_target_cache, verify_block
+from dflash_jax.spec.round import commit
+from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, init_target_cache
 
 PREDICTORS = ("draft_router", "none")  # what drives the prefetch: the scheduler's demand, or nothing (on demand)
 
@@ -108,25 +108,15 @@ _TOTALS = ("prefetched_bytes", "on_demand_bytes", "prefill_bytes", "hits", "miss
            "covered", "prefetched", "passes")
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "wide"))
-def _commit(state: SpecState, draft, draft_lengths, out, active, spec: SpecConfig, wide: SpecConfig) -> SpecState:
-    """`engine._verify` after its target forward: acceptance and commit for the rows where `active` is set,
-    every other row kept as it was (`keep_rows`); `out` is the layer-wise forward of `_block`."""
-    if state.draft_cache is not None:
-        draft = draft.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
-    run = state.replace(done=state.done | ~active)
-    new = commit_verify(run, draft, out, spec)
-    if wide.taps:
-        context = draft_model.context_features(out.taps)
-        pad = wide.block_size - context.shape[1]
-        if pad:
-            context = jnp.pad(context, ((0, 0), (0, pad), (0, 0)))
-        new = new.replace(context=context.astype(state.context.dtype))
-    new = new.replace(done=jnp.where(active, new.done, state.done))
-    return keep_rows(active, new, state)
+@functools.partial(jax.jit, static_argnames=("spec", "proposer"))
+def _commit(state: SpecState, proposal, draft_lengths, out, active, spec: SpecConfig, proposer) -> SpecState:
+    """`engine._verify` after its target forward: acceptance and commit (`spec.round.commit`) for the rows where
+    `active` is set, every other row kept as it was; `out` is the layer-wise forward of `proposal.tokens`."""
+    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, None)
+    new, _ = commit(run, proposal, out, spec, proposer)
+    return settle_rows(state, state, new, active, None)
 
 
-_block = jax.jit(verify_block)
 _head_jit = jax.jit(head_rows, static_argnums=1)  # the first rows of the state (a row bucket)
 _put_head_jit = jax.jit(put_head_rows, donate_argnums=0)  # ... written back in place
 
@@ -203,7 +193,8 @@ class OffloadedEngine(Engine):
                                 implementation=gen.implementation)
         self._prefill_bytes += self.store.total_bytes
         self._last_prefill = (pre.routed, np.asarray(lengths), tokens.shape[1])
-        return start_prepared(gen.stripped, self.pair.draft, pre.out, lengths, params, key_data, key_fold, spec)
+        return self._widen(start_prepared(gen.stripped, self.pair.draft, pre.out, lengths, params, key_data, key_fold,
+                                          spec))
 
     def _prefill(self, req) -> SpecState:
         return self._offload_begin(*self._row_inputs(req))
@@ -287,7 +278,7 @@ class OffloadedEngine(Engine):
                         rec: OffloadRound | None, bucket: int) -> SpecState:
         """The verify of the first `bucket` rows (a row bucket holding every live row; the others are free and
         come back as they were), layer by layer from the cache, then `_commit`."""
-        spec, pool, gen, store = self.specs[width], self.pool, self.gen, self.store
+        proposer, pool, gen, store = self._proposer(width), self.pool, self.gen, self.store
         pool.returned()  # nothing is lent or held from a round that failed half-way
         pool.release()
         full = self.state
@@ -330,11 +321,11 @@ class OffloadedEngine(Engine):
             return (self._lenient(ops, layer, ignored, i == 0)
                     for i, ops in enumerate(gen._passes(pool, layer, passes, host)))
 
-        block = _block(state, draft)
-        out = forward_layerwise(gen.stripped, block, state.target_cache, spec.target, provider=provider,
+        tree = None if draft.tree is None else draft.tree.block()
+        out = forward_layerwise(gen.stripped, draft.tokens, state.target_cache, self.spec.target, provider=provider,
                                 tap_layers=self.spec.taps, logits="all", implementation=gen.implementation,
-                                dispatched=lambda i, x: pool.returned(x))
-        new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), spec, self.spec)
+                                dispatched=lambda i, x: pool.returned(x), tree=tree)
+        new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), self.spec, proposer)
         pool.release()
         pool.advance()
         self._previous = {layer: np.unique(e) for layer, e in routed_active.items()}

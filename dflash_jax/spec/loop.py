@@ -1,10 +1,11 @@
-"""Generation loops over the speculative round.
+"""The drivers of the round (`spec.round`): any proposer, resident experts.
 
-`generate` runs the whole decode as one jitted `lax.while_loop` (all weights resident): the state pytree
-is donated and carried on the device; the host sees it again only at the end.
-`generate_stepping` drives the same jitted draft/verify functions from Python, one round at a time: for
-debugging, per-round traces, the draft/verify/host time split, and (later) host-side expert offload.
-Both return a `GenerationResult`.
+`generate` runs the whole decode as one jitted `lax.while_loop`: the state pytree is donated and carried on the
+device; the host sees it again only at the end. `generate_stepping` drives the same round from Python, one jitted
+propose and one jitted verify+commit at a time: for debugging, per-round traces and outcomes, and the
+draft/verify/host time split. Both take a proposer (`spec.round.Chain`, a `spec.tree.TreeShape`) or an adaptive
+policy (`spec.policy.AdaptivePolicy`: the shape chosen per round), and return a `GenerationResult`.
+`generate_tree` / `generate_tree_stepping` are the same drivers with the tree options spelled out.
 """
 
 from __future__ import annotations
@@ -19,14 +20,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import compile_cache
-from dflash_jax.spec.requests import Buckets
+from dflash_jax.spec.policy import AdaptivePolicy, choose_shape, update_calibration
+from dflash_jax.spec.requests import DEFAULT_CAPACITY, Buckets, capacity_error
+from dflash_jax.spec.round import (
+    Chain, Proposer, adaptive_round, adaptive_start, as_proposer, check_proposer, propose_jit, round,
+    verify_commit_jit, verify_width,
+)
 from dflash_jax.spec.sampling import SamplingParams
-from dflash_jax.spec.session import (
-    Prepared, SpecConfig, SpecState, begin_prepared, draft_round_jit, prepare, spec_round, verify_round_jit,
+from dflash_jax.spec.session import Prepared, SpecConfig, SpecState, begin_prepared, prepare
+from dflash_jax.spec.tree import (
+    DEFAULT_BRANCH, DEFAULT_TEMPERATURE, TreeCalibration, TreeShape, pair_calibration, widen_for_tree,
 )
 
-# The loops pad the batch to its bucket (they slice the padding off the result).
-LOOP_BUCKETS = Buckets(pad_batch=True)
+# The loops' shapes: capacity mode (cache rows = output columns = min(DEFAULT_CAPACITY, the target's positions);
+# the prefill in chunks inside one program), so any prompt and budget that fit run one compiled prefill and one
+# compiled loop per batch bucket. The batch is padded to its bucket (the padding is sliced off the result). The
+# bucketed shapes stay behind `buckets=Buckets(...)` (no capacity).
+LOOP_BUCKETS = Buckets(capacity=DEFAULT_CAPACITY, pad_batch=True)
 
 
 @dataclasses.dataclass
@@ -41,14 +51,18 @@ class GenerationResult:
         return float(np.mean(acc)) if acc else 0.0
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig) -> SpecState:
-    """Rounds until every sequence is done (each round emits >= 1 token per live sequence)."""
-    return jax.lax.while_loop(
-        lambda s: ~jax.numpy.all(s.done),
-        lambda s: spec_round(target_w, draft_w, s, spec),
-        state,
-    )
+@functools.partial(jax.jit, static_argnames=("spec", "proposer"), donate_argnames=("state",))
+def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()) -> SpecState:
+    """Rounds of `proposer` until every sequence is done (each round emits >= 1 token per live sequence)."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: round(target_w, draft_w, s, spec, proposer)[0],
+                              state)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "policy"), donate_argnames=("astate",))
+def run_adaptive_loop(target_w, draft_w, astate, spec: SpecConfig, policy: AdaptivePolicy):
+    """Adaptive rounds (`spec.round.adaptive_round`) until every sequence is done."""
+    return jax.lax.while_loop(lambda a: ~jnp.all(a.spec_state.done),
+                              lambda a: adaptive_round(target_w, draft_w, a, spec, policy), astate)
 
 
 def _host(x) -> np.ndarray:
@@ -103,69 +117,218 @@ def shape_stats(prep: Prepared) -> dict:
                        "output": spec.output_len, "cache": spec.max_len}}
 
 
-def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_size: int | None = None,
+def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, **request) -> Prepared:
+    """`session.prepare` with the cache sized for a verify of `widest` rows (a tree may be wider than B)."""
+    compile_cache.ensure_enabled()
+    buckets = LOOP_BUCKETS if buckets is None else buckets
+    prep = prepare(pair, prompts, block_size=block_size, buckets=buckets, **request)
+    spec = prep.spec
+    max_pos = spec.target.max_position_embeddings
+    if buckets.fixed:  # the capacity's rows already: only check that the widest verify fits them
+        max_len = spec.max_len
+    else:
+        need = prep.tokens.shape[1] + spec.output_len + max(widest, spec.block_size)
+        max_len = min(buckets.cache_len(need), max_pos)
+    budget = int(np.max(prep.params.budget))
+    need = int(np.max(prep.lengths)) + budget + widest
+    if need > max_len:
+        if buckets.fixed:
+            raise capacity_error(need, buckets.capacity, max_pos, f"prompt + max_new_tokens + the tree budget {widest}")
+        raise ValueError(f"prompt + max_new_tokens + the tree budget {widest} exceeds the target's "
+                         f"{max_pos} positions")
+    return dataclasses.replace(prep, spec=dataclasses.replace(spec, max_len=max_len))
+
+
+def begin_tree(pair, prep: Prepared, widest: int) -> SpecState:
+    """`session.begin_prepared` with the target cache widened for trees of up to `widest` nodes."""
+    state = begin_prepared(pair, prep)
+    return state.replace(target_cache=widen_for_tree(prep.spec.target, state.target_cache, widest))
+
+
+def shape_label(p) -> str:
+    """A proposer's name in stats: `chain B=8`, `tree N=16 K=4`."""
+    if isinstance(p, TreeShape) and not p.is_chain:
+        return f"tree N={p.budget} K={p.branch}"
+    if isinstance(p, TreeShape):
+        return f"chain B={p.budget}"
+    return p.label()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a driver runs: one proposer, or an adaptive policy over shapes (pruned to those it can choose)."""
+
+    proposer: Proposer | None
+    policy: AdaptivePolicy | None
+    full_policy: AdaptivePolicy | None  # the policy as given (stats name every shape)
+
+    @property
+    def shapes(self) -> tuple:
+        return (self.proposer,) if self.policy is None else self.policy.shapes
+
+    def widest(self, spec_block: int) -> int:
+        return max(verify_width(s, _BlockOnly(spec_block)) for s in self.shapes)
+
+    @property
+    def trees(self) -> bool:
+        return any(not as_proposer(s).is_chain for s in self.shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockOnly:
+    block_size: int
+
+
+def plan_run(pair, proposer=None, *, branch_head: bool = False) -> RunPlan:
+    """The run plan of a proposer argument: None (the argmax chain; the head chain with `branch_head`), a
+    `Chain`, a `TreeShape` or an `AdaptivePolicy`. A policy keeps only the shapes it can choose; with one left it
+    runs as that fixed shape."""
+    if proposer is None:
+        proposer = Chain(head=branch_head)
+    if isinstance(proposer, AdaptivePolicy):
+        policy = proposer.pruned()
+        if len(policy.shapes) == 1:
+            return RunPlan(as_proposer(policy.shapes[0]), None, proposer)
+        return RunPlan(None, policy, proposer)
+    proposer = as_proposer(proposer)
+    if isinstance(proposer, Chain) and proposer.head and getattr(pair.draft, "branch_head", None) is None:
+        raise ValueError("the head chain proposes from the draft's branch head, and this pair's draft has none: load "
+                         "a pair shipped with branch_head.safetensors, or attach one (dflash_jax.pair.with_branch_head)")
+    return RunPlan(proposer, None, None)
+
+
+def _prepare_plan(pair, prompts, plan: RunPlan, block_size, buckets, request) -> tuple[Prepared, int]:
+    if block_size is None:
+        chains = [as_proposer(s) for s in plan.shapes]
+        if all(c.is_chain and c.width is not None for c in chains):
+            block_size = max(c.width for c in chains)  # chains only: the draft block of the widest
+    draft_block = pair.draft_cfg.block_size if block_size is None else block_size
+    widest = plan.widest(draft_block) if isinstance(draft_block, int) else draft_block
+    if widest > draft_block:
+        prep = prepare_tree(pair, prompts, widest=widest, block_size=block_size, buckets=buckets, **request)
+    else:
+        prep = _prepare(pair, prompts, request["max_new_tokens"], block_size, request["sampling"],
+                        request["stop_ids"], request["seed"], buckets)
+    for s in plan.shapes:
+        check_proposer(s, prep.spec, pair.draft)
+    return prep, max(widest, prep.spec.block_size)
+
+
+def _begin(pair, prep: Prepared, plan: RunPlan, widest: int) -> SpecState:
+    return begin_tree(pair, prep, widest) if plan.trees else begin_prepared(pair, prep)
+
+
+def _plan_stats(plan: RunPlan, chosen=None) -> dict:
+    if plan.full_policy is None:
+        return {"proposer": shape_label(plan.proposer)}
+    if plan.policy is None:  # one reachable shape
+        counts = {plan.proposer: None}
+    else:
+        counts = dict(zip((as_proposer(s) for s in plan.policy.shapes), np.asarray(chosen)))
+    out = {}
+    for s in plan.full_policy.shapes:
+        n = counts.get(as_proposer(s), 0)
+        out[shape_label(s)] = n
+    return {"proposer": "adaptive", "adaptive_rounds": out}
+
+
+def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer=None, block_size: int | None = None,
              sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
              buckets: Buckets | None = None, branch_head: bool = False) -> GenerationResult:
     """DFlash generation in one jitted while_loop.
 
-    branch_head: propose the chain from the draft's branch head, position after position
-    (`session.head_chain_draft`; the pair's draft must carry one) instead of the per-position argmax.
+    proposer: what each round proposes (`spec.round`): None = the draft's argmax chain of the block (the branch
+    head's chain with `branch_head=True`; the pair's draft must carry one), a `Chain`, a `TreeShape` (a token
+    tree), or an `AdaptivePolicy` (the shape chosen per round from the state). block_size: the draft block (the
+    widest chain's by default when only chains run).
 
-    max_new_tokens, sampling, stop_ids, seed: one value for every prompt, or one per prompt (stop_ids:
-    one list of ids, or one list per prompt); they are traced, so requests that differ only in them (and
-    in prompt lengths inside one bucket) reuse one compiled program. `warmup=True` compiles first (without
-    running a round) so `stats.seconds` times only the run (prefill + decode)."""
-    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets, branch_head)
+    max_new_tokens, sampling, stop_ids, seed: one value for every prompt, or one per prompt (stop_ids: one list
+    of ids, or one list per prompt); they are traced, so requests that differ only in them (and in prompt lengths
+    inside one bucket) reuse one compiled program. `warmup=True` compiles first (without running a round) so
+    `stats.seconds` times only the run (prefill + decode)."""
+    plan = plan_run(pair, proposer, branch_head=branch_head)
+    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    prep, widest = _prepare_plan(pair, prompts, plan, block_size, buckets, request)
+    spec = prep.spec
+
+    def run(state):
+        if plan.policy is None:
+            return run_loop(pair.target, pair.draft, state, spec, plan.proposer), None
+        astate = run_adaptive_loop(pair.target, pair.draft, adaptive_start(state, plan.policy), spec, plan.policy)
+        return astate.spec_state, astate.chosen
+
     if warmup:  # compile the prefill and the loop: a state with every sequence done runs no round
-        state = begin_prepared(pair, prep)
-        jax.block_until_ready(run_loop(pair.target, pair.draft, state.replace(done=jnp.ones_like(state.done)),
-                                       prep.spec).output)
+        state = _begin(pair, prep, plan, widest)
+        jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)))[0].output)
     t0 = time.perf_counter()
-    state = begin_prepared(pair, prep)
-    state = run_loop(pair.target, pair.draft, state, prep.spec)
+    state, chosen = run(_begin(pair, prep, plan, widest))
     jax.block_until_ready(state.output)
     seconds = time.perf_counter() - t0
-    return generation_result(state, dict(shape_stats(prep), loop="jit", seconds=seconds), rows=prep.num_prompts)
+    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, **_plan_stats(plan, chosen))
+    return generation_result(state, stats, rows=prep.num_prompts)
 
 
-def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, block_size: int | None = None,
-                      sampling=SamplingParams(), stop_ids=(), seed=0, trace: bool = False, warmup: bool = False,
-                      buckets: Buckets | None = None, branch_head: bool = False) -> GenerationResult:
-    """The same rounds driven from Python; times draft and verify separately (each synchronized)."""
-    prep = _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets, branch_head)
+def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer=None,
+                      block_size: int | None = None, sampling=SamplingParams(), stop_ids=(), seed=0,
+                      trace: bool = False, warmup: bool = False, buckets: Buckets | None = None,
+                      branch_head: bool = False, outcomes: list | None = None) -> GenerationResult:
+    """The same rounds driven from Python (`generate`'s arguments): one jitted propose and one jitted verify+commit
+    per round, timed separately (each synchronized). An adaptive policy chooses on the host, as the jitted loop
+    does on the device (the same choices). outcomes: a list that receives one dict per round (numpy arrays [b] of
+    the `RoundOutcome` fields, `live`: rows not done before the round, `proposer`: the shape's label)."""
+    plan = plan_run(pair, proposer, branch_head=branch_head)
+    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    prep, widest = _prepare_plan(pair, prompts, plan, block_size, buckets, request)
     spec = prep.spec
-    if warmup:  # one round compiles the prefill, the draft and the verify
-        state = begin_prepared(pair, prep)
-        jax.block_until_ready(verify_round_jit(pair.target, state, draft_round_jit(pair.target, pair.draft, state, spec),
-                                               spec).output)
+    policy = plan.policy
+    shapes = [plan.proposer] if policy is None else [as_proposer(s) for s in policy.shapes]
+    if warmup:  # one round of every shape compiles the prefill, the draft and the verify
+        for p in shapes:
+            state = _begin(pair, prep, plan, widest)
+            jax.block_until_ready(verify_commit_jit(pair.target, state, propose_jit(p, pair.target, pair.draft, state,
+                                                                                     spec), spec, p)[0].output)
     t0 = time.perf_counter()
-    state = begin_prepared(pair, prep)
+    state = _begin(pair, prep, plan, widest)
     jax.block_until_ready(state.anchor)
     t_prefill = time.perf_counter() - t0
     t_draft = t_verify = 0.0
     rounds = []
+    b = prep.tokens.shape[0]
+    acc_sum, exp_sum = np.zeros((b,), np.float32), np.zeros((b,), np.float32)
+    chosen = np.zeros((len(shapes),), np.int64)
     done = np.asarray(state.done)
     while not done.all():
+        choice = 0
+        if policy is not None:
+            choice = int(choose_shape(policy, acc_sum, exp_sum, ~done))
+        p = shapes[choice]
+        chosen[choice] += 1
         t1 = time.perf_counter()
-        draft = draft_round_jit(pair.target, pair.draft, state, spec)
-        jax.block_until_ready(draft.tokens)
+        proposal = propose_jit(p, pair.target, pair.draft, state, spec)
+        jax.block_until_ready(proposal.tokens)
         t2 = time.perf_counter()
         before = np.asarray(state.num_generated) if trace else None
-        anchor = np.asarray(state.anchor) if trace else None
-        state = verify_round_jit(pair.target, state, draft, spec)
+        state, outcome = verify_commit_jit(pair.target, state, proposal, spec, p)
         jax.block_until_ready(state.num_generated)
         t3 = time.perf_counter()
         t_draft += t2 - t1
         t_verify += t3 - t2
+        if policy is not None:
+            acc_sum, exp_sum = update_calibration(policy, acc_sum, exp_sum, choice, np.asarray(outcome.accepted), done)
+        if outcomes is not None:
+            row = {k: np.asarray(v) for k, v in dataclasses.asdict(outcome).items()}
+            row.update(live=~done, proposer=shape_label(p))
+            outcomes.append(row)
         if trace:
             after, out = np.asarray(state.num_generated), np.asarray(state.output)
-            acc, bonus, proposals = np.asarray(state.last_accepted), np.asarray(state.last_bonus), np.asarray(draft.tokens)
+            acc, bonus = np.asarray(state.last_accepted), np.asarray(state.last_bonus)
+            proposals = np.asarray(proposal.proposals)
             rows = []
             for i in range(len(before)):
                 if done[i]:
                     rows.append(None)
                     continue
-                rows.append({"anchor": int(anchor[i]), "proposal": list(map(int, proposals[i])),
+                rows.append({"anchor": int(np.asarray(proposal.tokens)[i, 0]), "proposal": list(map(int, proposals[i])),
                              "accepted": int(acc[i]), "bonus": int(bonus[i]),
                              "emitted": list(map(int, out[i, before[i]: after[i]]))})
             rounds.append(rows)
@@ -173,5 +336,62 @@ def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens,
     seconds = time.perf_counter() - t0
     host = seconds - t_prefill - t_draft - t_verify
     stats = dict(shape_stats(prep), loop="python", seconds=seconds,
-                 time_split={"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host})
+                 time_split={"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host},
+                 **_plan_stats(plan, chosen))
     return generation_result(state, stats, trace=rounds if trace else None, rows=prep.num_prompts)
+
+
+def tree_plan(pair, *, tree_budget: int = 16, branch: int = DEFAULT_BRANCH, temperature: float = DEFAULT_TEMPERATURE,
+              calibration: TreeCalibration | str | None = "pair", adaptive: AdaptivePolicy | bool = False,
+              branch_head: bool = True):
+    """The proposer of the tree options (`generate_tree`): a `TreeShape`, or the adaptive policy."""
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be a positive integer, got {tree_budget!r}")
+    if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
+        raise ValueError(f"branch must be a positive integer, got {branch!r}")
+    if isinstance(calibration, str):
+        if calibration != "pair":
+            raise ValueError(f"calibration must be a TreeCalibration, None or 'pair', got {calibration!r}")
+        calibration = pair_calibration(pair)
+    if adaptive:
+        return AdaptivePolicy() if adaptive is True else adaptive
+    return TreeShape(tree_budget, branch, temperature, calibration, use_head=branch_head)
+
+
+def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branch: int = DEFAULT_BRANCH,
+                  temperature: float = DEFAULT_TEMPERATURE, calibration: TreeCalibration | str | None = "pair",
+                  adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
+                  sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
+                  buckets: Buckets | None = None, branch_head: bool = True):
+    """Tree-verified DFlash generation in one jitted while_loop: `generate` with `proposer=` the tree of these
+    options (`tree_plan`).
+
+    tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
+    width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`);
+    calibration: a fitted acceptance model for the build (`TreeCalibration`, `spec.calibrate.fit_calibration`);
+    "pair" (the default) the one shipped with the pair (`pair_calibration`; the plain build when it has none);
+    None the plain build (the draft's marginals).
+    branch_head: build from the draft's branch head when the pair carries one (`build_tree_from_head`; the
+    shipped pair does); False: from the marginals (and `calibration`).
+    adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
+    Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
+    proposer = tree_plan(pair, tree_budget=tree_budget, branch=branch, temperature=temperature,
+                         calibration=calibration, adaptive=adaptive, branch_head=branch_head)
+    if isinstance(proposer, TreeShape) and not proposer.is_chain and (block_size or pair.draft_cfg.block_size) < 2:
+        raise ValueError("tree verification needs a draft block of at least 2 (one proposal position)")
+    res = generate(pair, prompts, max_new_tokens=max_new_tokens, proposer=proposer, block_size=block_size,
+                   sampling=sampling, stop_ids=stop_ids, seed=seed, warmup=warmup, buckets=buckets)
+    res.stats.update(tree_budget=tree_budget, branch=branch)
+    return res
+
+
+def generate_tree_stepping(pair, prompts, *, max_new_tokens, shape: TreeShape, block_size: int | None = None,
+                           sampling=SamplingParams(), stop_ids=(), seed=0, buckets: Buckets | None = None):
+    """The tree rounds driven from Python (`generate_stepping` with `proposer=shape`); returns (GenerationResult,
+    rounds) where rounds[r] is a dict of numpy arrays [b] per `RoundOutcome` field plus `live` (sequences not done
+    before the round). For traces, tests and benchmarks (expert union per round)."""
+    rounds: list = []
+    res = generate_stepping(pair, prompts, max_new_tokens=max_new_tokens, proposer=shape, block_size=block_size,
+                            sampling=sampling, stop_ids=stop_ids, seed=seed, buckets=buckets, outcomes=rounds)
+    res.stats.update(tree_budget=shape.budget, branch=shape.branch)
+    return res, rounds

@@ -141,6 +141,18 @@ class SpecState:
 
 
 @struct.dataclass
+class RoundOutcome:
+    """What one round did, per sequence: proposals accepted, the verify's distinct experts per MoE layer (mean
+    over layers; 0 for dense targets), the draft's expected accepted depth of a tree (0 for chains), and whether
+    the accepted path left the draft's argmax chain (a tree node of rank > 0 was accepted)."""
+
+    accepted: jax.Array  # [b] int32
+    expert_union: jax.Array  # [b] fp32
+    expected: jax.Array  # [b] fp32
+    off_chain: jax.Array  # [b] bool
+
+
+@struct.dataclass
 class Draft:
     tokens: jax.Array  # [b, B-1] proposals
     probs: jax.Array | None  # [b, B-1, V] the proposal distributions (rejection method only)
@@ -174,10 +186,12 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple
 
 def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sampling=SamplingParams(),
             stop_ids=(), seed=0, buckets: rq.Buckets | None = None) -> Prepared:
-    """Validates a request batch at the Python boundary and maps it to bucketed shapes.
+    """Validates a request batch at the Python boundary and maps it to bucketed shapes; with
+    `buckets.capacity` set, to the capacity's fixed shapes (a `spec.prefill.CapacityPrepared`).
 
     max_new_tokens, sampling, stop_ids, seed: one value for every prompt or one per prompt (stop_ids: a
-    list of ids, or one list per prompt). Raises TypeError / ValueError naming the argument."""
+    list of ids, or one list per prompt). Raises TypeError / ValueError naming the argument (a request that
+    does not fit the capacity: one ValueError naming it and how to raise it)."""
     buckets = rq.DEFAULT_BUCKETS if buckets is None else buckets
     if not isinstance(buckets, rq.Buckets):
         raise TypeError(f"buckets must be a spec.requests.Buckets, got {type(buckets).__name__}")
@@ -201,9 +215,17 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
         raise ValueError(f"prompt ({int(lengths_real[worst])}) + max_new_tokens ({int(budgets[worst])}) exceeds the "
                          f"target's {max_pos} positions (with the block size {block_size})")
     batch = buckets.batch_size(n)
-    output_len = buckets.output_len(int(budgets.max()))
     prompt_len = buckets.prompt_len(int(lengths_real.max()))
-    max_len = min(buckets.cache_len(prompt_len + output_len + block_size), max_pos)
+    if buckets.fixed:  # every shape from the capacity: one program for any prompt and budget that fit
+        max_len = output_len = buckets.capacity_rows(max_pos)
+        need = int(lengths_real[worst] + budgets[worst]) + block_size
+        if need > max_len:
+            raise rq.capacity_error(need, buckets.capacity, max_pos,
+                                    f"prompt ({int(lengths_real[worst])}) + max_new_tokens ({int(budgets[worst])}) + "
+                                    f"block size ({block_size})")
+    else:
+        output_len = buckets.output_len(int(budgets.max()))
+        max_len = min(buckets.cache_len(prompt_len + output_len + block_size), max_pos)
     prompt_len = min(prompt_len, max_len)
     tokens, lengths = rq.pad_prompts(checked, prompt_len, batch)
     pad = batch - n
@@ -221,6 +243,12 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
         key_fold = np.zeros(batch, np.int32)
     spec = SpecConfig(target=tcfg, draft=dcfg, block_size=block_size, max_len=max_len, output_len=output_len,
                       method=method)
+    if buckets.fixed:
+        from dflash_jax.spec.prefill import CapacityPrepared  # prefill builds on this module
+
+        return CapacityPrepared(spec=spec, tokens=tokens, lengths=lengths, params=params, key_data=key_data,
+                                key_fold=key_fold, num_prompts=n, chunk=buckets.chunk_len(max_len),
+                                buffer=buckets.prompt_buffer(max_len))
     return Prepared(spec=spec, tokens=tokens, lengths=lengths, params=params, key_data=key_data, key_fold=key_fold,
                     num_prompts=n)
 
@@ -482,10 +510,6 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
     )
 
 
-def spec_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> SpecState:
-    return verify_round(target_w, state, draft_round(target_w, draft_w, state, spec), spec)
-
-
 draft_round_jit = jax.jit(draft_round, static_argnames=("spec",))
 verify_round_jit = jax.jit(verify_round, static_argnames=("spec",), donate_argnames=("state",))
 
@@ -543,9 +567,14 @@ def begin(pair, prompts, *, block_size: int | None = None, max_new_tokens, sampl
 
 
 def begin_prepared(pair, prep: Prepared) -> SpecState:
-    """The prefill of a `prepare`d batch (one compiled program per spec and prompt bucket)."""
+    """The prefill of a `prepare`d batch: one compiled program per spec and prompt bucket, or, for a batch
+    prepared in capacity mode, one per capacity (chunks of the fixed prompt buffer, `spec.prefill.capacity_begin`)."""
     from dflash_jax import compile_cache
+    from dflash_jax.spec.prefill import CapacityPrepared, capacity_begin_jit
 
     compile_cache.ensure_enabled()
+    if isinstance(prep, CapacityPrepared):
+        return capacity_begin_jit(pair.target, pair.draft, prep.prompt_buffer(), prep.lengths, prep.params,
+                                  prep.key_data, prep.key_fold, prep.spec, chunk=prep.chunk)
     return begin_arrays(pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold,
                   prep.spec)

@@ -35,16 +35,11 @@ reads its own ancestors' rows (`models.qwen3_5`); the verify keeps the nodes' De
 the accepted path's rows in order, and the usual exact replay (`rollback`) leaves the states after the path.
 The cache's rollback width is widened to the widest tree (`widen_for_tree`).
 
-The adaptive policy (`AdaptivePolicy`) picks, each round and before the draft, one of a few static shapes
-(chains of B and trees of budget N, each a branch of one `lax.switch` running exactly that shape's round) by
-expected tokens per second: each shape's tokens per round (a prior or calibrated figures, scaled per sequence
-by the acceptance so far) over its cost (a `VerifyCost` per shape: measured at warm-up, or modelled from rows
-and expert bytes). Deterministic given the state. `calibrate_policy` measures both figures in the mode the
-policy runs in; a policy compiles and provisions only the shapes it can choose (`AdaptivePolicy.pruned`), and
-one reachable shape runs as that fixed shape.
+A tree is one proposer of the round (`spec.round`: `TreeShape` is the tree proposer); the adaptive policy that
+picks a shape per round is `spec.policy`, the offline fitting and measurement `spec.calibrate`.
 
 The build's node scores can come from a fitted acceptance model instead of the draft's marginals
-(`TreeCalibration`, fitted by `fit_calibration` on `calibration_samples` of training-split prompts).
+(`TreeCalibration`, fitted by `spec.calibrate.fit_calibration` on training-split prompts).
 
 When the draft carries a branch head (`models.draft.BranchHeadWeights`, attached by `pair.load` from the file
 shipped beside the checkpoint), a tree's nodes take their children from it instead: the draft's distribution
@@ -60,27 +55,19 @@ import functools
 import hashlib
 import json
 import os
-import time
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflash_jax import compile_cache
 from dflash_jax.errors import CheckpointError, open_regular
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
 from dflash_jax.pair import pair_fingerprint  # noqa: F401  (re-exported: calibrations use it)
-from dflash_jax.spec import requests as rq
-from dflash_jax.spec.loop import LOOP_BUCKETS, generation_result, shape_stats
-from dflash_jax.spec.sampling import SamplingParams, processed_scores, sample_rows
-from dflash_jax.spec.session import (
-    Prepared, SpecConfig, SpecState, all_greedy, begin_prepared, check_state, emit_tokens, prepare, spec_round,
-    split_rows,
-)
+from dflash_jax.spec.sampling import processed_scores, sample_rows
+from dflash_jax.spec.session import RoundOutcome, SpecConfig, SpecState, all_greedy, emit_tokens, split_rows
 
 DEFAULT_BRANCH = 4
 # The draft's per-position distributions are marginals: the product of a path's marginals underrates the
@@ -102,12 +89,6 @@ def widen_for_tree(cfg, cache, width: int):
     sized by the widest verify; attention caches need nothing)."""
     fam = family_of(cfg)
     return fam.widen_for_tree(cache, width) if hasattr(fam, "widen_for_tree") else cache
-
-
-def begin_tree(pair, prep: Prepared, widest: int) -> SpecState:
-    """`session.begin_prepared` with the target cache widened for trees of up to `widest` nodes."""
-    state = begin_prepared(pair, prep)
-    return state.replace(target_cache=widen_for_tree(prep.spec.target, state.target_cache, widest))
 
 
 CALIBRATION_FEATURES = ("1", "log q", "log(1-q)", "argmax", "off", "argmax*off", "argmax*depth/15",
@@ -182,7 +163,7 @@ def save_calibration(cal: "TreeCalibration", path: str, *, pair=None, fitted_on:
     return path
 
 
-_CALIBRATION_FIX = ("refit it (benchmarks/tree.py --fit-calibration, or spec.tree.fit_calibration + "
+_CALIBRATION_FIX = ("refit it (benchmarks/tree.py --fit-calibration, or spec.calibrate.fit_calibration + "
                     "save_calibration), or delete the file (trees then build from the draft's distributions)")
 _CALIBRATION_MAX_BYTES = 1 << 20  # a calibration file is about 1 KB
 _HEX64 = frozenset("0123456789abcdef")
@@ -285,7 +266,7 @@ class TreeShape:
         if not self.temperature > 0:
             raise ValueError(f"a tree's draft temperature must be > 0, got {self.temperature}")
         if self.calibration is not None and not isinstance(self.calibration, TreeCalibration):
-            raise TypeError(f"calibration must be a TreeCalibration (spec.tree.fit_calibration), "
+            raise TypeError(f"calibration must be a TreeCalibration (spec.calibrate.fit_calibration), "
                             f"got {type(self.calibration).__name__}")
 
     @property
@@ -529,19 +510,7 @@ def tree_draft(target_w, draft_w, state: SpecState, spec: SpecConfig) -> TreeDra
                      draft_cache=draft_cache, hidden=hidden)
 
 
-@struct.dataclass
-class TreeRoundInfo:
-    """What one tree round did, per sequence: proposals accepted, the verify's distinct experts per MoE
-    layer (mean over layers; 0 for dense targets), the draft's expected accepted depth of the tree, and
-    whether the accepted path left the draft's argmax chain (a node of rank > 0 was accepted)."""
-
-    accepted: jax.Array  # [b] int32
-    expert_union: jax.Array  # [b] fp32
-    expected: jax.Array  # [b] fp32
-    off_chain: jax.Array  # [b] bool
-
-
-def _expert_union(router_experts, num_experts: int) -> jax.Array:
+def expert_union(router_experts, num_experts: int) -> jax.Array:
     per_layer = [r for r in router_experts if r is not None]
     if not per_layer:
         return jnp.zeros((1,), jnp.float32)
@@ -552,21 +521,10 @@ def _expert_union(router_experts, num_experts: int) -> jax.Array:
     return jnp.mean(jnp.stack(counts).astype(jnp.float32), axis=0)
 
 
-def tree_forward(target_w, state: SpecState, tree: Tree, spec: SpecConfig, implementation: str = "auto"):
-    """The width-N target forward over the tree (a `ForwardOutput` with every node's logits and the taps)."""
-    return family_of(spec.target).forward(target_w, tree.tokens, state.target_cache, spec.target, tap_layers=spec.taps,
-                                          logits="all", tree=tree.block(), implementation=implementation)
-
-
-def verify_tree(target_w, state: SpecState, tree: Tree, draft_cache, spec: SpecConfig):
-    """Width-N target forward over the tree, acceptance (greedy or per-node draws), emission and commit.
-    Returns (state, TreeRoundInfo)."""
-    return commit_tree(state, tree, draft_cache, tree_forward(target_w, state, tree, spec), spec)
-
-
 def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig):
-    """Acceptance, emission and commit of a tree verify's output `out` (`tree_forward`, or the same forward run
-    layer by layer with offloaded experts). Returns (state, TreeRoundInfo)."""
+    """Acceptance, emission and commit of a tree verify's output `out` (the target forward over `tree.tokens` with
+    the tree mask, by any placement: `spec.round.verify_forward`, or layer by layer with offloaded experts).
+    Returns (state, RoundOutcome)."""
     fam = family_of(spec.target)
     start = state.target_cache.lengths
     key, k_acc = split_rows(state.key)
@@ -588,8 +546,8 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
     context = jnp.take_along_axis(context, path[..., None], axis=1)  # [b, B, F]: the path's rows
     cfg = spec.target
     num_experts = cfg.moe.num_experts if getattr(cfg, "moe", None) is not None else 1
-    info = TreeRoundInfo(accepted=accepted, expert_union=jnp.broadcast_to(
-        _expert_union(out.router_experts, num_experts), accepted.shape),
+    info = RoundOutcome(accepted=accepted, expert_union=jnp.broadcast_to(
+        expert_union(out.router_experts, num_experts), accepted.shape),
         expected=jnp.sum(jnp.where(tree.valid, jnp.exp(tree.score), 0.0), axis=1) - 1.0,
         off_chain=jnp.any((jnp.take_along_axis(tree.rank, path, axis=1) > 0)
                           & (jnp.arange(path.shape[1])[None] <= accepted[:, None]), axis=1))
@@ -602,496 +560,3 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
         last_bonus=bonus,
     )
     return new, info
-
-
-def tree_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape):
-    """One round with a fixed tree shape: draft, build, verify. Returns (state, TreeRoundInfo)."""
-    check_state(state, spec)
-    draft = tree_draft(target_w, draft_w, state, spec)
-    tree = round_tree(target_w, draft_w, state.anchor, draft, shape, spec)
-    return verify_tree(target_w, state, tree, draft.draft_cache, spec)
-
-
-tree_round_jit = jax.jit(tree_round, static_argnames=("spec", "shape"), donate_argnames=("state",))
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "shape"))
-def tree_draft_build(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape):
-    """The round's draft and its tree, jitted (the first half of a round whose verify runs elsewhere, e.g. layer
-    by layer with offloaded experts). Returns (Tree, TreeDraft)."""
-    draft = tree_draft(target_w, draft_w, state, spec)
-    return round_tree(target_w, draft_w, state.anchor, draft, shape, spec), draft
-
-
-commit_tree_jit = jax.jit(commit_tree, static_argnames=("spec",))
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "implementation"))
-def verify_tree_pooled(target_w, state: SpecState, tree: Tree, draft_cache, spec: SpecConfig,
-                       implementation: str = "auto"):
-    """`verify_tree` as one program that also returns the forward's per-layer router experts (an offloaded
-    target whose pool holds every expert). Returns (state, TreeRoundInfo, router_experts)."""
-    out = tree_forward(target_w, state, tree, spec, implementation)
-    new, info = commit_tree(state, tree, draft_cache, out, spec)
-    return new, info, out.router_experts
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the adaptive policy
-# ----------------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class VerifyCost:
-    """The cost of one round per candidate shape, in seconds (static: baked into the compiled program).
-
-    `model(...)` builds it from the parts the issue names: a fixed time per round (draft + launch), a time
-    per verified row (tokens x compute), and the expert bytes a round's rows route to over the host link
-    (offloaded targets; 0 when resident)."""
-
-    seconds: tuple[float, ...]
-
-    @staticmethod
-    def model(shapes: Sequence[TreeShape], *, round_s: float, row_s: float,
-              expert_bytes: Sequence[float] | None = None, link_bytes_per_s: float | None = None) -> "VerifyCost":
-        """seconds(shape) = round_s + row_s * budget + expert_bytes(shape) / link (when both are given)."""
-        out = []
-        for i, s in enumerate(shapes):
-            t = round_s + row_s * s.budget
-            if expert_bytes is not None and link_bytes_per_s:
-                t += expert_bytes[i] / link_bytes_per_s
-            out.append(float(t))
-        return VerifyCost(tuple(out))
-
-    @staticmethod
-    def fit(shapes: Sequence[TreeShape], seconds: Sequence[float]) -> "VerifyCost":
-        """The cost model `round_s + row_s * budget` fitted to measured seconds per round (least squares, both
-        coefficients clipped at >= 0): noisy timings (a loaded machine) cannot rank a wider verify below a
-        narrower one. Returns the model's seconds per shape."""
-        if len(seconds) != len(shapes):
-            raise ValueError(f"{len(seconds)} timings for {len(shapes)} shapes")
-        budgets = np.asarray([s.budget for s in shapes], np.float64)
-        y = np.asarray(seconds, np.float64)
-        a = np.stack([np.ones_like(budgets), budgets], axis=1)
-        (round_s, row_s), *_ = np.linalg.lstsq(a, y, rcond=None)
-        if row_s < 0:
-            round_s, row_s = float(np.mean(y)), 0.0
-        if round_s < 0:
-            round_s, row_s = 0.0, float(np.dot(budgets, y) / np.dot(budgets, budgets))
-        return VerifyCost.model(shapes, round_s=float(round_s), row_s=float(row_s))
-
-
-DEFAULT_SHAPES = (TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 1), TreeShape(8), TreeShape(16), TreeShape(32))
-
-
-@functools.lru_cache(maxsize=None)
-def prior_tokens_per_round(shape: TreeShape, *, alpha: float = 0.8, depth: int = 15) -> float:
-    """Tokens per round a shape commits under a calibrated model draft: at every block position the draft's
-    r-th candidate is the target's token with probability alpha (1 - alpha)^r, independently; the expected
-    accepted depth of a best-first tree is then the sum of its nodes' path probabilities (exact for this
-    draft), plus the bonus. Chains of B see B-1 positions, trees `depth`. Deterministic (no data)."""
-    d = shape.budget - 1 if shape.is_chain else depth
-    if d < 1:
-        return 1.0
-    full = np.full((1, d, max(shape.branch, 2)), -1e30, np.float32)
-    full[0, :, : shape.branch] = np.log(alpha * (1.0 - alpha) ** np.arange(shape.branch))
-    with jax.ensure_compile_time_eval():  # also when called while a loop is traced
-        tree = build_tree(jnp.zeros((1,), jnp.int32), jnp.asarray(full),
-                          dataclasses.replace(shape, temperature=1.0, calibration=None))
-        return float(np.sum(np.where(np.asarray(tree.valid), np.exp(np.asarray(tree.score)), 0.0)))
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptivePolicy:
-    """Each round, before drafting, picks one of `shapes` for the batch: the shape with the largest expected
-    tokens per second summed over the live sequences,
-
-        rate(s) = (1 + c * (tau_s - 1)) / seconds(s),
-
-    where tau_s is the shape's tokens per round (`taus`: calibrated, e.g. measured at warm-up; default the
-    model-draft prior `prior_tokens_per_round`), seconds(s) its round time (`cost`; default 1 + budget / 16,
-    compute-bound) and c the sequence's calibration: proposals accepted so far over the proposals the chosen
-    shapes' tau predicted, both decayed by `decay` per round (prior 1), clipped to `calibration_range` when
-    given. The chosen shape's round is exactly the fixed loop's (a chain drafts at its own B, a tree at the
-    draft's block), one branch of a `lax.switch`. Only the shapes the policy can choose are compiled and
-    provisioned (`pruned`); one reachable shape runs as that fixed shape. `calibrate_policy` measures taus
-    and costs in the mode the policy runs in. Deterministic given the state (no clocks, no randomness)."""
-
-    shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES
-    cost: VerifyCost | None = None
-    taus: tuple[float, ...] | None = None
-    decay: float = 0.9
-    # (lo, hi): the calibration c is clipped to it (None: c >= 0 unclipped). With taus measured on
-    # calibration prompts, a range around 1 says how far a sequence may drift from them.
-    calibration_range: tuple[float, float] | None = None
-    # a prior toward the cheapest shape (least seconds per round): every other shape's rate is divided by
-    # 1 + margin, so it is chosen only when its figures promise more than `margin` above the cheapest's (figures
-    # measured on a few calibration prompts, on a loaded machine, are that uncertain)
-    margin: float = 0.0
-
-    def __post_init__(self):
-        if not self.margin >= 0:
-            raise ValueError(f"margin must be >= 0 (a prior toward the cheapest shape), got {self.margin}")
-
-    def scored_seconds(self) -> tuple[float, ...]:
-        """The seconds per round the choice divides by: `seconds()`, every shape but the cheapest times 1 + margin."""
-        secs = self.seconds()
-        if not self.margin:
-            return secs
-        cheapest = int(np.argmin(secs))
-        return tuple(float(t) if i == cheapest else float(t) * (1.0 + self.margin) for i, t in enumerate(secs))
-
-    def reachable(self) -> tuple[int, ...]:
-        """The indices of the shapes the policy can ever choose: those of the largest rate for some calibration c
-        in `calibration_range` (or c >= 0). The rate is linear in c per shape, so the winners over c are the
-        upper envelope of lines: checked at the range's ends and at every pairwise crossing inside it."""
-        taus = np.asarray(self.tokens_per_round(), np.float32) - 1.0
-        secs = np.asarray(self.scored_seconds(), np.float32)
-        lo, hi = self.calibration_range or (0.0, np.inf)
-        cs = {lo} | ({hi} if np.isfinite(hi) else {1e6})
-        for i in range(len(taus)):
-            for j in range(i + 1, len(taus)):
-                den = taus[i] / secs[i] - taus[j] / secs[j]
-                if den != 0:
-                    c = (1.0 / secs[j] - 1.0 / secs[i]) / den
-                    cs |= {c * (1 - 1e-6), c * (1 + 1e-6)}
-        win = {int(np.argmax((1.0 + np.float32(c) * taus) / secs)) for c in cs if lo <= c <= hi}
-        return tuple(sorted(win))
-
-    def pruned(self) -> "AdaptivePolicy":
-        """The same policy over its reachable shapes only (it makes the same choices): an adaptive loop
-        compiles, and sizes its caches for, only what it can run; one reachable shape runs as that fixed shape."""
-        keep = self.reachable()
-        if len(keep) == len(self.shapes):
-            return self
-        pick = lambda xs: None if xs is None else tuple(xs[i] for i in keep)  # noqa: E731
-        # the margin is baked into the kept shapes' seconds (the cheapest shape may be among those pruned)
-        return dataclasses.replace(self, shapes=pick(self.shapes), taus=pick(self.tokens_per_round()),
-                                   cost=VerifyCost(pick(self.scored_seconds())), margin=0.0)
-
-    def seconds(self) -> tuple[float, ...]:
-        if self.cost is not None:
-            if len(self.cost.seconds) != len(self.shapes):
-                raise ValueError(f"VerifyCost has {len(self.cost.seconds)} entries for {len(self.shapes)} shapes")
-            return self.cost.seconds
-        return tuple(1.0 + s.budget / 16.0 for s in self.shapes)
-
-    def tokens_per_round(self) -> tuple[float, ...]:
-        if self.taus is not None:
-            if len(self.taus) != len(self.shapes):
-                raise ValueError(f"taus has {len(self.taus)} entries for {len(self.shapes)} shapes")
-            return tuple(float(t) for t in self.taus)
-        return tuple(prior_tokens_per_round(s) for s in self.shapes)
-
-
-def choose_shape(policy: AdaptivePolicy, accepted_sum: jax.Array, expected_sum: jax.Array,
-                 live: jax.Array) -> jax.Array:
-    """The index of the shape `policy` picks for a batch (see `AdaptivePolicy`): accepted_sum / expected_sum
-    [b] the decayed proposals accepted / predicted per sequence, live [b] bool. Pure and traceable (the serving
-    engine can call it per round on its own slots); ties go to the earlier shape."""
-    xp = np if isinstance(accepted_sum, np.ndarray) else jnp  # numpy on a host loop: no device round trip
-    taus = xp.asarray(policy.tokens_per_round(), xp.float32)
-    seconds = xp.asarray(policy.scored_seconds(), xp.float32)
-    calib = (accepted_sum + xp.float32(1.0)) / (expected_sum + xp.float32(1.0))
-    if policy.calibration_range is not None:
-        calib = xp.clip(calib, *policy.calibration_range)
-    rate = (xp.float32(1.0) + calib[:, None] * (taus[None] - xp.float32(1.0))) / seconds[None]
-    return xp.argmax(xp.sum(rate * xp.asarray(live).astype(xp.float32)[:, None], axis=0)).astype(xp.int32)
-
-
-def update_calibration(policy: AdaptivePolicy, accepted_sum, expected_sum, choice, accepted, done_before):
-    """The decayed sums after a round of shape `choice` that accepted `accepted` [b] proposals (sequences done
-    before the round keep theirs)."""
-    xp = np if isinstance(accepted_sum, np.ndarray) else jnp
-    predicted = xp.asarray(policy.tokens_per_round(), xp.float32)[choice] - xp.float32(1.0)
-    d = xp.float32(policy.decay)
-    acc = xp.where(done_before, accepted_sum, d * accepted_sum + xp.asarray(accepted).astype(xp.float32))
-    exp_ = xp.where(done_before, expected_sum, d * expected_sum + predicted)
-    return acc, exp_
-
-
-@struct.dataclass
-class AdaptiveState:
-    spec_state: SpecState
-    accepted_sum: jax.Array  # [b] fp32, decayed
-    expected_sum: jax.Array  # [b] fp32, decayed
-    chosen: jax.Array  # [num shapes] int32: rounds per shape
-
-
-def shape_round(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape) -> SpecState:
-    """One round of a fixed shape on a state whose draft block is `spec.block_size`: a chain drafts and
-    verifies at its own width (`session.spec_round`, the chain loop's round; the context rows it hands the
-    draft are padded back to the state's width), a tree runs `tree_round`."""
-    if not shape.is_chain:
-        return tree_round(target_w, draft_w, state, spec, shape)[0]
-    width = state.context.shape[1]
-    if shape.budget > width:
-        raise ValueError(f"a chain of {shape.budget} is wider than the draft block {width}")
-    new = spec_round(target_w, draft_w, state, dataclasses.replace(spec, block_size=shape.budget))
-    return new.replace(context=pad_cols(new.context, width))
-
-
-def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, policy: AdaptivePolicy):
-    """Pick the shape (`choose_shape`, from the state only), run its round (one branch of a `lax.switch`),
-    update the calibration. Returns the new AdaptiveState."""
-    state = astate.spec_state
-    choice = choose_shape(policy, astate.accepted_sum, astate.expected_sum, ~state.done)
-    branches = [functools.partial(shape_round, target_w, draft_w, spec=spec, shape=s) for s in policy.shapes]
-    new = jax.lax.switch(choice, branches, state)
-    acc, exp_ = update_calibration(policy, astate.accepted_sum, astate.expected_sum, choice, new.last_accepted,
-                                   state.done)
-    return AdaptiveState(spec_state=new, accepted_sum=acc, expected_sum=exp_,
-                         chosen=astate.chosen.at[choice].add(1))
-def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new_tokens: int = 64,
-                          repeats: int = 3, block_size: int | None = None) -> VerifyCost:
-    """Each shape's seconds per round on this machine, measured at warm-up: the shape's round (`shape_round`,
-    jitted) on the state after the prefill of `prompts` (calibration prompts of the batch and length the run
-    will use; the outputs are dropped), the shapes interleaved, the fastest of `repeats`. Hand the result (or
-    `VerifyCost.fit(shapes, result.seconds)` on a noisy machine) to `AdaptivePolicy(cost=)`: the policy's
-    choices are then deterministic given these figures."""
-    widest = max(s.budget for s in shapes)
-    prep = prepare_tree(pair, prompts, widest=widest, max_new_tokens=max_new_tokens, block_size=block_size)
-    state = begin_tree(pair, prep, widest)
-    rounds = [jax.jit(functools.partial(shape_round, spec=prep.spec, shape=s)) for s in shapes]
-    for fn in rounds:
-        jax.block_until_ready(fn(pair.target, pair.draft, state).output)
-    best = [float("inf")] * len(rounds)
-    for _ in range(repeats):
-        for i, fn in enumerate(rounds):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(pair.target, pair.draft, state).output)
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return VerifyCost(tuple(best))
-
-
-def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_tokens: int = 64, repeats: int = 3,
-                     calibration_range: tuple[float, float] | None = (0.5, 2.0), decay: float = 0.9,
-                     clock: str = "wall", statistic: str = "min", margin: float = 0.0, log=None) -> AdaptivePolicy:
-    """An `AdaptivePolicy` whose figures are measured on calibration prompts in the mode it will run in (the
-    resident jitted loops): each shape's fixed loop (a chain: `spec.loop.generate` at block B; a tree:
-    `generate_tree`) runs `prompts`, compiled first, then `repeats` times interleaved; its seconds per round
-    are the fastest run's seconds over its rounds, its tokens per round the run's mean. With the prompts' own
-    figures and c = 1 the policy picks the fastest fixed shape there; `calibration_range` bounds how far a
-    sequence's acceptance may move it (and so which shapes it provisions). clock: "wall" (seconds of the run)
-    or "cpu" (this process's CPU seconds over the call, prefill included: the work, which other jobs on a
-    shared machine do not inflate). statistic: "min" (the fastest repeat) or "median" (of the repeats: robust to
-    one lucky or loaded run). margin: the policy's prior toward the cheapest shape (`AdaptivePolicy.margin`)."""
-    from dflash_jax.spec.loop import generate
-
-    if clock not in ("wall", "cpu"):
-        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
-    if statistic not in ("min", "median"):
-        raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
-
-    def timed(s):
-        c0 = time.process_time()
-        seconds = run(s).stats["seconds"]
-        return seconds if clock == "wall" else time.process_time() - c0
-
-    def run(s):
-        if s.is_chain:
-            return generate(pair, prompts, max_new_tokens=max_new_tokens, block_size=s.budget)
-        return generate_tree(pair, prompts, max_new_tokens=max_new_tokens, tree_budget=s.budget, branch=s.branch,
-                             temperature=s.temperature, calibration=s.calibration)
-
-    taus, rounds, times = [], [], [[] for _ in shapes]
-    for s in shapes:
-        res = run(s)
-        taus.append(float(np.mean([a for seq in res.acceptance_lengths for a in seq])))
-        rounds.append(max(1, int(res.stats["rounds"])))
-    stat = np.min if statistic == "min" else np.median
-    for r in range(repeats):
-        for i, s in enumerate(shapes):
-            times[i].append(timed(s))
-        if log:
-            log(f"calibration repeat {r + 1}/{repeats}: " + ", ".join(
-                f"{s.label()} {stat(t) / n * 1e3:.1f} ms/round" for s, t, n in zip(shapes, times, rounds)))
-    return AdaptivePolicy(tuple(shapes), VerifyCost(tuple(float(stat(t)) / n for t, n in zip(times, rounds))),
-                          taus=tuple(round(t, 4) for t in taus), decay=decay, calibration_range=calibration_range,
-                          margin=margin)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "k"))
-def _draft_top_k(target_w, draft_w, state: SpecState, spec: SpecConfig, k: int):
-    return jax.lax.top_k(tree_draft(target_w, draft_w, state, spec).logprobs, k)
-
-
-def calibration_samples(pair, prompts, *, max_new_tokens: int = 64, branch: int = 8,
-                        shape: TreeShape | None = None) -> np.ndarray:
-    """Training rows for `fit_calibration`: the tree loop (`shape`, default N = 32 with `branch` candidates)
-    runs greedy on `prompts`; at every round and live sequence, for each depth d whose parent on the target's
-    greedy path is still among the draft's candidates, one row per candidate: (depth, rank, log q, parent off
-    the argmax chain, is the target's token). The target's path is its plain greedy continuation."""
-    from dflash_jax.spec.loop import generate as chain_generate
-
-    shape = shape or TreeShape(32, branch)
-    prep = prepare_tree(pair, prompts, widest=shape.budget, max_new_tokens=max_new_tokens)
-    spec = prep.spec
-    gamma = spec.block_size - 1
-    # the target's greedy continuation: the chain loop's greedy output is the plain greedy output (lossless)
-    plain = chain_generate(pair, prompts, max_new_tokens=max_new_tokens + gamma + 1).tokens
-    state = begin_tree(pair, prep, shape.budget)
-    rows = []
-    while not np.asarray(state.done).all():
-        top_lp, top_tok = jax.device_get(_draft_top_k(pair.target, pair.draft, state, spec, branch))
-        made, done = np.asarray(state.num_generated), np.asarray(state.done)
-        state, _ = tree_round_jit(pair.target, pair.draft, state, spec, shape)
-        for i in np.flatnonzero(~done):
-            truth = plain[i][made[i]: made[i] + gamma]
-            off = False
-            for d, tok in enumerate(truth):
-                hit = np.flatnonzero(top_tok[i, d] == tok)
-                for r in range(branch):
-                    rows.append((d + 1, r, top_lp[i, d, r], off, len(hit) > 0 and hit[0] == r))
-                if not len(hit):
-                    break
-                off = off or hit[0] > 0
-    return np.asarray(rows, np.float64).reshape(-1, 5)
-
-
-def fit_calibration(samples: np.ndarray, *, l2: float = 1e-2, iters: int = 50) -> TreeCalibration:
-    """The logistic acceptance model (`TreeCalibration`) fitted to `calibration_samples` rows by Newton's
-    method (L2 `l2`). Deterministic given the rows."""
-    samples = np.asarray(samples, np.float64)
-    if samples.ndim != 2 or samples.shape[1] != 5 or not len(samples):
-        raise ValueError("fit_calibration needs calibration_samples rows [n, 5] (depth, rank, log q, off, hit)")
-    x = np.asarray(calibration_features(samples[:, 0], samples[:, 1], samples[:, 2], samples[:, 3]), np.float64)
-    y = samples[:, 4]
-    w = np.zeros(x.shape[1])
-    for _ in range(iters):
-        p = 1.0 / (1.0 + np.exp(-(x @ w)))
-        grad = x.T @ (p - y) + l2 * w
-        hess = x.T @ (x * (p * (1.0 - p))[:, None]) + l2 * np.eye(len(w))
-        w = w - np.linalg.solve(hess, grad)
-    return TreeCalibration(tuple(round(float(v), 6) for v in w))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# loops
-# ----------------------------------------------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnames=("spec", "shape"), donate_argnames=("state",))
-def run_tree_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, shape: TreeShape) -> SpecState:
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: tree_round(target_w, draft_w, s, spec, shape)[0], state)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "policy"), donate_argnames=("astate",))
-def run_adaptive_loop(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig,
-                      policy: AdaptivePolicy) -> AdaptiveState:
-    return jax.lax.while_loop(lambda a: ~jnp.all(a.spec_state.done),
-                              lambda a: adaptive_round(target_w, draft_w, a, spec, policy), astate)
-
-
-def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, **request) -> Prepared:
-    """`session.prepare` with the cache sized for a verify of `widest` rows (a tree may be wider than B)."""
-    compile_cache.ensure_enabled()
-    buckets = LOOP_BUCKETS if buckets is None else buckets
-    prep = prepare(pair, prompts, block_size=block_size, buckets=buckets, **request)
-    spec = prep.spec
-    need = prep.tokens.shape[1] + spec.output_len + max(widest, spec.block_size)
-    max_len = min(buckets.cache_len(need), spec.target.max_position_embeddings)
-    budget = int(np.max(prep.params.budget))
-    if int(np.max(prep.lengths)) + budget + widest > max_len:
-        raise ValueError(f"prompt + max_new_tokens + the tree budget {widest} exceeds the target's "
-                         f"{spec.target.max_position_embeddings} positions")
-    return dataclasses.replace(prep, spec=dataclasses.replace(spec, max_len=max_len))
-
-
-def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branch: int = DEFAULT_BRANCH,
-                  temperature: float = DEFAULT_TEMPERATURE, calibration: TreeCalibration | str | None = "pair",
-                  adaptive: AdaptivePolicy | bool = False, block_size: int | None = None,
-                  sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
-                  buckets: rq.Buckets | None = None, branch_head: bool = True):
-    """Tree-verified DFlash generation in one jitted while_loop (`spec.loop.generate`'s contract and result).
-
-    tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
-    width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`);
-    calibration: a fitted acceptance model for the build (`TreeCalibration`, `fit_calibration`); "pair" (the
-    default) the one shipped with the pair (`pair_calibration`; the plain build when it has none); None the
-    plain build (the draft's marginals).
-    branch_head: build from the draft's branch head when the pair carries one (`build_tree_from_head`; the
-    shipped pair does); False: from the marginals (and `calibration`).
-    adaptive: True (the default policy) or an `AdaptivePolicy`: the shape is chosen per round.
-    Every family verifies trees (Qwen3.5's DeltaNet layers along each node's path)."""
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget must be a positive integer, got {tree_budget!r}")
-    if isinstance(branch, bool) or not isinstance(branch, int) or branch < 1:
-        raise ValueError(f"branch must be a positive integer, got {branch!r}")
-    if isinstance(calibration, str):
-        if calibration != "pair":
-            raise ValueError(f"calibration must be a TreeCalibration, None or 'pair', got {calibration!r}")
-        calibration = pair_calibration(pair)
-    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
-    full = (AdaptivePolicy() if adaptive is True else adaptive) or None
-    policy = full.pruned() if full else None  # only the shapes it can choose are compiled and provisioned
-
-    def label(s):
-        return s.label() + ("" if s.is_chain else f" K={s.branch}")
-
-    if policy is not None and len(policy.shapes) == 1:  # one reachable shape: exactly its fixed loop
-        only = policy.shapes[0]
-        if only.is_chain:
-            from dflash_jax.spec.loop import generate
-
-            res = generate(pair, prompts, block_size=only.budget, warmup=warmup, buckets=buckets, **request)
-        else:
-            res = generate_tree(pair, prompts, tree_budget=only.budget, branch=only.branch,
-                                temperature=only.temperature, calibration=only.calibration, block_size=block_size,
-                                warmup=warmup, buckets=buckets, branch_head=only.use_head, **request)
-        rounds = max((len(a) for a in res.acceptance_lengths), default=0)
-        res.stats["adaptive_rounds"] = {label(s): rounds if s == only else 0 for s in full.shapes}
-        return res
-    if policy is not None and block_size is None and all(s.is_chain for s in policy.shapes):
-        block_size = max(s.budget for s in policy.shapes)  # chains only: the draft block of the widest
-    widest = max(s.budget for s in policy.shapes) if policy else tree_budget
-    prep = prepare_tree(pair, prompts, widest=widest, block_size=block_size, buckets=buckets, **request)
-    spec = prep.spec
-    if spec.block_size < 2:
-        raise ValueError("tree verification needs a draft block of at least 2 (one proposal position)")
-    shape = TreeShape(tree_budget, branch, temperature, calibration, use_head=branch_head)
-
-    def run(state):
-        if policy is None:
-            return run_tree_loop(pair.target, pair.draft, state, spec, shape), None
-        b = state.anchor.shape[0]
-        astate = AdaptiveState(spec_state=state, accepted_sum=jnp.zeros((b,), jnp.float32),
-                               expected_sum=jnp.zeros((b,), jnp.float32),
-                               chosen=jnp.zeros((len(policy.shapes),), jnp.int32))
-        astate = run_adaptive_loop(pair.target, pair.draft, astate, spec, policy)
-        return astate.spec_state, astate.chosen
-
-    if warmup:
-        state = begin_tree(pair, prep, widest)
-        jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)))[0].output)
-    t0 = time.perf_counter()
-    state, chosen = run(begin_tree(pair, prep, widest))
-    jax.block_until_ready(state.output)
-    seconds = time.perf_counter() - t0
-    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, tree_budget=tree_budget, branch=branch)
-    if chosen is not None:
-        counts = dict(zip(policy.shapes, np.asarray(chosen)))
-        stats["adaptive_rounds"] = {label(s): int(counts.get(s, 0)) for s in full.shapes}
-    return generation_result(state, stats, rows=prep.num_prompts)
-
-
-def generate_tree_stepping(pair, prompts, *, max_new_tokens, shape: TreeShape, block_size: int | None = None,
-                           sampling=SamplingParams(), stop_ids=(), seed=0, buckets: rq.Buckets | None = None):
-    """The tree rounds driven from Python, one jitted round at a time; returns (GenerationResult, rounds)
-    where rounds[r] is a dict of numpy arrays [b] per `TreeRoundInfo` field plus `live` (sequences not done
-    before the round). For traces, tests and benchmarks (expert union per round)."""
-    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
-    prep = prepare_tree(pair, prompts, widest=shape.budget, block_size=block_size, buckets=buckets, **request)
-    spec = prep.spec
-    t0 = time.perf_counter()
-    state = begin_tree(pair, prep, shape.budget)
-    rounds = []
-    done = np.asarray(state.done)
-    while not done.all():
-        state, info = tree_round_jit(pair.target, pair.draft, state, spec, shape)
-        row = {k: np.asarray(v) for k, v in dataclasses.asdict(info).items()}
-        row["live"] = ~done
-        rounds.append(row)
-        done = np.asarray(state.done)
-    seconds = time.perf_counter() - t0
-    stats = dict(shape_stats(prep), loop="python", seconds=seconds, tree_budget=shape.budget, branch=shape.branch)
-    return generation_result(state, stats, rows=prep.num_prompts), rounds

@@ -13,9 +13,9 @@ import numpy as np
 
 from dflash_jax.offload.families import family_of_config
 from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
-from dflash_jax.offload.loop import commit_verify_jit
 from dflash_jax.offload.store import moe_layer_ids
-from dflash_jax.spec.session import begin, commit_verify, draft_round_jit, target_family, verify_block
+from dflash_jax.spec.round import Chain, commit, commit_jit, propose_jit, verify_forward
+from dflash_jax.spec.session import begin
 
 
 def record_rounds(pair, prompts, *, block_size: int | None = None, max_new_tokens: int = 64,
@@ -33,15 +33,13 @@ def record_rounds(pair, prompts, *, block_size: int | None = None, max_new_token
     sync per MoE layer; [rows, E] per layer is all it adds to a round."""
     layers = moe_layer_ids(pair.target)
     spec, state = begin(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens)
-    fam = target_family(spec.target)
+    chain = Chain()
 
     @jax.jit
-    def resident_verify(state, draft):
-        block = verify_block(state, draft)
-        out = fam.forward(pair.target, block, state.target_cache, spec.target, tap_layers=spec.taps, logits="all",
-                          return_router_logits=True)
-        return (commit_verify(state, draft, out, spec), block, tuple(out.router_experts[i] for i in layers),
-                tuple(out.router_logits[i] for i in layers), {})
+    def resident_verify(state, proposal):
+        out = verify_forward(pair.target, state, proposal, spec, router_logits=True)
+        return (commit(state, proposal, out, spec, chain)[0], proposal.tokens,
+                tuple(out.router_experts[i] for i in layers), tuple(out.router_logits[i] for i in layers), {})
 
     adapter = family_of_config(spec.target)
     every = np.ones(spec.target.moe.num_experts, bool)
@@ -49,20 +47,20 @@ def record_rounds(pair, prompts, *, block_size: int | None = None, max_new_token
     def whole(layer, experts):
         return ExpertOperands(adapter.expert_tables(pair.target.layers[layer].mlp), None, every)
 
-    def layerwise_verify(state, draft):  # with the in-verify prediction inputs
-        block = verify_block(state, draft)
+    def layerwise_verify(state, proposal):  # with the in-verify prediction inputs
+        block = proposal.tokens
         lw = forward_layerwise(pair.target, block, state.target_cache, spec.target, provider=whole,
                                tap_layers=spec.taps, logits="all", ahead_width=spec.target.moe.top_k)
         out = lw.out
-        return (commit_verify_jit(state, draft, out, spec), block, tuple(out.router_experts[i] for i in layers),
+        return (commit_jit(state, proposal, out, spec, chain)[0], block, tuple(out.router_experts[i] for i in layers),
                 tuple(out.router_logits[i] for i in layers), lw.ahead_logits)
 
     verify = layerwise_verify if ahead else resident_verify
     rounds = []
     while not np.asarray(state.done).all():
-        draft = draft_round_jit(pair.target, pair.draft, state, spec)
-        state, block, routed, logits, ahead_logits = verify(state, draft)
-        h = np.asarray(draft.hidden, np.float32)
+        proposal = propose_jit(chain, pair.target, pair.draft, state, spec)
+        state, block, routed, logits, ahead_logits = verify(state, proposal)
+        h = np.asarray(proposal.hidden, np.float32)
         rows = h.shape[0] * h.shape[1]
         rounds.append({
             "batch": h.shape[0], "hidden": h.reshape(-1, h.shape[-1]), "tokens": np.asarray(block).reshape(-1),

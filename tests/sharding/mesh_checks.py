@@ -94,10 +94,10 @@ def engine_run(pair, mesh) -> dict:
 
 
 def tree_run(pair, mesh) -> dict:
-    """Tree verification (`spec.tree.generate_tree`, budget 8, branch 2) on the case prompts, greedy."""
+    """Tree verification (`spec.loop.generate_tree`, budget 8, branch 2) on the case prompts, greedy."""
     import contextlib
 
-    from dflash_jax.spec.tree import generate_tree
+    from dflash_jax.spec.loop import generate_tree
 
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         placed = pair if mesh is None else __import__("dflash_jax.sharding", fromlist=["shard_pair"]).shard_pair(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_jax.decode import greedy_generate
-from dflash_jax.spec.tree import TreeShape, generate_tree_stepping
+from dflash_jax.spec.loop import generate_tree_stepping
+from dflash_jax.spec.tree import TreeShape
 
 
 def lossless_tree_rounds(pair, prompts, max_new_tokens: int, shape: TreeShape):

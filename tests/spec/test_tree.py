@@ -19,9 +19,9 @@ from dflash_jax.decode import greedy_generate
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
 from dflash_jax.spec import generate
-from dflash_jax.spec.tree import (
-    AdaptivePolicy, TreeShape, VerifyCost, accept_tree, build_tree, generate_tree, tree_supported,
-)
+from dflash_jax.spec.loop import generate_tree
+from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
+from dflash_jax.spec.tree import TreeShape, accept_tree, build_tree, tree_supported
 from tests.spec._trees import lossless_tree_rounds
 
 
@@ -352,7 +352,7 @@ def test_cli_tree_budget_and_adaptive_match_the_chain(capsys):
 
 
 def test_choose_shape_follows_acceptance_and_cost():
-    from dflash_jax.spec.tree import choose_shape, prior_tokens_per_round, update_calibration
+    from dflash_jax.spec.policy import choose_shape, prior_tokens_per_round, update_calibration
 
     shapes = (TreeShape(4, 1), TreeShape(16, 1), TreeShape(16, 4))
     # the model-draft prior: longer chains and trees commit more, a tree more than the chain of its width

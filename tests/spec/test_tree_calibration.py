@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.spec.tree import (
-    AdaptivePolicy, TreeCalibration, TreeShape, VerifyCost, build_tree, calibration_features, choose_shape,
-    fit_calibration,
-)
+from dflash_jax.spec.calibrate import fit_calibration
+from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost, choose_shape
+from dflash_jax.spec.tree import TreeCalibration, TreeShape, build_tree, calibration_features
 
 WEIGHTS = (0.1, 1.1, -1.2, -0.5, 0.2, -1.3, 1.3, -0.1, -0.6)
 
@@ -115,7 +114,7 @@ def test_calibration_samples_from_the_shipped_pair_fit_a_model_that_ranks_the_ar
     with at most one hit per (round, depth) group, hits at depth 1 (the target's next token is the draft's
     candidate often), and a fitted model that scores the draft's argmax above its second choice."""
     import dflash_jax
-    from dflash_jax.spec.tree import calibration_samples
+    from dflash_jax.spec.calibrate import calibration_samples
     from dflash_jax.train.data import file_windows
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)

@@ -14,7 +14,8 @@ import pytest
 import dflash_jax
 from dflash_jax.decode import greedy_generate
 from dflash_jax.offload import ExpertCache, HostExpertStore, OffloadedGenerator
-from dflash_jax.spec.tree import TreeShape, generate_tree_stepping
+from dflash_jax.spec.loop import generate_tree_stepping
+from dflash_jax.spec.tree import TreeShape
 
 POISONED = functools.partial(ExpertCache, poison=True)
 PROMPTS = [[5, 17, 300, 41, 99, 12, 7, 8, 9, 100]]
@@ -61,7 +62,7 @@ def test_offloaded_tree_with_every_expert_resident_runs_one_program(shipped):
 @pytest.mark.slow
 def test_offloaded_adaptive_policy_is_lossless(shipped):
     # the shape chosen per round on the host (chains at their own width, trees), below all experts
-    from dflash_jax.spec.tree import AdaptivePolicy, VerifyCost
+    from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
 
     pair, store, resident, _ = shipped
     shapes = (TreeShape(4, 1), SHAPE)

@@ -13,7 +13,8 @@ from dflash_jax.decode import greedy_generate
 from dflash_jax.models.family import family_of
 from dflash_jax.spec import Buckets, SamplingParams
 from dflash_jax.spec.sampling import sampling_probs
-from dflash_jax.spec.tree import TreeShape, generate_tree_stepping
+from dflash_jax.spec.loop import generate_tree_stepping
+from dflash_jax.spec.tree import TreeShape
 
 V = 8
 N_TOKENS = 3

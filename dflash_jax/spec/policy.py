@@ -1,0 +1,190 @@
+"""The adaptive shape policy: which proposer shape a round runs, chosen from the state before the draft.
+
+Pure functions over a static `AdaptivePolicy` (hashable: a jit static argument) that every driver uses: the jitted
+loop (`spec.round.adaptive_round`, a `lax.switch` over the shapes), the Python stepping loops and the offloaded
+loop (numpy on the host). `choose_shape` picks the shape of largest expected tokens per second summed over the
+live rows; `update_calibration` folds a round's acceptance into each row's decayed calibration. The measured
+cost table (`VerifyCost`) and the tokens per round (`taus`) are data: measured at warm-up (`spec.calibrate`) or
+modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.spec.tree import TreeShape, build_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyCost:
+    """The cost of one round per candidate shape, in seconds (static: baked into the compiled program).
+
+    `model(...)` builds it from the parts the issue names: a fixed time per round (draft + launch), a time
+    per verified row (tokens x compute), and the expert bytes a round's rows route to over the host link
+    (offloaded targets; 0 when resident)."""
+
+    seconds: tuple[float, ...]
+
+    @staticmethod
+    def model(shapes: Sequence[TreeShape], *, round_s: float, row_s: float,
+              expert_bytes: Sequence[float] | None = None, link_bytes_per_s: float | None = None) -> "VerifyCost":
+        """seconds(shape) = round_s + row_s * budget + expert_bytes(shape) / link (when both are given)."""
+        out = []
+        for i, s in enumerate(shapes):
+            t = round_s + row_s * s.budget
+            if expert_bytes is not None and link_bytes_per_s:
+                t += expert_bytes[i] / link_bytes_per_s
+            out.append(float(t))
+        return VerifyCost(tuple(out))
+
+    @staticmethod
+    def fit(shapes: Sequence[TreeShape], seconds: Sequence[float]) -> "VerifyCost":
+        """The cost model `round_s + row_s * budget` fitted to measured seconds per round (least squares, both
+        coefficients clipped at >= 0): noisy timings (a loaded machine) cannot rank a wider verify below a
+        narrower one. Returns the model's seconds per shape."""
+        if len(seconds) != len(shapes):
+            raise ValueError(f"{len(seconds)} timings for {len(shapes)} shapes")
+        budgets = np.asarray([s.budget for s in shapes], np.float64)
+        y = np.asarray(seconds, np.float64)
+        a = np.stack([np.ones_like(budgets), budgets], axis=1)
+        (round_s, row_s), *_ = np.linalg.lstsq(a, y, rcond=None)
+        if row_s < 0:
+            round_s, row_s = float(np.mean(y)), 0.0
+        if round_s < 0:
+            round_s, row_s = 0.0, float(np.dot(budgets, y) / np.dot(budgets, budgets))
+        return VerifyCost.model(shapes, round_s=float(round_s), row_s=float(row_s))
+
+
+DEFAULT_SHAPES = (TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 1), TreeShape(8), TreeShape(16), TreeShape(32))
+
+
+@functools.lru_cache(maxsize=None)
+def prior_tokens_per_round(shape: TreeShape, *, alpha: float = 0.8, depth: int = 15) -> float:
+    """Tokens per round a shape commits under a calibrated model draft: at every block position the draft's
+    r-th candidate is the target's token with probability alpha (1 - alpha)^r, independently; the expected
+    accepted depth of a best-first tree is then the sum of its nodes' path probabilities (exact for this
+    draft), plus the bonus. Chains of B see B-1 positions, trees `depth`. Deterministic (no data)."""
+    d = shape.budget - 1 if shape.is_chain else depth
+    if d < 1:
+        return 1.0
+    full = np.full((1, d, max(shape.branch, 2)), -1e30, np.float32)
+    full[0, :, : shape.branch] = np.log(alpha * (1.0 - alpha) ** np.arange(shape.branch))
+    with jax.ensure_compile_time_eval():  # also when called while a loop is traced
+        tree = build_tree(jnp.zeros((1,), jnp.int32), jnp.asarray(full),
+                          dataclasses.replace(shape, temperature=1.0, calibration=None))
+        return float(np.sum(np.where(np.asarray(tree.valid), np.exp(np.asarray(tree.score)), 0.0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePolicy:
+    """Each round, before drafting, picks one of `shapes` for the batch: the shape with the largest expected
+    tokens per second summed over the live sequences,
+
+        rate(s) = (1 + c * (tau_s - 1)) / seconds(s),
+
+    where tau_s is the shape's tokens per round (`taus`: calibrated, e.g. measured at warm-up; default the
+    model-draft prior `prior_tokens_per_round`), seconds(s) its round time (`cost`; default 1 + budget / 16,
+    compute-bound) and c the sequence's calibration: proposals accepted so far over the proposals the chosen
+    shapes' tau predicted, both decayed by `decay` per round (prior 1), clipped to `calibration_range` when
+    given. The chosen shape's round is exactly the fixed loop's (a chain drafts at its own B, a tree at the
+    draft's block), one branch of a `lax.switch`. Only the shapes the policy can choose are compiled and
+    provisioned (`pruned`); one reachable shape runs as that fixed shape. `calibrate_policy` measures taus
+    and costs in the mode the policy runs in. Deterministic given the state (no clocks, no randomness)."""
+
+    shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES
+    cost: VerifyCost | None = None
+    taus: tuple[float, ...] | None = None
+    decay: float = 0.9
+    # (lo, hi): the calibration c is clipped to it (None: c >= 0 unclipped). With taus measured on
+    # calibration prompts, a range around 1 says how far a sequence may drift from them.
+    calibration_range: tuple[float, float] | None = None
+    # a prior toward the cheapest shape (least seconds per round): every other shape's rate is divided by
+    # 1 + margin, so it is chosen only when its figures promise more than `margin` above the cheapest's (figures
+    # measured on a few calibration prompts, on a loaded machine, are that uncertain)
+    margin: float = 0.0
+
+    def __post_init__(self):
+        if not self.margin >= 0:
+            raise ValueError(f"margin must be >= 0 (a prior toward the cheapest shape), got {self.margin}")
+
+    def scored_seconds(self) -> tuple[float, ...]:
+        """The seconds per round the choice divides by: `seconds()`, every shape but the cheapest times 1 + margin."""
+        secs = self.seconds()
+        if not self.margin:
+            return secs
+        cheapest = int(np.argmin(secs))
+        return tuple(float(t) if i == cheapest else float(t) * (1.0 + self.margin) for i, t in enumerate(secs))
+
+    def reachable(self) -> tuple[int, ...]:
+        """The indices of the shapes the policy can ever choose: those of the largest rate for some calibration c
+        in `calibration_range` (or c >= 0). The rate is linear in c per shape, so the winners over c are the
+        upper envelope of lines: checked at the range's ends and at every pairwise crossing inside it."""
+        taus = np.asarray(self.tokens_per_round(), np.float32) - 1.0
+        secs = np.asarray(self.scored_seconds(), np.float32)
+        lo, hi = self.calibration_range or (0.0, np.inf)
+        cs = {lo} | ({hi} if np.isfinite(hi) else {1e6})
+        for i in range(len(taus)):
+            for j in range(i + 1, len(taus)):
+                den = taus[i] / secs[i] - taus[j] / secs[j]
+                if den != 0:
+                    c = (1.0 / secs[j] - 1.0 / secs[i]) / den
+                    cs |= {c * (1 - 1e-6), c * (1 + 1e-6)}
+        win = {int(np.argmax((1.0 + np.float32(c) * taus) / secs)) for c in cs if lo <= c <= hi}
+        return tuple(sorted(win))
+
+    def pruned(self) -> "AdaptivePolicy":
+        """The same policy over its reachable shapes only (it makes the same choices): an adaptive loop
+        compiles, and sizes its caches for, only what it can run; one reachable shape runs as that fixed shape."""
+        keep = self.reachable()
+        if len(keep) == len(self.shapes):
+            return self
+        pick = lambda xs: None if xs is None else tuple(xs[i] for i in keep)  # noqa: E731
+        # the margin is baked into the kept shapes' seconds (the cheapest shape may be among those pruned)
+        return dataclasses.replace(self, shapes=pick(self.shapes), taus=pick(self.tokens_per_round()),
+                                   cost=VerifyCost(pick(self.scored_seconds())), margin=0.0)
+
+    def seconds(self) -> tuple[float, ...]:
+        if self.cost is not None:
+            if len(self.cost.seconds) != len(self.shapes):
+                raise ValueError(f"VerifyCost has {len(self.cost.seconds)} entries for {len(self.shapes)} shapes")
+            return self.cost.seconds
+        return tuple(1.0 + s.budget / 16.0 for s in self.shapes)
+
+    def tokens_per_round(self) -> tuple[float, ...]:
+        if self.taus is not None:
+            if len(self.taus) != len(self.shapes):
+                raise ValueError(f"taus has {len(self.taus)} entries for {len(self.shapes)} shapes")
+            return tuple(float(t) for t in self.taus)
+        return tuple(prior_tokens_per_round(s) for s in self.shapes)
+
+
+def choose_shape(policy: AdaptivePolicy, accepted_sum: jax.Array, expected_sum: jax.Array,
+                 live: jax.Array) -> jax.Array:
+    """The index of the shape `policy` picks for a batch (see `AdaptivePolicy`): accepted_sum / expected_sum
+    [b] the decayed proposals accepted / predicted per sequence, live [b] bool. Pure and traceable (the serving
+    engine can call it per round on its own slots); ties go to the earlier shape."""
+    xp = np if isinstance(accepted_sum, np.ndarray) else jnp  # numpy on a host loop: no device round trip
+    taus = xp.asarray(policy.tokens_per_round(), xp.float32)
+    seconds = xp.asarray(policy.scored_seconds(), xp.float32)
+    calib = (accepted_sum + xp.float32(1.0)) / (expected_sum + xp.float32(1.0))
+    if policy.calibration_range is not None:
+        calib = xp.clip(calib, *policy.calibration_range)
+    rate = (xp.float32(1.0) + calib[:, None] * (taus[None] - xp.float32(1.0))) / seconds[None]
+    return xp.argmax(xp.sum(rate * xp.asarray(live).astype(xp.float32)[:, None], axis=0)).astype(xp.int32)
+
+
+def update_calibration(policy: AdaptivePolicy, accepted_sum, expected_sum, choice, accepted, done_before):
+    """The decayed sums after a round of shape `choice` that accepted `accepted` [b] proposals (sequences done
+    before the round keep theirs)."""
+    xp = np if isinstance(accepted_sum, np.ndarray) else jnp
+    predicted = xp.asarray(policy.tokens_per_round(), xp.float32)[choice] - xp.float32(1.0)
+    d = xp.float32(policy.decay)
+    acc = xp.where(done_before, accepted_sum, d * accepted_sum + xp.asarray(accepted).astype(xp.float32))
+    exp_ = xp.where(done_before, expected_sum, d * expected_sum + predicted)
+    return acc, exp_
