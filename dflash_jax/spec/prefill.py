@@ -17,20 +17,29 @@ caches (up to float rounding of differently shaped matmuls) as the one-shot `beg
 Everything here is pure and jittable; `chunked_begin` is the whole prefill of a batch as one `lax.scan` over
 its chunks (the one-shot `begin_arrays`'s signature plus the static chunk size). The serving engine runs the pieces
 one chunk per round (`serve.engine`), so a long prompt never stalls the live requests for more than one chunk.
+
+`capacity_begin` is the capacity mode's prefill (`Buckets(capacity=N)`, `CapacityPrepared`): the prompts sit in
+a buffer of fixed width (the capacity in whole chunks) and a `lax.fori_loop` with a traced trip count runs
+ceil(longest prompt / C) chunks, so a 9-token and a 1000-token prompt run one compiled program (one chunk and
+eight of 128). `session.begin_prepared` dispatches a `CapacityPrepared` batch to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dflash_jax.cache import KVCache
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import ForwardOutput
-from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, init_target_cache, start_state, target_family
+from dflash_jax.spec.session import (
+    Prepared, RowParams, SpecConfig, SpecState, init_target_cache, start_state, target_family,
+)
 
 
 @struct.dataclass
@@ -113,11 +122,52 @@ def chunked_begin(target_w, draft_w, tokens, lengths, params: RowParams, key_dat
     return prefill_finish(target_w, draft_w, pre, params, key_data, key_fold, spec)
 
 
+def capacity_begin(target_w, draft_w, tokens, lengths, params: RowParams, key_data, key_fold, spec: SpecConfig,
+                   chunk: int) -> SpecState:
+    """`session.begin_arrays` in chunks of `chunk` tokens (static) with the chunk count traced: the prompts [b, W]
+    (right-padded, `lengths` [b] real; W a multiple of `chunk`) run as ceil(max(lengths) / chunk) chunks of one
+    `lax.fori_loop`, so the compiled program depends on W, never on the prompts. A chunk past a shorter prompt's
+    end is all padding for its row and changes nothing of it (as in `chunked_begin`)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    b, w = tokens.shape
+    if w % chunk:
+        raise ValueError(f"the prompt buffer ({w} columns) must hold whole chunks of {chunk}")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    count = (jnp.max(lengths) + chunk - 1) // chunk
+
+    def step(k, pre):
+        start = k * chunk
+        piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        return prefill_chunk(target_w, draft_w, pre, piece, jnp.clip(lengths - start, 0, chunk), spec)
+
+    pre = jax.lax.fori_loop(0, count, step, prefill_init(target_w, draft_w, b, spec))
+    return prefill_finish(target_w, draft_w, pre, params, key_data, key_fold, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPrepared(Prepared):
+    """A batch `session.prepare`d in capacity mode (`Buckets(capacity=N)`): `spec` holds the capacity's cache rows
+    and output columns; `tokens` are the prompts right-padded to their prompt bucket (what one-shot prefills
+    read), and `begin_prepared` pads them into the fixed prompt buffer of `buffer` columns and prefills it in
+    chunks of `chunk` tokens (`capacity_begin`)."""
+
+    chunk: int
+    buffer: int
+
+    def prompt_buffer(self) -> np.ndarray:
+        """[b, buffer] int32: the prompts in the capacity's prompt buffer."""
+        return np.pad(self.tokens, ((0, 0), (0, self.buffer - self.tokens.shape[1])))
+
+
 # jitted forms (spec and chunk static); the engine's per-round pieces donate the prefill they extend
 chunked_begin_jit = jax.jit(chunked_begin, static_argnames=("spec", "chunk"))
+capacity_begin_jit = jax.jit(capacity_begin, static_argnames=("spec", "chunk"))
 prefill_start_jit = jax.jit(prefill_start, static_argnames=("spec",))
 prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("spec",), donate_argnames=("pre",))
 prefill_finish_jit = jax.jit(prefill_finish, static_argnames=("spec",), donate_argnames=("pre",))
 
-__all__ = ["Prefill", "chunked_begin", "chunked_begin_jit", "prefill_chunk", "prefill_chunk_jit", "prefill_finish",
-           "prefill_finish_jit", "prefill_init", "prefill_start", "prefill_start_jit"]
+__all__ = ["CapacityPrepared", "Prefill", "capacity_begin", "capacity_begin_jit", "chunked_begin", "chunked_begin_jit",
+           "prefill_chunk", "prefill_chunk_jit", "prefill_finish", "prefill_finish_jit", "prefill_init", "prefill_start",
+           "prefill_start_jit"]

@@ -9,6 +9,11 @@ Shapes follow buckets, not requests (`Buckets`): the batch, the prompt length, t
 cache length and the stop-id list are rounded up to a few geometric sizes, so requests of one bucket
 share one compiled program. What varies inside a bucket (each prompt's length, each sequence's budget,
 sampling settings and stop ids) is traced data.
+
+Capacity mode (`Buckets(capacity=N)`, the loops' default): the cache rows, the output buffer and the prompt
+buffer are all fixed by N (capped at the target's positions), so every prompt length and budget that fits
+(prompt + budget + verify width <= N) runs the same compiled programs; the prefill runs in chunks of
+`Buckets.chunk` tokens inside one program, with the number of chunks traced (`spec.prefill.capacity_begin`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ class Buckets:
             capped at the target's max_position_embeddings.
     stops:  smallest stop-id list bucket (padded with -1).
     pad_batch: round the batch up (padded sequences are done from the start).
+    capacity: None (bucketed shapes, above) or the capacity mode's rows N: cache rows = output-buffer columns
+            = min(N, the target's max_position_embeddings) whatever the request, so one compiled program
+            serves every prompt length and budget with prompt + budget + verify width <= those rows
+            (`prompt`, `output` and `cache` are then unused; the batch and stop-id buckets stay).
+    chunk:  capacity mode: prefill tokens per chunk (the prefill runs ceil(prompt / chunk) chunks inside one
+            program).
     """
 
     prompt: int = 16
@@ -57,12 +68,36 @@ class Buckets:
     stops: int = 4
     fine: bool = True
     pad_batch: bool = True
+    capacity: int | None = None
+    chunk: int = 128
 
     def __post_init__(self):
-        for name in ("prompt", "output", "cache", "stops"):
+        for name in ("prompt", "output", "cache", "stops", "chunk") + (("capacity",) if self.capacity is not None
+                                                                      else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"Buckets.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def fixed(self) -> bool:
+        """Capacity mode: every shape but the batch (and the stop-id list) is fixed by `capacity`."""
+        return self.capacity is not None
+
+    def capacity_rows(self, max_positions: int) -> int:
+        """Capacity mode: the cache rows (= output-buffer columns), the capacity capped at the target's positions."""
+        if self.capacity is None:
+            raise ValueError("capacity_rows needs a capacity (Buckets(capacity=N))")
+        return min(int(self.capacity), int(max_positions))
+
+    def prompt_buffer(self, rows: int) -> int:
+        """Capacity mode: the prompt buffer's columns for `rows` cache rows, whole chunks (the prefill reads the
+        buffer chunk by chunk; rows past the cache are never written)."""
+        chunk = self.chunk_len(rows)
+        return -(-rows // chunk) * chunk
+
+    def chunk_len(self, rows: int) -> int:
+        """Capacity mode: prefill tokens per chunk for `rows` cache rows."""
+        return min(int(self.chunk), rows)
 
     def batch_size(self, n: int) -> int:
         return bucket(n, 1, self.fine) if self.pad_batch else n
@@ -81,6 +116,23 @@ class Buckets:
 
 
 DEFAULT_BUCKETS = Buckets()
+DEFAULT_CAPACITY = 2048  # the loops' capacity (capped at the target's positions): `Buckets(capacity=...)`
+
+
+def capacity_error(need: int, capacity: int, max_positions: int, what: str) -> ValueError:
+    """The one message for a request that does not fit a capacity: what it needs and how to raise it."""
+    if need > max_positions:  # the target's positions are the limit, not the capacity
+        return ValueError(f"{what} needs {need} cache rows, more than the target's {max_positions} positions: "
+                          f"shorten the prompt or lower max_new_tokens")
+    return ValueError(f"{what} needs {need} cache rows, more than the capacity {capacity}: raise it with "
+                      f"buckets=Buckets(capacity={need_capacity(need, max_positions)}) (dflash-generate "
+                      f"--capacity {need_capacity(need, max_positions)}; at most the target's {max_positions} "
+                      f"positions), or shorten the request")
+
+
+def need_capacity(need: int, max_positions: int) -> int:
+    """A capacity that holds `need` rows: the next power of two, capped at the target's positions."""
+    return min(bucket(need, 1), max_positions)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""Capacity mode (`Buckets(capacity=N)`, the loops' default): one compiled prefill and one compiled loop for every
+prompt length and budget that fit the capacity, the prefill in chunks inside the program; the output is the
+bucketed path's (greedy tokens, sampled draws with the same seeds); a request that does not fit is refused with
+one message naming the capacity and how to raise it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_jax import testing
+from dflash_jax.compile_cache import CompileCounter
+from dflash_jax.spec import Buckets, SamplingParams, generate, generate_stepping
+from dflash_jax.spec.loop import LOOP_BUCKETS, prepare_tree
+from dflash_jax.spec.prefill import CapacityPrepared
+from dflash_jax.spec.requests import DEFAULT_CAPACITY
+from dflash_jax.spec.session import prepare
+
+CAPACITY = Buckets(capacity=256, chunk=64, pad_batch=True)
+BUCKETED = Buckets(pad_batch=True)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return testing.random_pair()
+
+
+def _prompt(n, seed, vocab=512):
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def test_capacity_shapes_and_the_default():
+    """Every shape but the batch follows the capacity (capped at the target's positions), whatever the request;
+    the loops default to capacity mode."""
+    assert LOOP_BUCKETS.fixed and LOOP_BUCKETS.capacity == DEFAULT_CAPACITY == 2048
+    assert not Buckets().fixed
+    b = Buckets(capacity=300, chunk=64)
+    assert b.capacity_rows(4096) == 300 and b.capacity_rows(256) == 256
+    assert b.chunk_len(300) == 64 and b.prompt_buffer(300) == 320  # whole chunks
+    assert Buckets(capacity=40, chunk=64).prompt_buffer(40) == 40
+    with pytest.raises(ValueError, match="Buckets.capacity must be a positive integer"):
+        Buckets(capacity=0)
+    with pytest.raises(ValueError, match="Buckets.chunk must be a positive integer"):
+        Buckets(capacity=64, chunk=True)
+
+
+def test_every_request_has_the_same_shapes(pair):
+    preps = [prepare(pair, [_prompt(n, n)], max_new_tokens=budget, buckets=CAPACITY)
+             for n, budget in ((1, 1), (9, 17), (150, 90), (230, 10))]
+    assert all(isinstance(p, CapacityPrepared) for p in preps)
+    assert {(p.spec, p.prompt_buffer().shape, p.chunk) for p in preps} == {(preps[0].spec, (1, 256), 64)}
+    assert preps[0].spec.max_len == preps[0].spec.output_len == 256
+    big = prepare(pair, [_prompt(9, 0)], max_new_tokens=17, buckets=Buckets(capacity=10**6))
+    assert big.spec.max_len == pair.target_cfg.max_position_embeddings  # capped at the target's positions
+
+
+def test_greedy_equals_the_bucketed_path(pair):
+    """Prompts of one chunk and of three (a ragged last one), with their own budgets: the same tokens and
+    acceptance as the bucketed programs, in the jitted and the stepping loop; proposals were accepted."""
+    prompts, budgets = [_prompt(9, 1), _prompt(150, 2)], [40, 25]
+    cap = generate(pair, prompts, max_new_tokens=budgets, buckets=CAPACITY)
+    ref = generate(pair, prompts, max_new_tokens=budgets, buckets=BUCKETED)
+    assert cap.tokens == ref.tokens
+    assert cap.acceptance_lengths == ref.acceptance_lengths
+    assert [len(t) for t in cap.tokens] == budgets
+    assert cap.stats["mean_acceptance"] > 1.5  # the speculative path ran, not a 1-token-per-round loop
+    assert cap.stats["shapes"]["cache"] == cap.stats["shapes"]["output"] == 256
+    assert generate_stepping(pair, prompts, max_new_tokens=budgets, buckets=CAPACITY).tokens == ref.tokens
+
+
+def test_sampled_draws_equal_the_bucketed_path(pair):
+    """The same seeds draw the same tokens in capacity mode (the same compiled programs as greedy: traced
+    settings), one sequence sampled (near uniformly over its top 40) and one greedy in the batch."""
+    prompts = [_prompt(20, 4), _prompt(160, 5)]
+    kwargs = dict(max_new_tokens=[30, 21], seed=[3, 11], stop_ids=[],
+                  sampling=[SamplingParams(temperature=100.0, top_k=40), SamplingParams()])
+    cap = generate(pair, prompts, buckets=CAPACITY, **kwargs)
+    ref = generate(pair, prompts, buckets=BUCKETED, **kwargs)
+    assert cap.tokens == ref.tokens
+    greedy = generate(pair, prompts, max_new_tokens=[30, 21], stop_ids=[], buckets=CAPACITY)
+    assert cap.tokens[0] != greedy.tokens[0] and cap.tokens[1] == greedy.tokens[1]  # row 0 sampled, row 1 did not
+
+
+def test_no_compile_for_other_prompt_lengths_and_budgets(pair):
+    """After one request, prompts of other lengths (one chunk or several) and other budgets compile nothing."""
+    generate(pair, [_prompt(20, 6), _prompt(30, 6)], max_new_tokens=40, buckets=CAPACITY)
+    with CompileCounter() as counter:
+        short = generate(pair, [_prompt(5, 7), _prompt(9, 7)], max_new_tokens=17, buckets=CAPACITY)
+        long = generate(pair, [_prompt(180, 8), _prompt(60, 8)], max_new_tokens=[60, 3], buckets=CAPACITY)
+    assert counter.compiles == 0 and counter.traces == 0, (counter.compiles, counter.traces)
+    assert [len(t) for t in short.tokens + long.tokens] == [17, 17, 60, 3]
+
+
+def test_a_request_past_the_capacity_is_refused(pair):
+    b = pair.draft_cfg.block_size
+    prepare(pair, [_prompt(200, 9)], max_new_tokens=256 - 200 - b, buckets=CAPACITY)  # exactly fits
+    with pytest.raises(ValueError, match=r"needs 257 cache rows, more than the capacity 256: raise it with "
+                                         r"buckets=Buckets\(capacity=512\) \(dflash-generate --capacity 512"):
+        prepare(pair, [_prompt(200, 9)], max_new_tokens=257 - 200 - b, buckets=CAPACITY)
+    with pytest.raises(ValueError, match="capacity 256"):
+        generate(pair, [_prompt(10, 9)], max_new_tokens=250, buckets=CAPACITY)
+    with pytest.raises(ValueError, match="tree budget 24 needs 260 cache rows, more than the capacity 256"):
+        prepare_tree(pair, [_prompt(200, 9)], widest=24, max_new_tokens=36, buckets=CAPACITY)
+    tree = prepare_tree(pair, [_prompt(200, 9)], widest=24, max_new_tokens=32, buckets=CAPACITY)
+    assert tree.spec.max_len == 256 and isinstance(tree, CapacityPrepared)
