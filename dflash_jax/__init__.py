@@ -34,6 +34,14 @@ def load(directory=None, *, expert_memory: str = "device", verify: bool = True, 
                  mesh=mesh, dequantize_experts=dequantize_experts, branch_head=branch_head)
 
 
+def generate(pair, prompts, *, max_new_tokens, proposer="chain", experts: str = "device", **options):
+    """Lossless speculative generation: any proposer ("chain", "head-chain", "tree", "adaptive") on any expert
+    placement ("device", "offload"), by the jitted or the stepping driver (`dflash_jax.api.generate`)."""
+    from dflash_jax.api import generate as _generate
+
+    return _generate(pair, prompts, max_new_tokens=max_new_tokens, proposer=proposer, experts=experts, **options)
+
+
 def __getattr__(name):
     if name == "from_hf_config":
         from dflash_jax.config import from_hf_config
@@ -44,4 +52,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "ConfigError", "SHIPPED_PAIR", "SHIPPED_PAIRS", "from_hf_config", "load", "__version__"]
+__all__ = ["CheckpointError", "ConfigError", "SHIPPED_PAIR", "SHIPPED_PAIRS", "from_hf_config", "generate", "load", "__version__"]

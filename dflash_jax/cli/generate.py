@@ -8,7 +8,13 @@
 `stats` (tokens/s, mean acceptance tau, rounds, time split), and with `--trace` a per-round `trace` of
 `proposal` (the B-1 draft tokens), `accepted` and `bonus`.
 
-`--offload --expert-budget-mb X [--predictor NAME] [--pin-experts auto|none|N] [--placement device|hybrid]`
+`--proposer chain|head-chain|tree|adaptive` picks what the draft proposes each round (`--tree-budget N`,
+`--tree-branch K` shape the tree), `--experts device|offload` where the target's experts live, `--loop jit|python`
+the driver; every combination runs except offloaded experts in the jitted loop (`dflash_jax.api.CAPABILITIES`).
+The older spellings `--head-chain`, `--adaptive`, `--offload` and `--tree-budget N` alone still work for this
+release.
+
+`--experts offload --expert-budget-mb X [--predictor NAME] [--pin-experts auto|none|N] [--placement device|hybrid]`
 keeps the routed experts in pinned host memory and verifies through one device expert cache of X MB shared by
 every MoE layer (`dflash_jax.offload`; any X from one expert up runs, a smaller one is refused at once with the
 minimum); `stats` then also has `offload` (budget, cache slots, pinned experts) and `route_ahead` (coverage,
@@ -16,7 +22,7 @@ waste, hit rate, bytes moved, transfer vs hide window), and each `--trace` round
 (host->device expert bytes), `hits`, `misses`, `on_demand`, `host`, `prefetched`, `coverage` and `passes`.
 
 `--mesh expert=4,tensor=2` restores the pair straight into its shardings on a (data, expert, tensor) device mesh
-and generates on it (`dflash_jax.sharding`, docs/sharding.md); `stats.mesh` names the mesh. With `--offload` the
+and generates on it (`dflash_jax.sharding`, docs/sharding.md); `stats.mesh` names the mesh. With offloaded experts the
 non-expert weights are placed on the mesh and each device caches its share of the expert budget's slots.
 """
 
@@ -31,6 +37,7 @@ import sys
 from typing import Sequence
 
 from dflash_jax import SHIPPED_PAIR, SHIPPED_PAIRS  # noqa: F401  (re-exported for scripts)
+from dflash_jax.api import EXPERTS, PROPOSERS
 from dflash_jax.cli.errors import exit_on_signals, run_cli, run_interruptibly
 
 PROG = "dflash-generate"
@@ -113,72 +120,52 @@ def load_tokenizer(pair):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-generate", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", help="a convert-weights checkpoint directory (default: the shipped tiny pair)")
-    p.add_argument("--pair", metavar="NAME", default=None,
-                   help=f"a pair shipped with the package, by name: {', '.join(SHIPPED_PAIRS)} (default: "
-                        f"tiny_pair, the Qwen3-MoE pair; tiny_pair_qwen3_5 is the hybrid Qwen3.5-MoE one)")
-    src = p.add_mutually_exclusive_group(required=True)
+    ckpt = p.add_argument_group("checkpoint")
+    ckpt.add_argument("--checkpoint", help="a convert-weights checkpoint directory (default: the shipped tiny pair)")
+    ckpt.add_argument("--pair", metavar="NAME", default=None,
+                      help=f"a pair shipped with the package, by name: {', '.join(SHIPPED_PAIRS)} (default: "
+                           f"tiny_pair, the Qwen3-MoE pair; tiny_pair_qwen3_5 is the hybrid Qwen3.5-MoE one)")
+    ckpt.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
+                      help="dequantize FP4 experts once at load (auto: where no FP4 kernel runs, i.e. the CPU, and "
+                           "they take at most 25%% of memory; never with --experts offload, which moves FP4 bytes)")
+    req = p.add_argument_group("request")
+    src = req.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json and `tokenizers`)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=None, help="verify width B (default: the draft's trained size)")
-    shapes = p.add_mutually_exclusive_group()
-    shapes.add_argument("--capacity", type=int, default=None, metavar="N",
-                        help="cache rows of the compiled programs: any prompt + --max-new-tokens + block size up to N "
-                             "runs on the same programs (default: 2048, at most the target's positions)")
-    shapes.add_argument("--bucketed", action="store_true",
-                        help="size the programs by the request's prompt / budget buckets instead (a new bucket "
-                             "compiles again)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--acceptance", choices=["exact_match", "rejection"], default="exact_match",
-                   help="sampling acceptance rule (temperature > 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: the target's eos)")
-    p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
-    p.add_argument("--loop", choices=["jit", "python"], default=None,
-                   help="jit: one compiled while_loop; python: stepping loop with the draft/verify/host time split "
-                        "(default: python with --trace, else jit)")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="verify a token tree of N nodes per round (the anchor included) built from the draft's "
-                        "distributions (its branch head when the pair ships one) instead of the argmax chain; "
-                        "lossless, every family")
-    p.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node (with --tree-budget)")
-    p.add_argument("--no-branch-head", action="store_true",
-                   help="build trees from the draft's per-position marginals even when the pair ships a branch head")
-    p.add_argument("--head-chain", action="store_true",
-                   help="propose the chain from the pair's branch head, each position given the previous proposal, "
-                        "instead of the draft's per-position argmax (lossless; more tokens per round)")
-    p.add_argument("--adaptive", action="store_true",
-                   help="choose each round's verify shape (chain B = 4/8/16 or tree N = 8/16/32) from the acceptance "
-                        "so far and each shape's cost; deterministic, lossless")
-    p.add_argument("--pflash-keep", type=float, default=None, metavar="R",
-                   help="PFlash prefill compression: prefill only the fraction R (0 < R <= 1) of the prompt a scorer "
-                        "finds most attended (sink tokens, the last window and whole chunks), at their original "
-                        "positions, then decode as usual; lossy (docs/pflash.md)")
-    p.add_argument("--pflash-scorer", default=None, metavar="DIR",
-                   help="the scorer for --pflash-keep: a convert-weights checkpoint whose target scores the prompt "
-                        "(default: the generating pair's own target)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
-    p.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
-                   help="dequantize FP4 experts once at load (auto: where no FP4 kernel runs, i.e. the CPU, and "
-                        "they take at most 25%% of memory; never with --offload, which moves FP4 bytes)")
-    p.add_argument("--mesh", default=None,
-                   help="run on a device mesh, e.g. expert=4,tensor=2 (axes data, expert, tensor; their sizes multiply "
-                        "to at most the device count): experts sharded along E, heads / MLPs / vocab along tensor "
-                        "(docs/sharding.md); with --offload each device caches its share of the experts")
-    p.add_argument("--no-compile-cache", action="store_true",
-                   help="skip the persistent compilation cache (also DFLASH_JAX_CACHE_DIR=off; default location: "
-                        "$DFLASH_JAX_CACHE_DIR, else $XDG_CACHE_HOME/dflash_jax/jax, else ~/.cache/dflash_jax/jax)")
-    off = p.add_argument_group("expert offload (experts in pinned host memory, a device pool of a fixed budget)")
-    off.add_argument("--offload", action="store_true",
-                     help="keep the target's routed experts in host memory; lossless (same tokens)")
+    req.add_argument("--max-new-tokens", type=int, default=64)
+    req.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    req.add_argument("--top-p", type=float, default=1.0)
+    req.add_argument("--top-k", type=int, default=0)
+    req.add_argument("--acceptance", choices=["exact_match", "rejection"], default="exact_match",
+                     help="sampling acceptance rule (temperature > 0)")
+    req.add_argument("--seed", type=int, default=0)
+    req.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: the target's eos)")
+    req.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
+    prop = p.add_argument_group("proposer (what the draft proposes each round; every choice is lossless)")
+    prop.add_argument("--proposer", choices=list(PROPOSERS), default=None,
+                      help="chain: the draft's per-position argmax (DFlash, the default); head-chain: the chain from "
+                           "the pair's branch head, each position given the previous proposal; tree: a token tree of "
+                           "--tree-budget nodes (from the branch head when the pair ships one); adaptive: each round's "
+                           "shape (chain B = 4/8/16 or tree N = 8/16/32) chosen from the acceptance so far and each "
+                           "shape's cost")
+    prop.add_argument("--block-size", type=int, default=None, help="verify width B (default: the draft's trained size)")
+    prop.add_argument("--tree-budget", type=int, default=None,
+                      help="nodes per tree verify, the anchor included (--proposer tree; default 16; alone it implies "
+                           "--proposer tree)")
+    prop.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node")
+    prop.add_argument("--no-branch-head", action="store_true",
+                      help="build trees from the draft's per-position marginals even when the pair ships a branch head")
+    prop.add_argument("--head-chain", action="store_true", help=argparse.SUPPRESS)  # old name of --proposer head-chain
+    prop.add_argument("--adaptive", action="store_true", help=argparse.SUPPRESS)  # old name of --proposer adaptive
+    off = p.add_argument_group("experts (where the target's routed experts live)")
+    off.add_argument("--experts", choices=list(EXPERTS), default=None,
+                     help="device: resident (default); offload: in pinned host memory, verified through one device "
+                          "expert cache of --expert-budget-mb shared by every MoE layer (lossless: the same tokens)")
+    off.add_argument("--offload", action="store_true", help=argparse.SUPPRESS)  # old name of --experts offload
     off.add_argument("--expert-budget-mb", type=float, default=None,
                      help="device memory for the expert cache in MB (1e6 bytes), shared by every MoE layer; any value "
                           "from one expert up runs (a layer whose routed experts do not fit runs in passes); "
-                          "required with --offload")
+                          "required with --experts offload")
     off.add_argument("--pin-experts", default="auto",
                      help="auto: pin the prompt's hottest experts in what one layer's routed union leaves; none; or N: "
                           "at most N pinned (layer, expert) pairs")
@@ -189,7 +176,65 @@ def build_parser() -> argparse.ArgumentParser:
                           "the verify's residual, one layer ahead) | a '+'-joined union, e.g. previous+residual")
     off.add_argument("--predictor-width", type=int, default=None,
                      help="experts per token the predictor prefetches (default: the target's top-k)")
+    run_g = p.add_argument_group("driver and compiled shapes")
+    run_g.add_argument("--loop", choices=["jit", "python"], default=None,
+                       help="jit: one compiled while_loop; python: stepping loop with the draft/verify/host time split "
+                            "(default: python with --trace or --experts offload, else jit)")
+    shapes = run_g.add_mutually_exclusive_group()
+    shapes.add_argument("--capacity", type=int, default=None, metavar="N",
+                        help="cache rows of the compiled programs: any prompt + --max-new-tokens + block size up to N "
+                             "runs on the same programs (default: 2048, at most the target's positions)")
+    shapes.add_argument("--bucketed", action="store_true",
+                        help="size the programs by the request's prompt / budget buckets instead (a new bucket "
+                             "compiles again)")
+    run_g.add_argument("--mesh", default=None,
+                       help="run on a device mesh, e.g. expert=4,tensor=2 (axes data, expert, tensor; their sizes "
+                            "multiply to at most the device count): experts sharded along E, heads / MLPs / vocab along "
+                            "tensor (docs/sharding.md); with --experts offload each device caches its share of the "
+                            "experts")
+    run_g.add_argument("--no-compile-cache", action="store_true",
+                       help="skip the persistent compilation cache (also DFLASH_JAX_CACHE_DIR=off; default location: "
+                            "$DFLASH_JAX_CACHE_DIR, else $XDG_CACHE_HOME/dflash_jax/jax, else ~/.cache/dflash_jax/jax)")
+    pf = p.add_argument_group("prefill compression (lossy)")
+    pf.add_argument("--pflash-keep", type=float, default=None, metavar="R",
+                    help="PFlash prefill compression: prefill only the fraction R (0 < R <= 1) of the prompt a scorer "
+                         "finds most attended (sink tokens, the last window and whole chunks), at their original "
+                         "positions, then decode as usual (docs/pflash.md)")
+    pf.add_argument("--pflash-scorer", default=None, metavar="DIR",
+                    help="the scorer for --pflash-keep: a convert-weights checkpoint whose target scores the prompt "
+                         "(default: the generating pair's own target)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
     return p
+
+
+def resolve_vocabulary(args) -> tuple[str, str, str]:
+    """(proposer, experts, driver) from the flags, the old spellings included (--head-chain, --adaptive, --offload,
+    --tree-budget alone); one UsageError for a contradiction or a combination that cannot run (`api.CAPABILITIES`)."""
+    from dflash_jax.api import CAPABILITIES
+
+    implied = [name for flag, name in ((args.head_chain, "head-chain"), (args.adaptive, "adaptive")) if flag]
+    if len(implied) > 1 or (implied and args.proposer not in (None, implied[0])):
+        raise UsageError(f"--proposer {args.proposer or implied[0]} and --{implied[-1]} contradict: pass one --proposer")
+    proposer = args.proposer or (implied[0] if implied else "tree" if args.tree_budget is not None else "chain")
+    if args.tree_budget is not None and proposer not in ("tree", "adaptive"):
+        raise UsageError(f"--tree-budget applies to --proposer tree, not {proposer}")
+    if args.no_branch_head and proposer not in ("tree", "adaptive"):
+        raise UsageError("--no-branch-head only applies to trees: add --proposer tree (or adaptive)")
+    if args.offload and args.experts == "device":
+        raise UsageError("--offload and --experts device contradict: pass one --experts")
+    experts = args.experts or ("offload" if args.offload else "device")
+    if args.loop == "jit" and experts == "offload":
+        raise UsageError(CAPABILITIES[(proposer, experts, "jit")] + ": drop --loop jit")
+    driver = {"jit": "jit", "python": "stepping"}.get(args.loop) or (
+        "stepping" if args.trace or experts == "offload" else "jit")
+    if args.trace and driver == "jit":
+        raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
+    why = CAPABILITIES[(proposer, experts, driver)]
+    if why is not None:
+        raise UsageError(why)
+    return proposer, experts, driver
 
 
 def shape_buckets(args):
@@ -227,37 +272,30 @@ def run(args) -> dict:
         raise UsageError("the shipped pair is missing from this installation; pass --checkpoint DIR "
                          "(a convert-weights output) or reinstall dflash_jax")
     check_numbers(args)
+    proposer_name, experts, driver = resolve_vocabulary(args)
+    offload = experts == "offload"
     sampling = sampling_params(args)
     if args.prompt is not None:
         try:
             args.prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise UsageError("--prompt is not valid UTF-8 text; check the terminal's (or the file's) encoding") from None
-    if args.offload:
+    if offload:
         from dflash_jax.offload import PREDICTORS
 
         if args.expert_budget_mb is None:
-            raise UsageError("--offload needs --expert-budget-mb X (device MB for the expert pool, X > 0)")
+            raise UsageError("--experts offload needs --expert-budget-mb X (device MB for the expert pool, X > 0)")
         if args.predictor not in PREDICTORS:
             raise UsageError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {args.predictor!r}")
-        if args.loop == "jit":
-            raise UsageError("--offload runs its own stepping loop: drop --loop jit")
         pin = pin_experts_arg(args.pin_experts)
         check_expert_budget(directory, args.expert_budget_mb)  # before anything heavy: from the manifest alone
     elif args.expert_budget_mb is not None:
-        raise UsageError("--expert-budget-mb only applies with --offload")
-    tree = args.tree_budget is not None or args.adaptive
-    if args.no_branch_head and not tree:
-        raise UsageError("--no-branch-head only applies to trees: add --tree-budget N or --adaptive")
-    if args.head_chain and (tree or args.offload or args.pflash_keep is not None):
-        raise UsageError("--head-chain proposes the chain of the resident loop: drop --tree-budget / --adaptive, "
-                         "--offload and --pflash-keep")
-    if tree and (args.offload or args.trace or args.loop == "python"):
-        raise UsageError("--tree-budget / --adaptive run the jitted loop: drop --offload, --trace and --loop python")
+        raise UsageError("--expert-budget-mb only applies with --experts offload")
+    tree = proposer_name in ("tree", "adaptive")
     if args.pflash_keep is not None:
-        if tree or args.offload or args.mesh is not None or args.trace or args.loop == "python":
-            raise UsageError("--pflash-keep runs the jitted loop: drop --tree-budget / --adaptive, --offload, --mesh, "
-                             "--trace and --loop python")
+        if proposer_name != "chain" or offload or args.mesh is not None or driver != "jit":
+            raise UsageError("--pflash-keep runs the argmax chain in the jitted loop on resident experts: drop "
+                             "--proposer, --experts offload, --mesh, --trace and --loop python")
         if args.pflash_scorer is not None and not os.path.exists(os.path.join(args.pflash_scorer, "manifest.json")):
             raise UsageError(f"--pflash-scorer {args.pflash_scorer} is not a convert-weights checkpoint (no "
                              "manifest.json): pass a directory that convert-weights wrote")
@@ -268,7 +306,7 @@ def run(args) -> dict:
         from dflash_jax.sharding import make_mesh, parse_mesh_spec
 
         parse_mesh_spec(args.mesh)  # a bad spec is refused before anything loads
-        if args.offload and args.placement == "hybrid":
+        if offload and args.placement == "hybrid":
             raise UsageError("--placement hybrid does not combine with --mesh (host compute runs beside one "
                              "device): use --placement device, or drop --mesh")
         mesh = make_mesh(args.mesh)
@@ -277,12 +315,12 @@ def run(args) -> dict:
     else:
         compile_cache.ensure_enabled()
     dequantize = {"auto": "auto", "yes": True, "no": False}[args.dequantize_experts]
-    if args.offload and dequantize is True:
-        raise UsageError("--dequantize-experts yes does not combine with --offload (it moves the FP4 bytes)")
-    pair = dflash_jax.load(directory, expert_memory="pinned_host" if args.offload else "device",
-                           dequantize_experts=False if args.offload or (mesh is not None and dequantize == "auto")
-                           else dequantize, mesh=None if args.offload else mesh,  # offload: shards placed below
-                           branch_head=(tree and not args.no_branch_head) or args.head_chain)  # read only when used
+    if offload and dequantize is True:
+        raise UsageError("--dequantize-experts yes does not combine with --experts offload (it moves the FP4 bytes)")
+    pair = dflash_jax.load(directory, expert_memory="pinned_host" if offload else "device",
+                           dequantize_experts=False if offload or (mesh is not None and dequantize == "auto")
+                           else dequantize, mesh=None if offload else mesh,  # offload: shards placed below
+                           branch_head=(tree and not args.no_branch_head) or proposer_name == "head-chain")
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
         if tokenizer is None:
@@ -299,7 +337,7 @@ def run(args) -> dict:
         stops = _parse_ids(args.stop_ids)
     else:
         stops = [t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size]
-    if args.offload and args.predictor_width is not None:
+    if offload and args.predictor_width is not None:
         experts = _routed_experts(pair.target_cfg)
         if experts and args.predictor_width > experts:
             raise UsageError(f"--predictor-width must be in 1 .. {experts} (the target's routed experts per layer), "
@@ -307,12 +345,15 @@ def run(args) -> dict:
     if sampling.greedy and sampling.filters:
         print("dflash-generate: note: --top-p / --top-k do nothing at --temperature 0 (greedy decoding)",
               file=sys.stderr)
-    loop = args.loop or ("python" if args.trace else "jit")
+    from dflash_jax.api import make_proposer
+
+    proposer = make_proposer(pair, proposer_name, tree_budget=args.tree_budget or 16, tree_branch=args.tree_branch,
+                             branch_head=not args.no_branch_head)
     kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
                   stop_ids=stops, seed=args.seed, warmup=True, buckets=shape_buckets(args))
     on_mesh = contextlib.nullcontext() if mesh is None else jax_set_mesh(mesh)
     with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")), on_mesh:
-        if args.offload:
+        if offload:
             from dflash_jax.offload import OffloadedGenerator, PoolTooSmall
 
             request = {k: v for k, v in kwargs.items() if k not in ("block_size", "warmup", "buckets")}
@@ -325,7 +366,7 @@ def run(args) -> dict:
                     hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
                 gen = OffloadedGenerator(pair, budget_bytes=int(args.expert_budget_mb * 1e6), prefetcher=args.predictor,
                                          width=args.predictor_width, block_size=args.block_size, pin=pin,
-                                         hybrid=hybrid, mesh=mesh, buckets=kwargs["buckets"])
+                                         hybrid=hybrid, mesh=mesh, buckets=kwargs["buckets"], proposer=proposer)
                 warm = gen.prefill([prompt], **request)  # compiles the prefill and a round: the timed run is compiled
                 if not warm.done:
                     gen.round(warm)
@@ -340,17 +381,10 @@ def run(args) -> dict:
                       else pflash.Scorer.from_pair(pair))
             kept = pflash.compress(scorer, prompt, keep_ratio=args.pflash_keep)
             result = pflash.generate(pair, [prompt], [kept], **kwargs)
-        elif tree:
-            from dflash_jax.spec.loop import generate_tree
-
-            result = generate_tree(pair, [prompt], tree_budget=args.tree_budget or 16, branch=args.tree_branch,
-                                   adaptive=args.adaptive, branch_head=not args.no_branch_head, **kwargs)
-        elif loop == "jit":
-            if args.trace:
-                raise UsageError("--trace needs --loop python (the jitted loop keeps rounds on the device)")
-            result = generate(pair, [prompt], branch_head=args.head_chain, **kwargs)
+        elif driver == "jit":
+            result = generate(pair, [prompt], proposer=proposer, **kwargs)
         else:
-            result = generate_stepping(pair, [prompt], trace=args.trace, branch_head=args.head_chain, **kwargs)
+            result = generate_stepping(pair, [prompt], trace=args.trace, proposer=proposer, **kwargs)
     out = {
         "tokens": result.tokens[0],
         "acceptance_lengths": result.acceptance_lengths[0],

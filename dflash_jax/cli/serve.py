@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explore-every", type=int, default=8,
                    help="at most one round in N of a row bucket runs a neighbouring width whose cost entry is stale, "
                         "to re-measure it (default 8; 0: never explore)")
+    prop = p.add_argument_group("proposer (what the draft proposes each round; every choice is lossless)")
+    prop.add_argument("--proposer", choices=["chain", "head-chain", "tree", "adaptive"], default="chain",
+                      help="chain: the draft's argmax chain at --block-size (--widths chooses among widths); "
+                           "head-chain: the chain from the pair's branch head; tree: a token tree of --tree-budget "
+                           "nodes every round; adaptive: each round's shape (chains of 1, 2, 4, .. B and the tree) "
+                           "chosen by the cost model, learned while serving")
+    prop.add_argument("--tree-budget", type=int, default=None,
+                      help="nodes per tree verify, the anchor included (--proposer tree / adaptive; default 16)")
+    prop.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node")
     p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt served, in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="largest max_tokens a request may ask")
     p.add_argument("--prefill-chunk", type=int, default=256,
@@ -75,10 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
     p.add_argument("--no-compile-cache", action="store_true", help="skip the persistent compilation cache")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    off = p.add_argument_group("expert offload (experts in pinned host memory, one device cache; as dflash-generate)")
-    off.add_argument("--offload", action="store_true",
-                     help="keep the target's routed experts in host memory: the admitted rows' projected experts are "
-                          "prefetched into the device cache before each verify; lossless (same tokens)")
+    off = p.add_argument_group("experts (where the target's routed experts live; as dflash-generate)")
+    off.add_argument("--experts", choices=["device", "offload"], default=None,
+                     help="device: resident (default); offload: in pinned host memory, the admitted rows' projected "
+                          "experts prefetched into one device cache before each verify; lossless (same tokens)")
+    off.add_argument("--offload", action="store_true", help=argparse.SUPPRESS)  # old name of --experts offload
     off.add_argument("--expert-budget-mb", type=float, default=None,
                      help="device memory for the expert cache in MB (1e6 bytes), shared by every MoE layer and "
                           "request; any value from one expert up runs; required with --offload. The scheduler's byte "
@@ -129,13 +139,27 @@ def check_args(args) -> None:
     if not 1e-3 <= getattr(args, "max_request_mb", 8.0) <= 1e5:
         raise UsageError(f"--max-request-mb must be in 0.001..100000, got {args.max_request_mb}")
     directory = args.checkpoint or SHIPPED_PAIR
+    if getattr(args, "offload", False) and getattr(args, "experts", None) == "device":
+        raise UsageError("--offload and --experts device contradict: pass one --experts")
+    args.offload = getattr(args, "offload", False) or getattr(args, "experts", None) == "offload"
+    proposer = getattr(args, "proposer", "chain")
+    if getattr(args, "tree_budget", None) is not None:
+        if proposer not in ("tree", "adaptive"):
+            raise UsageError(f"--tree-budget applies to --proposer tree (or adaptive), not {proposer}")
+        if args.tree_budget < 2:
+            raise UsageError(f"--tree-budget must be >= 2 (the anchor and at least one proposal), got {args.tree_budget}")
+    if getattr(args, "tree_branch", 4) < 2 and proposer in ("tree", "adaptive"):
+        raise UsageError(f"--tree-branch must be >= 2 for a tree (1 is the chain: --proposer chain), got "
+                         f"{args.tree_branch}")
+    if proposer in ("tree", "adaptive") and args.widths not in ("fixed", "auto"):
+        raise UsageError(f"--widths {args.widths} chooses chain widths: drop it with --proposer {proposer}")
     if getattr(args, "offload", False):
         from dflash_jax.cli import generate as generate_cli  # the same checks as dflash-generate --offload
 
         if args.expert_budget_mb is None or args.expert_budget_mb <= 0:
-            raise UsageError("--offload needs --expert-budget-mb X (device MB for the expert cache, X > 0)")
+            raise UsageError("--experts offload needs --expert-budget-mb X (device MB for the expert cache, X > 0)")
         if args.mesh is not None:
-            raise UsageError("--offload serves on one device: drop --mesh (or serve resident on the mesh)")
+            raise UsageError("--experts offload serves on one device: drop --mesh (or serve resident on the mesh)")
         try:
             generate_cli.pin_experts_arg(args.pin_experts)
             if os.path.exists(os.path.join(directory, "manifest.json")):
@@ -143,7 +167,7 @@ def check_args(args) -> None:
         except generate_cli.UsageError as e:
             raise UsageError(str(e)) from None
     elif getattr(args, "expert_budget_mb", None) is not None:
-        raise UsageError("--expert-budget-mb only applies with --offload")
+        raise UsageError("--expert-budget-mb only applies with --experts offload")
     if not os.path.exists(os.path.join(directory, "manifest.json")):
         if args.checkpoint is None:
             raise UsageError("the shipped pair is missing from this installation; pass --checkpoint DIR")
@@ -213,7 +237,8 @@ def build_app(args):
     import dflash_jax
     from dflash_jax import compile_cache
     from dflash_jax.cli.generate import load_tokenizer
-    from dflash_jax.serve.engine import CostRule, Engine, attach_cost_metrics
+    from dflash_jax.serve.engine import Engine, attach_cost_metrics
+    from dflash_jax.spec.policy import CostRule
     from dflash_jax.serve.server import create_app
 
     if args.no_compile_cache:
@@ -227,13 +252,27 @@ def build_app(args):
 
         mesh = make_mesh(args.mesh)
     offload = getattr(args, "offload", False)
-    pair = (dflash_jax.load(directory, expert_memory="pinned_host", dequantize_experts=False) if offload
-            else dflash_jax.load(directory, mesh=mesh))
+    proposer_name = getattr(args, "proposer", "chain")
+    head = proposer_name in ("head-chain", "tree", "adaptive")  # the branch head is read only when used
+    pair = (dflash_jax.load(directory, expert_memory="pinned_host", dequantize_experts=False, branch_head=head)
+            if offload else dflash_jax.load(directory, mesh=mesh, branch_head=head))
     template = chat_template(directory, pair.side_file)  # verified, checked (or refused) before the long warm-up
     try:
         widths = (None if args.widths == "fixed" else "auto" if args.widths == "auto"
                   else [int(w) for w in args.widths.split(",")])
         block_size = args.block_size
+        proposer = None
+        if proposer_name == "head-chain":
+            proposer = "head-chain"
+        elif proposer_name == "adaptive":
+            widths = "auto"
+        elif proposer_name == "tree":
+            from dflash_jax.api import make_proposer
+
+            proposer = make_proposer(pair, "tree", tree_budget=getattr(args, "tree_budget", None) or 16,
+                                     tree_branch=getattr(args, "tree_branch", 4))
+            widths = None
+            block_size = pair.draft_cfg.block_size if block_size is None else block_size
         if block_size is None and widths is None:
             block_size = min(DEFAULT_FIXED_BLOCK, pair.draft_cfg.block_size)
         byte_budget = None if args.round_expert_mb is None else args.round_expert_mb * 1e6
@@ -241,7 +280,7 @@ def build_app(args):
                       max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
-                      prefill_chunk=getattr(args, "prefill_chunk", 0) or None)
+                      prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer)
         if offload:
             from dflash_jax.cli.generate import pin_experts_arg
             from dflash_jax.offload import PoolTooSmall

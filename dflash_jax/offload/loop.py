@@ -273,6 +273,8 @@ class OffloadedGenerator:
     bandwidth: host->device bytes/s for the transfer-time estimates in the stats (default:
       `bandwidth.probe_host_to_device_bandwidth()`, measured once per process).
     buckets: the compiled shapes (`spec.requests.Buckets`; default the loops' buckets, batch padded).
+    proposer: what each round proposes (`spec.round`): a `Chain` (its width is the block size; `head=True`: the
+      branch head's chain), or a tree / adaptive policy as `tree` below (None: the chain of `block_size`).
     tree: a `spec.tree.TreeShape`: each round verifies a token tree of `tree.budget` nodes (the draft's most
       probable continuations, `spec.tree`) instead of the chain; the experts its nodes route to are fetched as
       for a chain (None: the chain of `block_size`). A `spec.policy.AdaptivePolicy`: each round's shape (chain B
@@ -299,13 +301,14 @@ class OffloadedGenerator:
                  store: HostExpertStore | None = None, pool_factory: Callable[..., Any] = ExpertCache,
                  bandwidth: float | None = None, buckets: Buckets | None = None, observers: Sequence[Any] = (),
                  hybrid: HostCompute | None = None, tree: TreeShape | AdaptivePolicy | None = None,
-                 mesh=None):
+                 mesh=None, proposer=None):
         cfg = pair.target_cfg
         if not getattr(cfg, "is_moe", False):
             raise ValueError("offloaded generation needs an MoE target (this target has no routed experts)")
         if verify not in _VERIFY:
             raise ValueError(f"verify must be one of {', '.join(_VERIFY)}, got {verify!r}")
         self.pair, self.cfg = pair, cfg
+        self.chain_head = False  # the chain from the draft's branch head (proposer=Chain(head=True))
         self.store = store or HostExpertStore(pair.target)
         self.stripped = strip_experts(pair.target)
         self.mesh = mesh
@@ -318,8 +321,21 @@ class OffloadedGenerator:
         self.groups = list(zip(slab_groups(self.store), slab_slots(self.store, self.budget_bytes)))  # raises
         self.slots = int(sum(n for _, n in self.groups))
         self.hybrid = hybrid
+        if proposer is not None:
+            if tree is not None:
+                raise ValueError("pass the round's proposer once: proposer= (tree= is its older name)")
+            if isinstance(proposer, Chain):
+                if proposer.width is not None:
+                    block_size = proposer.width if block_size is None else block_size
+                self.chain_head = proposer.head
+                if proposer.head and getattr(pair.draft, "branch_head", None) is None:
+                    raise ValueError("the head chain proposes from the draft's branch head, and this pair's draft has "
+                                     "none: load a pair shipped with branch_head.safetensors")
+            else:
+                tree = proposer
         if tree is not None and not isinstance(tree, (TreeShape, AdaptivePolicy)):
-            raise TypeError(f"tree must be a spec.tree.TreeShape or AdaptivePolicy, got {type(tree).__name__}")
+            raise TypeError(f"proposer must be a spec.round.Chain, a spec.tree.TreeShape or a spec.policy.AdaptivePolicy, "
+                            f"got {type(tree).__name__}")
         # an adaptive policy provisions (cache rows, expert reserve, draft block) only the shapes it can choose;
         # with one reachable shape the session is exactly that fixed shape's
         self.policy, self._only = (tree, None) if isinstance(tree, AdaptivePolicy) else (None, None)
@@ -442,7 +458,7 @@ class OffloadedGenerator:
         """This round's proposer (`spec.round`): the chain of the spec's block, the fixed tree, or the adaptive
         policy's choice (before the draft, from the session's calibration)."""
         if not isinstance(self.tree, AdaptivePolicy):
-            return Chain() if self.tree is None else as_proposer(self.tree)
+            return Chain(head=self.chain_head) if self.tree is None else as_proposer(self.tree)
         a = session.adaptive  # numpy on the host: no device round trip per round
         a["choice"] = int(choose_shape(self.tree, a["accepted"], a["expected"], ~session.host["done"]))
         return as_proposer(self.tree.shapes[a["choice"]])
@@ -604,6 +620,8 @@ class OffloadedGenerator:
         }
         run_stats = {
             "loop": "offloaded", "seconds": seconds, "block_size": spec.block_size, "method": spec.method,
+            "proposer": ("adaptive" if self.policy is not None else "tree" if self.tree is not None
+                         else "head-chain" if self.chain_head else "chain"),
             "tree": ("adaptive" if self.policy is not None
                      else {"budget": self.tree.budget, "branch": self.tree.branch} if self.tree is not None else None),
             "shapes": {"batch": int(prep.tokens.shape[0]), "prompt": int(prep.tokens.shape[1]),

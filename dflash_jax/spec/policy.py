@@ -1,5 +1,10 @@
 """The adaptive shape policy: which proposer shape a round runs, chosen from the state before the draft.
 
+Two choosers share this module and its model of a shape's worth (expected tokens per round over seconds per round):
+`AdaptivePolicy` for the batch drivers (one calibration per row scaling each shape's tokens per round), and the
+serving engine's width chooser (`choose_width` / `decide_width`: a per-request acceptance estimate, a cost table
+per row bucket kept current from the rounds served, `observe_cost`, with bounded exploration, `explore_width`).
+
 Pure functions over a static `AdaptivePolicy` (hashable: a jit static argument) that every driver uses: the jitted
 loop (`spec.round.adaptive_round`, a `lax.switch` over the shapes), the Python stepping loops and the offloaded
 loop (numpy on the host). `choose_shape` picks the shape of largest expected tokens per second summed over the
@@ -188,3 +193,159 @@ def update_calibration(policy: AdaptivePolicy, accepted_sum, expected_sum, choic
     acc = xp.where(done_before, accepted_sum, d * accepted_sum + xp.asarray(accepted).astype(xp.float32))
     exp_ = xp.where(done_before, expected_sum, d * expected_sum + predicted)
     return acc, exp_
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the serving engine's width chooser and its cost table kept current while serving (pure: tested on its own)
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CostRule:
+    """How the width chooser's cost table is kept current from served rounds.
+
+    Every served round of a row bucket updates that bucket's table (`observe_cost`: the chosen width's rounds
+    the machine's load, which scales every entry; each width's rounds its cost relative to that load; medians of
+    the last `window` rounds, so one slow round on a shared machine moves nothing). A
+    width the chooser does not pick is measured by exploration (`explore_width`): in one round of every
+    `explore_every` rounds of a bucket, a width adjacent to the chosen one runs instead when its entry is
+    unconfirmed (fewer than `confirm` served times: a warm-up figure) or stale (no served time in `stale_after`
+    rounds of the bucket). So at most 1 / `explore_every` of a bucket's rounds explore, an exploring round still
+    commits tokens (any width is lossless), and a mispriced entry is re-measured within tens of rounds.
+    """
+
+    explore_every: int = 8
+    stale_after: int = 64
+    confirm: int = 3
+    window: int = 5
+
+    def __post_init__(self):
+        if int(self.explore_every) < 0 or int(self.stale_after) < 1 or int(self.confirm) < 0 or int(self.window) < 1:
+            raise ValueError(f"CostRule: explore_every >= 0 (0: never explore), stale_after >= 1, confirm >= 0 and "
+                             f"window >= 1, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketCosts:
+    """One row bucket's learned costs, as a load factor times a cost per width: a round of width w takes about
+    `load * cost[w]` seconds (`seconds`). A shared machine's load moves every width's time together, so the load
+    is learned from the rounds of the chosen width (the most recent information, every round) and a width's cost
+    relative to it from the width's own rounds, which are thereby compared with rounds of the same minute (paired,
+    as the warm-up measurement is), not with figures from another load. `cost` starts as the warm-up table (load
+    1); `recent`: each width's last served times divided by the load of their time; `load_recent`: the last
+    ratios of a chosen round's time to its width's cost; `age`: rounds of the bucket since the width last ran;
+    `rounds`: the bucket's rounds so far; `prior`: the warm-up costs, which count as one sample of a width
+    with fewer than `confirm` served ones (one noisy round does not replace a paired measurement)."""
+
+    cost: dict
+    recent: dict
+    age: dict
+    load: float = 1.0
+    load_recent: tuple = ()
+    rounds: int = 0
+    prior: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def seconds(self) -> dict:
+        """{width: seconds} of a round now."""
+        return {w: self.load * c for w, c in self.cost.items()}
+
+    @classmethod
+    def fresh(cls, seconds: dict, rule: CostRule = CostRule()) -> "BucketCosts":
+        """A table measured at warm-up (or given): no served time yet, every entry stale."""
+        cost = {int(w): float(t) for w, t in seconds.items()}
+        return cls(cost=cost, recent={w: () for w in cost}, age={w: int(rule.stale_after) for w in cost},
+                   prior=dict(cost))
+
+    def stale(self, width: int, rule: CostRule) -> bool:
+        return len(self.recent[width]) < rule.confirm or self.age[width] >= rule.stale_after
+
+
+def _geomedian(values) -> float:
+    return float(np.exp(np.median(np.log(np.asarray(values, np.float64)))))
+
+
+def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule = CostRule(),
+                 explored: bool = False) -> BucketCosts:
+    """The bucket's costs after one served round of `width` took `seconds` (pure). A chosen round (not
+    `explored`) first updates the load: the median of the last `rule.window` ratios of a chosen round's time to
+    its width's cost, so the whole table follows the machine (one slow round among three or more moves nothing,
+    a lasting change shows within `window` // 2 + 1 rounds) and keeps its ratios. Then the width's cost becomes
+    the median of its last `window` times divided by the load of their time (and of its warm-up cost while it has
+    fewer than `rule.confirm`): for an explored width, its time against the chosen rounds just before it. A
+    stale entry keeps only its newest time. Every other width ages by one round."""
+    t = max(float(seconds), 1e-9)
+    load, window = costs.load, costs.load_recent
+    if not explored:
+        window = (window + (t / costs.cost[width],))[-int(rule.window):]
+        load = _geomedian(window)
+    recent = costs.recent[width]
+    if costs.age[width] >= rule.stale_after:
+        recent = recent[-1:]
+    recent = (recent + (t / load,))[-int(rule.window):]
+    cost = dict(costs.cost)
+    prior = (costs.prior[width],) if width in costs.prior and len(recent) < rule.confirm else ()
+    cost[width] = _geomedian(recent + prior)
+    times = dict(costs.recent)
+    times[width] = recent
+    age = {w: a + 1 for w, a in costs.age.items()}
+    age[width] = 0
+    return BucketCosts(cost=cost, recent=times, age=age, load=load, load_recent=window, rounds=costs.rounds + 1,
+                       prior=costs.prior)
+
+
+def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) -> int | None:
+    """The width to run instead of `chosen` to re-measure its cost, or None (pure, deterministic): only in the
+    bucket's rounds numbered explore_every - 1, 2 * explore_every - 1, .. (at most 1 / explore_every of them),
+    only a width adjacent to `chosen` in the bucket's widths, and only if its entry is stale or unconfirmed
+    (`BucketCosts.stale`); of two such neighbours an unconfirmed one first, then the older entry, then the wider.
+    Never with a single width."""
+    widths = sorted(costs.cost)
+    if len(widths) < 2 or rule.explore_every <= 0 or chosen not in costs.cost:
+        return None
+    if (costs.rounds + 1) % rule.explore_every:
+        return None
+    i = widths.index(chosen)
+    near = [widths[j] for j in (i + 1, i - 1) if 0 <= j < len(widths)]
+    near = [w for w in near if costs.stale(w, rule)]
+    if not near:
+        return None
+    return max(near, key=lambda w: (len(costs.recent[w]) < rule.confirm, costs.age[w], w))
+
+
+def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
+                 rule: CostRule | None = CostRule()) -> tuple[int, bool]:
+    """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
+    time, then `explore_width` (rule None: no exploration). Pure."""
+    seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
+    chosen = choose_width(alphas, seconds, margin)
+    other = None if rule is None else explore_width(costs, chosen, rule)
+    return (chosen, False) if other is None else (other, True)
+
+
+def default_widths(block_size: int) -> tuple[int, ...]:
+    """The verify widths an adaptive engine chooses from: 1, the powers of two below `block_size`, and it."""
+    out, w = [], 1
+    while w < block_size:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (block_size,)
+
+
+def expected_tokens(alpha, width: int):
+    """Tokens a verify of `width` commits when each proposal is accepted with probability `alpha` given the
+    ones before it: 1 + alpha + ... + alpha^(width-1) (the bonus included)."""
+    alpha = np.minimum(np.asarray(alpha, np.float64), 0.999)
+    return (1.0 - alpha ** width) / (1.0 - alpha)
+
+
+def choose_width(alphas, seconds: dict, margin: float = 0.0) -> int:
+    """The width with the most expected tokens per second over the live rows: argmax over w of
+    sum_r expected_tokens(alpha_r, w) / seconds[w], where a wider width must beat the best narrower one by the
+    factor 1 + `margin` (ties and near-ties: the narrower; the margin covers the table's error, so a round
+    speculates only where the gain is clear). Pure and deterministic."""
+    best, best_rate = None, -1.0
+    for w in sorted(seconds):
+        rate = float(np.sum(expected_tokens(alphas, w))) / seconds[w]
+        if rate > best_rate * (1 + margin + 1e-9):
+            best, best_rate = w, rate
+    return best

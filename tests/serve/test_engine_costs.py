@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_jax.serve.engine import (
-    BucketCosts, CostRule, Engine, RoundInfo, choose_width, decide_width, explore_width, observe_cost,
-)
+from dflash_jax.serve.engine import Engine, RoundInfo
+from dflash_jax.spec.policy import BucketCosts, CostRule, choose_width, decide_width, explore_width, observe_cost
 
 # a 32-row bucket as the serving benchmark met it: the warm-up table, measured while the machine was busy,
 # prices wide rounds far above what served rounds cost

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.compile_cache import CompileCounter
-from dflash_jax.serve.engine import (
-    Engine, choose_width, default_widths, expected_tokens, generate as serve_generate,
-)
+from dflash_jax.serve.engine import Engine, generate as serve_generate
+from dflash_jax.spec.policy import choose_width, default_widths, expected_tokens
 from dflash_jax.spec import SamplingParams
 from dflash_jax.spec import generate as spec_generate
 

@@ -324,10 +324,11 @@ def _cli(capsys, *argv):
 @pytest.mark.parametrize("argv, message", [
     (["--tree-budget", "0"], "--tree-budget must be >= 1"),
     (["--tree-budget", "8", "--tree-branch", "0"], "--tree-branch must be >= 1"),
-    (["--adaptive", "--trace"], "drop --offload, --trace and --loop python"),
-    (["--tree-budget", "8", "--offload", "--expert-budget-mb", "1"], "drop --offload"),
+    (["--adaptive", "--proposer", "tree"], "contradict: pass one --proposer"),
+    (["--tree-budget", "8", "--offload", "--expert-budget-mb", "1", "--loop", "jit"], "use the stepping driver"),
     (["--no-branch-head"], "--no-branch-head only applies to trees"),
-    (["--head-chain", "--tree-budget", "8"], "--head-chain proposes the chain of the resident loop"),
+    (["--head-chain", "--tree-budget", "8"], "--tree-budget applies to --proposer tree, not head-chain"),
+    (["--proposer", "chain", "--tree-budget", "8"], "--tree-budget applies to --proposer tree, not chain"),
 ])
 def test_cli_tree_flags_errors(capsys, argv, message):
     code, _, err = _cli(capsys, "--prompt-ids", "1,2,3", *argv)

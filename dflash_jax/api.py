@@ -1,0 +1,117 @@
+"""`dflash_jax.generate`: one entry for research code, any proposer on any expert placement.
+
+  res = dflash_jax.generate(pair, prompts, max_new_tokens=64)                              # argmax chain, jit loop
+  res = dflash_jax.generate(pair, prompts, max_new_tokens=64, proposer="tree", tree_budget=16)
+  res = dflash_jax.generate(pair, prompts, max_new_tokens=64, proposer="head-chain", experts="offload",
+                            expert_budget_mb=8)
+
+The same three seams as everywhere else: the proposer (`spec.round`), the placement of the target's experts
+(resident on the device, or offloaded to host memory behind a device cache, `dflash_jax.offload`) and the driver
+(`jit`: one compiled while-loop; `stepping`: a Python loop, one jitted propose and one verify+commit per round).
+`CAPABILITIES` is the one table of what combines; the CLIs and the docs read it.
+"""
+
+from __future__ import annotations
+
+PROPOSERS = ("chain", "head-chain", "tree", "adaptive")
+EXPERTS = ("device", "offload")
+DRIVERS = ("jit", "stepping")
+
+# (proposer, experts, driver) -> None when it runs, else why not (one line naming the flag). Every proposer runs on
+# every placement; offloaded experts are fetched between layers from Python, so that placement steps.
+CAPABILITIES = {
+    (p, e, d): (None if e == "device" or d == "stepping" else
+                "offloaded experts are fetched layer by layer from the host between jitted pieces: use the stepping "
+                "driver (--loop python) with --experts offload")
+    for p in PROPOSERS for e in EXPERTS for d in DRIVERS
+}
+
+
+def check_combination(proposer: str, experts: str, driver: str) -> None:
+    """ValueError naming the cause when this combination cannot run (`CAPABILITIES`)."""
+    for name, value, allowed in (("proposer", proposer, PROPOSERS), ("experts", experts, EXPERTS),
+                                 ("driver", driver, DRIVERS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    why = CAPABILITIES[(proposer, experts, driver)]
+    if why is not None:
+        raise ValueError(why)
+
+
+def make_proposer(pair, proposer="chain", *, tree_budget: int = 16, tree_branch: int | None = None,
+                  branch_head: bool = True, calibration="pair"):
+    """The round's proposer object from a name ("chain", "head-chain", "tree", "adaptive") or an object
+    (`spec.round.Chain`, `spec.tree.TreeShape`, `spec.policy.AdaptivePolicy`), returned as is."""
+    from dflash_jax.spec.loop import tree_plan
+    from dflash_jax.spec.policy import AdaptivePolicy
+    from dflash_jax.spec.round import Chain
+    from dflash_jax.spec.tree import DEFAULT_BRANCH, TreeShape
+
+    if isinstance(proposer, (Chain, TreeShape, AdaptivePolicy)):
+        return proposer
+    if proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)} (or a Chain / TreeShape / AdaptivePolicy), "
+                         f"got {proposer!r}")
+    if proposer == "chain":
+        return Chain()
+    if proposer == "head-chain":
+        return Chain(head=True)
+    return tree_plan(pair, tree_budget=tree_budget, branch=DEFAULT_BRANCH if tree_branch is None else tree_branch,
+                     calibration=calibration, adaptive=proposer == "adaptive", branch_head=branch_head)
+
+
+def _name(proposer) -> str:
+    from dflash_jax.spec.policy import AdaptivePolicy
+    from dflash_jax.spec.round import Chain
+
+    if isinstance(proposer, str):
+        return proposer
+    if isinstance(proposer, AdaptivePolicy):
+        return "adaptive"
+    if isinstance(proposer, Chain):
+        return "head-chain" if proposer.head else "chain"
+    return "chain" if proposer.is_chain else "tree"
+
+
+def generate(pair, prompts, *, max_new_tokens, proposer="chain", experts: str = "device", driver: str | None = None,
+             block_size: int | None = None, sampling=None, stop_ids=(), seed=0, tree_budget: int = 16,
+             tree_branch: int | None = None, expert_budget_mb: float | None = None, buckets=None,
+             warmup: bool = False, trace: bool = False, **offload_options):
+    """Lossless speculative generation of `prompts` (token id lists) on `pair` (`dflash_jax.load`); returns a
+    `spec.loop.GenerationResult` (tokens, acceptance lengths, stats).
+
+    proposer: "chain" (the draft's argmax chain, DFlash), "head-chain" (the branch head's chain), "tree" (a token tree
+    of `tree_budget` nodes, `tree_branch` candidates each), "adaptive" (the shape chosen per round), or a proposer
+    object. experts: "device" (resident) or "offload" (routed experts in host memory behind a device cache of
+    `expert_budget_mb` MB; `offload_options` go to `offload.OffloadedGenerator`: prefetcher, pin, hybrid, ...).
+    driver: "jit" or "stepping" (default: jit on the device, stepping when offloaded). max_new_tokens, sampling
+    (`spec.SamplingParams`), stop_ids, seed: one value for every prompt or one per prompt."""
+    from dflash_jax.spec.sampling import SamplingParams
+
+    driver = driver or ("jit" if experts == "device" else "stepping")
+    check_combination(_name(proposer), experts, driver)
+    prop = make_proposer(pair, proposer, tree_budget=tree_budget, tree_branch=tree_branch)
+    request = dict(max_new_tokens=max_new_tokens, sampling=SamplingParams() if sampling is None else sampling,
+                   stop_ids=stop_ids, seed=seed)
+    if experts == "offload":
+        from dflash_jax.offload.loop import OffloadedGenerator
+
+        if expert_budget_mb is None:
+            raise ValueError("experts='offload' needs expert_budget_mb (the device expert cache, in MB)")
+        gen = OffloadedGenerator(pair, budget_bytes=int(expert_budget_mb * 1e6), block_size=block_size,
+                                 proposer=prop, buckets=buckets, **offload_options)
+        return gen.generate(prompts, **request)
+    if offload_options:
+        raise TypeError(f"{', '.join(sorted(offload_options))}: offload options need experts='offload'")
+    from dflash_jax.spec.loop import generate as jit_generate, generate_stepping
+
+    if driver == "jit":
+        if trace:
+            raise ValueError("a per-round trace needs the stepping driver (driver='stepping')")
+        return jit_generate(pair, prompts, proposer=prop, block_size=block_size, warmup=warmup, buckets=buckets,
+                            **request)
+    return generate_stepping(pair, prompts, proposer=prop, block_size=block_size, warmup=warmup, buckets=buckets,
+                             trace=trace, **request)
+
+
+__all__ = ["CAPABILITIES", "DRIVERS", "EXPERTS", "PROPOSERS", "check_combination", "generate", "make_proposer"]
