@@ -218,18 +218,16 @@ def _begin(pair, prep: Prepared, plan: RunPlan, widest: int) -> SpecState:
     return begin_tree(pair, prep, widest) if plan.trees else begin_prepared(pair, prep)
 
 
-def _plan_stats(plan: RunPlan, chosen=None) -> dict:
+def _plan_stats(plan: RunPlan, state: SpecState, chosen=None) -> dict:
+    """The proposer's name, and an adaptive run's rounds per shape (every shape of the policy as given)."""
     if plan.full_policy is None:
         return {"proposer": shape_label(plan.proposer)}
-    if plan.policy is None:  # one reachable shape
-        counts = {plan.proposer: None}
+    if plan.policy is None:  # one reachable shape ran every round
+        counts = {plan.proposer: int(np.max(_host(state.rounds)))}
     else:
-        counts = dict(zip((as_proposer(s) for s in plan.policy.shapes), np.asarray(chosen)))
-    out = {}
-    for s in plan.full_policy.shapes:
-        n = counts.get(as_proposer(s), 0)
-        out[shape_label(s)] = n
-    return {"proposer": "adaptive", "adaptive_rounds": out}
+        counts = {as_proposer(s): int(n) for s, n in zip(plan.policy.shapes, np.asarray(chosen))}
+    return {"proposer": "adaptive",
+            "adaptive_rounds": {shape_label(s): counts.get(as_proposer(s), 0) for s in plan.full_policy.shapes}}
 
 
 def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer=None, block_size: int | None = None,
@@ -264,7 +262,7 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
     state, chosen = run(_begin(pair, prep, plan, widest))
     jax.block_until_ready(state.output)
     seconds = time.perf_counter() - t0
-    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, **_plan_stats(plan, chosen))
+    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, **_plan_stats(plan, state, chosen))
     return generation_result(state, stats, rows=prep.num_prompts)
 
 
@@ -337,7 +335,7 @@ def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens,
     host = seconds - t_prefill - t_draft - t_verify
     stats = dict(shape_stats(prep), loop="python", seconds=seconds,
                  time_split={"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host},
-                 **_plan_stats(plan, chosen))
+                 **_plan_stats(plan, state, chosen))
     return generation_result(state, stats, trace=rounds if trace else None, rows=prep.num_prompts)
 
 
