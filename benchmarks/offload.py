@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 
 def learned_predictor(pair, args, train_prompts):
     """Trains `train.route_predictor` on rounds over `train_prompts`; returns (LearnedRouter, info)."""
-    from dflash_jax.offload import LearnedRouter
+    from dflash_jax.offload.predictors import LearnedRouter
     from dflash_jax.offload.route_model import init_from_target
     from dflash_jax.study.rounds import collect_route_data
     from dflash_jax.train.route_predictor import train_route_predictor
@@ -51,13 +51,15 @@ def learned_predictor(pair, args, train_prompts):
 
 def verify_overhead(pair, store, prompts, block: int, repeats: int = 30) -> dict:
     """Best-of-`repeats` wall time of one width-`block` verify on a cache holding every expert: as ONE jitted
-    program (`qwen3.forward` with the cache) vs layer by layer (`offload.forward_layerwise`); the difference
+    program (`qwen3.forward` with the cache) vs layer by layer (`offload.forward.forward_layerwise`); the difference
     per MoE layer is the layer-wise verify's own cost (dispatch + routing read + host bookkeeping)."""
     import jax
     import jax.numpy as jnp
 
     from dflash_jax.models import qwen3
-    from dflash_jax.offload import ExpertCache, ExpertOperands, forward_layerwise, strip_experts
+    from dflash_jax.offload import ExpertCache
+    from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
+    from dflash_jax.offload.store import strip_experts
 
     cfg = pair.target_cfg
     expert_cache = ExpertCache(store, store.total_bytes,
@@ -103,7 +105,8 @@ def overlap(pair, store, prompts, *, block: int, experts: int, repeats: int = 5)
     import jax.numpy as jnp
 
     from dflash_jax.models.family import family_of
-    from dflash_jax.offload import ExpertCache, strip_experts
+    from dflash_jax.offload import ExpertCache
+    from dflash_jax.offload.store import strip_experts
     from dflash_jax.spec.session import init_target_cache
 
     cfg = pair.target_cfg
@@ -272,7 +275,7 @@ def main(argv=None) -> int:
     predictors = [x for x in args.predictors.split(",") if x]
     learned_info = {}
     if args.learned:
-        from dflash_jax.offload import PreviousRound, Union
+        from dflash_jax.offload.predictors import PreviousRound, Union
 
         learned, learned_info = learned_predictor(pair, args, train_prompts)
         predictors += [learned, Union(PreviousRound(), learned)]

@@ -77,7 +77,7 @@ def fit_predictors(pair, sequences, layers, *, steps: int) -> dict:
 
 def predictor_grid(pair, learned):
     """(name, knob, predictor) of every predictor scored."""
-    from dflash_jax.offload import DraftRouter, LearnedRouter, NextLayerResidual, PreviousRound, Union
+    from dflash_jax.offload.predictors import DraftRouter, LearnedRouter, NextLayerResidual, PreviousRound, Union
 
     k, e = pair.target_cfg.moe.top_k, pair.target_cfg.moe.num_experts
     layers = learned["layers"]

@@ -18,33 +18,21 @@
                   one-call generate_offloaded: B1 / B2 / B3 through one stepping loop
   bandwidth.py    the measured host->device bandwidth the stats compare transfer times with
 
+The package exports what a user needs (the generator, the store and cache, the predictors by name, the stats);
+the pieces (forward_layerwise, the predictor classes, placement) import from their modules.
+
 Study code (the B0-B3 cost model, offline scoring, round recording) lives in `dflash_jax.study`.
 """
 
 from dflash_jax.offload.cache import ExpertCache, PoolTooSmall, min_budget_bytes
-from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise
 from dflash_jax.offload.hybrid import HostCompute
-from dflash_jax.offload.loop import (
-    OffloadedGenerator, OffloadResult, OffloadSession, RoundPrefetch, RoutePrefetcher, generate_offloaded,
-)
-from dflash_jax.offload.placement import (
-    cache_reserve, plan_placement, plan_shared, routing_profile, warm_set, warm_shared,
-)
-from dflash_jax.offload.predictors import (
-    PREDICTORS, DraftRouter, LearnedRouter, NextLayerResidual, NoPrediction, PreviousRound, RoundInputs, Union,
-    in_verify_part, make_predictor, ranked_union,
-)
-from dflash_jax.offload.stats import (
-    LayerRoundStats, RoundObserver, RoundStats, RoundTokens, RouteAheadStats, TraceObserver, layer_round_stats,
-)
-from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
+from dflash_jax.offload.loop import OffloadedGenerator, OffloadResult, OffloadSession, generate_offloaded
+from dflash_jax.offload.predictors import PREDICTORS, make_predictor
+from dflash_jax.offload.stats import RoundStats, RouteAheadStats, TraceObserver
+from dflash_jax.offload.store import HostExpertStore
 
 __all__ = [
-    "DraftRouter", "ExpertCache", "ExpertOperands", "HostCompute", "HostExpertStore", "LayerRoundStats",
-    "LearnedRouter", "NextLayerResidual", "NoPrediction", "NonResidentExpert", "OffloadResult", "OffloadSession",
-    "OffloadedGenerator", "PREDICTORS", "PoolTooSmall", "PreviousRound", "RoundInputs", "RoundObserver",
-    "RoundPrefetch", "RoundStats", "RoundTokens", "RouteAheadStats", "RoutePrefetcher", "TraceObserver", "Union",
-    "cache_reserve", "forward_layerwise", "generate_offloaded", "in_verify_part",
-    "layer_round_stats", "make_predictor", "min_budget_bytes", "moe_layer_ids", "plan_placement", "plan_shared",
-    "ranked_union", "routing_profile", "strip_experts", "warm_set", "warm_shared",
+    "ExpertCache", "HostCompute", "HostExpertStore", "OffloadResult", "OffloadSession", "OffloadedGenerator",
+    "PREDICTORS", "PoolTooSmall", "RoundStats", "RouteAheadStats", "TraceObserver", "generate_offloaded",
+    "make_predictor", "min_budget_bytes",
 ]

@@ -17,9 +17,11 @@ from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.models import qwen3
 from dflash_jax.offload import (
-    ExpertCache, ExpertOperands, HostCompute, HostExpertStore, NonResidentExpert, OffloadedGenerator, PoolTooSmall,
-    forward_layerwise, min_budget_bytes, plan_shared, strip_experts, warm_shared,
+    ExpertCache, HostCompute, HostExpertStore, OffloadedGenerator, PoolTooSmall, min_budget_bytes,
 )
+from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise
+from dflash_jax.offload.placement import plan_shared, warm_shared
+from dflash_jax.offload.store import strip_experts
 from dflash_jax.offload.cache import min_budget_from_manifest, slab_groups
 from dflash_jax.offload.forward import host_device
 from dflash_jax.spec import generate

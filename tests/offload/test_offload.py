@@ -14,11 +14,16 @@ from dflash_jax import testing
 from dflash_jax.config import MoEConfig
 from dflash_jax.models import qwen3
 from dflash_jax.offload import (
-    DraftRouter, ExpertCache, ExpertOperands, HostExpertStore, NextLayerResidual, NonResidentExpert,
-    OffloadedGenerator, PoolTooSmall, PreviousRound, RoundInputs, RoundStats, RouteAheadStats, TraceObserver, Union,
-    forward_layerwise, generate_offloaded, in_verify_part, layer_round_stats, make_predictor, plan_placement,
-    ranked_union, strip_experts, warm_set,
+    ExpertCache, HostExpertStore, OffloadedGenerator, PoolTooSmall, RoundStats, RouteAheadStats, TraceObserver,
+    generate_offloaded, make_predictor,
 )
+from dflash_jax.offload.forward import ExpertOperands, NonResidentExpert, forward_layerwise
+from dflash_jax.offload.placement import plan_placement, warm_set
+from dflash_jax.offload.predictors import (
+    DraftRouter, NextLayerResidual, PreviousRound, RoundInputs, Union, in_verify_part, ranked_union,
+)
+from dflash_jax.offload.stats import layer_round_stats
+from dflash_jax.offload.store import strip_experts
 from dflash_jax.spec import SamplingParams, generate, generate_stepping
 
 E = 16
@@ -446,7 +451,7 @@ def test_one_generator_serves_requests_without_recompiling(pair):
 
 
 def test_learned_router_starts_as_the_draft_router_and_learns(pair):
-    from dflash_jax.offload import LearnedRouter
+    from dflash_jax.offload.predictors import LearnedRouter
     from dflash_jax.offload.route_model import init_from_target
     from dflash_jax.study.rounds import collect_route_data
     from dflash_jax.train.route_predictor import train_route_predictor
@@ -467,7 +472,7 @@ def test_learned_router_with_token_features_and_threshold(pair):
     """Token features read the verify block's tokens; the threshold knob selects exactly the experts whose
     block-level probability 1 - prod_rows(1 - p) reaches it, most probable first; generation with it stays
     lossless at a pool too small to hold every expert."""
-    from dflash_jax.offload import LearnedRouter
+    from dflash_jax.offload.predictors import LearnedRouter
     from dflash_jax.offload.route_model import init_from_target, route_logits
     from dflash_jax.study.rounds import record_rounds, rounds_to_arrays
     from dflash_jax.train.route_predictor import train_route_predictor

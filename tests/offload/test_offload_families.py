@@ -24,10 +24,10 @@ import pytest
 
 from dflash_jax import testing
 from dflash_jax.config import MoEConfig
-from dflash_jax.offload import (
-    DraftRouter, ExpertCache, ExpertOperands, HostExpertStore, LearnedRouter, PoolTooSmall, RoundInputs,
-    forward_layerwise, generate_offloaded, moe_layer_ids, strip_experts,
-)
+from dflash_jax.offload import ExpertCache, HostExpertStore, PoolTooSmall, generate_offloaded
+from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
+from dflash_jax.offload.predictors import DraftRouter, LearnedRouter, RoundInputs
+from dflash_jax.offload.store import moe_layer_ids, strip_experts
 from dflash_jax.models.family import family_of
 from dflash_jax.spec import generate
 from dflash_jax.spec.loop import LOOP_BUCKETS

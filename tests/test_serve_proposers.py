@@ -1,0 +1,81 @@
+"""`dflash-serve --proposer tree --tree-budget 16` on the shipped pair, a real process and the real `openai` client:
+every concurrent request's completion equals the same prompt generated alone with the same proposer
+(`dflash_jax.generate(..., proposer="tree", tree_budget=16)`, what `dflash-generate --proposer tree` runs), and the
+server's tokens per verify (`/metrics`: dflash_acceptance_length) beat the chain's. The same with
+`--experts offload` at the smallest expert cache that runs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import dflash_jax
+from tests.serve._process import free_port, stop
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300, 17], [7] * 12, list(range(40, 56))]
+N = 40
+
+
+def _metric_mean(text: str, name: str) -> float:
+    values = {}
+    for line in text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(name + suffix + " "):
+                values[suffix] = float(line.split()[-1])
+    return values["_sum"] / values["_count"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", ["device", "offload"])
+def test_served_trees_equal_each_prompt_alone(tmp_path, experts):
+    openai = pytest.importorskip("openai")
+    from dflash_jax.checkpoint import read_manifest
+    from dflash_jax.offload.cache import min_budget_from_manifest
+
+    pair = dflash_jax.load()
+    tokenizer = __import__("tokenizers").Tokenizer.from_file(pair.tokenizer_path)
+    extra = []
+    if experts == "offload":
+        minimum, _ = min_budget_from_manifest(read_manifest(dflash_jax.SHIPPED_PAIR))
+        extra = ["--experts", "offload", "--expert-budget-mb", f"{minimum / 1e6 * 1.0001:.6f}"]
+    port = free_port()
+    env = dict(os.environ, DFLASH_JAX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), "--slots", "4",
+                             "--max-prompt-len", "16", "--max-new-tokens", str(N), "--log-level", "warning",
+                             "--proposer", "tree", "--tree-budget", "16", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        deadline = time.time() + 600
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.time() < deadline, "dflash-serve did not start"
+                time.sleep(0.5)
+
+        def complete(ids):
+            out = client.completions.create(model="tiny_pair", prompt=ids, max_tokens=N, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            return out.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            served = list(pool.map(complete, PROMPTS))
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    finally:
+        code = stop(proc)
+    assert code == 128 + 15, proc.stderr.read()
+    alone = dflash_jax.generate(pair, PROMPTS, max_new_tokens=N, proposer="tree", tree_budget=16, stop_ids=[])
+    assert served == [tokenizer.decode(t) for t in alone.tokens]
+    chain = dflash_jax.generate(pair, PROMPTS, max_new_tokens=N, stop_ids=[])
+    chain_tau = float(np.mean([a for seq in chain.acceptance_lengths for a in seq]))
+    assert _metric_mean(metrics, "dflash_acceptance_length") > chain_tau > 1.3
