@@ -252,7 +252,7 @@ class BucketCosts:
     @classmethod
     def fresh(cls, seconds: dict, rule: CostRule = CostRule()) -> "BucketCosts":
         """A table measured at warm-up (or given): no served time yet, every entry stale."""
-        cost = {int(w): float(t) for w, t in seconds.items()}
+        cost = {w if isinstance(w, TreeShape) else int(w): float(t) for w, t in seconds.items()}
         return cls(cost=cost, recent={w: () for w in cost}, age={w: int(rule.stale_after) for w in cost},
                    prior=dict(cost))
 
@@ -299,7 +299,7 @@ def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) 
     only a width adjacent to `chosen` in the bucket's widths, and only if its entry is stale or unconfirmed
     (`BucketCosts.stale`); of two such neighbours an unconfirmed one first, then the older entry, then the wider.
     Never with a single width."""
-    widths = sorted(costs.cost)
+    widths = sorted(costs.cost, key=shape_order)
     if len(widths) < 2 or rule.explore_every <= 0 or chosen not in costs.cost:
         return None
     if (costs.rounds + 1) % rule.explore_every:
@@ -309,7 +309,7 @@ def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) 
     near = [w for w in near if costs.stale(w, rule)]
     if not near:
         return None
-    return max(near, key=lambda w: (len(costs.recent[w]) < rule.confirm, costs.age[w], w))
+    return max(near, key=lambda w: (len(costs.recent[w]) < rule.confirm, costs.age[w], shape_order(w)))
 
 
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
@@ -331,20 +331,42 @@ def default_widths(block_size: int) -> tuple[int, ...]:
     return tuple(out) + (block_size,)
 
 
-def expected_tokens(alpha, width: int):
-    """Tokens a verify of `width` commits when each proposal is accepted with probability `alpha` given the
-    ones before it: 1 + alpha + ... + alpha^(width-1) (the bonus included)."""
+def shape_rows(shape) -> int:
+    """The verify rows of a shape key: a chain width (int), or a `TreeShape`'s budget."""
+    return shape.budget if isinstance(shape, TreeShape) else int(shape)
+
+
+def shape_order(shape) -> tuple:
+    """Shapes in order of cost: by verify rows, a chain before a tree of as many rows, then the branching."""
+    tree = isinstance(shape, TreeShape) and not shape.is_chain
+    return (shape_rows(shape), tree, shape.branch if tree else 0)
+
+
+ALPHA_GRID = 50  # a tree's expected tokens are evaluated at alpha rounded to 1/50 (cached per shape and step)
+
+
+def expected_tokens(alpha, shape):
+    """Tokens a verify of `shape` commits when the draft's argmax is accepted with probability `alpha` given the
+    path before it (the bonus included). A chain of `width` (an int, or a branch-1 `TreeShape`): 1 + alpha + ... +
+    alpha^(width-1). A tree: the same model draft as `prior_tokens_per_round`, whose r-th candidate is right with
+    probability alpha (1 - alpha)^r, so a tree and a chain are priced by one model (for a chain both agree)."""
+    if isinstance(shape, TreeShape) and not shape.is_chain:
+        alpha = np.clip(np.asarray(alpha, np.float64), 0.0, 0.98)
+        steps = np.rint(alpha * ALPHA_GRID).astype(int)
+        table = {int(k): prior_tokens_per_round(shape, alpha=k / ALPHA_GRID) if k else 1.0 for k in np.unique(steps)}
+        return np.vectorize(table.__getitem__, otypes=[np.float64])(steps) if steps.ndim else table[int(steps)]
+    width = shape_rows(shape)
     alpha = np.minimum(np.asarray(alpha, np.float64), 0.999)
     return (1.0 - alpha ** width) / (1.0 - alpha)
 
 
-def choose_width(alphas, seconds: dict, margin: float = 0.0) -> int:
-    """The width with the most expected tokens per second over the live rows: argmax over w of
-    sum_r expected_tokens(alpha_r, w) / seconds[w], where a wider width must beat the best narrower one by the
-    factor 1 + `margin` (ties and near-ties: the narrower; the margin covers the table's error, so a round
-    speculates only where the gain is clear). Pure and deterministic."""
+def choose_width(alphas, seconds: dict, margin: float = 0.0):
+    """The shape (a chain width, or a `TreeShape`) with the most expected tokens per second over the live rows:
+    argmax over w of sum_r expected_tokens(alpha_r, w) / seconds[w], where a costlier shape (`shape_order`) must
+    beat the best cheaper one by the factor 1 + `margin` (ties and near-ties: the cheaper; the margin covers the
+    table's error, so a round speculates only where the gain is clear). Pure and deterministic."""
     best, best_rate = None, -1.0
-    for w in sorted(seconds):
+    for w in sorted(seconds, key=shape_order):
         rate = float(np.sum(expected_tokens(alphas, w))) / seconds[w]
         if rate > best_rate * (1 + margin + 1e-9):
             best, best_rate = w, rate
