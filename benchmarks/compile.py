@@ -1,17 +1,27 @@
-"""Compile cost per request on the shipped pair: the first `generate` call vs later requests of the same
-bucket, and a cold vs a warm `dflash-generate` process.
+"""Compile cost per request on the shipped pair: capacity mode (the loops' default) against the bucketed shapes.
 
-  python benchmarks/compile.py [--checkpoint DIR] [--out DIR | --write-docs]
+  python benchmarks/compile.py [--checkpoint DIR] [--pairs 3] [--repeats 15] [--out DIR | --write-docs]
 
-(a) In one process, with the persistent compilation cache off (so every compile is a real one): the first
-    `generate` call (a 40-token prompt, 64 new tokens, greedy), then five requests with other prompt lengths
-    in the same prompt bucket and other budgets, temperatures, top-p / top-k, stop ids and seeds. Compile
-    seconds = tracing + lowering + XLA compile, from `jax.monitoring` (`compile_cache.CompileCounter`).
-    Goal: the five later requests together compile <= 10% of the first call's seconds.
-(b) Pairs of `dflash-generate` processes, each pair on a fresh cache directory (DFLASH_JAX_CACHE_DIR), the
-    same command twice; wall time of each process, and the phases of a warm process. Goal: the second
-    process's wall time <= 50% of the first's (median over the pairs).
-Writes compile.json and compile.md to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
+Capacity mode (`Buckets(capacity=N)`, `spec.loop.LOOP_BUCKETS`): cache rows, output buffer and prompt buffer are
+fixed by the capacity (2048 here, capped at the target's positions) and the prefill runs in chunks inside one
+program, so every prompt and budget that fit run the same two compiled programs (prefill, loop). The bucketed
+shapes (`Buckets(pad_batch=True)`) compile a prefill and a loop per prompt / budget bucket.
+
+(a) One process, persistent compilation cache off (every compile is a real one): a first `generate` call, then
+    requests with prompts of 9 to 1000 tokens and budgets of 17 to 300 (greedy and sampled), in capacity mode and,
+    for comparison, in the bucketed shapes. Programs compiled and compile seconds from `jax.monitoring`
+    (`compile_cache.CompileCounter`). Goal: 0 programs compiled after the first call in capacity mode.
+(b) Pairs of `dflash-generate` processes on a fresh cache directory (DFLASH_JAX_CACHE_DIR, a temp dir): the
+    first with one prompt and budget, the second with another prompt length and budget. Goal: the second's wall
+    time <= 0.4x the first's (median over the pairs); one `--bucketed` pair for comparison.
+(c) Per-round time at ~64 live rows (a 56-token held-out prompt, 17 new tokens: 56 to 73 live rows), greedy,
+    batch 1: the compiled loop of the bucketed shapes (192 cache rows, dense attention) against capacity 2048
+    and 4096 (chunked attention up to the live length), interleaved, median of --repeats runs each; the ratio of
+    the medians and the median of the paired ratios.
+(d) Prefill time of a 9, a 200 and a 1000-token prompt (capacity: chunks of 128 in one program; bucketed: one
+    forward over the prompt bucket), interleaved, medians.
+Writes compile.json, compile.md and compile.png to --out (default bench_out/) or, with --write-docs,
+docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -28,193 +38,296 @@ import sys
 import tempfile
 import time
 
-from _output import add_output_args, output_dir
+from _output import add_output_args, output_dir, save_figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (prompt tokens, max_new_tokens, temperature, top_k): the first call, then the later requests
+FIRST = (40, 64, 0.0, 0)
+LATER = [(9, 17, 0.0, 0), (130, 300, 0.0, 0), (300, 150, 0.8, 0), (600, 64, 0.0, 0), (1000, 17, 0.0, 0),
+         (250, 200, 1.0, 50), (1000, 300, 0.0, 0)]
 
 
 def log(msg: str) -> None:
     print(f"[compile bench] {msg}", file=sys.stderr, flush=True)
 
 
-def in_process(checkpoint: str | None) -> dict:
-    import numpy as np
+def _prompts(pair, lengths) -> dict[int, list[int]]:
+    from dflash_jax.train.data import file_windows
 
-    import dflash_jax
-    from dflash_jax import compile_cache
-    from dflash_jax.cli.generate import SHIPPED_PAIR
+    return {n: [int(t) for t in file_windows(pair, "held_out", 1, n, seed=n)[0]] for n in sorted(set(lengths))}
+
+
+def in_process(pair, prompts) -> dict:
     from dflash_jax.compile_cache import CompileCounter
-    from dflash_jax.spec import SamplingParams, generate
+    from dflash_jax.spec import Buckets, SamplingParams, generate
 
-    compile_cache.disable()  # measure real compiles
-    pair = dflash_jax.load(checkpoint or SHIPPED_PAIR)
-    vocab = pair.target_cfg.vocab_size
-    rng = np.random.default_rng(0)
-
-    def prompt(n):
-        return rng.integers(0, vocab - 2, n).tolist()
-
-    requests = [
-        dict(label="first call", prompt_len=40, max_new_tokens=64, sampling=SamplingParams(), seed=0, stop_ids=()),
-        dict(label="shorter prompt, budget 20", prompt_len=34, max_new_tokens=20, sampling=SamplingParams(), seed=0,
-             stop_ids=()),
-        dict(label="T=0.7", prompt_len=45, max_new_tokens=64, sampling=SamplingParams(temperature=0.7), seed=1,
-             stop_ids=()),
-        dict(label="T=1.0, top-k 50, budget 33", prompt_len=37, max_new_tokens=33,
-             sampling=SamplingParams(temperature=1.0, top_k=50), seed=2, stop_ids=()),
-        dict(label="T=0.3, top-p 0.9, stop ids", prompt_len=48, max_new_tokens=50,
-             sampling=SamplingParams(temperature=0.3, top_p=0.9), seed=3, stop_ids=(vocab - 2, 10)),
-        dict(label="T=1e-45, budget 8", prompt_len=42, max_new_tokens=8, sampling=SamplingParams(temperature=1e-45),
-             seed=4, stop_ids=()),
-    ]
-    rows = []
-    for i, r in enumerate(requests):
-        log(f"request {i + 1}/{len(requests)}: {r['label']} (prompt {r['prompt_len']}, budget {r['max_new_tokens']})")
-        with CompileCounter() as c:
-            t0 = time.perf_counter()
-            result = generate(pair, [prompt(r["prompt_len"])], max_new_tokens=r["max_new_tokens"],
-                              sampling=r["sampling"], seed=r["seed"], stop_ids=r["stop_ids"])
-            wall = time.perf_counter() - t0
-        s = r["sampling"]
-        rows.append({
-            "label": r["label"], "prompt_len": r["prompt_len"], "max_new_tokens": r["max_new_tokens"],
-            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "wall_s": wall, "compile_s": c.seconds, "trace_s": c.trace_s, "lower_s": c.lower_s,
-            "xla_compile_s": c.backend_s, "programs_compiled": c.compiles,
-            "generated": len(result.tokens[0]), "shapes": result.stats["shapes"],
-        })
-        log(f"  {c.compiles} programs, {c.seconds:.2f} s compiling, {wall:.2f} s wall")
-    first = rows[0]["compile_s"]
-    later = sum(r["compile_s"] for r in rows[1:])
-    return {"requests": rows, "first_compile_s": first, "later_compile_s": later,
-            "later_over_first": later / first if first else None,
-            "goal_met": later <= 0.10 * first}
+    modes = {"capacity": None, "bucketed": Buckets(pad_batch=True)}  # None: the loops' default (capacity 2048)
+    out = {}
+    for mode, buckets in modes.items():
+        rows = []
+        for i, (n, budget, t, k) in enumerate([FIRST] + LATER):
+            log(f"(a) {mode}: request {i + 1}/{len(LATER) + 1}: prompt {n}, budget {budget}, T {t:g}, top-k {k}")
+            with CompileCounter() as c:
+                t0 = time.perf_counter()
+                r = generate(pair, [prompts[n]], max_new_tokens=budget, stop_ids=(), seed=i, buckets=buckets,
+                             sampling=SamplingParams(temperature=t, top_k=k))
+                wall = time.perf_counter() - t0
+            rows.append({"prompt_len": n, "max_new_tokens": budget, "temperature": t, "top_k": k,
+                         "programs_compiled": c.compiles, "traces": c.traces, "compile_s": c.seconds, "wall_s": wall,
+                         "generated": len(r.tokens[0]), "tau": r.stats["mean_acceptance"],
+                         "shapes": r.stats["shapes"], "tokens": r.tokens[0]})
+            log(f"  {c.compiles} programs, {c.seconds:.2f} s compiling, {wall:.2f} s wall, tau "
+                f"{r.stats['mean_acceptance']:.2f}")
+        out[mode] = {"requests": rows, "later_programs": sum(r["programs_compiled"] for r in rows[1:]),
+                     "later_compile_s": sum(r["compile_s"] for r in rows[1:]), "first_compile_s": rows[0]["compile_s"]}
+    greedy = [i for i, (_, _, t, _) in enumerate([FIRST] + LATER) if t == 0]
+    sampled = [i for i in range(len(LATER) + 1) if i not in greedy]
+    cap, buck = out["capacity"]["requests"], out["bucketed"]["requests"]
+    out["greedy_identical"] = all(cap[i]["tokens"] == buck[i]["tokens"] for i in greedy)
+    out["sampled_identical"] = all(cap[i]["tokens"] == buck[i]["tokens"] for i in sampled)
+    for rows in (cap, buck):
+        for r in rows:
+            r.pop("tokens")
+    out["goal_met"] = out["capacity"]["later_programs"] == 0
+    return out
 
 
-_PHASES = """
-import json, sys, time
-t0 = time.perf_counter()
-import jax
-t1 = time.perf_counter()
-import dflash_jax
-from dflash_jax import compile_cache
-from dflash_jax.cli.generate import SHIPPED_PAIR, load_tokenizer
-from dflash_jax.compile_cache import CompileCounter
-from dflash_jax.spec import generate
-t2 = time.perf_counter()
-compile_cache.ensure_enabled()
-pair = dflash_jax.load(sys.argv[1] or SHIPPED_PAIR)
-prompt = load_tokenizer(pair).encode("def fib(n):", add_special_tokens=False).ids
-t3 = time.perf_counter()
-with CompileCounter() as c:
-    r = generate(pair, [prompt], max_new_tokens=64, stop_ids=list(pair.target_cfg.eos_token_ids), warmup=True)
-t4 = time.perf_counter()
-print(json.dumps({"import_jax_s": t1 - t0, "import_dflash_jax_s": t2 - t1, "load_pair_s": t3 - t2,
-                  "trace_s": c.trace_s, "lower_s": c.lower_s, "xla_compile_or_cache_load_s": c.backend_s,
-                  "programs": c.compiles, "cache_hits": c.cache_hits, "generate_call_s": t4 - t3,
-                  "generation_s": r.stats["seconds"]}))
-"""
-
-
-def cli_pair(checkpoint: str | None, index: int) -> dict:
-    """Two `dflash-generate` processes on one fresh cache directory, then the phases of a third (warm)."""
+def cli_pair(checkpoint, prompts, index: int, bucketed: bool) -> dict:
+    """Two `dflash-generate` processes on one fresh cache directory: other prompt length and budget second."""
     cache = tempfile.mkdtemp(prefix="dflash_compile_bench_")
+    runs = [(40, 64), (150, 100)]
     try:
         env = dict(os.environ, DFLASH_JAX_CACHE_DIR=cache)
-        cmd = [sys.executable, "-m", "dflash_jax.cli.generate", "--prompt", "def fib(n):", "--max-new-tokens", "64",
-               "--json"]
-        if checkpoint:
-            cmd += ["--checkpoint", checkpoint]
         rows = []
-        for i, kind in enumerate(("cold", "warm")):
-            log(f"pair {index + 1}: dflash-generate {kind} (cache dir {'empty' if i == 0 else 'filled by the first'})")
+        for i, (n, budget) in enumerate(runs):
+            cmd = [sys.executable, "-m", "dflash_jax.cli.generate", "--prompt-ids", ",".join(map(str, prompts[n])),
+                   "--max-new-tokens", str(budget), "--json"] + (["--bucketed"] if bucketed else [])
+            if checkpoint:
+                cmd += ["--checkpoint", checkpoint]
+            log(f"(b) {'bucketed' if bucketed else 'capacity'} pair {index + 1}, process {i + 1}: prompt {n}, budget "
+                f"{budget} (cache dir {'empty' if i == 0 else 'filled by the first'})")
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
             wall = time.perf_counter() - t0
             if proc.returncode != 0:
                 raise SystemExit(f"dflash-generate failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
             out = json.loads(proc.stdout)
-            notice = [line for line in proc.stderr.splitlines() if "compiling" in line]
-            rows.append({"wall_s": wall, "tokens": out["tokens"], "generation_s": out["stats"]["seconds"],
-                         "compiling_notice": notice[0] if notice else None})
-            log(f"  {wall:.2f} s wall, {out['stats']['seconds']:.3f} s generating, 'compiling' line: {bool(notice)}")
-        phases = subprocess.run([sys.executable, "-c", _PHASES, checkpoint or ""], env=env, capture_output=True,
-                                text=True, cwd=ROOT, check=True)
+            notice = any("compiling" in line for line in proc.stderr.splitlines())
+            rows.append({"prompt_len": n, "max_new_tokens": budget, "wall_s": wall,
+                         "generation_s": out["stats"]["seconds"], "compiling_notice": notice,
+                         "shapes": out["stats"]["shapes"]})
+            log(f"  {wall:.2f} s wall, {out['stats']['seconds']:.3f} s generating, 'compiling' line: {notice}")
         entries = sum(len(files) for _, _, files in os.walk(cache))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    return {"cold": rows[0], "warm": rows[1], "ratio": rows[1]["wall_s"] / rows[0]["wall_s"],
-            "same_tokens": rows[0]["tokens"] == rows[1]["tokens"], "cache_files": entries,
-            "warm_phases": json.loads(phases.stdout.strip().splitlines()[-1]),
-            "command": shlex.join(["dflash-generate"] + cmd[3:])}
+    return {"first": rows[0], "second": rows[1], "ratio": rows[1]["wall_s"] / rows[0]["wall_s"], "cache_files": entries}
 
 
-def cli_runs(checkpoint: str | None, pairs: int) -> dict:
-    runs = [cli_pair(checkpoint, i) for i in range(pairs)]
+def cli_runs(checkpoint, prompts, pairs: int) -> dict:
+    runs = [cli_pair(checkpoint, prompts, i, bucketed=False) for i in range(pairs)]
+    bucketed = cli_pair(checkpoint, prompts, 0, bucketed=True)
     median = statistics.median(r["ratio"] for r in runs)
-    for r in runs:
-        r["tokens"] = len(r["cold"].pop("tokens"))
-        r["warm"].pop("tokens")
-    return {"command": runs[0]["command"], "pairs": runs, "median_ratio": median, "goal_met": median <= 0.5}
+    return {"command": "dflash-generate --prompt-ids <40 ids> --max-new-tokens 64 --json, then "
+                       "--prompt-ids <150 ids> --max-new-tokens 100", "pairs": runs, "median_ratio": median,
+            "bucketed": bucketed, "goal_met": median <= 0.4}
+
+
+def per_round(pair, prompt, repeats: int) -> dict:
+    import jax
+    import numpy as np
+
+    from dflash_jax.spec import Buckets
+    from dflash_jax.spec.loop import run_loop
+    from dflash_jax.spec.session import begin_prepared, prepare
+
+    budget = 17
+    modes = {"bucketed": Buckets(pad_batch=True), "capacity 2048": Buckets(capacity=2048, pad_batch=True),
+             "capacity 4096": Buckets(capacity=4096, pad_batch=True)}
+    preps = {m: prepare(pair, [prompt], max_new_tokens=budget, stop_ids=(), buckets=b) for m, b in modes.items()}
+
+    def once(prep):
+        state = begin_prepared(pair, prep)
+        jax.block_until_ready(state.anchor)
+        t0 = time.perf_counter()
+        state = run_loop(pair.target, pair.draft, state, prep.spec)
+        jax.block_until_ready(state.output)
+        seconds = time.perf_counter() - t0
+        return seconds, int(state.rounds[0]), np.asarray(state.output[0, : int(state.num_generated[0])]).tolist()
+
+    first = {m: once(p) for m, p in preps.items()}  # compiles
+    same = len({tuple(f[2]) for f in first.values()}) == 1
+    ms = {m: [] for m in modes}
+    for r in range(repeats):
+        log(f"(c) per-round timing, repeat {r + 1}/{repeats}")
+        for m, p in preps.items():
+            seconds, rounds, _ = once(p)
+            ms[m].append(1000 * seconds / rounds)
+    base = ms["bucketed"]
+    out = {"prompt_len": len(prompt), "max_new_tokens": budget, "live_rows": [len(prompt), len(prompt) + budget],
+           "repeats": repeats, "rounds": first["bucketed"][1], "same_tokens": same, "modes": {}}
+    for m in modes:
+        out["modes"][m] = {"cache_rows": preps[m].spec.max_len, "ms_per_round_median": statistics.median(ms[m]),
+                           "ms_per_round": ms[m], "ratio_of_medians": statistics.median(ms[m]) / statistics.median(base),
+                           "median_paired_ratio": statistics.median(a / b for a, b in zip(ms[m], base))}
+    return out
+
+
+def prefill_times(pair, prompts, lengths, repeats: int) -> dict:
+    import jax
+
+    from dflash_jax.spec import Buckets
+    from dflash_jax.spec.session import begin_prepared, prepare
+
+    modes = {"bucketed": Buckets(pad_batch=True), "capacity 2048": Buckets(capacity=2048, pad_batch=True)}
+    preps = {(m, n): prepare(pair, [prompts[n]], max_new_tokens=64, stop_ids=(), buckets=b)
+             for m, b in modes.items() for n in lengths}
+
+    def once(prep):
+        t0 = time.perf_counter()
+        jax.block_until_ready(begin_prepared(pair, prep).anchor)
+        return time.perf_counter() - t0
+
+    for p in preps.values():
+        once(p)  # compiles
+    ms = {key: [] for key in preps}
+    for r in range(repeats):
+        log(f"(d) prefill timing, repeat {r + 1}/{repeats}")
+        for key, p in preps.items():
+            ms[key].append(1000 * once(p))
+    return {"rows": [{"prompt_len": n, **{f"{m} ms": statistics.median(ms[(m, n)]) for m in modes},
+                      "prompt_bucket": int(preps[("bucketed", n)].tokens.shape[1])} for n in lengths],
+            "chunk": int(preps[("capacity 2048", lengths[0])].chunk), "repeats": repeats}
+
+
+def plot(path: str, data: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, style in (("bucketed", "o-"), ("capacity", "s-")):
+        rows = data["in_process"][mode]["requests"]
+        total, ys = 0.0, []
+        for r in rows:
+            total += r["compile_s"]
+            ys.append(total)
+        ax1.plot(range(1, len(rows) + 1), ys, style, label=mode)
+    ax1.set_xlabel("request (1 = first call)")
+    ax1.set_ylabel("cumulative compile s")
+    ax1.set_title("(a) compile seconds over requests of other prompt lengths / budgets", fontsize=9)
+    ax1.legend()
+    modes = data["per_round"]["modes"]
+    ax2.boxplot([m["ms_per_round"] for m in modes.values()])
+    ax2.set_xticks(range(1, len(modes) + 1), [f"{k}\n({m['cache_rows']} rows)" for k, m in modes.items()])
+    ax2.set_ylabel("ms per round")
+    ax2.set_title(f"(c) per-round time at {data['per_round']['live_rows'][0]}-{data['per_round']['live_rows'][1]} "
+                  "live rows", fontsize=9)
+    save_figure(fig, path)
 
 
 def write(out_dir: str, data: dict) -> None:
     with open(os.path.join(out_dir, "compile.json"), "w") as f:
         json.dump(data, f, indent=2)
-    a, b = data["in_process"], data["cli"]
+    a, b, c, d = data["in_process"], data["cli"], data["per_round"], data["prefill"]
+    cap, buck = a["capacity"], a["bucketed"]
     lines = [
-        "# Compile cost per request (shipped pair)",
+        "# Compile cost per request: capacity mode vs bucketed shapes (shipped pair)",
         "",
         f"Machine: {data['machine']}; load average {data['load_average']:.1f} when it started (a shared machine: "
-        "absolute seconds are inflated, the ratios are what the goals are about). Generated by "
+        "absolute seconds are inflated; counts and ratios are what the goals are about). Generated by "
         "`python benchmarks/compile.py --write-docs`.",
         "",
-        "Shapes follow buckets, not requests: prompt length, output buffer, cache length and batch are rounded",
-        "up to a few sizes (`dflash_jax.spec.Buckets`), and budgets, temperature, top-p / top-k, stop ids and",
-        "seeds are traced per sequence, so one compiled program serves every request of a bucket.",
+        "Capacity mode (`Buckets(capacity=N)`, the default of `generate`, `generate_stepping`, the tree loops and",
+        "`dflash-generate`; N = min(2048, the target's positions)): cache rows, output buffer and prompt buffer are",
+        "fixed by N, and the prefill runs in chunks of 128 tokens inside one program with the chunk count traced",
+        "(`spec.prefill.capacity_begin`). Any prompt + budget + block size <= N runs the same compiled prefill and",
+        "loop; a longer request is refused with one message naming the capacity and how to raise it (`--capacity`,",
+        "`Buckets(capacity=...)`). The bucketed shapes stay behind `buckets=Buckets(...)` / `dflash-generate "
+        "--bucketed`.",
         "",
-        "## (a) First `generate` call vs later requests of the same bucket (one process, persistent cache off)",
+        "## (a) Requests of other prompt lengths and budgets in one process (persistent cache off)",
         "",
-        "| request | prompt | budget | T | top-p | top-k | programs compiled | compile s | wall s | shapes (batch/prompt/output/cache) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| request | prompt | budget | T | top-k | capacity: programs | compile s | wall s | bucketed: programs | "
+        "compile s | wall s | bucketed shapes (prompt/output/cache) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in a["requests"]:
-        sh = r["shapes"]
-        lines.append(f"| {r['label']} | {r['prompt_len']} | {r['max_new_tokens']} | {r['temperature']:g} | "
-                     f"{r['top_p']:g} | {r['top_k']} | {r['programs_compiled']} | {r['compile_s']:.2f} | "
-                     f"{r['wall_s']:.2f} | {sh['batch']}/{sh['prompt']}/{sh['output']}/{sh['cache']} |")
+    for i, (rc, rb) in enumerate(zip(cap["requests"], buck["requests"])):
+        sh = rb["shapes"]
+        lines.append(f"| {'first call' if i == 0 else i + 1} | {rc['prompt_len']} | {rc['max_new_tokens']} | "
+                     f"{rc['temperature']:g} | {rc['top_k']} | {rc['programs_compiled']} | {rc['compile_s']:.2f} | "
+                     f"{rc['wall_s']:.2f} | {rb['programs_compiled']} | {rb['compile_s']:.2f} | {rb['wall_s']:.2f} | "
+                     f"{sh['prompt']}/{sh['output']}/{sh['cache']} |")
+    shc = cap["requests"][0]["shapes"]
     lines += [
         "",
-        f"Five later requests compiled **{a['later_compile_s']:.2f} s** in all vs **{a['first_compile_s']:.2f} s** for "
-        f"the first call: {100 * a['later_over_first']:.1f}% (goal <= 10%: {'met' if a['goal_met'] else 'NOT met'}).",
-        "Before this change (issue 13) every request compiled the whole loop again: ~16 s for the first call and",
-        "~91 s for five further requests with other prompt lengths / budgets.",
+        f"Capacity mode (shapes prompt/output/cache {shc['prompt']}/{shc['output']}/{shc['cache']} in the stats; the "
+        f"compiled prompt buffer is {shc['cache']} columns): after the first call, {len(LATER)} requests with prompts "
+        f"of 9 to 1000 tokens and budgets of 17 to 300 compiled **{cap['later_programs']} programs** "
+        f"({cap['later_compile_s']:.2f} s) vs {cap['first_compile_s']:.2f} s for the first call (goal 0: "
+        f"{'met' if a['goal_met'] else 'NOT met'}). The bucketed shapes compiled {buck['later_programs']} programs "
+        f"({buck['later_compile_s']:.2f} s) for the same requests. Greedy tokens identical in both modes: "
+        f"{a['greedy_identical']}; sampled tokens (same seeds) identical: {a['sampled_identical']}.",
         "",
-        "## (b) `dflash-generate` cold vs warm (pairs of processes, each pair on a fresh cache directory)",
+        "## (b) A second `dflash-generate` process with another prompt and budget (one fresh cache dir per pair)",
         "",
-        f"Command: `{b['command']}`",
+        f"`{b['command']}`",
         "",
-        "| pair | cold wall s | warm wall s | warm / cold | generation s (cold, warm) | 'compiling' line (cold, warm) | same tokens |",
+        "| pair | mode | first wall s | second wall s | second / first | 'compiling' line (first, second) | "
+        "generation s (first, second) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for i, r in enumerate(b["pairs"]):
-        c, w = r["cold"], r["warm"]
-        lines.append(f"| {i + 1} | {c['wall_s']:.2f} | {w['wall_s']:.2f} | {100 * r['ratio']:.0f}% | "
-                     f"{c['generation_s']:.3f}, {w['generation_s']:.3f} | "
-                     f"{'yes' if c['compiling_notice'] else 'no'}, {'yes' if w['compiling_notice'] else 'no'} | "
-                     f"{r['same_tokens']} |")
-    ph = b["pairs"][0]["warm_phases"]
+    for i, r in enumerate(b["pairs"] + [b["bucketed"]]):
+        f1, f2 = r["first"], r["second"]
+        mode = "bucketed" if i == len(b["pairs"]) else "capacity"
+        lines.append(f"| {i + 1 if mode == 'capacity' else '-'} | {mode} | {f1['wall_s']:.2f} | {f2['wall_s']:.2f} | "
+                     f"{r['ratio']:.2f} | {'yes' if f1['compiling_notice'] else 'no'}, "
+                     f"{'yes' if f2['compiling_notice'] else 'no'} | {f1['generation_s']:.3f}, "
+                     f"{f2['generation_s']:.3f} |")
     lines += [
         "",
-        f"Median warm / cold wall time: **{100 * b['median_ratio']:.0f}%** (goal <= 50%: "
-        f"{'met' if b['goal_met'] else 'NOT met'}).",
+        f"Median second / first wall time in capacity mode: **{b['median_ratio']:.2f}x** (goal <= 0.4x: "
+        f"{'met' if b['goal_met'] else 'NOT met'}); the bucketed pair: {b['bucketed']['ratio']:.2f}x (the second "
+        "process's prompt and budget fall in other buckets: it compiles again). What a warm process still spends is "
+        "importing jax, loading the pair, tracing and lowering; the persistent cache removes XLA's compile.",
         "",
-        "Where a warm process spends its time (pair 1, the same work as the CLI in an instrumented process): "
-        f"import jax {ph['import_jax_s']:.2f} s, import dflash_jax {ph['import_dflash_jax_s']:.2f} s, load the pair "
-        f"{ph['load_pair_s']:.2f} s, then the generate call {ph['generate_call_s']:.2f} s = tracing "
-        f"{ph['trace_s']:.2f} s + lowering {ph['lower_s']:.2f} s + loading {ph['programs']} programs from the cache "
-        f"({ph['cache_hits']} hits) {ph['xla_compile_or_cache_load_s']:.2f} s + prefill and generation. The cache "
-        "removes XLA's compile; tracing and lowering still run in every process.",
+        f"## (c) Per-round time at {c['live_rows'][0]} to {c['live_rows'][1]} live rows",
+        "",
+        f"A {c['prompt_len']}-token held-out prompt, {c['max_new_tokens']} new tokens, greedy, batch 1, block size 16: "
+        f"{c['rounds']} rounds per run; the compiled loop alone (`spec.loop.run_loop`), {c['repeats']} runs of each "
+        f"mode interleaved. Same tokens in every mode: {c['same_tokens']}.",
+        "",
+        "| mode | cache rows | median ms / round | ratio of medians | median paired ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for m, r in c["modes"].items():
+        lines.append(f"| {m} | {r['cache_rows']} | {r['ms_per_round_median']:.2f} | {r['ratio_of_medians']:.3f} | "
+                     f"{r['median_paired_ratio']:.3f} |")
+    c2 = c["modes"]["capacity 2048"]
+    lines += [
+        "",
+        f"Capacity 2048 vs the bucketed program: **{c2['median_paired_ratio']:.3f}x** per round (median of paired "
+        "ratios). Attention reads the cache only up to the live length (`nn.attention.kv_cache_attention`, chunks of "
+        "256 rows), so a round does not pay for the capacity's empty rows.",
+        "",
+        "## (d) Prefill time",
+        "",
+        f"Capacity mode runs ceil(prompt / {d['chunk']}) chunks of {d['chunk']} tokens; the bucketed prefill is one "
+        f"forward over the prompt bucket. Median of {d['repeats']} interleaved runs (prefill and first token).",
+        "",
+        "| prompt | bucketed ms (prompt bucket) | capacity 2048 ms |",
+        "|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(f"| {r['prompt_len']} | {r['bucketed ms']:.1f} ({r['prompt_bucket']}) | "
+                     f"{r['capacity 2048 ms']:.1f} |")
+    lines += [
+        "",
+        "A prompt shorter than a chunk pays for a whole chunk (the price of one program for every length); long",
+        "prompts run in chunks whose attention reads only the rows already written.",
+        "",
+        "![compile seconds and per-round time](compile.png)",
         "",
     ]
     with open(os.path.join(out_dir, "compile.md"), "w") as f:
@@ -224,24 +337,39 @@ def write(out_dir: str, data: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None, help="default: the shipped pair")
-    p.add_argument("--pairs", type=int, default=3, help="cold/warm dflash-generate pairs (median reported)")
+    p.add_argument("--pairs", type=int, default=3, help="dflash-generate process pairs in capacity mode (median)")
+    p.add_argument("--repeats", type=int, default=15, help="interleaved runs per mode in (c), half of it in (d)")
     add_output_args(p)
     args = p.parse_args(argv)
-    if args.pairs < 1:
-        p.error("--pairs must be >= 1")
+    if args.pairs < 1 or args.repeats < 1:
+        p.error("--pairs and --repeats must be >= 1")
     out_dir = output_dir(args)
     import jax
 
+    import dflash_jax
+    from dflash_jax import compile_cache
+    from dflash_jax.cli.generate import SHIPPED_PAIR
+
+    compile_cache.disable()  # in this process: measure real compiles
     data = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, JAX {jax.__version__} "
                        f"({jax.default_backend()})", "load_average": os.getloadavg()[0]}
-    log("(a) first call vs later requests in one process")
-    data["in_process"] = in_process(args.checkpoint)
-    log("(b) dflash-generate cold vs warm")
-    data["cli"] = cli_runs(args.checkpoint, args.pairs)
+    pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR)
+    prompts = _prompts(pair, [n for n, *_ in [FIRST] + LATER] + [40, 150, 56, 200])
+    log("(a) requests of other prompt lengths and budgets in one process")
+    data["in_process"] = in_process(pair, prompts)
+    log("(b) dflash-generate: a second process with another prompt and budget")
+    data["cli"] = cli_runs(args.checkpoint, prompts, args.pairs)
+    log("(c) per-round time at ~64 live rows")
+    data["per_round"] = per_round(pair, prompts[56], args.repeats)
+    log("(d) prefill time")
+    data["prefill"] = prefill_times(pair, prompts, [9, 200, 1000], max(3, args.repeats // 2))
+    data["command"] = shlex.join(["python", "benchmarks/compile.py"] + (argv if argv is not None else sys.argv[1:]))
     write(out_dir, data)
-    a, b = data["in_process"], data["cli"]
-    log(f"later/first compile: {100 * a['later_over_first']:.1f}%; CLI warm/cold wall: "
-        f"{100 * b['median_ratio']:.0f}% (median of {len(b['pairs'])}); written to {out_dir}")
+    plot(os.path.join(out_dir, "compile.png"), data)
+    a, b, c = data["in_process"], data["cli"], data["per_round"]["modes"]["capacity 2048"]
+    log(f"capacity: {a['capacity']['later_programs']} programs after the first call (bucketed "
+        f"{a['bucketed']['later_programs']}); second/first process wall {b['median_ratio']:.2f}x; per round "
+        f"{c['median_paired_ratio']:.3f}x the bucketed program; written to {out_dir}")
     return 0
 
 

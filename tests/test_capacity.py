@@ -103,3 +103,35 @@ def test_a_request_past_the_capacity_is_refused(pair):
         prepare_tree(pair, [_prompt(200, 9)], widest=24, max_new_tokens=36, buckets=CAPACITY)
     tree = prepare_tree(pair, [_prompt(200, 9)], widest=24, max_new_tokens=32, buckets=CAPACITY)
     assert tree.spec.max_len == 256 and isinstance(tree, CapacityPrepared)
+
+
+def test_cli_capacity_flags(capsys):
+    """`--capacity N` / `--bucketed` pick the shapes; a request past the capacity ends in one line naming the
+    flag that raises it (before anything compiles)."""
+    from dflash_jax.cli.generate import build_parser, main, shape_buckets
+
+    def parsed(*flags):
+        return shape_buckets(build_parser().parse_args(["--prompt-ids", "1,2", *flags]))
+
+    assert parsed() is None  # the loops' default: LOOP_BUCKETS
+    assert parsed("--capacity", "512") == Buckets(capacity=512, pad_batch=True)
+    assert parsed("--bucketed") == BUCKETED
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--prompt-ids", "1", "--capacity", "512", "--bucketed"])
+    capsys.readouterr()
+    assert main(["--prompt-ids", "1,2,3", "--max-new-tokens", "100", "--capacity", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "more than the capacity 64" in err[0] and "--capacity 128" in err[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5"])
+def test_families_equal_the_bucketed_path(family):
+    """gpt-oss (sliding window 16 shorter than the prompt, sinks) and the Qwen3.5 hybrid (DeltaNet state carried
+    from chunk to chunk of the prefill loop): capacity-mode greedy output is the bucketed one's."""
+    cfg = {"gpt_oss": testing.tiny_gpt_oss_config, "qwen3_5": testing.tiny_qwen3_5_config}[family]()
+    fam_pair = testing.random_pair(cfg, seed=3, block_size=8, mask_token_id=cfg.vocab_size - 1)
+    prompts, budgets = [_prompt(9, 1, 100), _prompt(150, 2, 100)], [24, 17]
+    cap = generate(fam_pair, prompts, max_new_tokens=budgets, stop_ids=[], buckets=CAPACITY)
+    ref = generate(fam_pair, prompts, max_new_tokens=budgets, stop_ids=[], buckets=BUCKETED)
+    assert cap.tokens == ref.tokens and cap.acceptance_lengths == ref.acceptance_lengths
