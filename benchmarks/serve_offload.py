@@ -5,13 +5,14 @@ the experts, DFlash vs the same engine without speculation (block size 1), at co
                                      [--cache-fraction 0.5] [--block-size B] [--byte-budgets cache,none]
                                      [--repeats 2] [--slots 4] [--out DIR | --write-docs]
 
-One `serve.offload_engine.OffloadedEngine` per block size (DFlash at the draft's block size, and B=1), `--slots`
-slots, an expert cache of `--cache-fraction` of all routed experts, the prefetch driven by the scheduler's
-demand (the admitted rows' projected experts); both warmed up first (compiles excluded, and counted while
-measuring). Each engine runs under each scheduler byte budget of `--byte-budgets`: `cache` (the offloaded
-default: a round may move at most the cache's bytes, priced as the admitted rows' projected experts not
-resident in the cache) and `none` (unlimited: every live row verifies every round); `cache-all` prices the
-whole projected union against the cache's bytes (`byte_cost="all"`). At concurrency c,
+One `serve.engine.Engine(experts="offload")` (its rounds run by `serve.offload_runner.OffloadedRunner`) per
+block size (DFlash at the draft's block size, and B=1), `--slots` slots, an expert cache of `--cache-fraction`
+of all routed experts, the prefetch driven by the scheduler's demand (the admitted rows' projected experts);
+both warmed up first (compiles excluded, and counted while measuring). Each engine runs under each scheduler
+byte budget of `--byte-budgets`: `cache` (the offloaded default: a round may move at most the cache's bytes,
+priced as the admitted rows' projected experts not resident in the cache) and `none` (unlimited: every live
+row verifies every round); `cache-all` prices the whole projected union against the cache's bytes
+(`byte_cost="all"`). At concurrency c,
 `--requests` greedy requests (prompts: token windows of the pair's held-out standard-library files,
 `stop_ids=[]` so every mode produces exactly the same tokens, which is checked) are fed so that c are in
 flight at a time; the engine is driven in this process (no HTTP: `benchmarks/serve.py` measures the server).
@@ -43,7 +44,7 @@ from _output import add_output_args, output_dir
 
 def run_point(engine, prompts, max_tokens: int, concurrency: int) -> tuple[dict, list]:
     """Feeds `prompts` keeping `concurrency` in flight; returns (the point's figures, each request's tokens)."""
-    engine.reset_cache()
+    engine.runner.reset_cache()
     infos = []
     engine.observers.append(infos.append)
     todo = list(prompts)
@@ -63,7 +64,7 @@ def run_point(engine, prompts, max_tokens: int, concurrency: int) -> tuple[dict,
     tokens = sum(len(r.tokens) for r in reqs)
     verified = [i for i in infos if i.verified]
     moved = [i.offload.moved_bytes for i in verified]
-    t = engine.offload_summary()
+    t = engine.runner.offload_summary()
     commits = [n for i in infos for n in i.committed]
     return {
         "concurrency": concurrency, "block_size": engine.block_size, "requests": len(reqs), "tokens": tokens,
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     from dflash_jax import compile_cache
     from dflash_jax.offload import HostExpertStore
     from dflash_jax.serve import scheduler as sched
-    from dflash_jax.serve.offload_engine import OffloadedEngine
+    from dflash_jax.serve.engine import Engine
     from dflash_jax.train.data import file_windows
 
     compile_cache.ensure_enabled()
@@ -121,9 +122,9 @@ def main(argv=None) -> int:
     engines, warmup = {}, {}
     for b in (block, 1):
         print(f"[serve_offload] building and warming up the B={b} engine ...", file=sys.stderr, flush=True)
-        engines[b] = OffloadedEngine(pair, budget_bytes=budget, slots=args.slots, block_size=b,
-                                     max_prompt_len=args.prompt_len, max_new_tokens=args.max_tokens, store=store,
-                                     round_seconds={b: 1.0})
+        engines[b] = Engine(pair, experts="offload", budget_bytes=budget, slots=args.slots, block_size=b,
+                            max_prompt_len=args.prompt_len, max_new_tokens=args.max_tokens, store=store,
+                            round_seconds={b: 1.0})
         warmup[b] = engines[b].warmup([args.prompt_len])
     rows, ratios = [], {(c, bb): [] for c in levels for bb in budgets}
     for rep in range(args.repeats):
@@ -133,8 +134,9 @@ def main(argv=None) -> int:
                 got, toks = {}, {}
                 for b in order:
                     eng = engines[b]
-                    eng.budgets = sched.Budgets(tokens=None, expert_bytes=None if bb == "none" else eng.pool.bytes)
-                    eng.byte_cost = "all" if bb == "cache-all" else "missing"
+                    eng.budgets = sched.Budgets(tokens=None,
+                                                expert_bytes=None if bb == "none" else eng.runner.pool.bytes)
+                    eng.runner.byte_cost = "all" if bb == "cache-all" else "missing"
                     got[b], toks[b] = run_point(eng, prompts, args.max_tokens, c)
                     got[b].update(repeat=rep, byte_budget=bb)
                     rows.append(got[b])
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "serve_offload", "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
         "checkpoint": os.path.basename(os.path.normpath(pair.directory)) if getattr(pair, "directory", None) else None,
-        "args": vars(args), "cache_bytes": engines[block].pool.bytes, "experts_bytes": store.total_bytes,
+        "args": vars(args), "cache_bytes": engines[block].runner.pool.bytes, "experts_bytes": store.total_bytes,
         "warmup_s": {str(b): s for b, s in warmup.items()}, "seconds": total,
         "speedup_vs_b1": {f"c={c},bytes={bb}": {"median": float(np.median(v)), "runs": v}
                           for (c, bb), v in ratios.items()},
@@ -170,10 +172,11 @@ def main(argv=None) -> int:
         "# Offloaded serving: DFlash vs block size 1, experts in host memory",
         "",
         f"`python benchmarks/serve_offload.py` ({result['machine']}, {total:.0f} s). The shipped pair, "
-        f"`OffloadedEngine` with {args.slots} slots, an expert cache of {result['cache_bytes'] / 1e6:.3f} MB of "
-        f"{store.total_bytes / 1e6:.3f} MB routed experts (--cache-fraction {args.cache_fraction}), the prefetch "
-        "driven by the scheduler's demand; scheduler byte budget `cache` (the offloaded default: a round moves at "
-        "most the cache's bytes, priced as the admitted rows' projected experts not in the cache) or `none` "
+        f"`Engine(experts='offload')` with {args.slots} slots, an expert cache of "
+        f"{result['cache_bytes'] / 1e6:.3f} MB of {store.total_bytes / 1e6:.3f} MB routed experts "
+        f"(--cache-fraction {args.cache_fraction}), the prefetch driven by the scheduler's demand; scheduler byte "
+        "budget `cache` (the offloaded default: a round moves at most the cache's bytes, priced as the admitted "
+        "rows' projected experts not in the cache) or `none` "
         f"(unlimited: every live row verifies); {args.requests} greedy requests per point "
         f"({args.prompt_len}-token prompts from held-out stdlib files, {args.max_tokens} tokens each, c in flight), "
         f"engine driven in-process (no HTTP), cache emptied before every point. Medians over {args.repeats} runs, "

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("spec",),  # the speculative round (begin / draft_round / verify_round) and its jitted loop
     ("decode", "offload", "serve", "pflash"),  # loops on top of the rounds: plain decoding, expert offload, serving,
     # prefill compression
-    ("cli", ""),  # entry points: the command line and the package facade (`dflash_jax.load`, ...)
+    ("api", "cli", ""),  # entry points: `dflash_jax.generate`, the command line, the package facade (`load`, ...)
     ("train", "study"),  # research: training, route-predictor fitting, offline studies, cost model
 )
 RESEARCH = ("train", "study")
@@ -406,3 +406,18 @@ def test_the_resident_engine_does_not_import_offload():
     imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in imported if m.startswith("dflash_jax.offload")}, imported
+
+
+def test_the_host_engine_runs_no_device_program():
+    """`serve/engine.py` is the host side of serving (requests, queue, slots, emission); every jitted program and
+    the state it runs on belong to a `serve.runner.RoundRunner`: no `jax.jit`, no `jax.numpy` there."""
+    import pathlib
+
+    import dflash_jax
+
+    path = pathlib.Path(dflash_jax.__file__).parent / "serve" / "engine.py"
+    source = path.read_text()
+    tree = ast.parse(source)
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "jax.jit" not in source and not {"jax", "jax.numpy"} & imported, imported

@@ -284,7 +284,6 @@ def build_app(args):
         if offload:
             from dflash_jax.cli.generate import pin_experts_arg
             from dflash_jax.offload import PoolTooSmall
-            from dflash_jax.serve.offload_engine import OffloadedEngine
 
             hybrid = None
             if args.placement == "hybrid":
@@ -293,9 +292,9 @@ def build_app(args):
 
                 hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
             try:
-                engine = OffloadedEngine(pair, budget_bytes=int(args.expert_budget_mb * 1e6), predictor=args.predictor,
-                                         pin=pin_experts_arg(args.pin_experts), hybrid=hybrid,
-                                         expert_byte_budget="cache" if byte_budget is None else byte_budget, **common)
+                engine = Engine(pair, experts="offload", budget_bytes=int(args.expert_budget_mb * 1e6),
+                                predictor=args.predictor, pin=pin_experts_arg(args.pin_experts), hybrid=hybrid,
+                                expert_byte_budget="cache" if byte_budget is None else byte_budget, **common)
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
         else:
@@ -315,7 +314,7 @@ def build_app(args):
                      max_body_bytes=int(getattr(args, "max_request_mb", 8.0) * 1e6))
     attach_cost_metrics(engine)  # /metrics: the cost table as learned, the exploration's rounds and seconds
     if offload:  # /metrics: bytes moved per round, hits / misses, predicted vs used experts
-        from dflash_jax.serve.offload_engine import attach_server_metrics
+        from dflash_jax.serve.offload_runner import attach_server_metrics
 
         attach_server_metrics(engine)
     return app, engine

@@ -1,19 +1,26 @@
 """Continuous batching on the round API: a fixed number of slots, requests joining and leaving between rounds.
 
-The engine keeps ONE batched `SpecState` of `slots` rows (a compiled shape) for its whole life. Waiting
-requests join in groups: one prefill of up to 4 of them together (`spec.session.begin_arrays` at a group size of
-1 or 4, prompts right-padded to the group's largest prompt bucket), whose rows are then written into free
-slots of the batched state (`_insert_rows`: one jitted scatter, the slot indices traced). A free slot is a
-row that is done. Nothing a request varies (prompt length inside a bucket, budget, sampling settings, stop
-ids, seed, slot) is a compiled shape, so after `warmup()` no request compiles anything (tested with
+The engine is the host side of serving: requests, the queue, the slots, the chunked-prefill state machine, the
+width choice, the scheduler call, emission, the background thread, metrics and stats. Every device program, and
+the batched state they run on, belongs to its `serve.runner.RoundRunner`: `ResidentRunner` (the target's experts
+on the device, `experts="device"`, the default) or `serve.offload_runner.OffloadedRunner` (the experts in host
+memory behind one device cache, `experts="offload"`). The engine reads the runner's capability flags
+(`chunked_prefill`, `deferred_context`, `overlapped_verify`) rather than asking what it is, and this module runs
+no jitted program itself.
+
+The runner keeps ONE batched state of `slots` rows (a compiled shape) for the engine's whole life. Waiting
+requests join in groups: one prefill of up to 4 of them together (a group size of 1 or 4, prompts right-padded
+to the group's largest prompt bucket), whose rows are then written into free slots (`RoundRunner.insert`). A free
+slot is a row that is done. Nothing a request varies (prompt length inside a bucket, budget, sampling settings,
+stop ids, seed, slot) is a compiled shape, so after `warmup()` no request compiles anything (tested with
 `compile_cache.CompileCounter`). A prompt longer than `prefill_chunk` joins by chunks instead (`spec.prefill`),
 one chunk per round while the live rows keep decoding, its one-row state held outside the batch and a slot
 reserved for it, then inserted like a grouped prefill's row.
 
 Live requests are kept in the lowest slots: when a slot below the highest live one frees, that row moves down
-into it (`_move_row`, every leaf of the row). Each round computes only the smallest compiled row bucket
-(`row_buckets`: 1, 2, 4, .., slots) holding the live rows: `_draft` and `_verify` slice the first `rows` rows
-and write them back in place (the state is donated), so one client on a 32-slot engine costs a one-row round.
+into it (`RoundRunner.move_row`, every leaf of the row). Each round computes only the smallest compiled row
+bucket (`row_buckets`: 1, 2, 4, .., slots) holding the live rows, so one client on a 32-slot engine costs a
+one-row round.
 
 One round (`step`):
   1. admit queued requests into free slots (grouped prefill + insert; their first token is emitted at once; a
@@ -22,19 +29,20 @@ One round (`step`):
      second, from each live row's acceptance so far and the round time of each width at the round's row
      bucket, measured at warm-up and learned from the rounds served, plus the host's per-round work; a wider
      width must win by `width_margin`; now and then a stale neighbouring width runs to re-measure it);
-  3. draft every live slot at that width (`_draft`: the draft forward, plus each row's projected expert set:
-     every MoE layer's router on the draft's hidden states of the block, the route-ahead "draft router"
-     projection); width 1 drafts nothing, and leaves the draft's context append to the next drafting round;
+  3. draft every live slot at that width (`RoundRunner.draft`: the draft forward, plus each row's projected
+     expert set: every MoE layer's router on the draft's hidden states of the block, the route-ahead "draft
+     router" projection); width 1 drafts nothing, and leaves the draft's context append to the next drafting
+     round;
   4. the scheduler (`scheduler.schedule`, pure) picks the slots that verify under the round's budgets of
-     verify tokens and expert bytes (with both budgets unlimited every live slot verifies: the verify is
-     started first and the scheduler runs, for its deficits and stats, while it computes);
-  5. verify (`_verify`): the target forward over all slots at that width, acceptance, commit, and then every
-     row the scheduler left out (or that is free) is put back as it was before the round: every state leaf
-     is selected from the old state, except the KV buffers, of which only the lengths are (a verify writes
-     only at or past a row's length, slots that are never read). So a row that sits out a round is the row
-     it was, and a row that verifies computes what it computes alone: each request's output is its output
-     run alone (greedy: the same tokens at any mix of widths; sampled: at a given width the same draws from
-     its own per-request key as `spec.generate` at that block size, so the target's distribution);
+     verify tokens and expert bytes (with both budgets unlimited every live slot verifies: on a runner with
+     `overlapped_verify` the verify is started first and the scheduler runs, for its deficits and stats, while
+     it computes);
+  5. verify (`RoundRunner.verify`): the target forward over the round's rows at that width, acceptance, commit,
+     and every row the scheduler left out (or that is free) put back as it was before the round. So a row that
+     sits out a round is the row it was, and a row that verifies computes what it computes alone: each
+     request's output is its output run alone (greedy: the same tokens at any mix of widths; sampled: at a
+     given width the same draws from its own per-request key as `spec.generate` at that block size, so the
+     target's distribution);
   6. one host fetch (counts, done flags, output buffer); new tokens go to each request's callback; finished or
      cancelled requests free their slots, and the live rows are compacted.
 
@@ -46,30 +54,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import threading
 import time
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import compile_cache
-from dflash_jax.cache import KVCache
-from dflash_jax.models.family import family_of
-from dflash_jax.nn.moe import router_topk
 from dflash_jax.serve import scheduler as sched
+from dflash_jax.serve.runner import Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, choose_width, decide_width, default_widths, observe_cost,
 )
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
-from dflash_jax.spec import prefill as chunked
-from dflash_jax.spec.round import Chain, as_proposer, check_proposer, commit, propose, verify_forward, verify_width
-from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, begin_arrays
-from dflash_jax.spec.tree import TreeShape, widen_for_tree
+from dflash_jax.spec.round import Chain, check_proposer
+from dflash_jax.spec.session import RowParams, SpecConfig
+from dflash_jax.spec.tree import TreeShape
 
 
 PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests (larger groups delay first tokens)
@@ -82,171 +84,6 @@ class RequestError(ValueError):
 
 class QueueFull(RuntimeError):
     """The engine's queue is full (a 429 for the server)."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the jitted pieces (each compiled once per engine shape; the prefill once per prompt bucket)
-# ----------------------------------------------------------------------------------------------------------
-
-def _rowwise(fn, *trees):
-    """tree_map over state leaves with a leading batch axis; PRNG key arrays go through their data."""
-    def one(*xs):
-        if jnp.issubdtype(xs[0].dtype, jax.dtypes.prng_key):
-            impl = jax.random.key_impl(xs[0])
-            out = fn(*(jax.random.key_data(x) for x in xs))
-            return jax.random.wrap_key_data(out, impl=impl)
-        return fn(*xs)
-    return jax.tree.map(one, *trees)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
-    """Writes row i of the k-row state `rows` into row `slots[i]` (traced [k] int32) of the batched state;
-    a slot index past the last slot drops the row (the padding rows of a prefill group)."""
-    return _rowwise(lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), state, rows)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _move_row(state: SpecState, src, dst) -> SpecState:
-    """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
-    compaction that keeps live requests in the lowest slots. In place (the state is donated)."""
-    return _rowwise(lambda x: x.at[dst].set(x[src]), state)
-
-
-def head_rows(tree, rows: int):
-    """The first `rows` rows of every leaf (a static slice; the identity when that is all of them)."""
-    return _rowwise(lambda x: x if x.shape[0] == rows else x[:rows], tree)
-
-
-def put_head_rows(full, head):
-    """`full` with its first rows replaced by `head` (a dynamic-update-slice: in place when `full` is donated)."""
-    def put(f, h):
-        if f.shape[0] == h.shape[0]:
-            return h.astype(f.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(f, h.astype(f.dtype), 0, axis=0)
-    return _rowwise(put, full, head)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def release_rows(state: SpecState, free) -> SpecState:
-    """Marks the rows where `free` [b] bool is set as done (a cancelled request stops at once)."""
-    return state.replace(done=state.done | free)
-
-
-def _project_experts(target_w, hidden, router_args, num_experts: int, top_k: int, eps: float):
-    """bool [b, L, E]: the experts each row's block is projected to route to, per MoE layer (the layer's
-    router on `hidden` [b, W, H] after the layer's post-attention norm, each row's top-k)."""
-    norms, routers, biases, options, topk_first = router_args
-    b, w, h = hidden.shape
-    flat = hidden.reshape(b * w, h)
-
-    def one(norm_w, router, bias):
-        experts, _, _ = router_topk(flat, norm_w, router.astype(flat.dtype), bias, top_k, eps, options, topk_first)
-        return experts
-
-    experts = jax.vmap(one)(norms, routers, biases)  # [L, b*W, k]
-    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.bool_).any(axis=2)  # [L, b*W, E]
-    return onehot.reshape(onehot.shape[0], b, w, num_experts).any(axis=2).transpose(1, 0, 2)
-
-
-def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
-    """Row `i` of `new` where `active[i]`, else row `i` of `old`. KV buffers are the exception: a row's slots
-    at or past its length are scratch (never read; `cache` module invariant), and a verify writes only there,
-    so the buffers are taken from `new` as they are and only the lengths are selected. That saves a select
-    over every cache buffer per round (and the copy XLA makes to keep the old buffers alive for it)."""
-    def sel(n, o):
-        mask = active.reshape(active.shape + (1,) * (n.ndim - 1))
-        return jnp.where(mask, n, o)
-
-    def node(n, o):
-        if isinstance(n, KVCache):
-            offset = None if n.position_offset is None else sel(n.position_offset, o.position_offset)
-            return n.replace(lengths=sel(n.lengths, o.lengths), position_offset=offset)
-        return _rowwise(sel, n, o)
-
-    return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "options", "topk_first", "rows"),
-                   donate_argnames=("draft_buffers",))
-def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, biases, spec: SpecConfig,
-           proposer, options, topk_first, rows: int | None = None):
-    """The proposal of `proposer` (`spec.round.propose`: a chain of any width up to the state's block
-    `spec.block_size`, or a tree) and each row's projected expert set (every MoE layer's router on the draft's
-    hidden states of the verified rows; the anchor's embedding when nothing is drafted).
-
-    The draft cache's K/V buffers come apart from the state (`state.draft_cache` has none) and are donated:
-    appending the context rows writes them in place instead of copying every buffer each round. Returns
-    (the proposal without its cache, the cache's new buffers, its new lengths, the demand).
-
-    rows: compute only the first `rows` rows of the state (a row bucket >= the live rows, which the engine keeps
-    in the lowest slots); the proposal, the lengths and the demand have `rows` rows, the buffers all of them (the
-    first `rows` written in place)."""
-    full_buffers = draft_buffers
-    if rows is not None:
-        state = head_rows(state, rows)
-        draft_buffers = None if draft_buffers is None else head_rows(draft_buffers, rows)
-    if draft_buffers is not None:
-        state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
-    proposal = propose(proposer, target_w, draft_w, state, spec)
-    hidden = proposal.hidden if proposal.hidden is not None else target_w.embed[state.anchor][:, None]
-    demand = _project_experts(target_w, hidden, (norms, routers, biases, options, topk_first),
-                              spec.target.moe.num_experts, spec.target.moe.top_k, spec.target.rms_norm_eps)
-    cache = proposal.draft_cache
-    proposal = proposal.replace(draft_cache=None, hidden=None)
-    if cache is None:
-        return proposal, None, None, demand
-    buffers = (cache.keys, cache.values)
-    if rows is not None:
-        buffers = put_head_rows(full_buffers, buffers)
-    return proposal, buffers, cache.lengths, demand
-
-
-def verify_rows(state: SpecState, proposal, draft_lengths, active, rows: int | None):
-    """The state a round verifies: its first `rows` rows, the draft cache holding the buffers `_draft` wrote and
-    the lengths after it, and every row where `active` [b] is unset counted done (nothing committed). Returns
-    (the run state, the proposal with its cache, active cut to the rows)."""
-    if rows is not None:
-        state, active = head_rows(state, rows), active[:rows]
-    if state.draft_cache is not None:
-        proposal = proposal.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
-    return state.replace(done=state.done | ~active), proposal, active
-
-
-def settle_rows(full: SpecState, old: SpecState, new: SpecState, active, rows: int | None) -> SpecState:
-    """The round's new rows where `active`, the old ones elsewhere (`keep_rows`), written back into the full state's
-    first `rows` rows."""
-    new = new.replace(done=jnp.where(active, new.done, old.done))
-    new = keep_rows(active, new, old)
-    return new if rows is None else put_head_rows(full, new)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows"), donate_argnames=("state",))
-def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: SpecConfig, proposer,
-            rows: int | None = None) -> SpecState:
-    """The verify of `proposal` for the rows where `active` [b] is set (`spec.round.verify_forward` + `commit`);
-    every other row keeps its old state (`keep_rows`). The state keeps the layout of its block `spec.block_size`.
-    `state.draft_cache` holds the buffers `_draft` wrote and the lengths before it; `draft_lengths` are the
-    lengths after it.
-
-    rows: only the first `rows` rows are computed (the proposal has `rows` rows); the others are returned as they
-    were, and the first `rows` are written back in place (the state is donated)."""
-    old = head_rows(state, rows) if rows is not None else state
-    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows)
-    new, _ = commit(run, proposal, verify_forward(target_w, run, proposal, spec), spec, proposer)
-    return settle_rows(state, old, new, active, rows)
-
-
-def _on_mesh(method):
-    """Runs an Engine method under `jax.set_mesh(engine.mesh)` when the engine has a mesh (`nn.moe` then traces
-    its expert-parallel dispatch; jit's cache is keyed by the context mesh)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        if self.mesh is None:
-            return method(self, *args, **kwargs)
-        with jax.set_mesh(self.mesh):
-            return method(self, *args, **kwargs)
-    return run
 
 
 def default_row_buckets(slots: int) -> tuple[int, ...]:
@@ -311,6 +148,10 @@ class RoundInfo:
     explored: bool = False  # the width ran to re-measure its cost (not the chooser's pick; `explore_width`)
     prefill_chunks: int = 0  # chunks of long prompts prefilled this round (at most one: the round's prefill budget)
     prefill_tokens: int = 0  # prompt tokens prefilled this round (whole prompts and chunks)
+    offload: object = None  # what an offloaded runner moved (`serve.offload_runner.OffloadRound`); None: resident
+
+
+_DUMMY = Request(id=-1, prompt=[0], max_new_tokens=1, sampling=SamplingParams(), stop_ids=[], seed=0)
 
 
 @dataclasses.dataclass
@@ -319,7 +160,7 @@ class _Prefilling:
     is held outside the batch, and the request stays in the queue (its slot reserved) until its last chunk."""
 
     req: Request
-    pre: object  # spec.prefill.Prefill of one row
+    pre: object  # the runner's partial one-row prefill (`RoundRunner.prefill_start`)
     done: int  # prompt tokens prefilled so far
 
 
@@ -349,7 +190,14 @@ class Engine:
     max_prompt_len / max_new_tokens: the largest request served (requests beyond them get a RequestError);
     they fix the cache and output-buffer shapes. method: acceptance rule of sampled requests
     ("exact_match" | "rejection"). token_budget / expert_byte_budget: the scheduler's per-round budgets
-    (None: unlimited). max_queue: requests waiting for a slot before `submit` raises QueueFull.
+    (None: unlimited; "cache": the runner's expert cache's bytes; "auto", the default: the runner's default,
+    unlimited for resident experts, "cache" for offloaded ones). max_queue: requests waiting for a slot before
+    `submit` raises QueueFull.
+    experts: where the target's routed experts live, "device" (`serve.runner.ResidentRunner`) or "offload"
+    (host memory behind one device cache: `serve.offload_runner.OffloadedRunner`; `runner_options` are its
+    keywords: budget_bytes (required), predictor, pin, byte_cost, hybrid, transfer, store, bandwidth, ...).
+    runner: a `serve.runner.RoundRunner` class to run the rounds instead (called as
+    `runner(pair, layout, mesh=mesh, **runner_options)`; `serve.runner.FakeRunner` tests the host side).
     mesh: a (data, expert, tensor) `jax.sharding` mesh (`dflash_jax.sharding.make_mesh`): the pair is placed on
     it by its weight declarations and every round runs on it (outputs equal the single-device engine's).
     prefill_chunk: a prompt longer than this many tokens (rounded up to a prompt bucket) joins by chunks, one
@@ -357,22 +205,22 @@ class Engine:
     batch, then inserted into a free slot reserved for it), so it never stalls them for more than one chunk;
     shorter prompts join whole. One prefill per chunk width (the prompt buckets up to the chunk) is compiled at
     warm-up, so `max_prompt_len` may reach the target's context. None: every prompt joins whole (one prefill
-    program per prompt bucket up to `max_prompt_len`). A subclass with its own prefill (the offloaded engine's
-    layer-wise one) always prefills whole prompts."""
-
-    # what this engine's rounds can do (a subclass that runs its own rounds says what it lacks)
-    chunked_prefill = True  # long prompts prefilled one chunk per round (`prefill_chunk`)
-    deferred_context = True  # width-1 rounds leave the draft's context append to the next drafting round
+    program per prompt bucket up to `max_prompt_len`). A runner without `chunked_prefill` (the offloaded one,
+    whose layer-wise prefill fetches each prompt's experts whole) always prefills whole prompts."""
 
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
-                 expert_byte_budget: float | None = None, max_queue: int = 64, buckets: rq.Buckets | None = None,
+                 expert_byte_budget: float | str | None = "auto", max_queue: int = 64,
+                 buckets: rq.Buckets | None = None,
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
                  cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256,
-                 proposer=None):
+                 proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None,
+                 **runner_options):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
+        if runner is None:
+            runner = self._runner_of(experts, runner_options)
         tree = self._tree_of(proposer, pair)
         head = self._head_of(proposer)
         if tree is not None:
@@ -427,11 +275,10 @@ class Engine:
             raise ValueError(f"method must be 'exact_match' or 'rejection', got {method!r}")
         if getattr(tcfg, "moe", None) is None:
             raise ValueError("the serving engine's scheduler needs an MoE target (num_experts); this target is dense")
-        if mesh is not None:  # weights placed by their declarations; every jitted call traced under the mesh
-            from dflash_jax.sharding import shard_pair
-            pair = shard_pair(pair, mesh)
-        self.mesh = mesh
-        self.pair, self.slots, self.block_size, self.method = pair, int(slots), int(block_size), method
+        if isinstance(expert_byte_budget, str) and expert_byte_budget not in ("auto", "cache"):
+            raise ValueError(f"expert_byte_budget must be 'auto', 'cache', None or a number of bytes, got "
+                             f"{expert_byte_budget!r}")
+        self.slots, self.block_size, self.method = int(slots), int(block_size), method
         self.widest = widest
         self.tree = tree
         self.buckets = rq.DEFAULT_BUCKETS if buckets is None else buckets
@@ -443,9 +290,8 @@ class Engine:
         self.max_prompt_len = min(self.max_prompt_len, max_len - widest - 1)
         self.max_new_tokens = int(max_new_tokens)
         self.stops_len = self.buckets.stops_len(4)
-        self.prefill_chunk = (None if prefill_chunk is None or not self.chunked_prefill
-                              else self.buckets.prompt_len(int(prefill_chunk)))
         self._prefilling: _Prefilling | None = None
+        self._joining: list[Request] = []  # requests being prefilled into slots (out of the queue)
         self.prefill_chunks = 0  # chunks of long prompts prefilled (total)
         self.prefill_tokens = 0  # prompt tokens prefilled (total: whole prompts and chunks)
         self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
@@ -456,7 +302,12 @@ class Engine:
         self.proposers = ({tree.budget: tree} if tree is not None
                           else {w: Chain(w, head=head and w > 1) for w in widths})
         for p in self.proposers.values():
-            check_proposer(p, self.spec, pair.draft)
+            check_proposer(p, self.spec)  # the runner checks them against the draft's weights too
+        # the device side: the batched state and every program on it
+        self.runner = runner(pair, Layout(spec=self.spec, slots=self.slots, row_buckets=row_buckets,
+                                          proposers=self.proposers, widest=widest), mesh=mesh, **runner_options)
+        self.prefill_chunk = (None if prefill_chunk is None or not self.runner.chunked_prefill
+                              else self.buckets.prompt_len(int(prefill_chunk)))
         self.round_seconds = round_seconds
         self.cost_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds (measured at warm-up)
         self.learn_costs = (round_seconds is None) if learn_costs is None else bool(learn_costs)
@@ -467,8 +318,8 @@ class Engine:
         self._explored = None  # the width this round explores (None: the chosen one runs)
         self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
         self.explore_seconds = 0.0  # their wall time
-        # width-1 rounds leave the draft's context append to the next drafting round (`_draft`, `_verify`)
-        self.defer_context = bool(defer_context) and bool(self.spec.taps) and self.deferred_context
+        # width-1 rounds leave the draft's context append to the next drafting round (`spec.round.Chain`)
+        self.defer_context = bool(defer_context) and bool(self.spec.taps) and self.runner.deferred_context
         self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append
         self.width_margin = float(width_margin)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
@@ -480,21 +331,17 @@ class Engine:
         self.host_seconds = 0.0  # per served round, beyond its cost-table entry (host work, serving): decayed mean
         self._host_samples = 0
         self._device_seconds = 0.0
+        if expert_byte_budget == "auto":
+            expert_byte_budget = self.runner.default_byte_budget
+        if expert_byte_budget == "cache":
+            expert_byte_budget = self.runner.cache_bytes
+            if expert_byte_budget is None:
+                raise ValueError("expert_byte_budget='cache' needs an expert cache (experts='offload')")
         self.budgets = sched.Budgets(tokens=token_budget, expert_bytes=expert_byte_budget)
         self.max_queue = int(max_queue)
-        fam = family_of(tcfg)
-        layers = family_of(pair.target_cfg).moe_layer_ids(pair.target)
-        self.moe_layers = layers
-        parts = [fam.router_parts(pair.target.layers[i]) for i in layers]
-        self._norms = jnp.stack([p[0] for p in parts])
-        self._routers = jnp.stack([p[1] for p in parts])
-        biases = [p[2] for p in parts]
-        self._biases = None if all(b is None for b in biases) else jnp.stack(biases)
-        self._options = tuple(sorted(fam.router_norm.items()))
-        self._topk_first = bool(fam.router_topk_first)
-        self.expert_bytes = self._expert_byte_table(pair, layers, tcfg.moe.num_experts)
+        self.moe_layers = self.runner.moe_layers
+        self.expert_bytes = self.runner.expert_bytes  # [L, E]: the bytes of one expert's tables per MoE layer
         self.sched_state = sched.SchedulerState()
-        self.state = None
         self.requests: dict[int, Request] = {}  # slot -> request
         self.queue: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -527,28 +374,42 @@ class Engine:
         return proposer
 
     @staticmethod
+    def _runner_of(experts: str, options: dict) -> type[RoundRunner]:
+        """The runner class of an `experts` placement."""
+        if experts == "device":
+            if options:
+                raise TypeError(f"{', '.join(sorted(options))}: offload options need experts='offload'")
+            return ResidentRunner
+        if experts == "offload":
+            from dflash_jax.serve.offload_runner import OffloadedRunner
+            return OffloadedRunner
+        raise ValueError(f"experts must be 'device' or 'offload', got {experts!r}")
+
+    @staticmethod
     def _head_of(proposer) -> bool:
         return proposer == "head-chain" or (isinstance(proposer, Chain) and proposer.head)
-
-    def _widen(self, rows: SpecState) -> SpecState:
-        """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block)."""
-        if self.tree is None:
-            return rows
-        return rows.replace(target_cache=widen_for_tree(self.spec.target, rows.target_cache, self.widest))
 
     def _proposer(self, width: int, defer: bool = False):
         """This round's proposer at `width` (a deferring width-1 chain when `defer`)."""
         return Chain(1, defer_context=True) if defer else self.proposers[width]
 
-    @staticmethod
-    def _expert_byte_table(pair, layers, num_experts) -> np.ndarray:
-        """[L, E]: the bytes of one expert's tables (gate_up + down, as stored) in each MoE layer."""
-        out = np.zeros((len(layers), num_experts))
-        for j, i in enumerate(layers):
-            mlp = pair.target.layers[i].mlp
-            total = sum(int(x.nbytes) for x in jax.tree.leaves((mlp.gate_up, mlp.down)))
-            out[j] = total / num_experts
-        return out
+    @property
+    def pair(self):
+        """The pair the runner runs (placed on the mesh; offloaded: the target without its expert tables)."""
+        return self.runner.pair
+
+    @property
+    def mesh(self):
+        return self.runner.mesh
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.runner.chunked_prefill
+
+    @property
+    def deferred_context(self) -> bool:
+        return self.runner.deferred_context
+
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -625,33 +486,12 @@ class Engine:
 
     # -- the state -------------------------------------------------------------------------------------
 
-    def _row_inputs(self, req: Request | None):
-        """A one-row prefill batch (prompt padded to its bucket), its RowParams and key."""
-        prompt = req.prompt if req is not None else [0]
-        width = self.buckets.prompt_len(len(prompt))
-        tokens, lengths = rq.pad_prompts([np.asarray(prompt, np.int32)], width, 1)
-        sampling = req.sampling if req is not None else SamplingParams()
-        params = RowParams(budget=np.array([req.max_new_tokens if req is not None else 1], np.int32),
-                           sampling=RowSampling.of([sampling]),
-                           stop_ids=rq.pad_stop_ids([req.stop_ids if req is not None else []], self.stops_len, 1))
-        seed = req.seed if req is not None else 0
-        key_data = seed_key_data(seed)[None]
-        return tokens, lengths, params, key_data, np.zeros(1, np.int32)
-
-    def _prefill(self, req: Request | None) -> SpecState:
-        tokens, lengths, params, key_data, key_fold = self._row_inputs(req)
-        return self._widen(begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data, key_fold,
-                                        self.spec))
-
-    @property
-    def prefill_groups(self) -> tuple[int, ...]:
-        """The batch sizes a group of waiting requests is prefilled at (compiled per prompt bucket)."""
-        return tuple(g for g in PREFILL_GROUPS if g == 1 or g <= self.slots)
-
-    def _prefill_group(self, reqs: list) -> SpecState:
-        """One prefill of several requests: a batch of the smallest group size that holds them (padding rows:
-        one-token prompts), every prompt right-padded to the largest prompt bucket among them."""
-        rows = next(g for g in self.prefill_groups if g >= len(reqs))
+    def _batch(self, reqs: list, rows: int | None = None) -> PrefillBatch:
+        """The host inputs of one prefill of `reqs` (None: a dummy one-token request, as the empty state's and
+        warm-up's rows): a batch of `rows` rows (default: as many as requests; padding rows are one-token prompts),
+        every prompt right-padded to the largest prompt bucket among them."""
+        reqs = [_DUMMY if r is None else r for r in reqs]
+        rows = len(reqs) if rows is None else rows
         width = max(self.buckets.prompt_len(len(r.prompt)) for r in reqs)
         tokens, lengths = rq.pad_prompts([np.asarray(r.prompt, np.int32) for r in reqs], width, rows)
         pad = rows - len(reqs)
@@ -660,26 +500,38 @@ class Engine:
                            sampling=RowSampling.of(samplings),
                            stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
         key_data = np.stack([seed_key_data(r.seed) for r in reqs] + [seed_key_data(0)] * pad)
-        return self._widen(begin_arrays(self.pair.target, self.pair.draft, tokens, lengths, params, key_data,
-                                        np.zeros(rows, np.int32), self.spec))
+        real = len(reqs) if reqs[0].id >= 0 else 0  # warm-up's requests and the dummy have id -1
+        return PrefillBatch(tokens=tokens, lengths=lengths, params=params, key_data=key_data,
+                            key_fold=np.zeros(rows, np.int32), real=real)
+
+    def _reset(self) -> None:
+        """The runner's state of `slots` free rows."""
+        self.runner.reset(self._batch([None]))
+
+    @property
+    def prefill_groups(self) -> tuple[int, ...]:
+        """The batch sizes a group of waiting requests is prefilled at (compiled per prompt bucket)."""
+        return tuple(g for g in PREFILL_GROUPS if g == 1 or g <= self.slots)
 
     def _admit(self, reqs: list, slots: list, info: RoundInfo | None) -> None:
-        """Prefills `reqs` together and writes them into `slots`; emits their first tokens."""
-        rows = self._prefill_group(reqs)
+        """Prefills `reqs` together (one batch of the smallest group size that holds them) and writes them into
+        `slots`; emits their first tokens."""
+        batch = self._batch(reqs, next(g for g in self.prefill_groups if g >= len(reqs)))
+        rows = self.runner.prefill(batch)
         if info is not None:
             info.prefill_tokens += sum(len(r.prompt) for r in reqs)
             self.prefill_tokens += sum(len(r.prompt) for r in reqs)
-        self._place(reqs, slots, rows, info)
+        self._place(reqs, slots, rows, len(batch.lengths), info)
 
-    def _place(self, reqs: list, slots: list, rows: SpecState, info: RoundInfo | None) -> None:
-        """Writes the prefilled k-row state `rows` into `slots` (rows past them: dropped); emits the first tokens."""
-        n = rows.done.shape[0]
+    def _place(self, reqs: list, slots: list, rows, n: int, info: RoundInfo | None) -> None:
+        """Writes the runner's prefilled `n` rows `rows` into `slots` (rows past them: dropped); emits the first
+        tokens."""
         index = np.full(n, self.slots, np.int32)  # padding rows: dropped
         index[: len(slots)] = slots
-        self.state = _insert_rows(self.state, rows, index)
+        self.runner.insert(rows, index)
         if info is None:
             return
-        first, done = np.asarray(rows.output)[:, 0], np.asarray(rows.done)
+        first, done = self.runner.first_tokens(rows)
         finished = np.zeros(self.slots, bool)
         for i, (req, slot) in enumerate(zip(reqs, slots)):
             req.slot = slot
@@ -690,21 +542,16 @@ class Engine:
                 self._finish(req, self._reason(req), info)
                 finished[slot] = True
         if finished.any():
-            self.state = release_rows(self.state, finished)
+            self.runner.release(finished)
 
-    def _empty_state(self) -> SpecState:
-        row = self._prefill(None)
-        rows = jax.tree.map(lambda x: jnp.concatenate([x] * self.slots, axis=0), row)
-        return rows.replace(done=jnp.ones((self.slots,), bool))
-
-    @_on_mesh
     def warmup(self, prompt_buckets: Sequence[int] | None = None) -> float:
         """Compiles the prefill for every prompt bucket up to max_prompt_len (or the given lengths), the
-        insert, the draft and the verify. Returns the seconds it took."""
+        insert, the draft and the verify (and what else the runner compiles, `RoundRunner.warm_extra`). Returns
+        the seconds it took."""
         t0 = time.perf_counter()
         compile_cache.ensure_enabled()
-        if self.state is None:
-            self.state = self._empty_state()
+        if not self.runner.ready:
+            self._reset()
         if prompt_buckets is None:
             sizes, n = [], 1
             while True:
@@ -725,20 +572,20 @@ class Engine:
                     self._admit(reqs, free, None)  # dummy rows that are done: their slots stay free
             if self.prefill_chunk is not None and self.max_prompt_len > self.prefill_chunk:
                 self._warm_chunks()
-            self.state = release_rows(self.state, idle)
-            self.state = _move_row(self.state, np.int32(self.slots - 1), np.int32(self.slots - 1))  # a no-op
+            self.runner.release(idle)
+            self.runner.move_row(self.slots - 1, self.slots - 1)  # a no-op
             for rows in self.row_buckets:
                 for w in self.widths:
                     self._round(w, idle, rows)
                     if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
                         self._round(w, idle, rows, defer=False)
-        jax.block_until_ready(self.state.done)
+        self.runner.sync()
         if self.round_seconds is None and not self.cost_table:
             self.cost_table = self.measure_rounds()
+        self.runner.warm_extra()
         self.warm = True
         return time.perf_counter() - t0
 
-    @_on_mesh
     def measure_rounds(self, repeats: int = 5, row_buckets: Sequence[int] | None = None) -> dict:
         """{rows: {width: seconds}} of one round computing `rows` rows (draft + host transfer of the demand +
         verify; compute does not depend on which of those rows are live) for every row bucket and width.
@@ -754,7 +601,7 @@ class Engine:
                 for w in (self.widths if r % 2 == 0 else self.widths[::-1]):
                     t = time.perf_counter()
                     self._round(w, idle, rows)
-                    jax.block_until_ready(self.state.done)
+                    self.runner.sync()
                     times[w].append(time.perf_counter() - t)
             base = np.asarray(times[self.widths[0]])
             scale = float(np.median(base))
@@ -772,10 +619,7 @@ class Engine:
         their state, so there is always room)."""
         rows = self.slots if rows is None else rows
         defer = (width == 1 and self.defer_context) if defer is None else defer
-        draft, lengths, demand = self._draft_call(width, rows, defer)
-        np.asarray(demand)
-        self.state = _verify(self.pair.target, self.state, draft, lengths, active, self.spec,
-                             self._proposer(width, defer), rows)
+        self.runner.round(self._proposer(width, defer), active, rows)
 
     def _defers(self, width: int, live: Sequence[int]) -> bool:
         """Whether this width-1 round defers the draft's context append: while every live row's pending context
@@ -783,25 +627,8 @@ class Engine:
         rows; else the round appends them (and the draft cache is current again)."""
         if width != 1 or not self.defer_context or not len(live):
             return False
-        pending = np.asarray(self.state.num_context)[np.asarray(live)]
+        pending = self.runner.pending_context()[np.asarray(live)]
         return int(pending.max()) < self.block_size
-
-    def _draft_call(self, width: int | None = None, rows: int | None = None, defer: bool = False):
-        """(draft, the draft cache's new lengths, demand), for the first `rows` rows (default: all). The state's
-        draft-cache buffers are donated to the draft, and the state takes the buffers it returns (with the old
-        lengths until the verify)."""
-        proposer = self._proposer(self.widths[-1] if width is None else width, defer)
-        rows = self.slots if rows is None else rows
-        cache = self.state.draft_cache
-        state, buffers = self.state, None
-        if cache is not None:
-            state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
-        draft, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._norms,
-                                                 self._routers, self._biases, self.spec, proposer, self._options,
-                                                 self._topk_first, rows)
-        if cache is not None:
-            self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
-        return draft, lengths, demand
 
     def row_acceptance(self, req: Request) -> float:
         """The estimated probability that a proposal of `req` is accepted given the ones before it: its decayed
@@ -896,7 +723,6 @@ class Engine:
     def _reason(self, req: Request) -> str:
         return "stop" if req.tokens and req.tokens[-1] in req.stop_ids else "length"
 
-    @_on_mesh
     def step(self) -> RoundInfo:
         """One round: admissions, draft, schedule, verify, emission. Returns what it did."""
         info = RoundInfo()
@@ -936,7 +762,7 @@ class Engine:
                 free[slot] = True
                 self._finish(r, r.cancel_reason, info)
         if free.any():
-            self.state = release_rows(self.state, free)
+            self.runner.release(free)
         if self._prefilling is not None and self._prefilling.req.cancel_requested:
             self._prefilling = None  # cancelled mid-prefill (finished above): its partial state is dropped
         self._compact()
@@ -964,16 +790,18 @@ class Engine:
                 continue
             if not reqs:
                 break
+            self._joining = reqs  # out of the queue, not yet in a slot: a failed prefill must not lose them
             self._admit(reqs, free[: len(reqs)], info)
+            self._joining = []
             self._compact()  # a request that ended at its first token
 
     def _step(self, info: RoundInfo) -> None:
-        if self.state is None:
-            self.state = self._empty_state()
+        if not self.runner.ready:
+            self._reset()
+        self.runner.begin_round(info)
         self._admissions(info)
-        if not self.requests:
-            return
-        self._round_step(info)
+        verified = self._round_step(info) if self.requests else False
+        self.runner.end_round(info, verified)
 
     # -- chunked prefill ---------------------------------------------------------------------------------
 
@@ -1010,8 +838,7 @@ class Engine:
         """The first chunk of a long prompt (`spec.prefill.prefill_start`): its one-row state starts outside the
         batch; the request stays queued, a slot reserved for it."""
         tokens, valid = self._chunk_inputs(req, 0)
-        pre = chunked.prefill_start_jit(self.pair.target, self.pair.draft, tokens, valid, self.spec)
-        jax.block_until_ready(pre.logits)  # the round's draft and verify are timed on their own
+        pre = self.runner.prefill_start(tokens, valid)  # waited for: the round's draft and verify are timed alone
         self._prefilling = _Prefilling(req=req, pre=pre, done=int(valid[0]))
         self._count_chunk(int(valid[0]), info)
 
@@ -1023,45 +850,41 @@ class Engine:
         if p is None:
             return False
         tokens, valid = self._chunk_inputs(p.req, p.done)
-        p.pre = chunked.prefill_chunk_jit(self.pair.target, self.pair.draft, p.pre, tokens, valid, self.spec)
+        last = p.done + int(valid[0]) >= len(p.req.prompt)
+        p.pre = self.runner.prefill_chunk(p.pre, tokens, valid, wait=not last)
         p.done += int(valid[0])
         self._count_chunk(int(valid[0]), info)
-        if p.done < len(p.req.prompt):
-            jax.block_until_ready(p.pre.logits)
+        if not last:
             return True
         self._prefilling = None
         with self._wake:
             self.queue.remove(p.req)
-        _, _, params, key_data, key_fold = self._row_inputs(p.req)
-        rows = self._widen(chunked.prefill_finish_jit(self.pair.target, self.pair.draft, p.pre, params, key_data,
-                                                      key_fold, self.spec))
+        rows = self.runner.prefill_finish(p.pre, self._batch([p.req]))
         free = [s for s in range(self.slots) if s not in self.requests]
-        self._place([p.req], free[:1], rows, info)
+        self._place([p.req], free[:1], rows, 1, info)
         return True
 
     def _warm_chunks(self) -> None:
         """Compiles the chunked prefill: the first chunk, a next chunk of every width, the finish and its insert
         (a dummy row, dropped)."""
-        tw, dw, c = self.pair.target, self.pair.draft, self.prefill_chunk
-        pre = chunked.prefill_start_jit(tw, dw, np.zeros((1, c), np.int32), np.array([c], np.int32), self.spec)
+        c = self.prefill_chunk
+        pre = self.runner.prefill_start(np.zeros((1, c), np.int32), np.array([c], np.int32))
         for width in self.chunk_widths():  # 0 real tokens: the dummy prompt stays inside the cache
-            pre = chunked.prefill_chunk_jit(tw, dw, pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32),
-                                            self.spec)
-        _, _, params, key_data, key_fold = self._row_inputs(None)
-        rows = self._widen(chunked.prefill_finish_jit(tw, dw, pre, params, key_data, key_fold, self.spec))
-        self.state = _insert_rows(self.state, rows, np.full(1, self.slots, np.int32))
+            pre = self.runner.prefill_chunk(pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32))
+        rows = self.runner.prefill_finish(pre, self._batch([None]))
+        self.runner.insert(rows, np.full(1, self.slots, np.int32))
 
     def _compact(self) -> None:
         """Keeps the live requests in the lowest slots: while a slot below the highest live one is free, the
-        highest live row moves down into it (`_move_row`: every leaf of the row, so the request continues exactly
-        as it was). A round then computes only the smallest row bucket holding the live rows."""
+        highest live row moves down into it (`RoundRunner.move_row`: every leaf of the row, so the request continues
+        exactly as it was). A round then computes only the smallest row bucket holding the live rows."""
         while self.requests:
             n = len(self.requests)
             top = max(self.requests)
             if top < n:
                 return
             hole = next(s for s in range(n) if s not in self.requests)
-            self.state = _move_row(self.state, np.int32(top), np.int32(hole))
+            self.runner.move_row(top, hole)
             req = self.requests.pop(top)
             req.slot = hole
             self.requests[hole] = req
@@ -1072,8 +895,8 @@ class Engine:
         its deficits and stats, while the verify computes)."""
         return self.budgets.tokens is None and self.budgets.expert_bytes is None
 
-    def _round_step(self, info: RoundInfo) -> None:
-        """Width, draft, schedule, verify, emission for the live slots."""
+    def _round_step(self, info: RoundInfo) -> bool:
+        """Width, draft, schedule, verify, emission for the live slots. Returns whether a row verified."""
         live = sorted(self.requests)
         rows = self.row_bucket(live)
         info.live, info.rows = len(live), rows
@@ -1083,18 +906,18 @@ class Engine:
         self.rows_rounds[rows] += 1
         defer = self._defers(width, live)
         self.deferred_rounds += defer
+        proposer = self._proposer(width, defer)
         t_device = time.perf_counter()
-        draft, draft_lengths, demand = self._draft_call(width, rows, defer)
-        overlap = self._unlimited()
+        drafted = self.runner.draft(proposer, rows)
+        overlap = self.runner.overlapped_verify and self._unlimited()
         if overlap:  # every live row verifies: start the verify now, schedule (stats) while it runs
             active = np.zeros(self.slots, bool)
             active[live] = True
-            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.spec,
-                                 self._proposer(width, defer), rows)
-        demand = np.asarray(demand)
+            self.runner.verify(drafted, RoundPlan(active=active, live=tuple(live)), info)
+        demand = self.runner.demand(drafted)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
-        decision = sched.schedule(demands, self.sched_state, self.budgets, self.expert_bytes)
+        decision = sched.schedule(demands, self.sched_state, self.budgets, self.runner.byte_costs(self.expert_bytes))
         self.sched_state = decision.state
         slot_of = {self.requests[s].id: s for s in live}
         if not overlap:
@@ -1103,13 +926,15 @@ class Engine:
                 active[slot_of[key]] = True
         for key in decision.waiting:
             self.requests[slot_of[key]].rounds_waited += 1
-        info.verified, info.verify_tokens, info.expert_bytes = int(active.sum()), decision.tokens, decision.expert_bytes
+        union = demand[active[:rows]].any(axis=0)
+        info.verified, info.verify_tokens = int(active.sum()), decision.tokens
+        info.expert_bytes = float(self.expert_bytes[union].sum())  # the union's bytes, whatever the scheduler priced
         info.how = {slot_of[k]: v for k, v in decision.how.items()}
         t_device = time.perf_counter()
         if not overlap:
-            self.state = _verify(self.pair.target, self.state, draft, draft_lengths, active, self.spec,
-                                 self._proposer(width, defer), rows)
-        after, done, output = jax.device_get((self.state.num_generated, self.state.done, self.state.output))
+            self.runner.verify(drafted, RoundPlan(active=active, live=tuple(live), demand=demand,
+                                                  priced_bytes=decision.expert_bytes), info)
+        after, done, output = self.runner.fetch()
         self._device_seconds = t_draft + time.perf_counter() - t_device
         for s in live:
             req = self.requests[s]
@@ -1127,6 +952,7 @@ class Engine:
             self._hits = d * self._hits + (1 - d) * 2.0 * prior
             self._misses = d * self._misses + (1 - d) * 2.0 * (1.0 - prior)
         self._compact()
+        return bool(active.any())
 
     # -- loops -----------------------------------------------------------------------------------------
 
@@ -1159,13 +985,18 @@ class Engine:
                 self.step()
             except Exception as e:  # a failed round fails its requests, never the server
                 info = RoundInfo()
-                for r in list(self.requests.values()) + list(self.queue):
-                    r.error = f"{type(e).__name__}: {e}"
-                    self._finish(r, "error", info)
-                self.queue.clear()
+                with self._wake:
+                    queued = list(self.queue)
+                    self.queue.clear()
+                failed = {id(r): r for r in list(self.requests.values()) + queued + self._joining}
+                for r in failed.values():
+                    if r.finish_reason is None:
+                        r.error = f"{type(e).__name__}: {e}"
+                        self._finish(r, "error", info)
                 self.requests.clear()
+                self._joining = []
                 self._prefilling = None
-                self.state = None
+                self.runner.drop()
 
     def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:
         """Graceful shutdown: no new requests; in-flight ones finish (or are cancelled with `cancel`)."""

@@ -58,4 +58,4 @@ def test_deferred_context_append_is_exact(pair):
         assert a.tokens == b.tokens
         assert a.acceptance == b.acceptance  # the drafts saw the same context: the same proposals accepted
     assert max(max(r.acceptance) for r in reqs) >= 3  # wide rounds really accepted proposals
-    assert np.asarray(deferred.state.num_context).max() <= deferred.block_size
+    assert np.asarray(deferred.runner.state.num_context).max() <= deferred.block_size

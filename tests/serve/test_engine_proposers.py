@@ -84,16 +84,14 @@ def test_offloaded_engine_serves_trees(pair):
     """The offloaded engine (experts in host memory, a device cache of the smallest budget that runs) verifies the
     same trees, layer by layer: each greedy output equals the resident tree loop's, more per verify than a chain."""
     from dflash_jax.offload import HostExpertStore, min_budget_bytes
-    from dflash_jax.serve.offload_engine import OffloadedEngine
-
     offloaded = dflash_jax.load(expert_memory="pinned_host")
     store = HostExpertStore(offloaded.target)
-    eng = OffloadedEngine(offloaded, budget_bytes=min_budget_bytes(store), slots=2, max_prompt_len=16,
-                          max_new_tokens=64, store=store, bandwidth=1e9, proposer=TREE)
+    eng = Engine(offloaded, experts="offload", budget_bytes=min_budget_bytes(store), slots=2, max_prompt_len=16,
+                 max_new_tokens=64, store=store, bandwidth=1e9, proposer=TREE)
     eng.warmup([16])
     greedy = [i for i in range(len(PROMPTS)) if not SAMPLING[i].temperature]
     reqs = serve_generate(eng, [PROMPTS[i] for i in greedy], max_new_tokens=[BUDGETS[i] for i in greedy])
     for i, r in zip(greedy, reqs):
         assert r.tokens == _alone(pair, TREE, i), i
     assert float(np.mean([np.mean(r.acceptance) for r in reqs])) > 2.0
-    assert eng.offload_summary()["moved_bytes"] > 0
+    assert eng.runner.offload_summary()["moved_bytes"] > 0

@@ -28,14 +28,16 @@ def served(pair):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from dflash_jax.offload import HostExpertStore
-    from dflash_jax.serve.offload_engine import OffloadedEngine, attach_metrics
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.offload_runner import OffloadedRunner, attach_metrics
 
     store = HostExpertStore(pair.target)
     budget = CACHE_EXPERTS * store.expert_bytes(store.layer_ids[0])
-    engine = OffloadedEngine(pair, budget_bytes=budget, slots=3, block_size=BLOCK, max_prompt_len=16,
-                             max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0},
-                             row_buckets=(1, 3), prefill_chunk=8, defer_context=True)
-    # what the offloaded rounds cannot do is switched off by the engine's capability flags, whatever was asked
+    engine = Engine(pair, experts="offload", budget_bytes=budget, slots=3, block_size=BLOCK, max_prompt_len=16,
+                    max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0},
+                    row_buckets=(1, 3), prefill_chunk=8, defer_context=True)
+    assert isinstance(engine.runner, OffloadedRunner)
+    # what the offloaded rounds cannot do is switched off by the runner's capability flags, whatever was asked
     assert not engine.chunked_prefill and engine.prefill_chunk is None
     assert not engine.deferred_context and not engine.defer_context
     engine.warmup([16])
@@ -66,10 +68,10 @@ def test_offloaded_greedy_equals_alone_with_joins_and_leaves(served, pair):
     assert len(joined) >= 3 and len(left) >= 3
     assert {info.rows for info in infos if info.width} == {1, 3}  # rounds of one row once one request was left
     # the cache was too small: experts moved (prefetch and on demand), proposals were accepted
-    totals = engine.offload_summary()
+    totals = engine.runner.offload_summary()
     assert totals["prefetched_bytes"] > 0 and totals["on_demand_bytes"] > 0 and totals["misses"] > 0
     assert totals["hits"] > 0 and 0 < totals["covered"] <= min(totals["predicted"], totals["used"])
-    assert engine.pool.resident_bytes() <= engine.pool.bytes <= engine.budget_bytes
+    assert engine.runner.pool.resident_bytes() <= engine.runner.pool.bytes <= engine.runner.budget_bytes
     assert max(max(r.acceptance) for r in reqs) > 1 and np.mean([np.mean(r.acceptance) for r in reqs]) > 1.2
 
 
@@ -92,11 +94,12 @@ def test_prefetch_is_the_admitted_rows_union_and_stats_are_visible(served):
         sat_out += int((everyone & ~union).any())  # a row sat out: its experts were not prefetched
         assert rec.predicted == int(union.sum()) and rec.used > 0
         assert rec.moved_bytes == rec.prefetched_bytes + rec.on_demand_bytes
-    assert engine.budgets.expert_bytes == engine.pool.bytes
+    assert engine.budgets.expert_bytes == engine.runner.pool.bytes
     assert sat_out > 0  # the byte budget kept rows out, and their demand was not prefetched
     assert sum(r.rounds_waited for r in reqs) > 0
     moved = sum(i.offload.moved_bytes for i in infos)
-    assert moved == engine.offload_totals["prefetched_bytes"] + engine.offload_totals["on_demand_bytes"] > 0
+    totals = engine.runner.offload_totals
+    assert moved == totals["prefetched_bytes"] + totals["on_demand_bytes"] > 0
     for name in ("dflash_offload_round_bytes_moved_count", 'dflash_offload_bytes_moved_total{kind="prefetch"}',
                  'dflash_offload_expert_lookups_total{result="miss"}', 'dflash_offload_experts_total{set="covered"}'):
         line = next(line for line in metrics.splitlines() if line.startswith(name))
@@ -106,7 +109,7 @@ def test_prefetch_is_the_admitted_rows_union_and_stats_are_visible(served):
 def test_server_metrics_show_the_offload(served):
     """`dflash-serve --offload` wiring: the server's /metrics registry gets the offload metrics."""
     pytest.importorskip("fastapi")
-    from dflash_jax.serve.offload_engine import attach_server_metrics
+    from dflash_jax.serve.offload_runner import attach_server_metrics
     from dflash_jax.serve.server import create_app
 
     engine = served[0]
@@ -126,12 +129,18 @@ def test_server_metrics_show_the_offload(served):
 
 def test_offload_engine_errors(pair):
     from dflash_jax.offload import PoolTooSmall
-    from dflash_jax.serve.offload_engine import OffloadedEngine
+    from dflash_jax.serve.engine import Engine
 
     with pytest.raises(PoolTooSmall, match="minimum"):
-        OffloadedEngine(pair, budget_bytes=10, slots=1, max_prompt_len=16, max_new_tokens=8, bandwidth=1e9)
+        Engine(pair, experts="offload", budget_bytes=10, slots=1, max_prompt_len=16, max_new_tokens=8, bandwidth=1e9)
     with pytest.raises(ValueError, match="predictor"):
-        OffloadedEngine(pair, budget_bytes=10**7, predictor="residual", slots=1, bandwidth=1e9)
+        Engine(pair, experts="offload", budget_bytes=10**7, predictor="residual", slots=1, bandwidth=1e9)
+    with pytest.raises(ValueError, match="one device"):
+        Engine(pair, experts="offload", budget_bytes=10**7, slots=1, bandwidth=1e9, mesh=object())
+    with pytest.raises(TypeError, match="budget_bytes: offload options need experts='offload'"):
+        Engine(pair, budget_bytes=10**7, slots=1)
+    with pytest.raises(ValueError, match="experts must be 'device' or 'offload'"):
+        Engine(pair, experts="disk", slots=1)
 
 
 @pytest.mark.slow
@@ -139,12 +148,11 @@ def test_offloaded_sampled_equals_alone(pair):
     """Sampled requests draw what they draw alone (same seed) under the offloaded engine, at the minimum budget
     (every layer in passes of one expert)."""
     from dflash_jax.offload import HostExpertStore, min_budget_bytes
-    from dflash_jax.serve.offload_engine import OffloadedEngine
+    from dflash_jax.serve.engine import Engine
 
     store = HostExpertStore(pair.target)
-    engine = OffloadedEngine(pair, budget_bytes=min_budget_bytes(store), slots=2, block_size=BLOCK,
-                             max_prompt_len=16, max_new_tokens=64, store=store, bandwidth=1e9,
-                             round_seconds={BLOCK: 1.0})
+    engine = Engine(pair, experts="offload", budget_bytes=min_budget_bytes(store), slots=2, block_size=BLOCK,
+                    max_prompt_len=16, max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0})
     sampling = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
     reqs = serve_generate(engine, PROMPTS[:3], max_new_tokens=BUDGETS[:3], sampling=sampling, stop_ids=[],
                           seed=[3, 4, 5])
@@ -152,15 +160,16 @@ def test_offloaded_sampled_equals_alone(pair):
         alone = spec_generate(pair, [PROMPTS[i]], max_new_tokens=BUDGETS[i], block_size=BLOCK, sampling=sampling[i],
                               stop_ids=[], seed=3 + i)
         assert r.tokens == alone.tokens[0], i
-    assert engine.offload_summary()["passes"] > engine.offload_summary()["rounds"] * len(engine.moe_layers)
+    summary = engine.runner.offload_summary()
+    assert summary["passes"] > summary["rounds"] * len(engine.moe_layers)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--offload"], "--offload needs --expert-budget-mb"),
+    (["--offload"], "--experts offload needs --expert-budget-mb"),
     (["--offload", "--expert-budget-mb", "0.00001"], "below the minimum of 0.052224 MB"),
-    (["--expert-budget-mb", "3"], "--expert-budget-mb only applies with --offload"),
+    (["--expert-budget-mb", "3"], "--expert-budget-mb only applies with --experts offload"),
     (["--offload", "--expert-budget-mb", "1", "--pin-experts", "x"], "--pin-experts must be auto, none or a count"),
-    (["--offload", "--expert-budget-mb", "1", "--mesh", "expert=1"], "--offload serves on one device"),
+    (["--offload", "--expert-budget-mb", "1", "--mesh", "expert=1"], "--experts offload serves on one device"),
 ])
 def test_serve_offload_flag_errors_are_one_line(argv, message, capsys):
     from dflash_jax.cli.serve import main

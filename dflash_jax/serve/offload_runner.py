@@ -1,15 +1,16 @@
-"""Continuous batching with the target's routed experts in host memory: the scheduler's demand drives prefetch.
+"""The serving engine's rounds with the target's routed experts in host memory: the scheduler's demand drives
+prefetch.
 
-`OffloadedEngine(pair, budget_bytes=..., slots=4, ...)` serves requests that arrive and leave at any round,
-like `engine.Engine` (it is one: the same slots, admissions, scheduler, width choice, emission), with the
-target's routed experts in a host store (`offload.store.HostExpertStore`) and ONE device expert cache of
-`budget_bytes` shared by every MoE layer and every request (`offload.cache.ExpertCache`, copies issued as
-`jax.device_put` of host rows). One round:
+`Engine(pair, experts="offload", budget_bytes=..., slots=4, ...)` serves requests that arrive and leave at any
+round with the host engine's slots, admissions, scheduler, width choice and emission, and this module's
+`OffloadedRunner` running the rounds: the target's routed experts in a host store
+(`offload.store.HostExpertStore`) and ONE device expert cache of `budget_bytes` shared by every MoE layer and every
+request (`offload.cache.ExpertCache`, copies issued as `jax.device_put` of host rows). One round:
 
   1. admissions: a waiting group is prefilled layer by layer with each MoE layer's whole table streamed to
      the device for that layer only (`offload.forward.forward_layerwise`, as `OffloadedGenerator.prefill`);
   2. the draft of the round's rows, and each row's projected expert set [L, E] (the draft-router projection
-     of `engine._draft`): the scheduler's per-row expert demand;
+     of `runner.ResidentRunner.draft`): the scheduler's per-row expert demand;
   3. the scheduler (`scheduler.schedule`) admits verifies under the budgets. With byte_cost="missing" (the
      default) a round's byte cost is the bytes of the admitted rows' projected union that are NOT resident in
      the cache (what the prefetch has to move), and the byte budget defaults to the cache's bytes: a round
@@ -21,25 +22,25 @@ target's routed experts in a host store (`offload.store.HostExpertStore`) and ON
      (`ExpertCache.prefetch`: best effort, never evicting a pinned or held expert nor what the previous
      verify routed to);
   5. the verify runs layer by layer over the round's row bucket (the live rows are kept in the lowest slots,
-     as `Engine` does): each MoE layer's exact routing is read on the host and what the
+     by the engine): each MoE layer's exact routing is read on the host and what the
      admitted rows route to and is not resident is fetched on demand (passes when it does not fit; hybrid
      placement may compute it on the host), with `OffloadedGenerator`'s provider pieces. The rows that do
      not verify (sitting out, or free slots) still flow through the batched forward, but their outputs are
-     thrown away (every row is put back as it was, `engine.keep_rows`); their experts are not fetched: the
+     thrown away (every row is put back as it was, `runner.keep_rows`); their experts are not fetched: the
      layer's slot table points them at a resident slot. So whatever the prediction, every admitted row's
      expert products read exactly its routed experts: the verify is the resident verify, and each request's
      output is its output run alone.
 
 Stats: `RoundInfo.offload` (an `OffloadRound`: bytes moved by prefetch / on demand / prefill, hits and misses
 of the admitted rows' routing, experts predicted vs used vs covered, passes, the prefetch set), running totals
-in `OffloadedEngine.offload_totals`, and Prometheus metrics (`attach_metrics`) when served.
+in `OffloadedRunner.offload_totals` (`engine.runner.offload_summary()`), and Prometheus metrics (`attach_metrics`)
+when served.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -51,12 +52,11 @@ from dflash_jax.offload.loop import OffloadedGenerator, start_prepared
 from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
 from dflash_jax.offload.stats import layer_round_stats
 from dflash_jax.offload.store import memory_sharding
-from dflash_jax.serve import scheduler as sched
-from dflash_jax.serve.engine import Engine, RoundInfo, head_rows, put_head_rows, settle_rows, verify_rows
-from dflash_jax.spec import requests as rq
-from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
-from dflash_jax.spec.round import commit
-from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, init_target_cache
+from dflash_jax.serve.runner import (
+    Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, head_rows, put_head_rows, settle_rows, verify_rows,
+)
+from dflash_jax.spec.round import commit, verify_width
+from dflash_jax.spec.session import SpecConfig, SpecState, init_target_cache
 
 PREDICTORS = ("draft_router", "none")  # what drives the prefetch: the scheduler's demand, or nothing (on demand)
 
@@ -110,7 +110,7 @@ _TOTALS = ("prefetched_bytes", "on_demand_bytes", "prefill_bytes", "hits", "miss
 
 @functools.partial(jax.jit, static_argnames=("spec", "proposer"))
 def _commit(state: SpecState, proposal, draft_lengths, out, active, spec: SpecConfig, proposer) -> SpecState:
-    """`engine._verify` after its target forward: acceptance and commit (`spec.round.commit`) for the rows where
+    """`runner._verify` after its target forward: acceptance and commit (`spec.round.commit`) for the rows where
     `active` is set, every other row kept as it was; `out` is the layer-wise forward of `proposal.tokens`."""
     run, proposal, active = verify_rows(state, proposal, draft_lengths, active, None)
     new, _ = commit(run, proposal, out, spec, proposer)
@@ -121,8 +121,11 @@ _head_jit = jax.jit(head_rows, static_argnums=1)  # the first rows of the state 
 _put_head_jit = jax.jit(put_head_rows, donate_argnums=0)  # ... written back in place
 
 
-class OffloadedEngine(Engine):
-    """`Engine` with the target's routed experts in host memory and one device expert cache (module doc).
+class OffloadedRunner(ResidentRunner):
+    """`runner.ResidentRunner` with the target's routed experts in host memory and one device expert cache (module
+    doc): the draft, the inserts and the compaction are the resident runner's (on the target without its expert
+    tables); the prefill runs layer by layer with each layer's whole table streamed, and the verify layer by layer
+    from the cache, after the prefetch of the admitted rows' projected union.
 
     budget_bytes: device bytes of the expert cache (any value from `offload.min_budget_bytes` up; a layer whose
       routed experts do not fit runs in passes; below the minimum: `offload.PoolTooSmall` naming it).
@@ -131,22 +134,23 @@ class OffloadedEngine(Engine):
     pin: False (the default): nothing pinned, the cache is LRFU over every request's experts; True or a count:
       at the first admission, pin the hottest (layer, expert) pairs of those prompts' prefill in what one
       round's routed union leaves (`placement.plan_shared`, as `OffloadedGenerator`).
-    expert_byte_budget: the scheduler's per-round byte budget; "cache" (the default): the cache's bytes; None:
-      unlimited; a number: those bytes. byte_cost: what the budget counts, "missing" (the default): the bytes
-      of the admitted rows' projected union not resident in the cache (to move), or "all": the union's bytes.
+    byte_cost: what the scheduler's byte budget counts (by default the cache's bytes, the engine's
+      `expert_byte_budget="auto"`), "missing" (the default): the bytes of the admitted rows' projected union not
+      resident in the cache (to move), or "all": the union's bytes.
     hybrid: an `offload.HostCompute`: missing experts the cost model prefers to compute on the host are.
     transfer: the cache's copies ("device_put": host rows put on the device ahead of the verify; "pull_rows").
     store: a `HostExpertStore` of `pair.target` to reuse. bandwidth: host->device bytes/s (default: probed).
-    Every other keyword is `Engine`'s (no `mesh`: offloaded serving runs on one device)."""
+    No mesh: offloaded serving runs on one device."""
 
     chunked_prefill = False  # its own prefill fetches each prompt's experts whole
     deferred_context = False  # its verify commits the draft's context itself
+    overlapped_verify = False  # the verify is driven from the host, layer by layer, after the prefetch
+    default_byte_budget = "cache"  # a round moves at most the cache's bytes
 
-    def __init__(self, pair, *, budget_bytes: int, predictor: str = "draft_router", pin=False,
-                 expert_byte_budget="cache", byte_cost: str = "missing", hybrid=None, transfer: str = "device_put",
-                 crf_lambda: float = 0.5, store=None, bandwidth: float | None = None, poison: bool = False,
-                 **engine_kwargs):
-        if engine_kwargs.get("mesh") is not None:
+    def __init__(self, pair, layout: Layout, *, budget_bytes: int, predictor: str = "draft_router", pin=False,
+                 byte_cost: str = "missing", hybrid=None, transfer: str = "device_put", crf_lambda: float = 0.5,
+                 store=None, bandwidth: float | None = None, poison: bool = False, mesh=None):
+        if mesh is not None:
             raise ValueError("the offloaded engine runs on one device: drop mesh (or serve resident on the mesh)")
         if predictor not in PREDICTORS:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)} for serving (the prefetch follows the "
@@ -163,12 +167,8 @@ class OffloadedEngine(Engine):
         self.predictor, self.pin, self.transfer, self.byte_cost = predictor, pin, transfer, byte_cost
         self.crf_lambda, self.poison = crf_lambda, poison
         self.pool = self._new_cache({})
-        byte_budget = self.pool.bytes if isinstance(expert_byte_budget, str) and expert_byte_budget == "cache" \
-            else expert_byte_budget
-        if isinstance(byte_budget, str):
-            raise ValueError(f"expert_byte_budget must be 'cache', None or a number of bytes, got {byte_budget!r}")
-        super().__init__(pair, expert_byte_budget=byte_budget, **engine_kwargs)
-        # every program the base engine runs on the target (draft, projection) gets the target without expert
+        super().__init__(pair, layout)
+        # every program the resident runner runs on the target (draft, projection) gets the target without expert
         # tables: nothing here can read an expert that is not in the cache
         self.pair = dataclasses.replace(self.pair, target=self.gen.stripped)
         self._pin_pending = bool(pin)
@@ -177,42 +177,33 @@ class OffloadedEngine(Engine):
         self.offload_totals = {k: 0 for k in _TOTALS}
         self.offload_totals["rounds"] = 0
 
+    @property
+    def cache_bytes(self) -> int:
+        return self.pool.bytes
+
     def _new_cache(self, pinned: dict) -> ExpertCache:
         return ExpertCache(self.store, self.budget_bytes, pinned=pinned, poison=self.poison,
                            crf_lambda=self.crf_lambda, transfer=self.transfer)
 
     # -- prefill: layer by layer, whole tables streamed ----------------------------------------------------------
 
-    def _offload_begin(self, tokens, lengths, params, key_data, key_fold) -> SpecState:
+    def prefill(self, batch: PrefillBatch) -> SpecState:
+        """The batch prefilled layer by layer (each MoE layer's whole table streamed to the device for that layer
+        only); the first real requests' routing pins the cache when `pin` asks for it."""
         spec, gen = self.spec, self.gen
+        tokens = batch.tokens
         cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, gen.stripped.embed.dtype,
                                   verify_width=spec.block_size)
-        lengths = jnp.asarray(lengths)
+        lengths = jnp.asarray(batch.lengths)
         pre = forward_layerwise(gen.stripped, jnp.asarray(tokens), cache, spec.target, provider=gen._whole_table,
                                 num_valid=lengths, tap_layers=spec.taps, logits="last",
                                 implementation=gen.implementation)
         self._prefill_bytes += self.store.total_bytes
         self._last_prefill = (pre.routed, np.asarray(lengths), tokens.shape[1])
-        return self._widen(start_prepared(gen.stripped, self.pair.draft, pre.out, lengths, params, key_data, key_fold,
-                                          spec))
-
-    def _prefill(self, req) -> SpecState:
-        return self._offload_begin(*self._row_inputs(req))
-
-    def _prefill_group(self, reqs: list) -> SpecState:
-        """`Engine._prefill_group`'s batch (the smallest group size that holds them, prompts right-padded to the
-        largest bucket among them), prefilled layer by layer."""
-        rows = next(g for g in self.prefill_groups if g >= len(reqs))
-        width = max(self.buckets.prompt_len(len(r.prompt)) for r in reqs)
-        tokens, lengths = rq.pad_prompts([np.asarray(r.prompt, np.int32) for r in reqs], width, rows)
-        pad = rows - len(reqs)
-        params = RowParams(budget=np.array([r.max_new_tokens for r in reqs] + [1] * pad, np.int32),
-                           sampling=RowSampling.of([r.sampling for r in reqs] + [SamplingParams()] * pad),
-                           stop_ids=rq.pad_stop_ids([r.stop_ids for r in reqs], self.stops_len, rows))
-        key_data = np.stack([seed_key_data(r.seed) for r in reqs] + [seed_key_data(0)] * pad)
-        state = self._offload_begin(tokens, lengths, params, key_data, np.zeros(rows, np.int32))
-        if self._pin_pending and reqs and reqs[0].id >= 0:  # the first real requests: pin from their routing
-            self._pin_from_prefill(len(reqs))
+        state = self._widen(start_prepared(gen.stripped, self.pair.draft, pre.out, lengths, batch.params,
+                                           batch.key_data, batch.key_fold, spec))
+        if self._pin_pending and batch.real:  # the first real requests: pin from their routing
+            self._pin_from_prefill(batch.real)
         return state
 
     def _pin_from_prefill(self, n: int) -> None:
@@ -222,7 +213,7 @@ class OffloadedEngine(Engine):
         valid = (np.arange(width)[None, :] < lengths[:n, None])
         profile = routing_profile({l: e.reshape(-1, width, e.shape[-1])[:n][valid] for l, e in routed.items()},
                                   self.store.num_experts)
-        reserve = cache_reserve(self.store.num_experts, self.gen.top_k, self.slots, self.block_size)
+        reserve = cache_reserve(self.store.num_experts, self.gen.top_k, self.slots, self.spec.block_size)
         pinned = plan_shared(profile, self.gen.groups, reserve)
         if self.pin is not True:  # at most `pin` pins: the hottest of the plan
             hot = sorted((-int(profile[l][e]), l, int(e)) for l, ids in pinned.items() for e in ids)[: int(self.pin)]
@@ -274,11 +265,12 @@ class OffloadedEngine(Engine):
             mask[ignored] = True
         return ExpertOperands(ops.tables, jax.device_put(table, memory_sharding("device")), resident, mask=mask)
 
-    def _offload_verify(self, draft, draft_lengths, active: np.ndarray, width: int, asked: dict,
-                        rec: OffloadRound | None, bucket: int) -> SpecState:
-        """The verify of the first `bucket` rows (a row bucket holding every live row; the others are free and
+    def _offload_verify(self, drafted: Drafted, active: np.ndarray, asked: dict, rec: OffloadRound | None) -> SpecState:
+        """The verify of the first `drafted.rows` rows (a row bucket holding every live row; the others are free and
         come back as they were), layer by layer from the cache, then `_commit`."""
-        proposer, pool, gen, store = self._proposer(width), self.pool, self.gen, self.store
+        pool, gen, store = self.pool, self.gen, self.store
+        draft, draft_lengths, proposer, bucket = drafted.proposal, drafted.lengths, drafted.proposer, drafted.rows
+        width = verify_width(proposer, self.spec)
         pool.returned()  # nothing is lent or held from a round that failed half-way
         pool.release()
         full = self.state
@@ -331,101 +323,54 @@ class OffloadedEngine(Engine):
         self._previous = {layer: np.unique(e) for layer, e in routed_active.items()}
         return new if bucket == self.slots else _put_head_jit(full, new)
 
-    def _round(self, width: int, active: np.ndarray, rows: int | None = None) -> None:
-        """A round computing the first `rows` rows (default: every slot), for warm-up and cost measurement."""
-        rows = self.slots if rows is None else rows
-        draft, lengths, demand = self._draft_call(width, rows)
-        demand = np.asarray(demand)
-        asked = self._prefetch(demand, active[:rows], None)
-        self.state = self._offload_verify(draft, lengths, active, width, asked, None, rows)
+    # -- the round (the engine's, with the prefetch and the offloaded verify) -----------------------------------
 
-    def warmup(self, prompt_buckets=None) -> float:
-        """`Engine.warmup`, then two rounds per width that verify every (free) slot on a scratch cache, so that
-        what only a verify with rows that route somewhere compiles (copies of each chunk size into the cache,
-        expert passes when the cache is small) is compiled too. The cache starts empty afterwards."""
-        t0 = time.perf_counter()
-        super().warmup(prompt_buckets)
+    def byte_costs(self, table: np.ndarray) -> np.ndarray:
+        """byte_cost="missing": resident experts move nothing, so they cost nothing; "all": the table."""
+        if self.byte_cost != "missing":
+            return table
+        return np.where(np.stack([self.pool.resident(l) for l in self.moe_layers]), 0.0, table)
+
+    def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
+        """The prefetch of the admitted rows' projected union (`plan.demand`), then the verify from the cache."""
+        rec = None if info is None else info.offload
+        demand = self.demand(drafted) if plan.demand is None else plan.demand
+        if rec is not None:
+            rec.row_demand = {s: demand[s] for s in plan.live}
+            rec.priced_bytes = plan.priced_bytes
+        asked = self._prefetch(demand, plan.active[: drafted.rows], rec)
+        if rec is not None:
+            rec.requested = asked
+        self.state = self._offload_verify(drafted, plan.active, asked, rec)
+
+    def begin_round(self, info) -> None:
+        info.offload = OffloadRound()
+        self._prefill_bytes = 0
+
+    def end_round(self, info, verified: bool) -> None:
+        rec = info.offload
+        rec.prefill_bytes = self._prefill_bytes
+        rec.resident_bytes = self.pool.resident_bytes()
+        for k in _TOTALS:
+            self.offload_totals[k] += getattr(rec, k)
+        self.offload_totals["rounds"] += int(verified)
+
+    def warm_extra(self) -> None:
+        """Two rounds per row bucket and width that verify every (free) slot on a scratch cache, so that what only a
+        verify with rows that route somewhere compiles (copies of each chunk size into the cache, expert passes when
+        the cache is small) is compiled too. The cache starts empty afterwards."""
         layer, n = self.moe_layers[0], 1
         while n <= min(self.store.num_experts, self.pool.capacity(layer)):  # every copy size into the cache
             self._new_cache({}).fetch(layer, np.arange(n))
             n *= 2
         everyone = np.ones(self.slots, bool)  # free rows are done: a verify commits nothing to them
         for _ in range(2):
-            for rows in self.row_buckets:
-                for w in self.widths:
-                    self._round(w, everyone, rows)
-        jax.block_until_ready(self.state.done)
+            for rows in self.layout.row_buckets:
+                for proposer in self.layout.proposers.values():
+                    self.round(proposer, everyone, rows)
+        self.sync()
         self.pool = self._new_cache({})
         self._previous = {}
-        return time.perf_counter() - t0
-
-    # -- one round (the base engine's, with the prefetch and the offloaded verify) ------------------------------
-
-    def _step(self, info: RoundInfo) -> None:
-        rec = info.offload = OffloadRound()
-        if self.state is None:
-            self.state = self._empty_state()
-        self._prefill_bytes = 0
-        self._admissions(info)
-        rec.prefill_bytes = self._prefill_bytes
-        if not self.requests:
-            self._account(rec, False)
-            return
-        live = sorted(self.requests)
-        rows = self.row_bucket(live)  # the live rows are the lowest slots (compacted)
-        info.live, info.rows = len(live), rows
-        width = self.choose_width(live)
-        info.width = width
-        self.width_rounds[width] += 1
-        self.rows_rounds[rows] += 1
-        t_device = time.perf_counter()
-        draft, draft_lengths, demand = self._draft_call(width, rows)
-        demand = np.asarray(demand)
-        t_draft = time.perf_counter() - t_device
-        demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
-        cost = self.expert_bytes
-        if self.byte_cost == "missing":  # resident experts move nothing
-            cost = np.where(np.stack([self.pool.resident(l) for l in self.moe_layers]), 0.0, cost)
-        decision = sched.schedule(demands, self.sched_state, self.budgets, cost)
-        self.sched_state = decision.state
-        slot_of = {self.requests[s].id: s for s in live}
-        active = np.zeros(self.slots, bool)
-        for key in decision.admitted:
-            active[slot_of[key]] = True
-        for key in decision.waiting:
-            self.requests[slot_of[key]].rounds_waited += 1
-        union = demand[active[:rows]].any(axis=0)
-        info.verified, info.verify_tokens = int(active.sum()), decision.tokens
-        info.expert_bytes = float(self.expert_bytes[union].sum())  # the union's bytes (as Engine reports them)
-        info.how = {slot_of[k]: v for k, v in decision.how.items()}
-        rec.row_demand = {s: demand[s] for s in live}
-        rec.priced_bytes = decision.expert_bytes
-        before = np.asarray(self.state.num_generated)
-        t_device = time.perf_counter()
-        asked = self._prefetch(demand, active[:rows], rec)
-        rec.requested = asked
-        self.state = self._offload_verify(draft, draft_lengths, active, width, asked, rec, rows)
-        after, done = np.asarray(self.state.num_generated), np.asarray(self.state.done)
-        self._device_seconds = t_draft + time.perf_counter() - t_device
-        output = np.asarray(self.state.output)
-        for s in live:
-            req = self.requests[s]
-            if not active[s]:
-                continue
-            new = [int(t) for t in output[s, before[s]: after[s]]]
-            req.acceptance.append(len(new))
-            info.committed.append(len(new))
-            self._observe_acceptance(req, width, len(new), bool(done[s]))
-            self._emit(req, new, info)
-            if done[s]:
-                self._finish(req, self._reason(req), info)
-        self._account(rec, bool(active.any()))
-
-    def _account(self, rec: OffloadRound, verified: bool) -> None:
-        rec.resident_bytes = self.pool.resident_bytes()
-        for k in _TOTALS:
-            self.offload_totals[k] += getattr(rec, k)
-        self.offload_totals["rounds"] += int(verified)
 
     def reset_cache(self) -> None:
         """An empty expert cache (pins dropped) and zeroed totals, e.g. between benchmark points; call it while no
@@ -447,12 +392,14 @@ class OffloadedEngine(Engine):
         return t
 
 
+
 # ----------------------------------------------------------------------------------------------------------
 # metrics
 # ----------------------------------------------------------------------------------------------------------
 
-def attach_metrics(engine: OffloadedEngine, registry) -> None:
-    """Adds the offload metrics to a `prometheus_client` registry and feeds them from every round:
+def attach_metrics(engine, registry) -> None:
+    """Adds the offload metrics of an engine with offloaded experts (`Engine(experts="offload")`) to a
+    `prometheus_client` registry and feeds them from every round:
     dflash_offload_round_bytes_moved (histogram), dflash_offload_bytes_moved_total{kind=prefetch|on_demand|
     prefill}, dflash_offload_expert_lookups_total{result=hit|miss|host}, dflash_offload_experts_total{set=
     predicted|used|covered}, dflash_offload_cache_bytes / dflash_offload_cache_resident_bytes (gauges)."""
@@ -469,7 +416,8 @@ def attach_metrics(engine: OffloadedEngine, registry) -> None:
     cache = Gauge("dflash_offload_cache_bytes", "Device bytes of the expert cache", registry=registry)
     resident = Gauge("dflash_offload_cache_resident_bytes", "Bytes of the experts resident in the cache",
                      registry=registry)
-    cache.set(engine.pool.bytes)
+    runner = engine.runner
+    cache.set(runner.pool.bytes)
 
     def on_round(info) -> None:
         rec = getattr(info, "offload", None)
@@ -486,13 +434,13 @@ def attach_metrics(engine: OffloadedEngine, registry) -> None:
         sets.labels(set="predicted").inc(rec.predicted)
         sets.labels(set="used").inc(rec.used)
         sets.labels(set="covered").inc(rec.covered)
-        cache.set(engine.pool.bytes)
+        cache.set(runner.pool.bytes)
         resident.set(rec.resident_bytes)
 
     engine.observers.append(on_round)
 
 
-def attach_server_metrics(engine: OffloadedEngine) -> int:
+def attach_server_metrics(engine) -> int:
     """`attach_metrics` into the registry of every server observing `engine` (`serve.server.create_app` adds one):
     /metrics then shows the offload metrics too. Returns how many registries got them."""
     n = 0

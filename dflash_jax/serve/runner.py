@@ -1,0 +1,646 @@
+"""The device side of the serving engine: a `RoundRunner` owns the batched state of the engine's slots and every
+program that runs on it; the host `serve.engine.Engine` decides (who joins, which width, who verifies) and calls it.
+
+What the engine calls, in host terms (numpy in, numpy out; device arrays stay opaque to it):
+
+  reset(dummy)                     the state of `slots` free rows (one dummy row's prefill, every row done)
+  prefill(batch) -> rows           one prefill of a `PrefillBatch` of k rows, outside the batched state
+  first_tokens(rows)               their first tokens and done flags (host)
+  insert(rows, index)              rows written into slots (an index past the last slot drops the row)
+  release(free) / move_row(s, d)   rows marked done (a cancel); one row copied over another (compaction)
+  prefill_start / _chunk / _finish a long prompt prefilled one chunk per round (`chunked_prefill` runners)
+  pending_context()                each row's committed rows the draft has not seen (`deferred_context` runners)
+  draft(proposer, rows)            the proposal of the first `rows` rows -> `Drafted` (device, dispatched)
+  demand(drafted)                  each computed row's projected experts [rows, L, E] (host)
+  byte_costs(table)                the scheduler's per-(layer, expert) byte cost of a round
+  verify(drafted, plan, info)      the verify of the rows `plan.active` selects; the others stay as they were
+  fetch()                          (num_generated, done, output) of every row (host)
+  begin_round / end_round          per-round bookkeeping around the engine's `step` (stats into its RoundInfo)
+  warm_extra()                     what the runner compiles beyond the engine's warm-up rounds
+
+Capability flags say what a runner's rounds can do; the engine reads them instead of asking what type it is:
+`chunked_prefill`, `deferred_context`, `overlapped_verify` (the verify may be dispatched before the scheduler runs,
+when every live row verifies).
+
+Runners here: `ResidentRunner` (the target's experts on the device; every round one jitted draft and one jitted
+verify over the round's row bucket; optionally on a mesh) and `FakeRunner` (numpy only, no model: deterministic
+tokens, for testing the host engine in seconds). `serve.offload_runner.OffloadedRunner` serves with the experts in
+host memory behind a device cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.cache import KVCache
+from dflash_jax.models.family import family_of
+from dflash_jax.nn.moe import router_topk
+from dflash_jax.spec import prefill as chunked
+from dflash_jax.spec.round import check_proposer, commit, propose, verify_forward
+from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, begin_arrays
+from dflash_jax.spec.tree import TreeShape, widen_for_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the host engine fixes for its runner: the compiled shapes and the proposers of its widths."""
+
+    spec: SpecConfig
+    slots: int
+    row_buckets: tuple[int, ...]  # the row counts a round is computed for
+    proposers: dict = dataclasses.field(hash=False)  # {verify width: proposer} the engine chooses from
+    widest: int  # the widest verify (a tree may be wider than the block)
+
+
+@dataclasses.dataclass
+class PrefillBatch:
+    """Host inputs of one prefill of k rows: prompts right-padded to one bucket, each row's settings and key."""
+
+    tokens: np.ndarray  # [k, P] int32
+    lengths: np.ndarray  # [k] int32: real prompt tokens
+    params: RowParams
+    key_data: np.ndarray  # [k, ...] the PRNG key data of each row's seed
+    key_fold: np.ndarray  # [k] int32
+    real: int = 0  # rows that are requests (0: warm-up or the empty state's dummy rows)
+
+
+@dataclasses.dataclass
+class Drafted:
+    """One round's proposal between `draft` and `verify` (device arrays, dispatched)."""
+
+    proposer: Any
+    rows: int  # the rows computed (a row bucket)
+    proposal: Any
+    lengths: Any  # the draft cache's lengths after the draft
+    demand: Any  # [rows, L, E] bool: each row's projected experts
+
+
+@dataclasses.dataclass
+class RoundPlan:
+    """The host's decision for a round's verify, for a runner that acts on it (prefetch) or records it."""
+
+    active: np.ndarray  # [slots] bool: the rows that verify
+    live: tuple = ()  # the slots holding a live request
+    demand: np.ndarray | None = None  # [rows, L, E] bool (None: the verify was dispatched before it was fetched)
+    priced_bytes: float = 0.0  # the round's byte cost to the scheduler
+
+
+class RoundRunner:
+    """The device programs of a serving engine and the state they run on (module docstring). A subclass sets
+    `moe_layers` and `expert_bytes` ([L, E]: the bytes of one expert's tables per MoE layer) and implements the
+    methods below; the flags say what its rounds can do."""
+
+    chunked_prefill = False  # long prompts prefilled one chunk per round
+    deferred_context = False  # width-1 rounds may leave the draft's context append to the next drafting round
+    overlapped_verify = False  # the verify may be dispatched before the scheduler runs (every live row verifies)
+    mesh = None
+
+    def __init__(self, pair, layout: Layout):
+        self.pair, self.layout = pair, layout
+        self.spec, self.slots = layout.spec, layout.slots
+        self.state = None
+        self.moe_layers: tuple = ()
+        self.expert_bytes = np.zeros((0, 0))
+
+    @property
+    def ready(self) -> bool:
+        """Whether the batched state exists (`reset` makes it)."""
+        return self.state is not None
+
+    def drop(self) -> None:
+        """Forgets the state (after a failed round); the next `reset` makes a fresh one."""
+        self.state = None
+
+    @property
+    def cache_bytes(self) -> int | None:
+        """Device bytes of the runner's expert cache (None: no cache, the experts are resident)."""
+        return None
+
+    default_byte_budget = None  # the scheduler's per-round byte budget when the engine is given none
+
+    def reset(self, dummy: PrefillBatch) -> None:
+        raise NotImplementedError
+
+    def prefill(self, batch: PrefillBatch):
+        raise NotImplementedError
+
+    def first_tokens(self, rows) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def insert(self, rows, index: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def release(self, free: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def move_row(self, src: int, dst: int) -> None:
+        raise NotImplementedError
+
+    def prefill_start(self, tokens: np.ndarray, valid: np.ndarray):
+        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
+
+    def prefill_chunk(self, pre, tokens: np.ndarray, valid: np.ndarray, wait: bool = True):
+        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
+
+    def prefill_finish(self, pre, batch: PrefillBatch):
+        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
+
+    def pending_context(self) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} does not defer the draft's context")
+
+    def draft(self, proposer, rows: int) -> Drafted:
+        raise NotImplementedError
+
+    def demand(self, drafted: Drafted) -> np.ndarray:
+        return np.asarray(drafted.demand)
+
+    def byte_costs(self, table: np.ndarray) -> np.ndarray:
+        """The scheduler's byte cost of each (MoE layer, expert) this round (default: its bytes)."""
+        return table
+
+    def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
+        raise NotImplementedError
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Waits until every dispatched program has run (timing)."""
+
+    def round(self, proposer, active: np.ndarray, rows: int) -> None:
+        """One round of the rows where `active` is set, for warm-up and cost measurement: draft, the host fetch
+        of the demand, verify."""
+        drafted = self.draft(proposer, rows)
+        self.verify(drafted, RoundPlan(active=active, demand=self.demand(drafted)))
+
+    def begin_round(self, info) -> None:
+        """Before the engine's admissions of a round (`info`: its RoundInfo)."""
+
+    def end_round(self, info, verified: bool) -> None:
+        """After the round's emission (`verified`: some row verified)."""
+
+    def warm_extra(self) -> None:
+        """Compiles what the engine's warm-up rounds (no row verifying) leave out."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the resident runner's programs (each compiled once per engine shape; the prefill once per prompt bucket)
+# ----------------------------------------------------------------------------------------------------------
+
+def _rowwise(fn, *trees):
+    """tree_map over state leaves with a leading batch axis; PRNG key arrays go through their data."""
+    def one(*xs):
+        if jnp.issubdtype(xs[0].dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(xs[0])
+            out = fn(*(jax.random.key_data(x) for x in xs))
+            return jax.random.wrap_key_data(out, impl=impl)
+        return fn(*xs)
+    return jax.tree.map(one, *trees)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
+    """Writes row i of the k-row state `rows` into row `slots[i]` (traced [k] int32) of the batched state;
+    a slot index past the last slot drops the row (the padding rows of a prefill group)."""
+    return _rowwise(lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), state, rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _move_row(state: SpecState, src, dst) -> SpecState:
+    """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
+    compaction that keeps live requests in the lowest slots. In place (the state is donated)."""
+    return _rowwise(lambda x: x.at[dst].set(x[src]), state)
+
+
+def head_rows(tree, rows: int):
+    """The first `rows` rows of every leaf (a static slice; the identity when that is all of them)."""
+    return _rowwise(lambda x: x if x.shape[0] == rows else x[:rows], tree)
+
+
+def put_head_rows(full, head):
+    """`full` with its first rows replaced by `head` (a dynamic-update-slice: in place when `full` is donated)."""
+    def put(f, h):
+        if f.shape[0] == h.shape[0]:
+            return h.astype(f.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(f, h.astype(f.dtype), 0, axis=0)
+    return _rowwise(put, full, head)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release_rows(state: SpecState, free) -> SpecState:
+    """Marks the rows where `free` [b] bool is set as done (a cancelled request stops at once)."""
+    return state.replace(done=state.done | free)
+
+
+def _project_experts(target_w, hidden, router_args, num_experts: int, top_k: int, eps: float):
+    """bool [b, L, E]: the experts each row's block is projected to route to, per MoE layer (the layer's
+    router on `hidden` [b, W, H] after the layer's post-attention norm, each row's top-k)."""
+    norms, routers, biases, options, topk_first = router_args
+    b, w, h = hidden.shape
+    flat = hidden.reshape(b * w, h)
+
+    def one(norm_w, router, bias):
+        experts, _, _ = router_topk(flat, norm_w, router.astype(flat.dtype), bias, top_k, eps, options, topk_first)
+        return experts
+
+    experts = jax.vmap(one)(norms, routers, biases)  # [L, b*W, k]
+    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.bool_).any(axis=2)  # [L, b*W, E]
+    return onehot.reshape(onehot.shape[0], b, w, num_experts).any(axis=2).transpose(1, 0, 2)
+
+
+def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
+    """Row `i` of `new` where `active[i]`, else row `i` of `old`. KV buffers are the exception: a row's slots
+    at or past its length are scratch (never read; `cache` module invariant), and a verify writes only there,
+    so the buffers are taken from `new` as they are and only the lengths are selected. That saves a select
+    over every cache buffer per round (and the copy XLA makes to keep the old buffers alive for it)."""
+    def sel(n, o):
+        mask = active.reshape(active.shape + (1,) * (n.ndim - 1))
+        return jnp.where(mask, n, o)
+
+    def node(n, o):
+        if isinstance(n, KVCache):
+            offset = None if n.position_offset is None else sel(n.position_offset, o.position_offset)
+            return n.replace(lengths=sel(n.lengths, o.lengths), position_offset=offset)
+        return _rowwise(sel, n, o)
+
+    return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "options", "topk_first", "rows"),
+                   donate_argnames=("draft_buffers",))
+def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, biases, spec: SpecConfig,
+           proposer, options, topk_first, rows: int | None = None):
+    """The proposal of `proposer` (`spec.round.propose`: a chain of any width up to the state's block
+    `spec.block_size`, or a tree) and each row's projected expert set (every MoE layer's router on the draft's
+    hidden states of the verified rows; the anchor's embedding when nothing is drafted).
+
+    The draft cache's K/V buffers come apart from the state (`state.draft_cache` has none) and are donated:
+    appending the context rows writes them in place instead of copying every buffer each round. Returns
+    (the proposal without its cache, the cache's new buffers, its new lengths, the demand).
+
+    rows: compute only the first `rows` rows of the state (a row bucket >= the live rows, which the engine keeps
+    in the lowest slots); the proposal, the lengths and the demand have `rows` rows, the buffers all of them (the
+    first `rows` written in place)."""
+    full_buffers = draft_buffers
+    if rows is not None:
+        state = head_rows(state, rows)
+        draft_buffers = None if draft_buffers is None else head_rows(draft_buffers, rows)
+    if draft_buffers is not None:
+        state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
+    proposal = propose(proposer, target_w, draft_w, state, spec)
+    hidden = proposal.hidden if proposal.hidden is not None else target_w.embed[state.anchor][:, None]
+    demand = _project_experts(target_w, hidden, (norms, routers, biases, options, topk_first),
+                              spec.target.moe.num_experts, spec.target.moe.top_k, spec.target.rms_norm_eps)
+    cache = proposal.draft_cache
+    proposal = proposal.replace(draft_cache=None, hidden=None)
+    if cache is None:
+        return proposal, None, None, demand
+    buffers = (cache.keys, cache.values)
+    if rows is not None:
+        buffers = put_head_rows(full_buffers, buffers)
+    return proposal, buffers, cache.lengths, demand
+
+
+def verify_rows(state: SpecState, proposal, draft_lengths, active, rows: int | None):
+    """The state a round verifies: its first `rows` rows, the draft cache holding the buffers `_draft` wrote and
+    the lengths after it, and every row where `active` [b] is unset counted done (nothing committed). Returns
+    (the run state, the proposal with its cache, active cut to the rows)."""
+    if rows is not None:
+        state, active = head_rows(state, rows), active[:rows]
+    if state.draft_cache is not None:
+        proposal = proposal.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
+    return state.replace(done=state.done | ~active), proposal, active
+
+
+def settle_rows(full: SpecState, old: SpecState, new: SpecState, active, rows: int | None) -> SpecState:
+    """The round's new rows where `active`, the old ones elsewhere (`keep_rows`), written back into the full state's
+    first `rows` rows."""
+    new = new.replace(done=jnp.where(active, new.done, old.done))
+    new = keep_rows(active, new, old)
+    return new if rows is None else put_head_rows(full, new)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows"), donate_argnames=("state",))
+def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: SpecConfig, proposer,
+            rows: int | None = None) -> SpecState:
+    """The verify of `proposal` for the rows where `active` [b] is set (`spec.round.verify_forward` + `commit`);
+    every other row keeps its old state (`keep_rows`). The state keeps the layout of its block `spec.block_size`.
+    `state.draft_cache` holds the buffers `_draft` wrote and the lengths before it; `draft_lengths` are the
+    lengths after it.
+
+    rows: only the first `rows` rows are computed (the proposal has `rows` rows); the others are returned as they
+    were, and the first `rows` are written back in place (the state is donated)."""
+    old = head_rows(state, rows) if rows is not None else state
+    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows)
+    new, _ = commit(run, proposal, verify_forward(target_w, run, proposal, spec), spec, proposer)
+    return settle_rows(state, old, new, active, rows)
+
+
+def _broadcast_rows(row: SpecState, slots: int) -> SpecState:
+    """`slots` copies of a one-row state, every row done (free)."""
+    rows = jax.tree.map(lambda x: jnp.concatenate([x] * slots, axis=0), row)
+    return rows.replace(done=jnp.ones((slots,), bool))
+
+
+def expert_byte_table(pair, layers, num_experts) -> np.ndarray:
+    """[L, E]: the bytes of one expert's tables (gate_up + down, as stored) in each MoE layer."""
+    out = np.zeros((len(layers), num_experts))
+    for j, i in enumerate(layers):
+        mlp = pair.target.layers[i].mlp
+        total = sum(int(x.nbytes) for x in jax.tree.leaves((mlp.gate_up, mlp.down)))
+        out[j] = total / num_experts
+    return out
+
+
+def _on_mesh(method):
+    """Runs a runner method under `jax.set_mesh(runner.mesh)` when the runner has a mesh (`nn.moe` then traces
+    its expert-parallel dispatch; jit's cache is keyed by the context mesh)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.mesh is None:
+            return method(self, *args, **kwargs)
+        with jax.set_mesh(self.mesh):
+            return method(self, *args, **kwargs)
+    return run
+
+
+class ResidentRunner(RoundRunner):
+    """The target's experts resident on the device (or placed on a `mesh` by the pair's weight declarations,
+    `dflash_jax.sharding`). One batched `SpecState` of `slots` rows for the engine's life; each round one jitted
+    draft (`_draft`: the proposal and each row's projected experts) and one jitted verify (`_verify`) of the first
+    `rows` rows (a row bucket), written back in place (the state is donated). A row the verify leaves out is put
+    back as it was (`keep_rows`), so a row that sits out a round is the row it was."""
+
+    chunked_prefill = True
+    deferred_context = True
+    overlapped_verify = True
+
+    def __init__(self, pair, layout: Layout, *, mesh=None):
+        if mesh is not None:  # weights placed by their declarations; every jitted call traced under the mesh
+            from dflash_jax.sharding import shard_pair
+            pair = shard_pair(pair, mesh)
+        super().__init__(pair, layout)
+        self.mesh = mesh
+        for p in layout.proposers.values():
+            check_proposer(p, self.spec, pair.draft)
+        self.tree = next((p for p in layout.proposers.values() if isinstance(p, TreeShape)), None)
+        tcfg = pair.target_cfg
+        fam = family_of(tcfg)
+        layers = fam.moe_layer_ids(pair.target)
+        self.moe_layers = layers
+        parts = [fam.router_parts(pair.target.layers[i]) for i in layers]
+        self._norms = jnp.stack([p[0] for p in parts])
+        self._routers = jnp.stack([p[1] for p in parts])
+        biases = [p[2] for p in parts]
+        self._biases = None if all(b is None for b in biases) else jnp.stack(biases)
+        self._options = tuple(sorted(fam.router_norm.items()))
+        self._topk_first = bool(fam.router_topk_first)
+        self.expert_bytes = expert_byte_table(pair, layers, tcfg.moe.num_experts)
+
+    def _widen(self, rows: SpecState) -> SpecState:
+        """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block)."""
+        if self.tree is None:
+            return rows
+        return rows.replace(target_cache=widen_for_tree(self.spec.target, rows.target_cache, self.layout.widest))
+
+    # -- rows in and out -------------------------------------------------------------------------------
+
+    @_on_mesh
+    def reset(self, dummy: PrefillBatch) -> None:
+        self.state = _broadcast_rows(self.prefill(dummy), self.slots)
+
+    @_on_mesh
+    def prefill(self, batch: PrefillBatch) -> SpecState:
+        return self._widen(begin_arrays(self.pair.target, self.pair.draft, batch.tokens, batch.lengths, batch.params,
+                                        batch.key_data, batch.key_fold, self.spec))
+
+    def first_tokens(self, rows: SpecState) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(rows.output)[:, 0], np.asarray(rows.done)
+
+    @_on_mesh
+    def insert(self, rows: SpecState, index: np.ndarray) -> None:
+        self.state = _insert_rows(self.state, rows, index)
+
+    @_on_mesh
+    def release(self, free: np.ndarray) -> None:
+        self.state = release_rows(self.state, free)
+
+    @_on_mesh
+    def move_row(self, src: int, dst: int) -> None:
+        self.state = _move_row(self.state, np.int32(src), np.int32(dst))
+
+    @_on_mesh
+    def prefill_start(self, tokens, valid):
+        pre = chunked.prefill_start_jit(self.pair.target, self.pair.draft, tokens, valid, self.spec)
+        jax.block_until_ready(pre.logits)  # the round's draft and verify are timed on their own
+        return pre
+
+    @_on_mesh
+    def prefill_chunk(self, pre, tokens, valid, wait: bool = True):
+        pre = chunked.prefill_chunk_jit(self.pair.target, self.pair.draft, pre, tokens, valid, self.spec)
+        if wait:
+            jax.block_until_ready(pre.logits)
+        return pre
+
+    @_on_mesh
+    def prefill_finish(self, pre, batch: PrefillBatch) -> SpecState:
+        return self._widen(chunked.prefill_finish_jit(self.pair.target, self.pair.draft, pre, batch.params,
+                                                      batch.key_data, batch.key_fold, self.spec))
+
+    def pending_context(self) -> np.ndarray:
+        return np.asarray(self.state.num_context)
+
+    # -- the round -------------------------------------------------------------------------------------
+
+    @_on_mesh
+    def draft(self, proposer, rows: int) -> Drafted:
+        """The draft of the first `rows` rows. The state's draft-cache buffers are donated to the draft, and the
+        state takes the buffers it returns (with the old lengths until the verify)."""
+        cache = self.state.draft_cache
+        state, buffers = self.state, None
+        if cache is not None:
+            state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
+        proposal, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._norms,
+                                                    self._routers, self._biases, self.spec, proposer, self._options,
+                                                    self._topk_first, rows)
+        if cache is not None:
+            self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
+        return Drafted(proposer=proposer, rows=rows, proposal=proposal, lengths=lengths, demand=demand)
+
+    @_on_mesh
+    def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
+        self.state = _verify(self.pair.target, self.state, drafted.proposal, drafted.lengths, plan.active, self.spec,
+                             drafted.proposer, drafted.rows)
+
+    def fetch(self):
+        return jax.device_get((self.state.num_generated, self.state.done, self.state.output))
+
+    def sync(self) -> None:
+        jax.block_until_ready(self.state.done)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a runner without a model, for the host engine's tests
+# ----------------------------------------------------------------------------------------------------------
+
+def fake_pair(*, block_size: int = 4, vocab_size: int = 256, max_position_embeddings: int = 4096):
+    """A stand-in pair for `FakeRunner`: the tiny MoE target's config and a draft config, no weights."""
+    import types
+
+    from dflash_jax import testing
+
+    target = testing.tiny_qwen3_moe_config(vocab_size=vocab_size, max_position_embeddings=max_position_embeddings)
+    draft = testing.tiny_draft_config(target, block_size=block_size)
+    return types.SimpleNamespace(target_cfg=target, draft_cfg=draft, target=None, draft=None)
+
+
+class FakeRunner(RoundRunner):
+    """A runner of numpy rows and deterministic tokens, no model: the host engine's admission, queue, cancel,
+    compaction, scheduling, stop and emission logic run in milliseconds a round.
+
+    Row `r`'s tokens are a function of its prompt and position only (`FakeRunner.token`), and each verify of a
+    row at width w commits `FakeRunner.accepted(...)` of them (1 .. w, by the prompt and position), stopping at a
+    stop id or the budget, so a request's output is `FakeRunner.alone(...)` however its rounds were scheduled,
+    whatever slot it sat in, and whatever joined and left around it; a row moved, dropped, inserted twice or
+    verified while it sits out shows as a wrong output. A long prompt's chunks are hashed in order into its row,
+    so a skipped or repeated chunk shows too. Every call is counted in `calls`."""
+
+    chunked_prefill = True
+    overlapped_verify = True
+
+    def __init__(self, pair, layout: Layout, *, mesh=None, num_layers: int = 2, num_experts: int = 8):
+        super().__init__(pair, layout)
+        self.moe_layers = tuple(range(num_layers))
+        self.expert_bytes = np.full((num_layers, num_experts), 1000.0)
+        self.vocab = int(layout.spec.target.vocab_size)
+        self.calls = {k: 0 for k in ("prefill", "insert", "release", "move_row", "draft", "verify", "chunk")}
+        self.verified_rows: list[np.ndarray] = []  # per verify: the rows it committed for
+
+    # -- the tokens ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def key(prompt) -> int:
+        h = 7
+        for t in prompt:
+            h = (h * 1_000_003 + int(t) + 1) % (2**31 - 1)
+        return h
+
+    @staticmethod
+    def token(key: int, position: int, vocab: int) -> int:
+        return int((key * 2654435761 + position * 40503 + 11) % vocab)
+
+    @staticmethod
+    def accepted(key: int, position: int, width: int) -> int:
+        return 1 + (key + position) % max(width, 1)
+
+    @classmethod
+    def alone(cls, prompt, max_new_tokens: int, vocab: int, stop_ids=()) -> list[int]:
+        """The request's output run alone: its tokens up to the budget or the first stop id (included)."""
+        key, out = cls.key(prompt), []
+        for pos in range(max_new_tokens):
+            out.append(cls.token(key, pos, vocab))
+            if out[-1] in stop_ids:
+                break
+        return out
+
+    # -- rows ----------------------------------------------------------------------------------------
+
+    def _rows(self, keys, budgets, stops) -> dict:
+        k, n = len(keys), self.spec.output_len
+        rows = dict(key=np.asarray(keys, np.int64), budget=np.asarray(budgets, np.int64),
+                    stops=np.asarray(stops, np.int64).reshape(k, -1), output=np.full((k, n), -1, np.int64),
+                    num_generated=np.ones(k, np.int64), done=np.zeros(k, bool))
+        for i in range(k):
+            rows["output"][i, 0] = self.token(int(keys[i]), 0, self.vocab)
+            rows["done"][i] = rows["budget"][i] <= 1 or rows["output"][i, 0] in rows["stops"][i]
+        return rows
+
+    def reset(self, dummy: PrefillBatch) -> None:
+        row = self.prefill(dummy)
+        self.state = {k: np.repeat(v, self.slots, axis=0) for k, v in row.items()}
+        self.state["done"][:] = True
+
+    def prefill(self, batch: PrefillBatch) -> dict:
+        self.calls["prefill"] += 1
+        k = batch.tokens.shape[0]
+        keys = [self.key(batch.tokens[i, : batch.lengths[i]].tolist()) for i in range(k)]
+        return self._rows(keys, batch.params.budget, batch.params.stop_ids)
+
+    def first_tokens(self, rows):
+        return rows["output"][:, 0].copy(), rows["done"].copy()
+
+    def insert(self, rows, index) -> None:
+        self.calls["insert"] += 1
+        for i, slot in enumerate(np.asarray(index)):
+            if slot < self.slots:
+                for k, v in rows.items():
+                    self.state[k][slot] = v[i]
+
+    def release(self, free) -> None:
+        self.calls["release"] += 1
+        self.state["done"] |= np.asarray(free, bool)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.calls["move_row"] += 1
+        for v in self.state.values():
+            v[dst] = v[src]
+
+    def prefill_start(self, tokens, valid):
+        return self.prefill_chunk(7, tokens, valid)
+
+    def prefill_chunk(self, pre, tokens, valid, wait: bool = True):
+        self.calls["chunk"] += 1
+        h = pre
+        for t in tokens[0, : int(valid[0])]:  # `key` continued over the chunk
+            h = (h * 1_000_003 + int(t) + 1) % (2**31 - 1)
+        return h
+
+    def prefill_finish(self, pre, batch: PrefillBatch) -> dict:
+        return self._rows([pre], batch.params.budget, batch.params.stop_ids)
+
+    # -- the round -------------------------------------------------------------------------------------
+
+    def draft(self, proposer, rows: int) -> Drafted:
+        self.calls["draft"] += 1
+        width = proposer.budget if isinstance(proposer, TreeShape) else proposer.width
+        L, E = self.expert_bytes.shape
+        demand = np.zeros((rows, L, E), bool)
+        for r in range(rows):
+            for j in range(L):
+                demand[r, j, (self.state["key"][r] + self.state["num_generated"][r] + j) % E] = True
+        return Drafted(proposer=proposer, rows=rows, proposal=int(width), lengths=None, demand=demand)
+
+    def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
+        self.calls["verify"] += 1
+        s = self.state
+        active = np.asarray(plan.active, bool)[: drafted.rows]
+        committed = np.zeros(self.slots, bool)
+        for r in np.flatnonzero(active):
+            if s["done"][r]:
+                continue
+            committed[r] = True
+            key, pos = int(s["key"][r]), int(s["num_generated"][r])
+            for _ in range(self.accepted(key, pos, drafted.proposal)):
+                t = self.token(key, pos, self.vocab)
+                s["output"][r, pos] = t
+                pos += 1
+                if pos >= s["budget"][r] or t in s["stops"][r]:
+                    s["done"][r] = True
+                    break
+            s["num_generated"][r] = pos
+        self.verified_rows.append(committed)
+
+    def fetch(self):
+        s = self.state
+        return s["num_generated"].copy(), s["done"].copy(), s["output"].copy()
+
+
+__all__ = ["Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
+           "expert_byte_table", "fake_pair", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
+           "verify_rows"]
