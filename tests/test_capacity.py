@@ -135,3 +135,18 @@ def test_families_equal_the_bucketed_path(family):
     cap = generate(fam_pair, prompts, max_new_tokens=budgets, stop_ids=[], buckets=CAPACITY)
     ref = generate(fam_pair, prompts, max_new_tokens=budgets, stop_ids=[], buckets=BUCKETED)
     assert cap.tokens == ref.tokens and cap.acceptance_lengths == ref.acceptance_lengths
+
+
+def test_a_growing_capacity_takes_a_longer_request(pair):
+    """The loops' default grows: a request past the capacity runs at the next power of two of rows (one more
+    program) with the bucketed path's tokens, instead of being refused."""
+    import dataclasses
+
+    grow = dataclasses.replace(CAPACITY, grow=True)
+    assert LOOP_BUCKETS.grow
+    prompts = [_prompt(200, 9)]
+    res = generate(pair, prompts, max_new_tokens=80, buckets=grow)
+    assert res.stats["shapes"]["cache"] == res.stats["shapes"]["output"] == 512
+    assert res.tokens == generate(pair, prompts, max_new_tokens=80, buckets=BUCKETED).tokens
+    tree = prepare_tree(pair, prompts, widest=24, max_new_tokens=36, buckets=grow)
+    assert tree.spec.max_len == 512 and tree.spec.output_len == 512

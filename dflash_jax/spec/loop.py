@@ -35,8 +35,9 @@ from dflash_jax.spec.tree import (
 # The loops' shapes: capacity mode (cache rows = output columns = min(DEFAULT_CAPACITY, the target's positions);
 # the prefill in chunks inside one program), so any prompt and budget that fit run one compiled prefill and one
 # compiled loop per batch bucket. The batch is padded to its bucket (the padding is sliced off the result). The
-# bucketed shapes stay behind `buckets=Buckets(...)` (no capacity).
-LOOP_BUCKETS = Buckets(capacity=DEFAULT_CAPACITY, pad_batch=True)
+# bucketed shapes stay behind `buckets=Buckets(...)` (no capacity). A request past the capacity grows it to the next
+# power of two that holds it (one more program) instead of being refused.
+LOOP_BUCKETS = Buckets(capacity=DEFAULT_CAPACITY, pad_batch=True, grow=True)
 
 
 @dataclasses.dataclass
@@ -124,8 +125,10 @@ def prepare_tree(pair, prompts, *, widest: int, block_size=None, buckets=None, *
     prep = prepare(pair, prompts, block_size=block_size, buckets=buckets, **request)
     spec = prep.spec
     max_pos = spec.target.max_position_embeddings
-    if buckets.fixed:  # the capacity's rows already: only check that the widest verify fits them
-        max_len = spec.max_len
+    if buckets.fixed:  # the capacity's rows already (grown for the widest verify when the buckets grow)
+        need = int(np.max(prep.lengths)) + int(np.max(prep.params.budget)) + widest
+        max_len = max(spec.max_len, buckets.capacity_rows(max_pos, need))
+        spec = dataclasses.replace(spec, output_len=max(spec.output_len, max_len))
     else:
         need = prep.tokens.shape[1] + spec.output_len + max(widest, spec.block_size)
         max_len = min(buckets.cache_len(need), max_pos)

@@ -60,6 +60,9 @@ class Buckets:
             (`prompt`, `output` and `cache` are then unused; the batch and stop-id buckets stay).
     chunk:  capacity mode: prefill tokens per chunk (the prefill runs ceil(prompt / chunk) chunks inside one
             program).
+    grow:   capacity mode: a request past the capacity runs at the next power of two of rows that holds it (one
+            more program, up to the target's positions) instead of being refused (the loops' default; an explicit
+            capacity, `dflash-generate --capacity N`, refuses).
     """
 
     prompt: int = 16
@@ -70,6 +73,7 @@ class Buckets:
     pad_batch: bool = True
     capacity: int | None = None
     chunk: int = 128
+    grow: bool = False
 
     def __post_init__(self):
         for name in ("prompt", "output", "cache", "stops", "chunk") + (("capacity",) if self.capacity is not None
@@ -83,11 +87,15 @@ class Buckets:
         """Capacity mode: every shape but the batch (and the stop-id list) is fixed by `capacity`."""
         return self.capacity is not None
 
-    def capacity_rows(self, max_positions: int) -> int:
-        """Capacity mode: the cache rows (= output-buffer columns), the capacity capped at the target's positions."""
+    def capacity_rows(self, max_positions: int, need: int = 0) -> int:
+        """Capacity mode: the cache rows (= output-buffer columns), the capacity capped at the target's positions;
+        with `grow`, the next power of two holding `need` rows when the capacity does not."""
         if self.capacity is None:
             raise ValueError("capacity_rows needs a capacity (Buckets(capacity=N))")
-        return min(int(self.capacity), int(max_positions))
+        rows = min(int(self.capacity), int(max_positions))
+        if self.grow and rows < need <= max_positions:
+            rows = need_capacity(need, max_positions)
+        return rows
 
     def prompt_buffer(self, rows: int) -> int:
         """Capacity mode: the prompt buffer's columns for `rows` cache rows, whole chunks (the prefill reads the

@@ -217,8 +217,8 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
     batch = buckets.batch_size(n)
     prompt_len = buckets.prompt_len(int(lengths_real.max()))
     if buckets.fixed:  # every shape from the capacity: one program for any prompt and budget that fit
-        max_len = output_len = buckets.capacity_rows(max_pos)
         need = int(lengths_real[worst] + budgets[worst]) + block_size
+        max_len = output_len = buckets.capacity_rows(max_pos, need)
         if need > max_len:
             raise rq.capacity_error(need, buckets.capacity, max_pos,
                                     f"prompt ({int(lengths_real[worst])}) + max_new_tokens ({int(budgets[worst])}) + "
