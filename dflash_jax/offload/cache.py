@@ -200,6 +200,10 @@ class ExpertCache:
             self.layers[layer].pinned[experts] = True
 
     # ---- queries -----------------------------------------------------------------------------------------
+    def layer_slots(self, layer: int) -> int:
+        """The slots of the slab `layer`'s experts live in (shared with the layers of its expert shape)."""
+        return self._slab(layer).slots
+
     def _slab(self, layer: int) -> _Slab:
         return self.slabs[self.layers[layer].slab]
 

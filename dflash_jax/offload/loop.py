@@ -373,7 +373,8 @@ class OffloadedGenerator:
         self.wants_logits = bool(width and width > self.top_k) or reads_logits(self.top_k)
 
     # ---- a request -----------------------------------------------------------------------------------------
-    def _whole_table(self, layer, experts):
+    def whole_table(self, layer, experts):
+        """The expert provider of a prefill: every expert of `layer`, its whole table streamed to the device."""
         return ExpertOperands(self.store.device_tables(layer), None, np.ones(self.store.num_experts, bool))
 
     def _on_mesh(self, mesh, hybrid, pool_factory):
@@ -418,7 +419,7 @@ class OffloadedGenerator:
         # ---- prefill: every layer's table streamed through the device once ----
         lengths = jnp.asarray(prep.lengths)
         cache = init_target_cache(cfg, batch, spec.max_len, self.pair.target.embed.dtype, verify_width=verify_width)
-        pre = forward_layerwise(self.stripped, jnp.asarray(prep.tokens), cache, cfg, provider=self._whole_table,
+        pre = forward_layerwise(self.stripped, jnp.asarray(prep.tokens), cache, cfg, provider=self.whole_table,
                                 num_valid=lengths, tap_layers=spec.taps, logits="last",
                                 implementation=self.implementation, positions=positions)
         state = start_prepared(self.stripped, self.pair.draft, pre.out, lengths, prep.params, prep.key_data,
@@ -492,7 +493,7 @@ class OffloadedGenerator:
             window = time.perf_counter() - rec.late_issued[layer] if layer in rec.late_issued else 0.0
             resident = pool.resident(layer).copy()
             wanted = np.unique(experts)
-            host = self._host_experts(layer, experts, wanted[~resident[wanted]])
+            host = self.host_experts(layer, experts, wanted[~resident[wanted]])
             on_device = np.setdiff1d(wanted, host)
             pool.release()  # the previous layer's experts were dispatched
             passes = pool.plan_passes(layer, on_device) if len(on_device) else []
@@ -506,7 +507,7 @@ class OffloadedGenerator:
                 pool.touch(layer, on_device)
                 pool.hold(layer, on_device)
                 return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
-            return self._passes(pool, layer, passes, host)
+            return self.expert_passes(pool, layer, passes, host)
 
         t2 = time.perf_counter()
         logits = None
@@ -566,7 +567,7 @@ class OffloadedGenerator:
             observer.on_round(stats)
         return stats
 
-    def _host_experts(self, layer: int, experts: np.ndarray, missing: np.ndarray) -> np.ndarray:
+    def host_experts(self, layer: int, experts: np.ndarray, missing: np.ndarray) -> np.ndarray:
         """The missing experts of `layer` hybrid placement computes on the host this round (cost model)."""
         if self.hybrid is None or len(missing) == 0:
             return np.zeros(0, np.int64)
@@ -584,7 +585,7 @@ class OffloadedGenerator:
             self._host_tables[layer] = le.tables([jax.device_put(leaf, where) for leaf in le.leaves])
         return self._host_tables[layer]
 
-    def _passes(self, pool, layer: int, passes: list[np.ndarray], host: np.ndarray):
+    def expert_passes(self, pool, layer: int, passes: list[np.ndarray], host: np.ndarray):
         """The layer's passes (see `forward.forward_layerwise`): each device pass fetches its group (evicting the
         previous group's unpinned experts when it must) and holds it until the next pass; then the host pass."""
         e = self.store.num_experts

@@ -55,6 +55,7 @@ from dflash_jax.offload.store import memory_sharding
 from dflash_jax.serve.runner import (
     Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, head_rows, put_head_rows, settle_rows, verify_rows,
 )
+from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import commit, verify_width
 from dflash_jax.spec.session import SpecConfig, SpecState, init_target_cache
 
@@ -142,8 +143,8 @@ class OffloadedRunner(ResidentRunner):
     store: a `HostExpertStore` of `pair.target` to reuse. bandwidth: host->device bytes/s (default: probed).
     No mesh: offloaded serving runs on one device."""
 
-    chunked_prefill = False  # its own prefill fetches each prompt's experts whole
-    deferred_context = False  # its verify commits the draft's context itself
+    chunked_prefill = True  # a long prompt's chunks run layer by layer with whole tables, one chunk per round
+    deferred_context = True  # the verify's commit (`spec.round.commit`) keeps a deferring width-1 round's row pending
     overlapped_verify = False  # the verify is driven from the host, layer by layer, after the prefetch
     default_byte_budget = "cache"  # a round moves at most the cache's bytes
 
@@ -195,7 +196,7 @@ class OffloadedRunner(ResidentRunner):
         cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, gen.stripped.embed.dtype,
                                   verify_width=spec.block_size)
         lengths = jnp.asarray(batch.lengths)
-        pre = forward_layerwise(gen.stripped, jnp.asarray(tokens), cache, spec.target, provider=gen._whole_table,
+        pre = forward_layerwise(gen.stripped, jnp.asarray(tokens), cache, spec.target, provider=gen.whole_table,
                                 num_valid=lengths, tap_layers=spec.taps, logits="last",
                                 implementation=gen.implementation)
         self._prefill_bytes += self.store.total_bytes
@@ -205,6 +206,31 @@ class OffloadedRunner(ResidentRunner):
         if self._pin_pending and batch.real:  # the first real requests: pin from their routing
             self._pin_from_prefill(batch.real)
         return state
+
+    def prefill_start(self, tokens, valid):
+        """The first chunk of a long prompt, on empty caches (`prefill_chunk`)."""
+        pre = chunked.prefill_init_jit(self.gen.stripped, self.pair.draft, int(tokens.shape[0]), self.spec)
+        return self.prefill_chunk(pre, tokens, valid)
+
+    def prefill_chunk(self, pre, tokens, valid, wait: bool = True):
+        """One chunk of a long prompt: the target forward layer by layer with each MoE layer's whole table streamed
+        for that layer only (as a whole prefill), then the chunk's taps join the draft's context
+        (`spec.prefill.prefill_absorb`). Nothing of the decode's expert cache moves."""
+        gen, spec = self.gen, self.spec
+        valid = jnp.asarray(valid, jnp.int32)
+        out = forward_layerwise(gen.stripped, jnp.asarray(tokens, jnp.int32), pre.target_cache, spec.target,
+                                provider=gen.whole_table, num_valid=valid, tap_layers=spec.taps, logits="last",
+                                implementation=gen.implementation)
+        self._prefill_bytes += self.store.total_bytes
+        pre = chunked.prefill_absorb_jit(self.pair.draft, pre, out.out, valid, spec)
+        if wait:
+            jax.block_until_ready(pre.logits)
+        return pre
+
+    def prefill_finish(self, pre, batch: PrefillBatch) -> SpecState:
+        """The state after the last chunk: the first token, as a whole prefill's (`spec.prefill.prefill_finish`)."""
+        return self._widen(chunked.prefill_finish_jit(self.gen.stripped, self.pair.draft, pre, batch.params,
+                                                      batch.key_data, batch.key_fold, self.spec))
 
     def _pin_from_prefill(self, n: int) -> None:
         """Rebuilds the cache with the hottest (layer, expert) pairs of the last prefill's first `n` prompts
@@ -253,7 +279,7 @@ class OffloadedRunner(ResidentRunner):
             mask[ignored] = True
             return dataclasses.replace(ops, mask=mask)
         ls = self.pool.layers[layer]
-        n = self.pool._slab(layer).slots
+        n = self.pool.layer_slots(layer)
         table = ls.slot_of.copy()
         here = table[table < n]
         table[ignored] = here[0] if len(here) else 0
@@ -284,7 +310,7 @@ class OffloadedRunner(ResidentRunner):
             wanted = np.unique(mine)
             ignored = np.setdiff1d(np.unique(others), wanted)
             resident = pool.resident(layer).copy()
-            host = gen._host_experts(layer, mine, wanted[~resident[wanted]]) if len(wanted) else np.zeros(0, int)
+            host = gen.host_experts(layer, mine, wanted[~resident[wanted]]) if len(wanted) else np.zeros(0, int)
             on_device = np.setdiff1d(wanted, host)
             pool.release()  # the previous layer's experts were dispatched
             passes = pool.plan_passes(layer, on_device) if len(on_device) else []
@@ -311,7 +337,7 @@ class OffloadedRunner(ResidentRunner):
                 ops = ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
                 return self._lenient(ops, layer, ignored, True)
             return (self._lenient(ops, layer, ignored, i == 0)
-                    for i, ops in enumerate(gen._passes(pool, layer, passes, host)))
+                    for i, ops in enumerate(gen.expert_passes(pool, layer, passes, host)))
 
         tree = None if draft.tree is None else draft.tree.block()
         out = forward_layerwise(gen.stripped, draft.tokens, state.target_cache, self.spec.target, provider=provider,

@@ -75,6 +75,14 @@ def prefill_chunk(target_w, draft_w, pre: Prefill, tokens: jax.Array, num_valid:
     fam = target_family(spec.target)
     out = fam.forward(target_w, tokens, pre.target_cache, spec.target, num_valid=num_valid, tap_layers=spec.taps,
                       logits="last")
+    return prefill_absorb(draft_w, pre, out, num_valid, spec)
+
+
+def prefill_absorb(draft_w, pre: Prefill, out, num_valid: jax.Array, spec: SpecConfig) -> Prefill:
+    """The prefill after a chunk's target forward `out` (a ForwardOutput with "last" logits and the draft taps, run
+    by any placement: the resident forward, or layer by layer with offloaded experts): its taps join the draft's
+    context, each row with a real token keeps the chunk's last logits."""
+    num_valid = jnp.asarray(num_valid, jnp.int32)
     draft_cache = pre.draft_cache
     if draft_cache is not None:
         draft_cache = draft_model.append_context(draft_w, spec.draft,
@@ -166,8 +174,10 @@ chunked_begin_jit = jax.jit(chunked_begin, static_argnames=("spec", "chunk"))
 capacity_begin_jit = jax.jit(capacity_begin, static_argnames=("spec", "chunk"))
 prefill_start_jit = jax.jit(prefill_start, static_argnames=("spec",))
 prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("spec",), donate_argnames=("pre",))
+prefill_absorb_jit = jax.jit(prefill_absorb, static_argnames=("spec",), donate_argnames=("pre",))
+prefill_init_jit = jax.jit(prefill_init, static_argnames=("batch", "spec"))
 prefill_finish_jit = jax.jit(prefill_finish, static_argnames=("spec",), donate_argnames=("pre",))
 
-__all__ = ["CapacityPrepared", "Prefill", "capacity_begin", "capacity_begin_jit", "chunked_begin", "chunked_begin_jit",
+__all__ = ["CapacityPrepared", "Prefill", "prefill_absorb", "prefill_absorb_jit", "prefill_init_jit", "capacity_begin", "capacity_begin_jit", "chunked_begin", "chunked_begin_jit",
            "prefill_chunk", "prefill_chunk_jit", "prefill_finish", "prefill_finish_jit", "prefill_init", "prefill_start",
            "prefill_start_jit"]

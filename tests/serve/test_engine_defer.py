@@ -22,9 +22,9 @@ BUDGET = 40
 CYCLE = [4, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1, 4, 1, 4, 4, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1]
 
 
-def _engine(pair, defer):
+def _engine(pair, defer, **offload):
     eng = Engine(pair, slots=3, block_size=4, widths=[1, 2, 4], max_prompt_len=16, max_new_tokens=BUDGET,
-                 round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, row_buckets=None, defer_context=defer)
+                 round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, row_buckets=None, defer_context=defer, **offload)
     eng.warmup([16])
     return eng
 
@@ -59,3 +59,21 @@ def test_deferred_context_append_is_exact(pair):
         assert a.acceptance == b.acceptance  # the drafts saw the same context: the same proposals accepted
     assert max(max(r.acceptance) for r in reqs) >= 3  # wide rounds really accepted proposals
     assert np.asarray(deferred.runner.state.num_context).max() <= deferred.block_size
+
+
+@pytest.mark.slow
+def test_offloaded_deferred_context_append_is_exact(pair):
+    """The offloaded runner defers too (its layer-wise verify commits through the same `spec.round.commit`): each
+    request's tokens equal it alone, with width-1 rounds that deferred."""
+    import dflash_jax
+    from dflash_jax.offload import HostExpertStore, min_budget_bytes
+
+    offloaded = dflash_jax.load(expert_memory="pinned_host")
+    store = HostExpertStore(offloaded.target)
+    eng = _engine(offloaded, True, experts="offload", budget_bytes=min_budget_bytes(store), store=store,
+                  bandwidth=1e9)
+    reqs, rounds = _run(eng)
+    assert eng.deferred_rounds > 0 and {r.width for r in rounds if r.width} == {1, 2, 4}
+    for p, r in zip(PROMPTS, reqs):
+        assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
+    assert max(max(r.acceptance) for r in reqs) >= 3

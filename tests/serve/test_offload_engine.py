@@ -37,9 +37,10 @@ def served(pair):
                     max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0},
                     row_buckets=(1, 3), prefill_chunk=8, defer_context=True)
     assert isinstance(engine.runner, OffloadedRunner)
-    # what the offloaded rounds cannot do is switched off by the runner's capability flags, whatever was asked
-    assert not engine.chunked_prefill and engine.prefill_chunk is None
-    assert not engine.deferred_context and not engine.defer_context
+    # the offloaded runner prefills long prompts by chunks (layer by layer, one chunk per round) and defers the
+    # draft's context append in width-1 rounds, as the resident one does
+    assert engine.chunked_prefill and engine.prefill_chunk is not None
+    assert engine.deferred_context and engine.defer_context
     engine.warmup([16])
     registry = CollectorRegistry()
     attach_metrics(engine, registry)
@@ -226,3 +227,29 @@ def test_serve_offload_process_matches_generate_and_shows_metrics(tmp_path, caps
     moved = [line for line in metrics.splitlines() if line.startswith(prefill)]
     assert moved and float(moved[0].split()[-1]) > 0
     assert "dflash_offload_round_bytes_moved_count" in metrics
+
+
+@pytest.mark.slow
+def test_offloaded_chunked_prefill_equals_alone(pair):
+    """Prompts longer than the chunk join the offloaded engine one chunk per round (each chunk layer by layer with
+    whole tables), while a short request keeps decoding: every output equals the request alone, nothing compiles
+    after warm-up, and the short request got tokens in rounds that also prefilled a chunk."""
+    from dflash_jax.offload import HostExpertStore, min_budget_bytes
+    from dflash_jax.serve.engine import Engine
+
+    store = HostExpertStore(pair.target)
+    engine = Engine(pair, experts="offload", budget_bytes=min_budget_bytes(store), slots=2, block_size=BLOCK,
+                    max_prompt_len=48, max_new_tokens=32, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0},
+                    prefill_chunk=16)
+    assert engine.prefill_chunk == 16
+    engine.warmup()
+    prompts = [[5, 6, 7, 8], list(range(100, 140)), [(3 * i) % 500 + 7 for i in range(33)]]
+    budgets = [30, 20, 24]
+    infos = []
+    engine.observers.append(infos.append)
+    reqs = serve_generate(engine, prompts, max_new_tokens=budgets, stop_ids=[])
+    alone = spec_generate(pair, prompts, max_new_tokens=budgets, block_size=BLOCK, stop_ids=[])
+    assert [r.tokens for r in reqs] == alone.tokens
+    assert engine.prefill_chunks >= 5  # 40 and 33 tokens: three chunks each, the last ones maybe shorter
+    assert sum(info.compiles for info in infos) == 0
+    assert any(info.prefill_chunks and info.committed for info in infos)  # decoding went on beside a chunk
