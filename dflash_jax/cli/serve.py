@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="chain: the draft's argmax chain at --block-size (--widths chooses among widths); "
                            "head-chain: the chain from the pair's branch head; tree: a token tree of --tree-budget "
                            "nodes every round; adaptive: each round's shape (chains of 1, 2, 4, .. B and the tree) "
-                           "chosen by the cost model, learned while serving")
+                           "chosen by the cost model, learned while serving (the same as tree with --widths auto)")
     prop.add_argument("--tree-budget", type=int, default=None,
                       help="nodes per tree verify, the anchor included (--proposer tree / adaptive; default 16)")
     prop.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node")
@@ -264,14 +264,12 @@ def build_app(args):
         proposer = None
         if proposer_name == "head-chain":
             proposer = "head-chain"
-        elif proposer_name == "adaptive":
-            widths = "auto"
-        elif proposer_name == "tree":
+        elif proposer_name in ("tree", "adaptive"):  # adaptive: the tree among the chain widths, chosen per round
             from dflash_jax.api import make_proposer
 
             proposer = make_proposer(pair, "tree", tree_budget=getattr(args, "tree_budget", None) or 16,
                                      tree_branch=getattr(args, "tree_branch", 4))
-            widths = None
+            widths = "auto" if proposer_name == "adaptive" or args.widths == "auto" else None
             block_size = pair.draft_cfg.block_size if block_size is None else block_size
         if block_size is None and widths is None:
             block_size = min(DEFAULT_FIXED_BLOCK, pair.draft_cfg.block_size)

@@ -65,7 +65,8 @@ from dflash_jax import compile_cache
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.serve.runner import Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner
 from dflash_jax.spec.policy import (
-    BucketCosts, CostRule, choose_width, decide_width, default_widths, observe_cost,
+    BucketCosts, CostRule, choose_width, decide_width, default_widths, observe_cost, shape_order, shape_rows,
+    width_label,
 )
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
@@ -223,11 +224,12 @@ class Engine:
             runner = self._runner_of(experts, runner_options)
         tree = self._tree_of(proposer, pair)
         head = self._head_of(proposer)
-        if tree is not None:
-            if widths is not None:
-                raise ValueError("a tree proposer verifies its own budget every round: drop widths (or use chains)")
+        if widths is not None and not isinstance(widths, str) and any(isinstance(w, TreeShape) for w in widths):
+            raise ValueError("a tree joins the widths through proposer=TreeShape(...): widths are chain widths")
+        if tree is not None:  # the tree every round, or (with widths) the tree among the chain widths
             block_size = dcfg.block_size if block_size is None else block_size
-            widths = (tree.budget,)
+            if widths is None:
+                widths = ()
         if block_size is None:
             block_size = max(widths) if widths is not None and not isinstance(widths, str) else dcfg.block_size
         rq.check_int(slots, "slots", low=1, what="a positive integer")
@@ -240,10 +242,12 @@ class Engine:
                 raise ValueError(f"widths must be 'auto' or a list of verify widths, got {widths!r}")
             widths = default_widths(int(block_size))
         widths = tuple(sorted({int(w) for w in widths}))
-        if tree is None and (not widths or widths[0] < 1 or widths[-1] > block_size):
+        if widths and (widths[0] < 1 or widths[-1] > block_size):
             raise ValueError(f"widths must be verify widths between 1 and block_size {block_size}, got {list(widths)}")
+        if tree is not None:  # the tree is one more shape the chooser prices (`spec.policy.expected_tokens`)
+            widths = widths + (tree,)
         if round_seconds is not None:
-            round_seconds = {int(w): float(t) for w, t in round_seconds.items()}
+            round_seconds = {w if isinstance(w, TreeShape) else int(w): float(t) for w, t in round_seconds.items()}
             if set(round_seconds) != set(widths) or not all(t > 0 for t in round_seconds.values()):
                 raise ValueError(f"round_seconds must give a positive time for each width {list(widths)}, "
                                  f"got {round_seconds}")
@@ -264,7 +268,7 @@ class Engine:
         if prefill_chunk is not None:
             rq.check_int(prefill_chunk, "prefill_chunk", low=1, what="a positive number of tokens (or None)")
         max_pos = tcfg.max_position_embeddings
-        widest = max(int(block_size), widths[-1])  # the widest verify (a tree may be wider than the block)
+        widest = max([int(block_size)] + [shape_rows(w) for w in widths])  # a tree may be wider than the block
         if int(max_prompt_len) + 1 + widest > max_pos:
             raise ValueError(f"max_prompt_len {max_prompt_len} exceeds the target's context: its {max_pos} positions "
                              f"hold a prompt of at most {max_pos - 1 - widest} tokens (one new token and a "
@@ -299,8 +303,7 @@ class Engine:
         self.widths = widths
         self.row_buckets = row_buckets
         # the proposer of each width the chooser picks from (`spec.round`): chains of the width, or the one tree
-        self.proposers = ({tree.budget: tree} if tree is not None
-                          else {w: Chain(w, head=head and w > 1) for w in widths})
+        self.proposers = {w: w if isinstance(w, TreeShape) else Chain(w, head=head and w > 1) for w in widths}
         for p in self.proposers.values():
             check_proposer(p, self.spec)  # the runner checks them against the draft's weights too
         # the device side: the batched state and every program on it
@@ -643,7 +646,7 @@ class Engine:
             return self._costs[rows].seconds
         if self.round_seconds is not None:
             return self.round_seconds
-        return self.cost_table.get(rows) or {w: 1.0 + w / 16.0 for w in self.widths}
+        return self.cost_table.get(rows) or {w: 1.0 + shape_rows(w) / 16.0 for w in self.widths}
 
     def bucket_costs(self, rows: int) -> BucketCosts:
         """The row bucket's learned costs (from its warm-up or given table until a round of it is served)."""
@@ -687,6 +690,8 @@ class Engine:
         evidence fades instead (decayed like a verify's), its estimate returning to the engine-wide one, so a
         request the chooser moved to width 1 after a few poor rounds is tried at a wider width again."""
         d = ACCEPTANCE_DECAY
+        # a chain proposes width - 1 positions; a tree's path reaches at most the draft block's last position
+        width = self.block_size if isinstance(width, TreeShape) else width
         if width < 2:
             req.accept_hits, req.accept_misses = d * req.accept_hits, d * req.accept_misses
             return
@@ -916,7 +921,7 @@ class Engine:
             self.runner.verify(drafted, RoundPlan(active=active, live=tuple(live)), info)
         demand = self.runner.demand(drafted)
         t_draft = time.perf_counter() - t_device
-        demands = [sched.Demand(key=self.requests[s].id, tokens=width, experts=demand[s]) for s in live]
+        demands = [sched.Demand(key=self.requests[s].id, tokens=shape_rows(width), experts=demand[s]) for s in live]
         decision = sched.schedule(demands, self.sched_state, self.budgets, self.runner.byte_costs(self.expert_bytes))
         self.sched_state = decision.state
         slot_of = {self.requests[s].id: s for s in live}
@@ -947,7 +952,7 @@ class Engine:
             self._emit(req, new, info)
             if done[s]:
                 self._finish(req, self._reason(req), info)
-        if width < 2:  # the engine-wide estimate fades toward the prior in rounds that propose nothing
+        if shape_rows(width) < 2:  # the engine-wide estimate fades toward the prior in rounds that propose nothing
             d, prior = ACCEPTANCE_DECAY, self._prior
             self._hits = d * self._hits + (1 - d) * 2.0 * prior
             self._misses = d * self._misses + (1 - d) * 2.0 * (1.0 - prior)
@@ -1035,7 +1040,7 @@ def attach_cost_metrics(engine: Engine) -> int:
                                          "Rounds run at a width next to the chosen one to re-measure its stale cost "
                                          "(at most one in explore_every rounds of a row bucket)", labels=["width"])
             for w in engine.widths:
-                rounds.add_metric([str(w)], float(engine.explore_rounds.get(w, 0)))
+                rounds.add_metric([width_label(w)], float(engine.explore_rounds.get(w, 0)))
             yield rounds
             yield CounterMetricFamily("dflash_width_explore_seconds", "Wall time of the explored rounds",
                                       value=float(engine.explore_seconds))
@@ -1043,8 +1048,8 @@ def attach_cost_metrics(engine: Engine) -> int:
                                       "width (measured at warm-up, then learned from served rounds)",
                                       labels=["rows", "width"])
             for rows in engine.row_buckets:
-                for w, t in sorted(engine.seconds_table(rows).items()):
-                    table.add_metric([str(rows), str(w)], float(t))
+                for w, t in sorted(engine.seconds_table(rows).items(), key=lambda kv: shape_order(kv[0])):
+                    table.add_metric([str(rows), width_label(w)], float(t))
             yield table
 
     n = 0

@@ -8,6 +8,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from dflash_jax.spec.policy import width_label
+
 
 class Metrics:
     """Acceptance length (tokens committed per verified sequence), tokens/s, queue depth, slots in use,
@@ -62,7 +64,7 @@ class Metrics:
         self.compiles.inc(info.compiles)
         self.rounds.inc()
         if info.width:
-            self.widths.labels(width=str(info.width)).inc()
+            self.widths.labels(width=width_label(info.width)).inc()
         if getattr(info, "rows", 0):
             self.rows.labels(rows=str(info.rows)).inc()
         self.prefill_chunks.inc(getattr(info, "prefill_chunks", 0))

@@ -342,6 +342,13 @@ def shape_order(shape) -> tuple:
     return (shape_rows(shape), tree, shape.branch if tree else 0)
 
 
+def width_label(shape) -> str:
+    """A shape key's name in metrics and stats: the chain width ("8"), or the tree ("tree16x4": budget x branch)."""
+    if isinstance(shape, TreeShape) and not shape.is_chain:
+        return f"tree{shape.budget}x{shape.branch}"
+    return str(shape_rows(shape))
+
+
 ALPHA_GRID = 50  # a tree's expected tokens are evaluated at alpha rounded to 1/50 (cached per shape and step)
 
 

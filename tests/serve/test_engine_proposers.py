@@ -70,11 +70,41 @@ def test_head_chain_proposer_serves_each_request_as_alone(pair):
     assert _per_verify(reqs) > 1.3
 
 
+@pytest.mark.slow
+def test_adaptive_engine_mixes_trees_and_chains(pair):
+    """`proposer=TREE, widths="auto"`: the tree is one more shape the chooser prices beside the chain widths (the
+    same acceptance model, `spec.policy.expected_tokens`). Rounds forced through every shape, and then left to the
+    chooser: greedy outputs equal each request alone, every shape ran, nothing compiled after warm-up."""
+    import itertools
+
+    eng = Engine(pair, slots=4, max_prompt_len=16, max_new_tokens=64, proposer=TREE, widths="auto",
+                 row_buckets=None)
+    assert eng.widths[-1] == TREE and 1 in eng.widths and len(eng.widths) >= 4
+    eng.warmup([16])
+    greedy = [i for i in range(len(PROMPTS)) if not SAMPLING[i].temperature]
+    cycle = itertools.cycle(list(eng.widths) + [TREE, TREE])
+    chooser = eng.choose_width
+    eng.choose_width = lambda live: next(cycle)
+    rounds = []
+    eng.observers.append(rounds.append)
+    with CompileCounter() as counter:
+        reqs = serve_generate(eng, [PROMPTS[i] for i in greedy], max_new_tokens=[BUDGETS[i] for i in greedy])
+    assert counter.compiles == 0
+    assert {r.width for r in rounds if r.width} == set(eng.widths)
+    for i, r in zip(greedy, reqs):
+        assert r.tokens == _alone(pair, TREE, i), i
+    eng.choose_width = chooser  # the chooser's own picks: still the requests' tokens
+    reqs = serve_generate(eng, [PROMPTS[i] for i in greedy], max_new_tokens=[BUDGETS[i] for i in greedy])
+    for i, r in zip(greedy, reqs):
+        assert r.tokens == _alone(pair, TREE, i), i
+    assert eng.width_rounds[TREE] > 0
+
+
 def test_engine_refuses_bad_proposers(pair):
     with pytest.raises(ValueError, match="proposer must be"):
         Engine(pair, proposer="forest")
-    with pytest.raises(ValueError, match="drop widths"):
-        Engine(pair, proposer=TREE, widths=[2, 4])
+    with pytest.raises(ValueError, match="widths are chain widths"):
+        Engine(pair, widths=[2, TREE])
     with pytest.raises(ValueError, match="chain of width 4"):
         Engine(pair, proposer=TreeShape(4, 1))
 
