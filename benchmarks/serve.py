@@ -2,10 +2,11 @@
 speculation (block size 1), at concurrency 1, 4, 16, 32.
 
   python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 2] [--max-tokens 64]
-                             [--prompt-len 64] [--modes auto8,4] [--repeats 4] [--slots 32]
+                             [--prompt-len 64] [--modes auto8,4,tree16] [--repeats 4] [--slots 32]
                              [--out DIR | --write-docs]
 
-For each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by its cost model; a fixed
+For each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by its cost model; `treeN`:
+a token tree of N nodes, branch 4, every round; a fixed
 block size N; and B=1) one engine of `--slots` slots (default: the largest concurrency; 0: an engine per
 concurrency with as many slots as clients) is built and warmed up (compiles excluded) behind the
 OpenAI-compatible server on 127.0.0.1 (uvicorn, in this process); it serves every concurrency, computing each
@@ -124,10 +125,16 @@ class Point:
 
         self.mode, self.slots = mode, slots
         adaptive = mode.startswith("auto")
-        self.block_size = int(mode[4:] if adaptive else mode)
+        tree = mode.startswith("tree")  # treeN: a token tree of N nodes (branch 4) every round
+        proposer = None
+        if tree:
+            from dflash_jax.spec import TreeShape
+
+            proposer = TreeShape(int(mode[4:]), 4)
+        self.block_size = pair.draft_cfg.block_size if tree else int(mode[4:] if adaptive else mode)
         self.engine = Engine(pair, slots=slots, block_size=self.block_size, max_prompt_len=prompt_len,
                              max_new_tokens=max_tokens, max_queue=4 * slots,
-                             widths="auto" if adaptive else None)
+                             widths="auto" if adaptive else None, proposer=proposer)
         t = time.perf_counter()
         self.engine.warmup([prompt_len])
         self.warm_s = time.perf_counter() - t
@@ -198,6 +205,8 @@ def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
 
 
 def mode_label(mode: str) -> str:
+    if mode.startswith("tree"):
+        return f"DFlash tree N={mode[4:]} (branch 4)"
     if mode.startswith("auto"):
         return f"DFlash, width by load (<= {mode[4:]})"
     return f"DFlash B={mode}" if mode != "1" else "no speculation (B=1)"
