@@ -243,8 +243,8 @@ def write(out_dir: str, data: dict) -> None:
         "`dflash-generate`; N = min(2048, the target's positions)): cache rows, output buffer and prompt buffer are",
         "fixed by N, and the prefill runs in chunks of 128 tokens inside one program with the chunk count traced",
         "(`spec.prefill.capacity_begin`). Any prompt + budget + block size <= N runs the same compiled prefill and",
-        "loop; a longer request is refused with one message naming the capacity and how to raise it (`--capacity`,",
-        "`Buckets(capacity=...)`). The bucketed shapes stay behind `buckets=Buckets(...)` / `dflash-generate "
+        "loop; by default a longer request runs at the next power of two of rows that holds it (one more program), and an explicit capacity (`--capacity`,",
+        "`Buckets(capacity=...)`) refuses it with one message naming how to raise it. The bucketed shapes stay behind `buckets=Buckets(...)` / `dflash-generate "
         "--bucketed`.",
         "",
         "## (a) Requests of other prompt lengths and budgets in one process (persistent cache off)",
