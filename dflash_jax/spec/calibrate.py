@@ -16,7 +16,7 @@ import numpy as np
 
 from dflash_jax.spec.loop import begin_tree, generate, generate_tree, prepare_tree
 from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
-from dflash_jax.spec.round import as_proposer, round, round_jit
+from dflash_jax.spec.round import as_proposer, round_jit, round_step
 from dflash_jax.spec.session import SpecConfig, SpecState
 from dflash_jax.spec.tree import TreeCalibration, TreeShape, calibration_features, tree_draft
 
@@ -31,7 +31,7 @@ def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new
     widest = max(s.budget for s in shapes)
     prep = prepare_tree(pair, prompts, widest=widest, max_new_tokens=max_new_tokens, block_size=block_size)
     state = begin_tree(pair, prep, widest)
-    rounds = [jax.jit(functools.partial(lambda tw, dw, st, p: round(tw, dw, st, prep.spec, p)[0], p=as_proposer(s)))
+    rounds = [jax.jit(functools.partial(lambda tw, dw, st, p: round_step(tw, dw, st, prep.spec, p)[0], p=as_proposer(s)))
               for s in shapes]
     for fn in rounds:
         jax.block_until_ready(fn(pair.target, pair.draft, state).output)

@@ -23,7 +23,7 @@ from dflash_jax import compile_cache
 from dflash_jax.spec.policy import AdaptivePolicy, choose_shape, update_calibration
 from dflash_jax.spec.requests import DEFAULT_CAPACITY, Buckets, capacity_error
 from dflash_jax.spec.round import (
-    Chain, Proposer, adaptive_round, adaptive_start, as_proposer, check_proposer, propose_jit, round,
+    Chain, Proposer, adaptive_round, adaptive_start, as_proposer, check_proposer, propose_jit, round_step,
     verify_commit_jit, verify_width,
 )
 from dflash_jax.spec.sampling import SamplingParams
@@ -55,8 +55,8 @@ class GenerationResult:
 @functools.partial(jax.jit, static_argnames=("spec", "proposer"), donate_argnames=("state",))
 def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()) -> SpecState:
     """Rounds of `proposer` until every sequence is done (each round emits >= 1 token per live sequence)."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: round(target_w, draft_w, s, spec, proposer)[0],
-                              state)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                              lambda s: round_step(target_w, draft_w, s, spec, proposer)[0], state)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "policy"), donate_argnames=("astate",))

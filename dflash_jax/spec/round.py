@@ -3,7 +3,7 @@
   proposal = propose(proposer, tw, dw, state, spec)       one draft forward, then the proposer's build
   out      = verify_forward(tw, state, proposal, spec)      the width-N target forward (resident placement)
   state, outcome = commit(state, proposal, out, spec)      acceptance, emission, commit/rollback, context
-  state, outcome = round(tw, dw, state, spec, proposer)    the three in one (jittable)
+  state, outcome = round(tw, dw, state, spec, proposer)    the three in one (jittable; also `round_step`)
 
 Proposers (static, hashable: a jit static argument) say what the draft proposes each round:
   `Chain(width, head)`   the argmax chain of `width` - 1 proposals (DFlash), or the branch head's chain
@@ -188,7 +188,7 @@ def commit(state: SpecState, proposal: Proposal, out, spec: SpecConfig, proposer
     return new, outcome
 
 
-def round(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()):  # noqa: A001
+def round_step(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()):
     """One resident round of any proposer: propose, verify, commit. Returns (state, RoundOutcome)."""
     proposal = propose(proposer, target_w, draft_w, state, spec)
     return commit(state, proposal, verify_forward(target_w, state, proposal, spec), spec, proposer)
@@ -196,7 +196,7 @@ def round(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Propo
 
 def spec_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> SpecState:
     """The chain round of the state's block (the branch head's chain when `spec.chain_head`)."""
-    return round(target_w, draft_w, state, spec, Chain(head=spec.chain_head))[0]
+    return round_step(target_w, draft_w, state, spec, Chain(head=spec.chain_head))[0]
 
 
 @struct.dataclass
@@ -221,7 +221,7 @@ def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, p
     exactly `round` with that proposer), update the calibration. Returns the new AdaptiveState."""
     state = astate.spec_state
     choice = choose_shape(policy, astate.accepted_sum, astate.expected_sum, ~state.done)
-    branches = [functools.partial(lambda s, p: round(target_w, draft_w, s, spec, p)[0], p=as_proposer(shape))
+    branches = [functools.partial(lambda s, p: round_step(target_w, draft_w, s, spec, p)[0], p=as_proposer(shape))
                 for shape in policy.shapes]
     new = jax.lax.switch(choice, branches, state)
     acc, exp_ = update_calibration(policy, astate.accepted_sum, astate.expected_sum, choice, new.last_accepted,
@@ -230,7 +230,7 @@ def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, p
                          chosen=astate.chosen.at[choice].add(1))
 
 
-round_jit = jax.jit(round, static_argnames=("spec", "proposer"), donate_argnames=("state",))
+round_jit = jax.jit(round_step, static_argnames=("spec", "proposer"), donate_argnames=("state",))
 propose_jit = jax.jit(propose, static_argnames=("proposer", "spec"))
 commit_jit = jax.jit(commit, static_argnames=("spec", "proposer"))
 
@@ -241,5 +241,8 @@ def verify_commit_jit(target_w, state: SpecState, proposal: Proposal, spec: Spec
     return commit(state, proposal, verify_forward(target_w, state, proposal, spec), spec, proposer)
 
 
-__all__ = ["AdaptiveState", "Chain", "adaptive_round", "adaptive_start", "Proposal", "Proposer", "as_proposer", "check_proposer", "commit", "commit_jit", "propose",
-           "propose_jit", "round", "round_jit", "spec_round", "verify_commit_jit", "verify_forward", "verify_width"]
+round = round_step  # noqa: A001  (the round's public name; modules that need the builtin import round_step)
+
+__all__ = ["AdaptiveState", "Chain", "Proposal", "Proposer", "adaptive_round", "adaptive_start", "as_proposer",
+           "check_proposer", "commit", "commit_jit", "propose", "propose_jit", "round", "round_jit", "round_step",
+           "spec_round", "verify_commit_jit", "verify_forward", "verify_width"]

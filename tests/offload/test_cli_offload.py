@@ -66,7 +66,7 @@ def test_offload_json_has_route_ahead_stats_and_the_resident_tokens(checkpoint, 
 @pytest.mark.parametrize("argv, message", [
     (["--offload"], "--expert-budget-mb"),
     (["--offload", "--expert-budget-mb", "1", "--predictor", "oracle"], "--predictor must be one of"),
-    (["--expert-budget-mb", "1"], "only applies with --offload"),
+    (["--expert-budget-mb", "1"], "only applies with --experts offload"),
     (["--offload", "--expert-budget-mb", "0.001"], "below the minimum of"),
     (["--offload", "--expert-budget-mb", "1", "--pin-experts", "hot"], "--pin-experts must be"),
 ])
