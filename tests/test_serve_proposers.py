@@ -10,14 +10,13 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 import numpy as np
 import pytest
 
 import dflash_jax
-from tests.serve._process import free_port, stop
+from tests.serve._process import free_port, stop, wait_ready
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300, 17], [7] * 12, list(range(40, 56))]
 N = 40
@@ -53,15 +52,7 @@ def test_served_trees_equal_each_prompt_alone(tmp_path, experts):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        deadline = time.time() + 600
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None, proc.stderr.read()
-                assert time.time() < deadline, "dflash-serve did not start"
-                time.sleep(0.5)
+        wait_ready(client, proc, timeout=600)
 
         def complete(ids):
             out = client.completions.create(model="tiny_pair", prompt=ids, max_tokens=N, temperature=0,

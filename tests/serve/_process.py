@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import time
 
 
 def free_port() -> int:
@@ -21,3 +22,18 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+
+
+def wait_ready(client, proc: subprocess.Popen, timeout: float = 300):
+    """The server's model list once it answers (an `openai` client); fails naming the cause when the process ended
+    or did not answer in time."""
+    import openai
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return client.models.list()
+        except openai.APIConnectionError:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.time() < deadline, "dflash-serve did not start"
+            time.sleep(0.5)

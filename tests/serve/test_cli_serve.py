@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from dflash_jax.cli.serve import main
-from tests.serve._process import free_port, stop
+from tests.serve._process import free_port, stop, wait_ready
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -49,15 +48,7 @@ def test_process_serves_and_stops_on_sigterm(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        deadline = time.time() + 300
-        while True:
-            try:
-                models = client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None, proc.stderr.read()
-                assert time.time() < deadline, "dflash-serve did not start"
-                time.sleep(0.5)
+        models = wait_ready(client, proc)
         assert [m.id for m in models.data] == ["tiny_pair"]
         out = client.completions.create(model="tiny_pair", prompt="def fib(n):", max_tokens=8, temperature=0)
         assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
