@@ -216,7 +216,8 @@ def resolve_vocabulary(args) -> tuple[str, str, str]:
 
     implied = [name for flag, name in ((args.head_chain, "head-chain"), (args.adaptive, "adaptive")) if flag]
     if len(implied) > 1 or (implied and args.proposer not in (None, implied[0])):
-        raise UsageError(f"--proposer {args.proposer or implied[0]} and --{implied[-1]} contradict: pass one --proposer")
+        raise UsageError(f"--proposer {args.proposer or implied[0]} and --{implied[-1]} contradict: "
+                         "pass one --proposer")
     proposer = args.proposer or (implied[0] if implied else "tree" if args.tree_budget is not None else "chain")
     if args.tree_budget is not None and proposer not in ("tree", "adaptive"):
         raise UsageError(f"--tree-budget applies to --proposer tree, not {proposer}")

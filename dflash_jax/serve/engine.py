@@ -362,7 +362,7 @@ class Engine:
         `spec.round.Chain` of the block (head or not), a `spec.tree.TreeShape` (branch 1: the chain of its budget)."""
         if proposer is None or isinstance(proposer, str) or isinstance(proposer, Chain):
             if isinstance(proposer, str) and proposer not in ("chain", "head-chain"):
-                raise ValueError(f"proposer must be 'chain', 'head-chain', a spec.round.Chain or a spec.tree.TreeShape, "
+                raise ValueError("proposer must be 'chain', 'head-chain', a spec.round.Chain or a spec.tree.TreeShape, "
                                  f"got {proposer!r}")
             if isinstance(proposer, Chain) and (proposer.width is not None or proposer.defer_context):
                 raise ValueError("the engine chooses each round's chain width itself (widths=): pass Chain() or "

@@ -31,8 +31,10 @@ def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new
     widest = max(s.budget for s in shapes)
     prep = prepare_tree(pair, prompts, widest=widest, max_new_tokens=max_new_tokens, block_size=block_size)
     state = begin_tree(pair, prep, widest)
-    rounds = [jax.jit(functools.partial(lambda tw, dw, st, p: round_step(tw, dw, st, prep.spec, p)[0], p=as_proposer(s)))
-              for s in shapes]
+    def shape_round(tw, dw, st, p):
+        return round_step(tw, dw, st, prep.spec, p)[0]
+
+    rounds = [jax.jit(functools.partial(shape_round, p=as_proposer(s))) for s in shapes]
     for fn in rounds:
         jax.block_until_ready(fn(pair.target, pair.draft, state).output)
     best = [float("inf")] * len(rounds)

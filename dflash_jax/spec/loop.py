@@ -196,7 +196,8 @@ def plan_run(pair, proposer=None, *, branch_head: bool = False) -> RunPlan:
     proposer = as_proposer(proposer)
     if isinstance(proposer, Chain) and proposer.head and getattr(pair.draft, "branch_head", None) is None:
         raise ValueError("the head chain proposes from the draft's branch head, and this pair's draft has none: load "
-                         "a pair shipped with branch_head.safetensors, or attach one (dflash_jax.pair.with_branch_head)")
+                         "a pair shipped with branch_head.safetensors, or attach one "
+                         "(dflash_jax.pair.with_branch_head)")
     return RunPlan(proposer, None, None)
 
 
