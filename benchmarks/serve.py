@@ -204,6 +204,11 @@ def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
     }
 
 
+def width_key(label: str) -> tuple:
+    """Widths in order: the chain widths by size, then the trees ("tree16x4")."""
+    return (0, int(label), "") if label.isdigit() else (1, 0, label)
+
+
 def mode_label(mode: str) -> str:
     if mode.startswith("tree"):
         return f"DFlash tree N={mode[4:]} (branch 4)"
@@ -385,7 +390,7 @@ def main(argv=None) -> int:
               f"{ratio_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
         cpu_sp = (f"{cpu_speedups[m][r['concurrency']]:.2f}x [{cpu_ranges[m][r['concurrency']][0]:.2f}-"
                   f"{cpu_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
-        widths = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_width"].items(), key=lambda x: int(x[0])))
+        widths = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_width"].items(), key=lambda x: width_key(x[0])))
         if r["explored_rounds"]:
             widths += f" ({r['explored_rounds']} explored)"
         by_rows = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_rows"].items(), key=lambda x: int(x[0])))
@@ -406,7 +411,7 @@ def main(argv=None) -> int:
                   "4, ..), at warm-up and as learned from the served rounds (at the end of the run shown):", ""]
         for r in tables:
             def fmt(t):
-                return " / ".join(f"{v:.1f}" for _, v in sorted(t.items(), key=lambda x: int(x[0])))
+                return " / ".join(f"{v:.1f}" for _, v in sorted(t.items(), key=lambda x: width_key(str(x[0]))))
             lines.append(f"- {r['concurrency']} clients ({mode_label(r['mode'])}): warm-up "
                          f"{fmt(r['warmup_round_ms_by_width'])}; learned {fmt(r['round_ms_by_width'])}")
     if has_plot:
