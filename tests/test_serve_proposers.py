@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dflash_jax
-from tests.serve._process import free_port, stop, wait_ready
+from tests.serve.server_process import free_port, stop, wait_ready
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300, 17], [7] * 12, list(range(40, 56))]
 N = 40

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dflash_jax.cli.serve import main
-from tests.serve._process import free_port, stop, wait_ready
+from tests.serve.server_process import free_port, stop, wait_ready
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -11,7 +11,7 @@ import pytest
 from dflash_jax.serve.engine import generate as serve_generate
 from dflash_jax.spec import SamplingParams
 from dflash_jax.spec import generate as spec_generate
-from tests.serve._process import free_port, stop
+from tests.serve.server_process import free_port, stop
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [7] * 12, list(range(40, 56)), [1, 2, 3, 4]]
 BUDGETS = [20, 8, 24, 12, 16]

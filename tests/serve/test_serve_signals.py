@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve._process import free_port
+from tests.serve.server_process import free_port
 
 ARGS = ["--slots", "2", "--max-prompt-len", "16", "--max-new-tokens", "3000", "--log-level", "warning"]
 

@@ -25,7 +25,7 @@ from dflash_jax.models import draft as dm
 from dflash_jax.pair import BRANCH_HEAD_FILE, load_branch_head, save_branch_head, with_branch_head
 from dflash_jax.spec import generate
 from dflash_jax.spec.tree import TreeShape, build_tree, build_tree_from_head
-from tests.spec._trees import lossless_tree_rounds
+from tests.spec.tree_checks import lossless_tree_rounds
 
 
 @pytest.fixture(scope="module")

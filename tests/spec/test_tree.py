@@ -22,7 +22,7 @@ from dflash_jax.spec import generate
 from dflash_jax.spec.loop import generate_tree
 from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
 from dflash_jax.spec.tree import TreeShape, accept_tree, build_tree, tree_supported
-from tests.spec._trees import lossless_tree_rounds
+from tests.spec.tree_checks import lossless_tree_rounds
 
 
 # ----------------------------------------------------------------------------------------------------------
