@@ -191,6 +191,8 @@ _INT_FIELDS: dict[str, tuple[int, int]] = {
     "full_attention_interval": (1, _LAYERS), "num_target_layers": (1, _LAYERS), "mask_token_id": (0, _VOCAB),
     "block_size": (1, 1024), "linear_num_key_heads": (1, _HEADS), "linear_num_value_heads": (1, _HEADS),
     "linear_key_head_dim": (1, 4096), "linear_value_head_dim": (1, 4096), "linear_conv_kernel_dim": (1, 256),
+    "conv_kernel_size": (1, 256), "conv_group_size": (1, 2**16), "selector_rank": (1, 2**16),
+    "selector_top_k": (1, _VOCAB),
 }
 _BOOL_FIELDS = frozenset({"norm_topk_prob", "tie_word_embeddings", "attention_bias", "use_sliding_window",
                           "attn_output_gate", "is_causal", "truncate", "mrope_interleaved"})
@@ -923,10 +925,20 @@ class DraftConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     max_position_embeddings: int = 32768
+    # DFlash 2 (z-lab `DFlash2DraftModel`, docs/dflash2.md): version 2 drafts carry a grouped dynamic causal
+    # convolution around every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic correction per
+    # `conv_group_size` channels) and a candidate selector (top-`selector_top_k` candidates, rank-`selector_rank`
+    # codebooks). Version 1 drafts leave the four fields None.
+    version: Literal[1, 2] = 1
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self):
         _require_positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                           "intermediate_size", "rms_norm_eps")
+        self._check_version()
         _check_heads(self.num_heads, self.num_kv_heads)
         _default_per_layer(self, "layer_windows", None)
         if not self.layer_causal:
@@ -949,6 +961,37 @@ class DraftConfig:
         if self.rope.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary_dim={self.rope.rotary_dim} exceeds head_dim={self.head_dim}")
 
+    def _check_version(self) -> None:
+        if self.version not in (1, 2):
+            raise ConfigError(f"a DFlash draft's version is 1 (DFlashDraftModel) or 2 (DFlash2DraftModel), "
+                              f"got {self.version!r}")
+        if self.version == 1:
+            for name in DFLASH2_FIELDS:
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name} is a DFlash 2 field, but this is a DFlash 1 draft (DFlashDraftModel): "
+                                      "use version=2 (architectures [\"DFlash2DraftModel\"]) for a draft with "
+                                      f"convolutions and a candidate selector, or drop {name}")
+            return
+        for name in DFLASH2_FIELDS:
+            if getattr(self, name) is None:
+                raise ConfigError(f"a DFlash 2 draft (DFlash2DraftModel) needs {name}: set it (dflash_config."
+                                  f"{name}), or use a DFlash 1 draft (DFlashDraftModel) without convolutions and "
+                                  "selector")
+        _require_positive(self, *DFLASH2_FIELDS)
+        if self.hidden_size % self.conv_group_size:
+            raise ConfigError(f"conv_group_size={self.conv_group_size} must divide hidden_size={self.hidden_size} "
+                              "(each group of channels shares one dynamic kernel)")
+        if self.vocab_size is None:
+            raise ConfigError("a DFlash 2 draft needs vocab_size (its selector's codebooks have one row per token)")
+        if self.selector_top_k > self.vocab_size:
+            raise ConfigError(f"selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}: the "
+                              "selector keeps at most every token")
+
+    @property
+    def dflash2(self) -> bool:
+        """Whether this is a DFlash 2 draft (convolutions and a candidate selector)."""
+        return self.version == 2
+
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
@@ -968,11 +1011,13 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 
 _DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+#: The config fields only a DFlash 2 draft (`DFlash2DraftModel`) has.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # Keys the reference reads through `dflash_config` first and the top level second.
 _DRAFT_VALUE_KEYS = (
     "mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
     "final_logit_softcapping",
-)
+) + DFLASH2_FIELDS
 # Fields a draft config may carry that the reference's Qwen3 draft layers never read: the draft has no
 # embedding (tie_word_embeddings), `auto_map` points at remote code, and gpt-oss drafts copy the target's
 # MoE knobs into their config.
@@ -992,9 +1037,12 @@ def _parse_draft(f: _Fields) -> DraftConfig:
     it into (whatever its model_type): `sliding_window` counts only with `use_sliding_window`, missing
     `layer_types` follow `max_window_layers`, and `is_causal` (when set) overrides every layer's causality.
     """
-    if "DFlash2DraftModel" in (f.raw.get("architectures") or ()):
-        raise ConfigError(f"{f.source}: DFlash2DraftModel (dynamic convolutions and a candidate selector) is "
-                          "not supported; use a DFlashDraftModel checkpoint")
+    architectures = [a for a in (f.raw.get("architectures") or ()) if a in _DRAFT_ARCHITECTURES]
+    if len(set(architectures)) > 1:
+        raise ConfigError(f"{f.source}: architectures lists both DFlashDraftModel and DFlash2DraftModel; keep the "
+                          "one the checkpoint is (DFlash2DraftModel when it has attention_conv / candidate_selector "
+                          "tensors)")
+    version = 2 if architectures[0] == "DFlash2DraftModel" else 1
     model_type = f.require("model_type")
     if model_type not in ("qwen3", "gpt_oss"):
         raise ConfigError(f"{f.source}: DFlash draft with model_type {model_type!r}; supported: qwen3, gpt_oss")
@@ -1014,6 +1062,19 @@ def _parse_draft(f: _Fields) -> DraftConfig:
             return dflash[name]
         _check_field(f.source, name, f.raw.get(name))
         return f.raw[name] if f.raw.get(name) is not None else default
+
+    dflash2 = {name: value(name) for name in DFLASH2_FIELDS}
+    for name, v in dflash2.items():
+        if version == 1 and v is not None:
+            raise ConfigError(f"{f.source}: {name} is a DFlash 2 field, but architectures says DFlashDraftModel: "
+                              "set architectures to [\"DFlash2DraftModel\"] if the checkpoint carries "
+                              "attention_conv / mlp_conv / candidate_selector tensors, else remove the field")
+        if version == 2 and v is None:
+            raise ConfigError(f"{f.source}: a DFlash2DraftModel config needs dflash_config.{name} (the reference "
+                              "cannot build its convolutions / selector without it); add it, or set architectures "
+                              "to [\"DFlashDraftModel\"] for a DFlash 1 draft")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{f.source}: dflash_config.{name} must be a positive integer, got {v!r}; fix it")
 
     hidden = int(f.require("hidden_size"))
     num_layers = int(f.require("num_hidden_layers"))
@@ -1087,6 +1148,8 @@ def _parse_draft(f: _Fields) -> DraftConfig:
         output_multiplier=float(value("output_multiplier", 1.0)),
         final_logit_softcapping=softcap,
         max_position_embeddings=int(f.get("max_position_embeddings", 32768)),
+        version=version,
+        **dflash2,
     )
     f.check_all_used()
     return cfg

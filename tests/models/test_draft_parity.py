@@ -428,8 +428,11 @@ def test_default_target_layer_ids():
     "patch, match",
     [
         ({"rope_flavour": 1}, "rope_flavour"),
-        ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1], "conv_kernel_size": 4}}, "conv_kernel_size"),
-        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
+        # a DFlash 2 field on a DFlash 1 architecture, and a DFlash 2 architecture without its fields
+        ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1], "conv_kernel_size": 4}},
+         "conv_kernel_size is a DFlash 2 field, but architectures says DFlashDraftModel"),
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel config needs dflash_config.conv_kernel_size"),
+        ({"architectures": ["DFlashDraftModel", "DFlash2DraftModel"]}, "lists both"),
         ({"model_type": "llama"}, "llama"),
         ({"dflash_config": {"target_layer_ids": [1]}}, "mask_token_id"),
         ({"layer_types": [_SLIDING] + [_FULL] * 4, "sliding_window": 128}, "use_sliding_window"),
