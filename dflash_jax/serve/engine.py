@@ -27,8 +27,8 @@ One round (`step`):
      long prompt's next chunk, and its insert after the last one);
   2. choose the round's verify width from the compiled widths (`choose_width`: the most expected tokens per
      second, from each live row's acceptance so far and the round time of each width at the round's row
-     bucket, measured at warm-up and learned from the rounds served, plus the host's per-round work; a wider
-     width must win by `width_margin`; now and then a stale neighbouring width runs to re-measure it);
+     bucket, measured at warm-up and learned from the rounds served, plus the host's per-round work; every
+     width but the cheapest must win by `width_margin`; now and then a stale neighbouring width runs to re-measure it);
   3. draft every live slot at that width (`RoundRunner.draft`: the draft forward, plus each row's projected
      expert set: every MoE layer's router on the draft's hidden states of the block, the route-ahead "draft
      router" projection); width 1 drafts nothing, and leaves the draft's context append to the next drafting
@@ -181,8 +181,8 @@ class Engine:
     keeps the row pending, up to the widest block's rows; the next drafting round appends them at once (the same
     draft context, so the same proposals; outputs never depend on it). A width-1 round then costs what a round
     of a block-1 engine does.
-    width_margin: a wider verify is chosen only when its expected tokens per second beat the narrower's by this
-    factor (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
+    width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
+    cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
     no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
     request and engine-wide).
     row_buckets: the row counts a round is compiled for ("auto": 1, 2, 4, .. and `slots`; None: `slots` only).

@@ -1,16 +1,21 @@
 """The adaptive shape policy: which proposer shape a round runs, chosen from the state before the draft.
 
-Two choosers share this module and its model of a shape's worth (expected tokens per round over seconds per round):
-`AdaptivePolicy` for the batch drivers (one calibration per row scaling each shape's tokens per round), and the
-serving engine's width chooser (`choose_width` / `decide_width`: a per-request acceptance estimate, a cost table
-per row bucket kept current from the rounds served, `observe_cost`, with bounded exploration, `explore_width`).
+One chooser, `choose`: the shape of most expected tokens per second summed over the live rows, where every
+shape but the cheapest must win by the factor 1 + margin (a prior toward the cheapest, covering the error of
+measured figures). It is pure (numpy on a host loop, jnp under jit) and every driver calls it:
 
-Pure functions over a static `AdaptivePolicy` (hashable: a jit static argument) that every driver uses: the jitted
-loop (`spec.round.adaptive_round`, a `lax.switch` over the shapes), the Python stepping loops and the offloaded
-loop (numpy on the host). `choose_shape` picks the shape of largest expected tokens per second summed over the
-live rows; `update_calibration` folds a round's acceptance into each row's decayed calibration. The measured
-cost table (`VerifyCost`) and the tokens per round (`taus`) are data: measured at warm-up (`spec.calibrate`) or
-modelled.
+  worth[b, S]  expected tokens per round of each live row under each shape, from the row's own evidence:
+               `calibrated_worth` (the batch drivers' `AdaptivePolicy`: each shape's measured or modelled tokens
+               per round, scaled by the row's decayed calibration, `update_calibration`), or `expected_tokens`
+               (the serving engine: a per-request acceptance estimate through one model draft that prices chains
+               and trees alike, `acceptance_worth`);
+  seconds[S]   a round's cost per shape, data: a static `VerifyCost` (measured at warm-up by `spec.calibrate`,
+               or modelled), or a row bucket's `BucketCosts` kept current from the rounds served (`observe_cost`,
+               with bounded exploration of stale neighbours, `explore_width`).
+
+The jitted loop runs `choose_shape` inside the program (`spec.round.adaptive_round`, a `lax.switch` over the
+shapes); the Python stepping loops and the offloaded loop call it on the host; the serving engine calls
+`decide_width` (the same `choose`, over its learned table, then the exploration).
 """
 
 from __future__ import annotations
@@ -169,19 +174,39 @@ class AdaptivePolicy:
         return tuple(prior_tokens_per_round(s) for s in self.shapes)
 
 
-def choose_shape(policy: AdaptivePolicy, accepted_sum: jax.Array, expected_sum: jax.Array,
-                 live: jax.Array) -> jax.Array:
-    """The index of the shape `policy` picks for a batch (see `AdaptivePolicy`): accepted_sum / expected_sum
-    [b] the decayed proposals accepted / predicted per sequence, live [b] bool. Pure and traceable (the serving
-    engine can call it per round on its own slots); ties go to the earlier shape."""
-    xp = np if isinstance(accepted_sum, np.ndarray) else jnp  # numpy on a host loop: no device round trip
+def choose(worth, live, seconds, margin: float = 0.0):
+    """THE chooser: the index of the shape with the largest expected tokens per second summed over the live rows,
+    `argmax_s sum_b live_b * worth[b, s] / seconds[s]`, every shape but the cheapest (least seconds; the first of
+    equals) paying the factor 1 + `margin`. worth [b, S] expected tokens per round, live [b] bool, seconds [S].
+    Ties go to the earlier shape (list shapes cheapest first). Pure; numpy in, numpy out (no device round trip),
+    jnp in, jnp out (traceable)."""
+    xp = np if isinstance(worth, np.ndarray) else jnp
+    seconds = xp.asarray(seconds, xp.float32)
+    cheapest = xp.argmin(seconds)
+    scored = xp.where(xp.arange(seconds.shape[0]) == cheapest, seconds, seconds * xp.float32(1.0 + margin))
+    total = xp.sum(xp.asarray(worth, xp.float32) * xp.asarray(live).astype(xp.float32)[:, None], axis=0)
+    return xp.argmax(total / scored).astype(xp.int32)
+
+
+def calibrated_worth(policy: AdaptivePolicy, accepted_sum, expected_sum):
+    """worth [b, S] of the batch drivers: `1 + c_b * (tau_s - 1)`, tau_s the policy's tokens per round of shape s
+    and c_b = (accepted_sum + 1) / (expected_sum + 1) the row's decayed calibration (clipped to
+    `calibration_range` when given)."""
+    xp = np if isinstance(accepted_sum, np.ndarray) else jnp
     taus = xp.asarray(policy.tokens_per_round(), xp.float32)
-    seconds = xp.asarray(policy.scored_seconds(), xp.float32)
     calib = (accepted_sum + xp.float32(1.0)) / (expected_sum + xp.float32(1.0))
     if policy.calibration_range is not None:
         calib = xp.clip(calib, *policy.calibration_range)
-    rate = (xp.float32(1.0) + calib[:, None] * (taus[None] - xp.float32(1.0))) / seconds[None]
-    return xp.argmax(xp.sum(rate * xp.asarray(live).astype(xp.float32)[:, None], axis=0)).astype(xp.int32)
+    return xp.float32(1.0) + calib[:, None] * (taus[None] - xp.float32(1.0))
+
+
+def choose_shape(policy: AdaptivePolicy, accepted_sum: jax.Array, expected_sum: jax.Array,
+                 live: jax.Array) -> jax.Array:
+    """The index of the shape `policy` picks for a batch (see `AdaptivePolicy`): `choose` over
+    `calibrated_worth` and the policy's seconds. accepted_sum / expected_sum [b] the decayed proposals accepted /
+    predicted per sequence, live [b] bool. Pure and traceable; ties go to the earlier shape."""
+    worth = calibrated_worth(policy, accepted_sum, expected_sum)
+    return choose(worth, live, policy.seconds(), policy.margin)
 
 
 def update_calibration(policy: AdaptivePolicy, accepted_sum, expected_sum, choice, accepted, done_before):
@@ -367,14 +392,19 @@ def expected_tokens(alpha, shape):
     return (1.0 - alpha ** width) / (1.0 - alpha)
 
 
+def acceptance_worth(alphas, shapes):
+    """worth [b, S] of the serving engine: `expected_tokens(alpha_b, shape_s)` for each live row's acceptance
+    estimate."""
+    alphas = np.asarray(alphas, np.float64).reshape(-1)
+    return np.stack([np.broadcast_to(expected_tokens(alphas, w), alphas.shape) for w in shapes], axis=1)
+
+
 def choose_width(alphas, seconds: dict, margin: float = 0.0):
     """The shape (a chain width, or a `TreeShape`) with the most expected tokens per second over the live rows:
-    argmax over w of sum_r expected_tokens(alpha_r, w) / seconds[w], where a costlier shape (`shape_order`) must
-    beat the best cheaper one by the factor 1 + `margin` (ties and near-ties: the cheaper; the margin covers the
-    table's error, so a round speculates only where the gain is clear). Pure and deterministic."""
-    best, best_rate = None, -1.0
-    for w in sorted(seconds, key=shape_order):
-        rate = float(np.sum(expected_tokens(alphas, w))) / seconds[w]
-        if rate > best_rate * (1 + margin + 1e-9):
-            best, best_rate = w, rate
-    return best
+    `choose` over `acceptance_worth` and `seconds` ({shape: seconds per round}), the shapes in cost order
+    (`shape_order`): ties go to the cheaper, and every shape but the cheapest must win by 1 + `margin` (the table's
+    error: a round speculates only where the gain is clear). Pure and deterministic."""
+    shapes = sorted(seconds, key=shape_order)
+    worth = acceptance_worth(alphas, shapes)
+    live = np.ones(worth.shape[0], bool)
+    return shapes[int(choose(worth, live, [seconds[w] for w in shapes], margin))]

@@ -67,7 +67,7 @@ def test_the_table_follows_the_load_and_keeps_its_ratios():
     assert late.count(best) >= 0.9 * len(late), late
     ratios = {w: costs.seconds[w] / costs.seconds[best] for w in TRUE}
     for w in (2, 4, 8):  # the widths explored near the end: their ratio to the chosen one
-        assert ratios[w] == pytest.approx(TRUE[w] / TRUE[best], rel=0.1), ratios
+        assert ratios[w] == pytest.approx(TRUE[w] / TRUE[best], rel=0.15), ratios  # 5% noise, 3x spikes, the wave
 
 
 def test_exploration_is_bounded_deterministic_and_adjacent():
