@@ -14,7 +14,6 @@ prefill, token for token. Lossy only in what the prefill drops.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
@@ -26,8 +25,7 @@ from dflash_jax import compile_cache
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, generation_result, run_loop, shape_stats
 from dflash_jax.spec.sampling import SamplingParams
-from dflash_jax.spec.session import (Prepared, SpecConfig, SpecState, init_target_cache, prepare, start_state,
-                                    target_family)
+from dflash_jax.spec.session import Prepared, SpecConfig, SpecState, begin_arrays, prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,24 +87,12 @@ def prepare_compressed(pair, prompts: Sequence[Sequence[int]], kept=None, *, blo
     return CompressedBatch(prepared=prep, positions=positions, prompt_lengths=lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _begin_at(target_w, draft_w, tokens, lengths, positions, params, key_data, key_fold,
-              spec: SpecConfig) -> SpecState:
-    fam = target_family(spec.target)
-    keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
-    cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
-                              verify_width=spec.block_size)
-    out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last",
-                      positions=positions)
-    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions)
-
-
 def begin_compressed(pair, batch: CompressedBatch) -> SpecState:
     """The compressed prefill of a `prepare_compressed` batch: the state the speculative rounds continue from."""
     compile_cache.ensure_enabled()
     prep = batch.prepared
-    return _begin_at(pair.target, pair.draft, prep.tokens, prep.lengths, batch.positions, prep.params, prep.key_data,
-                     prep.key_fold, prep.spec)
+    return begin_arrays(pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data,
+                        prep.key_fold, prep.spec, positions=batch.positions)
 
 
 def generate(pair, prompts: Sequence[Sequence[int]], kept=None, *, max_new_tokens, block_size: int | None = None,

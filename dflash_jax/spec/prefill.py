@@ -68,34 +68,39 @@ def prefill_init(target_w, draft_w, batch: int, spec: SpecConfig) -> Prefill:
 
 
 def prefill_chunk(target_w, draft_w, pre: Prefill, tokens: jax.Array, num_valid: jax.Array,
-                  spec: SpecConfig) -> Prefill:
+                  spec: SpecConfig, positions: jax.Array | None = None) -> Prefill:
     """Extends the prefill by one chunk `tokens` [b, C] (row i's first `num_valid[i]` are real, 0 allowed): the
-    target forward writes them at each row's length, their draft taps join the draft's context."""
+    target forward writes them at each row's length, their draft taps join the draft's context. positions [b, C]:
+    the chunk's explicit RoPE positions (a compressed prefill, `dflash_jax.pflash`: the kept tokens at their
+    original positions; the caches then carry each row's `position_offset`); None: slot positions."""
     num_valid = jnp.asarray(num_valid, jnp.int32)
     fam = target_family(spec.target)
     out = fam.forward(target_w, tokens, pre.target_cache, spec.target, num_valid=num_valid, tap_layers=spec.taps,
-                      logits="last")
-    return prefill_absorb(draft_w, pre, out, num_valid, spec)
+                      logits="last", positions=positions)
+    return prefill_absorb(draft_w, pre, out, num_valid, spec, positions)
 
 
-def prefill_absorb(draft_w, pre: Prefill, out, num_valid: jax.Array, spec: SpecConfig) -> Prefill:
+def prefill_absorb(draft_w, pre: Prefill, out, num_valid: jax.Array, spec: SpecConfig,
+                   positions: jax.Array | None = None) -> Prefill:
     """The prefill after a chunk's target forward `out` (a ForwardOutput with "last" logits and the draft taps, run
     by any placement: the resident forward, or layer by layer with offloaded experts): its taps join the draft's
-    context, each row with a real token keeps the chunk's last logits."""
+    context (at `positions` when the forward ran at explicit ones), each row with a real token keeps the chunk's
+    last logits."""
     num_valid = jnp.asarray(num_valid, jnp.int32)
     draft_cache = pre.draft_cache
     if draft_cache is not None:
         draft_cache = draft_model.append_context(draft_w, spec.draft,
                                                  context_features=draft_model.context_features(out.taps),
-                                                 num_context=num_valid, cache=draft_cache)
+                                                 num_context=num_valid, cache=draft_cache, positions=positions)
     logits = jnp.where((num_valid > 0)[:, None], out.logits.astype(jnp.float32), pre.logits)
     return Prefill(target_cache=out.cache, draft_cache=draft_cache, logits=logits)
 
 
-def prefill_start(target_w, draft_w, tokens: jax.Array, num_valid: jax.Array, spec: SpecConfig) -> Prefill:
+def prefill_start(target_w, draft_w, tokens: jax.Array, num_valid: jax.Array, spec: SpecConfig,
+                  positions: jax.Array | None = None) -> Prefill:
     """The first chunk: `prefill_chunk` on empty caches."""
     return prefill_chunk(target_w, draft_w, prefill_init(target_w, draft_w, tokens.shape[0], spec), tokens,
-                         num_valid, spec)
+                         num_valid, spec, positions)
 
 
 def prefill_finish(target_w, draft_w, pre: Prefill, params: RowParams, key_data, key_fold,

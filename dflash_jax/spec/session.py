@@ -317,15 +317,26 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def begin_arrays(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig) -> SpecState:
+def begin_arrays(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig,
+                 positions=None) -> SpecState:
     """The prefill of a batch from `prepare`'s arrays (right-padded tokens [b, T], lengths [b], per-row settings,
-    key data and folds): the target forward, then `start_state`. Jitted; `begin_prepared` is its usual caller."""
+    key data and folds): the target forward, then `start_state`. Jitted; `begin_prepared` is its usual caller.
+    positions [b, T]: the tokens' explicit RoPE positions (a compressed prefill, `dflash_jax.pflash`: the kept
+    tokens at their original positions, padding continuing after the last); None: slot positions."""
+    return prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec, positions)[0]
+
+
+def prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None):
+    """`begin_arrays` (not jitted) that also returns the prefill's last logits [b, V] (the distribution the first
+    token was drawn from: the server's logprobs and its `n` samples of one prompt read them)."""
     fam = target_family(spec.target)
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
     cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
                               verify_width=spec.block_size)
-    out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last")
-    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params)
+    out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last",
+                      positions=positions)
+    return (start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions),
+            out.logits)
 
 
 def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig,
