@@ -6,6 +6,10 @@ transposed here to `[in, out]`):
   layers.{i}.{input_layernorm,post_attention_layernorm}.weight
   layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias when attention_bias), layers.{i}.self_attn.{q,k}_norm.weight
   layers.{i}.mlp.{gate,up,down}_proj.weight
+DFlash 2 drafts (`DFlash2DraftModel`) add, per layer, `{attention_conv,mlp_conv}.base_kernel` [2, K, H] and
+`{attention_conv,mlp_conv}.kernel_projection.weight` [2 * K * G, H], and `candidate_selector.
+{predecessor,successor}_codebook` [V, r] (release: no `.weight`) and `candidate_selector.hidden_projection.weight`
+[r, H].
 The draft has no embedding and no lm_head: it borrows the target's.
 """
 
@@ -40,6 +44,21 @@ def rules(cfg: DraftConfig):
         rule(_L + r"self_attn\.([qk])_norm\.weight", lambda m: Placement(f"layers.{m[1]}.attn.{m[2]}_norm")),
         rule(_L + r"mlp\.(gate|up|down)_proj\.weight",
              lambda m: Placement(f"layers.{m[1]}.mlp.{m[2]}", transpose=_T2)),
+    ] + (dflash2_rules() if cfg.dflash2 else [])
+
+
+def dflash2_rules():
+    """A DFlash 2 draft's convolutions and candidate selector. The release stores the codebooks without the
+    `.weight` of an embedding (z-lab's `from_pretrained` maps them back); `save_pretrained` writes it: both
+    are read."""
+    return [
+        rule(_L + r"(attention_conv|mlp_conv)\.base_kernel", lambda m: Placement(f"layers.{m[1]}.{m[2]}.base")),
+        rule(_L + r"(attention_conv|mlp_conv)\.kernel_projection\.weight",
+             lambda m: Placement(f"layers.{m[1]}.{m[2]}.projection", transpose=_T2)),
+        rule(_P + r"candidate_selector\.(predecessor|successor)_codebook(?:\.weight)?",
+             lambda m: Placement(f"selector.{m[1]}")),
+        rule(_P + r"candidate_selector\.hidden_projection\.weight",
+             lambda m: Placement("selector.projection", transpose=_T2)),
     ]
 
 

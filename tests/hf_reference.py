@@ -108,6 +108,56 @@ def build_and_save_draft(config, directory, *, seed: int = 0):
     return model
 
 
+DFLASH2_FIELDS = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+
+
+def tiny_dflash2_config(*, target_layers: int, taps=(0, 2), mask_token_id: int = 159, block_size: int = 8,
+                        dflash2=None, **overrides):
+    """A tiny z-lab DFlash 2 draft config (`DFlash2DraftModel`): `tiny_draft_config` plus the convolution and
+    selector fields (`DFLASH2_FIELDS`, updated by `dflash2`), a sliding-window first layer by default."""
+    fields = dict(DFLASH2_FIELDS, **(dflash2 or {}))
+    kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6, use_sliding_window=True)
+    kw.update(overrides)
+    dflash = {"mask_token_id": mask_token_id, "target_layer_ids": list(taps), "block_size": block_size}
+    dflash.update(kw.pop("dflash_config", {}))
+    config = tiny_draft_config(target_layers=target_layers, taps=taps, mask_token_id=mask_token_id,
+                               block_size=block_size, dflash_config=dict(dflash, **fields), **kw)
+    config.architectures = ["DFlash2DraftModel"]
+    return config
+
+
+def build_and_save_dflash2_draft(config, directory, *, seed: int = 0, release_layout: bool = True):
+    """z-lab's reference `DFlash2DraftModel` for `config`, randomized (convolution kernels far from the
+    identity, random codebooks) and saved; with `release_layout` the codebooks are stored as the published
+    checkpoints store them (no `.weight`, which `DFlash2DraftModel.from_pretrained` maps back). Returns the
+    eval model."""
+    import os
+
+    from dflash.model import DFlash2DraftModel
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(config).float()
+    randomize_(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                base = 0.4 * torch.randn(conv.base_kernel.shape, generator=gen)
+                base[:, 0] += 1.0  # near the identity, but far from it (every tap and the dynamic part count)
+                conv.base_kernel.copy_(base)
+                conv.kernel_projection.weight.mul_(0.5)
+    model.eval()
+    model.save_pretrained(directory)
+    if release_layout:
+        path = os.path.join(directory, "model.safetensors")
+        tensors = load_file(path)
+        for name in ("predecessor_codebook", "successor_codebook"):
+            tensors[f"candidate_selector.{name}"] = tensors.pop(f"candidate_selector.{name}.weight")
+        save_file(tensors, path, metadata={"format": "pt"})
+    return model
+
+
 @torch.no_grad()
 def hf_greedy(hf, prompt, n):
     """The reference model's own greedy continuation: argmax of its forward, one token at a time on its

@@ -24,6 +24,15 @@ The context K/V of every layer depend on the context features only (never on the
 computed once per context row and kept in a `KVCache` (slot p = position p). Block K/V are never stored:
 they change every round. `draft_forward` appends the new context rows and runs the block in one call;
 `append_context` alone feeds a long prompt in chunks.
+
+DFlash 2 drafts (`cfg.dflash2`, z-lab `DFlash2DraftModel`; docs/dflash2.md) wrap each sublayer of the block
+stream in a grouped dynamic causal convolution (`ConvWeights`, `dynamic_conv`): with h the sublayer's normed
+input, `prepare` feeds the sublayer `conv(h; base[0], dyn_0(h))` and `finish` turns its output a into
+`conv(a; base[1], dyn_1(h))`, where `conv(x; w, d)[t, c] = sum_j (w[j, c] + d[t, j, c // G]) x[t - j, c]` over
+taps j < K that stay inside the block (zero before the block's first slot). The context rows never pass the
+convolutions. Their candidate selector (`SelectorWeights`) is the draft's conditional head: it sits where a
+branch head sits (`DraftWeights.branch_head`), so every proposer built on a head (the head chain, head trees)
+runs on it.
 """
 
 from __future__ import annotations
@@ -51,6 +60,13 @@ Head = Union[jax.Array, None, Callable[[jax.Array], jax.Array]]
 
 __all__ = [
     "BranchHeadWeights",
+    "ConvWeights",
+    "LayerConvs",
+    "SelectorWeights",
+    "dynamic_conv",
+    "selector_scores",
+    "selector_logits",
+    "is_selector",
     "branch_head_logits",
     "init_branch_head",
     "DraftWeights",
@@ -85,16 +101,58 @@ class BranchHeadWeights:
 
 
 @struct.dataclass
+class ConvWeights:
+    """One grouped dynamic causal convolution (DFlash 2): `base` [2, K, H] (the static per-channel kernels of
+    `prepare` (row 0) and `finish` (row 1), tap j reading the position j back) and `projection` [H, 2 * K * G]
+    ([in, out]; G = H / conv_group_size groups): column `s * K * G + j * G + g` is the dynamic correction of
+    kernel s, tap j, channel group g."""
+
+    base: jax.Array
+    projection: jax.Array
+
+
+@struct.dataclass
+class LayerConvs:
+    """A DFlash 2 draft layer's convolutions: around its attention and around its MLP."""
+
+    attention: ConvWeights
+    mlp: ConvWeights
+
+
+@struct.dataclass
+class SelectorWeights:
+    """DFlash 2's candidate selector: codebooks `predecessor` and `successor` [V, r] and `projection` [H, r]
+    ([in, out]). At a block position with final-normed hidden h, given the token p at the previous position,
+    the candidates are the top `cfg.selector_top_k` tokens c of the draft's logits u, scored
+
+        score(c | p, h) = u[c] + <predecessor[p] * (h @ projection), successor[c]>
+
+    and every other token is out (score -inf): the selector's q(. | p) = softmax(score / T)."""
+
+    predecessor: jax.Array
+    successor: jax.Array
+    projection: jax.Array
+
+
+@struct.dataclass
 class DraftWeights:
     """fc [n_taps * H_target, H] ([in, out]); layers with `attn: AttentionWeights` (biases when the config
-    has attention_bias) and `mlp: MLPWeights`; `hidden_norm` and `final_norm` [H]; `branch_head`: an
-    optional `BranchHeadWeights` (a pair ships it beside its checkpoint; token trees are built from it)."""
+    has attention_bias) and `mlp: MLPWeights`; `hidden_norm` and `final_norm` [H]; `convs`: a DFlash 2
+    draft's `LayerConvs`, one per layer (None for DFlash 1); `branch_head`: the draft's conditional head, an
+    optional `BranchHeadWeights` (a pair ships it beside its checkpoint; head chains and token trees are built
+    from it) or a DFlash 2 draft's `SelectorWeights` (from its checkpoint)."""
 
     fc: jax.Array
     hidden_norm: jax.Array
     layers: tuple[DecoderLayerWeights, ...]
     final_norm: jax.Array
-    branch_head: BranchHeadWeights | None = None
+    branch_head: BranchHeadWeights | SelectorWeights | None = None
+    convs: tuple[LayerConvs, ...] | None = None
+
+
+def is_selector(head) -> bool:
+    """Whether a draft's conditional head is a DFlash 2 candidate selector (not a trained branch head)."""
+    return isinstance(head, SelectorWeights)
 
 
 def init_branch_head(hidden_size: int, key: jax.Array, *, width: int | None = None,
@@ -105,16 +163,72 @@ def init_branch_head(hidden_size: int, key: jax.Array, *, width: int | None = No
     return BranchHeadWeights(w_in=w_in.astype(dtype), w_out=jnp.zeros((f, hidden_size), dtype))
 
 
-def branch_head_logits(head: BranchHeadWeights, hidden: jax.Array, parent: jax.Array, cfg: DraftConfig, *,
-                       embed: jax.Array, lm_head: Head) -> jax.Array:
+def branch_head_logits(head: BranchHeadWeights | SelectorWeights, hidden: jax.Array, parent: jax.Array,
+                       cfg: DraftConfig, *, embed: jax.Array, lm_head: Head) -> jax.Array:
     """fp32 logits [..., V] at positions with final-normed hidden states [..., H] whose previous block
-    position holds the tokens `parent` [...] (see `BranchHeadWeights`)."""
+    position holds the tokens `parent` [...] (see `BranchHeadWeights`; a `SelectorWeights` head gives
+    `selector_logits`: its scores on its candidates, -inf elsewhere)."""
+    if is_selector(head):
+        return selector_logits(head, hidden, parent, cfg, embed=embed, lm_head=lm_head)
     e = _embed_block(embed, parent, cfg).astype(jnp.float32)
     e = e * jax.lax.rsqrt(jnp.mean(e * e, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     h = hidden.astype(jnp.float32)
     z = jnp.concatenate([h, e], axis=-1)
     delta = jax.nn.silu(z @ head.w_in.astype(jnp.float32)) @ head.w_out.astype(jnp.float32)
     return draft_logits((h + delta).astype(hidden.dtype), cfg, embed=embed, lm_head=lm_head)
+
+
+def selector_scores(selector: SelectorWeights, hidden: jax.Array, parent: jax.Array, cfg: DraftConfig, *,
+                    embed: jax.Array, lm_head: Head) -> tuple[jax.Array, jax.Array]:
+    """The selector's candidates and their transition scores at positions with final-normed hidden states
+    [..., H] given the previous position's tokens `parent` [...]: (scores [..., K] fp32, candidates [..., K]
+    int32), K = `cfg.selector_top_k`, candidates in descending order of the draft's logits."""
+    unary, candidates = jax.lax.top_k(draft_logits(hidden, cfg, embed=embed, lm_head=lm_head), cfg.selector_top_k)
+    f32 = jnp.float32
+    query = jnp.take(selector.predecessor, parent, axis=0).astype(f32) * (
+        hidden.astype(f32) @ selector.projection.astype(f32))  # [..., r]
+    pair = jnp.einsum("...r,...kr->...k", query, jnp.take(selector.successor, candidates, axis=0).astype(f32))
+    return unary + pair, candidates.astype(jnp.int32)
+
+
+def selector_logits(selector: SelectorWeights, hidden: jax.Array, parent: jax.Array, cfg: DraftConfig, *,
+                    embed: jax.Array, lm_head: Head) -> jax.Array:
+    """`selector_scores` as a full-vocabulary row [..., V] fp32: the candidates' scores, -inf elsewhere (so
+    `softmax(row / T)` is the selector's q over its K candidates, and its argmax the greedy choice)."""
+    scores, candidates = selector_scores(selector, hidden, parent, cfg, embed=embed, lm_head=lm_head)
+    vocab = selector.successor.shape[0]
+    lead = scores.shape[:-1]
+    flat_scores, flat_cands = scores.reshape(-1, scores.shape[-1]), candidates.reshape(-1, candidates.shape[-1])
+    rows = jnp.arange(flat_scores.shape[0])[:, None]
+    row = jnp.full((flat_scores.shape[0], vocab), -jnp.inf, jnp.float32).at[rows, flat_cands].set(flat_scores)
+    return row.reshape(lead + (vocab,))
+
+
+def dynamic_conv(x: jax.Array, kernel: jax.Array, dynamic: jax.Array, group_size: int, width: int) -> jax.Array:
+    """`y[t, c] = sum_j (kernel[j, c] + dynamic[t, j, c // group_size]) * x[t - j, c]` over the taps j < K, within
+    blocks of `width` consecutive positions (x[t - j] is 0 when t - j lies before t's block).
+    x [b, T, H] (T a multiple of `width`), kernel [K, H], dynamic [b, T, K, H / group_size] -> [b, T, H]."""
+    b, t, h = x.shape
+    taps, groups = kernel.shape[0], h // group_size
+    blocks = x.reshape(b, t // width, width, groups, group_size)
+    dyn = dynamic.reshape(b, t // width, width, taps, groups)
+    out = jnp.zeros_like(blocks)
+    for j in range(min(taps, width)):  # a tap reaching past the block start reads zeros only
+        shifted = blocks if j == 0 else jnp.pad(blocks[:, :, :-j], ((0, 0), (0, 0), (j, 0), (0, 0), (0, 0)))
+        weight = kernel[j].reshape(groups, group_size).astype(x.dtype) + dyn[:, :, :, j, :, None].astype(x.dtype)
+        out = out + weight * shifted
+    return out.reshape(b, t, h)
+
+
+def _conv_prepare(conv: ConvWeights, h: jax.Array, cfg: DraftConfig, width: int):
+    """The convolution before a sublayer: (its input, the dynamic kernel [b, T, K, G] its `finish` applies)."""
+    b, t, _ = h.shape
+    dyn = (h @ conv.projection).reshape(b, t, 2, cfg.conv_kernel_size, -1)
+    return dynamic_conv(h, conv.base[0], dyn[:, :, 0], cfg.conv_group_size, width), dyn[:, :, 1]
+
+
+def _conv_finish(conv: ConvWeights, out: jax.Array, dynamic: jax.Array, cfg: DraftConfig, width: int):
+    return dynamic_conv(out, conv.base[1], dynamic, cfg.conv_group_size, width)
 
 
 def init_draft_cache(cfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -240,19 +354,38 @@ def _embed_block(embed: jax.Array, tokens: jax.Array, cfg: DraftConfig) -> jax.A
     return x
 
 
-def _block_layer(layer: DecoderLayerWeights, x, cos, sin, attend, cfg: DraftConfig):
+def _block_layer(layer: DecoderLayerWeights, x, cos, sin, attend, cfg: DraftConfig, convs: LayerConvs | None = None,
+                 width: int | None = None):
     """One draft layer on the block stream x [b, T, H]: queries from the block; `attend(q, k, v)` attends
-    them over the context and the block's own keys / values k, v (`_cache_attend`, `_concat_attend`)."""
+    them over the context and the block's own keys / values k, v (`_cache_attend`, `_concat_attend`).
+    convs: a DFlash 2 layer's convolutions around both sublayers, over blocks of `width` positions."""
     b, t, _ = x.shape
     h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+    if convs is not None:
+        h, finish = _conv_prepare(convs.attention, h, cfg, width)
     q, k, v = qkv_projection(
         h, layer.attn, cos, sin, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
     )
-    out = attend(q, k, v)
-    x = x + _linear(out.reshape(b, t, -1), layer.attn.o, layer.attn.o_bias)
+    out = _linear(attend(q, k, v).reshape(b, t, -1), layer.attn.o, layer.attn.o_bias)
+    if convs is not None:
+        out = _conv_finish(convs.attention, out, finish, cfg, width)
+    x = x + out
     mlp: MLPWeights = layer.mlp
-    return x + swiglu(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), mlp.gate, mlp.up, mlp.down)
+    h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+    if convs is not None:
+        h, finish = _conv_prepare(convs.mlp, h, cfg, width)
+    out = swiglu(h, mlp.gate, mlp.up, mlp.down)
+    if convs is not None:
+        out = _conv_finish(convs.mlp, out, finish, cfg, width)
+    return x + out
+
+
+def _layer_convs(weights: DraftWeights, cfg: DraftConfig, i: int) -> LayerConvs | None:
+    if cfg.dflash2 != (weights.convs is not None):
+        raise ValueError("a DFlash 2 config needs weights with convolutions (DraftWeights.convs) and a DFlash 1 "
+                         "config weights without: load the weights with the config they were converted with")
+    return None if weights.convs is None else weights.convs[i]
 
 
 def draft_forward(
@@ -290,7 +423,7 @@ def draft_forward(
             masks[kind] = _kind_mask(positions, positions, causal=causal, window=window)
         attend = _cache_attend(cache.keys[i], cache.values[i], positions, start, masks[kind], causal=causal,
                                window=window, cfg=cfg)
-        x = _block_layer(layer, x, cos, sin, attend, cfg)
+        x = _block_layer(layer, x, cos, sin, attend, cfg, _layer_convs(weights, cfg, i), width)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     return draft_logits(hidden, cfg, embed=embed, lm_head=lm_head), hidden, cache
 
@@ -312,7 +445,8 @@ def draft_forward_blocks(
     context_features [n, L, n_taps * H_t], the target's taps at positions 0 .. L-1; anchors [n, A].
     Block a sees exactly what `draft_forward` shows it at inference with `anchors[i, a]` committed tokens:
     the context rows strictly before its anchor (under the layer's causal / window rule) and its own B
-    keys; never another block. The context K/V are projected once per sequence and shared by its A blocks
+    keys; never another block (nor, for DFlash 2, another block's positions through the convolutions). The
+    context K/V are projected once per sequence and shared by its A blocks
     (the inference form would project them A times). widths [n, A] (optional, 1..B): block a acts as a
     width-`widths[i, a]` block, its first w slots seeing only each other (inference at block size w); slots
     past w are computed but meaningless. Returns (logits [n, A, B, V] fp32, hidden [n, A, B, H]).
@@ -339,7 +473,8 @@ def draft_forward_blocks(
         if kind not in masks:
             masks[kind] = _kind_mask(q_pos, k_pos, causal=kind[0], window=kind[1]) & visible
         k_ctx, v_ctx = _context_kv(ctx, layer.attn, ctx_cos, ctx_sin, cfg)
-        x = _block_layer(layer, x, cos, sin, _concat_attend(k_ctx, v_ctx, masks[kind], cfg), cfg)
+        x = _block_layer(layer, x, cos, sin, _concat_attend(k_ctx, v_ctx, masks[kind], cfg), cfg,
+                         _layer_convs(weights, cfg, i), width)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     logits = draft_logits(hidden, cfg, embed=embed, lm_head=lm_head)
     return logits.reshape(n, a, width, -1), hidden.reshape(n, a, width, -1)
@@ -366,8 +501,26 @@ def random_weights(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, *,
         mlp = MLPWeights(gate=init.mat(h, cfg.intermediate_size), up=init.mat(h, cfg.intermediate_size),
                                down=init.mat(cfg.intermediate_size, h))
         layers.append(DecoderLayerWeights(input_norm=init.norm(h), attn=attn, post_norm=init.norm(h), mlp=mlp))
-    return DraftWeights(fc=init.mat(cfg.num_taps * cfg.target_hidden_size, h), hidden_norm=init.norm(h),
-                        layers=tuple(layers), final_norm=init.norm(h))
+    weights = DraftWeights(fc=init.mat(cfg.num_taps * cfg.target_hidden_size, h), hidden_norm=init.norm(h),
+                           layers=tuple(layers), final_norm=init.norm(h))
+    if not cfg.dflash2:
+        return weights
+    # DFlash 2: convolutions away from the identity and random codebooks (a key of their own, so DFlash 1
+    # weights of a key stay what they were)
+    keys = iter(jax.random.split(jax.random.fold_in(key, 2), 4 * cfg.num_layers + 3))
+    normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+    k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+
+    def conv():
+        base = jnp.zeros((2, k, h), jnp.float32).at[:, 0].set(1.0) + 0.3 * normal(2, k, h)
+        return ConvWeights(base=base.astype(dtype), projection=(0.3 * normal(h, 2 * k * groups) / h**0.5).astype(dtype))
+
+    convs = tuple(LayerConvs(attention=conv(), mlp=conv()) for _ in range(cfg.num_layers))
+    r = cfg.selector_rank
+    selector = SelectorWeights(predecessor=normal(cfg.vocab_size, r).astype(dtype),
+                               successor=(normal(cfg.vocab_size, r) / r**0.5).astype(dtype),
+                               projection=(normal(h, r) / h**0.5).astype(dtype))
+    return weights.replace(convs=convs, branch_head=selector)
 
 
 def declare_weights(cfg: DraftConfig) -> dict[str, Target]:
@@ -389,6 +542,16 @@ def declare_weights(cfg: DraftConfig) -> dict[str, Target]:
         })
         out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                      head_dim=cfg.head_dim, bias=cfg.attention_bias))
+        if cfg.dflash2:
+            k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                out[p + conv + ".base"] = Target((2, k, h))
+                out[p + conv + ".projection"] = Target((h, 2 * k * groups))
+    if cfg.dflash2:
+        r = cfg.selector_rank
+        out.update({"selector.predecessor": Target((cfg.vocab_size, r)),
+                    "selector.successor": Target((cfg.vocab_size, r)),
+                    "selector.projection": Target((h, r))})
     return out
 
 
@@ -400,6 +563,17 @@ def weights_from_flat(flat: dict[str, Any], cfg: DraftConfig) -> DraftWeights:
         attn = attention_weights_from(g)
         mlp = MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
         layers.append(DecoderLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
-    return DraftWeights(
+    weights = DraftWeights(
         fc=flat["fc"], hidden_norm=flat["hidden_norm"], layers=tuple(layers), final_norm=flat["final_norm"]
     )
+    if not cfg.dflash2:
+        return weights
+
+    def conv(i, name):
+        return ConvWeights(base=flat[f"layers.{i}.{name}.base"], projection=flat[f"layers.{i}.{name}.projection"])
+
+    convs = tuple(LayerConvs(attention=conv(i, "attention_conv"), mlp=conv(i, "mlp_conv"))
+                  for i in range(cfg.num_layers))
+    selector = SelectorWeights(predecessor=flat["selector.predecessor"], successor=flat["selector.successor"],
+                               projection=flat["selector.projection"])
+    return weights.replace(convs=convs, branch_head=selector)
