@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="a convert-weights checkpoint directory (default: the shipped tiny pair)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health (/metrics included); "
+                        "default: the DFLASH_API_KEY environment variable, else no key")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
     p.add_argument("--slots", type=int, default=4, help="batch slots: requests decoded together (a compiled shape)")
     p.add_argument("--block-size", type=int, default=None,
@@ -113,6 +116,8 @@ def check_args(args) -> None:
         parse_mesh_spec(args.mesh)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if getattr(args, "api_key", None) is not None and not args.api_key.strip():
+        raise UsageError("--api-key must not be empty (leave it out for a server without a key)")
     for name in ("slots", "max_prompt_len", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -232,6 +237,29 @@ def chat_template(directory: str, side_file=None):
         raise UsageError(f"{e} (checkpoint {directory})") from None
 
 
+API_KEY_ENV = "DFLASH_API_KEY"
+
+
+def api_key_of(args) -> str | None:
+    """--api-key, else the DFLASH_API_KEY environment variable, else None (no key)."""
+    key = getattr(args, "api_key", None)
+    if key is None:
+        key = os.environ.get(API_KEY_ENV) or None
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) only answers this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def build_app(args):
     """(the FastAPI app, the engine) for parsed arguments: loads the pair and warms the engine up."""
     import dflash_jax
@@ -309,7 +337,7 @@ def build_app(args):
     eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
     app = create_app(engine, load_tokenizer(pair), model_name=name, chat_template=template,
                      eos_ids=eos, grace_s=args.grace_seconds,
-                     max_body_bytes=int(getattr(args, "max_request_mb", 8.0) * 1e6))
+                     max_body_bytes=int(getattr(args, "max_request_mb", 8.0) * 1e6), api_key=api_key_of(args))
     attach_cost_metrics(engine)  # /metrics: the cost table as learned, the exploration's rounds and seconds
     if offload:  # /metrics: bytes moved per round, hits / misses, predicted vs used experts
         from dflash_jax.serve.offload_runner import attach_server_metrics
@@ -369,6 +397,9 @@ class _Server:
 
 def _serve(args) -> int:
     check_args(args)
+    if api_key_of(args) is None and not is_loopback(args.host):
+        print(f"dflash-serve: warning: listening on {args.host} with no API key: anyone who can reach this port can "
+              f"use it (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
     import uvicorn
 
     from dflash_jax.cli import errors

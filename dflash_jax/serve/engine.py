@@ -63,7 +63,9 @@ import numpy as np
 
 from dflash_jax import compile_cache
 from dflash_jax.serve import scheduler as sched
-from dflash_jax.serve.runner import Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner
+from dflash_jax.serve.runner import (
+    TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
+)
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, choose_width, decide_width, default_widths, observe_cost, shape_order, shape_rows,
     width_label,
@@ -124,9 +126,35 @@ class Request:
     cancel_requested: bool = False
     cancel_reason: str = "cancelled"
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    logprobs: int | None = None  # alternatives per token to report with each token's log-prob (None: no log-probs)
+    prompt_logprobs: bool = False  # score the prompt's tokens too (echo)
+    index: int = 0  # which of its prompt's n samples this is (its key is the seed's, folded with the index)
+    siblings: list = dataclasses.field(default_factory=list)  # on sample 0: samples 1 .. n-1, admitted with it
+    token_logprobs: list = dataclasses.field(default_factory=list)  # the target's log-prob of each of `tokens`
+    top_logprobs: list = dataclasses.field(default_factory=list)  # per token: [(id, log-prob)] x `logprobs`
+    prompt_scores: TokenLogprobs | None = None  # prompt_logprobs: of prompt[1:] ([P-1], [P-1, K])
+
+    kept: np.ndarray | None = None  # the prompt indices its compressed prefill keeps (`compress`; None: all)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done_event.wait(timeout)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens its prefill runs: the prompt, or its kept tokens when the engine compressed it."""
+        return self.prompt if self.kept is None else [self.prompt[i] for i in self.kept]
+
+    def prefill_positions(self, width: int) -> np.ndarray:
+        """[width] int32 RoPE positions of its prefill tokens right-padded to `width`: the kept tokens' original
+        positions (or 0, 1, ..), the padding continuing after the last."""
+        pos = np.arange(len(self.prompt), dtype=np.int32) if self.kept is None else np.asarray(self.kept, np.int32)
+        n = len(pos)
+        return np.concatenate([pos, pos[-1] + 1 + np.arange(width - n, dtype=np.int32)])[:width]
+
+    @property
+    def samples(self) -> list:
+        """This request and its siblings: the `n` samples of its prompt, by index."""
+        return [self] + self.siblings
 
 
 @dataclasses.dataclass
@@ -217,7 +245,7 @@ class Engine:
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
                  cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256,
-                 proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None,
+                 proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  **runner_options):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if runner is None:
@@ -297,6 +325,11 @@ class Engine:
         self._prefilling: _Prefilling | None = None
         self._joining: list[Request] = []  # requests being prefilled into slots (out of the queue)
         self.prefill_chunks = 0  # chunks of long prompts prefilled (total)
+        if compress is not None and not (callable(compress) and callable(getattr(compress, "warm", None))):
+            raise TypeError(f"compress must be a pflash.Compressor (a scorer and a keep ratio or budget), got "
+                            f"{type(compress).__name__}")
+        self.compress = compress
+        self.compressed_tokens = 0  # prompt tokens the compressed prefills left out (total)
         self.prefill_tokens = 0  # prompt tokens prefilled (total: whole prompts and chunks)
         self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
                                output_len=self.output_len, method=method)
@@ -417,9 +450,24 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------------
 
     def validate(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 stop_ids: Sequence[int] = (), seed: int = 0) -> None:
+                 stop_ids: Sequence[int] = (), seed: int = 0, n: int = 1, logprobs: int | None = None,
+                 prompt_logprobs: bool = False) -> None:
         """Raises RequestError (naming the cause and the fix) for a request this engine cannot serve."""
         vocab = self.spec.target.vocab_size
+        if not rq.is_int(n) or not 1 <= n <= self.slots:
+            raise RequestError(f"n must be an integer between 1 and this server's {self.slots} slots (its samples "
+                               f"decode together), got {n!r}")
+        if n > 1 and not self.runner.forks:
+            raise RequestError(f"n > 1 is not available with the {type(self.runner).__name__}: send n requests")
+        if logprobs is not None or prompt_logprobs:
+            if logprobs is not None and (not rq.is_int(logprobs) or not 0 <= logprobs <= TOP_LOGPROBS):
+                raise RequestError(f"logprobs must be an integer between 0 and {TOP_LOGPROBS}, got {logprobs!r}")
+            if not self.runner.token_logprobs or self.tree is not None:
+                raise RequestError("log-probabilities are computed for chain proposers only (a token tree's verify "
+                                   "scores its nodes, not the committed path): serve with --proposer chain")
+            if prompt_logprobs and not self.runner.prompt_scores:
+                raise RequestError(f"prompt log-probabilities (echo) are not available with the "
+                                   f"{type(self.runner).__name__}")
         if hasattr(prompt, "__len__") and len(prompt) > self.max_prompt_len:  # before looking at each id
             raise RequestError(f"the prompt has {len(prompt)} tokens; this server takes at most "
                                f"{self.max_prompt_len} (shorten the prompt or restart with a larger --max-prompt-len)")
@@ -454,12 +502,32 @@ class Engine:
                                f"server's context of {room} tokens: lower max_tokens or shorten the prompt")
 
     def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-               stop_ids: Sequence[int] = (), seed: int = 0, on_tokens=None, on_finish=None) -> Request:
-        """Queues a request (validated first: RequestError). Raises QueueFull when `max_queue` are waiting."""
-        self.validate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
-        req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], max_new_tokens=int(max_new_tokens),
-                      sampling=sampling, stop_ids=[int(t) for t in stop_ids], seed=int(seed), on_tokens=on_tokens,
-                      on_finish=on_finish, submitted_at=time.perf_counter())
+               stop_ids: Sequence[int] = (), seed: int = 0, on_tokens=None, on_finish=None, n: int = 1,
+               logprobs: int | None = None, prompt_logprobs: bool = False) -> Request:
+        """Queues a request (validated first: RequestError). Raises QueueFull when `max_queue` are waiting.
+
+        n: independent samples of the prompt (`Request.samples`, sample i keyed by the seed folded with i; sample 0
+        is the request a lone `n=1` submit makes): prefilled once, forked into n slots when they are all free.
+        logprobs: report the target's log-prob of each generated token (`Request.token_logprobs`) and its
+        `logprobs` most likely alternatives (`Request.top_logprobs`). prompt_logprobs: score the prompt too
+        (`Request.prompt_scores`, one target forward over it at admission)."""
+        self.validate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed, n=n,
+                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        now = time.perf_counter()
+        # a compressing engine scores the prompt here, on the caller's thread (never inside a round)
+        kept = None if self.compress is None else self.compress([int(t) for t in prompt])
+        if kept is not None:
+            kept = np.asarray(kept, np.int32)
+
+        def one(index: int) -> Request:
+            return Request(id=next(self._ids), prompt=[int(t) for t in prompt], max_new_tokens=int(max_new_tokens),
+                           sampling=sampling, stop_ids=[int(t) for t in stop_ids], seed=int(seed),
+                           on_tokens=on_tokens, on_finish=on_finish, submitted_at=now,
+                           logprobs=None if logprobs is None else int(logprobs),
+                           prompt_logprobs=bool(prompt_logprobs) and index == 0, index=index, kept=kept)
+
+        req = one(0)
+        req.siblings = [one(i) for i in range(1, int(n))]
         with self._wake:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
@@ -495,8 +563,12 @@ class Engine:
         every prompt right-padded to the largest prompt bucket among them."""
         reqs = [_DUMMY if r is None else r for r in reqs]
         rows = len(reqs) if rows is None else rows
-        width = max(self.buckets.prompt_len(len(r.prompt)) for r in reqs)
-        tokens, lengths = rq.pad_prompts([np.asarray(r.prompt, np.int32) for r in reqs], width, rows)
+        width = max(self.buckets.prompt_len(len(r.prefill_ids)) for r in reqs)
+        tokens, lengths = rq.pad_prompts([np.asarray(r.prefill_ids, np.int32) for r in reqs], width, rows)
+        positions = None
+        if self.compress is not None:  # every row at explicit positions: one state layout for all of them
+            positions = np.stack([r.prefill_positions(width) for r in reqs]
+                                 + [np.arange(width, dtype=np.int32)] * (rows - len(reqs)))
         pad = rows - len(reqs)
         samplings = [r.sampling for r in reqs] + [SamplingParams()] * pad
         params = RowParams(budget=np.array([r.max_new_tokens for r in reqs] + [1] * pad, np.int32),
@@ -505,7 +577,7 @@ class Engine:
         key_data = np.stack([seed_key_data(r.seed) for r in reqs] + [seed_key_data(0)] * pad)
         real = len(reqs) if reqs[0].id >= 0 else 0  # warm-up's requests and the dummy have id -1
         return PrefillBatch(tokens=tokens, lengths=lengths, params=params, key_data=key_data,
-                            key_fold=np.zeros(rows, np.int32), real=real)
+                            key_fold=np.zeros(rows, np.int32), real=real, positions=positions)
 
     def _reset(self) -> None:
         """The runner's state of `slots` free rows."""
@@ -519,33 +591,75 @@ class Engine:
     def _admit(self, reqs: list, slots: list, info: RoundInfo | None) -> None:
         """Prefills `reqs` together (one batch of the smallest group size that holds them) and writes them into
         `slots`; emits their first tokens."""
+        for r in reqs:
+            self._score_prompt(r)
         batch = self._batch(reqs, next(g for g in self.prefill_groups if g >= len(reqs)))
         rows = self.runner.prefill(batch)
         if info is not None:
-            info.prefill_tokens += sum(len(r.prompt) for r in reqs)
-            self.prefill_tokens += sum(len(r.prompt) for r in reqs)
+            info.prefill_tokens += sum(len(r.prefill_ids) for r in reqs)
+            self.prefill_tokens += sum(len(r.prefill_ids) for r in reqs)
+            self.compressed_tokens += sum(len(r.prompt) - len(r.prefill_ids) for r in reqs)
         self._place(reqs, slots, rows, len(batch.lengths), info)
+        return rows
 
     def _place(self, reqs: list, slots: list, rows, n: int, info: RoundInfo | None) -> None:
         """Writes the runner's prefilled `n` rows `rows` into `slots` (rows past them: dropped); emits the first
-        tokens."""
+        tokens. A request of n samples has its row forked first (`RoundRunner.fork`: sample i keyed by the seed
+        folded with i, its first token drawn again), so its prompt is prefilled once."""
+        if any(r.siblings for r in reqs):
+            src = [i for i, r in enumerate(reqs) for _ in r.samples]
+            reqs = [sample for r in reqs for sample in r.samples]
+            rows, n = self._fork(rows, src, reqs), self.slots
         index = np.full(n, self.slots, np.int32)  # padding rows: dropped
         index[: len(slots)] = slots
         self.runner.insert(rows, index)
         if info is None:
             return
         first, done = self.runner.first_tokens(rows)
+        scores = None
+        if any(r.logprobs is not None for r in reqs):
+            s = self.runner.first_logprobs(rows)  # [n] -> one token per row
+            scores = TokenLogprobs(s.logprob[:, None], s.top_logprob[:, None], s.top_id[:, None])
         finished = np.zeros(self.slots, bool)
         for i, (req, slot) in enumerate(zip(reqs, slots)):
             req.slot = slot
             self.requests[slot] = req
             info.admitted += 1
+            self._record_logprobs(req, scores, i, 1)
             self._emit(req, [int(first[i])], info)
             if done[i]:
                 self._finish(req, self._reason(req), info)
                 finished[slot] = True
         if finished.any():
             self.runner.release(finished)
+
+    def _fork(self, rows, src: list, samples: list):
+        """`slots` rows: row i the prefilled row src[i] as sample `samples[i]` (padding rows: copies of row 0)."""
+        pad = self.slots - len(src)
+        key_data = np.stack([seed_key_data(r.seed) for r in samples] + [seed_key_data(0)] * pad)
+        fold = np.array([r.index for r in samples] + [0] * pad, np.int32)
+        return self.runner.fork(rows, np.array(list(src) + [0] * pad, np.int32), key_data, fold)
+
+    def _score_prompt(self, req: Request) -> None:
+        """The prompt's log-probs of an echo request (`RoundRunner.prompt_logprobs`: one target forward, padded to
+        the prompt's bucket; compiled per bucket the first time one is asked)."""
+        if not req.prompt_logprobs or req.prompt_scores is not None:
+            return
+        n = len(req.prompt)
+        tokens = np.zeros((1, self.buckets.prompt_len(n)), np.int32)
+        tokens[0, :n] = req.prompt
+        s = self.runner.prompt_logprobs(tokens)
+        req.prompt_scores = TokenLogprobs(s.logprob[0, : n - 1], s.top_logprob[0, : n - 1], s.top_id[0, : n - 1])
+
+    @staticmethod
+    def _record_logprobs(req: Request, scores: TokenLogprobs | None, row: int, count: int) -> None:
+        """Appends the log-probs of `req`'s next `count` tokens (row `row` of `scores`) when it asked for them."""
+        if scores is None or req.logprobs is None or count <= 0:
+            return
+        k = req.logprobs
+        req.token_logprobs.extend(float(x) for x in scores.logprob[row, :count])
+        for ids, lps in zip(scores.top_id[row, :count, :k].tolist(), scores.top_logprob[row, :count, :k].tolist()):
+            req.top_logprobs.append(list(zip(ids, lps)))
 
     def warmup(self, prompt_buckets: Sequence[int] | None = None) -> float:
         """Compiles the prefill for every prompt bucket up to max_prompt_len (or the given lengths), the
@@ -565,6 +679,8 @@ class Engine:
                 n = b + 1
         else:
             sizes = sorted({self.buckets.prompt_len(n) for n in prompt_buckets})
+        if self.compress is not None:  # the scorer of every prompt length it may compress
+            self.compress.warm(self.max_prompt_len)
         idle = np.zeros(self.slots, bool)
         for _ in range(2):  # the second pass runs on states that are outputs of the first (same cache keys)
             for width in sizes:
@@ -572,16 +688,18 @@ class Engine:
                     reqs = [Request(id=-1, prompt=[0] * width, max_new_tokens=1, sampling=SamplingParams(),
                                     stop_ids=[], seed=0)] * group
                     free = [s for s in range(self.slots) if s not in self.requests][:group]
-                    self._admit(reqs, free, None)  # dummy rows that are done: their slots stay free
+                    rows = self._admit(reqs, free, None)  # dummy rows that are done: their slots stay free
+                    self._warm_samples(reqs, rows)
             if self.prefill_chunk is not None and self.max_prompt_len > self.prefill_chunk:
                 self._warm_chunks()
             self.runner.release(idle)
             self.runner.move_row(self.slots - 1, self.slots - 1)  # a no-op
+            scored = np.ones(self.slots, bool) if self.runner.token_logprobs and self.tree is None else None
             for rows in self.row_buckets:
                 for w in self.widths:
-                    self._round(w, idle, rows)
+                    self._round(w, idle, rows, logprobs=scored)
                     if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
-                        self._round(w, idle, rows, defer=False)
+                        self._round(w, idle, rows, defer=False, logprobs=scored)
         self.runner.sync()
         if self.round_seconds is None and not self.cost_table:
             self.cost_table = self.measure_rounds()
@@ -616,13 +734,25 @@ class Engine:
         top = max(live) + 1 if len(live) else 1
         return next(r for r in self.row_buckets if r >= top)
 
-    def _round(self, width: int, active: np.ndarray, rows: int | None = None, defer: bool | None = None) -> None:
+    def _round(self, width: int, active: np.ndarray, rows: int | None = None, defer: bool | None = None,
+               logprobs: np.ndarray | None = None) -> None:
         """One round of the rows where `active` is set (warm-up, `measure_rounds`); defer None: as served (a
         width-1 round defers the draft's context append when the engine does; rows that do not verify keep
-        their state, so there is always room)."""
+        their state, so there is always room). logprobs: the rows whose log-probs the round computes."""
         rows = self.slots if rows is None else rows
         defer = (width == 1 and self.defer_context) if defer is None else defer
-        self.runner.round(self._proposer(width, defer), active, rows)
+        self.runner.round(self._proposer(width, defer), active, rows, logprobs=logprobs)
+
+    def _warm_samples(self, reqs: list, rows) -> None:
+        """Compiles what a prefilled group of `reqs` (its rows `rows`) may run beyond its insert: its first tokens'
+        log-probs, and the fork of its rows into n samples and their insert (dropped)."""
+        if self.runner.token_logprobs and self.tree is None:
+            self.runner.first_logprobs(rows)
+        if self.runner.forks and self.slots > 1:
+            rows = self._fork(rows, [0] * self.slots, [reqs[0]] * self.slots)
+            self.runner.insert(rows, np.full(self.slots, self.slots, np.int32))
+            if self.runner.token_logprobs and self.tree is None:
+                self.runner.first_logprobs(rows)
 
     def _defers(self, width: int, live: Sequence[int]) -> bool:
         """Whether this width-1 round defers the draft's context append: while every live row's pending context
@@ -760,7 +890,9 @@ class Engine:
             for r in cancelled_queue:
                 self.queue.remove(r)
         for r in cancelled_queue:
-            self._finish(r, r.cancel_reason, info)
+            for sample in r.samples:  # its siblings were never admitted
+                if sample.finish_reason is None:
+                    self._finish(sample, r.cancel_reason, info)
         free = np.zeros(self.slots, bool)
         for slot, r in list(self.requests.items()):
             if r.cancel_requested:
@@ -773,21 +905,28 @@ class Engine:
         self._compact()
         chunk_ran = self._advance_prefill(info)  # one chunk per round: the round's prefill budget
         self._compact()
-        while len(self.requests) + (self._prefilling is not None) < self.slots:
+        while self._room() > 0:
             free = [s for s in range(self.slots) if s not in self.requests]
+            room = self._room()
             start = None
             with self._wake:
                 # in arrival order: whole prompts join in groups; a long one starts its chunked prefill (one at a
-                # time, a slot reserved for it) and the requests behind it may take the other free slots
+                # time, its slots reserved) and the requests behind it may take the other free slots. A request of
+                # n samples needs n free slots; the requests behind it wait for it (first come, first served)
                 line = [r for r in self.queue if self._prefilling is None or r is not self._prefilling.req]
                 whole = next((i for i, r in enumerate(line) if self._chunked(r)), len(line))
-                take = min(len(free) - (self._prefilling is not None), whole, self.prefill_groups[-1])
+                take, used = 0, 0
+                for r in line[: min(whole, self.prefill_groups[-1])]:
+                    if used + len(r.samples) > room:
+                        break
+                    take, used = take + 1, used + len(r.samples)
                 if take and next(g for g in self.prefill_groups if g >= take) > 2 * take:
                     take = max(g for g in self.prefill_groups if g <= take)  # not mostly padding rows
                 reqs = line[:take]
                 for r in reqs:
                     self.queue.remove(r)
-                if not reqs and line and whole == 0 and self._prefilling is None and not chunk_ran:
+                if (not reqs and line and whole == 0 and self._prefilling is None and not chunk_ran
+                        and len(line[0].samples) <= room):
                     start = line[0]
             if start is not None:
                 self._start_prefill(start, info)
@@ -796,9 +935,14 @@ class Engine:
             if not reqs:
                 break
             self._joining = reqs  # out of the queue, not yet in a slot: a failed prefill must not lose them
-            self._admit(reqs, free[: len(reqs)], info)
+            self._admit(reqs, free[: sum(len(r.samples) for r in reqs)], info)
             self._joining = []
             self._compact()  # a request that ended at its first token
+
+    def _room(self) -> int:
+        """Free slots not reserved for the request in chunked prefill (and its samples)."""
+        reserved = 0 if self._prefilling is None else len(self._prefilling.req.samples)
+        return self.slots - len(self.requests) - reserved
 
     def _step(self, info: RoundInfo) -> None:
         if not self.runner.ready:
@@ -812,7 +956,7 @@ class Engine:
 
     def _chunked(self, req: Request) -> bool:
         """Whether `req` joins by chunks (its prompt is longer than one chunk)."""
-        return self.prefill_chunk is not None and len(req.prompt) > self.prefill_chunk
+        return self.prefill_chunk is not None and len(req.prefill_ids) > self.prefill_chunk
 
     def chunk_widths(self) -> list[int]:
         """The compiled chunk shapes: the prompt buckets up to the chunk (a prompt's last chunk is padded to its
@@ -827,11 +971,17 @@ class Engine:
         return out
 
     def _chunk_inputs(self, req: Request, start: int):
-        """The chunk of `req`'s prompt from token `start`: ([1, bucket] int32 right-padded, [1] real tokens)."""
-        n = min(self.prefill_chunk, len(req.prompt) - start)
-        tokens = np.zeros((1, self.buckets.prompt_len(n)), np.int32)
-        tokens[0, :n] = req.prompt[start: start + n]
-        return tokens, np.array([n], np.int32)
+        """The chunk of `req`'s prefill tokens from token `start`: ([1, bucket] int32 right-padded, [1] real tokens,
+        [1, bucket] int32 positions or None when the engine does not compress)."""
+        ids = req.prefill_ids
+        n = min(self.prefill_chunk, len(ids) - start)
+        width = self.buckets.prompt_len(n)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :n] = ids[start: start + n]
+        positions = None
+        if self.compress is not None:
+            positions = req.prefill_positions(start + width)[None, start:]
+        return tokens, np.array([n], np.int32), positions
 
     def _count_chunk(self, n: int, info: RoundInfo) -> None:
         info.prefill_chunks += 1
@@ -842,9 +992,12 @@ class Engine:
     def _start_prefill(self, req: Request, info: RoundInfo) -> None:
         """The first chunk of a long prompt (`spec.prefill.prefill_start`): its one-row state starts outside the
         batch; the request stays queued, a slot reserved for it."""
-        tokens, valid = self._chunk_inputs(req, 0)
-        pre = self.runner.prefill_start(tokens, valid)  # waited for: the round's draft and verify are timed alone
+        self._score_prompt(req)
+        tokens, valid, positions = self._chunk_inputs(req, 0)
+        # waited for: the round's draft and verify are timed alone
+        pre = self.runner.prefill_start(tokens, valid, positions=positions)
         self._prefilling = _Prefilling(req=req, pre=pre, done=int(valid[0]))
+        self.compressed_tokens += len(req.prompt) - len(req.prefill_ids)
         self._count_chunk(int(valid[0]), info)
 
     def _advance_prefill(self, info: RoundInfo) -> bool:
@@ -854,9 +1007,9 @@ class Engine:
         p = self._prefilling
         if p is None:
             return False
-        tokens, valid = self._chunk_inputs(p.req, p.done)
-        last = p.done + int(valid[0]) >= len(p.req.prompt)
-        p.pre = self.runner.prefill_chunk(p.pre, tokens, valid, wait=not last)
+        tokens, valid, positions = self._chunk_inputs(p.req, p.done)
+        last = p.done + int(valid[0]) >= len(p.req.prefill_ids)
+        p.pre = self.runner.prefill_chunk(p.pre, tokens, valid, wait=not last, positions=positions)
         p.done += int(valid[0])
         self._count_chunk(int(valid[0]), info)
         if not last:
@@ -866,16 +1019,19 @@ class Engine:
             self.queue.remove(p.req)
         rows = self.runner.prefill_finish(p.pre, self._batch([p.req]))
         free = [s for s in range(self.slots) if s not in self.requests]
-        self._place([p.req], free[:1], rows, 1, info)
+        self._place([p.req], free[: len(p.req.samples)], rows, 1, info)
         return True
 
     def _warm_chunks(self) -> None:
         """Compiles the chunked prefill: the first chunk, a next chunk of every width, the finish and its insert
         (a dummy row, dropped)."""
         c = self.prefill_chunk
-        pre = self.runner.prefill_start(np.zeros((1, c), np.int32), np.array([c], np.int32))
+        at = (lambda start, width: None if self.compress is None  # noqa: E731
+              else np.arange(start, start + width, dtype=np.int32)[None])
+        pre = self.runner.prefill_start(np.zeros((1, c), np.int32), np.array([c], np.int32), positions=at(0, c))
         for width in self.chunk_widths():  # 0 real tokens: the dummy prompt stays inside the cache
-            pre = self.runner.prefill_chunk(pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32))
+            pre = self.runner.prefill_chunk(pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32),
+                                            positions=at(c, width))
         rows = self.runner.prefill_finish(pre, self._batch([None]))
         self.runner.insert(rows, np.full(1, self.slots, np.int32))
 
@@ -915,10 +1071,13 @@ class Engine:
         t_device = time.perf_counter()
         drafted = self.runner.draft(proposer, rows)
         overlap = self.runner.overlapped_verify and self._unlimited()
+        scored = np.zeros(self.slots, bool)  # the rows whose committed tokens' log-probs are computed
+        scored[[s for s in live if self.requests[s].logprobs is not None]] = True
+        scored = scored if scored.any() else None
         if overlap:  # every live row verifies: start the verify now, schedule (stats) while it runs
             active = np.zeros(self.slots, bool)
             active[live] = True
-            self.runner.verify(drafted, RoundPlan(active=active, live=tuple(live)), info)
+            self.runner.verify(drafted, RoundPlan(active=active, live=tuple(live), logprobs=scored), info)
         demand = self.runner.demand(drafted)
         t_draft = time.perf_counter() - t_device
         demands = [sched.Demand(key=self.requests[s].id, tokens=shape_rows(width), experts=demand[s]) for s in live]
@@ -938,8 +1097,9 @@ class Engine:
         t_device = time.perf_counter()
         if not overlap:
             self.runner.verify(drafted, RoundPlan(active=active, live=tuple(live), demand=demand,
-                                                  priced_bytes=decision.expert_bytes), info)
+                                                  priced_bytes=decision.expert_bytes, logprobs=scored), info)
         after, done, output = self.runner.fetch()
+        scores = None if scored is None else self.runner.round_logprobs()
         self._device_seconds = t_draft + time.perf_counter() - t_device
         for s in live:
             req = self.requests[s]
@@ -949,6 +1109,7 @@ class Engine:
             req.acceptance.append(len(new))
             info.committed.append(len(new))
             self._observe_acceptance(req, width, len(new), bool(done[s]))
+            self._record_logprobs(req, scores, s, len(new))
             self._emit(req, new, info)
             if done[s]:
                 self._finish(req, self._reason(req), info)
@@ -993,7 +1154,8 @@ class Engine:
                 with self._wake:
                     queued = list(self.queue)
                     self.queue.clear()
-                failed = {id(r): r for r in list(self.requests.values()) + queued + self._joining}
+                waiting = [sample for r in queued + self._joining for sample in r.samples]
+                failed = {id(r): r for r in list(self.requests.values()) + waiting}
                 for r in failed.values():
                     if r.finish_reason is None:
                         r.error = f"{type(e).__name__}: {e}"

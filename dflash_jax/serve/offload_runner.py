@@ -146,6 +146,7 @@ class OffloadedRunner(ResidentRunner):
     chunked_prefill = True  # a long prompt's chunks run layer by layer with whole tables, one chunk per round
     deferred_context = True  # the verify's commit (`spec.round.commit`) keeps a deferring width-1 round's row pending
     overlapped_verify = False  # the verify is driven from the host, layer by layer, after the prefetch
+    prompt_scores = False  # echo's prompt log-probs would need a whole-prompt forward with every table streamed
     default_byte_budget = "cache"  # a round moves at most the cache's bytes
 
     def __init__(self, pair, layout: Layout, *, budget_bytes: int, predictor: str = "draft_router", pin=False,
@@ -196,39 +197,43 @@ class OffloadedRunner(ResidentRunner):
         cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, gen.stripped.embed.dtype,
                                   verify_width=spec.block_size)
         lengths = jnp.asarray(batch.lengths)
+        positions = None if batch.positions is None else jnp.asarray(batch.positions, jnp.int32)
         pre = forward_layerwise(gen.stripped, jnp.asarray(tokens), cache, spec.target, provider=gen.whole_table,
                                 num_valid=lengths, tap_layers=spec.taps, logits="last",
-                                implementation=gen.implementation)
+                                implementation=gen.implementation, positions=positions)
         self._prefill_bytes += self.store.total_bytes
         self._last_prefill = (pre.routed, np.asarray(lengths), tokens.shape[1])
+        self.last_logits = jnp.asarray(pre.out.logits, jnp.float32)
         state = self._widen(start_prepared(gen.stripped, self.pair.draft, pre.out, lengths, batch.params,
-                                           batch.key_data, batch.key_fold, spec))
+                                           batch.key_data, batch.key_fold, spec, positions))
         if self._pin_pending and batch.real:  # the first real requests: pin from their routing
             self._pin_from_prefill(batch.real)
         return state
 
-    def prefill_start(self, tokens, valid):
+    def prefill_start(self, tokens, valid, positions=None):
         """The first chunk of a long prompt, on empty caches (`prefill_chunk`)."""
         pre = chunked.prefill_init_jit(self.gen.stripped, self.pair.draft, int(tokens.shape[0]), self.spec)
-        return self.prefill_chunk(pre, tokens, valid)
+        return self.prefill_chunk(pre, tokens, valid, positions=positions)
 
-    def prefill_chunk(self, pre, tokens, valid, wait: bool = True):
+    def prefill_chunk(self, pre, tokens, valid, wait: bool = True, positions=None):
         """One chunk of a long prompt: the target forward layer by layer with each MoE layer's whole table streamed
         for that layer only (as a whole prefill), then the chunk's taps join the draft's context
         (`spec.prefill.prefill_absorb`). Nothing of the decode's expert cache moves."""
         gen, spec = self.gen, self.spec
         valid = jnp.asarray(valid, jnp.int32)
+        positions = None if positions is None else jnp.asarray(positions, jnp.int32)
         out = forward_layerwise(gen.stripped, jnp.asarray(tokens, jnp.int32), pre.target_cache, spec.target,
                                 provider=gen.whole_table, num_valid=valid, tap_layers=spec.taps, logits="last",
-                                implementation=gen.implementation)
+                                implementation=gen.implementation, positions=positions)
         self._prefill_bytes += self.store.total_bytes
-        pre = chunked.prefill_absorb_jit(self.pair.draft, pre, out.out, valid, spec)
+        pre = chunked.prefill_absorb_jit(self.pair.draft, pre, out.out, valid, spec, positions)
         if wait:
             jax.block_until_ready(pre.logits)
         return pre
 
     def prefill_finish(self, pre, batch: PrefillBatch) -> SpecState:
         """The state after the last chunk: the first token, as a whole prefill's (`spec.prefill.prefill_finish`)."""
+        self.last_logits = pre.logits
         return self._widen(chunked.prefill_finish_jit(self.gen.stripped, self.pair.draft, pre, batch.params,
                                                       batch.key_data, batch.key_fold, self.spec))
 
@@ -344,6 +349,7 @@ class OffloadedRunner(ResidentRunner):
                                 tap_layers=self.spec.taps, logits="all", implementation=gen.implementation,
                                 dispatched=lambda i, x: pool.returned(x), tree=tree)
         new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), self.spec, proposer)
+        self._verify_logits = out.out.logits
         pool.release()
         pool.advance()
         self._previous = {layer: np.unique(e) for layer, e in routed_active.items()}
@@ -367,7 +373,9 @@ class OffloadedRunner(ResidentRunner):
         asked = self._prefetch(demand, plan.active[: drafted.rows], rec)
         if rec is not None:
             rec.requested = asked
+        start = self._verify_start(plan)
         self.state = self._offload_verify(drafted, plan.active, asked, rec)
+        self._after_verify(start, self._verify_logits)
 
     def begin_round(self, info) -> None:
         info.offload = OffloadRound()

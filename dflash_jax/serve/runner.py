@@ -7,6 +7,11 @@ What the engine calls, in host terms (numpy in, numpy out; device arrays stay op
   prefill(batch) -> rows           one prefill of a `PrefillBatch` of k rows, outside the batched state
   first_tokens(rows)               their first tokens and done flags (host)
   insert(rows, index)              rows written into slots (an index past the last slot drops the row)
+  fork(rows, src, key_data, fold)  `n` samples of one prompt: prefilled row src[i] copied into row i with its own
+                                   key and its first token drawn again from the prefill's last logits
+  first_logprobs(rows)             the target's log-probs of the last prefill's (or fork's) first tokens (host)
+  round_logprobs()                 ... of the tokens the last verify committed, when its plan asked (host)
+  prompt_logprobs(tokens)          ... of each prompt token given the ones before it (a target forward; host)
   release(free) / move_row(s, d)   rows marked done (a cancel); one row copied over another (compaction)
   prefill_start / _chunk / _finish a long prompt prefilled one chunk per round (`chunked_prefill` runners)
   pending_context()                each row's committed rows the draft has not seen (`deferred_context` runners)
@@ -43,7 +48,8 @@ from dflash_jax.models.family import family_of
 from dflash_jax.nn.moe import router_topk
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import check_proposer, commit, propose, verify_forward
-from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, begin_arrays
+from dflash_jax.spec.sampling import next_token_rows
+from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, init_target_cache, prefill_rows, split_rows
 from dflash_jax.spec.tree import TreeShape, widen_for_tree
 
 
@@ -68,6 +74,9 @@ class PrefillBatch:
     key_data: np.ndarray  # [k, ...] the PRNG key data of each row's seed
     key_fold: np.ndarray  # [k] int32
     real: int = 0  # rows that are requests (0: warm-up or the empty state's dummy rows)
+    # [k, P] int32: the tokens' RoPE positions (an engine that compresses prompts, `pflash.Compressor`: a row's kept
+    # tokens at their original positions, padding after the last); None: slot positions
+    positions: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -89,6 +98,7 @@ class RoundPlan:
     live: tuple = ()  # the slots holding a live request
     demand: np.ndarray | None = None  # [rows, L, E] bool (None: the verify was dispatched before it was fetched)
     priced_bytes: float = 0.0  # the round's byte cost to the scheduler
+    logprobs: np.ndarray | None = None  # [slots] bool: rows whose committed tokens' log-probs are computed
 
 
 class RoundRunner:
@@ -99,6 +109,9 @@ class RoundRunner:
     chunked_prefill = False  # long prompts prefilled one chunk per round
     deferred_context = False  # width-1 rounds may leave the draft's context append to the next drafting round
     overlapped_verify = False  # the verify may be dispatched before the scheduler runs (every live row verifies)
+    forks = False  # `fork`: n samples of one prompt share its prefill
+    token_logprobs = False  # `first_logprobs` / `round_logprobs` (chain proposers: a tree's path is not scored)
+    prompt_scores = False  # `prompt_logprobs`
     mesh = None
 
     def __init__(self, pair, layout: Layout):
@@ -142,10 +155,11 @@ class RoundRunner:
     def move_row(self, src: int, dst: int) -> None:
         raise NotImplementedError
 
-    def prefill_start(self, tokens: np.ndarray, valid: np.ndarray):
+    def prefill_start(self, tokens: np.ndarray, valid: np.ndarray, positions: np.ndarray | None = None):
         raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
 
-    def prefill_chunk(self, pre, tokens: np.ndarray, valid: np.ndarray, wait: bool = True):
+    def prefill_chunk(self, pre, tokens: np.ndarray, valid: np.ndarray, wait: bool = True,
+                      positions: np.ndarray | None = None):
         raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
 
     def prefill_finish(self, pre, batch: PrefillBatch):
@@ -173,11 +187,11 @@ class RoundRunner:
     def sync(self) -> None:
         """Waits until every dispatched program has run (timing)."""
 
-    def round(self, proposer, active: np.ndarray, rows: int) -> None:
+    def round(self, proposer, active: np.ndarray, rows: int, logprobs: np.ndarray | None = None) -> None:
         """One round of the rows where `active` is set, for warm-up and cost measurement: draft, the host fetch
-        of the demand, verify."""
+        of the demand, verify (and the log-probs of the rows `logprobs` selects)."""
         drafted = self.draft(proposer, rows)
-        self.verify(drafted, RoundPlan(active=active, demand=self.demand(drafted)))
+        self.verify(drafted, RoundPlan(active=active, demand=self.demand(drafted), logprobs=logprobs))
 
     def begin_round(self, info) -> None:
         """Before the engine's admissions of a round (`info`: its RoundInfo)."""
@@ -187,6 +201,86 @@ class RoundRunner:
 
     def warm_extra(self) -> None:
         """Compiles what the engine's warm-up rounds (no row verifying) leave out."""
+
+    def fork(self, rows, src: np.ndarray, key_data: np.ndarray, key_fold: np.ndarray):
+        raise NotImplementedError(f"{type(self).__name__} does not fork prefilled rows (n > 1)")
+
+    def first_logprobs(self, rows) -> "TokenLogprobs":
+        raise NotImplementedError(f"{type(self).__name__} computes no log-probabilities")
+
+    def round_logprobs(self) -> "TokenLogprobs | None":
+        return None
+
+    def prompt_logprobs(self, tokens: np.ndarray) -> "TokenLogprobs":
+        raise NotImplementedError(f"{type(self).__name__} computes no prompt log-probabilities")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# log-probabilities (the server's `logprobs`, `top_logprobs` and `echo`) and `n` samples of one prompt
+# ----------------------------------------------------------------------------------------------------------
+
+TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound for chat)
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    """Host arrays: the target's log-probability of each token (log-softmax of its logits at temperature 1, before
+    any sampling setting: what OpenAI reports) and the `TOP_LOGPROBS` most likely tokens at that position."""
+
+    logprob: np.ndarray  # [...] fp32
+    top_logprob: np.ndarray  # [..., K] fp32, descending
+    top_id: np.ndarray  # [..., K] int32
+
+    @staticmethod
+    def of(arrays) -> "TokenLogprobs":
+        lp, top_lp, top_id = jax.device_get(arrays)
+        return TokenLogprobs(np.asarray(lp, np.float32), np.asarray(top_lp, np.float32), np.asarray(top_id, np.int32))
+
+
+def log_softmax_top(logits, tokens, k: int):
+    """(log p(tokens) [...], the top-k log-probs [..., k], their ids [..., k]) of logits [..., V] in fp32."""
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(lsm, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    top_lp, top_id = jax.lax.top_k(lsm, k)
+    return lp, top_lp, top_id.astype(jnp.int32)
+
+
+_first_logprobs = jax.jit(log_softmax_top, static_argnames=("k",))
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def committed_logprobs(logits, output, start, k: int):
+    """The log-probs of a chain verify's committed tokens: `logits` [rows, W, V] of the verify block, `output`
+    [>= rows, N] after the commit, `start` [>= rows] each row's tokens before it. Block row j's logits score the j-th
+    token the round committed, `output[start + j]` (entries past the committed ones are scratch)."""
+    rows, w = logits.shape[:2]
+    pos = jnp.minimum(start[:rows, None] + jnp.arange(w)[None], output.shape[1] - 1)
+    tokens = jnp.maximum(jnp.take_along_axis(output[:rows], pos, axis=1), 0)
+    return log_softmax_top(logits, tokens, k)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "k"))
+def prompt_logprobs_of(target_w, tokens, spec: SpecConfig, k: int):
+    """The log-prob of each prompt token after the first given the ones before it (one target forward over
+    `tokens` [1, P], right-padded: padding never changes the rows before it), and the top-k at each position."""
+    cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
+                              verify_width=spec.block_size)
+    out = family_of(spec.target).forward(target_w, tokens, cache, spec.target, logits="all")
+    return log_softmax_top(out.logits[:, :-1], tokens[:, 1:], k)
+
+
+@jax.jit
+def fork_rows(rows: SpecState, logits, src, key_data, key_fold):
+    """Row i of the result is prefilled row `src[i]` with its own key (`fold_in(key_data[i], key_fold[i])`, as a
+    prefill keys a row) and its first token drawn again from that row's prefill logits: exactly the row a prefill
+    of the same prompt with that key makes, at the cost of a gather. Returns (rows, their logits)."""
+    state = _rowwise(lambda x: x[src], rows)
+    logits = logits[src]
+    keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
+    key, k_first = split_rows(keys)
+    first = next_token_rows(k_first, logits, state.params.sampling)
+    stopped = jnp.any(first[:, None] == state.params.stop_ids, axis=-1) | (state.params.budget <= 1)
+    return state.replace(key=key, anchor=first, output=state.output.at[:, 0].set(first), done=stopped), logits
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -216,6 +310,13 @@ def _move_row(state: SpecState, src, dst) -> SpecState:
     """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
     compaction that keeps live requests in the lowest slots. In place (the state is donated)."""
     return _rowwise(lambda x: x.at[dst].set(x[src]), state)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None):
+    """`session.prefill_rows`: the prefilled rows and their last logits in fp32 (lossless; what sampling reads)."""
+    state, logits = prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec, positions)
+    return state, logits.astype(jnp.float32)
 
 
 def head_rows(tree, rows: int):
@@ -335,11 +436,13 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
     lengths after it.
 
     rows: only the first `rows` rows are computed (the proposal has `rows` rows); the others are returned as they
-    were, and the first `rows` are written back in place (the state is donated)."""
+    were, and the first `rows` are written back in place (the state is donated). Returns (the state, the verify's
+    logits [rows, W, V]: read only when a request asked for log-probs)."""
     old = head_rows(state, rows) if rows is not None else state
     run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows)
-    new, _ = commit(run, proposal, verify_forward(target_w, run, proposal, spec), spec, proposer)
-    return settle_rows(state, old, new, active, rows)
+    out = verify_forward(target_w, run, proposal, spec)
+    new, _ = commit(run, proposal, out, spec, proposer)
+    return settle_rows(state, old, new, active, rows), out.logits
 
 
 def _broadcast_rows(row: SpecState, slots: int) -> SpecState:
@@ -380,6 +483,7 @@ class ResidentRunner(RoundRunner):
     chunked_prefill = True
     deferred_context = True
     overlapped_verify = True
+    forks = token_logprobs = prompt_scores = True
 
     def __init__(self, pair, layout: Layout, *, mesh=None):
         if mesh is not None:  # weights placed by their declarations; every jitted call traced under the mesh
@@ -402,6 +506,9 @@ class ResidentRunner(RoundRunner):
         self._options = tuple(sorted(fam.router_norm.items()))
         self._topk_first = bool(fam.router_topk_first)
         self.expert_bytes = expert_byte_table(pair, layers, tcfg.moe.num_experts)
+        self.top_logprobs = min(TOP_LOGPROBS, int(tcfg.vocab_size))
+        self.last_logits = None  # [k, V] the last prefill's (or fork's) last logits
+        self._round_logprobs = None  # the last verify's committed log-probs (device), when its plan asked
 
     def _widen(self, rows: SpecState) -> SpecState:
         """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block)."""
@@ -417,8 +524,38 @@ class ResidentRunner(RoundRunner):
 
     @_on_mesh
     def prefill(self, batch: PrefillBatch) -> SpecState:
-        return self._widen(begin_arrays(self.pair.target, self.pair.draft, batch.tokens, batch.lengths, batch.params,
-                                        batch.key_data, batch.key_fold, self.spec))
+        state, self.last_logits = _prefill_rows(self.pair.target, self.pair.draft, batch.tokens, batch.lengths,
+                                                batch.params, batch.key_data, batch.key_fold, self.spec,
+                                                batch.positions)
+        return self._widen(state)
+
+    @_on_mesh
+    def fork(self, rows: SpecState, src, key_data, key_fold) -> SpecState:
+        rows, self.last_logits = fork_rows(rows, self.last_logits, np.asarray(src, np.int32), key_data,
+                                           np.asarray(key_fold, np.int32))
+        return rows
+
+    @_on_mesh
+    def first_logprobs(self, rows: SpecState) -> TokenLogprobs:
+        return TokenLogprobs.of(_first_logprobs(self.last_logits, rows.output[:, 0], k=self.top_logprobs))
+
+    def round_logprobs(self) -> TokenLogprobs | None:
+        return None if self._round_logprobs is None else TokenLogprobs.of(self._round_logprobs)
+
+    @_on_mesh
+    def prompt_logprobs(self, tokens: np.ndarray) -> TokenLogprobs:
+        return TokenLogprobs.of(prompt_logprobs_of(self.pair.target, np.asarray(tokens, np.int32), self.spec,
+                                                   k=self.top_logprobs))
+
+    def _verify_start(self, plan: RoundPlan):
+        """Each row's token count before a verify whose plan asks for log-probs (a copy: the state is donated)."""
+        if plan.logprobs is None or not np.any(plan.logprobs):
+            return None
+        return jnp.copy(self.state.num_generated)
+
+    def _after_verify(self, start, logits) -> None:
+        self._round_logprobs = None if start is None else committed_logprobs(logits, self.state.output, start,
+                                                                             k=self.top_logprobs)
 
     def first_tokens(self, rows: SpecState) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(rows.output)[:, 0], np.asarray(rows.done)
@@ -436,20 +573,23 @@ class ResidentRunner(RoundRunner):
         self.state = _move_row(self.state, np.int32(src), np.int32(dst))
 
     @_on_mesh
-    def prefill_start(self, tokens, valid):
-        pre = chunked.prefill_start_jit(self.pair.target, self.pair.draft, tokens, valid, self.spec)
+    def prefill_start(self, tokens, valid, positions=None):
+        pre = chunked.prefill_start_jit(self.pair.target, self.pair.draft, tokens, valid, self.spec,
+                                        positions=positions)
         jax.block_until_ready(pre.logits)  # the round's draft and verify are timed on their own
         return pre
 
     @_on_mesh
-    def prefill_chunk(self, pre, tokens, valid, wait: bool = True):
-        pre = chunked.prefill_chunk_jit(self.pair.target, self.pair.draft, pre, tokens, valid, self.spec)
+    def prefill_chunk(self, pre, tokens, valid, wait: bool = True, positions=None):
+        pre = chunked.prefill_chunk_jit(self.pair.target, self.pair.draft, pre, tokens, valid, self.spec,
+                                        positions=positions)
         if wait:
             jax.block_until_ready(pre.logits)
         return pre
 
     @_on_mesh
     def prefill_finish(self, pre, batch: PrefillBatch) -> SpecState:
+        self.last_logits = pre.logits
         return self._widen(chunked.prefill_finish_jit(self.pair.target, self.pair.draft, pre, batch.params,
                                                       batch.key_data, batch.key_fold, self.spec))
 
@@ -475,8 +615,10 @@ class ResidentRunner(RoundRunner):
 
     @_on_mesh
     def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
-        self.state = _verify(self.pair.target, self.state, drafted.proposal, drafted.lengths, plan.active, self.spec,
-                             drafted.proposer, drafted.rows)
+        start = self._verify_start(plan)
+        self.state, logits = _verify(self.pair.target, self.state, drafted.proposal, drafted.lengths, plan.active,
+                                     self.spec, drafted.proposer, drafted.rows)
+        self._after_verify(start, logits)
 
     def fetch(self):
         return jax.device_get((self.state.num_generated, self.state.done, self.state.output))
@@ -513,14 +655,17 @@ class FakeRunner(RoundRunner):
 
     chunked_prefill = True
     overlapped_verify = True
+    forks = token_logprobs = prompt_scores = True
 
     def __init__(self, pair, layout: Layout, *, mesh=None, num_layers: int = 2, num_experts: int = 8):
         super().__init__(pair, layout)
         self.moe_layers = tuple(range(num_layers))
         self.expert_bytes = np.full((num_layers, num_experts), 1000.0)
         self.vocab = int(layout.spec.target.vocab_size)
-        self.calls = {k: 0 for k in ("prefill", "insert", "release", "move_row", "draft", "verify", "chunk")}
+        self.calls = {k: 0 for k in ("prefill", "insert", "release", "move_row", "draft", "verify", "chunk", "fork",
+                                     "prompt_logprobs")}
         self.verified_rows: list[np.ndarray] = []  # per verify: the rows it committed for
+        self._round_logprobs = None
 
     # -- the tokens ----------------------------------------------------------------------------------
 
@@ -539,10 +684,27 @@ class FakeRunner(RoundRunner):
     def accepted(key: int, position: int, width: int) -> int:
         return 1 + (key + position) % max(width, 1)
 
+    @staticmethod
+    def forked(key: int, fold: int) -> int:
+        """The key of sample `fold` of a prompt (`n` > 1); sample 0 is the prompt's own."""
+        return key if fold == 0 else (key * 31 + fold * 7919) % (2**31 - 1)
+
+    @staticmethod
+    def logprob(token: int, position: int) -> float:
+        """The fake log-prob of `token` at output position `position` (prompt positions: negative)."""
+        return -0.25 * ((int(token) * 7 + int(position) * 3) % 13) - 0.01
+
+    def _logprobs(self, tokens: np.ndarray, positions: np.ndarray) -> TokenLogprobs:
+        k = min(TOP_LOGPROBS, self.vocab)
+        lp = np.vectorize(self.logprob, otypes=[np.float32])(tokens, positions) if tokens.size else \
+            np.zeros(tokens.shape, np.float32)
+        top_id = (tokens[..., None] + np.arange(k)) % self.vocab
+        return TokenLogprobs(lp, (lp[..., None] - 0.5 * np.arange(k)).astype(np.float32), top_id.astype(np.int32))
+
     @classmethod
-    def alone(cls, prompt, max_new_tokens: int, vocab: int, stop_ids=()) -> list[int]:
+    def alone(cls, prompt, max_new_tokens: int, vocab: int, stop_ids=(), fold: int = 0) -> list[int]:
         """The request's output run alone: its tokens up to the budget or the first stop id (included)."""
-        key, out = cls.key(prompt), []
+        key, out = cls.forked(cls.key(prompt), fold), []
         for pos in range(max_new_tokens):
             out.append(cls.token(key, pos, vocab))
             if out[-1] in stop_ids:
@@ -591,10 +753,10 @@ class FakeRunner(RoundRunner):
         for v in self.state.values():
             v[dst] = v[src]
 
-    def prefill_start(self, tokens, valid):
+    def prefill_start(self, tokens, valid, positions=None):
         return self.prefill_chunk(7, tokens, valid)
 
-    def prefill_chunk(self, pre, tokens, valid, wait: bool = True):
+    def prefill_chunk(self, pre, tokens, valid, wait: bool = True, positions=None):
         self.calls["chunk"] += 1
         h = pre
         for t in tokens[0, : int(valid[0])]:  # `key` continued over the chunk
@@ -603,6 +765,24 @@ class FakeRunner(RoundRunner):
 
     def prefill_finish(self, pre, batch: PrefillBatch) -> dict:
         return self._rows([pre], batch.params.budget, batch.params.stop_ids)
+
+    def fork(self, rows, src, key_data, key_fold) -> dict:
+        self.calls["fork"] += 1
+        src = np.asarray(src)
+        keys = [self.forked(int(rows["key"][i]), int(f)) for i, f in zip(src, key_fold)]
+        return self._rows(keys, rows["budget"][src], rows["stops"][src])
+
+    def first_logprobs(self, rows) -> TokenLogprobs:
+        first = rows["output"][:, 0]
+        return self._logprobs(first, np.zeros_like(first))
+
+    def round_logprobs(self) -> TokenLogprobs | None:
+        return self._round_logprobs
+
+    def prompt_logprobs(self, tokens) -> TokenLogprobs:
+        self.calls["prompt_logprobs"] += 1
+        tokens = np.asarray(tokens)[:, 1:]
+        return self._logprobs(tokens, -1 - np.arange(tokens.shape[1])[None] + np.zeros_like(tokens))
 
     # -- the round -------------------------------------------------------------------------------------
 
@@ -621,6 +801,7 @@ class FakeRunner(RoundRunner):
         s = self.state
         active = np.asarray(plan.active, bool)[: drafted.rows]
         committed = np.zeros(self.slots, bool)
+        start = s["num_generated"][: drafted.rows].copy()
         for r in np.flatnonzero(active):
             if s["done"][r]:
                 continue
@@ -635,6 +816,11 @@ class FakeRunner(RoundRunner):
                     break
             s["num_generated"][r] = pos
         self.verified_rows.append(committed)
+        self._round_logprobs = None
+        if plan.logprobs is not None and np.any(plan.logprobs):
+            pos = np.minimum(start[:, None] + np.arange(int(drafted.proposal))[None], s["output"].shape[1] - 1)
+            tokens = np.maximum(np.take_along_axis(s["output"][: drafted.rows], pos, axis=1), 0)
+            self._round_logprobs = self._logprobs(tokens, pos)
 
     def fetch(self):
         s = self.state
@@ -642,5 +828,6 @@ class FakeRunner(RoundRunner):
 
 
 __all__ = ["Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
-           "expert_byte_table", "fake_pair", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
+           "TOP_LOGPROBS", "TokenLogprobs", "committed_logprobs", "expert_byte_table", "fake_pair", "fork_rows",
+           "log_softmax_top", "prompt_logprobs_of", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
            "verify_rows"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import logging
 import json
 import secrets
@@ -37,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_jax.serve.engine import Engine, QueueFull, Request, RequestError, RoundInfo
 from dflash_jax.serve.metrics import Metrics
+from dflash_jax.serve.runner import TOP_LOGPROBS
 from dflash_jax.spec.sampling import SamplingParams
 
 
@@ -69,8 +71,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # request fields that change what is generated, which this server does not implement: refused (400) unless they
 # hold their no-op value, never silently ignored
 UNSUPPORTED = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-               "logit_bias": ({},), "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,), "logprobs": (False, 0),
-               "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+               "logit_bias": ({},), "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,), "suffix": ("",), "tools": ([],), "functions": ([],),
                "tool_choice": ("none",), "response_format": ({"type": "text"},), "guided_json": (),
                "guided_regex": (), "guided_choice": (), "guided_grammar": ()}
 DEFAULT_MAX_BODY_BYTES = 8_000_000  # `--max-request-mb 8`
@@ -193,13 +194,45 @@ class _ReturnMemory:
                 await asyncio.get_running_loop().run_in_executor(None, _malloc_trim)
 
 
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' probes)
+
+
+class _RequireKey:
+    """ASGI middleware: every request but `OPEN_PATHS` must carry `Authorization: Bearer <key>` (compared in
+    constant time, `hmac.compare_digest`), else 401 in OpenAI's error shape before its body is read."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode("utf-8")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                auth = value
+                break
+        scheme, _, given = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = ("no API key: send the header `Authorization: Bearer <key>` (the key this server was started "
+                   "with, --api-key or DFLASH_API_KEY)" if not auth else "incorrect API key provided")
+        response = JSONResponse(error_body(message, "invalid_request_error", code="invalid_api_key"),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 class Server:
-    """The HTTP layer: parses requests, feeds the engine, streams its tokens back."""
+    """The HTTP layer: parses requests, feeds the engine, streams its tokens back. `api_key`: when set, every
+    endpoint but /health needs `Authorization: Bearer <api_key>` (401 otherwise), /metrics included."""
 
     def __init__(self, engine: Engine, tokens: Tokens, *, model_name: str, eos_ids: tuple[int, ...] = (),
-                 grace_s: float = 10.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 grace_s: float = 10.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None):
         if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+            raise ValueError("api_key must be a non-empty string (or None: no key)")
+        self.api_key = api_key
         self.engine, self.tokens, self.model_name = engine, tokens, model_name
         self.max_body_bytes = max_body_bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-text")
@@ -215,19 +248,28 @@ class Server:
 
     # -- request parsing -------------------------------------------------------------------------------
 
-    def _settings(self, body: dict, *, default_max_tokens: int) -> dict:
-        if body.get("n") is not None and not (type(body["n"]) is int and body["n"] == 1):
-            raise BadRequest("only n = 1 is supported: send one request per completion", "n")
+    def _settings(self, body: dict, *, default_max_tokens: int, chat: bool = False) -> dict:
+        n = body.get("n")
+        n = 1 if n is None else n
+        if type(n) is not int or not 1 <= n <= self.engine.slots:
+            raise BadRequest(f"`n` must be an integer between 1 and {self.engine.slots} (this server's slots: the "
+                             f"samples decode together), got {n!r}", "n")
         for name, no_ops in UNSUPPORTED.items():
             value = body.get(name)
             if value is not None and not any(type(value) is type(v) and value == v for v in no_ops):
                 raise BadRequest(f"`{name}` is not supported by this server (it would change the output, so it is "
                                  "refused rather than ignored): drop the field", name)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens, max_completion = body.get("max_tokens"), body.get("max_completion_tokens")
+        if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+            raise BadRequest("`max_tokens` and `max_completion_tokens` are one setting (its old and new name) and "
+                             f"differ ({max_tokens!r} and {max_completion!r}): send one of them",
+                             "max_completion_tokens")
+        name = "max_tokens" if max_completion is None else "max_completion_tokens"
+        max_tokens = max_tokens if max_completion is None else max_completion
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= INT32_MAX:
-            raise BadRequest(f"`max_tokens` must be a positive integer (at most {INT32_MAX}), got {max_tokens!r}",
-                             "max_tokens")
+            raise BadRequest(f"`{name}` must be a positive integer (at most {INT32_MAX}), got {max_tokens!r}", name)
+        logprobs, echo = self._logprob_settings(body, chat)
         temperature = _number(body, "temperature", 1.0, float, low=0, high=2)
         top_p = _number(body, "top_p", 1.0, float, low=0, high=1, low_open=True)
         top_k = _number(body, "top_k", 0, int, low=0, high=INT32_MAX)
@@ -252,11 +294,52 @@ class Server:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("`stream` must be true or false", "stream")
+        options = body.get("stream_options")
+        include_usage = False
+        if options is not None:
+            if not stream:
+                raise BadRequest("`stream_options` is only allowed with `stream: true`", "stream_options")
+            if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+                    not isinstance(options.get("include_usage", False), bool):
+                raise BadRequest("`stream_options` must be {\"include_usage\": true or false}", "stream_options")
+            include_usage = options.get("include_usage", False)
         try:
             sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, mode=self.engine.method)
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e)) from None
-        return dict(max_new_tokens=max_tokens, sampling=sampling, stop_ids=ids, seed=seed, stop=stop, stream=stream)
+        return dict(max_new_tokens=max_tokens, sampling=sampling, stop_ids=ids, seed=seed, stop=stop, stream=stream,
+                    n=n, logprobs=logprobs, echo=echo, prompt_logprobs=echo and logprobs is not None,
+                    include_usage=include_usage, prompt_text=None)
+
+    @staticmethod
+    def _logprob_settings(body: dict, chat: bool) -> tuple[int | None, bool]:
+        """(alternatives per token, or None for no logprobs; echo). Completions: `logprobs` is the number of
+        alternatives (0 .. 20), `echo` returns the prompt (with its logprobs when `logprobs` is set). Chat:
+        `logprobs: true` and `top_logprobs` (0 .. 20); no echo."""
+        top = body.get("top_logprobs")
+        if top is not None and (type(top) is not int or not 0 <= top <= TOP_LOGPROBS):
+            raise BadRequest(f"`top_logprobs` must be an integer between 0 and {TOP_LOGPROBS}, got {top!r}",
+                             "top_logprobs")
+        value = body.get("logprobs")
+        if chat:
+            if value is not None and not isinstance(value, bool):
+                raise BadRequest(f"`logprobs` must be true or false, got {value!r}", "logprobs")
+            if top is not None and top > 0 and not value:
+                raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+            if body.get("echo") not in (None, False):
+                raise BadRequest("`echo` is a completions field: chat completions do not echo", "echo")
+            return ((top or 0) if value else None), False
+        if top is not None:
+            raise BadRequest("`top_logprobs` is a chat field: completions take the number of alternatives as "
+                             "`logprobs`", "top_logprobs")
+        if value is not None and (type(value) is not int or not 0 <= value <= TOP_LOGPROBS):
+            raise BadRequest(f"`logprobs` must be an integer between 0 and {TOP_LOGPROBS} (alternatives per token), "
+                             f"got {value!r}", "logprobs")
+        echo = body.get("echo", False)
+        echo = False if echo is None else echo
+        if not isinstance(echo, bool):
+            raise BadRequest(f"`echo` must be true or false, got {echo!r}", "echo")
+        return value, echo
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -319,36 +402,98 @@ class Server:
     def _submit(self, ids: list[int], s: dict, on_tokens, on_finish) -> Request:
         try:
             return self.engine.submit(ids, max_new_tokens=s["max_new_tokens"], sampling=s["sampling"],
-                                      stop_ids=s["stop_ids"], seed=s["seed"], on_tokens=on_tokens, on_finish=on_finish)
+                                      stop_ids=s["stop_ids"], seed=s["seed"], on_tokens=on_tokens, on_finish=on_finish,
+                                      n=s["n"], logprobs=s["logprobs"], prompt_logprobs=s["prompt_logprobs"])
         except RequestError as e:
             raise BadRequest(str(e)) from None
         except QueueFull as e:
             raise BadRequest(str(e), status=429, kind="rate_limit_exceeded") from None
 
     def _visible(self, req: Request, s: dict) -> tuple[list[int], str, bool]:
-        """(the ids shown, their text cut at the first stop string, whether a stop string ended it)."""
+        """(the ids shown, their text cut at the first stop string, whether a stop string ended it). Cut by a stop
+        string, the ids shown are the tokens that start before the cut."""
         ids = list(req.tokens)
         if ids and ids[-1] in s["stop_ids"]:
             ids = ids[:-1]
         text = self.tokens.decode(ids)
         cut = [text.index(x) for x in s["stop"] if x in text]
         if cut:
-            return ids, text[: min(cut)], True
+            text = text[: min(cut)]
+            starts = self._offsets(ids, 0, len(ids))
+            return ids[: sum(1 for o in starts if o < len(text))], text, True
         return ids, text, False
 
-    async def _generate(self, http: HttpRequest, ids: list[int], s: dict):
-        """Async iterator of (new text, finish_reason or None, request, new token ids) as the engine produces
-        tokens."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+    def _offsets(self, ids: list[int], start: int, end: int) -> list[int]:
+        """Where tokens start .. end - 1 of `ids` begin in the text of `ids` (the length of each prefix's text)."""
+        if self.tokens.tokenizer is None or start >= end:
+            return [0] * max(end - start, 0)
+        return [len(t) for t in self.tokens.tokenizer.decode_batch([ids[:i] for i in range(start, end)])]
 
-        def on_tokens(req, new):
-            loop.call_soon_threadsafe(queue.put_nowait, "tokens")
+    @staticmethod
+    def _held(text: str, stops: list[str]) -> int:
+        """How many characters at the end of `text` could still be the start of a stop string (held back while
+        streaming: no text past a stop string is ever sent)."""
+        held = 0
+        for stop in stops:
+            for n in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:n]):
+                    held = n
+                    break
+        return held
 
-        def on_finish(req):
-            loop.call_soon_threadsafe(queue.put_nowait, "finish")
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """Each token's own text (a token that is part of a character decodes to U+FFFD)."""
+        if self.tokens.tokenizer is None:
+            return [f"<{i}>" for i in ids]
+        return self.tokens.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False) if ids else []
 
-        req = self._submit(ids, s, on_tokens, on_finish)
+    def _logprobs(self, ids: list[int], logprobs: list, tops: list, offsets: list[int], *, chat: bool, k: int,
+                  prompt: bool = False):
+        """OpenAI's logprobs of `ids` (completions: tokens / token_logprobs / top_logprobs / text_offset; chat:
+        content [{token, logprob, bytes, top_logprobs}]). `prompt`: echo's prompt, whose first token has none."""
+        alternatives = [[t for t, _ in top] for top in tops]
+        strings = self._pieces(ids + [t for alt in alternatives for t in alt])
+        pieces, rest = strings[: len(ids)], iter(strings[len(ids):])
+        top_strings = [[next(rest) for _ in alt] for alt in alternatives]
+        if chat:
+            def entry(s: str, lp: float) -> dict:
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+            return [dict(entry(p, lp), top_logprobs=[entry(ts, tlp) for ts, (_, tlp) in zip(strs, top)])
+                    for p, lp, strs, top in zip(pieces, logprobs, top_strings, tops)]
+        top_dicts = [{ts: tlp for ts, (_, tlp) in zip(strs, top)} for strs, top in zip(top_strings, tops)]
+        if prompt:
+            return {"tokens": pieces, "token_logprobs": [None] + logprobs, "top_logprobs": [None] + top_dicts,
+                    "text_offset": offsets}
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": top_dicts, "text_offset": offsets}
+
+    def _choice_logprobs(self, req: Request, ids: list[int], start: int, end: int, s: dict, chat: bool, base: int):
+        """The logprobs of tokens start .. end - 1 of `ids` (a prefix of the request's tokens); `base`: the
+        characters before the generated text (echo's prompt)."""
+        offsets = [base + o for o in self._offsets(ids, start, end)]
+        return self._logprobs(ids[start:end], req.token_logprobs[start:end], req.top_logprobs[start:end], offsets,
+                              chat=chat, k=req.logprobs)
+
+    def _echo(self, req: Request, ids: list[int], s: dict) -> tuple[str, dict | None]:
+        """The prompt's text (as sent, or its ids decoded) and, with logprobs, its logprobs (completions)."""
+        text = s["prompt_text"]
+        scores = req.prompt_scores
+        if scores is None:
+            return text, None
+        k = req.logprobs
+        tops = [list(zip(i[:k].tolist(), v[:k].tolist())) for i, v in zip(scores.top_id, scores.top_logprob)]
+        lp = self._logprobs(ids[1:], scores.logprob.tolist(), tops, [], chat=False, k=k)
+        first = self._pieces(ids[:1])
+        lp["tokens"] = first + lp["tokens"]
+        lp["token_logprobs"] = [None] + lp["token_logprobs"]
+        lp["top_logprobs"] = [None] + lp["top_logprobs"]
+        lp["text_offset"] = self._offsets(ids, 0, len(ids))
+        return text, lp
+
+    async def _choice_stream(self, http: HttpRequest, req: Request, s: dict, queue: asyncio.Queue):
+        """Async iterator of (new text, finish_reason or None, new token ids, the first of them's index) as the
+        engine produces one choice's tokens. While streaming, text that could still be the start of a stop string
+        is held back (and the tokens it comes from), so nothing past a stop string is ever sent."""
         sent, sent_ids, checked = "", 0, time.monotonic()
         try:
             while True:
@@ -370,14 +515,22 @@ class Server:
                 finished = req.done_event.is_set() or stopped
                 if not finished and text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the rest
                     continue
+                release = len(ids_now)
+                if not finished and s["stop"]:
+                    held = self._held(text, s["stop"])
+                    if held:  # the tokens whose text is wholly sent go out; the held characters wait
+                        text = text[: len(text) - held]
+                        ends = await self._off_loop(self._offsets, ids_now, sent_ids + 1, len(ids_now) + 1)
+                        release = sent_ids + sum(1 for e in ends if e <= len(text))
                 reason = None
                 if finished:
                     reason = "stop" if stopped else req.finish_reason
                     if reason == "error":
                         raise EngineFailed(req.error)
-                if text.startswith(sent) and (len(text) > len(sent) or reason or self.tokens.tokenizer is None):
-                    yield text[len(sent):], reason, req, ids_now[sent_ids:]
-                    sent, sent_ids = text, len(ids_now)
+                if text.startswith(sent) and (len(text) > len(sent) or reason or self.tokens.tokenizer is None
+                                              or release > sent_ids):
+                    yield text[len(sent):], reason, ids_now[sent_ids:release], sent_ids, ids_now
+                    sent, sent_ids = text, release
                 elif not text.startswith(sent):
                     sent = text
                 if finished:
@@ -401,6 +554,8 @@ class Server:
 
         app = FastAPI(title="dflash_jax", lifespan=lifespan)
         app.add_middleware(_ReturnMemory, threshold=LARGE_BODY_BYTES)
+        if self.api_key is not None:  # outermost: a request without the key is answered before anything else runs
+            app.add_middleware(_RequireKey, key=self.api_key)
 
         async def body_of(http: HttpRequest) -> dict:
             """The JSON object of a request body of at most `max_body_bytes` (413 beyond: by its Content-Length before
@@ -479,6 +634,10 @@ class Server:
                 raise BadRequest("`prompt` is required", "prompt")
             s = self._settings(body, default_max_tokens=min(16, self.engine.max_new_tokens))
             ids = await self._off_loop(self._prompt_ids, body["prompt"])
+            if s["echo"]:
+                prompt = body["prompt"]
+                prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+                s["prompt_text"] = prompt if isinstance(prompt, str) else await self._off_loop(self.tokens.decode, ids)
             return await self._respond(http, ids, s, chat=False)
 
         @app.post("/v1/chat/completions")
@@ -487,7 +646,7 @@ class Server:
             self._check_model(body)
             if "messages" not in body:
                 raise BadRequest("`messages` is required", "messages")
-            s = self._settings(body, default_max_tokens=self.engine.max_new_tokens)
+            s = self._settings(body, default_max_tokens=self.engine.max_new_tokens, chat=True)
             ids = await self._off_loop(self._chat_ids, body["messages"])
             return await self._respond(http, ids, s, chat=True)
 
@@ -497,71 +656,151 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        gen = self._generate(http, ids, s)
-        try:
-            first = await gen.__anext__()  # submits; a bad request / full queue raises here, before any byte is sent
-        except StopAsyncIteration:
-            first = None
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in range(s["n"])]
 
-        def usage(req: Request) -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": len(req.tokens),
-                    "total_tokens": len(ids) + len(req.tokens)}
+        def on_event(req, new=None):  # from the engine's thread: wakes the choice's stream
+            loop.call_soon_threadsafe(queues[req.index].put_nowait, "event")
+
+        head = self._submit(ids, s, on_event, on_event)  # a bad request / full queue raises here, before any byte
+        reqs = head.samples
+        streams = [self._choice_stream(http, r, s, q) for r, q in zip(reqs, queues)]
+        echo = s["echo"]
+
+        def usage() -> dict:
+            done = sum(len(r.tokens) for r in reqs)
+            return {"prompt_tokens": len(ids), "completion_tokens": done, "total_tokens": len(ids) + done}
 
         if not s["stream"]:
-            text, reason, req = "", None, None
-            item = first
-            while item is not None:
-                piece, reason, req, _ = item
-                text += piece
-                try:
-                    item = await gen.__anext__()
-                except StopAsyncIteration:
-                    item = None
-            if req is None:  # the client went away
+            reasons = []
+            try:
+                for stream in streams:
+                    reason = None
+                    async for _, reason, _, _, _ in stream:
+                        pass
+                    reasons.append(reason)
+            finally:
+                for r in reqs:
+                    if not r.done_event.is_set():
+                        self.engine.cancel(r)
+            if any(reason is None for reason in reasons):  # the client went away
                 return JSONResponse(error_body("the request was cancelled", "cancelled"), status_code=499)
-            token_ids = (await self._off_loop(self._visible, req, s))[0]
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-            choice["token_ids"] = token_ids
-            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice],
-                    "usage": usage(req)}
+            choices = []
+            for r, reason in zip(reqs, reasons):
+                choices.append(await self._off_loop(self._final_choice, r, ids, s, reason, chat))
+            return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices,
+                    "usage": usage()}
+
+        async def merged():
+            """(choice index, item) from every choice's stream, as they come."""
+            out: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, stream):
+                try:
+                    async for item in stream:
+                        await out.put((i, item, None))
+                    await out.put((i, None, None))
+                except Exception as e:  # an engine failure ends the merged stream with it
+                    await out.put((i, None, e))
+
+            tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+            try:
+                left = len(tasks)
+                while left:
+                    i, item, error = await out.get()
+                    if error is not None:
+                        raise error
+                    if item is None:
+                        left -= 1
+                        continue
+                    yield i, item
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         async def events():
-            item, started = first, False
+            started = set()
+            include_usage = s["include_usage"]
+            chunk_obj = obj + ".chunk" if chat else obj
             try:
-                while item is not None:
-                    piece, reason, req, new_ids = item
-                    if chat:
-                        delta: dict[str, Any] = {"content": piece}
-                        if not started:
-                            delta["role"] = "assistant"
-                        choice = {"index": 0, "delta": delta, "finish_reason": reason}
-                    else:
-                        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
-                    started = True
-                    choice["token_ids"] = new_ids
-                    chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                             "model": self.model_name, "choices": [choice]}
-                    if reason is not None:
-                        chunk["usage"] = usage(req)
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                    try:
-                        item = await gen.__anext__()
-                    except StopAsyncIteration:
-                        item = None
-                    except EngineFailed as e:  # the stream ends with an error event, then [DONE] as always
-                        yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
-                        item = None
+                items = merged()
+                try:
+                    async for i, (piece, reason, new_ids, first, shown) in items:
+                        req = reqs[i]
+                        lp = None
+                        if req.logprobs is not None and new_ids:
+                            base = len(s["prompt_text"]) if echo else 0
+                            lp = await self._off_loop(self._choice_logprobs, req, shown, first, first + len(new_ids),
+                                                      s, chat, base)
+                        if i not in started and echo:  # completions' echo: the prompt leads the first chunk
+                            text, prompt_lp = await self._off_loop(self._echo, req, ids, s)
+                            piece = text + piece
+                            if prompt_lp is not None:
+                                lp = prompt_lp if lp is None else {k: prompt_lp[k] + lp[k] for k in prompt_lp}
+                        if chat:
+                            delta: dict[str, Any] = {"content": piece}
+                            if i not in started:
+                                delta["role"] = "assistant"
+                            choice = {"index": i, "delta": delta, "logprobs": None if lp is None else {
+                                "content": lp, "refusal": None}, "finish_reason": reason}
+                        else:
+                            choice = {"index": i, "text": piece, "logprobs": lp, "finish_reason": reason}
+                        started.add(i)
+                        choice["token_ids"] = new_ids
+                        chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                                 "choices": [choice]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        elif reason is not None and len(reqs) == 1:
+                            chunk["usage"] = usage()
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                except EngineFailed as e:  # the stream ends with an error event, then [DONE] as always
+                    yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
+                else:
+                    if include_usage:
+                        chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                                 "choices": [], "usage": usage()}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                finally:
+                    await items.aclose()
                 yield "data: [DONE]\n\n"
             finally:
-                await gen.aclose()
+                for st in streams:
+                    await st.aclose()
+                for r in reqs:
+                    if not r.done_event.is_set():
+                        self.engine.cancel(r)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def _final_choice(self, req: Request, ids: list[int], s: dict, reason: str, chat: bool) -> dict:
+        """One finished choice of a non-streamed response (on a worker thread: it decodes)."""
+        shown, text, _ = self._visible(req, s)
+        lp = None
+        base = 0
+        if s["echo"]:
+            prompt_text, prompt_lp = self._echo(req, ids, s)
+            base = len(prompt_text)
+            text = prompt_text + text
+        if req.logprobs is not None:
+            lp = self._choice_logprobs(req, shown, 0, len(shown), s, chat, base)
+            if s["echo"] and prompt_lp is not None:
+                lp = {k: prompt_lp[k] + lp[k] for k in prompt_lp}
+        if chat:
+            choice = {"index": req.index, "message": {"role": "assistant", "content": text},
+                      "logprobs": None if lp is None else {"content": lp, "refusal": None}, "finish_reason": reason}
+        else:
+            choice = {"index": req.index, "text": text, "logprobs": lp, "finish_reason": reason}
+        choice["token_ids"] = shown
+        return choice
+
 
 def create_app(engine: Engine, tokenizer=None, *, model_name: str = "dflash", chat_template=None,
-               eos_ids=(), grace_s: float = 10.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               eos_ids=(), grace_s: float = 10.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (the engine thread starts and stops with the app's lifespan).
-    `chat_template`: a `templates.ChatTemplate`, its source text (checked and sandboxed here), or None."""
+    `chat_template`: a `templates.ChatTemplate`, its source text (checked and sandboxed here), or None.
+    `api_key`: the bearer key every endpoint but /health requires (None: none)."""
     return Server(engine, Tokens(tokenizer, chat_template), model_name=model_name, eos_ids=eos_ids,
-                  grace_s=grace_s, max_body_bytes=max_body_bytes).app
+                  grace_s=grace_s, max_body_bytes=max_body_bytes, api_key=api_key).app

@@ -227,7 +227,8 @@ def test_malformed_requests_get_400_naming_the_field(client, server):
         r = _post(server, "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt}).encode())
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", prompt
     for field, value in [("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": 10}),
-                         ("n", 2), ("n", True), ("logprobs", 2), ("echo", True), ("min_p", 0.1),
+                         ("n", 0), ("n", 99), ("n", True), ("logprobs", 99), ("logprobs", True), ("echo", "yes"),
+                         ("top_logprobs", 2), ("min_p", 0.1), ("best_of", 2), ("stream_options", {"x": 1}),
                          ("top_k", 2**31), ("max_tokens", 2**31), ("seed", 2**64), ("stop_token_ids", [2**31]),
                          ("response_format", {"type": "json_object"})]:
         r = _post(server, "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPT, field: value}).encode())

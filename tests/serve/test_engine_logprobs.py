@@ -1,0 +1,74 @@
+"""Log-probs, prompt scores and `n` samples on the shipped pair (the session's engine, `conftest.engine`): every
+reported log-prob equals log_softmax of one plain target forward over the final sequence, the top alternatives are
+that forward's top-k, and the samples of a prompt prefilled once equal the requests a seed and a fold make alone."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.spec.sampling import SamplingParams
+
+PROMPT = [15, 27, 3, 99, 4, 8, 61]
+
+
+def plain_log_softmax(pair, tokens) -> np.ndarray:
+    """log_softmax of the target's logits over `tokens` in one forward (row i scores token i + 1)."""
+    from dflash_jax.models.family import family_of
+    from dflash_jax.spec.session import init_target_cache
+
+    cfg = pair.target_cfg
+    ids = jnp.asarray([tokens], jnp.int32)
+    cache = init_target_cache(cfg, 1, len(tokens) + 8, pair.target.embed.dtype, verify_width=1)
+    out = family_of(cfg).forward(pair.target, ids, cache, cfg, logits="all")
+    return np.asarray(jax.nn.log_softmax(out.logits[0].astype(jnp.float32), axis=-1))
+
+
+def tolerance(pair) -> float:
+    return 2e-3 if pair.target.embed.dtype == jnp.float32 else 5e-2
+
+
+def test_logprobs_equal_a_plain_forward(engine, pair):
+    engine.runner.sync()
+    req = engine.submit(PROMPT, max_new_tokens=40, logprobs=3, prompt_logprobs=True)
+    other = engine.submit([5, 6, 7], max_new_tokens=30)  # a neighbour that does not ask: rows are not mixed up
+    engine.run_until_idle()
+    assert other.token_logprobs == []
+    seq = PROMPT + req.tokens
+    ref = plain_log_softmax(pair, seq)
+    n, tol = len(PROMPT), tolerance(pair)
+    got = np.asarray(req.token_logprobs)
+    want = ref[np.arange(n - 1, len(seq) - 1), seq[n:]]
+    np.testing.assert_allclose(got, want, atol=tol)
+    for i, top in enumerate(req.top_logprobs):
+        row = ref[n - 1 + i]
+        assert [t for t, _ in top][0] == int(np.argmax(row))  # greedy: the token itself is the top one
+        np.testing.assert_allclose([lp for _, lp in top], np.sort(row)[::-1][:3], atol=tol)
+    # echo's prompt scores: the same forward's rows over the prompt
+    s = req.prompt_scores
+    np.testing.assert_allclose(s.logprob, ref[np.arange(n - 1), PROMPT[1:]], atol=tol)
+    np.testing.assert_allclose(s.top_logprob[:, :3], -np.sort(-ref[: n - 1], axis=1)[:, :3], atol=tol)
+
+
+def test_n_samples_equal_their_solo_runs(engine):
+    from dflash_jax import compile_cache
+
+    hot = SamplingParams(temperature=1.0)
+    with compile_cache.CompileCounter() as counter:  # forks and log-probs were compiled at warm-up
+        head = engine.submit(PROMPT, max_new_tokens=24, sampling=hot, seed=11, n=3, logprobs=2)
+        engine.run_until_idle()
+    assert counter.compiles == 0
+    outs = [r.tokens for r in head.samples]
+    assert len({tuple(o) for o in outs}) > 1  # independent samples
+    solo = engine.submit(PROMPT, max_new_tokens=24, sampling=hot, seed=11)
+    engine.run_until_idle()
+    assert solo.tokens == outs[0]  # sample 0 is the request a lone submit makes
+    again = engine.submit(PROMPT, max_new_tokens=24, sampling=hot, seed=11, n=3)
+    engine.run_until_idle()
+    assert [r.tokens for r in again.samples] == outs  # reproducible for the seed
+    greedy = engine.submit(PROMPT, max_new_tokens=24, n=2, logprobs=0)
+    engine.run_until_idle()
+    a, b = greedy.samples
+    assert a.tokens == b.tokens and a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-6)
