@@ -87,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
     p.add_argument("--no-compile-cache", action="store_true", help="skip the persistent compilation cache")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    pf = p.add_argument_group("prefill compression (lossy; as dflash-generate)")
+    pf.add_argument("--pflash-keep", type=float, default=None, metavar="R",
+                    help="PFlash: a prompt of at least --pflash-min-tokens tokens is scored as it arrives and only the "
+                         "fraction R (0 < R < 1) a scorer finds most attended is prefilled (sink tokens, the last "
+                         "window, whole chunks), at the original positions; decoding is unchanged (docs/pflash.md)")
+    pf.add_argument("--pflash-scorer", default=None, metavar="DIR",
+                    help="the scorer for --pflash-keep: a convert-weights checkpoint whose target scores the prompt "
+                         "(default: the served pair's own target)")
+    pf.add_argument("--pflash-min-tokens", type=int, default=1024, metavar="N",
+                    help="compress only prompts of at least N tokens (default 1024; shorter ones prefill whole)")
     off = p.add_argument_group("experts (where the target's routed experts live; as dflash-generate)")
     off.add_argument("--experts", choices=["device", "offload"], default=None,
                      help="device: resident (default); offload: in pinned host memory, the admitted rows' projected "
@@ -158,6 +168,17 @@ def check_args(args) -> None:
                          f"{args.tree_branch}")
     if proposer in ("tree", "adaptive") and args.widths not in ("fixed", "auto"):
         raise UsageError(f"--widths {args.widths} chooses chain widths: drop it with --proposer {proposer}")
+    keep = getattr(args, "pflash_keep", None)
+    if keep is not None:
+        if not 0 < keep < 1:
+            raise UsageError(f"--pflash-keep must be a fraction in (0, 1) (leave it out to prefill whole), got {keep:g}")
+        if args.pflash_min_tokens < 1:
+            raise UsageError(f"--pflash-min-tokens must be >= 1, got {args.pflash_min_tokens}")
+        if args.pflash_scorer is not None and not os.path.exists(os.path.join(args.pflash_scorer, "manifest.json")):
+            raise UsageError(f"--pflash-scorer {args.pflash_scorer} is not a convert-weights checkpoint (no "
+                             "manifest.json): pass a directory that convert-weights wrote")
+    elif getattr(args, "pflash_scorer", None) is not None:
+        raise UsageError("--pflash-scorer only applies with --pflash-keep R")
     if getattr(args, "offload", False):
         from dflash_jax.cli import generate as generate_cli  # the same checks as dflash-generate --offload
 
@@ -260,6 +281,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def open_access_warning(args) -> str | None:
+    """The warning printed at start when the server listens beyond this machine with no API key (None: no warning)."""
+    if api_key_of(args) is not None or is_loopback(args.host):
+        return None
+    return (f"listening on {args.host} with no API key: anyone who can reach this port can use it (set --api-key or "
+            f"{API_KEY_ENV})")
+
+
 def build_app(args):
     """(the FastAPI app, the engine) for parsed arguments: loads the pair and warms the engine up."""
     import dflash_jax
@@ -307,6 +336,13 @@ def build_app(args):
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer)
+        if getattr(args, "pflash_keep", None) is not None:
+            from dflash_jax import pflash
+
+            scorer = (pflash.load_scorer(args.pflash_scorer) if args.pflash_scorer is not None
+                      else pflash.Scorer.from_pair(pair))
+            common["compress"] = pflash.Compressor(scorer, keep_ratio=args.pflash_keep,
+                                                   min_tokens=args.pflash_min_tokens)
         if offload:
             from dflash_jax.cli.generate import pin_experts_arg
             from dflash_jax.offload import PoolTooSmall
@@ -397,9 +433,9 @@ class _Server:
 
 def _serve(args) -> int:
     check_args(args)
-    if api_key_of(args) is None and not is_loopback(args.host):
-        print(f"dflash-serve: warning: listening on {args.host} with no API key: anyone who can reach this port can "
-              f"use it (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
+    warning = open_access_warning(args)
+    if warning:
+        print(f"dflash-serve: warning: {warning}", file=sys.stderr, flush=True)
     import uvicorn
 
     from dflash_jax.cli import errors

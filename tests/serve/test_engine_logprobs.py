@@ -4,30 +4,13 @@ that forward's top-k, and the samples of a prompt prefilled once equal the reque
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dflash_jax.spec.sampling import SamplingParams
+from tests.serve.logprob_checks import plain_log_softmax, tolerance
 
 PROMPT = [15, 27, 3, 99, 4, 8, 61]
-
-
-def plain_log_softmax(pair, tokens) -> np.ndarray:
-    """log_softmax of the target's logits over `tokens` in one forward (row i scores token i + 1)."""
-    from dflash_jax.models.family import family_of
-    from dflash_jax.spec.session import init_target_cache
-
-    cfg = pair.target_cfg
-    ids = jnp.asarray([tokens], jnp.int32)
-    cache = init_target_cache(cfg, 1, len(tokens) + 8, pair.target.embed.dtype, verify_width=1)
-    out = family_of(cfg).forward(pair.target, ids, cache, cfg, logits="all")
-    return np.asarray(jax.nn.log_softmax(out.logits[0].astype(jnp.float32), axis=-1))
-
-
-def tolerance(pair) -> float:
-    return 2e-3 if pair.target.embed.dtype == jnp.float32 else 5e-2
 
 
 def test_logprobs_equal_a_plain_forward(engine, pair):
