@@ -253,3 +253,23 @@ def test_offloaded_chunked_prefill_equals_alone(pair):
     assert engine.prefill_chunks >= 5  # 40 and 33 tokens: three chunks each, the last ones maybe shorter
     assert sum(info.compiles for info in infos) == 0
     assert any(info.prefill_chunks and info.committed for info in infos)  # decoding went on beside a chunk
+
+
+def test_offloaded_logprobs_and_samples(served, pair):
+    """Log-probs of the committed tokens come from the layer-wise verify's logits as from the resident one's (equal
+    to a plain forward's log-softmax), n samples fork one prefill; echo's prompt scores are refused in one line."""
+    from dflash_jax.serve.engine import RequestError
+    from tests.serve.logprob_checks import plain_log_softmax, tolerance
+
+    engine = served[0]
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    head = engine.submit(prompt, max_new_tokens=12, stop_ids=[], logprobs=2, n=2)
+    engine.run_until_idle()
+    a, b = head.samples
+    assert a.tokens == b.tokens and len(a.token_logprobs) == len(a.tokens) == 12
+    ref = plain_log_softmax(pair, prompt + a.tokens)
+    n = len(prompt)
+    np.testing.assert_allclose(a.token_logprobs, ref[np.arange(n - 1, n + 11), a.tokens], atol=tolerance(pair))
+    assert [t for t, _ in a.top_logprobs[3]] == list(np.argsort(-ref[n + 2])[:2])
+    with pytest.raises(RequestError, match="prompt log-probabilities"):
+        engine.submit(prompt, max_new_tokens=2, logprobs=1, prompt_logprobs=True)
