@@ -1,18 +1,25 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI on uvicorn): `dflash-serve`.
 
-  POST /v1/completions        prompt (text, or token ids), max_tokens, temperature, top_p, seed, stop, stream
+  POST /v1/completions        prompt (text, or token ids), max_tokens, temperature, top_p, seed, stop, stream, n,
+                              logprobs (0 .. 20 alternatives), echo (with the prompt's logprobs when logprobs is set)
   POST /v1/chat/completions   messages (the tokenizer's chat template when the checkpoint has one; a plain
-                              "role: content" template otherwise), same settings, stream
+                              "role: content" template otherwise), same settings (max_completion_tokens too),
+                              logprobs: true + top_logprobs
   GET  /v1/models, /health, /metrics (Prometheus text format)
+
+Streams take `stream_options.include_usage` (a last chunk with the usage and no choices) and hold back text that could
+still be the start of a stop string, so nothing past one is ever sent. `n` samples share one prefill
+(`Engine.submit(n=)`); log-probs are the target's, from the verify's logits (`RoundRunner.round_logprobs`).
 
 Extensions (accepted in the request body, e.g. the `openai` client's `extra_body`): `top_k`, `stop_token_ids`
 (token ids that end the generation; the target's eos is one unless `ignore_eos`), `ignore_eos`. Each
 choice also carries `token_ids`: the generated ids (in a stream, the ids new in that chunk).
 
 Bad requests get 400 with an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` (so do 404 and
-405; a body over `max_body_bytes` gets 413 before it is read; a full queue 429); a client that disconnects
-(streaming or not) cancels its request and frees its slot. Fields that would change the output and are not
-implemented (`presence_penalty`, `frequency_penalty`, `logit_bias`, `n` > 1, `logprobs`, ...) are refused with a
+405; a body over `max_body_bytes` gets 413 before it is read; a full queue 429; with an `api_key`, a request without
+`Authorization: Bearer <key>` gets 401 before its body is read, on every path but /health). A client that
+disconnects (streaming or not) cancels its request and frees its slot. Fields that would change the output and are
+not implemented (`presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of`, ...) are refused with a
 400 naming them unless they hold their no-op value, never silently ignored. Every number is range-checked before
 it reaches a traced int32 / float32. JSON parsing, chat templates (sandboxed: `serve.templates`), tokenizing and
 detokenizing run on worker threads with the GIL released, so `/health` answers during any request. Shutdown
