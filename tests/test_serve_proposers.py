@@ -70,3 +70,45 @@ def test_served_trees_equal_each_prompt_alone(tmp_path, experts):
     chain = dflash_jax.generate(pair, PROMPTS, max_new_tokens=N, stop_ids=[])
     chain_tau = float(np.mean([a for seq in chain.acceptance_lengths for a in seq]))
     assert _metric_mean(metrics, "dflash_acceptance_length") > chain_tau > 1.3
+
+
+@pytest.mark.slow
+def test_served_pflash_equals_pflash_generate(tmp_path):
+    """`dflash-serve --pflash-keep 0.5 --pflash-min-tokens 64`: a 200-token prompt is compressed as it arrives (the
+    server's own target scores it) and its completion equals `pflash.generate` over the same kept tokens; a short
+    prompt beside it is untouched (equals `dflash_jax.generate`); /metrics counts the tokens left out."""
+    openai = pytest.importorskip("openai")
+    from dflash_jax import pflash
+
+    pair = dflash_jax.load()
+    tokenizer = __import__("tokenizers").Tokenizer.from_file(pair.tokenizer_path)
+    long = np.random.default_rng(7).integers(0, 1000, 200).tolist()
+    prompts = [long, PROMPTS[0]]
+    port = free_port()
+    env = dict(os.environ, DFLASH_JAX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), "--slots", "2",
+                             "--max-prompt-len", "256", "--max-new-tokens", str(N), "--log-level", "warning",
+                             "--pflash-keep", "0.5", "--pflash-min-tokens", "64"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        wait_ready(client, proc, timeout=900)
+
+        def complete(ids):
+            out = client.completions.create(model="tiny_pair", prompt=ids, max_tokens=N, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            return out.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            served = list(pool.map(complete, prompts))
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    finally:
+        code = stop(proc)
+    assert code == 128 + 15, proc.stderr.read()
+    kept = pflash.compress(pflash.Scorer.from_pair(pair), long, keep_ratio=0.5)
+    assert len(kept) < len(long)
+    compressed = pflash.generate(pair, [long], [kept], max_new_tokens=N, stop_ids=[]).tokens[0]
+    plain = dflash_jax.generate(pair, [PROMPTS[0]], max_new_tokens=N, stop_ids=[]).tokens[0]
+    assert served == [tokenizer.decode(compressed), tokenizer.decode(plain)]
+    left_out = [line for line in metrics.splitlines() if line.startswith("dflash_prefill_compressed_tokens_total ")]
+    assert left_out and float(left_out[0].split()[-1]) == len(long) - len(kept)

@@ -177,6 +177,7 @@ class RoundInfo:
     explored: bool = False  # the width ran to re-measure its cost (not the chooser's pick; `explore_width`)
     prefill_chunks: int = 0  # chunks of long prompts prefilled this round (at most one: the round's prefill budget)
     prefill_tokens: int = 0  # prompt tokens prefilled this round (whole prompts and chunks)
+    compressed_tokens: int = 0  # prompt tokens the round's compressed prefills left out (`compress`)
     offload: object = None  # what an offloaded runner moved (`serve.offload_runner.OffloadRound`); None: resident
 
 
@@ -598,7 +599,9 @@ class Engine:
         if info is not None:
             info.prefill_tokens += sum(len(r.prefill_ids) for r in reqs)
             self.prefill_tokens += sum(len(r.prefill_ids) for r in reqs)
-            self.compressed_tokens += sum(len(r.prompt) - len(r.prefill_ids) for r in reqs)
+            left_out = sum(len(r.prompt) - len(r.prefill_ids) for r in reqs)
+            info.compressed_tokens += left_out
+            self.compressed_tokens += left_out
         self._place(reqs, slots, rows, len(batch.lengths), info)
         return rows
 
@@ -997,6 +1000,7 @@ class Engine:
         # waited for: the round's draft and verify are timed alone
         pre = self.runner.prefill_start(tokens, valid, positions=positions)
         self._prefilling = _Prefilling(req=req, pre=pre, done=int(valid[0]))
+        info.compressed_tokens += len(req.prompt) - len(req.prefill_ids)
         self.compressed_tokens += len(req.prompt) - len(req.prefill_ids)
         self._count_chunk(int(valid[0]), info)
 

@@ -45,6 +45,8 @@ class Metrics:
                                       "most, between the live rows' rounds)", registry=r)
         self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens prefilled (whole prompts and chunks); "
                                       "its rate over rounds is the prefill tokens per round", registry=r)
+        self.compressed_tokens = Counter("dflash_prefill_compressed_tokens", "Prompt tokens a compressed prefill "
+                                         "left out (PFlash, --pflash-keep)", registry=r)
         self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
         self.finished = Counter("dflash_requests_finished", "Requests finished, by finish reason", ["reason"],
                                 registry=r)
@@ -69,6 +71,7 @@ class Metrics:
             self.rows.labels(rows=str(info.rows)).inc()
         self.prefill_chunks.inc(getattr(info, "prefill_chunks", 0))
         self.prefill_tokens.inc(getattr(info, "prefill_tokens", 0))
+        self.compressed_tokens.inc(getattr(info, "compressed_tokens", 0))
         self.round_seconds.observe(info.seconds)
         for reason in info.finished:
             self.finished.labels(reason=reason).inc()

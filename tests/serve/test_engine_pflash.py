@@ -81,3 +81,17 @@ def test_bad_compressor_settings_fail_at_construction(pair):
         pflash.Compressor("scorer", keep_ratio=0.5)
     with pytest.raises(TypeError, match="Compressor"):
         Engine(pair, slots=1, compress=lambda p: None)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pflash-keep", "1.5"], "--pflash-keep must be a fraction in \\(0, 1\\)"),
+    (["--pflash-keep", "0.5", "--pflash-min-tokens", "0"], "--pflash-min-tokens must be >= 1"),
+    (["--pflash-keep", "0.5", "--pflash-scorer", "/nonexistent/scorer"], "is not a convert-weights checkpoint"),
+    (["--pflash-scorer", "/nonexistent/scorer"], "only applies with --pflash-keep"),
+])
+def test_serve_pflash_flags(argv, message):
+    from dflash_jax.cli.serve import build_parser, check_args
+    from dflash_jax.errors import UsageError
+
+    with pytest.raises(UsageError, match=message):
+        check_args(build_parser().parse_args(argv))
