@@ -55,3 +55,19 @@ def test_n_samples_equal_their_solo_runs(engine):
     engine.run_until_idle()
     a, b = greedy.samples
     assert a.tokens == b.tokens and a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-6)
+
+
+def test_a_seed_reproduces_a_sample_whatever_else_is_in_the_batch(engine):
+    """The engine's verify width is fixed (the conftest engine): a seeded sampled request's key is its own, so its
+    output does not depend on the requests decoding beside it, nor on its slot."""
+    hot = SamplingParams(temperature=0.9, top_p=0.95)
+    alone = engine.submit(PROMPT, max_new_tokens=30, sampling=hot, seed=123)
+    engine.run_until_idle()
+    others = [engine.submit([i + 2, 40 + i], max_new_tokens=10 + 7 * i, sampling=hot, seed=i) for i in range(3)]
+    busy = engine.submit(PROMPT, max_new_tokens=30, sampling=hot, seed=123)  # joins last: another slot
+    engine.run_until_idle()
+    assert busy.tokens == alone.tokens
+    assert all(r.finish_reason in ("length", "stop") for r in others)
+    different = engine.submit(PROMPT, max_new_tokens=30, sampling=hot, seed=124)
+    engine.run_until_idle()
+    assert different.tokens != alone.tokens
