@@ -653,6 +653,8 @@ class Engine:
         tokens[0, :n] = req.prompt
         s = self.runner.prompt_logprobs(tokens)
         req.prompt_scores = TokenLogprobs(s.logprob[0, : n - 1], s.top_logprob[0, : n - 1], s.top_id[0, : n - 1])
+        for sample in req.siblings:  # one prompt, one score
+            sample.prompt_scores = req.prompt_scores
 
     @staticmethod
     def _record_logprobs(req: Request, scores: TokenLogprobs | None, row: int, count: int) -> None:

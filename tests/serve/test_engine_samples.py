@@ -87,6 +87,10 @@ def test_prompt_scores_and_bad_requests():
     s = req.prompt_scores
     assert s.logprob.shape == (3,) and s.top_id.shape == (3, min(TOP_LOGPROBS, VOCAB))
     assert s.logprob.tolist() == pytest.approx([FakeRunner.logprob(t, -1 - i) for i, t in enumerate([4, 5, 6])])
+    head = eng.submit([3, 4, 5, 6], max_new_tokens=4, logprobs=1, prompt_logprobs=True, n=3)
+    eng.run_until_idle()
+    assert eng.runner.calls["prompt_logprobs"] == 2  # scored once for its three samples
+    assert all(r.prompt_scores is head.prompt_scores for r in head.samples)
     for bad in (dict(n=0), dict(n=5), dict(n=1.5), dict(logprobs=TOP_LOGPROBS + 1), dict(logprobs=-1)):
         with pytest.raises(RequestError):
             eng.submit([1], max_new_tokens=2, **bad)
