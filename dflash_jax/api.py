@@ -13,7 +13,7 @@ The same three seams as everywhere else: the proposer (`spec.round`), the placem
 
 from __future__ import annotations
 
-PROPOSERS = ("chain", "head-chain", "tree", "adaptive")
+PROPOSERS = ("chain", "head-chain", "selector", "tree", "adaptive")
 EXPERTS = ("device", "offload")
 DRIVERS = ("jit", "stepping")
 
@@ -38,10 +38,23 @@ def check_combination(proposer: str, experts: str, driver: str) -> None:
         raise ValueError(why)
 
 
-def make_proposer(pair, proposer="chain", *, tree_budget: int = 16, tree_branch: int | None = None,
+def default_proposer(pair) -> str:
+    """The proposer a pair runs when none is named: "selector" for a DFlash 2 draft (its candidate selector's
+    chain, as z-lab's `dflash_generate` proposes), else "chain" (the draft's argmax chain, DFlash)."""
+    return "selector" if getattr(getattr(pair, "draft_cfg", None), "dflash2", False) else "chain"
+
+
+def make_proposer(pair, proposer=None, *, tree_budget: int = 16, tree_branch: int | None = None,
                   branch_head: bool = True, calibration="pair"):
-    """The round's proposer object from a name ("chain", "head-chain", "tree", "adaptive") or an object
-    (`spec.round.Chain`, `spec.tree.TreeShape`, `spec.policy.AdaptivePolicy`), returned as is."""
+    """The round's proposer object from a name ("chain", "head-chain", "selector", "tree", "adaptive"; None: the
+    pair's `default_proposer`) or an object (`spec.round.Chain`, `spec.tree.TreeShape`,
+    `spec.policy.AdaptivePolicy`), returned as is.
+
+    "selector" is a DFlash 2 draft's selector chain: the chain from the draft's conditional head, which for a
+    DFlash 2 draft is its candidate selector (`models.draft.SelectorWeights`), i.e. `Chain(head=True)`
+    ("head-chain" on a DFlash 2 draft is the same proposer). Trees of a DFlash 2 draft rank each node's children
+    by the selector's transition scores."""
+    from dflash_jax.models.draft import is_selector
     from dflash_jax.spec.loop import tree_plan
     from dflash_jax.spec.policy import AdaptivePolicy
     from dflash_jax.spec.round import Chain
@@ -49,11 +62,19 @@ def make_proposer(pair, proposer="chain", *, tree_budget: int = 16, tree_branch:
 
     if isinstance(proposer, (Chain, TreeShape, AdaptivePolicy)):
         return proposer
+    if proposer is None:
+        proposer = default_proposer(pair)
     if proposer not in PROPOSERS:
         raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)} (or a Chain / TreeShape / AdaptivePolicy), "
                          f"got {proposer!r}")
     if proposer == "chain":
         return Chain()
+    if proposer == "selector":
+        if not is_selector(getattr(pair.draft, "branch_head", None)):
+            raise ValueError("the selector proposer needs a DFlash 2 draft (DFlash2DraftModel, with a candidate "
+                             "selector), and this pair's draft is a DFlash 1 draft: use the chain (or head-chain with "
+                             "a branch head), or convert a DFlash 2 pair")
+        return Chain(head=True)
     if proposer == "head-chain":
         return Chain(head=True)
     return tree_plan(pair, tree_budget=tree_budget, branch=DEFAULT_BRANCH if tree_branch is None else tree_branch,
@@ -73,22 +94,24 @@ def _name(proposer) -> str:
     return "chain" if proposer.is_chain else "tree"
 
 
-def generate(pair, prompts, *, max_new_tokens, proposer="chain", experts: str = "device", driver: str | None = None,
+def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "device", driver: str | None = None,
              block_size: int | None = None, sampling=None, stop_ids=(), seed=0, tree_budget: int = 16,
              tree_branch: int | None = None, expert_budget_mb: float | None = None, buckets=None,
              warmup: bool = False, trace: bool = False, **offload_options):
     """Lossless speculative generation of `prompts` (token id lists) on `pair` (`dflash_jax.load`); returns a
     `spec.loop.GenerationResult` (tokens, acceptance lengths, stats).
 
-    proposer: "chain" (the draft's argmax chain, DFlash), "head-chain" (the branch head's chain), "tree" (a token tree
-    of `tree_budget` nodes, `tree_branch` candidates each), "adaptive" (the shape chosen per round), or a proposer
-    object. experts: "device" (resident) or "offload" (routed experts in host memory behind a device cache of
+    proposer: "chain" (the draft's argmax chain, DFlash), "head-chain" (the branch head's chain), "selector" (a DFlash
+    2 draft's selector chain), "tree" (a token tree of `tree_budget` nodes, `tree_branch` candidates each),
+    "adaptive" (the shape chosen per round), a proposer object, or None: the pair's `default_proposer` (the selector
+    chain for a DFlash 2 draft, else the chain). experts: "device" (resident) or "offload" (routed experts in host memory behind a device cache of
     `expert_budget_mb` MB; `offload_options` go to `offload.OffloadedGenerator`: prefetcher, pin, hybrid, ...).
     driver: "jit" or "stepping" (default: jit on the device, stepping when offloaded). max_new_tokens, sampling
     (`spec.SamplingParams`), stop_ids, seed: one value for every prompt or one per prompt."""
     from dflash_jax.spec.sampling import SamplingParams
 
     driver = driver or ("jit" if experts == "device" else "stepping")
+    proposer = default_proposer(pair) if proposer is None else proposer
     check_combination(_name(proposer), experts, driver)
     prop = make_proposer(pair, proposer, tree_budget=tree_budget, tree_branch=tree_branch)
     request = dict(max_new_tokens=max_new_tokens, sampling=SamplingParams() if sampling is None else sampling,
@@ -114,4 +137,5 @@ def generate(pair, prompts, *, max_new_tokens, proposer="chain", experts: str = 
                              trace=trace, **request)
 
 
-__all__ = ["CAPABILITIES", "DRIVERS", "EXPERTS", "PROPOSERS", "check_combination", "generate", "make_proposer"]
+__all__ = ["CAPABILITIES", "DRIVERS", "EXPERTS", "PROPOSERS", "check_combination", "default_proposer", "generate",
+           "make_proposer"]

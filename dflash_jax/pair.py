@@ -487,5 +487,10 @@ def load_branch_head(path: str, pair=None) -> draft_model.BranchHeadWeights:
 
 
 def with_branch_head(pair: Pair, head: draft_model.BranchHeadWeights | None) -> Pair:
-    """The pair with `head` carried by its draft weights (None removes it: trees build from the marginals)."""
+    """The pair with `head` carried by its draft weights (None removes it: trees build from the marginals).
+    A DFlash 2 draft's conditional head is its candidate selector, which a branch head may not replace."""
+    if draft_model.is_selector(pair.draft.branch_head) and not draft_model.is_selector(head):
+        raise ValueError("this pair's draft is a DFlash 2 draft: its conditional head is its candidate selector, "
+                         "which a branch head would replace; remove the branch head file beside the checkpoint "
+                         "(or load with branch_head=False)")
     return dataclasses.replace(pair, draft=pair.draft.replace(branch_head=head))

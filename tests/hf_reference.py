@@ -131,10 +131,7 @@ def build_and_save_dflash2_draft(config, directory, *, seed: int = 0, release_la
     identity, random codebooks) and saved; with `release_layout` the codebooks are stored as the published
     checkpoints store them (no `.weight`, which `DFlash2DraftModel.from_pretrained` maps back). Returns the
     eval model."""
-    import os
-
     from dflash.model import DFlash2DraftModel
-    from safetensors.torch import load_file, save_file
 
     torch.manual_seed(seed)
     model = DFlash2DraftModel(config).float()
@@ -148,6 +145,17 @@ def build_and_save_dflash2_draft(config, directory, *, seed: int = 0, release_la
                 conv.base_kernel.copy_(base)
                 conv.kernel_projection.weight.mul_(0.5)
     model.eval()
+    save_dflash2_draft(model, directory, release_layout=release_layout)
+    return model
+
+
+def save_dflash2_draft(model, directory, *, release_layout: bool = True):
+    """`save_pretrained`, then (with `release_layout`) the codebooks renamed as the published checkpoints store
+    them (no `.weight`)."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
     model.save_pretrained(directory)
     if release_layout:
         path = os.path.join(directory, "model.safetensors")
@@ -155,7 +163,6 @@ def build_and_save_dflash2_draft(config, directory, *, seed: int = 0, release_la
         for name in ("predecessor_codebook", "successor_codebook"):
             tensors[f"candidate_selector.{name}"] = tensors.pop(f"candidate_selector.{name}.weight")
         save_file(tensors, path, metadata={"format": "pt"})
-    return model
 
 
 @torch.no_grad()

@@ -8,8 +8,8 @@
 `stats` (tokens/s, mean acceptance tau, rounds, time split), and with `--trace` a per-round `trace` of
 `proposal` (the B-1 draft tokens), `accepted` and `bonus`.
 
-`--proposer chain|head-chain|tree|adaptive` picks what the draft proposes each round (`--tree-budget N`,
-`--tree-branch K` shape the tree), `--experts device|offload` where the target's experts live, `--loop jit|python`
+`--proposer chain|head-chain|selector|tree|adaptive` picks what the draft proposes each round (default: the
+selector chain for a DFlash 2 draft, else the chain; `--tree-budget N`, `--tree-branch K` shape the tree), `--experts device|offload` where the target's experts live, `--loop jit|python`
 the driver; every combination runs except offloaded experts in the jitted loop (`dflash_jax.api.CAPABILITIES`).
 The older spellings `--head-chain`, `--adaptive`, `--offload` and `--tree-budget N` alone still work for this
 release.
@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
     prop = p.add_argument_group("proposer (what the draft proposes each round; every choice is lossless)")
     prop.add_argument("--proposer", choices=list(PROPOSERS), default=None,
-                      help="chain: the draft's per-position argmax (DFlash, the default); head-chain: the chain from "
-                           "the pair's branch head, each position given the previous proposal; tree: a token tree of "
+                      help="chain: the draft's per-position argmax (DFlash, the default for a DFlash 1 draft); "
+                           "head-chain: the chain from the pair's branch head, each position given the previous "
+                           "proposal; selector: a DFlash 2 draft's candidate-selector chain (its default); tree: a "
+                           "token tree of "
                            "--tree-budget nodes (from the branch head when the pair ships one); adaptive: each round's "
                            "shape (chain B = 4/8/16 or tree N = 8/16/32) chosen from the acceptance so far and each "
                            "shape's cost")
@@ -207,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
     return p
+
+
+def named_no_proposer(args) -> bool:
+    """Whether the flags leave the proposer to the pair (`api.default_proposer`)."""
+    return args.proposer is None and not args.head_chain and not args.adaptive and args.tree_budget is None
 
 
 def resolve_vocabulary(args) -> tuple[str, str, str]:
@@ -322,6 +329,10 @@ def run(args) -> dict:
                            dequantize_experts=False if offload or (mesh is not None and dequantize == "auto")
                            else dequantize, mesh=None if offload else mesh,  # offload: shards placed below
                            branch_head=(tree and not args.no_branch_head) or proposer_name == "head-chain")
+    if named_no_proposer(args) and args.pflash_keep is None:  # the pair's default (DFlash 2: its selector chain)
+        from dflash_jax.api import default_proposer
+
+        proposer_name = default_proposer(pair)
     tokenizer = load_tokenizer(pair)
     if args.prompt is not None:
         if tokenizer is None:

@@ -431,12 +431,20 @@ def head_chain_draft(target_w, draft_w, state: SpecState, spec: SpecConfig, hidd
     position: d_k from the head's distribution at position k given d_{k-1} (d_0 = the anchor), over the one
     draft forward's hidden states. Greedy sequences and the exact-match method take the head's argmax; sampled
     sequences under the rejection method draw d_k from the head's processed distribution given their own
-    d_{k-1}, which `Draft.probs` keeps: the proposal is autoregressive, so the rejection rule stays exact."""
+    d_{k-1}, which `Draft.probs` keeps: the proposal is autoregressive, so the rejection rule stays exact.
+
+    A DFlash 2 draft's head is its candidate selector (`models.draft.SelectorWeights`): this is then the
+    selector's chain, its path walked from the anchor, and a sampled d_k is drawn from softmax(score / T) over
+    the K candidates (the request's top-k / top-p do not restrict it, as in z-lab's `dflash_generate`), kept as
+    a vocabulary row that is 0 off the candidates, so the rejection rule applies unchanged."""
     head = getattr(draft_w, "branch_head", None)
     if head is None:
         raise ValueError("spec.chain_head needs a draft that carries a branch head (dflash_jax.pair.with_branch_head, "
-                         "or a pair shipped with branch_head.safetensors)")
+                         "or a pair shipped with branch_head.safetensors) or a DFlash 2 candidate selector")
     rows = state.params.sampling
+    if draft_model.is_selector(head):  # q over the candidates at the temperature only
+        rows = RowSampling(temperature=rows.temperature, top_p=jnp.ones_like(rows.top_p),
+                           top_k=jnp.zeros_like(rows.top_k))
     sampled = spec.method != "exact_match"
     gamma = spec.block_size - 1
     # per position a key of a stream no other draw of the round touches: fold_in(key, i) is split(key)[i] here,
