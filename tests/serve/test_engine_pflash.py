@@ -27,9 +27,9 @@ def compressor(pair):
     return pflash.Compressor(pflash.Scorer.from_pair(pair), keep_ratio=0.4, min_tokens=100)
 
 
-def _served(pair, compressor, prompts, proposer=None, prefill_chunk=None):
+def _served(pair, compressor, prompts, proposer=None, prefill_chunk=None, **kw):
     eng = Engine(pair, slots=len(prompts) - 1, max_prompt_len=320, max_new_tokens=32, compress=compressor,
-                 proposer=proposer, prefill_chunk=prefill_chunk)
+                 proposer=proposer, prefill_chunk=prefill_chunk, **kw)
     # the prefill buckets these prompts use (the kept lengths of the long ones), the scorer's every bucket
     eng.warmup([len(p) if compressor(p) is None else len(compressor(p)) for p in prompts])
     with CompileCounter() as counter:
@@ -69,6 +69,20 @@ def test_compressed_prompts_by_chunks_and_trees(pair, compressor):
     eng, reqs = _served(pair, compressor, PROMPTS, proposer=TreeShape(16, 4), prefill_chunk=64)
     _check(pair, compressor, eng, reqs, PROMPTS)
     assert eng.prefill_chunks >= 2
+
+
+@pytest.mark.slow
+def test_compressed_prompts_with_offloaded_experts(pair, compressor):
+    """The offloaded engine (experts in host memory, the smallest device cache that runs) prefills the kept
+    tokens layer by layer at their positions: the same outputs."""
+    import dflash_jax
+    from dflash_jax.offload import HostExpertStore, min_budget_bytes
+
+    offloaded = dflash_jax.load(expert_memory="pinned_host")
+    store = HostExpertStore(offloaded.target)
+    eng, reqs = _served(offloaded, compressor, PROMPTS[:3], experts="offload", budget_bytes=min_budget_bytes(store),
+                        store=store, bandwidth=1e9)
+    _check(pair, compressor, eng, reqs, PROMPTS[:3])
 
 
 def test_bad_compressor_settings_fail_at_construction(pair):
