@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most one round in N of a row bucket runs a neighbouring width whose cost entry is stale, "
                         "to re-measure it (default 8; 0: never explore)")
     prop = p.add_argument_group("proposer (what the draft proposes each round; every choice is lossless)")
-    prop.add_argument("--proposer", choices=["chain", "head-chain", "tree", "adaptive"], default="chain",
-                      help="chain: the draft's argmax chain at --block-size (--widths chooses among widths); "
-                           "head-chain: the chain from the pair's branch head; tree: a token tree of --tree-budget "
+    prop.add_argument("--proposer", choices=["chain", "head-chain", "selector", "tree", "adaptive"], default=None,
+                      help="chain: the draft's argmax chain at --block-size (--widths chooses among widths; the "
+                           "default, except for a DFlash 2 pair); head-chain: the chain from the pair's branch head; "
+                           "selector: a DFlash 2 draft's candidate-selector chain (its default); tree: a token tree of --tree-budget "
                            "nodes every round; adaptive: each round's shape (chains of 1, 2, 4, .. B and the tree) "
                            "chosen by the cost model, learned while serving (the same as tree with --widths auto)")
     prop.add_argument("--tree-budget", type=int, default=None,
@@ -309,7 +310,7 @@ def build_app(args):
 
         mesh = make_mesh(args.mesh)
     offload = getattr(args, "offload", False)
-    proposer_name = getattr(args, "proposer", "chain")
+    proposer_name = getattr(args, "proposer", None)
     head = proposer_name in ("head-chain", "tree", "adaptive")  # the branch head is read only when used
     pair = (dflash_jax.load(directory, expert_memory="pinned_host", dequantize_experts=False, branch_head=head)
             if offload else dflash_jax.load(directory, mesh=mesh, branch_head=head))
@@ -319,7 +320,15 @@ def build_app(args):
                   else [int(w) for w in args.widths.split(",")])
         block_size = args.block_size
         proposer = None
-        if proposer_name == "head-chain":
+        if proposer_name is None:  # the pair's default: a DFlash 2 draft's selector chain, else the chain
+            from dflash_jax.api import default_proposer
+
+            proposer_name = default_proposer(pair)
+        if proposer_name == "selector":
+            from dflash_jax.api import make_proposer
+
+            make_proposer(pair, "selector")  # a DFlash 1 draft has no selector: one error naming the fix
+        if proposer_name in ("head-chain", "selector"):  # a DFlash 2 draft's head is its selector
             proposer = "head-chain"
         elif proposer_name in ("tree", "adaptive"):  # adaptive: the tree among the chain widths, chosen per round
             from dflash_jax.api import make_proposer
