@@ -65,7 +65,8 @@ from dflash_jax.offload.hybrid import HostCompute, flops_per_row
 from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
 from dflash_jax.offload.predictors import NoPrediction, PreviousRound, RoundInputs, in_verify_part, make_predictor
 from dflash_jax.offload.sharded import ShardedExpertCache
-from dflash_jax.offload.stats import RoundStats, RoundTokens, RouteAheadStats, TraceObserver, layer_round_stats
+from dflash_jax.offload.provider import ExpertProvider
+from dflash_jax.offload.stats import RoundStats, RoundTokens, RouteAheadStats, TraceObserver
 from dflash_jax.offload.store import HostExpertStore, moe_layer_ids, strip_experts
 from dflash_jax.sharding.place import shard_weights
 from dflash_jax.spec.loop import LOOP_BUCKETS, GenerationResult, generation_result
@@ -487,27 +488,8 @@ class OffloadedGenerator:
             inputs.draft_hidden = proposal.hidden
             inputs.block_tokens = block
         self.prefetcher.after_draft(rec)
-        layer_stats = {}
-
-        def on_demand(layer, experts):
-            window = time.perf_counter() - rec.late_issued[layer] if layer in rec.late_issued else 0.0
-            resident = pool.resident(layer).copy()
-            wanted = np.unique(experts)
-            host = self.host_experts(layer, experts, wanted[~resident[wanted]])
-            on_device = np.setdiff1d(wanted, host)
-            pool.release()  # the previous layer's experts were dispatched
-            passes = pool.plan_passes(layer, on_device) if len(on_device) else []
-            layer_stats[layer] = layer_round_stats(
-                layer, predicted=rec.predicted.get(layer, ()), routed=experts, resident=np.flatnonzero(resident),
-                prefetched=rec.prefetched.get(layer, ()), expert_bytes=store.expert_bytes(layer),
-                prefetched_in_verify=rec.late_moved.get(layer, ()), in_verify_window_s=window, host=host,
-                passes=len(passes) + (1 if len(host) else 0))
-            if len(passes) == 1 and not len(host):
-                pool.fetch(layer, on_device)
-                pool.touch(layer, on_device)
-                pool.hold(layer, on_device)
-                return ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
-            return self.expert_passes(pool, layer, passes, host)
+        provider = self.expert_provider(pool).begin(predicted=rec.predicted, prefetched=rec.prefetched,
+                                                    late_moved=rec.late_moved, late_issued=rec.late_issued)
 
         t2 = time.perf_counter()
         logits = None
@@ -517,21 +499,21 @@ class OffloadedGenerator:
                 self.wants_logits)
             pool.returned(router_experts)
             routed = {l: np.asarray(router_experts[l]).reshape(-1, top_k) for l in layers}
-            for l in layers:
-                on_demand(l, routed[l])
+            for l in layers:  # the stats (every expert is resident: nothing moves)
+                provider(l, routed[l])
             logits = router_logits
         else:
             width = self.prefetcher.in_verify_width(top_k)
             ahead = None if width is None else functools.partial(self.prefetcher.in_verify, rec)
             verify = forward_layerwise(self.stripped, block, state.target_cache, self.cfg,
-                                       provider=on_demand, tap_layers=spec.taps, logits="all",
+                                       provider=provider, tap_layers=spec.taps, logits="all",
                                        implementation=self.implementation, ahead=ahead, ahead_width=width,
                                        dispatched=lambda i, x: pool.returned(x),
                                        tree=None if proposal.tree is None else proposal.tree.block())
             state, _ = commit_jit(state, proposal, verify.out, spec, proposer)
             routed = verify.routed
             logits = verify.out.router_logits
-        pool.release()
+        provider.end()
         before = session.host
         output, num, acc, bonus, anchor, done = jax.device_get(
             (state.output, state.num_generated, state.last_accepted, state.last_bonus, state.anchor, state.done))
@@ -543,7 +525,7 @@ class OffloadedGenerator:
             bonus=np.asarray(bonus),
             emitted=[list(map(int, output[i, before["num_generated"][i]:num[i]])) if live[i] else []
                      for i in range(len(live))])
-        stats = RoundStats(round=session.rounds, layers=[layer_stats[l] for l in layers], draft_s=t1 - t0,
+        stats = RoundStats(round=session.rounds, layers=[provider.stats[l] for l in layers], draft_s=t1 - t0,
                            verify_s=t3 - t2, hide_window_s=t3 - rec.t_issue, bandwidth=self.bandwidth,
                            tokens=tokens)
         session.state = state
@@ -559,7 +541,6 @@ class OffloadedGenerator:
         session.previous_routed = routed
         if self.wants_logits:
             session.previous_logits = {l: np.asarray(logits[l]).reshape(-1, store.num_experts) for l in layers}
-        pool.advance()
         session.rounds += 1
         session.t_last = time.perf_counter()
         session.route_ahead.on_round(stats)
@@ -585,23 +566,11 @@ class OffloadedGenerator:
             self._host_tables[layer] = le.tables([jax.device_put(leaf, where) for leaf in le.leaves])
         return self._host_tables[layer]
 
-    def expert_passes(self, pool, layer: int, passes: list[np.ndarray], host: np.ndarray):
-        """The layer's passes (see `forward.forward_layerwise`): each device pass fetches its group (evicting the
-        previous group's unpinned experts when it must) and holds it until the next pass; then the host pass."""
-        e = self.store.num_experts
-        for i, group in enumerate(passes):
-            pool.release(layer)
-            pool.fetch(layer, group)
-            if i == 0:
-                pool.touch(layer, np.concatenate(passes))
-            pool.hold(layer, group)
-            mask = np.zeros(e, bool)
-            mask[group] = True
-            yield ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer), mask=mask)
-        if len(host):
-            mask = np.zeros(e, bool)
-            mask[host] = True
-            yield ExpertOperands(self.host_tables(layer), None, np.ones(e, bool), mask=mask, host=True)
+    def expert_provider(self, cache) -> ExpertProvider:
+        """The per-verify expert protocol over `cache` (`offload.provider.ExpertProvider`), with this generator's
+        hybrid placement (the host computes the missing experts its cost model picks)."""
+        return ExpertProvider(cache, self.store.expert_bytes, host_tables=self.host_tables,
+                              host_choice=self.host_experts if self.hybrid is not None else None)
 
     def result(self, session: OffloadSession) -> OffloadResult:
         """The session's tokens, acceptance lengths and stats (`stats`: time split; `offload`: budget, pool and

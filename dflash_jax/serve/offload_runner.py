@@ -47,11 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.offload.cache import ExpertCache
-from dflash_jax.offload.forward import ExpertOperands, forward_layerwise
+from dflash_jax.offload.forward import forward_layerwise
 from dflash_jax.offload.loop import OffloadedGenerator, start_prepared
 from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
-from dflash_jax.offload.stats import layer_round_stats
-from dflash_jax.offload.store import memory_sharding
 from dflash_jax.serve.runner import (
     Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, head_rows, put_head_rows, settle_rows, verify_rows,
 )
@@ -273,57 +271,27 @@ class OffloadedRunner(ResidentRunner):
                 rec.prefetched_bytes += len(moved) * self.store.expert_bytes(layer)
         return asked if self.predictor != "none" else {layer: np.zeros(0, np.int32) for layer in self.moe_layers}
 
-    def _lenient(self, ops: ExpertOperands, layer: int, ignored: np.ndarray, first: bool) -> ExpertOperands:
-        """`ops` with the experts only non-verifying rows route to (`ignored`) counted in: in the first pass's
-        mask, marked resident, their slot-table entries pointed at a resident slot (a row that does not verify
-        computes garbage there that nobody reads). Rows that verify never route to them."""
-        if not first or not len(ignored):
-            return ops
-        if ops.host:  # the whole table on the host: every expert is there
-            mask = ops.mask.copy()
-            mask[ignored] = True
-            return dataclasses.replace(ops, mask=mask)
-        ls = self.pool.layers[layer]
-        n = self.pool.layer_slots(layer)
-        table = ls.slot_of.copy()
-        here = table[table < n]
-        table[ignored] = here[0] if len(here) else 0
-        resident = ops.resident.copy()
-        resident[ignored] = True
-        mask = None
-        if ops.mask is not None:
-            mask = ops.mask.copy()
-            mask[ignored] = True
-        return ExpertOperands(ops.tables, jax.device_put(table, memory_sharding("device")), resident, mask=mask)
-
     def _offload_verify(self, drafted: Drafted, active: np.ndarray, asked: dict, rec: OffloadRound | None) -> SpecState:
         """The verify of the first `drafted.rows` rows (a row bucket holding every live row; the others are free and
         come back as they were), layer by layer from the cache, then `_commit`."""
-        pool, gen, store = self.pool, self.gen, self.store
+        pool, gen = self.pool, self.gen
         draft, draft_lengths, proposer, bucket = drafted.proposal, drafted.lengths, drafted.proposer, drafted.rows
         width = verify_width(proposer, self.spec)
-        pool.returned()  # nothing is lent or held from a round that failed half-way
-        pool.release()
         full = self.state
         state = full if bucket == self.slots else _head_jit(full, bucket)
         active = active[:bucket]
-        rows = np.repeat(active, width)  # [bucket * width]: the block rows of verifying slots
-        routed_active: dict[int, np.ndarray] = {}
+        # [bucket * width]: the block rows of verifying slots (the others' experts are not fetched)
+        provider = gen.expert_provider(pool).begin(rows=np.repeat(active, width), predicted=asked)
 
-        def provider(layer, experts):
-            mine, others = experts[rows], experts[~rows]
-            wanted = np.unique(mine)
-            ignored = np.setdiff1d(np.unique(others), wanted)
-            resident = pool.resident(layer).copy()
-            host = gen.host_experts(layer, mine, wanted[~resident[wanted]]) if len(wanted) else np.zeros(0, int)
-            on_device = np.setdiff1d(wanted, host)
-            pool.release()  # the previous layer's experts were dispatched
-            passes = pool.plan_passes(layer, on_device) if len(on_device) else []
-            routed_active[layer] = mine
-            if rec is not None:
-                s = layer_round_stats(layer, predicted=asked.get(layer, ()), routed=mine,
-                                      resident=np.flatnonzero(resident), expert_bytes=store.expert_bytes(layer),
-                                      host=host, passes=max(len(passes) + (1 if len(host) else 0), 1))
+        tree = None if draft.tree is None else draft.tree.block()
+        out = forward_layerwise(gen.stripped, draft.tokens, state.target_cache, self.spec.target, provider=provider,
+                                tap_layers=self.spec.taps, logits="all", implementation=gen.implementation,
+                                dispatched=lambda i, x: pool.returned(x), tree=tree)
+        new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), self.spec, proposer)
+        self._verify_logits = out.out.logits
+        provider.end()
+        if rec is not None:
+            for s in provider.stats.values():
                 rec.hits += s.hits
                 rec.misses += s.on_demand
                 rec.host += s.host
@@ -334,25 +302,7 @@ class OffloadedRunner(ResidentRunner):
                 rec.on_demand_bytes += s.on_demand * s.expert_bytes
                 rec.predicted_bytes += s.predicted * s.expert_bytes
                 rec.used_bytes += s.routed * s.expert_bytes
-            if len(passes) <= 1 and not len(host):
-                group = passes[0] if passes else np.zeros(0, np.int32)
-                pool.fetch(layer, group)
-                pool.touch(layer, group)
-                pool.hold(layer, group)
-                ops = ExpertOperands(pool.operands(layer), pool.slot_table(layer), pool.resident(layer))
-                return self._lenient(ops, layer, ignored, True)
-            return (self._lenient(ops, layer, ignored, i == 0)
-                    for i, ops in enumerate(gen.expert_passes(pool, layer, passes, host)))
-
-        tree = None if draft.tree is None else draft.tree.block()
-        out = forward_layerwise(gen.stripped, draft.tokens, state.target_cache, self.spec.target, provider=provider,
-                                tap_layers=self.spec.taps, logits="all", implementation=gen.implementation,
-                                dispatched=lambda i, x: pool.returned(x), tree=tree)
-        new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), self.spec, proposer)
-        self._verify_logits = out.out.logits
-        pool.release()
-        pool.advance()
-        self._previous = {layer: np.unique(e) for layer, e in routed_active.items()}
+        self._previous = {layer: np.unique(e) for layer, e in provider.routed.items()}
         return new if bucket == self.slots else _put_head_jit(full, new)
 
     # -- the round (the engine's, with the prefetch and the offloaded verify) -----------------------------------
