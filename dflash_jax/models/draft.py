@@ -65,6 +65,7 @@ __all__ = [
     "SelectorWeights",
     "dynamic_conv",
     "selector_scores",
+    "selector_transition",
     "selector_logits",
     "is_selector",
     "branch_head_logits",
@@ -184,11 +185,18 @@ def selector_scores(selector: SelectorWeights, hidden: jax.Array, parent: jax.Ar
     [..., H] given the previous position's tokens `parent` [...]: (scores [..., K] fp32, candidates [..., K]
     int32), K = `cfg.selector_top_k`, candidates in descending order of the draft's logits."""
     unary, candidates = jax.lax.top_k(draft_logits(hidden, cfg, embed=embed, lm_head=lm_head), cfg.selector_top_k)
+    return unary + selector_transition(selector, hidden, parent, candidates), candidates.astype(jnp.int32)
+
+
+def selector_transition(selector: SelectorWeights, hidden: jax.Array, parent: jax.Array,
+                        candidates: jax.Array) -> jax.Array:
+    """The selector's pairwise term `<predecessor[p] * (h @ projection), successor[c]>` [..., K] fp32 for the
+    tokens `candidates` [..., K] at positions with hidden states [..., H] and previous tokens `parent` [...]
+    (`selector_scores` adds it to the candidates' logits; training scores any candidate set with it)."""
     f32 = jnp.float32
     query = jnp.take(selector.predecessor, parent, axis=0).astype(f32) * (
         hidden.astype(f32) @ selector.projection.astype(f32))  # [..., r]
-    pair = jnp.einsum("...r,...kr->...k", query, jnp.take(selector.successor, candidates, axis=0).astype(f32))
-    return unary + pair, candidates.astype(jnp.int32)
+    return jnp.einsum("...r,...kr->...k", query, jnp.take(selector.successor, candidates, axis=0).astype(f32))
 
 
 def selector_logits(selector: SelectorWeights, hidden: jax.Array, parent: jax.Array, cfg: DraftConfig, *,

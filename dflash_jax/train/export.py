@@ -11,7 +11,7 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
-from dflash_jax.config import FULL_ATTENTION, DraftConfig, Qwen3_5Config, Qwen3Config
+from dflash_jax.config import DFLASH2_FIELDS, FULL_ATTENTION, DraftConfig, Qwen3_5Config, Qwen3Config
 from dflash_jax.models import qwen3
 from dflash_jax.models.family import family_of
 
@@ -149,8 +149,15 @@ EXPORTERS = {"qwen3": _save_qwen3, "qwen3_5": _save_qwen3_5}
 
 
 def save_hf_draft(weights, cfg: DraftConfig, directory: str) -> None:
+    """The z-lab draft layout: `DFlashDraftModel`, or `DFlash2DraftModel` for a DFlash 2 draft (its convolutions'
+    `{attention_conv,mlp_conv}.base_kernel` / `.kernel_projection.weight` per layer and the release's
+    `candidate_selector.{predecessor,successor}_codebook` / `.hidden_projection.weight`, with the four DFlash 2
+    fields in `dflash_config`), as `convert.draft` reads it."""
     if any(w is not None for w in cfg.layer_windows) or any(cfg.layer_causal):
         raise ValueError("export writes full (non-causal) attention drafts")
+    if cfg.dflash2 != (weights.convs is not None):
+        raise ValueError("a DFlash 2 config needs weights with convolutions and a selector, a DFlash 1 config "
+                         "weights without")
     tensors = {"fc.weight": _np(weights.fc).T, "hidden_norm.weight": _np(weights.hidden_norm),
                "norm.weight": _np(weights.final_norm)}
     for i, layer in enumerate(weights.layers):
@@ -160,15 +167,26 @@ def save_hf_draft(weights, cfg: DraftConfig, directory: str) -> None:
         tensors.update(_attention_tensors(p, layer.attn))
         for name in ("gate", "up", "down"):
             tensors[p + f"mlp.{name}_proj.weight"] = _np(getattr(layer.mlp, name)).T
+        if cfg.dflash2:
+            for name, conv in (("attention_conv", weights.convs[i].attention), ("mlp_conv", weights.convs[i].mlp)):
+                tensors[p + f"{name}.base_kernel"] = _np(conv.base)
+                tensors[p + f"{name}.kernel_projection.weight"] = _np(conv.projection).T
+    dflash_config = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                     "block_size": cfg.block_size}
+    if cfg.dflash2:
+        selector = weights.branch_head
+        tensors["candidate_selector.predecessor_codebook"] = _np(selector.predecessor)
+        tensors["candidate_selector.successor_codebook"] = _np(selector.successor)
+        tensors["candidate_selector.hidden_projection.weight"] = _np(selector.projection).T
+        dflash_config.update({name: getattr(cfg, name) for name in DFLASH2_FIELDS})
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
+        "architectures": ["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": _rope_json(cfg.rope),
         "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": cfg.attention_bias,
         "vocab_size": cfg.vocab_size, "num_target_layers": cfg.num_target_layers,
         "layer_types": ["full_attention"] * cfg.num_layers, "tie_word_embeddings": False,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size},
+        "dflash_config": dflash_config,
     }
     _save(directory, config, tensors)

@@ -9,6 +9,8 @@ last orbax checkpoint):
   3. target      LM loss + load balancing, optax AdamW            -> work/hf_target (HF layout)
   4. corpus      the target's greedy continuations of training windows -> work/continuations.npy
   5. draft       the DFlash objective on those continuations      -> work/hf_draft (HF layout)
+                 (`Recipe(draft_version=2)`: a DFlash 2 draft, its convolutions starting as the identity and its
+                 candidate selector trained jointly, `train.dflash2`, `objectives.dflash2_loss`)
   6. convert     convert-weights (MXFP4 experts)                 -> out
 
 Stage 6 runs the converter the caller passes (`convert=convert.convert`): the `convert` package builds on
@@ -36,8 +38,9 @@ from dflash_jax.models.family import family_of
 from dflash_jax.testing import random_draft_weights, random_qwen3_weights
 from dflash_jax.train import data
 from dflash_jax.train.common import TrainConfig, batch_rng, train_loop
+from dflash_jax.train.dflash2 import DEFAULT_FIELDS, as_dflash2, dflash2_config
 from dflash_jax.train.export import save_hf_draft, save_hf_target
-from dflash_jax.train.objectives import dflash_loss, lm_loss, sample_anchors
+from dflash_jax.train.objectives import dflash2_loss, dflash_loss, lm_loss, sample_anchors
 
 VOCAB = 1024
 EOS_ID, MASK_ID = VOCAB - 2, VOCAB - 1
@@ -100,6 +103,23 @@ class Recipe:
     expert_intermediate: int = 256
     moe_implementation: str = "auto"  # "dense" trains many small experts faster on CPU (`nn.moe`)
     family: str = "qwen3"  # the target's registered family: a key of TARGET_CONFIGS
+    # the draft: 1 (DFlashDraftModel) or 2 (DFlash2DraftModel: the four fields below, and the selector's K-way
+    # cross-entropy added to the draft's loss with weight `selector_weight`)
+    draft_version: int = 1
+    conv_kernel_size: int = DEFAULT_FIELDS["conv_kernel_size"]
+    conv_group_size: int = DEFAULT_FIELDS["conv_group_size"]
+    selector_rank: int = DEFAULT_FIELDS["selector_rank"]
+    selector_top_k: int = DEFAULT_FIELDS["selector_top_k"]
+    selector_weight: float = 1.0
+
+    def draft_config(self, base: DraftConfig | None = None) -> DraftConfig:
+        """The draft's config: `base` (default: `draft_config()`) as this recipe's draft version."""
+        base = base or draft_config()
+        if self.draft_version == 1:
+            return base
+        if self.draft_version != 2:
+            raise ValueError(f"Recipe.draft_version is 1 or 2, got {self.draft_version!r}")
+        return dflash2_config(base, **{k: getattr(self, k) for k in DEFAULT_FIELDS})
 
     def target_config(self):
         if self.family not in TARGET_CONFIGS:
@@ -195,9 +215,20 @@ def greedy_corpus(work: str, params, cfg, stream: np.ndarray, recipe: Recipe, pr
     return corpus
 
 
-def train_draft(work: str, target_params, tcfg, corpus: np.ndarray, recipe: Recipe, progress: bool):
-    dcfg = draft_config()
-    params = random_draft_weights(dcfg, jax.random.key(recipe.seed + 1), norm_jitter=0.0)
+def train_draft(work: str, target_params, tcfg, corpus: np.ndarray, recipe: Recipe, progress: bool, *, init=None):
+    """The draft stage. init: (config, starting weights) (default: `recipe.draft_config()` and random DFlash 1
+    weights, made a DFlash 2 draft with identity convolutions and a fresh selector when `recipe.draft_version` is
+    2, `train.dflash2.as_dflash2`)."""
+    if init is None:
+        dcfg = recipe.draft_config()
+        params = random_draft_weights(draft_config(), jax.random.key(recipe.seed + 1), norm_jitter=0.0)
+        if dcfg.dflash2:
+            params = as_dflash2(params, dcfg, jax.random.key(recipe.seed + 2))
+    else:
+        dcfg, params = init
+        if dcfg.dflash2 != (params.convs is not None):
+            raise ValueError("train_draft(init=(cfg, weights)): DFlash 2 weights need a DFlash 2 config and DFlash 1 "
+                             "weights a DFlash 1 config")
     block = dcfg.block_size
     length = corpus.shape[1]
 
@@ -229,6 +260,9 @@ def train_draft(work: str, target_params, tcfg, corpus: np.ndarray, recipe: Reci
 
     def loss(p, batch):
         tokens, taps, anchors, widths = batch
+        if dcfg.dflash2:
+            return dflash2_loss(p, target_params, tokens, taps, anchors, dcfg, block_size=block, gamma=recipe.gamma,
+                                widths=widths, selector_weight=recipe.selector_weight)
         return dflash_loss(p, target_params, tokens, taps, anchors, dcfg, block_size=block, gamma=recipe.gamma,
                            widths=widths)
 
