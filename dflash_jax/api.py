@@ -97,7 +97,7 @@ def _name(proposer) -> str:
 def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "device", driver: str | None = None,
              block_size: int | None = None, sampling=None, stop_ids=(), seed=0, tree_budget: int = 16,
              tree_branch: int | None = None, expert_budget_mb: float | None = None, buckets=None,
-             warmup: bool = False, trace: bool = False, **offload_options):
+             warmup: bool = False, trace: bool = False, kept=None, **offload_options):
     """Lossless speculative generation of `prompts` (token id lists) on `pair` (`dflash_jax.load`); returns a
     `spec.loop.GenerationResult` (tokens, acceptance lengths, stats).
 
@@ -107,7 +107,9 @@ def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "de
     chain for a DFlash 2 draft, else the chain). experts: "device" (resident) or "offload" (routed experts in host memory behind a device cache of
     `expert_budget_mb` MB; `offload_options` go to `offload.OffloadedGenerator`: prefetcher, pin, hybrid, ...).
     driver: "jit" or "stepping" (default: jit on the device, stepping when offloaded). max_new_tokens, sampling
-    (`spec.SamplingParams`), stop_ids, seed: one value for every prompt or one per prompt."""
+    (`spec.SamplingParams`), stop_ids, seed: one value for every prompt or one per prompt. kept: a compressed
+    prefill (PFlash, lossy: one kept-index list per prompt, `pflash.compress`), with any proposer, driver and
+    placement."""
     from dflash_jax.spec.sampling import SamplingParams
 
     driver = driver or ("jit" if experts == "device" else "stepping")
@@ -115,7 +117,7 @@ def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "de
     check_combination(_name(proposer), experts, driver)
     prop = make_proposer(pair, proposer, tree_budget=tree_budget, tree_branch=tree_branch)
     request = dict(max_new_tokens=max_new_tokens, sampling=SamplingParams() if sampling is None else sampling,
-                   stop_ids=stop_ids, seed=seed)
+                   stop_ids=stop_ids, seed=seed, kept=kept)
     if experts == "offload":
         from dflash_jax.offload.loop import OffloadedGenerator
 

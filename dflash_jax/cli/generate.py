@@ -301,9 +301,6 @@ def run(args) -> dict:
         raise UsageError("--expert-budget-mb only applies with --experts offload")
     tree = proposer_name in ("tree", "adaptive")
     if args.pflash_keep is not None:
-        if proposer_name != "chain" or offload or args.mesh is not None or driver != "jit":
-            raise UsageError("--pflash-keep runs the argmax chain in the jitted loop on resident experts: drop "
-                             "--proposer, --experts offload, --mesh, --trace and --loop python")
         if args.pflash_scorer is not None and not os.path.exists(os.path.join(args.pflash_scorer, "manifest.json")):
             raise UsageError(f"--pflash-scorer {args.pflash_scorer} is not a convert-weights checkpoint (no "
                              "manifest.json): pass a directory that convert-weights wrote")
@@ -361,8 +358,15 @@ def run(args) -> dict:
 
     proposer = make_proposer(pair, proposer_name, tree_budget=args.tree_budget or 16, tree_branch=args.tree_branch,
                              branch_head=not args.no_branch_head)
+    kept = None
+    if args.pflash_keep is not None:  # a prefill strategy: every proposer, driver and placement runs after it
+        from dflash_jax import pflash
+
+        scorer = (pflash.load_scorer(args.pflash_scorer) if args.pflash_scorer is not None
+                  else pflash.Scorer.from_pair(pair))
+        kept = [pflash.compress(scorer, prompt, keep_ratio=args.pflash_keep)]
     kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
-                  stop_ids=stops, seed=args.seed, warmup=True, buckets=shape_buckets(args))
+                  stop_ids=stops, seed=args.seed, warmup=True, buckets=shape_buckets(args), kept=kept)
     on_mesh = contextlib.nullcontext() if mesh is None else jax_set_mesh(mesh)
     with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")), on_mesh:
         if offload:
@@ -386,13 +390,6 @@ def run(args) -> dict:
                 result = gen.generate([prompt], trace=args.trace, **request)
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
-        elif args.pflash_keep is not None:
-            from dflash_jax import pflash
-
-            scorer = (pflash.load_scorer(args.pflash_scorer) if args.pflash_scorer is not None
-                      else pflash.Scorer.from_pair(pair))
-            kept = pflash.compress(scorer, prompt, keep_ratio=args.pflash_keep)
-            result = pflash.generate(pair, [prompt], [kept], **kwargs)
         elif driver == "jit":
             result = generate(pair, [prompt], proposer=proposer, **kwargs)
         else:

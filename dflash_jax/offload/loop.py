@@ -402,17 +402,9 @@ class OffloadedGenerator:
         t_start = time.perf_counter()
         request = dict(block_size=self.block_size, max_new_tokens=max_new_tokens, sampling=sampling,
                        stop_ids=stop_ids, seed=seed, buckets=self.buckets)
-        positions = None
-        if kept is not None:
-            if self.tree is not None:
-                raise ValueError("a compressed prefill (kept=) does not combine with tree verification: drop one")
-            from dflash_jax.pflash.generate import prepare_compressed
-
-            compressed = prepare_compressed(self.pair, prompts, kept, **request)
-            prep, positions = compressed.prepared, jnp.asarray(compressed.positions)
-        else:
-            prep = (prepare(self.pair, prompts, **request) if self.tree is None
-                    else prepare_tree(self.pair, prompts, widest=self.widest, **request))
+        prep = (prepare(self.pair, prompts, kept=kept, **request) if self.tree is None
+                else prepare_tree(self.pair, prompts, widest=self.widest, kept=kept, **request))
+        positions = None if prep.positions is None else jnp.asarray(prep.positions)
         spec, cfg, store = prep.spec, self.cfg, self.store
         batch = prep.tokens.shape[0]
         verify_width = self.widest or spec.block_size  # the widest verify (a tree's nodes, a policy's widest shape)
@@ -611,10 +603,10 @@ class OffloadedGenerator:
                              trace=base.trace, route_ahead=session.route_ahead)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling=SamplingParams(), stop_ids=(),
-                 seed=0, observers: Sequence[Any] = (), trace: bool = False) -> OffloadResult:
-        """`prefill`, rounds until every sequence is done, `result`."""
+                 seed=0, observers: Sequence[Any] = (), trace: bool = False, kept=None) -> OffloadResult:
+        """`prefill`, rounds until every sequence is done, `result` (kept: a compressed prefill, see `prefill`)."""
         session = self.prefill(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                               seed=seed, observers=observers, trace=trace)
+                               seed=seed, observers=observers, trace=trace, kept=kept)
         while not session.done:
             self.round(session)
         return self.result(session)

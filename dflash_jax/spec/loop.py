@@ -97,14 +97,14 @@ def generation_result(state: SpecState, stats: dict, trace=None, rows: int | Non
 
 
 def _prepare(pair, prompts, max_new_tokens, block_size, sampling, stop_ids, seed, buckets,
-             branch_head: bool = False) -> Prepared:
+             branch_head: bool = False, kept=None) -> Prepared:
     compile_cache.ensure_enabled()
     if branch_head and getattr(pair.draft, "branch_head", None) is None:
         raise ValueError("branch_head=True proposes the chain from the draft's branch head, and this pair's draft has "
                          "none: load a pair shipped with branch_head.safetensors, or attach one "
                          "(dflash_jax.pair.with_branch_head)")
     prep = prepare(pair, prompts, block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling,
-                   stop_ids=stop_ids, seed=seed, buckets=LOOP_BUCKETS if buckets is None else buckets)
+                   stop_ids=stop_ids, seed=seed, buckets=LOOP_BUCKETS if buckets is None else buckets, kept=kept)
     if branch_head:
         prep = dataclasses.replace(prep, spec=dataclasses.replace(prep.spec, chain_head=True))
     return prep
@@ -212,7 +212,7 @@ def _prepare_plan(pair, prompts, plan: RunPlan, block_size, buckets, request) ->
         prep = prepare_tree(pair, prompts, widest=widest, block_size=block_size, buckets=buckets, **request)
     else:
         prep = _prepare(pair, prompts, request["max_new_tokens"], block_size, request["sampling"],
-                        request["stop_ids"], request["seed"], buckets)
+                        request["stop_ids"], request["seed"], buckets, kept=request.get("kept"))
     for s in plan.shapes:
         check_proposer(s, prep.spec, pair.draft)
     return prep, max(widest, prep.spec.block_size)
@@ -236,7 +236,7 @@ def _plan_stats(plan: RunPlan, state: SpecState, chosen=None) -> dict:
 
 def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer=None, block_size: int | None = None,
              sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
-             buckets: Buckets | None = None, branch_head: bool = False) -> GenerationResult:
+             buckets: Buckets | None = None, branch_head: bool = False, kept=None) -> GenerationResult:
     """DFlash generation in one jitted while_loop.
 
     proposer: what each round proposes (`spec.round`): None = the draft's argmax chain of the block (the branch
@@ -247,9 +247,11 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
     max_new_tokens, sampling, stop_ids, seed: one value for every prompt, or one per prompt (stop_ids: one list
     of ids, or one list per prompt); they are traced, so requests that differ only in them (and in prompt lengths
     inside one bucket) reuse one compiled program. `warmup=True` compiles first (without running a round) so
-    `stats.seconds` times only the run (prefill + decode)."""
+    `stats.seconds` times only the run (prefill + decode; `prefill_s` the prefill and first token alone, and the
+    process CPU seconds `cpu_s` / `prefill_cpu_s`). kept: a compressed prefill (PFlash: one index list per prompt,
+    `dflash_jax.pflash.compress`), any proposer (`session.prepare(kept=)`; `stats.pflash` counts the tokens)."""
     plan = plan_run(pair, proposer, branch_head=branch_head)
-    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed, kept=kept)
     prep, widest = _prepare_plan(pair, prompts, plan, block_size, buckets, request)
     spec = prep.spec
 
@@ -262,24 +264,37 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
     if warmup:  # compile the prefill and the loop: a state with every sequence done runs no round
         state = _begin(pair, prep, plan, widest)
         jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)))[0].output)
-    t0 = time.perf_counter()
-    state, chosen = run(_begin(pair, prep, plan, widest))
+    t0, c0 = time.perf_counter(), time.process_time()
+    state = _begin(pair, prep, plan, widest)
+    jax.block_until_ready(state.anchor)
+    prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    state, chosen = run(state)
     jax.block_until_ready(state.output)
-    seconds = time.perf_counter() - t0
-    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, **_plan_stats(plan, state, chosen))
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, cpu_s=cpu_s, prefill_s=prefill_s,
+                 prefill_cpu_s=prefill_cpu_s, **_plan_stats(plan, state, chosen), **compression_stats(prep))
     return generation_result(state, stats, rows=prep.num_prompts)
+
+
+def compression_stats(prep: Prepared) -> dict:
+    """`{"pflash": {prompt_tokens, kept_tokens}}` of a compressed batch (`prepare(kept=)`), else {}."""
+    if prep.prompt_lengths is None:
+        return {}
+    n = prep.num_prompts
+    return {"pflash": {"prompt_tokens": [int(x) for x in prep.prompt_lengths[:n]],
+                       "kept_tokens": [int(x) for x in prep.lengths[:n]]}}
 
 
 def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer=None,
                       block_size: int | None = None, sampling=SamplingParams(), stop_ids=(), seed=0,
                       trace: bool = False, warmup: bool = False, buckets: Buckets | None = None,
-                      branch_head: bool = False, outcomes: list | None = None) -> GenerationResult:
+                      branch_head: bool = False, outcomes: list | None = None, kept=None) -> GenerationResult:
     """The same rounds driven from Python (`generate`'s arguments): one jitted propose and one jitted verify+commit
     per round, timed separately (each synchronized). An adaptive policy chooses on the host, as the jitted loop
     does on the device (the same choices). outcomes: a list that receives one dict per round (numpy arrays [b] of
     the `RoundOutcome` fields, `live`: rows not done before the round, `proposer`: the shape's label)."""
     plan = plan_run(pair, proposer, branch_head=branch_head)
-    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed)
+    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed, kept=kept)
     prep, widest = _prepare_plan(pair, prompts, plan, block_size, buckets, request)
     spec = prep.spec
     policy = plan.policy
@@ -339,7 +354,7 @@ def generate_stepping(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens,
     host = seconds - t_prefill - t_draft - t_verify
     stats = dict(shape_stats(prep), loop="python", seconds=seconds,
                  time_split={"prefill_s": t_prefill, "draft_s": t_draft, "verify_s": t_verify, "host_s": host},
-                 **_plan_stats(plan, state, chosen))
+                 **_plan_stats(plan, state, chosen), **compression_stats(prep))
     return generation_result(state, stats, trace=rounds if trace else None, rows=prep.num_prompts)
 
 

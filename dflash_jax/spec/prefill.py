@@ -37,6 +37,7 @@ from flax import struct
 from dflash_jax.cache import KVCache
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import ForwardOutput
+from dflash_jax.spec import requests as rq
 from dflash_jax.spec.session import (
     Prepared, RowParams, SpecConfig, SpecState, init_target_cache, start_state, target_family,
 )
@@ -136,11 +137,12 @@ def chunked_begin(target_w, draft_w, tokens, lengths, params: RowParams, key_dat
 
 
 def capacity_begin(target_w, draft_w, tokens, lengths, params: RowParams, key_data, key_fold, spec: SpecConfig,
-                   chunk: int) -> SpecState:
+                   chunk: int, positions=None) -> SpecState:
     """`session.begin_arrays` in chunks of `chunk` tokens (static) with the chunk count traced: the prompts [b, W]
     (right-padded, `lengths` [b] real; W a multiple of `chunk`) run as ceil(max(lengths) / chunk) chunks of one
     `lax.fori_loop`, so the compiled program depends on W, never on the prompts. A chunk past a shorter prompt's
-    end is all padding for its row and changes nothing of it (as in `chunked_begin`)."""
+    end is all padding for its row and changes nothing of it (as in `chunked_begin`). positions [b, W]: the
+    tokens' explicit RoPE positions (a compressed prefill), sliced with each chunk; None: slot positions."""
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
     b, w = tokens.shape
@@ -148,14 +150,22 @@ def capacity_begin(target_w, draft_w, tokens, lengths, params: RowParams, key_da
         raise ValueError(f"the prompt buffer ({w} columns) must hold whole chunks of {chunk}")
     tokens = jnp.asarray(tokens, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
+    positions = None if positions is None else jnp.asarray(positions, jnp.int32)
     count = (jnp.max(lengths) + chunk - 1) // chunk
 
     def step(k, pre):
         start = k * chunk
         piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
-        return prefill_chunk(target_w, draft_w, pre, piece, jnp.clip(lengths - start, 0, chunk), spec)
+        at = None if positions is None else jax.lax.dynamic_slice_in_dim(positions, start, chunk, axis=1)
+        return prefill_chunk(target_w, draft_w, pre, piece, jnp.clip(lengths - start, 0, chunk), spec, at)
 
-    pre = jax.lax.fori_loop(0, count, step, prefill_init(target_w, draft_w, b, spec))
+    pre = prefill_init(target_w, draft_w, b, spec)
+    if positions is not None:  # the loop's carry holds the offsets every chunk at explicit positions sets
+        zeros = jnp.zeros((b,), jnp.int32)
+        pre = pre.replace(target_cache=pre.target_cache.replace(position_offset=zeros),
+                          draft_cache=None if pre.draft_cache is None
+                          else pre.draft_cache.replace(position_offset=zeros))
+    pre = jax.lax.fori_loop(0, count, step, pre)
     return prefill_finish(target_w, draft_w, pre, params, key_data, key_fold, spec)
 
 
@@ -172,6 +182,10 @@ class CapacityPrepared(Prepared):
     def prompt_buffer(self) -> np.ndarray:
         """[b, buffer] int32: the prompts in the capacity's prompt buffer."""
         return np.pad(self.tokens, ((0, 0), (0, self.buffer - self.tokens.shape[1])))
+
+    def position_buffer(self) -> np.ndarray | None:
+        """[b, buffer] int32: a compressed batch's positions in the prompt buffer's shape (None: slot positions)."""
+        return None if self.positions is None else rq.extend_positions(self.positions, self.buffer)
 
 
 # jitted forms (spec and chunk static); the engine's per-round pieces donate the prefill they extend

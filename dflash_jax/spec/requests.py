@@ -230,6 +230,44 @@ def pad_prompts(prompts: list[np.ndarray], width: int, rows: int) -> tuple[np.nd
     return tokens, lengths
 
 
+def check_kept(prompts, kept) -> list[np.ndarray]:
+    """Each prompt's kept indices of a compressed prefill (None, or a None entry: every token), checked: strictly
+    increasing integers inside the prompt, the last token kept (decoding continues right after it). int32 arrays."""
+    if kept is None:
+        kept = [None] * len(prompts)
+    if not is_sequence(kept) or len(kept) != len(prompts):
+        raise ValueError(f"kept must give one index list per prompt ({len(prompts)}), got "
+                         f"{len(kept) if is_sequence(kept) else type(kept).__name__}")
+    out = []
+    for i, (p, k) in enumerate(zip(prompts, kept)):
+        n = len(p)
+        k = np.arange(n, dtype=np.int64) if k is None else np.asarray(k).reshape(-1)
+        if k.size == 0 or not np.issubdtype(k.dtype, np.integer):
+            raise ValueError(f"kept[{i}] must be a non-empty list of integer token indices")
+        if k[0] < 0 or k[-1] >= n or np.any(np.diff(k) <= 0):
+            raise ValueError(f"kept[{i}] must be strictly increasing indices in [0, {n}) (pflash.compress gives them)")
+        if k[-1] != n - 1:
+            raise ValueError(f"kept[{i}] must keep the prompt's last token ({n - 1}): decoding continues after it")
+        out.append(k.astype(np.int32))
+    return out
+
+
+def kept_positions(kept: list[np.ndarray], width: int, rows: int) -> np.ndarray:
+    """[rows, width] int32 RoPE positions of right-padded kept tokens: each row's kept indices, its padding
+    continuing after the last; rows past `kept` (padding rows) at 0, 1, .."""
+    positions = np.tile(np.arange(width, dtype=np.int32), (rows, 1))
+    for i, k in enumerate(kept):
+        positions[i, :len(k)] = k
+        positions[i, len(k):] = k[-1] + 1 + np.arange(width - len(k))
+    return positions
+
+
+def extend_positions(positions: np.ndarray, width: int) -> np.ndarray:
+    """Positions [b, T] extended to [b, width] (width >= T), each row continuing after its last column."""
+    b, t = positions.shape
+    return np.concatenate([positions, positions[:, -1:] + 1 + np.arange(width - t, dtype=np.int32)], axis=1)
+
+
 def per_row(value, n: int, name: str, is_single) -> list:
     """`value` for every one of n sequences: one value shared, or a sequence of n values."""
     if is_single(value):

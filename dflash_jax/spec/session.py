@@ -176,6 +176,11 @@ class Prepared:
     key_data: np.ndarray  # [b, ...] uint32 base key per sequence
     key_fold: np.ndarray  # [b] int32: sequence i draws from fold_in(base key i, key_fold[i])
     num_prompts: int
+    # [b, T] int32: the tokens' RoPE positions when the prefill is compressed (`prepare(kept=)`: each prompt's kept
+    # tokens at their original positions, padding continuing after the last); None: slot positions
+    positions: np.ndarray | None = dataclasses.field(default=None, kw_only=True)
+    # [num_prompts] the prompts' lengths before compression (None: not compressed)
+    prompt_lengths: np.ndarray | None = dataclasses.field(default=None, kw_only=True)
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -185,9 +190,13 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple
 
 
 def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sampling=SamplingParams(),
-            stop_ids=(), seed=0, buckets: rq.Buckets | None = None) -> Prepared:
+            stop_ids=(), seed=0, buckets: rq.Buckets | None = None, kept=None) -> Prepared:
     """Validates a request batch at the Python boundary and maps it to bucketed shapes; with
     `buckets.capacity` set, to the capacity's fixed shapes (a `spec.prefill.CapacityPrepared`).
+
+    kept: a compressed prefill (PFlash, `dflash_jax.pflash.compress`): one index list per prompt (None in the list:
+    every token), strictly increasing and keeping the prompt's last token; the batch then holds the kept tokens
+    and their original positions (`Prepared.positions`), and decoding continues at the original length.
 
     max_new_tokens, sampling, stop_ids, seed: one value for every prompt or one per prompt (stop_ids: a
     list of ids, or one list per prompt). Raises TypeError / ValueError naming the argument (a request that
@@ -208,12 +217,18 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
     rows, method = rq.check_sampling(sampling, n)
     stops = rq.check_stop_ids(stop_ids, n, tcfg.vocab_size)
     seeds = rq.check_seeds(seed, n)
+    original = np.array([len(p) for p in checked], np.int64)
+    if kept is not None:
+        kept = rq.check_kept(checked, kept)
+        checked = [p[k] for p, k in zip(checked, kept)]
     lengths_real = np.array([len(p) for p in checked], np.int64)
-    worst = int(np.argmax(lengths_real + budgets))
+    far = int(np.argmax(original + budgets))  # positions reach the original length + the budget
     max_pos = tcfg.max_position_embeddings
-    if int(lengths_real[worst] + budgets[worst]) + block_size > max_pos:
-        raise ValueError(f"prompt ({int(lengths_real[worst])}) + max_new_tokens ({int(budgets[worst])}) exceeds the "
-                         f"target's {max_pos} positions (with the block size {block_size})")
+    if int(original[far] + budgets[far]) + block_size > max_pos:
+        raise ValueError(f"prompt ({int(original[far])}) + max_new_tokens ({int(budgets[far])}) exceeds the "
+                         f"target's {max_pos} positions (with the block size {block_size})"
+                         + ("; a compressed prefill keeps the original positions" if kept is not None else ""))
+    worst = int(np.argmax(lengths_real + budgets))
     batch = buckets.batch_size(n)
     prompt_len = buckets.prompt_len(int(lengths_real.max()))
     if buckets.fixed:  # every shape from the capacity: one program for any prompt and budget that fit
@@ -243,14 +258,17 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
         key_fold = np.zeros(batch, np.int32)
     spec = SpecConfig(target=tcfg, draft=dcfg, block_size=block_size, max_len=max_len, output_len=output_len,
                       method=method)
+    compressed = {}
+    if kept is not None:
+        compressed = dict(positions=rq.kept_positions(kept, prompt_len, batch), prompt_lengths=original.astype(np.int32))
     if buckets.fixed:
         from dflash_jax.spec.prefill import CapacityPrepared  # prefill builds on this module
 
         return CapacityPrepared(spec=spec, tokens=tokens, lengths=lengths, params=params, key_data=key_data,
                                 key_fold=key_fold, num_prompts=n, chunk=buckets.chunk_len(max_len),
-                                buffer=buckets.prompt_buffer(max_len))
+                                buffer=buckets.prompt_buffer(max_len), **compressed)
     return Prepared(spec=spec, tokens=tokens, lengths=lengths, params=params, key_data=key_data, key_fold=key_fold,
-                    num_prompts=n)
+                    num_prompts=n, **compressed)
 
 
 def make_spec(pair, prompts, *, block_size, max_new_tokens, sampling=SamplingParams()):
@@ -594,6 +612,7 @@ def begin_prepared(pair, prep: Prepared) -> SpecState:
     compile_cache.ensure_enabled()
     if isinstance(prep, CapacityPrepared):
         return capacity_begin_jit(pair.target, pair.draft, prep.prompt_buffer(), prep.lengths, prep.params,
-                                  prep.key_data, prep.key_fold, prep.spec, chunk=prep.chunk)
+                                  prep.key_data, prep.key_fold, prep.spec, chunk=prep.chunk,
+                                  positions=prep.position_buffer())
     return begin_arrays(pair.target, pair.draft, prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold,
-                  prep.spec)
+                        prep.spec, positions=prep.positions)

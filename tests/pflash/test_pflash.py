@@ -130,6 +130,27 @@ def test_dflash_over_a_compressed_prefill_equals_plain_greedy_over_it(shipped):
     assert slots.tokens != plain.tokens  # the original positions matter (not a prefill of the kept text alone)
 
 
+@pytest.mark.parametrize("proposer,driver", [("tree", "jit"), ("head-chain", "stepping"), ("chain", "capacity")])
+def test_every_proposer_and_driver_runs_over_a_compressed_prefill(shipped, proposer, driver):
+    """Compression is a prefill strategy (`prepare(kept=)`), so every proposer and driver runs over it: a token
+    tree in the jitted loop, the branch head's chain stepped from Python, and the chain in capacity mode (the kept
+    tokens prefilled by chunks of a fixed buffer, one program for any prompt): each equals plain greedy over the
+    same compressed prefill, with proposals accepted (the tree off the chain too)."""
+    from dflash_jax.api import make_proposer
+    from dflash_jax.spec import generate_stepping
+    from dflash_jax.spec.loop import LOOP_BUCKETS
+
+    pair, scorer, prompt = shipped
+    kept = pflash.compress(scorer, prompt, keep_ratio=0.25)
+    buckets = LOOP_BUCKETS if driver == "capacity" else BUCKETS
+    plain = pflash.generate(pair, [prompt], [kept], max_new_tokens=48, block_size=1, buckets=buckets)
+    run = generate_stepping if driver == "stepping" else generate
+    out = run(pair, [prompt], max_new_tokens=48, proposer=make_proposer(pair, proposer), buckets=buckets, kept=[kept])
+    assert out.tokens == plain.tokens
+    assert out.stats["mean_acceptance"] > 1.0, out.stats
+    assert out.stats["pflash"] == {"prompt_tokens": [300], "kept_tokens": [len(kept)]}
+
+
 def test_the_draft_context_is_the_kept_rows_at_their_positions(shipped):
     pair, scorer, prompt = shipped
     kept = pflash.compress(scorer, prompt, keep_ratio=0.25)  # the programs of the test above
@@ -179,8 +200,7 @@ def test_compressed_positions_must_fit_the_target(shipped):
 @pytest.mark.parametrize("argv,match", [
     (["--pflash-keep", "0"], "fraction in \\(0, 1\\]"), (["--pflash-keep", "1.5"], "fraction in \\(0, 1\\]"),
     (["--pflash-keep", "nan"], "fraction"), (["--pflash-scorer", "somewhere"], "only applies with --pflash-keep"),
-    (["--pflash-keep", "0.5", "--pflash-scorer", "no_such_dir"], "not a convert-weights checkpoint"),
-    (["--pflash-keep", "0.5", "--tree-budget", "8"], "jitted loop")])
+    (["--pflash-keep", "0.5", "--pflash-scorer", "no_such_dir"], "not a convert-weights checkpoint")])
 def test_cli_refuses_bad_pflash_flags_before_loading(argv, match, capsys):
     from dflash_jax.cli.generate import main
 
@@ -195,7 +215,9 @@ def test_cli_generates_from_a_compressed_prefill(shipped, capsys):
 
     _, _, prompt = shipped
     ids = ",".join(map(str, prompt))
-    assert main(["--prompt-ids", ids, "--pflash-keep", "0.25", "--max-new-tokens", "16", "--json"]) == 0
+    # with a token tree stepped from Python: compression is a prefill strategy of every proposer and driver
+    assert main(["--prompt-ids", ids, "--pflash-keep", "0.25", "--max-new-tokens", "16", "--json", "--proposer", "tree",
+                 "--tree-budget", "8", "--loop", "python"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["pflash"] == {"prompt_tokens": [300], "kept_tokens": [len(pflash.compress(
         pflash.Scorer.from_pair(shipped[0]), prompt, keep_ratio=0.25))]}
