@@ -7,6 +7,9 @@
       draft (1200 steps) + convert about 25; the default pair's tokenizer is reused)
   python examples/train_tiny_pair.py --quick --work quick_work   # smoke run (toy sizes)
   python examples/train_tiny_pair.py --out dflash_jax/assets/tiny_pair   # replace the shipped pair
+  python examples/train_tiny_pair.py --dflash2 --work d2_work --draft-steps 800 --prompts 2048
+      # a DFlash 2 draft for the shipped target, from its DFlash 1 draft (`train.dflash2.train_dflash2_pair`);
+      # the pair in <work>/pair (the shipped variant dflash_jax/assets/tiny_pair_dflash2 was made this way)
 
 By default everything, the converted pair included, goes under --work (default `tiny_pair_work/` at the
 repository root, ignored by git; the pair in `<work>/pair`): the shipped pair is replaced only when --out
@@ -43,6 +46,11 @@ def main(argv=None) -> int:
     p.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3",
                    help="the target's family: qwen3 (Qwen3-MoE, the default pair) or qwen3_5 (Qwen3.5-MoE: "
                         "Gated DeltaNet + gated attention + shared expert, `Recipe.hybrid()`)")
+    p.add_argument("--dflash2", action="store_true",
+                   help="train a DFlash 2 draft for the shipped Qwen3-MoE target instead, starting from its DFlash 1 "
+                        "draft (identity convolutions, a fresh candidate selector), on the same corpus recipe")
+    p.add_argument("--prompts", type=int, help="greedy continuations in the draft's corpus")
+    p.add_argument("--draft-lr", type=float)
     p.add_argument("--target-steps", type=int)
     p.add_argument("--draft-steps", type=int)
     p.add_argument("--seed", type=int, default=0)
@@ -54,12 +62,27 @@ def main(argv=None) -> int:
     if args.quick:
         recipe = dataclasses.replace(Recipe.quick(), family=recipe.family)
     overrides = {k: v for k, v in (("target_steps", args.target_steps), ("draft_steps", args.draft_steps),
-                                   ("seed", args.seed)) if v is not None}
+                                   ("seed", args.seed), ("prompts", args.prompts)) if v is not None}
     for k, v in overrides.items():
         if v < 0:
             p.error(f"--{k.replace('_', '-')} must be >= 0")
     recipe = dataclasses.replace(recipe, **overrides)
+    if args.draft_lr is not None:
+        recipe = dataclasses.replace(recipe, draft_lr=args.draft_lr)
     out = args.out if args.out is not None else os.path.join(args.work, "pair")
+    if args.dflash2:
+        import dflash_jax
+        from dflash_jax.train.dflash2 import train_dflash2_pair
+
+        if args.family != "qwen3" or args.quick:
+            p.error("--dflash2 trains a draft for the shipped Qwen3-MoE pair's target (no --family / --quick)")
+        # continuing from a trained draft: a smaller learning rate than from scratch unless one is given
+        recipe = dataclasses.replace(recipe, draft_version=2,
+                                     draft_lr=1e-3 if args.draft_lr is None else args.draft_lr)
+        pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR, dequantize_experts=True)
+        summary = train_dflash2_pair(pair, args.work, out, convert=convert, recipe=recipe)
+        print(json.dumps(summary, indent=1))
+        return 0
     if recipe.family != "qwen3" and not args.quick:
         # the hybrid pair shares the shipped pair's tokenizer (same corpus, same ids)
         import shutil

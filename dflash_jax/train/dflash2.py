@@ -102,3 +102,30 @@ def train_dflash2_from_pair(pair, work: str, *, recipe=None, progress: bool = Tr
     return {"recipe": dataclasses.asdict(recipe), "draft_loss": {"first": losses[:1], "last": losses[-1:]},
             "corpus_rows": int(len(corpus)), "stage_seconds": {"tokens_and_corpus": round(t_corpus, 1),
                                                                "draft": round(time.perf_counter() - t0 - t_corpus, 1)}}
+
+
+def train_dflash2_pair(pair, work: str, out: str, *, convert, recipe=None, progress: bool = True) -> dict:
+    """`train_dflash2_from_pair`, then the DFlash 2 pair converted to `out` by `convert` (`convert.convert`: the
+    `convert` package builds on `dflash_jax`, so it is passed in): the pair's target written back in the HF
+    layout (it needs dense expert tables: load the pair with `dequantize_experts=True`; MXFP4 tables round-trip
+    exactly) with the trained draft, the pair's tokenizer and split.json, and the summary as train_summary.json;
+    made portable (`tiny_pair.make_portable`). Returns the summary."""
+    import json
+
+    from dflash_jax.train.export import save_hf_target
+    from dflash_jax.train.tiny_pair import EOS_ID, make_portable
+
+    summary = train_dflash2_from_pair(pair, work, recipe=recipe, progress=progress)
+    hf_target = os.path.join(work, "hf_target")
+    eos = pair.target_cfg.eos_token_ids[0] if pair.target_cfg.eos_token_ids else EOS_ID
+    save_hf_target(pair.target, pair.target_cfg, hf_target, eos_token_id=eos)
+    shutil.copy2(pair.tokenizer_path, os.path.join(hf_target, "tokenizer.json"))
+    summary["started_from"] = os.path.basename(os.path.normpath(pair.directory))
+    with open(os.path.join(work, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    convert(hf_target, os.path.join(work, "hf_draft"), out, expert_format=pair.expert_format, dtype="fp32",
+            overwrite=True, progress=progress)
+    shutil.copy2(os.path.join(pair.directory, "split.json"), os.path.join(out, "split.json"))
+    shutil.copy2(os.path.join(work, "summary.json"), os.path.join(out, "train_summary.json"))
+    make_portable(out)
+    return summary
