@@ -11,11 +11,13 @@ import os as _os  # noqa: E402
 # The small trained pair that ships with the package (a Qwen3-MoE target trained on the Python standard
 # library and its DFlash draft, MXFP4 experts): `dflash_jax.load()` and `dflash-generate` without a checkpoint.
 SHIPPED_PAIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "assets", "tiny_pair")
-# Every pair that ships, by name (`dflash-generate --pair NAME`): the default Qwen3-MoE pair above and the hybrid
-# Qwen3.5-MoE pair (Gated DeltaNet + gated attention + shared expert) trained on the same corpus and tokenizer.
+# Every pair that ships, by name (`dflash-generate --pair NAME`): the default Qwen3-MoE pair above, the hybrid
+# Qwen3.5-MoE pair (Gated DeltaNet + gated attention + shared expert) trained on the same corpus and tokenizer, and
+# a DFlash 2 draft of the default pair's target (a draft variant: it reads its target from tiny_pair).
 SHIPPED_PAIRS = {
     "tiny_pair": SHIPPED_PAIR,
     "tiny_pair_qwen3_5": _os.path.join(_os.path.dirname(SHIPPED_PAIR), "tiny_pair_qwen3_5"),
+    "tiny_pair_dflash2": _os.path.join(_os.path.dirname(SHIPPED_PAIR), "tiny_pair_dflash2"),
 }
 
 

@@ -27,6 +27,12 @@ later (a chat template from `tokenizer_config.json`) goes through `verified_side
 again at the time of reading. Files written beside a checkpoint after conversion by other tools carry their
 own checks (`branch_head.safetensors`, `tree_calibration.json`: a sha256 and the pair's fingerprint in the
 file) or are records the runtime does not read (`split.json`, `train_summary.json`).
+
+Draft variants: a checkpoint whose manifest names `target_from` (`TARGET_FROM`, the directory name of a sibling
+checkpoint) stores only its draft (and side files): its `target/` files are read from that sibling, checked
+against this manifest's own checksums for them (and its configs and tensor list, which cover the target too).
+A pair that ships several drafts of one target keeps one copy of the target this way
+(`make_draft_variant`).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ MANIFEST_DIGEST = "manifest_sha256"
 #: are covered by the manifest's checksums like the weights (`verified_side_file`)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "generation_config.json", "chat_template.jinja")
+#: manifest field of a draft variant: the sibling checkpoint directory whose `target/` files it reads
+TARGET_FROM = "target_from"
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -245,6 +253,10 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
             _check_tensor_entry(path, f"tensors.{model}", key, info)
     if version >= 2:
         _check_checksums(path, manifest.get("checksums"))
+    target_from = manifest.get(TARGET_FROM)
+    if target_from is not None and (not isinstance(target_from, str) or not safe_relpath(target_from)
+                                    or "/" in target_from or "\\" in target_from or target_from in (".", "..")):
+        raise _damaged(path, f"field {TARGET_FROM!r} must name a sibling checkpoint directory, got {target_from!r}")
     tokenizer_files = manifest.get("tokenizer_files", [])
     if not isinstance(tokenizer_files, list) or not all(isinstance(n, str) for n in tokenizer_files):
         raise _damaged(path, "field 'tokenizer_files' must be a list of file names")
@@ -300,6 +312,48 @@ def _unlisted_side_file(directory: str, name: str) -> CheckpointError:
         f"{_record_hint(directory, name)}, or put it in the --target directory and re-run convert-weights")
 
 
+def target_directory(directory: str | os.PathLike, manifest: dict[str, Any]) -> str:
+    """The directory that holds a checkpoint's `target/` files: the checkpoint itself, or for a draft variant
+    (`TARGET_FROM`) the sibling checkpoint it names. CheckpointError when that sibling is not there."""
+    directory = os.fspath(directory)
+    name = manifest.get(TARGET_FROM)
+    if name is None:
+        return directory
+    root = os.path.join(os.path.dirname(os.path.abspath(directory)), name)
+    if not os.path.isdir(os.path.join(root, "target")):
+        raise CheckpointError(f"{directory} is a draft variant: its target is the checkpoint {name!r} beside it, and "
+                              f"{os.path.join(root, 'target')} is missing; copy {name} next to it (the two ship "
+                              "together)")
+    return root
+
+
+def make_draft_variant(pair_dir: str | os.PathLike, base_dir: str | os.PathLike) -> dict[str, Any]:
+    """Turns the converted pair `pair_dir` into a draft variant of its sibling checkpoint `base_dir` (same
+    parent directory), which holds the same target: the target files of `pair_dir` are deleted and its manifest
+    lists the base's target files, tensors and config instead, with `target_from` naming the base (re-sealed).
+    ValueError when the two targets' configs or tensor lists differ (the targets would not be the same)."""
+    pair_dir, base_dir = os.fspath(pair_dir), os.fspath(base_dir)
+    if os.path.dirname(os.path.abspath(pair_dir)) != os.path.dirname(os.path.abspath(base_dir)):
+        raise ValueError("a draft variant and its base checkpoint must be siblings (one parent directory)")
+    manifest, base = read_manifest(pair_dir), read_manifest(base_dir)
+    if base.get(TARGET_FROM) is not None:
+        raise ValueError(f"{base_dir} is a draft variant itself: use the checkpoint that holds the target")
+    for field in ("target_config", "expert_format"):
+        if manifest[field] != base[field]:
+            raise ValueError(f"the two checkpoints' {field} differ: not the same target")
+    if manifest["tensors"]["target"] != base["tensors"]["target"]:
+        raise ValueError("the two checkpoints' target tensor lists differ: not the same target")
+    files = {k: v for k, v in manifest["checksums"]["files"].items() if not k.startswith("target/")}
+    files.update({k: v for k, v in base["checksums"]["files"].items() if k.startswith("target/")})
+    manifest["checksums"]["files"] = dict(sorted(files.items()))
+    manifest[TARGET_FROM] = os.path.basename(os.path.normpath(base_dir))
+    sealed = write_manifest(pair_dir, manifest)  # first: a crash before the removal leaves a loadable variant
+    import shutil
+
+    shutil.rmtree(os.path.join(pair_dir, "target"))
+    return sealed
+
+
 def verify_files(directory: str, manifest: dict[str, Any], *, checksums: bool = True) -> None:
     """Checks every file the manifest lists: present, regular, of the recorded size and (with `checksums`)
     of the recorded sha256. The files beside `target/` and `draft/` (tokenizer, template) are hashed even
@@ -313,8 +367,10 @@ def verify_files(directory: str, manifest: dict[str, Any], *, checksums: bool = 
                 f"{manifest.get('format_version')}, written before convert-weights recorded them): {REDO}, or "
                 "load it unchecked with verify=False")
         return
+    target_root = target_directory(directory, manifest)
     for rel, entry in sorted(files.items()):
-        _check_file(directory, rel, entry, hashed=checksums or _is_side_file(rel))
+        root = target_root if rel.split("/", 1)[0] == "target" else directory
+        _check_file(root, rel, entry, hashed=checksums or _is_side_file(rel))
     for name in TOKENIZER_FILES:
         if name not in files and os.path.lexists(os.path.join(directory, name)):
             raise _unlisted_side_file(directory, name)

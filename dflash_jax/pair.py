@@ -205,7 +205,8 @@ def load(directory: str | os.PathLike, *, expert_memory: str = "device", verify:
         place = lambda key, value, info: value  # noqa: E731  (restored in place already)
         shardings = {"target": checkpoint_shardings(family.sharded_declarations(target_cfg), mesh),
                      "draft": checkpoint_shardings(draft_model.declare_weights(draft_cfg), mesh)}
-    target_flat = ckpt_io.read_model(os.path.join(directory, "target"), tensors["target"], place,
+    target_flat = ckpt_io.read_model(os.path.join(ckpt_io.target_directory(directory, manifest), "target"),
+                                     tensors["target"], place,
                                      sharding=shardings["target"])
     draft_flat = ckpt_io.read_model(os.path.join(directory, "draft"), tensors["draft"], place,
                                     sharding=shardings["draft"])
