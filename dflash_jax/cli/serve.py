@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt longer than this many tokens is prefilled one chunk per round while the running "
                         "requests keep decoding (prompts up to --max-prompt-len, which may reach the target's "
                         "context); 0: every prompt prefilled whole in one go (default: 256)")
+    p.add_argument("--prefix-cache-mb", type=float, default=1024.0, metavar="MB",
+                   help="prefix caching: a prompt that shares its first chunks with one prefilled before starts from "
+                        "the cached caches at that chunk boundary (outputs equal a cold prefill's); snapshots kept "
+                        "in MB of device memory, least recently used evicted first (default: 1024)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--max-request-mb", type=float, default=8.0,
                    help="largest request body in MB (1e6 bytes); a larger one gets 413 before it is read (default 8)")
@@ -169,6 +174,8 @@ def check_args(args) -> None:
                          f"{args.tree_branch}")
     if proposer in ("tree", "adaptive") and args.widths not in ("fixed", "auto"):
         raise UsageError(f"--widths {args.widths} chooses chain widths: drop it with --proposer {proposer}")
+    if getattr(args, "prefix_cache_mb", 1.0) < 0:
+        raise UsageError(f"--prefix-cache-mb must be >= 0 (0: off, as --no-prefix-cache), got {args.prefix_cache_mb:g}")
     keep = getattr(args, "pflash_keep", None)
     if keep is not None:
         if not 0 < keep < 1:
@@ -344,7 +351,9 @@ def build_app(args):
                       max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
-                      prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer)
+                      prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer,
+                      prefix_cache_bytes=(0 if getattr(args, "no_prefix_cache", False)
+                                          else int(getattr(args, "prefix_cache_mb", 1024.0) * 1e6)))
         if getattr(args, "pflash_keep", None) is not None:
             from dflash_jax import pflash
 

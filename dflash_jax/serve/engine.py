@@ -63,6 +63,7 @@ import numpy as np
 
 from dflash_jax import compile_cache
 from dflash_jax.serve import scheduler as sched
+from dflash_jax.serve.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_keys
 from dflash_jax.serve.runner import (
     TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
 )
@@ -178,6 +179,8 @@ class RoundInfo:
     prefill_chunks: int = 0  # chunks of long prompts prefilled this round (at most one: the round's prefill budget)
     prefill_tokens: int = 0  # prompt tokens prefilled this round (whole prompts and chunks)
     compressed_tokens: int = 0  # prompt tokens the round's compressed prefills left out (`compress`)
+    prefix_query_tokens: int = 0  # prompt tokens of the chunked prefills that looked up the prefix cache
+    prefix_hit_tokens: int = 0  # of those, the tokens a cached prefix covered (not prefilled again)
     offload: object = None  # what an offloaded runner moved (`serve.offload_runner.OffloadRound`); None: resident
 
 
@@ -192,6 +195,7 @@ class _Prefilling:
     req: Request
     pre: object  # the runner's partial one-row prefill (`RoundRunner.prefill_start`)
     done: int  # prompt tokens prefilled so far
+    keys: list = dataclasses.field(default_factory=list)  # its prefix keys at chunk boundaries (`prefix_cache`)
 
 
 class Engine:
@@ -236,7 +240,10 @@ class Engine:
     shorter prompts join whole. One prefill per chunk width (the prompt buckets up to the chunk) is compiled at
     warm-up, so `max_prompt_len` may reach the target's context. None: every prompt joins whole (one prefill
     program per prompt bucket up to `max_prompt_len`). A runner without `chunked_prefill` (the offloaded one,
-    whose layer-wise prefill fetches each prompt's experts whole) always prefills whole prompts."""
+    whose layer-wise prefill fetches each prompt's experts whole) always prefills whole prompts.
+    prefix_cache_bytes: the prefix cache's budget (`serve.prefix_cache`; 0 or None: off): a prompt that joins by
+    chunks starts from the longest cached snapshot of its first k chunks (the caches of a cold prefill at that
+    boundary, bit for bit) and feeds the cache at each boundary it passes; least recently used evicted first."""
 
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
@@ -247,6 +254,7 @@ class Engine:
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
                  cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256,
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
+                 prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
                  **runner_options):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if runner is None:
@@ -345,6 +353,13 @@ class Engine:
                                           proposers=self.proposers, widest=widest), mesh=mesh, **runner_options)
         self.prefill_chunk = (None if prefill_chunk is None or not self.runner.chunked_prefill
                               else self.buckets.prompt_len(int(prefill_chunk)))
+        if prefix_cache_bytes is not None:
+            rq.check_int(prefix_cache_bytes, "prefix_cache_bytes", low=0, what="a number of bytes (0 or None: off)")
+        # snapshots at chunk boundaries: only prompts that join by chunks use (and feed) it
+        self.prefix_cache = (PrefixCache(int(prefix_cache_bytes)) if prefix_cache_bytes and self.prefill_chunk
+                             else None)
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         self.round_seconds = round_seconds
         self.cost_table: dict[int, dict[int, float]] = {}  # rows -> width -> seconds (measured at warm-up)
         self.learn_costs = (round_seconds is None) if learn_costs is None else bool(learn_costs)
@@ -998,13 +1013,29 @@ class Engine:
         """The first chunk of a long prompt (`spec.prefill.prefill_start`): its one-row state starts outside the
         batch; the request stays queued, a slot reserved for it."""
         self._score_prompt(req)
+        info.compressed_tokens += len(req.prompt) - len(req.prefill_ids)
+        self.compressed_tokens += len(req.prompt) - len(req.prefill_ids)
+        keys = []
+        if self.prefix_cache is not None:
+            ids = req.prefill_ids
+            positions = None if req.kept is None else req.prefill_positions(len(ids))
+            keys = prefix_keys(ids, self.prefill_chunk, positions)
+            hit = self.prefix_cache.lookup(keys)
+            info.prefix_query_tokens += len(ids)
+            self.prefix_query_tokens += len(ids)
+            if hit is not None:  # the cached prefix's caches, then the rest by the same chunks as a cold prefill
+                info.prefix_hit_tokens += hit.length
+                self.prefix_hit_tokens += hit.length
+                self._prefilling = _Prefilling(req=req, pre=self.runner.prefill_copy(hit.payload), done=hit.length,
+                                               keys=keys)
+                self._advance_prefill(info)
+                return
         tokens, valid, positions = self._chunk_inputs(req, 0)
         # waited for: the round's draft and verify are timed alone
         pre = self.runner.prefill_start(tokens, valid, positions=positions)
-        self._prefilling = _Prefilling(req=req, pre=pre, done=int(valid[0]))
-        info.compressed_tokens += len(req.prompt) - len(req.prefill_ids)
-        self.compressed_tokens += len(req.prompt) - len(req.prefill_ids)
+        self._prefilling = _Prefilling(req=req, pre=pre, done=int(valid[0]), keys=keys)
         self._count_chunk(int(valid[0]), info)
+        self._snapshot(self._prefilling)
 
     def _advance_prefill(self, info: RoundInfo) -> bool:
         """The next chunk of the request in chunked prefill, if any (returns whether a chunk ran). After its last
@@ -1019,6 +1050,7 @@ class Engine:
         p.done += int(valid[0])
         self._count_chunk(int(valid[0]), info)
         if not last:
+            self._snapshot(p)
             return True
         self._prefilling = None
         with self._wake:
@@ -1028,6 +1060,17 @@ class Engine:
         self._place([p.req], free[: len(p.req.samples)], rows, 1, info)
         return True
 
+    def _snapshot(self, p: _Prefilling) -> None:
+        """Keeps a copy of the partial prefill in the prefix cache when it ends at a chunk boundary the cache does
+        not hold yet (the next chunk donates it)."""
+        if self.prefix_cache is None or not p.keys or p.done % self.prefill_chunk:
+            return
+        k = p.done // self.prefill_chunk - 1
+        if k >= len(p.keys) or p.keys[k][1] in self.prefix_cache:
+            return
+        self.prefix_cache.store(p.keys[k][1], p.done, self.runner.prefill_copy(p.pre),
+                                self.runner.prefill_nbytes(p.pre))
+
     def _warm_chunks(self) -> None:
         """Compiles the chunked prefill: the first chunk, a next chunk of every width, the finish and its insert
         (a dummy row, dropped)."""
@@ -1035,6 +1078,8 @@ class Engine:
         at = (lambda start, width: None if self.compress is None  # noqa: E731
               else np.arange(start, start + width, dtype=np.int32)[None])
         pre = self.runner.prefill_start(np.zeros((1, c), np.int32), np.array([c], np.int32), positions=at(0, c))
+        if self.prefix_cache is not None:  # the snapshot's copy programs
+            self.runner.prefill_copy(pre)
         for width in self.chunk_widths():  # 0 real tokens: the dummy prompt stays inside the cache
             pre = self.runner.prefill_chunk(pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32),
                                             positions=at(c, width))

@@ -47,6 +47,10 @@ class Metrics:
                                       "its rate over rounds is the prefill tokens per round", registry=r)
         self.compressed_tokens = Counter("dflash_prefill_compressed_tokens", "Prompt tokens a compressed prefill "
                                          "left out (PFlash, --pflash-keep)", registry=r)
+        self.prefix_query = Counter("dflash_prefix_cache_query_tokens", "Prompt tokens of the chunked prefills that "
+                                    "looked up the prefix cache", registry=r)
+        self.prefix_hit = Counter("dflash_prefix_cache_hit_tokens", "Prompt tokens a cached prefix covered (not "
+                                  "prefilled again)", registry=r)
         self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
         self.finished = Counter("dflash_requests_finished", "Requests finished, by finish reason", ["reason"],
                                 registry=r)
@@ -72,6 +76,8 @@ class Metrics:
         self.prefill_chunks.inc(getattr(info, "prefill_chunks", 0))
         self.prefill_tokens.inc(getattr(info, "prefill_tokens", 0))
         self.compressed_tokens.inc(getattr(info, "compressed_tokens", 0))
+        self.prefix_query.inc(getattr(info, "prefix_query_tokens", 0))
+        self.prefix_hit.inc(getattr(info, "prefix_hit_tokens", 0))
         self.round_seconds.observe(info.seconds)
         for reason in info.finished:
             self.finished.labels(reason=reason).inc()

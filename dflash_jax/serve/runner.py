@@ -162,6 +162,16 @@ class RoundRunner:
                       positions: np.ndarray | None = None):
         raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
 
+    def prefill_copy(self, pre):
+        """An independent copy of a partial prefill (the prefix cache's snapshot, and a restored one: every chunk
+        donates the prefill it extends). Device arrays are copied; other leaves are immutable."""
+        return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, pre)
+
+    @staticmethod
+    def prefill_nbytes(pre) -> int:
+        """Bytes a partial prefill holds on the device (its leaves; 8 for a host scalar)."""
+        return int(sum(getattr(x, "nbytes", 8) for x in jax.tree.leaves(pre)))
+
     def prefill_finish(self, pre, batch: PrefillBatch):
         raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
 
