@@ -31,17 +31,21 @@ def _features(target_w, tokens):
     return draft_model.context_features(out.taps)
 
 
-def _blocks(target_w, seed=0, n=2, length=24, a=3):
+def _blocks(target_w, seed=0, n=4, length=32, a=2):  # the training test's batch shapes: one compiled _features
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(0, 60, (n, length)), jnp.int32)
     anchors = jnp.asarray(sample_anchors(rng, n, a, 1, length - DCFG1.block_size))
     return tokens, _features(target_w, tokens), anchors
 
 
-def test_a_fresh_dflash2_draft_computes_its_dflash1_backbone():
+@pytest.fixture(scope="module")
+def target_w():
+    return testing.random_qwen3_weights(TCFG, jax.random.key(3), norm_jitter=0.0)
+
+
+def test_a_fresh_dflash2_draft_computes_its_dflash1_backbone(target_w):
     """Identity convolutions and a zero successor codebook: the same logits and hidden states as the DFlash 1
     draft, and selector scores equal to the logits (so the selector chain starts as the argmax chain)."""
-    target_w = testing.random_qwen3_weights(TCFG, jax.random.key(0))
     w1 = testing.random_draft_weights(DCFG1, jax.random.key(1))
     w2 = as_dflash2(w1, DCFG2, jax.random.key(2))
     tokens, feats, anchors = _blocks(target_w)
@@ -76,7 +80,7 @@ def test_selector_candidates_are_the_top_k_with_the_target_injected():
     np.testing.assert_array_equal(np.asarray(present), [True, False])
 
 
-def test_dflash2_training_export_convert_load_round_trip(tmp_path):
+def test_dflash2_training_export_convert_load_round_trip(tmp_path, target_w):
     """A few steps on a learnable stream lower the selector's loss and move the convolutions off the identity;
     the draft exported in the z-lab layout converts with its target and loads equal, as a DFlash 2 draft whose
     conditional head is its selector (its generation is tested in tests/spec/test_dflash2_generate.py)."""
@@ -85,7 +89,6 @@ def test_dflash2_training_export_convert_load_round_trip(tmp_path):
     import dflash_jax
     from dflash_jax.train.export import save_hf_draft, save_hf_target
 
-    target_w = testing.random_qwen3_weights(TCFG, jax.random.key(3), norm_jitter=0.0)
     w2 = as_dflash2(testing.random_draft_weights(DCFG1, jax.random.key(4), norm_jitter=0.0), DCFG2, jax.random.key(5))
     data = np.tile(np.random.default_rng(1).integers(0, 60, 16), 8)  # a repeating stream: learnable in a few steps
 
