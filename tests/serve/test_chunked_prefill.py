@@ -20,8 +20,9 @@ SHORT = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300]]
 def chunk_engine(pair):
     from dflash_jax.serve.engine import Engine
 
+    # the chunk mechanics with every chunk run (the prefix cache would skip the chunks of a prompt seen before)
     eng = Engine(pair, slots=3, max_prompt_len=96, max_new_tokens=64, max_queue=8, prefill_chunk=CHUNK, widths=None,
-                 row_buckets=None)
+                 row_buckets=None, prefix_cache_bytes=0)
     eng.warmup()
     return eng
 
