@@ -11,7 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 reference = pytest.importorskip("dflash.model")
 
-import jax.numpy as jnp  # noqa: E402
 
 import dflash_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
@@ -22,6 +21,7 @@ from tests.hf_reference import (  # noqa: E402
     build_and_save, build_and_save_draft, hf_greedy, make_agreeable_, reference_with_experts, tiny_draft_config,
     record_reference_proposals, tiny_qwen3_moe_config,
 )
+from tests.spec.sampling_checks import chi_square_pvalue, exact_joint3  # noqa: E402
 
 LAYERS = 3
 B = 8
@@ -172,44 +172,6 @@ def small_vocab_pair(tmp_path_factory):
     return load_hf_pair(root / "t", root / "d")
 
 
-def _exact_joint(pair, prompt, params):
-    """p(x1, x2, x3 | prompt) under the processed target distribution, by enumeration."""
-    from dflash_jax.models import qwen3
-    from dflash_jax.spec.sampling import sampling_probs
-
-    cfg = pair.target_cfg
-    prefixes = np.array([[a, b] for a in range(V) for b in range(V)])
-    seqs = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1).astype(np.int32)
-    out = qwen3.forward_jit(pair.target, jnp.asarray(seqs), qwen3.init_cache(cfg, len(seqs), seqs.shape[1]), cfg)
-    probs = np.asarray(sampling_probs(out.logits, params), np.float64)
-    p1 = probs[0, len(prompt) - 1]  # [V]
-    p2 = probs[::V, len(prompt)]  # row a*V: prefix (a, 0) -> p(x2 | a)
-    p3 = probs[:, len(prompt) + 1].reshape(V, V, V)  # p(x3 | a, b)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def _chi_square_pvalue(counts, expected):
-    from scipy.stats import chi2
-
-    order = np.argsort(expected)
-    exp_sorted, cnt_sorted = expected[order], counts[order]
-    # merge the smallest cells until each bin expects >= 5 draws
-    bins_e, bins_c, acc_e, acc_c = [], [], 0.0, 0
-    for e, c in zip(exp_sorted, cnt_sorted):
-        acc_e += e
-        acc_c += c
-        if acc_e >= 5:
-            bins_e.append(acc_e)
-            bins_c.append(acc_c)
-            acc_e, acc_c = 0.0, 0
-    if acc_e > 0:
-        bins_e[-1] += acc_e
-        bins_c[-1] += acc_c
-    bins_e, bins_c = np.array(bins_e), np.array(bins_c)
-    stat = np.sum((bins_c - bins_e) ** 2 / bins_e)
-    return chi2.sf(stat, len(bins_e) - 1)
-
-
 @pytest.mark.parametrize("mode", ["exact_match", "rejection"])
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=6, top_p=0.9)],
                          ids=["plain", "topk-topp"])
@@ -249,8 +211,8 @@ def _check_sampling(pair, mode, params, **kwargs):
     # the speculative path is exercised: hundreds of first rounds accepted at least one proposal
     assert np.mean([a[0] >= 2 for a in result.acceptance_lengths]) > 0.05
     counts = np.bincount(draws[:, 0] * V * V + draws[:, 1] * V + draws[:, 2], minlength=V**3)
-    exact = _exact_joint(pair, prompt, sampling).reshape(-1)
-    assert _chi_square_pvalue(counts, exact * n) > 1e-3
+    exact = exact_joint3(pair, prompt, sampling).reshape(-1)
+    assert chi_square_pvalue(counts, exact * n) > 1e-3
     # power: the same draws are rejected against a slightly different distribution
-    wrong = _exact_joint(pair, prompt, SamplingParams(**dict(params, temperature=params["temperature"] * 1.25)))
-    assert _chi_square_pvalue(counts, wrong.reshape(-1) * n) < 1e-3
+    wrong = exact_joint3(pair, prompt, SamplingParams(**dict(params, temperature=params["temperature"] * 1.25)))
+    assert chi_square_pvalue(counts, wrong.reshape(-1) * n) < 1e-3
