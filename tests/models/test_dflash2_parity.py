@@ -160,6 +160,7 @@ def test_hidden_states_and_greedy_path_equal_reference_generate(name, target, dr
     assert off_unary > 0  # the pairwise term changes choices: the test sees the selector, not the argmax
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _VARIANT_PARAMS)
 def test_candidates_and_sampled_q_rows_equal_reference(name, target, drafts):
     """A sampled `dflash_generate` (temperature 0.8): per round, our candidates and q rows, computed on the
@@ -240,6 +241,7 @@ def test_dflash2_fields_validated():
         from_hf_config(raw)
 
 
+@pytest.mark.slow
 def test_packed_blocks_keep_the_convolution_inside_each_block():
     """`draft_forward_blocks` (the training form) on a DFlash 2 draft: every block equals the inference forward
     of that block alone, so no convolution tap crosses into the previous block."""

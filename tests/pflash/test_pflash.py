@@ -130,7 +130,8 @@ def test_dflash_over_a_compressed_prefill_equals_plain_greedy_over_it(shipped):
     assert slots.tokens != plain.tokens  # the original positions matter (not a prefill of the kept text alone)
 
 
-@pytest.mark.parametrize("proposer,driver", [("tree", "jit"), ("head-chain", "stepping"), ("chain", "capacity")])
+@pytest.mark.parametrize("proposer,driver", [("tree", "jit"), ("head-chain", "stepping"),
+                                             pytest.param("chain", "capacity", marks=pytest.mark.slow)])
 def test_every_proposer_and_driver_runs_over_a_compressed_prefill(shipped, proposer, driver):
     """Compression is a prefill strategy (`prepare(kept=)`), so every proposer and driver runs over it: a token
     tree in the jitted loop, the branch head's chain stepped from Python, and the chain in capacity mode (the kept

@@ -52,6 +52,7 @@ def _reference_hf(target, pair):
     return reference_with_experts(target, pair)
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_and_reference_generate(hf_pair, converted):
     target, draft, _ = hf_pair
     assert converted.draft_cfg.dflash2

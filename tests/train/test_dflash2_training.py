@@ -80,6 +80,7 @@ def test_selector_candidates_are_the_top_k_with_the_target_injected():
     np.testing.assert_array_equal(np.asarray(present), [True, False])
 
 
+@pytest.mark.slow
 def test_dflash2_training_export_convert_load_round_trip(tmp_path, target_w):
     """A few steps on a learnable stream lower the selector's loss and move the convolutions off the identity;
     the draft exported in the z-lab layout converts with its target and loads equal, as a DFlash 2 draft whose
