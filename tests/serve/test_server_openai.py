@@ -6,15 +6,13 @@ log_softmax of a plain target forward, `echo` with the prompt's logprobs, stop s
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 
 from tests.serve.logprob_checks import plain_log_softmax, tolerance
+from tests.serve.server_process import serve_in_thread
 
 openai = pytest.importorskip("openai")
 
@@ -24,28 +22,13 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def server(engine, pair):
-    import uvicorn
-
     from dflash_jax.cli.generate import load_tokenizer
     from dflash_jax.serve.server import create_app
 
     eos = tuple(pair.target_cfg.eos_token_ids)
     app = create_app(engine, load_tokenizer(pair), model_name="tiny", eos_ids=eos, grace_s=5.0, api_key=KEY)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive(), "the server did not shut down"
+    with serve_in_thread(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
