@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from _output import add_output_args, output_dir, save_figure
+from report_output import add_output_args, output_dir, save_figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

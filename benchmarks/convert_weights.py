@@ -24,7 +24,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from _output import add_output_args, output_dir
+from report_output import add_output_args, output_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

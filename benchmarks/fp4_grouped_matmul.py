@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _output import add_output_args, output_dir
+from report_output import add_output_args, output_dir
 
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
 from pallas_kernels import fp4_grouped_matmul as fgm

@@ -29,7 +29,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 
 import numpy as np  # noqa: E402
 
-from _output import add_output_args, output_dir  # noqa: E402
+from report_output import add_output_args, output_dir  # noqa: E402
 
 
 def main(argv=None) -> int:

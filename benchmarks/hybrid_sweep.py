@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _output import add_output_args, output_dir, save_figure  # noqa: E402
+from report_output import add_output_args, output_dir, save_figure  # noqa: E402
 
 KEEPS = (1.0, 0.5, 0.25, 0.1)
 HYBRID = "tiny_pair_qwen3_5"

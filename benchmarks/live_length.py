@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir
+from report_output import add_output_args, output_dir
 
 MODES = {"dense": dict(dense_max_rows=None), "chunked": dict(chunk=256, dense_max_rows=0)}
 

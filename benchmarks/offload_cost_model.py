@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _output import add_output_args, output_dir
+from report_output import add_output_args, output_dir
 
 from dflash_jax.study import cost_model as cm
 

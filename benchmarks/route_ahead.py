@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir
+from report_output import add_output_args, output_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir, save_figure
+from report_output import add_output_args, output_dir, save_figure
 
 
 def percentile(values, q):

@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir
+from report_output import add_output_args, output_dir
 
 
 def run_point(engine, prompts, max_tokens: int, concurrency: int) -> tuple[dict, list]:

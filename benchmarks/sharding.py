@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from _output import add_output_args, output_dir  # noqa: E402
+from report_output import add_output_args, output_dir  # noqa: E402
 
 from dflash_jax.config import from_hf_config  # noqa: E402
 from dflash_jax.nn import moe  # noqa: E402

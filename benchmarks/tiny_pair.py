@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir, save_figure
+from report_output import add_output_args, output_dir, save_figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"

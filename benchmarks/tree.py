@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from _output import add_output_args, output_dir, save_figure
+from report_output import add_output_args, output_dir, save_figure
 
 
 def log(msg: str) -> None:

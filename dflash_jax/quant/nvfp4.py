@@ -67,7 +67,7 @@ _E4M3_EMIN = -6
 _E4M3_MANT_BITS = 3
 
 
-def _round_to_e4m3_xp(xp: Any, v: Any) -> Any:
+def round_to_e4m3_xp(xp: Any, v: Any) -> Any:
     """float32 -> float32 holding the nearest float8_e4m3fn value (RNE, saturating).
 
     With ``e = max(floor(log2|v|), -6)`` the E4M3 spacing at ``|v|`` is ``q = 2^(e-3)``,
@@ -96,7 +96,7 @@ def _quantize_xp(xp: Any, x: Any, tensor_scale: Any, fn: str) -> tuple[Any, Any,
     ts_pos = tsb > 0
     per_elem_max = true_divide(xp, amax_b, xp.float32(E2M1_MAX))
     bs = xp.where(ts_pos, true_divide(xp, per_elem_max, xp.where(ts_pos, tsb, 1)), 0)
-    bs = _round_to_e4m3_xp(xp, bs.astype(xp.float32))
+    bs = round_to_e4m3_xp(xp, bs.astype(xp.float32))
     denom = bs * tsb
     ok = denom > 0
     signed_zero = xp.where(xp.signbit(xb), xp.float32(-0.0), xp.float32(0.0))
