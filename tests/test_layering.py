@@ -34,7 +34,8 @@ PACKAGES = ("dflash_jax", "pallas_kernels", "convert")
 
 # Lowest first. Each layer may import its own layer (without cycles) and the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "config", "compile_cache", "quant"),  # leaves: user errors, configs, jit cache, FP4 formats
+    ("errors", "config", "compile_cache", "quant", "timing"),  # leaves: user errors, configs, jit cache, FP4
+    # formats, the paired timing method
     ("cache", "nn"),  # KV caches; family-independent building blocks (norms, rope, attention, moe, DeltaNet)
     ("models",),  # the families, their registry, the decoder loop, the draft
     ("checkpoint", "pair", "testing", "sharding"),  # the pair, its checkpoints, random tiny weights, mesh placement
