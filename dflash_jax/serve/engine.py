@@ -734,19 +734,17 @@ class Engine:
         bucket back to back (the order reversed every other repeat), and a width's entry is the median over
         repeats of its time over the narrowest width's time in the same repeat, times the narrowest width's
         median. Needs the programs compiled (`warmup`)."""
+        from dflash_jax.timing import paired_runs
+
         idle = np.zeros(self.slots, bool)
         table = {}
         for rows in (self.row_buckets if row_buckets is None else row_buckets):
-            times = {w: [] for w in self.widths}
-            for r in range(repeats):
-                for w in (self.widths if r % 2 == 0 else self.widths[::-1]):
-                    t = time.perf_counter()
-                    self._round(w, idle, rows)
-                    self.runner.sync()
-                    times[w].append(time.perf_counter() - t)
-            base = np.asarray(times[self.widths[0]])
-            scale = float(np.median(base))
-            table[rows] = {w: scale * float(np.median(np.asarray(times[w]) / base)) for w in self.widths}
+            def one_round(w, rows=rows):
+                self._round(w, idle, rows)
+                self.runner.sync()
+
+            runs = paired_runs({w: (lambda w=w: one_round(w)) for w in self.widths}, repeats)
+            table[rows] = {w: runs.paired_seconds(w, self.widths[0]) for w in self.widths}
         return table
 
     def row_bucket(self, live: Sequence[int]) -> int:
