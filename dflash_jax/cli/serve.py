@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on every endpoint but /health (/metrics included); "
                         "default: the DFLASH_API_KEY environment variable, else no key")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
-    p.add_argument("--slots", type=int, default=4, help="batch slots: requests decoded together (a compiled shape)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="batch slots: requests decoded together (a compiled shape; every row bucket up to it compiles at "
+                        "warm-up). Default: as many as the device's free memory holds (on the CPU: half the available "
+                        "RAM, at most 8 per core) at --max-prompt-len, at most 256; the numbers are printed at start")
     p.add_argument("--block-size", type=int, default=None,
                    help="the verify block B, the widest with --widths auto (default: 4 with --widths fixed, the "
                         "setting measured never below no speculation at 1-32 clients on the shipped pair; the "
@@ -64,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     prop.add_argument("--tree-budget", type=int, default=None,
                       help="nodes per tree verify, the anchor included (--proposer tree / adaptive; default 16)")
     prop.add_argument("--tree-branch", type=int, default=4, help="candidates per tree node")
-    p.add_argument("--max-prompt-len", type=int, default=256, help="longest prompt served, in tokens")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="longest prompt served, in tokens. Default: the target's context, halved until at least 4 "
+                        "slots fit in memory (with --slots: the longest prompt that many slots fit)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="largest max_tokens a request may ask")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="a prompt longer than this many tokens is prefilled one chunk per round while the running "
@@ -135,7 +140,7 @@ def check_args(args) -> None:
     if getattr(args, "api_key", None) is not None and not args.api_key.strip():
         raise UsageError("--api-key must not be empty (leave it out for a server without a key)")
     for name in ("slots", "max_prompt_len", "max_new_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -297,6 +302,27 @@ def open_access_warning(args) -> str | None:
             f"{API_KEY_ENV})")
 
 
+def capacity_of(args, pair, block_size, widths, proposer, prefix_bytes: int, offload: bool) -> tuple[int, int]:
+    """(slots, max_prompt_len) fitted to the device's memory for the pair (`serve.capacity.plan`, its one line
+    printed): a flag given is kept (the other fitted to it); both given must fit, else one error naming the numbers."""
+    from dflash_jax.serve import capacity
+    from dflash_jax.spec.tree import TreeShape
+
+    widest = block_size or pair.draft_cfg.block_size
+    if widths not in (None, "auto"):
+        widest = max(widest, *[int(w) for w in widths])
+    if isinstance(proposer, TreeShape):
+        widest = max(widest, proposer.budget)
+    expert_cache = int(args.expert_budget_mb * 1e6) if offload and args.expert_budget_mb else 0
+    try:
+        cap = capacity.plan(pair, widest=widest, max_new_tokens=args.max_new_tokens, prefix_cache_bytes=prefix_bytes,
+                            expert_cache_bytes=expert_cache, slots=args.slots, max_prompt_len=args.max_prompt_len)
+    except capacity.CapacityError as e:
+        raise UsageError(str(e)) from None
+    print(f"dflash-serve: {cap.describe()}", file=sys.stderr, flush=True)
+    return cap.slots, cap.max_prompt_len
+
+
 def build_app(args):
     """(the FastAPI app, the engine) for parsed arguments: loads the pair and warms the engine up."""
     import dflash_jax
@@ -347,13 +373,14 @@ def build_app(args):
         if block_size is None and widths is None:
             block_size = min(DEFAULT_FIXED_BLOCK, pair.draft_cfg.block_size)
         byte_budget = None if args.round_expert_mb is None else args.round_expert_mb * 1e6
-        common = dict(slots=args.slots, block_size=block_size, widths=widths, max_prompt_len=args.max_prompt_len,
+        prefix_bytes = 0 if getattr(args, "no_prefix_cache", False) else int(getattr(args, "prefix_cache_mb", 1024.0) * 1e6)
+        slots, max_prompt_len = capacity_of(args, pair, block_size, widths, proposer, prefix_bytes, offload)
+        common = dict(slots=slots, block_size=block_size, widths=widths, max_prompt_len=max_prompt_len,
                       max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer,
-                      prefix_cache_bytes=(0 if getattr(args, "no_prefix_cache", False)
-                                          else int(getattr(args, "prefix_cache_mb", 1024.0) * 1e6)))
+                      prefix_cache_bytes=prefix_bytes)
         if getattr(args, "pflash_keep", None) is not None:
             from dflash_jax import pflash
 
@@ -383,7 +410,7 @@ def build_app(args):
         raise UsageError(str(e).replace("block_size", "--block-size").replace("widths", "--widths")
                          .replace("max_prompt_len", "--max-prompt-len")) from None
     if not args.no_warmup:
-        print(f"dflash-serve: compiling {args.slots} slots, prompts up to {engine.max_prompt_len} tokens ...",
+        print(f"dflash-serve: compiling {engine.slots} slots, prompts up to {engine.max_prompt_len} tokens ...",
               file=sys.stderr, flush=True)
         seconds = engine.warmup()
         print(f"dflash-serve: ready in {seconds:.1f}s", file=sys.stderr, flush=True)
