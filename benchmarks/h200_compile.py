@@ -43,7 +43,7 @@ import jax  # noqa: E402
 
 from report_output import add_output_args, output_dir  # noqa: E402
 
-from dflash_jax.study import cost_model as cm  # noqa: E402
+from study import cost_model as cm  # noqa: E402
 from tests.gpu_compile import deviceless as dl  # noqa: E402
 
 GB = 1e9

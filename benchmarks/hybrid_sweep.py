@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     from dflash_jax.offload import OffloadedGenerator
     from dflash_jax.pflash import needle as nd
     from dflash_jax.spec.loop import LOOP_BUCKETS
-    from dflash_jax.study.needle import needle_set
+    from study.needle import needle_set
     from dflash_jax.train.data import file_windows
 
     name = args.pair if args.checkpoint else (args.pair or _default_pair())

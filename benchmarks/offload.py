@@ -38,7 +38,7 @@ def learned_predictor(pair, args, train_prompts):
     """Trains `train.route_predictor` on rounds over `train_prompts`; returns (LearnedRouter, info)."""
     from dflash_jax.offload.predictors import LearnedRouter
     from dflash_jax.offload.route_model import init_from_target
-    from dflash_jax.study.rounds import collect_route_data
+    from study.rounds import collect_route_data
     from dflash_jax.train.route_predictor import train_route_predictor
 
     block = max(int(b) for b in args.blocks.split(","))

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the research package `study` is run from the checkout, not installed
+    sys.path.append(ROOT)
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
 DEFAULT_OUT = os.path.join(ROOT, "bench_out")
 

@@ -43,7 +43,7 @@ def record_rounds(pair, prompts, *, block_size: int, max_new_tokens: int, progre
     """Per prompt, the list of its rounds: {"hidden" [B, H], "tokens" [B], "routed" {l: [B, k]},
     "logits" {l: [B, E]}} from resident greedy speculative decoding."""
     from dflash_jax.offload.store import moe_layer_ids
-    from dflash_jax.study.rounds import record_rounds as record
+    from study.rounds import record_rounds as record
 
     layers = moe_layer_ids(pair.target)
     out = []
@@ -58,7 +58,7 @@ def fit_predictors(pair, sequences, layers, *, steps: int) -> dict:
     """The learned predictors on the recorded training rounds: "linear" (draft hidden states only) and
     "token" (+ the verify block's token embeddings)."""
     from dflash_jax.offload.route_model import init_from_target
-    from dflash_jax.study.rounds import rounds_to_arrays
+    from study.rounds import rounds_to_arrays
     from dflash_jax.train.route_predictor import train_route_predictor
 
     rounds = [r for seq in sequences for r in seq]
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     import jax
 
     import dflash_jax
-    from dflash_jax.study.evaluate import score_predictor
+    from study.evaluate import score_predictor
     from dflash_jax.train.data import file_windows
 
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ files, one batch):
   - tokens/s of the warmed jitted loop: the fastest of `--repeats` runs, the runs of all shapes interleaved
     (repeat 1 of every shape, then repeat 2, ...) so that a shared machine's load drifts across all alike;
   - trees built from the acceptance model (`spec.tree.TreeCalibration`) fitted on training-split prompts
-    (the pair's shipped `spec.tree.CALIBRATION_FILE`, written by `--fit-calibration` from `--fit-seeds`; without
+    (the pair's shipped `spec.calibration_file.CALIBRATION_FILE`, written by `--fit-calibration` from `--fit-seeds`; without
     one, fitted on `--calib-seeds`), `--branch` candidates a node, and the plain build at the largest budget;
   - the adaptive policy (`spec.policy.AdaptivePolicy`): its seconds and tokens per round measured by
     `calibrate_policy` (each shape's fixed loop, interleaved repeats) on two training-split calibration
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
                         "must promise this much more tokens/s; the spread of identical work by CPU time here")
     p.add_argument("--fit-calibration", action="store_true",
                    help="fit the tree build's acceptance model on --fit-seeds and write it beside the pair "
-                        "(spec.tree.CALIBRATION_FILE, loaded by default), then exit")
+                        "(spec.calibration_file.CALIBRATION_FILE, loaded by default), then exit")
     p.add_argument("--fit-seeds", default="7,11,13,17,19,23,29,31,37,41,43,47,53,59,61,67,71,73,79,83,89,97",
                    help="training-split prompt sets (seeds) for --fit-calibration")
     p.add_argument("--fit-branch-head", action="store_true",
@@ -368,10 +368,9 @@ def main(argv=None) -> int:
 
     import dflash_jax
     from dflash_jax import SHIPPED_PAIR, testing
-    from dflash_jax.spec.calibrate import calibration_samples, fit_calibration
-    from dflash_jax.spec.tree import (
-        CALIBRATION_FILE, DEFAULT_TEMPERATURE, TreeShape, pair_calibration, save_calibration,
-    )
+    from dflash_jax.spec.calibration_file import CALIBRATION_FILE, pair_calibration, save_calibration
+    from dflash_jax.spec.tree import DEFAULT_TEMPERATURE, TreeShape
+    from study.tree_calibration import calibration_samples, fit_calibration
     from dflash_jax.train.data import file_windows
     from dflash_jax.train.tiny_pair import target_config
 

@@ -103,10 +103,12 @@ class Timings:
 
 def paired_runs(modes: Mapping[str, Callable[[], Any]], repeats: int, *, alternate: bool = True,
                 on_run: Callable[[str, int, Any], None] | None = None,
+                on_repeat: Callable[[int, "Timings"], None] | None = None,
                 seconds_of: Callable[[Any], float] | None = None) -> Timings:
     """Runs every mode (name -> a callable of no arguments, compiled or warmed up beforehand) `repeats` times,
     interleaved: each repeat runs every mode back to back, in reverse order every other repeat when `alternate`.
-    on_run(mode, repeat, result) sees each run's result (output checks, per-run figures). seconds_of(result):
+    on_run(mode, repeat, result) sees each run's result (output checks, per-run figures); on_repeat(repeat,
+    timings) the figures so far after each repeat (progress lines). seconds_of(result):
     the wall seconds a run reports itself (its timed part, e.g. a loop's `stats["seconds"]`) instead of the
     call's. Returns the `Timings`; the load average is sampled after each repeat."""
     if repeats < 1:
@@ -121,4 +123,6 @@ def paired_runs(modes: Mapping[str, Callable[[], Any]], repeats: int, *, alterna
             if on_run is not None:
                 on_run(mode, r, result)
         out.loads.append(load_average())
+        if on_repeat is not None:
+            on_repeat(r, out)
     return out

@@ -11,7 +11,7 @@ import threading
 import dflash_jax
 from dflash_jax.cli.generate import main
 from dflash_jax.pair import BRANCH_HEAD_FILE
-from dflash_jax.spec.tree import CALIBRATION_FILE
+from dflash_jax.spec.calibration_file import CALIBRATION_FILE
 
 
 def _copy(tmp_path):

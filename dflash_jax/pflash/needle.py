@@ -1,6 +1,6 @@
 """A needle-retrieval set for PFlash: can the target still reproduce a passage planted early in a long prompt?
 
-Each case is built from held-out text only (token lists; `dflash_jax.study.needle.needle_set` draws them from a
+Each case is built from held-out text only (token lists; `study.needle.needle_set`, research code, draws them from a
 trained pair's held-out files, `build_needles` takes any):
 
   prompt  = haystack[:at] + passage + haystack[at:] + passage[:query]      (a copy / induction task)

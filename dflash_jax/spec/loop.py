@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import compile_cache
+from dflash_jax.spec.calibration_file import pair_calibration
 from dflash_jax.spec.policy import AdaptivePolicy, choose_shape, update_calibration
 from dflash_jax.spec.requests import DEFAULT_CAPACITY, Buckets, capacity_error
 from dflash_jax.spec.round import (
@@ -29,7 +30,7 @@ from dflash_jax.spec.round import (
 from dflash_jax.spec.sampling import SamplingParams
 from dflash_jax.spec.session import Prepared, SpecConfig, SpecState, begin_prepared, prepare
 from dflash_jax.spec.tree import (
-    DEFAULT_BRANCH, DEFAULT_TEMPERATURE, TreeCalibration, TreeShape, pair_calibration, widen_for_tree,
+    DEFAULT_BRANCH, DEFAULT_TEMPERATURE, TreeCalibration, TreeShape, widen_for_tree,
 )
 
 # The loops' shapes: capacity mode (cache rows = output columns = min(DEFAULT_CAPACITY, the target's positions);
@@ -385,7 +386,7 @@ def generate_tree(pair, prompts, *, max_new_tokens, tree_budget: int = 16, branc
 
     tree_budget N: nodes per verify (the anchor included); branch: candidates per node (1 = a chain of
     width N); temperature: the draft's distributions sharpened by 1/T for the build (`TreeShape`);
-    calibration: a fitted acceptance model for the build (`TreeCalibration`, `spec.calibrate.fit_calibration`);
+    calibration: a fitted acceptance model for the build (`TreeCalibration`; `spec.calibration_file`);
     "pair" (the default) the one shipped with the pair (`pair_calibration`; the plain build when it has none);
     None the plain build (the draft's marginals).
     branch_head: build from the draft's branch head when the pair carries one (`build_tree_from_head`; the

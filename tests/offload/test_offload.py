@@ -453,8 +453,8 @@ def test_one_generator_serves_requests_without_recompiling(pair):
 def test_learned_router_starts_as_the_draft_router_and_learns(pair):
     from dflash_jax.offload.predictors import LearnedRouter
     from dflash_jax.offload.route_model import init_from_target
-    from dflash_jax.study.rounds import collect_route_data
     from dflash_jax.train.route_predictor import train_route_predictor
+    from study.rounds import collect_route_data
 
     hidden, targets, layers = collect_route_data(pair, PROMPTS, block_size=4, max_new_tokens=12)
     assert targets.shape == (CFG.num_layers, hidden.shape[0], E) and (targets.sum(-1) == 2).all()
@@ -474,8 +474,8 @@ def test_learned_router_with_token_features_and_threshold(pair):
     lossless at a pool too small to hold every expert."""
     from dflash_jax.offload.predictors import LearnedRouter
     from dflash_jax.offload.route_model import init_from_target, route_logits
-    from dflash_jax.study.rounds import record_rounds, rounds_to_arrays
     from dflash_jax.train.route_predictor import train_route_predictor
+    from study.rounds import record_rounds, rounds_to_arrays
 
     rounds = record_rounds(pair, PROMPTS[:1], block_size=4, max_new_tokens=12)
     layers = tuple(sorted(rounds[0]["routed"]))
@@ -516,8 +516,8 @@ def test_residual_predictor_scores_offline_as_in_the_loop(pair):
     """`record_rounds(ahead=True)` keeps the in-verify prediction inputs (the next layer's router logits on the
     residual) and the same rounds; `score_predictor` then scores "residual" (alone or in a union) exactly as the
     loop's stats count it."""
-    from dflash_jax.study.evaluate import score_predictor
-    from dflash_jax.study.rounds import record_rounds
+    from study.evaluate import score_predictor
+    from study.rounds import record_rounds
 
     plain = record_rounds(pair, PROMPTS, block_size=4, max_new_tokens=12)
     rounds = record_rounds(pair, PROMPTS, block_size=4, max_new_tokens=12, ahead=True)

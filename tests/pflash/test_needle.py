@@ -8,7 +8,7 @@ import pytest
 
 import dflash_jax
 from dflash_jax.pflash import needle as nd
-from dflash_jax.study.needle import needle_set
+from study.needle import needle_set
 
 
 def _synthetic(n_hays=3, hay_len=200, n_passages=4, passage_len=60):

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.spec.calibrate import fit_calibration
 from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost, choose_shape
 from dflash_jax.spec.tree import TreeCalibration, TreeShape, build_tree, calibration_features
+from study.tree_calibration import fit_calibration
 
 WEIGHTS = (0.1, 1.1, -1.2, -0.5, 0.2, -1.3, 1.3, -0.1, -0.6)
 
@@ -114,8 +114,8 @@ def test_calibration_samples_from_the_shipped_pair_fit_a_model_that_ranks_the_ar
     with at most one hit per (round, depth) group, hits at depth 1 (the target's next token is the draft's
     candidate often), and a fitted model that scores the draft's argmax above its second choice."""
     import dflash_jax
-    from dflash_jax.spec.calibrate import calibration_samples
     from dflash_jax.train.data import file_windows
+    from study.tree_calibration import calibration_samples
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
     prompts = file_windows(pair, "train", 1, 48, 3)
@@ -137,7 +137,7 @@ def test_shipped_calibration_file_is_checked_and_loaded_by_default(tmp_path):
     import json
 
     import dflash_jax
-    from dflash_jax.spec.tree import CALIBRATION_FILE, load_calibration, pair_calibration, save_calibration
+    from dflash_jax.spec.calibration_file import CALIBRATION_FILE, load_calibration, pair_calibration, save_calibration
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR, verify=False)
     cal = pair_calibration(pair)
@@ -186,7 +186,7 @@ def test_margin_prefers_the_cheapest_shape_and_survives_pruning():
 def _edited(change, resign=True):
     def make(body):
         change(body)
-        from dflash_jax.spec.tree import calibration_digest
+        from dflash_jax.spec.calibration_file import calibration_digest
 
         if resign and {"format", "features", "weights", "pair_fingerprint", "sha256"} <= set(body):
             try:
@@ -225,7 +225,7 @@ def test_a_damaged_calibration_file_is_one_clear_error(tmp_path, damage):
     """Every field of the file is checked (type, length, range) before use: one CheckpointError (a ValueError,
     printed by the CLIs as one line) naming the file and the fix, never a KeyError or TypeError."""
     from dflash_jax.errors import CheckpointError
-    from dflash_jax.spec.tree import load_calibration, save_calibration
+    from dflash_jax.spec.calibration_file import load_calibration, save_calibration
 
     body = json.loads(open(save_calibration(TreeCalibration(WEIGHTS), str(tmp_path / "good.json"))).read())
     make, want = _BAD_CALIBRATIONS[damage]
@@ -240,7 +240,7 @@ def test_a_damaged_calibration_file_is_one_clear_error(tmp_path, damage):
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_a_calibration_path_that_is_no_file_is_refused_without_reading(tmp_path, kind):
     from dflash_jax.errors import CheckpointError
-    from dflash_jax.spec.tree import load_calibration
+    from dflash_jax.spec.calibration_file import load_calibration
 
     path = tmp_path / "tree_calibration.json"
     os.mkfifo(path) if kind == "fifo" else path.mkdir()
@@ -262,7 +262,7 @@ def test_a_calibration_path_that_is_no_file_is_refused_without_reading(tmp_path,
 
 
 def test_a_rewritten_calibration_file_is_read_again(tmp_path):
-    from dflash_jax.spec.tree import load_calibration, save_calibration
+    from dflash_jax.spec.calibration_file import load_calibration, save_calibration
 
     path = save_calibration(TreeCalibration(WEIGHTS), str(tmp_path / "cal.json"))
     assert load_calibration(path).weights == WEIGHTS
@@ -270,3 +270,25 @@ def test_a_rewritten_calibration_file_is_read_again(tmp_path):
     save_calibration(TreeCalibration(other), path)
     assert load_calibration(path).weights == other
     assert [p.name for p in tmp_path.iterdir()] == ["cal.json"]  # written through a renamed temporary file
+
+
+@pytest.mark.slow  # compiles two loops and two rounds of the shipped pair
+def test_policy_figures_are_measured_by_the_paired_timing():
+    """`calibrate_policy` and `measure_round_seconds` time each shape through `timing.paired_runs`: one positive
+    seconds figure per shape, the loops' tokens per round, the clock and statistic checked."""
+    import dflash_jax
+    from dflash_jax.spec.calibrate import calibrate_policy, measure_round_seconds
+    from dflash_jax.train.data import file_windows
+
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
+    prompts = file_windows(pair, "train", 1, 32, 5)
+    shapes = (TreeShape(2, 1), TreeShape(4, 1))
+    lines = []
+    policy = calibrate_policy(pair, prompts, shapes, max_new_tokens=8, repeats=2, clock="cpu", statistic="median",
+                              log=lines.append)
+    assert len(policy.cost.seconds) == 2 and all(s > 0 for s in policy.cost.seconds)
+    assert all(t >= 1 for t in policy.taus) and len(lines) == 2 and "calibration repeat 2/2" in lines[1]
+    cost = measure_round_seconds(pair, prompts, shapes, max_new_tokens=8, repeats=2)
+    assert len(cost.seconds) == 2 and all(s > 0 for s in cost.seconds)
+    with pytest.raises(ValueError, match="clock"):
+        calibrate_policy(pair, prompts, shapes, clock="gpu")
