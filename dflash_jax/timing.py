@@ -108,8 +108,8 @@ def paired_runs(modes: Mapping[str, Callable[[], Any]], repeats: int, *, alterna
     """Runs every mode (name -> a callable of no arguments, compiled or warmed up beforehand) `repeats` times,
     interleaved: each repeat runs every mode back to back, in reverse order every other repeat when `alternate`.
     on_run(mode, repeat, result) sees each run's result (output checks, per-run figures); on_repeat(repeat,
-    timings) the figures so far after each repeat (progress lines). seconds_of(result):
-    the wall seconds a run reports itself (its timed part, e.g. a loop's `stats["seconds"]`) instead of the
+    timings) the figures so far after each repeat (progress lines). seconds_of(result): the wall seconds a run
+    reports itself (its timed part, e.g. a loop's `stats["seconds"]`), or its (wall, CPU) seconds, instead of the
     call's. Returns the `Timings`; the load average is sampled after each repeat."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -118,8 +118,11 @@ def paired_runs(modes: Mapping[str, Callable[[], Any]], repeats: int, *, alterna
     for r in range(repeats):
         for mode in (names if not alternate or r % 2 == 0 else names[::-1]):
             result, wall, cpu = timed(modes[mode])
-            out.wall[mode].append(float(seconds_of(result)) if seconds_of is not None else wall)
-            out.cpu[mode].append(cpu)
+            if seconds_of is not None:
+                own = seconds_of(result)
+                wall, cpu = (own, cpu) if np.ndim(own) == 0 else own
+            out.wall[mode].append(float(wall))
+            out.cpu[mode].append(float(cpu))
             if on_run is not None:
                 on_run(mode, r, result)
         out.loads.append(load_average())

@@ -35,6 +35,8 @@ def test_statistics_and_paired_ratios_from_reported_seconds():
     assert runs.ratio("fast", "base") == {"median": 2.0, "min": 2.0, "max": 2.0}
     assert runs.paired_seconds("fast", "base") == pytest.approx(0.5)
     assert runs.paired_seconds("base", "base") == pytest.approx(1.0)
+    both = paired_runs({"m": lambda: (3.0, 2.0)}, 2, seconds_of=lambda res: res)  # (wall, CPU) a run reports
+    assert both.wall == {"m": [3.0, 3.0]} and both.cpu == {"m": [2.0, 2.0]}
     with pytest.raises(ValueError, match="clock"):
         runs.stat("base", "gpu")
     with pytest.raises(ValueError, match="statistic"):

@@ -1,0 +1,312 @@
+"""The benchmarks' shared harness: command line, workloads, paired timing, output checks and the report writer.
+
+  command line   `parser(__doc__, **flags)`: the common flags by name (`COMMON`: --checkpoint, --prompts,
+                 --prompt-len, --max-new, --repeats, --threads, ...) with this script's defaults, any other flag
+                 from a `{"--name": default}` table (type from the default; `(default, help)` or
+                 `(default, help, choices)`), and always --out / --write-docs / --quick; `parse(p, argv, quick=)`
+                 applies --quick's small settings, checks them, sets XLA's one-thread flags and `args.out_dir`.
+  workloads      `load_pair(args)` (--checkpoint / --pair, else the shipped pair), `prompts(pair, n, length)`
+                 (token windows of the pair's held-out or training files), `int_list`, `command` (the line that
+                 regenerates a report).
+  timing         `dflash_jax.timing` (`paired_runs`, `Timings`, `timed`, `load_average`): paired, interleaved runs
+                 of named modes, wall and process CPU seconds, load average, medians and ranges; `paired_items`
+                 runs them per item (prompt) and checks every mode's output against a reference mode
+                 (`Outputs`); `rate` sums per-item statistics into tokens/s.
+  output         `Report(args, stem)`: JSON, markdown (a hand-written reading below `READING_MARK` survives a
+                 rerun) and a matplotlib figure (skipped with a note when matplotlib is missing) through one
+                 writer; `table` formats a markdown table; `machine()` describes the host.
+
+Convention: a benchmark never overwrites the tracked reports in docs/benchmarks/ unless given --write-docs; by
+default it writes to --out (default bench_out/, ignored by git), so a trial run leaves the working tree clean.
+--quick runs the smallest settings (a smoke run; it refuses --write-docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the research package `study` is run from the checkout, not installed
+    sys.path.append(ROOT)
+
+from dflash_jax.timing import Timings, load_average, paired_runs, timed  # noqa: E402
+
+__all__ = ["DOCS", "DEFAULT_OUT", "ONE_THREAD", "READING_MARK", "ROOT", "Outputs", "Report", "Timings",
+           "add_output_args", "command", "int_list", "load_average", "load_pair", "logger", "machine",
+           "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompts", "rate", "save_figure",
+           "table", "timed"]
+
+DOCS = os.path.join(ROOT, "docs", "benchmarks")
+DEFAULT_OUT = os.path.join(ROOT, "bench_out")
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+READING_MARK = "<!-- reading: kept across --write-docs reruns -->"
+
+# ---- command line ----------------------------------------------------------------------------------------------
+COMMON = {  # name -> (flag, type, help)
+    "checkpoint": ("--checkpoint", str, "a converted pair (default: the shipped pair)"),
+    "pair": ("--pair", str, "a shipped pair by name (dflash_jax.SHIPPED_PAIRS)"),
+    "prompts": ("--prompts", int, "prompts per set"),
+    "prompt_len": ("--prompt-len", int, "tokens per prompt"),
+    "max_new": ("--max-new", int, "new tokens per prompt"),
+    "max_tokens": ("--max-tokens", int, "new tokens per request"),
+    "repeats": ("--repeats", int, "timed runs per point and mode (interleaved)"),
+    "seed": ("--seed", int, "random seed"),
+    "blocks": ("--blocks", str, "block sizes, comma-separated"),
+    "threads": ("--threads", str, "one: XLA's CPU runtime on one thread for every mode (process CPU time = the "
+                                  "work done); all: XLA's defaults"),
+}
+POSITIVE = ("prompts", "prompt_len", "max_new", "max_tokens", "repeats")
+
+
+def parser(doc: str, options: Mapping[str, Any] | None = None, **common) -> argparse.ArgumentParser:
+    """An ArgumentParser described by the script's docstring: the `COMMON` flags named in `common` (name=default),
+    then `options` ({"--flag": default | (default, help) | (default, help, choices)}: type from the default, a
+    False default a switch, None a string), then --out, --write-docs and --quick."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    for name, default in common.items():
+        flag, kind, text = COMMON[name]
+        extra = {"choices": ("one", "all")} if name == "threads" else {}
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})", **extra)
+    for flag, spec in (options or {}).items():
+        default, text, choices = (tuple(spec) + (None, None))[:3] if isinstance(spec, tuple) else (spec, None, None)
+        if default is False:
+            p.add_argument(flag, action="store_true", help=text)
+        else:
+            kind = str if default is None else type(default)
+            p.add_argument(flag, type=kind, default=default, help=text, choices=choices)
+    add_output_args(p)
+    p.add_argument("--quick", action="store_true",
+                   help="the smallest settings: a smoke run that checks the script end to end (never --write-docs)")
+    return p
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None,
+                   help=f"directory for the results (default: {os.path.relpath(DEFAULT_OUT, ROOT)}/, ignored by git)")
+    p.add_argument("--write-docs", action="store_true",
+                   help="write the tracked report in docs/benchmarks/ instead (the published numbers)")
+
+
+def output_dir(args: argparse.Namespace) -> str:
+    if args.write_docs and args.out is not None:
+        raise SystemExit("--out and --write-docs exclude each other")
+    path = DOCS if args.write_docs else (args.out or DEFAULT_OUT)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def parse(p: argparse.ArgumentParser, argv=None, quick: Mapping[str, Any] | None = None) -> argparse.Namespace:
+    """Parses; with --quick the `quick` settings replace the defaults; checks the common counts are positive; with
+    `--threads one` sets XLA's one-thread CPU flags (before jax starts); `args.out_dir` is where results go."""
+    args = p.parse_args(argv)
+    if args.quick:
+        if args.write_docs:
+            p.error("--quick runs are smoke runs: they never write the tracked reports (drop --write-docs)")
+        for name, value in (quick or {}).items():
+            setattr(args, name, value)
+    bad = [COMMON[n][0] for n in POSITIVE if isinstance(getattr(args, n, None), int) and getattr(args, n) < 1]
+    if bad:
+        p.error(f"{', '.join(bad)} must be >= 1")
+    if getattr(args, "threads", None) == "one" and ONE_THREAD not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + ONE_THREAD).strip()
+    args.out_dir = output_dir(args)
+    return args
+
+
+def int_list(p: argparse.ArgumentParser, text: str, flag: str, minimum: int = 1) -> list[int]:
+    """Comma-separated integers of a flag, each >= minimum (else a one-line usage error)."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        p.error(f"{flag} must be comma-separated integers, not {text!r}")
+    if not values or min(values) < minimum:
+        p.error(f"{flag} must be integers >= {minimum}")
+    return values
+
+
+def command(script: str, args: argparse.Namespace, defaults: Mapping[str, Any], extra: str = "") -> str:
+    """The command line that regenerates a report: the flags whose value differs from `defaults`, --write-docs."""
+    flags = "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k, d in defaults.items()
+                    if getattr(args, k) != d)
+    return f"python benchmarks/{script}{flags}{extra} --write-docs"
+
+
+def logger(tag: str, stream=sys.stdout) -> Callable[[str], None]:
+    def log(msg: str) -> None:
+        print(f"[{tag}] {msg}" if tag else msg, file=stream, flush=True)
+
+    return log
+
+
+# ---- workloads -------------------------------------------------------------------------------------------------
+def load_pair(args: argparse.Namespace, **kw):
+    """The pair of --checkpoint / --pair (a shipped pair by name), else the shipped pair; a bad choice ends in
+    its one-line message."""
+    import dflash_jax
+    from dflash_jax.cli.generate import UsageError, resolve_pair
+
+    try:
+        directory = resolve_pair(getattr(args, "checkpoint", None), getattr(args, "pair", None))
+    except UsageError as e:
+        raise SystemExit(str(e))
+    return dflash_jax.load(directory, **kw)
+
+
+def prompts(pair, n: int, length: int, seed: int | None = None, split: str = "held_out") -> list[list[int]]:
+    """`n` token windows of `length` from the pair's held-out (or training) standard-library files (split.json:
+    never trained on); a pair without them ends in one line."""
+    from dflash_jax.train.data import file_windows
+
+    try:
+        return file_windows(pair, split, n, length) if seed is None else file_windows(pair, split, n, length, seed)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(str(e))
+
+
+def machine() -> dict:
+    """The host: platform, architecture and cores, jax's version and backend."""
+    import jax
+
+    return {"platform": platform.platform(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}
+
+
+# ---- paired timing with output checks ----------------------------------------------------------------------------
+class Outputs:
+    """Output equality against a reference mode: each run's output (`key(result)`) is compared to the reference
+    mode's output of the same item; `lossless[mode]` stays True while every run matched. `first[mode]` keeps each
+    item's first result of every mode (per-run figures)."""
+
+    def __init__(self, reference: str | None, key: Callable[[Any], Any] = lambda r: r):
+        self.reference, self.key = reference, key
+        self.lossless: dict[str, bool] = {}
+        self.first: dict[str, list] = {}
+        self.expected = None
+
+    def start(self, expected=None) -> None:
+        self.expected, self._seen = expected, set()
+
+    def see(self, mode: str, repeat: int, result) -> None:
+        out = self.key(result)
+        if mode == self.reference and self.expected is None:
+            self.expected = out
+        if mode not in self._seen:
+            self._seen.add(mode)
+            self.first.setdefault(mode, []).append(result)
+        if self.reference is not None and mode != self.reference:
+            self.lossless[mode] = self.lossless.get(mode, True) and out == self.expected
+        elif self.reference is not None and out != self.expected:
+            raise SystemExit(f"the reference mode {mode!r} disagrees with itself: the reference is ill-defined")
+
+
+def paired_items(items: Sequence, modes: Callable[[Any], Mapping[str, Callable[[], Any]]], repeats: int, *,
+                 outputs: Outputs | None = None, log: Callable[[int, Any, Timings], None] | None = None) -> list:
+    """`paired_runs` per item (a prompt): `modes(item)` names the callables of that item (the reference mode
+    first, so its output is known before the others'); every run's output goes to `outputs`. Returns one
+    `Timings` per item; `log(i, item, timings)` after each item."""
+    out = []
+    for i, item in enumerate(items):
+        if outputs is not None:
+            outputs.start()
+        t = paired_runs(modes(item), repeats, alternate=False, on_run=outputs.see if outputs else None)
+        out.append(t)
+        if log:
+            log(i, item, t)
+    return out
+
+
+def rate(per_item: Iterable[Timings], mode, tokens: int, clock: str = "wall", statistic: str = "min") -> float:
+    """tokens over the sum over items of each item's statistic (min: its best run) of a mode's seconds."""
+    return tokens / sum(t.stat(mode, clock, statistic) for t in per_item)
+
+
+# ---- output ----------------------------------------------------------------------------------------------------
+def table(header: Sequence[str], rows: Iterable[Sequence], align: str | None = None) -> list[str]:
+    """Markdown table lines; align: one character per column ('l' left, 'r' right, '-' plain), default plain."""
+    marks = {"l": ":---", "r": "---:", "-": "---"}
+    rule = [marks[a] for a in (align or "-" * len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def save_figure(fig, path: str) -> None:
+    """Lays the figure out, writes it as a PNG at the reports' resolution and frees it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class Report:
+    """One benchmark's outputs, `<out_dir>/<stem>.{json,md,png}`, through one writer."""
+
+    def __init__(self, args_or_dir, stem: str):
+        self.dir = args_or_dir if isinstance(args_or_dir, str) else args_or_dir.out_dir
+        self.stem = stem
+        self.plotted = False
+
+    def path(self, ext: str) -> str:
+        return os.path.join(self.dir, f"{self.stem}.{ext}")
+
+    def json(self, result: dict, suffix: str = "") -> str:
+        path = os.path.join(self.dir, f"{self.stem}{suffix}.json")
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=1)
+            fh.write("\n")
+        return path
+
+    def plot(self, draw: Callable, ncols: int = 1, figsize=(10, 3.6), nrows: int = 1) -> bool:
+        """draw(axes) on a new figure of nrows x ncols axes (one Axes when 1 x 1), saved as <stem>.png; False
+        (with a note) when matplotlib is not installed."""
+        try:
+            import matplotlib
+        except ImportError:
+            print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+            return False
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(nrows, ncols, figsize=figsize)
+        draw(axes)
+        save_figure(fig, self.path("png"))
+        self.plotted = True
+        return True
+
+    def markdown(self, lines: list[str], image: str | None = None) -> str:
+        """Writes <stem>.md: the lines, the figure's image line when `image` (its alt text) is given and the figure
+        was drawn, and the hand-written reading kept from the previous file below `READING_MARK`."""
+        lines = list(lines)
+        if image and self.plotted:
+            lines += ["", f"![{image}]({self.stem}.png)"]
+        path = self.path("md")
+        if os.path.exists(path):
+            with open(path) as fh:
+                old = fh.read()
+            if READING_MARK in old:
+                lines += ["", READING_MARK + old.split(READING_MARK, 1)[1].rstrip("\n")]
+        with open(path, "w") as fh:
+            fh.write("\n".join(lines).rstrip("\n") + "\n")
+        return path
+
+    def write(self, result: dict | None, lines: list[str] | None, *, draw: Callable | None = None,
+              image: str | None = None, **plot_kw) -> None:
+        """JSON, then the figure (`draw`, `plot_kw` for `plot`), then markdown with the figure's line."""
+        if result is not None:
+            self.json(result)
+        if draw is not None:
+            self.plot(draw, **plot_kw)
+        if lines is not None:
+            self.markdown(lines, image)
+        print(f"wrote {os.path.join(self.dir, self.stem)}.*", flush=True)
+
+
+def percentile(values, q) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
