@@ -181,36 +181,42 @@ def machine() -> dict:
 # ---- paired timing with output checks ----------------------------------------------------------------------------
 class Outputs:
     """Output equality against a reference mode: each run's output (`key(result)`) is compared to the reference
-    mode's output of the same item; `lossless[mode]` stays True while every run matched. `first[mode]` keeps each
-    item's first result of every mode (per-run figures)."""
+    mode's output of the same item (whichever runs first); `lossless[mode]` stays True while every run matched,
+    and a reference that disagrees with itself ends the run. `first[mode]` keeps each item's first result of
+    every mode (per-run figures); `expected` the reference's output of the current item."""
 
-    def __init__(self, reference: str | None, key: Callable[[Any], Any] = lambda r: r):
+    def __init__(self, reference: str, key: Callable[[Any], Any] = lambda r: r):
         self.reference, self.key = reference, key
-        self.lossless: dict[str, bool] = {}
-        self.first: dict[str, list] = {}
-        self.expected = None
+        self.lossless: dict = {}
+        self.first: dict = {}
+        self.start()
 
     def start(self, expected=None) -> None:
-        self.expected, self._seen = expected, set()
+        """A new item (its reference output, when known beforehand)."""
+        self.expected, self._seen, self._pending = expected, set(), []
 
-    def see(self, mode: str, repeat: int, result) -> None:
-        out = self.key(result)
-        if mode == self.reference and self.expected is None:
-            self.expected = out
+    def see(self, mode, repeat: int, result) -> None:
         if mode not in self._seen:
             self._seen.add(mode)
             self.first.setdefault(mode, []).append(result)
-        if self.reference is not None and mode != self.reference:
-            self.lossless[mode] = self.lossless.get(mode, True) and out == self.expected
-        elif self.reference is not None and out != self.expected:
-            raise SystemExit(f"the reference mode {mode!r} disagrees with itself: the reference is ill-defined")
+        out = self.key(result)
+        if mode == self.reference and self.expected is None:
+            self.expected = out
+        self._pending.append((mode, out))
+        if self.expected is None:
+            return
+        for m, o in self._pending:
+            if m == self.reference and o != self.expected:
+                raise SystemExit(f"the reference mode {m!r} disagrees with itself: the reference is ill-defined")
+            self.lossless[m] = self.lossless.get(m, True) and o == self.expected
+        self._pending = []
 
 
 def paired_items(items: Sequence, modes: Callable[[Any], Mapping[str, Callable[[], Any]]], repeats: int, *,
                  outputs: Outputs | None = None, log: Callable[[int, Any, Timings], None] | None = None) -> list:
-    """`paired_runs` per item (a prompt): `modes(item)` names the callables of that item (the reference mode
-    first, so its output is known before the others'); every run's output goes to `outputs`. Returns one
-    `Timings` per item; `log(i, item, timings)` after each item."""
+    """`paired_runs` per item (a prompt), each repeat in the same order: `modes(item)` names the callables of that
+    item; every run's output goes to `outputs`. Returns one `Timings` per item; `log(i, item, timings)` after
+    each item."""
     out = []
     for i, item in enumerate(items):
         if outputs is not None:

@@ -1,14 +1,15 @@
 """Benchmark on the shipped pair: acceptance (tau) by block size, DFlash vs plain decoding, jit vs Python loop.
 
   python benchmarks/tiny_pair.py [--checkpoint DIR | --pair NAME] [--prompts 10] [--prompt-len 128] [--max-new 256]
-                                 [--repeats 3] [--threads one|all] [--out DIR | --write-docs]
+                                 [--repeats 3] [--threads one|all] [--quick] [--out DIR | --write-docs]
   python benchmarks/tiny_pair.py --pair tiny_pair_qwen3_5 --blocks 4,8,16 --write-docs   # the hybrid pair
 
 Prompts are windows of the held-out standard-library files (split.json of the pair, never trained on).
 In one run, with compiled (warmed-up) jitted loops and batch 1 as in interactive use:
   - tau = tokens committed per round, per block size;
   - tokens/s of the DFlash jitted loop vs the plain greedy jitted loop of the same target -> speedup, from
-    paired, interleaved runs: per prompt, `--repeats` times [plain, DFlash at each block size] back to back;
+    paired, interleaved runs (`harness.paired_items`): per prompt, `--repeats` times [plain, DFlash at each
+    block size] back to back;
     wall time and process CPU time, best-of and median per prompt (with `--threads one`, the default, XLA's CPU
     runtime runs on one thread for both modes, so CPU time measures the work and is steady under load);
     the load average is recorded;
@@ -21,27 +22,15 @@ hand-written reading below the line `<!-- reading: kept across --write-docs reru
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import platform
 import sys
-import time
 
 import numpy as np
 
-from report_output import add_output_args, output_dir, save_figure
+import harness as h
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-
-
-def timed(fn):
-    """(result, wall seconds, process CPU seconds) of one call."""
-    w0, c0 = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - w0, time.process_time() - c0
+DEFAULTS = dict(prompts=10, prompt_len=128, max_new=256, repeats=3, threads="one")
 
 
 def plain_without_rollback(pair, n: int):
@@ -93,238 +82,137 @@ def repeated_share(prompt, out, n: int = 8) -> float:
     return repeated / max(len(out), 1)
 
 
-def load_avg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+def repeated_share(prompt, out, n: int = 8) -> float:
+    """Share of the generated tokens that end an n-gram already seen in the prompt or earlier output: how much a
+    greedy continuation loops (drafts accept more on repeated text)."""
+    seq = list(prompt) + list(out)
+    seen, repeated = set(), 0
+    for j in range(n, len(seq) + 1):
+        gram = tuple(seq[j - n: j])
+        repeated += j > len(prompt) and gram in seen
+        seen.add(gram)
+    return repeated / max(len(out), 1)
 
 
-def plot(rows: list[dict], path: str) -> bool:
-    """tau and speedup by block size, and per block size the histogram of tokens committed per round."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    labels = [str(r["block_size"]) for r in rows]
-    ax1.bar(labels, [r["tau"] for r in rows], color="tab:blue")
-    ax1.set_xlabel("block size B")
-    ax1.set_ylabel("tokens per round (tau)", color="tab:blue")
-    twin = ax1.twinx()
-    twin.plot(labels, [r["speedup"] for r in rows], "o-", color="tab:red")
-    twin.set_ylabel("speedup over plain greedy", color="tab:red")
-    twin.set_ylim(bottom=0)
-    for r in rows:
-        hist = np.asarray(r["acceptance_histogram"], dtype=float)
-        if hist.sum():
-            ax2.step(np.arange(1, len(hist) + 1), hist / hist.sum(), where="mid", marker=".",
-                     label=f"B={r['block_size']}")
-    ax2.set_xlabel("tokens committed in a round")
-    ax2.set_ylabel("fraction of rounds")
-    ax2.legend(fontsize="small")
-    save_figure(fig, path)
-    return True
-
-
-READING_MARK = "<!-- reading: kept across --write-docs reruns -->"
-
-
-def summary(times: dict, key: str, tokens: int, base: str = "plain") -> dict:
-    """tokens/s of the plain loop `base` and each block size from per-prompt lists of timings, by the sum over
-    prompts of each prompt's best (minimum) and median time; per-prompt ratios of the medians."""
+def summary(times: list, clock: str, tokens: int, blocks, base: str = "plain") -> dict:
+    """tokens/s of the plain loop `base` and each block size, by the sum over prompts of each prompt's best
+    (minimum) and median time; per-prompt ratios of the medians."""
     out = {}
-    for stat, fn in (("best", np.min), ("median", np.median)):
-        plain = sum(fn(r[key]) for r in times[base])
-        out[f"plain_tokens_per_s_{stat}"] = round(tokens / plain, 1)
-        for block, runs in times["dflash"].items():
-            t = sum(fn(r[key]) for r in runs)
-            out.setdefault(block, {})[f"tokens_per_s_{stat}"] = round(tokens / t, 1)
-            out[block][f"speedup_{stat}"] = round(plain / t, 3)
-    for block, runs in times["dflash"].items():
-        ratios = [np.median(p[key]) / np.median(r[key]) for p, r in zip(times[base], runs)]
-        out[block]["speedup_per_prompt_min"] = round(float(np.min(ratios)), 3)
-        out[block]["speedup_per_prompt_max"] = round(float(np.max(ratios)), 3)
+    for stat, name in (("min", "best"), ("median", "median")):
+        plain = h.rate(times, base, tokens, clock, stat)
+        out[f"plain_tokens_per_s_{name}"] = round(plain, 1)
+        for b in blocks:
+            t = h.rate(times, b, tokens, clock, stat)
+            out.setdefault(b, {}).update({f"tokens_per_s_{name}": round(t, 1), f"speedup_{name}": round(t / plain, 3)})
+    for b in blocks:
+        ratios = [t.stat(base, clock, "median") / t.stat(b, clock, "median") for t in times]
+        out[b].update(speedup_per_prompt_min=round(min(ratios), 3), speedup_per_prompt_max=round(max(ratios), 3))
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="default: the shipped pair")
-    p.add_argument("--pair", default=None, metavar="NAME", help="a shipped pair by name (dflash_jax.SHIPPED_PAIRS)")
-    p.add_argument("--prompts", type=int, default=10)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and mode (interleaved)")
-    p.add_argument("--blocks", default="1,2,4,8,16")
-    p.add_argument("--threads", choices=("one", "all"), default="one",
-                   help="one: XLA's CPU runtime on one thread (--xla_cpu_multi_thread_eigen=false "
-                        "intra_op_parallelism_threads=1), for plain and DFlash alike, so CPU time = work; all: XLA's "
-                        "defaults")
-    p.add_argument("--dequantize-experts", choices=("no", "yes"), default="no",
-                   help="no: the FP4 expert tables as stored, dequantized inside every forward (plain and DFlash "
-                        "alike); yes: dequantized once at load (what dflash-generate does on a CPU). With yes the "
-                        "outputs are named <pair>_dense")
-    add_output_args(p)
-    args = p.parse_args(argv)
-    if min(args.prompts, args.prompt_len, args.max_new, args.repeats) < 1:
-        p.error("--prompts, --prompt-len, --max-new and --repeats must be >= 1")
-    try:
-        blocks = [int(b) for b in args.blocks.split(",")]
-    except ValueError:
-        p.error(f"--blocks must be comma-separated integers, not {args.blocks!r}")
-    if min(blocks) < 1:
-        p.error("--blocks must be >= 1")
-    if args.threads == "one":  # before jax is imported; the same flags for both modes
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + ONE_THREAD).strip()
+    p = h.parser(__doc__, {"--blocks": "1,2,4,8,16", "--dequantize-experts": (
+        "no", "no: the FP4 expert tables as stored, dequantized inside every forward (plain and DFlash alike); yes: "
+              "dequantized once at load (what dflash-generate does on a CPU). With yes the outputs are named "
+              "<pair>_dense", ("no", "yes"))}, checkpoint=None, pair=None, **DEFAULTS)
+    args = h.parse(p, argv, quick=dict(prompts=1, prompt_len=32, max_new=8, repeats=1, blocks="1,4"))
+    blocks = h.int_list(p, args.blocks, "--blocks")
 
     import jax
 
-    import dflash_jax
-    from dflash_jax.cli.generate import UsageError, resolve_pair
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate, generate_stepping
+    from dflash_jax.spec.session import target_family
 
-    try:
-        directory = resolve_pair(args.checkpoint, args.pair)
-    except UsageError as e:
-        raise SystemExit(str(e))
     stem = args.pair if args.pair and args.pair != "tiny_pair" else "tiny_pair"
     dense = args.dequantize_experts == "yes"
-    if dense:
-        stem += "_dense"
-    pair = dflash_jax.load(directory, dequantize_experts=dense)
-    from dflash_jax.train.data import file_windows
-
+    stem += "_dense" if dense else ""
+    pair = h.load_pair(args, dequantize_experts=dense)
     if args.prompt_len + args.max_new > pair.target_cfg.max_position_embeddings:
         raise SystemExit(f"--prompt-len + --max-new ({args.prompt_len + args.max_new}) exceeds the target's "
                          f"{pair.target_cfg.max_position_embeddings} positions: ask for fewer tokens")
-    try:
-        prompts = file_windows(pair, "held_out", args.prompts, args.prompt_len)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(str(e))
+    prompts = h.prompts(pair, args.prompts, args.prompt_len)
     n = args.max_new
-    load_before = load_avg()
-
-    def plain(prompt):
-        return greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=n, stop_ids=[])[0]
-
-    def dflash(prompt, block):
-        return generate(pair, [prompt], max_new_tokens=n, block_size=block)
-
-    from dflash_jax.spec.session import target_family
-
+    load_before = h.load_average()
+    modes = {"plain": lambda prompt: greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=n,
+                                                     stop_ids=[])[0]}
     # a DeltaNet target: also the plain loop whose cache keeps no rollback row (the strictest baseline)
-    strict = plain_without_rollback(pair, n) if target_family(pair.target_cfg).needs_rollback_width else None
-    # every program compiled before any timing
-    plain(prompts[0])
-    if strict is not None:
-        strict(prompts[0])
-    for block in blocks:
-        dflash(prompts[0], block)
-    baselines = ["plain"] + (["plain_w0"] if strict is not None else [])
-    times = {"plain": [], "plain_w0": [], "dflash": {b: [] for b in blocks}}
-    taus, lossless, lengths, loads = {b: [] for b in blocks}, {b: True for b in blocks}, {b: [] for b in blocks}, []
+    if target_family(pair.target_cfg).needs_rollback_width:
+        modes["plain_w0"] = plain_without_rollback(pair, n)
+    for b in blocks:
+        modes[b] = functools.partial(lambda prompt, b: generate(pair, [prompt], max_new_tokens=n, block_size=b), b=b)
+    for fn in modes.values():  # every program compiled before any timing
+        fn(prompts[0])
+    outputs = h.Outputs("plain", key=lambda r: r if isinstance(r, list) else r.tokens[0])
     per_prompt = []
-    for i, prompt in enumerate(prompts):
-        # paired and interleaved: each repeat runs plain, then every block size, on this prompt, so each ratio
-        # compares runs made moments apart on a shared, noisy machine
-        ref = None
-        rec = {k: {"wall": [], "cpu": []} for k in baselines + blocks}
-        for _ in range(args.repeats):
-            for base in baselines:
-                out, wall, cpu = timed(lambda: (plain if base == "plain" else strict)(prompt))
-                ref = out if ref is None else ref
-                if out != ref:
-                    raise SystemExit(f"{base} decoding disagrees with plain greedy: the reference is ill-defined")
-                rec[base]["wall"].append(wall)
-                rec[base]["cpu"].append(cpu)
-            for block in blocks:
-                res, wall, cpu = timed(lambda: dflash(prompt, block))
-                rec[block]["wall"].append(wall)
-                rec[block]["cpu"].append(cpu)
-                lossless[block] &= res.tokens[0] == ref  # checked on every run
-                if len(rec[block]["wall"]) == 1:
-                    taus[block].append(res.mean_acceptance())
-                    lengths[block] += res.acceptance_lengths[0]
-        for base in baselines:
-            times[base].append(rec[base])
-        for block in blocks:
-            times["dflash"][block].append(rec[block])
-        loads.append(load_avg())
+
+    def progress(i, prompt, t):
+        first = {b: outputs.first[b][-1] for b in blocks}
         per_prompt.append({
-            "repeated_8gram_share": round(repeated_share(prompt, ref), 3),
-            "tau": {b: round(taus[b][-1], 3) for b in blocks},
-            "cpu_speedup_median": {b: round(float(np.median(rec["plain"]["cpu"]) / np.median(rec[b]["cpu"])), 3)
+            "repeated_8gram_share": round(repeated_share(prompt, outputs.expected), 3),
+            "tau": {b: round(first[b].mean_acceptance(), 3) for b in blocks},
+            "cpu_speedup_median": {b: round(t.stat("plain", "cpu", "median") / t.stat(b, "cpu", "median"), 3)
                                    for b in blocks}})
-        print(f"prompt {i + 1}/{len(prompts)}: plain {n / min(rec['plain']['wall']):.1f} tok/s; " + ", ".join(
-            f"B={b} {min(rec['plain']['wall']) / min(rec[b]['wall']):.2f}x" for b in blocks)
-            + f"; load {loads[-1]}", flush=True)
+        print(f"prompt {i + 1}/{len(prompts)}: plain {n / t.stat('plain'):.1f} tok/s; " + ", ".join(
+            f"B={b} {t.stat('plain') / t.stat(b):.2f}x" for b in blocks) + f"; load {t.loads[-1]}", flush=True)
+
+    # paired and interleaved: each repeat runs plain, then every block size, on one prompt, so each ratio compares
+    # runs made moments apart on a shared, noisy machine
+    times = h.paired_items(prompts, lambda prompt: {k: functools.partial(fn, prompt) for k, fn in modes.items()},
+                           args.repeats, outputs=outputs, log=progress)
+    if not outputs.lossless.get("plain_w0", True):
+        raise SystemExit("plain_w0 decoding disagrees with plain greedy: the reference is ill-defined")
     tokens = len(prompts) * n
-    wall, cpu = summary(times, "wall", tokens), summary(times, "cpu", tokens)
-    strict_sum = {k: summary(times, k, tokens, "plain_w0") for k in ("wall", "cpu")} if strict is not None else None
+    wall, cpu = summary(times, "wall", tokens, blocks), summary(times, "cpu", tokens, blocks)
+    strict = ({c: summary(times, c, tokens, blocks, "plain_w0") for c in ("wall", "cpu")} if "plain_w0" in modes
+              else None)
     rows = []
-    for block in blocks:
-        row = {"block_size": block, "tau": round(float(np.mean(taus[block])), 3),
-               "tokens_per_s": wall[block]["tokens_per_s_best"], "plain_tokens_per_s": wall["plain_tokens_per_s_best"],
-               "speedup": round(wall[block]["speedup_best"], 2), "lossless": bool(lossless[block]),
-               "wall": wall[block], "cpu": cpu[block],
-               "vs_plain_without_rollback": None if strict_sum is None else
-               {k: {s: strict_sum[k][block][f"speedup_{s}"] for s in ("best", "median")} for k in ("wall", "cpu")},
-               # rounds that committed k tokens, k = 1..block (accepted proposals + the bonus)
-               "acceptance_histogram": np.bincount(lengths[block], minlength=block + 1)[1:].tolist()}
-        rows.append(row)
-        print(row, flush=True)
+    for b in blocks:
+        lengths = [x for r in outputs.first[b] for x in r.acceptance_lengths[0]]
+        rows.append({"block_size": b, "tau": round(float(np.mean([r.mean_acceptance() for r in outputs.first[b]])), 3),
+                     "tokens_per_s": wall[b]["tokens_per_s_best"], "plain_tokens_per_s": wall["plain_tokens_per_s_best"],
+                     "speedup": round(wall[b]["speedup_best"], 2), "lossless": bool(outputs.lossless[b]),
+                     "wall": wall[b], "cpu": cpu[b],
+                     "vs_plain_without_rollback": None if strict is None else
+                     {c: {s: strict[c][b][f"speedup_{s}"] for s in ("best", "median")} for c in ("wall", "cpu")},
+                     # rounds that committed k tokens, k = 1..block (accepted proposals + the bonus)
+                     "acceptance_histogram": np.bincount(lengths, minlength=b + 1)[1:].tolist()})
+        print(rows[-1], flush=True)
     # jit vs Python stepping at the draft's trained block size
     block = pair.draft_cfg.block_size if pair.draft_cfg.block_size in blocks else blocks[-1]
-    prompt = prompts[0]
-    jit_res, jit_dt, _ = min((timed(lambda: dflash(prompt, block)) for _ in range(2)), key=lambda r: r[1])
-    generate_stepping(pair, [prompt], max_new_tokens=n, block_size=block)  # compile
-    step_res, step_dt, _ = min((timed(lambda: generate_stepping(pair, [prompt], max_new_tokens=n, block_size=block))
-                                for _ in range(2)), key=lambda r: r[1])
-    split = step_res.stats["time_split"]
-    loops = {
-        "block_size": block, "rounds": jit_res.stats["rounds"],
-        "jit_rounds_per_s": round(jit_res.stats["rounds"] / jit_dt, 1),
-        "python_rounds_per_s": round(step_res.stats["rounds"] / step_dt, 1),
-        "python_time_split_s": {k: round(v, 4) for k, v in split.items()},
-        "host_share_of_round": round(split["host_s"] / (step_dt - split["prefill_s"]), 3),
-    }
+    generate_stepping(pair, [prompts[0]], max_new_tokens=n, block_size=block)  # compile
+    last = {}
+    loop_times = h.paired_runs({"jit": functools.partial(modes[block], prompts[0]), "python": functools.partial(
+        generate_stepping, pair, [prompts[0]], max_new_tokens=n, block_size=block)}, 2,
+        on_run=lambda m, r, res: last.update({m: res}))
+    jit_dt, step_dt = loop_times.stat("jit"), loop_times.stat("python")
+    split = last["python"].stats["time_split"]
+    loops = {"block_size": block, "rounds": last["jit"].stats["rounds"],
+             "jit_rounds_per_s": round(last["jit"].stats["rounds"] / jit_dt, 1),
+             "python_rounds_per_s": round(last["python"].stats["rounds"] / step_dt, 1),
+             "python_time_split_s": {k: round(v, 4) for k, v in split.items()},
+             "host_share_of_round": round(split["host_s"] / (step_dt - split["prefill_s"]), 3)}
     print(loops)
-    xla_flags = os.environ.get("XLA_FLAGS", "")
+    loads = [t.loads[-1] for t in times]
+    mach = h.machine()
     result = {"checkpoint": os.path.basename(pair.directory.rstrip("/")), "prompts": len(prompts),
               "prompt_len": args.prompt_len, "max_new_tokens": n, "repeats": args.repeats,
-              "backend": jax.default_backend(), "threads": args.threads, "xla_flags": xla_flags,
+              "backend": mach["backend"], "threads": args.threads, "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "expert_tables": "dense (dequantized at load)" if dense else "as stored (FP4 dequantized per forward)",
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "load_average_1_5_15": {"before": load_before, "after_each_prompt": loads},
+              "machine": mach["machine"], "load_average_1_5_15": {"before": load_before, "after_each_prompt": loads},
               "plain_tokens_per_s": {"wall": {k: wall[f"plain_tokens_per_s_{k}"] for k in ("best", "median")},
                                      "cpu": {k: cpu[f"plain_tokens_per_s_{k}"] for k in ("best", "median")}},
-              "plain_without_rollback_tokens_per_s": None if strict_sum is None else {
-                  m: {k: strict_sum[m][f"plain_tokens_per_s_{k}"] for k in ("best", "median")}
-                  for m in ("wall", "cpu")},
+              "plain_without_rollback_tokens_per_s": None if strict is None else {
+                  c: {k: strict[c][f"plain_tokens_per_s_{k}"] for k in ("best", "median")} for c in ("wall", "cpu")},
               "by_block_size": rows, "per_prompt": per_prompt, "loops": loops,
-              "times_s": {"plain": times["plain"], "plain_without_rollback": times["plain_w0"],
-                          "dflash": {str(b): v for b, v in times["dflash"].items()}}}
-    out_dir = output_dir(args)
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
+              "times_s": {str(k): [{"wall": t.wall[k], "cpu": t.cpu[k]} for t in times] for k in modes}}
     kind = {"qwen3_5": "hybrid Qwen3.5-MoE"}.get(pair.target_cfg.model_type.removesuffix("_moe"), "")
     name = stem.removesuffix("_dense")
-    title = f"The shipped {kind} pair `{name}`" if name != "tiny_pair" else "The shipped pair"
-    if dense:
-        title += ", expert tables dequantized at load"
-    cmd = "python benchmarks/tiny_pair.py" + (f" --pair {name}" if name != "tiny_pair" else "") + \
-        (f" --blocks {args.blocks}" if args.blocks != "1,2,4,8,16" else "") + \
-        "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k, d in
-                (("prompts", 10), ("prompt_len", 128), ("max_new", 256), ("repeats", 3), ("threads", "one"))
-                if getattr(args, k) != d) + \
-        (" --dequantize-experts yes" if dense else "") + " --write-docs"
-    threads = ("XLA's CPU runtime on one thread for both modes (`XLA_FLAGS=" + ONE_THREAD + "`)"
+    title = (f"The shipped {kind} pair `{name}`" if name != "tiny_pair" else "The shipped pair") + (
+        ", expert tables dequantized at load" if dense else "")
+    cmd = h.command("tiny_pair.py", args, dict(blocks="1,2,4,8,16", **DEFAULTS),
+                    (f" --pair {name}" if name != "tiny_pair" else "") + (" --dequantize-experts yes" if dense else ""))
+    threads = ("XLA's CPU runtime on one thread for both modes (`XLA_FLAGS=" + h.ONE_THREAD + "`)"
                if args.threads == "one" else "XLA's default threading")
     loads_seen = [x[0] for x in loads if x]
     md = [f"# {title}: acceptance and speed (CPU)", "",
@@ -337,53 +225,59 @@ def main(argv=None) -> int:
           "speedup = DFlash tokens/s over plain tokens/s of the same statistic; wall = elapsed time, "
           "CPU = process CPU time (with one XLA thread: the work done, steadier on a loaded machine). "
           f"Load average (1 min) over the run: {min(loads_seen, default=0):.1f} - {max(loads_seen, default=0):.1f} "
-          f"(before: {load_before[0] if load_before else '?'}).",
-          "",
+          f"(before: {load_before[0] if load_before else '?'}).", "",
           f"Plain greedy: {wall['plain_tokens_per_s_best']} tok/s wall (best), {wall['plain_tokens_per_s_median']} "
           f"(median); {cpu['plain_tokens_per_s_best']} tok per CPU-s (best), {cpu['plain_tokens_per_s_median']} "
-          "(median)." + ("" if strict_sum is None else
+          "(median)." + ("" if strict is None else
           f" Plain greedy with no rollback row kept (`verify_width=0`, the strictest plain loop of a DeltaNet "
-          f"target): {strict_sum['wall']['plain_tokens_per_s_best']} tok/s wall (best), "
-          f"{strict_sum['cpu']['plain_tokens_per_s_best']} tok per CPU-s (best)."), "",
-          "| block size | tau (tokens/round) | DFlash tok/s wall, best | speedup wall, best | speedup wall, median "
-          "| speedup CPU, best | speedup CPU, median | per-prompt speedup (wall, median), min - max "
-          "| output == plain greedy |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['block_size']} | {r['tau']} | {r['wall']['tokens_per_s_best']} | "
-                  f"{r['wall']['speedup_best']:.2f}x | {r['wall']['speedup_median']:.2f}x | "
-                  f"{r['cpu']['speedup_best']:.2f}x | {r['cpu']['speedup_median']:.2f}x | "
-                  f"{r['wall']['speedup_per_prompt_min']:.2f} - {r['wall']['speedup_per_prompt_max']:.2f} | "
-                  f"{'yes' if r['lossless'] else 'NO'} |")
-    if strict_sum is not None:
-        md += ["", "Against the plain loop that keeps no rollback row (same statistics):", "",
-               "| block size | speedup wall, best | speedup wall, median | speedup CPU, best | speedup CPU, median |",
-               "|---|---|---|---|---|"]
-        for r in rows:
-            v = r["vs_plain_without_rollback"]
-            md.append(f"| {r['block_size']} | {v['wall']['best']:.2f}x | {v['wall']['median']:.2f}x | "
-                      f"{v['cpu']['best']:.2f}x | {v['cpu']['median']:.2f}x |")
+          f"target): {strict['wall']['plain_tokens_per_s_best']} tok/s wall (best), "
+          f"{strict['cpu']['plain_tokens_per_s_best']} tok per CPU-s (best)."), ""]
+    md += h.table(["block size", "tau (tokens/round)", "DFlash tok/s wall, best", "speedup wall, best",
+                   "speedup wall, median", "speedup CPU, best", "speedup CPU, median",
+                   "per-prompt speedup (wall, median), min - max", "output == plain greedy"],
+                  [[r["block_size"], r["tau"], r["wall"]["tokens_per_s_best"], f"{r['wall']['speedup_best']:.2f}x",
+                    f"{r['wall']['speedup_median']:.2f}x", f"{r['cpu']['speedup_best']:.2f}x",
+                    f"{r['cpu']['speedup_median']:.2f}x",
+                    f"{r['wall']['speedup_per_prompt_min']:.2f} - {r['wall']['speedup_per_prompt_max']:.2f}",
+                    "yes" if r["lossless"] else "NO"] for r in rows])
+    if strict is not None:
+        md += ["", "Against the plain loop that keeps no rollback row (same statistics):", ""]
+        md += h.table(["block size", "speedup wall, best", "speedup wall, median", "speedup CPU, best",
+                       "speedup CPU, median"],
+                      [[r["block_size"]] + [f"{r['vs_plain_without_rollback'][c][s]:.2f}x" for c in ("wall", "cpu")
+                                            for s in ("best", "median")] for r in rows])
     md += ["", "Per prompt (the plain greedy output's share of tokens ending an 8-gram seen before: how much the "
-           "continuation repeats itself; tau; the CPU-time speedup of the medians):", "",
-           "| prompt | repeated 8-gram share | " + " | ".join(f"tau B={b}" for b in blocks) + " | "
-           + " | ".join(f"speedup B={b}" for b in blocks) + " |", "|---|---|" + "---|" * (2 * len(blocks))]
-    for i, pp in enumerate(per_prompt):
-        md.append(f"| {i + 1} | {pp['repeated_8gram_share']:.2f} | " + " | ".join(f"{pp['tau'][b]:.2f}" for b in blocks)
-                  + " | " + " | ".join(f"{pp['cpu_speedup_median'][b]:.2f}x" for b in blocks) + " |")
+           "continuation repeats itself; tau; the CPU-time speedup of the medians):", ""]
+    md += h.table(["prompt", "repeated 8-gram share"] + [f"tau B={b}" for b in blocks]
+                  + [f"speedup B={b}" for b in blocks],
+                  [[i + 1, f"{pp['repeated_8gram_share']:.2f}"] + [f"{pp['tau'][b]:.2f}" for b in blocks]
+                   + [f"{pp['cpu_speedup_median'][b]:.2f}x" for b in blocks] for i, pp in enumerate(per_prompt)])
     md += ["", f"Loops at block size {block}: jitted while_loop {loops['jit_rounds_per_s']} rounds/s, Python "
            f"stepping loop {loops['python_rounds_per_s']} rounds/s; in the stepping loop the host (dispatch, "
            f"transfers, Python) takes {loops['host_share_of_round'] * 100:.0f}% of the decode time "
-           f"(split: {loops['python_time_split_s']}).", ""]
-    if plot(rows, os.path.join(out_dir, f"{stem}.png")):
-        md += [f"![tau and speedup by block size; tokens per round histograms]({stem}.png)", ""]
-    md_path = os.path.join(out_dir, f"{stem}.md")
-    if os.path.exists(md_path):  # a hand-written reading below the mark survives the rerun
-        old = open(md_path).read()
-        if READING_MARK in old:
-            md += [READING_MARK + old.split(READING_MARK, 1)[1].rstrip("\n"), ""]
-    with open(md_path, "w") as fh:
-        fh.write("\n".join(md))
-    print(f"wrote {out_dir}/{stem}.{{json,md}}")
+           f"(split: {loops['python_time_split_s']})."]
+
+    def draw(axes):  # tau and speedup by block size, and per block size the histogram of tokens per round
+        ax1, ax2 = axes
+        labels = [str(r["block_size"]) for r in rows]
+        ax1.bar(labels, [r["tau"] for r in rows], color="tab:blue")
+        ax1.set_xlabel("block size B")
+        ax1.set_ylabel("tokens per round (tau)", color="tab:blue")
+        twin = ax1.twinx()
+        twin.plot(labels, [r["speedup"] for r in rows], "o-", color="tab:red")
+        twin.set_ylabel("speedup over plain greedy", color="tab:red")
+        twin.set_ylim(bottom=0)
+        for r in rows:
+            hist = np.asarray(r["acceptance_histogram"], dtype=float)
+            if hist.sum():
+                ax2.step(np.arange(1, len(hist) + 1), hist / hist.sum(), where="mid", marker=".",
+                         label=f"B={r['block_size']}")
+        ax2.set_xlabel("tokens committed in a round")
+        ax2.set_ylabel("fraction of rounds")
+        ax2.legend(fontsize="small")
+
+    h.Report(args, stem).write(result, md, draw=draw, ncols=2, figsize=(10, 3.6),
+                               image="tau and speedup by block size; tokens per round histograms")
     return 0
 
 
