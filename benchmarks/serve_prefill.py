@@ -1,7 +1,7 @@
 """What a long prompt arriving mid-stream costs the requests already running: chunked prefill vs whole.
 
   python benchmarks/serve_prefill.py [--running 3] [--long-len 1024] [--chunk 64] [--max-tokens 160]
-                                     [--long-tokens 16] [--repeats 3] [--out DIR | --write-docs]
+                                     [--long-tokens 16] [--repeats 3] [--quick] [--out DIR | --write-docs]
 
 The engine alone (no HTTP), on the shipped pair, at a fixed verify width (the draft's block size) so both modes
 run the same rounds. `--running` requests (16-token prompts of the pair's held-out text, greedy, `ignore_eos`
@@ -9,7 +9,7 @@ style: no stop ids) decode; after `--warm-rounds` rounds a request with a `--lon
 "whole": the engine prefills it in one forward between two rounds (`Engine(prefill_chunk=None)`, the prompt
 padded to its bucket); "chunked": one `--chunk`-token chunk per round (`Engine(prefill_chunk=C)`) while the
 running requests keep decoding, then it takes its slot. Both engines are warmed up first (no compiles are
-timed; checked) and alternate for `--repeats` runs (the order reversed every other run).
+timed; checked) and alternate for `--repeats` runs (`timing.paired_runs`: the order reversed every other run).
 
 Measured for the running requests over the rounds from the long prompt's arrival to its first token (the
 admission window) and over the whole run: inter-token latency (each emission's gap spread over the tokens it
@@ -21,20 +21,14 @@ serve_prefill.{json,md,png} to --out (default bench_out/) or, with --write-docs,
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
-from report_output import add_output_args, output_dir, save_figure
-
-
-def percentile(values, q):
-    return float(np.percentile(values, q)) if len(values) else float("nan")
+import harness as h
 
 
 def prompts_from_pair(pair, n: int, length: int, seed: int):
@@ -102,57 +96,29 @@ def run_once(engine, running_prompts, long_prompt, args):
         all_gap += b
     ms = 1e3
     return dict(
-        window_itl_ms_p50=percentile(win_itl, 50) * ms, window_itl_ms_p99=percentile(win_itl, 99) * ms,
+        window_itl_ms_p50=h.percentile(win_itl, 50) * ms, window_itl_ms_p99=h.percentile(win_itl, 99) * ms,
         window_stall_ms=max(win_gap) * ms if win_gap else float("nan"),
-        itl_ms_p50=percentile(all_itl, 50) * ms, itl_ms_p99=percentile(all_itl, 99) * ms,
+        itl_ms_p50=h.percentile(all_itl, 50) * ms, itl_ms_p99=h.percentile(all_itl, 99) * ms,
         stall_ms=max(all_gap) * ms if all_gap else float("nan"),
         long_ttft_ms=(t_first - t_arrive) * ms, long_prefill_rounds=window_rounds,
         prefill_chunks=sum(i.prefill_chunks for i in rounds),
     ), [r.tokens for r in running] + [long.tokens]
 
 
-def plot(runs, path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 1, figsize=(7, 3.6))
-    keys = [("window_itl_ms_p50", "ITL p50"), ("window_itl_ms_p99", "ITL p99"), ("window_stall_ms", "longest gap"),
-            ("long_ttft_ms", "long prompt TTFT")]
-    x = np.arange(len(keys))
-    for i, mode in enumerate(("whole", "chunked")):
-        vals = [np.median([r[k] for r in runs if r["mode"] == mode]) for k, _ in keys]
-        ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, label=mode, color=f"C{i}")
-    ax.set_xticks(x, [label for _, label in keys])
-    ax.set_ylabel("ms (median over runs)")
-    ax.set_yscale("log")
-    ax.set_title("running requests while a long prompt is admitted")
-    ax.legend()
-    save_figure(fig, path)
-    return True
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--running", type=int, default=3, help="requests decoding when the long prompt arrives")
-    p.add_argument("--long-len", type=int, default=1024, help="tokens of the long prompt")
-    p.add_argument("--chunk", type=int, default=64, help="the chunked engine's prefill chunk (tokens per round)")
-    p.add_argument("--max-tokens", type=int, default=160, help="tokens each running request generates")
-    p.add_argument("--long-tokens", type=int, default=16, help="tokens the long request generates")
-    p.add_argument("--warm-rounds", type=int, default=3, help="rounds the running requests decode before it arrives")
-    p.add_argument("--repeats", type=int, default=3)
-    add_output_args(p)
-    args = p.parse_args(argv)
-    for name in ("running", "long_len", "chunk", "max_tokens", "long_tokens", "repeats"):
+    p = h.parser(__doc__, {
+        "--running": (3, "requests decoding when the long prompt arrives"),
+        "--long-len": (1024, "tokens of the long prompt"),
+        "--chunk": (64, "the chunked engine's prefill chunk (tokens per round)"),
+        "--long-tokens": (16, "tokens the long request generates"),
+        "--warm-rounds": (3, "rounds the running requests decode before it arrives")}, max_tokens=160, repeats=3)
+    args = h.parse(p, argv, quick=dict(running=1, long_len=64, chunk=32, max_tokens=8, long_tokens=2, warm_rounds=1,
+                                       repeats=1))
+    for name in ("running", "long_len", "chunk", "long_tokens"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.long_len <= args.chunk:
-        raise SystemExit("--long-len must exceed --chunk (a prompt of one chunk joins whole)")
-    out_dir = output_dir(args)
+        p.error("--long-len must exceed --chunk (a prompt of one chunk joins whole)")
 
     import jax
 
@@ -170,71 +136,70 @@ def main(argv=None) -> int:
         eng.warmup([16] if chunk else [16, args.long_len])
         engines[mode] = eng
         print(f"[warm-up] {mode}: {time.perf_counter() - t:.1f}s", flush=True)
-    runs, outputs = [], {}
-    for rep in range(args.repeats):
-        order = ("whole", "chunked") if rep % 2 == 0 else ("chunked", "whole")
-        for mode in order:
-            m, toks = run_once(engines[mode], running_prompts, long_prompt, args)
-            outputs.setdefault(mode, toks)
-            if toks != outputs[mode] or (mode == "chunked" and "whole" in outputs and toks != outputs["whole"]):
-                raise SystemExit(f"run {rep} {mode}: outputs differ between runs or modes (not lossless)")
-            runs.append(dict(mode=mode, repeat=rep, load=os.getloadavg()[0], **m))
-            print(f"[{rep + 1}/{args.repeats}] {mode:7s}: window ITL p50 {m['window_itl_ms_p50']:.1f} ms, "
-                  f"p99 {m['window_itl_ms_p99']:.1f} ms, longest gap {m['window_stall_ms']:.1f} ms, "
-                  f"long TTFT {m['long_ttft_ms']:.0f} ms ({m['long_prefill_rounds']} rounds)", flush=True)
-    if outputs["whole"] != outputs["chunked"]:
+    runs = []
+    outputs = h.Outputs("whole", key=lambda res: res[1])
+
+    def record(mode, rep, res):
+        outputs.see(mode, rep, res)
+        m = res[0]
+        runs.append(dict(mode=mode, repeat=rep, load=(h.load_average() or (float("nan"),))[0], **m))
+        print(f"[{rep + 1}/{args.repeats}] {mode:7s}: window ITL p50 {m['window_itl_ms_p50']:.1f} ms, "
+              f"p99 {m['window_itl_ms_p99']:.1f} ms, longest gap {m['window_stall_ms']:.1f} ms, "
+              f"long TTFT {m['long_ttft_ms']:.0f} ms ({m['long_prefill_rounds']} rounds)", flush=True)
+
+    h.paired_runs({mode: functools.partial(run_once, eng, running_prompts, long_prompt, args)
+                   for mode, eng in engines.items()}, args.repeats, on_run=record)
+    if not outputs.lossless["chunked"]:
         raise SystemExit("chunked and whole prefill produced different tokens (not lossless)")
 
     keys = ("window_itl_ms_p50", "window_itl_ms_p99", "window_stall_ms", "itl_ms_p50", "itl_ms_p99", "stall_ms",
             "long_ttft_ms", "long_prefill_rounds")
-    summary = {mode: {k: float(np.median([r[k] for r in runs if r["mode"] == mode])) for k in keys}
-               for mode in ("whole", "chunked")}
-    ratios = {k: float(np.median([c[k] / w[k] for c, w in zip(
-        [r for r in runs if r["mode"] == "chunked"], [r for r in runs if r["mode"] == "whole"])]))
-        for k in ("window_itl_ms_p99", "window_stall_ms", "long_ttft_ms")}
+    by = {mode: [r for r in runs if r["mode"] == mode] for mode in ("whole", "chunked")}
+    summary = {mode: {k: float(np.median([r[k] for r in rs])) for k in keys} for mode, rs in by.items()}
+    ratios = {k: float(np.median([c[k] / w[k] for c, w in zip(by["chunked"], by["whole"])]))
+              for k in ("window_itl_ms_p99", "window_stall_ms", "long_ttft_ms")}
+    config = {k: v for k, v in vars(args).items() if k not in ("write_docs", "out", "out_dir", "quick")}
     result = dict(
-        config=dict(vars(args), block_size=engines["chunked"].block_size, slots=args.running + 1,
+        config=dict(config, block_size=engines["chunked"].block_size, slots=args.running + 1,
                     chunk_bucket=engines["chunked"].prefill_chunk, pair="shipped tiny pair (fp32)",
-                    platform=platform.platform(), device=str(jax.devices()[0]), cpus=os.cpu_count()),
+                    platform=h.machine()["platform"], device=str(jax.devices()[0]), cpus=os.cpu_count()),
         runs=runs, summary=summary, ratios_chunked_over_whole=ratios, lossless=True,
     )
-    result["config"].pop("write_docs", None)
-    result["config"].pop("out", None)
-    with open(os.path.join(out_dir, "serve_prefill.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    has_plot = plot(runs, os.path.join(out_dir, "serve_prefill.png"))
     w, c = summary["whole"], summary["chunked"]
     lines = [
-        "# A long prompt arriving mid-stream: chunked vs whole prefill",
-        "",
+        "# A long prompt arriving mid-stream: chunked vs whole prefill", "",
         f"`python benchmarks/serve_prefill.py --running {args.running} --long-len {args.long_len} --chunk "
         f"{args.chunk} --max-tokens {args.max_tokens} --repeats {args.repeats}` on the shipped tiny pair (fp32), "
         f"engine alone (no HTTP), {args.running} running requests (16-token prompts, greedy, {args.max_tokens} "
         f"tokens), then one {args.long_len}-token prompt; fixed verify width {engines['chunked'].block_size}; "
         f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores (shared; load average "
         f"{np.mean([r['load'] for r in runs]):.1f}). Medians over {args.repeats} runs per mode, modes alternating. "
-        "Same tokens in both modes (checked).",
-        "",
-        "Running requests, from the long prompt's arrival to its first token (the admission window):",
-        "",
-        "| prefill | ITL p50 (ms) | ITL p99 (ms) | longest gap (ms) | long prompt TTFT (ms) | its prefill rounds |",
-        "|---|---|---|---|---|---|",
-        f"| whole | {w['window_itl_ms_p50']:.1f} | {w['window_itl_ms_p99']:.1f} | {w['window_stall_ms']:.0f} | "
-        f"{w['long_ttft_ms']:.0f} | {w['long_prefill_rounds']:.0f} |",
-        f"| chunked ({args.chunk}/round) | {c['window_itl_ms_p50']:.1f} | {c['window_itl_ms_p99']:.1f} | "
-        f"{c['window_stall_ms']:.0f} | {c['long_ttft_ms']:.0f} | {c['long_prefill_rounds']:.0f} |",
-        "",
-        f"Chunked / whole (median of per-run ratios): ITL p99 {ratios['window_itl_ms_p99']:.2f}x, longest gap "
-        f"{ratios['window_stall_ms']:.2f}x, the long prompt's TTFT {ratios['long_ttft_ms']:.2f}x.",
-        "",
+        "Same tokens in both modes (checked).", "",
+        "Running requests, from the long prompt's arrival to its first token (the admission window):", ""]
+    lines += h.table(["prefill", "ITL p50 (ms)", "ITL p99 (ms)", "longest gap (ms)", "long prompt TTFT (ms)",
+                      "its prefill rounds"],
+                     [[name, f"{v['window_itl_ms_p50']:.1f}", f"{v['window_itl_ms_p99']:.1f}",
+                       f"{v['window_stall_ms']:.0f}", f"{v['long_ttft_ms']:.0f}", f"{v['long_prefill_rounds']:.0f}"]
+                      for name, v in (("whole", w), (f"chunked ({args.chunk}/round)", c))])
+    lines += [
+        "", f"Chunked / whole (median of per-run ratios): ITL p99 {ratios['window_itl_ms_p99']:.2f}x, longest gap "
+        f"{ratios['window_stall_ms']:.2f}x, the long prompt's TTFT {ratios['long_ttft_ms']:.2f}x.", "",
         f"Over the whole run: ITL p50 / p99 {w['itl_ms_p50']:.1f} / {w['itl_ms_p99']:.1f} ms (whole) vs "
-        f"{c['itl_ms_p50']:.1f} / {c['itl_ms_p99']:.1f} ms (chunked).",
-    ]
-    if has_plot:
-        lines += ["", "![chunked vs whole prefill](serve_prefill.png)"]
-    with open(os.path.join(out_dir, "serve_prefill.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {out_dir}/serve_prefill.{{json,md{',png' if has_plot else ''}}}")
+        f"{c['itl_ms_p50']:.1f} / {c['itl_ms_p99']:.1f} ms (chunked)."]
+
+    def draw(ax):
+        keys = [("window_itl_ms_p50", "ITL p50"), ("window_itl_ms_p99", "ITL p99"),
+                ("window_stall_ms", "longest gap"), ("long_ttft_ms", "long prompt TTFT")]
+        x = np.arange(len(keys))
+        for i, mode in enumerate(("whole", "chunked")):
+            ax.bar(x + (i - 0.5) * 0.38, [summary[mode][k] for k, _ in keys], 0.38, label=mode, color=f"C{i}")
+        ax.set_xticks(x, [label for _, label in keys])
+        ax.set_ylabel("ms (median over runs)")
+        ax.set_yscale("log")
+        ax.set_title("running requests while a long prompt is admitted")
+        ax.legend()
+
+    h.Report(args, "serve_prefill").write(result, lines, draw=draw, figsize=(7, 3.6), image="chunked vs whole prefill")
     return 0
 
 
