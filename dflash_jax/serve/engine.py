@@ -478,9 +478,8 @@ class Engine:
         if logprobs is not None or prompt_logprobs:
             if logprobs is not None and (not rq.is_int(logprobs) or not 0 <= logprobs <= TOP_LOGPROBS):
                 raise RequestError(f"logprobs must be an integer between 0 and {TOP_LOGPROBS}, got {logprobs!r}")
-            if not self.runner.token_logprobs or self.tree is not None:
-                raise RequestError("log-probabilities are computed for chain proposers only (a token tree's verify "
-                                   "scores its nodes, not the committed path): serve with --proposer chain")
+            if not self.runner.token_logprobs:
+                raise RequestError(f"log-probabilities are not available with the {type(self.runner).__name__}")
             if prompt_logprobs and not self.runner.prompt_scores:
                 raise RequestError(f"prompt log-probabilities (echo) are not available with the "
                                    f"{type(self.runner).__name__}")
@@ -714,7 +713,7 @@ class Engine:
                 self._warm_chunks()
             self.runner.release(idle)
             self.runner.move_row(self.slots - 1, self.slots - 1)  # a no-op
-            scored = np.ones(self.slots, bool) if self.runner.token_logprobs and self.tree is None else None
+            scored = np.ones(self.slots, bool) if self.runner.token_logprobs else None
             for rows in self.row_buckets:
                 for w in self.widths:
                     self._round(w, idle, rows, logprobs=scored)
@@ -764,12 +763,12 @@ class Engine:
     def _warm_samples(self, reqs: list, rows) -> None:
         """Compiles what a prefilled group of `reqs` (its rows `rows`) may run beyond its insert: its first tokens'
         log-probs, and the fork of its rows into n samples and their insert (dropped)."""
-        if self.runner.token_logprobs and self.tree is None:
+        if self.runner.token_logprobs:
             self.runner.first_logprobs(rows)
         if self.runner.forks and self.slots > 1:
             rows = self._fork(rows, [0] * self.slots, [reqs[0]] * self.slots)
             self.runner.insert(rows, np.full(self.slots, self.slots, np.int32))
-            if self.runner.token_logprobs and self.tree is None:
+            if self.runner.token_logprobs:
                 self.runner.first_logprobs(rows)
 
     def _defers(self, width: int, live: Sequence[int]) -> bool:
@@ -1024,7 +1023,7 @@ class Engine:
             if hit is not None:  # the cached prefix's caches, then the rest by the same chunks as a cold prefill
                 info.prefix_hit_tokens += hit.length
                 self.prefix_hit_tokens += hit.length
-                self._prefilling = _Prefilling(req=req, pre=self.runner.prefill_copy(hit.payload), done=hit.length,
+                self._prefilling = _Prefilling(req=req, pre=self.runner.prefill_restore(hit.payload), done=hit.length,
                                                keys=keys)
                 self._advance_prefill(info)
                 return
@@ -1066,8 +1065,8 @@ class Engine:
         k = p.done // self.prefill_chunk - 1
         if k >= len(p.keys) or p.keys[k][1] in self.prefix_cache:
             return
-        self.prefix_cache.store(p.keys[k][1], p.done, self.runner.prefill_copy(p.pre),
-                                self.runner.prefill_nbytes(p.pre))
+        snapshot = self.runner.prefill_snapshot(p.pre, p.done)  # the live rows only
+        self.prefix_cache.store(p.keys[k][1], p.done, snapshot, self.runner.prefill_nbytes(snapshot))
 
     def _warm_chunks(self) -> None:
         """Compiles the chunked prefill: the first chunk, a next chunk of every width, the finish and its insert
@@ -1076,8 +1075,12 @@ class Engine:
         at = (lambda start, width: None if self.compress is None  # noqa: E731
               else np.arange(start, start + width, dtype=np.int32)[None])
         pre = self.runner.prefill_start(np.zeros((1, c), np.int32), np.array([c], np.int32), positions=at(0, c))
-        if self.prefix_cache is not None:  # the snapshot's copy programs
-            self.runner.prefill_copy(pre)
+        if self.prefix_cache is not None:  # the snapshot's and the restore's programs, per snapshot shape
+            shapes = {}
+            for end in range(c, self.max_prompt_len, c):
+                shapes.setdefault(self.runner.snapshot_rows(end), end)
+            for end in shapes.values():
+                self.runner.prefill_restore(self.runner.prefill_snapshot(pre, end))
         for width in self.chunk_widths():  # 0 real tokens: the dummy prompt stays inside the cache
             pre = self.runner.prefill_chunk(pre, np.zeros((1, width), np.int32), np.zeros(1, np.int32),
                                             positions=at(c, width))

@@ -325,7 +325,7 @@ class OffloadedRunner(ResidentRunner):
             rec.requested = asked
         start = self._verify_start(plan)
         self.state = self._offload_verify(drafted, plan.active, asked, rec)
-        self._after_verify(start, self._verify_logits)
+        self._after_verify(start, self._verify_logits, drafted.proposal.tree)
 
     def begin_round(self, info) -> None:
         info.offload = OffloadRound()

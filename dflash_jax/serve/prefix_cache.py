@@ -6,6 +6,8 @@ rows, for the hybrid family its Gated DeltaNet recurrent state and conv tail, th
 logits: everything a cold prefill has at that point) under the hash of the tokens [0, k*C). A later prompt that
 starts with the same k*C tokens starts from a copy of it and prefills only the rest, by the same chunks at the same
 boundaries: its caches are bit for bit those of a cold prefill, so its output equals the cold one token for token.
+A snapshot keeps only the live rows of the KV buffers (`RoundRunner.prefill_snapshot`: cut to the power of two of rows
+at or above k*C, a few compiled shapes), so the pool holds prefixes by their length, not the cache's capacity.
 
 The snapshots live in a pool of `budget_bytes` with least-recently-used eviction (a lookup or a store makes an entry
 the most recent). Keys chain SHA-256 over the chunks (key_k = H(key_{k-1} || chunk k's ids [|| positions])), so a
@@ -43,7 +45,7 @@ def prefix_keys(ids: Sequence[int], chunk: int, positions: np.ndarray | None = N
 @dataclasses.dataclass
 class PrefixEntry:
     length: int  # prompt tokens the snapshot holds
-    payload: Any  # the runner's snapshot (`RoundRunner.prefill_copy`)
+    payload: Any  # the runner's snapshot (`RoundRunner.prefill_snapshot`: the live rows)
     nbytes: int
 
 

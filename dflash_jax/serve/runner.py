@@ -45,7 +45,6 @@ import numpy as np
 
 from dflash_jax.cache import KVCache
 from dflash_jax.models.family import family_of
-from dflash_jax.nn.moe import router_topk
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import check_proposer, commit, propose, verify_forward
 from dflash_jax.spec.sampling import next_token_rows
@@ -110,7 +109,7 @@ class RoundRunner:
     deferred_context = False  # width-1 rounds may leave the draft's context append to the next drafting round
     overlapped_verify = False  # the verify may be dispatched before the scheduler runs (every live row verifies)
     forks = False  # `fork`: n samples of one prompt share its prefill
-    token_logprobs = False  # `first_logprobs` / `round_logprobs` (chain proposers: a tree's path is not scored)
+    token_logprobs = False  # `first_logprobs` / `round_logprobs` (every proposer: a tree's committed path found again)
     prompt_scores = False  # `prompt_logprobs`
     mesh = None
 
@@ -166,6 +165,19 @@ class RoundRunner:
         """An independent copy of a partial prefill (the prefix cache's snapshot, and a restored one: every chunk
         donates the prefill it extends). Device arrays are copied; other leaves are immutable."""
         return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, pre)
+
+    def prefill_snapshot(self, pre, length: int):
+        """The prefix cache's copy of a partial prefill of `length` prompt tokens (default: `prefill_copy`; a runner
+        may keep only the live rows, `snapshot_rows`)."""
+        return self.prefill_copy(pre)
+
+    def prefill_restore(self, snapshot):
+        """A partial prefill to continue from a snapshot (the snapshot stays intact: the next chunk donates it)."""
+        return self.prefill_copy(snapshot)
+
+    def snapshot_rows(self, length: int) -> int:
+        """The cache rows a snapshot of `length` prompt tokens keeps (a compiled shape per distinct value)."""
+        return self.spec.max_len
 
     @staticmethod
     def prefill_nbytes(pre) -> int:
@@ -269,6 +281,35 @@ def committed_logprobs(logits, output, start, k: int):
     return log_softmax_top(logits, tokens, k)
 
 
+def tree_path_logits(logits, tree, tokens):
+    """[b, D+1, V]: the tree verify's logits at the committed path's node of each depth. `logits` [b, N, V] of the
+    tree's nodes, `tree` its `spec.tree.Tree`, `tokens` [b, D+1] the tokens the round committed (entries past them:
+    ids no node carries, e.g. -1). Siblings carry distinct tokens, so the path is the chain of nodes whose tokens are
+    the committed ones, depth by depth, as the acceptance walked it (`spec.tree.accept_tree`); the logits of its node
+    at depth j score committed token j (the proposal at depth j + 1, or the bonus)."""
+    depth = tree.depth
+    parent_depth = jnp.maximum(depth - 1, 0)
+    want = jnp.take_along_axis(tokens, jnp.minimum(parent_depth, tokens.shape[1] - 1), axis=1)
+    match = ((tree.tokens == want) & tree.valid).at[:, 0].set(True)
+    reached = jnp.all(~tree.mask | match[:, None, :], axis=-1)  # [b, N]: every node on its path matches
+    levels = jnp.arange(tokens.shape[1])
+    sel = reached[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # [b, D+1, N]
+    path = jnp.argmax(sel, axis=-1)  # past the committed depth: node 0 (scratch)
+    return jnp.take_along_axis(logits, path[..., None], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def tree_committed_logprobs(logits, tree, output, start, k: int):
+    """`committed_logprobs` of a tree verify: the log-probs of the tokens the round committed, each scored by the
+    logits of its parent node on the committed path (`tree_path_logits`)."""
+    rows, n = logits.shape[:2]
+    pos = start[:rows, None] + jnp.arange(n)[None]  # a node's depth is below N: at most N committed tokens
+    tokens = jnp.where(pos < output.shape[1], jnp.take_along_axis(output[:rows], jnp.minimum(pos, output.shape[1] - 1),
+                                                                  axis=1), -1)
+    path_logits = tree_path_logits(logits, tree, tokens)
+    return log_softmax_top(path_logits, jnp.maximum(tokens, 0), k)
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "k"))
 def prompt_logprobs_of(target_w, tokens, spec: SpecConfig, k: int):
     """The log-prob of each prompt token after the first given the ones before it (one target forward over
@@ -349,20 +390,15 @@ def release_rows(state: SpecState, free) -> SpecState:
     return state.replace(done=state.done | free)
 
 
-def _project_experts(target_w, hidden, router_args, num_experts: int, top_k: int, eps: float):
-    """bool [b, L, E]: the experts each row's block is projected to route to, per MoE layer (the layer's
-    router on `hidden` [b, W, H] after the layer's post-attention norm, each row's top-k)."""
-    norms, routers, biases, options, topk_first = router_args
+def _project_experts(routers, hidden, cfg):
+    """bool [b, L, E]: the experts each row's block is projected to route to, per MoE layer (the family's routing,
+    `route_rows`, of `hidden` [b, W, H] by each MoE layer's router `routers`, stacked over L; each row's top-k)."""
+    fam = family_of(cfg)
     b, w, h = hidden.shape
     flat = hidden.reshape(b * w, h)
-
-    def one(norm_w, router, bias):
-        experts, _, _ = router_topk(flat, norm_w, router.astype(flat.dtype), bias, top_k, eps, options, topk_first)
-        return experts
-
-    experts = jax.vmap(one)(norms, routers, biases)  # [L, b*W, k]
-    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.bool_).any(axis=2)  # [L, b*W, E]
-    return onehot.reshape(onehot.shape[0], b, w, num_experts).any(axis=2).transpose(1, 0, 2)
+    experts = jax.vmap(lambda router: fam.route_rows(router, flat, cfg).experts)(routers)  # [L, b*W, k]
+    onehot = jax.nn.one_hot(experts, cfg.moe.num_experts, dtype=jnp.bool_).any(axis=2)  # [L, b*W, E]
+    return onehot.reshape(onehot.shape[0], b, w, cfg.moe.num_experts).any(axis=2).transpose(1, 0, 2)
 
 
 def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
@@ -383,10 +419,9 @@ def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "options", "topk_first", "rows"),
-                   donate_argnames=("draft_buffers",))
-def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, biases, spec: SpecConfig,
-           proposer, options, topk_first, rows: int | None = None):
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows"), donate_argnames=("draft_buffers",))
+def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: SpecConfig, proposer,
+           rows: int | None = None):
     """The proposal of `proposer` (`spec.round.propose`: a chain of any width up to the state's block
     `spec.block_size`, or a tree) and each row's projected expert set (every MoE layer's router on the draft's
     hidden states of the verified rows; the anchor's embedding when nothing is drafted).
@@ -406,8 +441,7 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, norms, routers, b
         state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
     proposal = propose(proposer, target_w, draft_w, state, spec)
     hidden = proposal.hidden if proposal.hidden is not None else target_w.embed[state.anchor][:, None]
-    demand = _project_experts(target_w, hidden, (norms, routers, biases, options, topk_first),
-                              spec.target.moe.num_experts, spec.target.moe.top_k, spec.target.rms_norm_eps)
+    demand = _project_experts(routers, hidden, spec.target)
     cache = proposal.draft_cache
     proposal = proposal.replace(draft_cache=None, hidden=None)
     if cache is None:
@@ -453,6 +487,34 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
     out = verify_forward(target_w, run, proposal, spec)
     new, _ = commit(run, proposal, out, spec, proposer)
     return settle_rows(state, old, new, active, rows), out.logits
+
+
+def kv_buffers(pre) -> tuple:
+    """((target keys, target values), (draft keys, draft values) or None) of a partial prefill (`spec.prefill.Prefill`):
+    the per-layer [b, rows, heads, dim] buffers of its caches (slot = position)."""
+    tc, dc = pre.target_cache, pre.draft_cache
+    return (tc.keys, tc.values), (None if dc is None else (dc.keys, dc.values))
+
+
+def with_kv_buffers(pre, buffers):
+    """`pre` with its caches' KV buffers replaced (`kv_buffers`' form; None: emptied, for copying the rest)."""
+    (tk, tv), draft = buffers if buffers is not None else (((), ()), ((), ()))
+    out = pre.replace(target_cache=pre.target_cache.replace(keys=tk, values=tv))
+    if pre.draft_cache is not None:
+        dk, dv = draft
+        out = out.replace(draft_cache=pre.draft_cache.replace(keys=dk, values=dv))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _cut_rows(buffers, rows: int):
+    return jax.tree.map(lambda x: x[:, :rows], buffers)
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _grow_rows(buffers, rows: int):
+    return jax.tree.map(lambda x: jnp.zeros((x.shape[0], rows) + x.shape[2:], x.dtype).at[:, : x.shape[1]].set(x),
+                        buffers)
 
 
 def _broadcast_rows(row: SpecState, slots: int) -> SpecState:
@@ -508,13 +570,7 @@ class ResidentRunner(RoundRunner):
         fam = family_of(tcfg)
         layers = fam.moe_layer_ids(pair.target)
         self.moe_layers = layers
-        parts = [fam.router_parts(pair.target.layers[i]) for i in layers]
-        self._norms = jnp.stack([p[0] for p in parts])
-        self._routers = jnp.stack([p[1] for p in parts])
-        biases = [p[2] for p in parts]
-        self._biases = None if all(b is None for b in biases) else jnp.stack(biases)
-        self._options = tuple(sorted(fam.router_norm.items()))
-        self._topk_first = bool(fam.router_topk_first)
+        self._routers = fam.routers_of(pair.target, layers)
         self.expert_bytes = expert_byte_table(pair, layers, tcfg.moe.num_experts)
         self.top_logprobs = min(TOP_LOGPROBS, int(tcfg.vocab_size))
         self.last_logits = None  # [k, V] the last prefill's (or fork's) last logits
@@ -563,9 +619,16 @@ class ResidentRunner(RoundRunner):
             return None
         return jnp.copy(self.state.num_generated)
 
-    def _after_verify(self, start, logits) -> None:
-        self._round_logprobs = None if start is None else committed_logprobs(logits, self.state.output, start,
-                                                                             k=self.top_logprobs)
+    def _after_verify(self, start, logits, tree=None) -> None:
+        """The committed tokens' log-probs when the plan asked: a chain's block rows score them in order; a tree's
+        committed path is found again from its tokens (`tree_path_logits`)."""
+        if start is None:
+            self._round_logprobs = None
+        elif tree is None:
+            self._round_logprobs = committed_logprobs(logits, self.state.output, start, k=self.top_logprobs)
+        else:
+            self._round_logprobs = tree_committed_logprobs(logits, tree, self.state.output, start,
+                                                           k=self.top_logprobs)
 
     def first_tokens(self, rows: SpecState) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(rows.output)[:, 0], np.asarray(rows.done)
@@ -603,6 +666,26 @@ class ResidentRunner(RoundRunner):
         return self._widen(chunked.prefill_finish_jit(self.pair.target, self.pair.draft, pre, batch.params,
                                                       batch.key_data, batch.key_fold, self.spec))
 
+    def snapshot_rows(self, length: int) -> int:
+        """The power of two of cache rows >= `length` (at least 16), at most the cache's: a few compiled shapes, a
+        snapshot at most twice its live rows."""
+        return int(min(self.spec.max_len, max(16, 1 << max(int(length) - 1, 0).bit_length())))
+
+    @_on_mesh
+    def prefill_snapshot(self, pre, length: int):
+        """Only the live rows: each KV buffer (the target's attention layers, the draft's context) cut to
+        `snapshot_rows(length)` rows; every other leaf (lengths, a hybrid target's recurrent state and conv tail, the
+        logits) copied whole."""
+        small = _cut_rows(kv_buffers(pre), self.snapshot_rows(length))
+        return with_kv_buffers(self.prefill_copy(with_kv_buffers(pre, None)), small)
+
+    @_on_mesh
+    def prefill_restore(self, snapshot):
+        """The snapshot's KV rows written into zeroed buffers of the cache's rows (a cold prefill's buffers hold
+        zeros past its length too: the restored prefill equals it bit for bit)."""
+        big = _grow_rows(kv_buffers(snapshot), self.spec.max_len)
+        return with_kv_buffers(self.prefill_copy(with_kv_buffers(snapshot, None)), big)
+
     def pending_context(self) -> np.ndarray:
         return np.asarray(self.state.num_context)
 
@@ -616,9 +699,8 @@ class ResidentRunner(RoundRunner):
         state, buffers = self.state, None
         if cache is not None:
             state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
-        proposal, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._norms,
-                                                    self._routers, self._biases, self.spec, proposer, self._options,
-                                                    self._topk_first, rows)
+        proposal, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._routers,
+                                                    self.spec, proposer, rows)
         if cache is not None:
             self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
         return Drafted(proposer=proposer, rows=rows, proposal=proposal, lengths=lengths, demand=demand)
@@ -628,7 +710,7 @@ class ResidentRunner(RoundRunner):
         start = self._verify_start(plan)
         self.state, logits = _verify(self.pair.target, self.state, drafted.proposal, drafted.lengths, plan.active,
                                      self.spec, drafted.proposer, drafted.rows)
-        self._after_verify(start, logits)
+        self._after_verify(start, logits, drafted.proposal.tree)
 
     def fetch(self):
         return jax.device_get((self.state.num_generated, self.state.done, self.state.output))
@@ -837,7 +919,7 @@ class FakeRunner(RoundRunner):
         return s["num_generated"].copy(), s["done"].copy(), s["output"].copy()
 
 
-__all__ = ["Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
+__all__ = ["kv_buffers", "with_kv_buffers", "Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
            "TOP_LOGPROBS", "TokenLogprobs", "committed_logprobs", "expert_byte_table", "fake_pair", "fork_rows",
-           "log_softmax_top", "prompt_logprobs_of", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
+           "log_softmax_top", "prompt_logprobs_of", "tree_committed_logprobs", "tree_path_logits", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
            "verify_rows"]

@@ -33,6 +33,7 @@ def _served(pair, proposer, **kw):
         reqs = serve_generate(eng, PROMPTS, max_new_tokens=BUDGETS, sampling=SAMPLING, seed=SEEDS)
     assert counter.compiles == 0
     assert all(r.compiles == 0 for r in rounds)
+    _served.engine = eng
     return reqs
 
 
@@ -56,6 +57,32 @@ def test_tree_proposer_serves_each_request_as_alone(pair):
     chain = spec_generate(pair, [PROMPTS[i] for i in (0, 2, 4)], max_new_tokens=[BUDGETS[i] for i in (0, 2, 4)])
     chain_per_verify = float(np.mean([np.mean(a) for a in chain.acceptance_lengths]))
     assert _per_verify(reqs) > chain_per_verify > 1.3
+    _tree_logprobs_equal_a_plain_forward(_served.engine, pair)
+
+
+def _tree_logprobs_equal_a_plain_forward(eng, pair):
+    """The tree engine's log-probs: each committed token's is the target's log_softmax at its parent node on the
+    committed path, equal to one plain forward over the final sequence (and nothing compiles: warmed up)."""
+    from tests.serve.logprob_checks import plain_log_softmax, tolerance
+
+    prompt = PROMPTS[0]
+    with CompileCounter() as counter:
+        req = eng.submit(prompt, max_new_tokens=40, logprobs=2)
+        other = eng.submit(PROMPTS[2], max_new_tokens=30, sampling=SamplingParams(temperature=0.9), logprobs=1,
+                           seed=5)
+        eng.run_until_idle()
+    assert counter.compiles == 0
+    assert max(req.acceptance) > 2  # the tree committed several tokens per verify
+    for r, p in ((req, prompt), (other, PROMPTS[2])):
+        seq = p + r.tokens
+        ref = plain_log_softmax(pair, seq)
+        n = len(p)
+        assert len(r.token_logprobs) == len(r.tokens)
+        np.testing.assert_allclose(r.token_logprobs, ref[np.arange(n - 1, len(seq) - 1), seq[n:]],
+                                   atol=tolerance(pair))
+    for i, top in enumerate(req.top_logprobs):
+        row = plain_log_softmax(pair, prompt + req.tokens)[len(prompt) - 1 + i]
+        assert top[0][0] == int(np.argmax(row)) == req.tokens[i]
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_jax.serve.engine import Engine, generate
 from dflash_jax.serve.prefix_cache import PrefixCache, prefix_keys
-from dflash_jax.serve.runner import FakeRunner, fake_pair
+from dflash_jax.serve.runner import FakeRunner, fake_pair, kv_buffers
 
 VOCAB = 256
 RNG = np.random.default_rng(11)
@@ -130,3 +130,24 @@ def test_prefix_cache_flags():
     assert args.prefix_cache_mb == 1024 and not args.no_prefix_cache
     with pytest.raises(UsageError, match="--prefix-cache-mb must be >= 0"):
         check_args(build_parser().parse_args(["--prefix-cache-mb", "-1"]))
+
+
+def test_a_snapshot_keeps_the_live_rows_and_restores_bit_for_bit(pair):
+    """The resident runner's snapshot of a 64-token partial prefill keeps 64 of the cache's rows (not its capacity),
+    and the prefill restored from it equals the original leaf for leaf."""
+    import jax
+
+    eng = Engine(pair, slots=1, max_prompt_len=200, max_new_tokens=8, prefill_chunk=64, widths=[4])
+    runner = eng.runner
+    tokens = np.asarray(np.random.default_rng(3).integers(0, 1000, (1, 64)), np.int32)
+    pre = runner.prefill_start(tokens, np.array([64], np.int32))
+    snap = runner.prefill_snapshot(pre, 64)
+    (keys, _), draft = jax.tree.map(lambda x: x.shape, kv_buffers(snap), is_leaf=lambda x: hasattr(x, "shape"))
+    assert runner.snapshot_rows(64) == 64 < eng.spec.max_len and all(k[1] == 64 for k in keys)
+    assert all(k[1] == 64 for k in draft[0])
+    assert runner.prefill_nbytes(snap) < runner.prefill_nbytes(pre) / 2
+    back = runner.prefill_restore(snap)
+    assert jax.tree.structure(back) == jax.tree.structure(pre)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(pre)):
+        assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+    assert runner.snapshot_rows(65) == 128 and runner.snapshot_rows(10**6) == eng.spec.max_len
