@@ -1,6 +1,6 @@
 """Compile cost per request on the shipped pair: capacity mode (the loops' default) against the bucketed shapes.
 
-  python benchmarks/compile.py [--checkpoint DIR] [--pairs 3] [--repeats 15] [--out DIR | --write-docs]
+  python benchmarks/compile.py [--checkpoint DIR] [--pairs 3] [--repeats 15] [--quick] [--out DIR | --write-docs]
 
 Capacity mode (`Buckets(capacity=N)`, `spec.loop.LOOP_BUCKETS`): cache rows, output buffer and prompt buffer are
 fixed by the capacity (2048 here, capped at the target's positions) and the prefill runs in chunks inside one
@@ -26,7 +26,7 @@ docs/benchmarks/.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import platform
@@ -38,9 +38,8 @@ import sys
 import tempfile
 import time
 
-from report_output import add_output_args, output_dir, save_figure
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness as h
+from harness import ROOT
 
 # (prompt tokens, max_new_tokens, temperature, top_k): the first call, then the later requests
 FIRST = (40, 64, 0.0, 0)
@@ -48,14 +47,11 @@ LATER = [(9, 17, 0.0, 0), (130, 300, 0.0, 0), (300, 150, 0.8, 0), (600, 64, 0.0,
          (250, 200, 1.0, 50), (1000, 300, 0.0, 0)]
 
 
-def log(msg: str) -> None:
-    print(f"[compile bench] {msg}", file=sys.stderr, flush=True)
+log = h.logger("compile bench", sys.stderr)
 
 
 def _prompts(pair, lengths) -> dict[int, list[int]]:
-    from dflash_jax.train.data import file_windows
-
-    return {n: [int(t) for t in file_windows(pair, "held_out", 1, n, seed=n)[0]] for n in sorted(set(lengths))}
+    return {n: [int(t) for t in h.prompts(pair, 1, n, seed=n)[0]] for n in sorted(set(lengths))}
 
 
 def in_process(pair, prompts) -> dict:
@@ -157,12 +153,9 @@ def per_round(pair, prompt, repeats: int) -> dict:
 
     first = {m: once(p) for m, p in preps.items()}  # compiles
     same = len({tuple(f[2]) for f in first.values()}) == 1
-    ms = {m: [] for m in modes}
-    for r in range(repeats):
-        log(f"(c) per-round timing, repeat {r + 1}/{repeats}")
-        for m, p in preps.items():
-            seconds, rounds, _ = once(p)
-            ms[m].append(1000 * seconds / rounds)
+    t = h.paired_runs({m: (lambda p=p: once(p)) for m, p in preps.items()}, repeats, seconds_of=lambda r: r[0],
+                      on_repeat=lambda r, _: log(f"(c) per-round timing, repeat {r + 1}/{repeats}"))
+    ms = {m: [1000 * x / first[m][1] for x in t.wall[m]] for m in modes}
     base = ms["bucketed"]
     out = {"prompt_len": len(prompt), "max_new_tokens": budget, "live_rows": [len(prompt), len(prompt) + budget],
            "repeats": repeats, "rounds": first["bucketed"][1], "same_tokens": same, "modes": {}}
@@ -183,30 +176,18 @@ def prefill_times(pair, prompts, lengths, repeats: int) -> dict:
     preps = {(m, n): prepare(pair, [prompts[n]], max_new_tokens=64, stop_ids=(), buckets=b)
              for m, b in modes.items() for n in lengths}
 
-    def once(prep):
-        t0 = time.perf_counter()
-        jax.block_until_ready(begin_prepared(pair, prep).anchor)
-        return time.perf_counter() - t0
-
-    for p in preps.values():
-        once(p)  # compiles
-    ms = {key: [] for key in preps}
-    for r in range(repeats):
-        log(f"(d) prefill timing, repeat {r + 1}/{repeats}")
-        for key, p in preps.items():
-            ms[key].append(1000 * once(p))
+    runs = {key: (lambda p=p: jax.block_until_ready(begin_prepared(pair, p).anchor)) for key, p in preps.items()}
+    for run in runs.values():
+        run()  # compiles
+    t = h.paired_runs(runs, repeats, on_repeat=lambda r, _: log(f"(d) prefill timing, repeat {r + 1}/{repeats}"))
+    ms = {key: [1000 * x for x in t.wall[key]] for key in preps}
     return {"rows": [{"prompt_len": n, **{f"{m} ms": statistics.median(ms[(m, n)]) for m in modes},
                       "prompt_bucket": int(preps[("bucketed", n)].tokens.shape[1])} for n in lengths],
             "chunk": int(preps[("capacity 2048", lengths[0])].chunk), "repeats": repeats}
 
 
-def plot(path: str, data: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+def draw(data: dict, axes) -> None:
+    ax1, ax2 = axes
     for mode, style in (("bucketed", "o-"), ("capacity", "s-")):
         rows = data["in_process"][mode]["requests"]
         total, ys = 0.0, []
@@ -224,12 +205,9 @@ def plot(path: str, data: dict) -> None:
     ax2.set_ylabel("ms per round")
     ax2.set_title(f"(c) per-round time at {data['per_round']['live_rows'][0]}-{data['per_round']['live_rows'][1]} "
                   "live rows", fontsize=9)
-    save_figure(fig, path)
 
 
-def write(out_dir: str, data: dict) -> None:
-    with open(os.path.join(out_dir, "compile.json"), "w") as f:
-        json.dump(data, f, indent=2)
+def markdown(data: dict) -> list[str]:
     a, b, c, d = data["in_process"], data["cli"], data["per_round"], data["prefill"]
     cap, buck = a["capacity"], a["bucketed"]
     lines = [
@@ -249,16 +227,14 @@ def write(out_dir: str, data: dict) -> None:
         "",
         "## (a) Requests of other prompt lengths and budgets in one process (persistent cache off)",
         "",
-        "| request | prompt | budget | T | top-k | capacity: programs | compile s | wall s | bucketed: programs | "
-        "compile s | wall s | bucketed shapes (prompt/output/cache) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *h.table(["request", "prompt", "budget", "T", "top-k", "capacity: programs", "compile s", "wall s",
+                  "bucketed: programs", "compile s", "wall s", "bucketed shapes (prompt/output/cache)"],
+                 [["first call" if i == 0 else i + 1, rc["prompt_len"], rc["max_new_tokens"], f"{rc['temperature']:g}",
+                   rc["top_k"], rc["programs_compiled"], f"{rc['compile_s']:.2f}", f"{rc['wall_s']:.2f}",
+                   rb["programs_compiled"], f"{rb['compile_s']:.2f}", f"{rb['wall_s']:.2f}",
+                   "{prompt}/{output}/{cache}".format(**rb["shapes"])]
+                  for i, (rc, rb) in enumerate(zip(cap["requests"], buck["requests"]))]),
     ]
-    for i, (rc, rb) in enumerate(zip(cap["requests"], buck["requests"])):
-        sh = rb["shapes"]
-        lines.append(f"| {'first call' if i == 0 else i + 1} | {rc['prompt_len']} | {rc['max_new_tokens']} | "
-                     f"{rc['temperature']:g} | {rc['top_k']} | {rc['programs_compiled']} | {rc['compile_s']:.2f} | "
-                     f"{rc['wall_s']:.2f} | {rb['programs_compiled']} | {rb['compile_s']:.2f} | {rb['wall_s']:.2f} | "
-                     f"{sh['prompt']}/{sh['output']}/{sh['cache']} |")
     shc = cap["requests"][0]["shapes"]
     lines += [
         "",
@@ -276,17 +252,14 @@ def write(out_dir: str, data: dict) -> None:
         "",
         f"`{b['command']}`",
         "",
-        "| pair | mode | first wall s | second wall s | second / first | 'compiling' line (first, second) | "
-        "generation s (first, second) |",
-        "|---|---|---|---|---|---|---|",
+        *h.table(["pair", "mode", "first wall s", "second wall s", "second / first",
+                  "'compiling' line (first, second)", "generation s (first, second)"],
+                 [[i + 1 if i < len(b["pairs"]) else "-", "capacity" if i < len(b["pairs"]) else "bucketed",
+                   f"{r['first']['wall_s']:.2f}", f"{r['second']['wall_s']:.2f}", f"{r['ratio']:.2f}",
+                   ", ".join("yes" if x["compiling_notice"] else "no" for x in (r["first"], r["second"])),
+                   f"{r['first']['generation_s']:.3f}, {r['second']['generation_s']:.3f}"]
+                  for i, r in enumerate(b["pairs"] + [b["bucketed"]])]),
     ]
-    for i, r in enumerate(b["pairs"] + [b["bucketed"]]):
-        f1, f2 = r["first"], r["second"]
-        mode = "bucketed" if i == len(b["pairs"]) else "capacity"
-        lines.append(f"| {i + 1 if mode == 'capacity' else '-'} | {mode} | {f1['wall_s']:.2f} | {f2['wall_s']:.2f} | "
-                     f"{r['ratio']:.2f} | {'yes' if f1['compiling_notice'] else 'no'}, "
-                     f"{'yes' if f2['compiling_notice'] else 'no'} | {f1['generation_s']:.3f}, "
-                     f"{f2['generation_s']:.3f} |")
     lines += [
         "",
         f"Median second / first wall time in capacity mode: **{b['median_ratio']:.2f}x** (goal <= 0.4x: "
@@ -304,12 +277,10 @@ def write(out_dir: str, data: dict) -> None:
         f"{c['rounds']} rounds per run; the compiled loop alone (`spec.loop.run_loop`), {c['repeats']} runs of each "
         f"mode interleaved. Same tokens in every mode: {c['same_tokens']}.",
         "",
-        "| mode | cache rows | median ms / round | ratio of medians | median paired ratio |",
-        "|---|---|---|---|---|",
+        *h.table(["mode", "cache rows", "median ms / round", "ratio of medians", "median paired ratio"],
+                 [[m, r["cache_rows"], f"{r['ms_per_round_median']:.2f}", f"{r['ratio_of_medians']:.3f}",
+                   f"{r['median_paired_ratio']:.3f}"] for m, r in c["modes"].items()]),
     ]
-    for m, r in c["modes"].items():
-        lines.append(f"| {m} | {r['cache_rows']} | {r['ms_per_round_median']:.2f} | {r['ratio_of_medians']:.3f} | "
-                     f"{r['median_paired_ratio']:.3f} |")
     c2 = c["modes"]["capacity 2048"]
     lines += [
         "",
@@ -322,34 +293,22 @@ def write(out_dir: str, data: dict) -> None:
         f"Capacity mode runs ceil(prompt / {d['chunk']}) chunks of {d['chunk']} tokens; the bucketed prefill is one "
         f"forward over the prompt bucket. Median of {d['repeats']} interleaved runs (prefill and first token).",
         "",
-        "| prompt | bucketed ms (prompt bucket) | capacity 2048 ms |",
-        "|---|---|---|",
-    ]
-    for r in d["rows"]:
-        lines.append(f"| {r['prompt_len']} | {r['bucketed ms']:.1f} ({r['prompt_bucket']}) | "
-                     f"{r['capacity 2048 ms']:.1f} |")
-    lines += [
+        *h.table(["prompt", "bucketed ms (prompt bucket)", "capacity 2048 ms"],
+                 [[r["prompt_len"], f"{r['bucketed ms']:.1f} ({r['prompt_bucket']})", f"{r['capacity 2048 ms']:.1f}"]
+                  for r in d["rows"]]),
         "",
         "A prompt shorter than a chunk pays for a whole chunk (the price of one program for every length); long",
         "prompts run in chunks whose attention reads only the rows already written.",
-        "",
-        "![compile seconds and per-round time](compile.png)",
-        "",
     ]
-    with open(os.path.join(out_dir, "compile.md"), "w") as f:
-        f.write("\n".join(lines))
+    return lines
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="default: the shipped pair")
-    p.add_argument("--pairs", type=int, default=3, help="dflash-generate process pairs in capacity mode (median)")
-    p.add_argument("--repeats", type=int, default=15, help="interleaved runs per mode in (c), half of it in (d)")
-    add_output_args(p)
-    args = p.parse_args(argv)
-    if args.pairs < 1 or args.repeats < 1:
-        p.error("--pairs and --repeats must be >= 1")
-    out_dir = output_dir(args)
+    p = h.parser(__doc__, {"--pairs": (3, "dflash-generate process pairs in capacity mode (median)")},
+                 checkpoint=None, repeats=15)
+    args = h.parse(p, argv, quick=dict(pairs=1, repeats=1))
+    if args.pairs < 1:
+        p.error("--pairs must be >= 1")
     import jax
 
     import dflash_jax
@@ -368,14 +327,17 @@ def main(argv=None) -> int:
     log("(c) per-round time at ~64 live rows")
     data["per_round"] = per_round(pair, prompts[56], args.repeats)
     log("(d) prefill time")
-    data["prefill"] = prefill_times(pair, prompts, [9, 200, 1000], max(3, args.repeats // 2))
+    data["prefill"] = prefill_times(pair, prompts, [9, 200, 1000], max(1 if args.quick else 3, args.repeats // 2))
     data["command"] = shlex.join(["python", "benchmarks/compile.py"] + (argv if argv is not None else sys.argv[1:]))
-    write(out_dir, data)
-    plot(os.path.join(out_dir, "compile.png"), data)
+    report = h.Report(args, "compile")
+    report.write(None, markdown(data), draw=functools.partial(draw, data), ncols=2, figsize=(11, 4),
+                 image="compile seconds and per-round time")
+    with open(report.path("json"), "w") as f:
+        json.dump(data, f, indent=2)
     a, b, c = data["in_process"], data["cli"], data["per_round"]["modes"]["capacity 2048"]
     log(f"capacity: {a['capacity']['later_programs']} programs after the first call (bucketed "
         f"{a['bucketed']['later_programs']}); second/first process wall {b['median_ratio']:.2f}x; per round "
-        f"{c['median_paired_ratio']:.3f}x the bucketed program; written to {out_dir}")
+        f"{c['median_paired_ratio']:.3f}x the bucketed program; written to {args.out_dir}")
     return 0
 
 

@@ -17,28 +17,26 @@ verify width T (tokens), a random top-k routing gives M = T*k rows. Reported per
 
 Timing: each jitted call runs the op on `--layers` distinct weight pools (as a forward would run
 consecutive layers) so the routed bytes come from HBM rather than L2 and dispatch cost is amortized;
-the median of `--reps` calls is divided by the layer count. Weights are random FP4 bytes with realistic
+the Pallas and XLA calls alternate (`timing.paired_runs`), the median of `--reps` calls is divided by the
+layer count. Weights are random FP4 bytes with realistic
 scale ranges, generated on the device (no quantization of huge float tables).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from report_output import add_output_args, output_dir
-
+import harness as h
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor
 from pallas_kernels import fp4_grouped_matmul as fgm
 from pallas_kernels import ops
@@ -84,24 +82,22 @@ def random_routing(rng: np.random.Generator, tokens: int, e: int, k: int) -> np.
     return np.bincount(experts.reshape(-1), minlength=e).astype(np.int32)
 
 
-def time_call(fn, args, reps: int):
-    """(median wall seconds of `fn(*args)`, its output); compiled and warmed up first."""
-    out = jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), out
+def time_calls(calls: dict, reps: int) -> tuple[dict, dict]:
+    """({name: median wall seconds}, {name: output}) of the calls (name -> (fn, args)), compiled and warmed up
+    first, then timed interleaved (`harness.paired_runs`)."""
+    runs = {name: (lambda fn=fn, args=args: jax.block_until_ready(fn(*args))) for name, (fn, args) in calls.items()}
+    outs = {name: run() for name, run in runs.items()}
+    for run in runs.values():
+        run()
+    t = h.paired_runs(runs, reps)
+    return {name: t.stat(name, "wall", "median") for name in runs}, outs
 
 
 def copy_bandwidth(nbytes: int, reps: int) -> float:
     """HBM copy bandwidth (bytes read + written per second) of a large device-to-device copy."""
     a = jnp.zeros((nbytes // 4,), jnp.uint32)
     fn = jax.jit(lambda a: a ^ jnp.uint32(1))  # a real read + write (a plain copy may be elided)
-    t, _ = time_call(fn, (a,), reps)
-    return 2 * a.nbytes / t
+    return 2 * a.nbytes / time_calls({"copy": (fn, (a,))}, reps)[0]["copy"]
 
 
 def layered(impl: str, interpret: bool | None):
@@ -141,19 +137,18 @@ def run(args) -> dict:
                     gss = [random_routing(rng, tokens, ms.experts, ms.top_k) for _ in range(args.layers)]
                     xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(args.layers)]
                     gss_dev = [jnp.asarray(g) for g in gss]
-                    pallas_fn = layered("pallas", interpret)
-                    xla_fn = layered("xla", None)
-                    t_pallas, y_p = time_call(pallas_fn, (xs, pools, gss_dev), args.reps)
-                    t_pallas /= args.layers
-                    t_xla, rel = None, None
+                    calls = {"pallas": (layered("pallas", interpret), (xs, pools, gss_dev))}
                     if not args.skip_xla:
-                        t_xla, y_x = time_call(xla_fn, (xs, pools, gss_dev), args.reps)
-                        t_xla /= args.layers
+                        calls["xla"] = (layered("xla", None), (xs, pools, gss_dev))
+                    times, ys = time_calls(calls, args.reps)
+                    t_pallas, t_xla, rel = times["pallas"] / args.layers, None, None
+                    if not args.skip_xla:
+                        t_xla = times["xla"] / args.layers
                         # sanity: both paths agree (bf16 outputs, fp32 accumulation in both)
-                        a = np.asarray(y_p[0].astype(jnp.float32))
-                        b = np.asarray(y_x[0].astype(jnp.float32))
+                        a = np.asarray(ys["pallas"][0].astype(jnp.float32))
+                        b = np.asarray(ys["xla"][0].astype(jnp.float32))
                         rel = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-                    del y_p
+                    del ys
                     routed = [int(np.count_nonzero(g)) for g in gss]
                     routed_bytes = statistics.mean(fgm.routed_weight_bytes(pools[0], g) for g in gss)
                     pool_bytes = fgm.routed_weight_bytes(pools[0], np.ones(ms.experts))
@@ -195,7 +190,7 @@ def run(args) -> dict:
     )
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict) -> list[str]:
     lines = ["# FP4 grouped matmul: Pallas kernel vs XLA path", ""]
     real_gpu = report["backend"] == "gpu" and not report["interpret"] and not report["tiny_shapes"]
     if not real_gpu:
@@ -214,54 +209,44 @@ def markdown(report: dict) -> str:
         f"- per-call time = median over {report['reps']} calls of {report['layers']} layers' ops, / layers",
         "- effective bandwidth = FP4 bytes (codes + scales) of the routed experts / Pallas time",
         "",
-        "| model | fmt | proj | tokens | rows | routed experts | routed MB | Pallas us | GB/s | % copy BW "
-        "| XLA us | speedup | max rel diff |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in report["results"]:
-        xla = "-" if r["xla_us"] is None else f"{r['xla_us']:.1f}"
-        sp = "-" if r["speedup_vs_xla"] is None else f"{r['speedup_vs_xla']:.2f}x"
-        rd = "-" if r["max_rel_diff_vs_xla"] is None else f"{r['max_rel_diff_vs_xla']:.1e}"
-        lines.append(
-            f"| {r['model']} | {r['format']} | {r['projection']} | {r['tokens']} | {r['rows']} "
-            f"| {r['routed_experts']:.1f} | {r['routed_mb']:.2f} | {r['pallas_us']:.1f} | {r['pallas_gbps']:.1f} "
-            f"| {100 * r['fraction_of_copy_bw']:.1f} | {xla} | {sp} | {rd} |"
-        )
-    lines.append("")
-    return "\n".join(lines)
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines += h.table(["model", "fmt", "proj", "tokens", "rows", "routed experts", "routed MB", "Pallas us", "GB/s",
+                      "% copy BW", "XLA us", "speedup", "max rel diff"],
+                     [[r["model"], r["format"], r["projection"], r["tokens"], r["rows"], f"{r['routed_experts']:.1f}",
+                       f"{r['routed_mb']:.2f}", f"{r['pallas_us']:.1f}", f"{r['pallas_gbps']:.1f}",
+                       f"{100 * r['fraction_of_copy_bw']:.1f}", fmt(r["xla_us"], ".1f"),
+                       fmt(r["speedup_vs_xla"], ".2f") + ("x" if r["speedup_vs_xla"] is not None else ""),
+                       fmt(r["max_rel_diff_vs_xla"], ".1e")] for r in report["results"]], align="lllrrrrrrrrrr")
+    return lines
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--quick", action="store_true", help="widths 1,8,32, MXFP4 only, fewer layers and reps")
-    p.add_argument("--tiny", action="store_true", help="tiny expert shapes (CPU smoke run)")
-    p.add_argument("--interpret", action="store_true", help="run the Pallas kernel in interpret mode")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {sorted(MODELS)}")
-    p.add_argument("--formats", default=None, help="comma list of mxfp4,nvfp4 (default both; --quick: mxfp4)")
-    p.add_argument("--widths", default=None, help="verify widths in tokens (default 1,4,8,16,32)")
-    p.add_argument("--layers", type=int, default=None, help="distinct weight pools per timed call (default 8)")
-    p.add_argument("--reps", type=int, default=None, help="timed calls per case (default 20)")
-    p.add_argument("--skip-xla", action="store_true", help="do not time the XLA path")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--expert-policy", action="store_true",
-                   help="instead: plain decoding of the shipped pair, FP4 experts vs dequantized at load")
-    p.add_argument("--policy-prompts", type=int, default=4, help="--expert-policy: held-out prompts")
-    p.add_argument("--policy-new-tokens", type=int, default=64, help="--expert-policy: new tokens per prompt")
-    add_output_args(p)
-    p.add_argument("--no-write", action="store_true", help="print only")
-    a = p.parse_args(argv)
+    p = h.parser(__doc__, {
+        "--tiny": (False, "tiny expert shapes (CPU smoke run)"),
+        "--interpret": (False, "run the Pallas kernel in interpret mode"),
+        "--models": (",".join(MODELS), f"comma list of {sorted(MODELS)}"),
+        "--formats": ("mxfp4,nvfp4", "comma list of mxfp4,nvfp4 (--quick: mxfp4)"),
+        "--widths": ("1,4,8,16,32", "verify widths in tokens (--quick: 1,8,32)"),
+        "--layers": (8, "distinct weight pools per timed call (--quick: 4)"),
+        "--reps": (20, "timed calls per case (--quick: 5)"), "--skip-xla": (False, "do not time the XLA path"),
+        "--expert-policy": (False, "instead: plain decoding of the shipped pair, FP4 experts vs dequantized at load"),
+        "--policy-prompts": (4, "--expert-policy: held-out prompts"),
+        "--policy-new-tokens": (64, "--expert-policy: new tokens per prompt"),
+        "--no-write": (False, "print only")}, seed=0)
+    a = h.parse(p, argv, quick=dict(formats="mxfp4", widths="1,8,32", layers=4, reps=5, policy_prompts=1,
+                                    policy_new_tokens=8))
     a.models = [m.strip() for m in a.models.split(",") if m.strip()]
     unknown = [m for m in a.models if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
-    a.formats = [f.strip() for f in (a.formats or ("mxfp4" if a.quick else "mxfp4,nvfp4")).split(",")]
+    a.formats = [f.strip() for f in a.formats.split(",")]
     if any(f not in ("mxfp4", "nvfp4") for f in a.formats):
         p.error(f"--formats must be a comma list of mxfp4,nvfp4; got {a.formats}")
-    a.widths = [int(w) for w in (a.widths or ("1,8,32" if a.quick else "1,4,8,16,32")).split(",")]
-    a.layers = a.layers or (4 if a.quick else 8)
-    a.reps = a.reps or (5 if a.quick else 20)
+    a.widths = h.int_list(p, a.widths, "--widths")
     return a
 
 
@@ -272,11 +257,10 @@ def expert_policy(args) -> dict:
     import dflash_jax
     from dflash_jax.decode import greedy_generate
     from dflash_jax.pair import dense_expert_bytes, dense_experts_wanted, with_dense_experts
-    from dflash_jax.train.data import file_windows
 
     fp4 = dflash_jax.load()
     dense = with_dense_experts(fp4)
-    prompts = file_windows(fp4, "held_out", args.policy_prompts, 128)
+    prompts = h.prompts(fp4, args.policy_prompts, 128)
     n = args.policy_new_tokens
     runs = {"fp4": fp4, "dense at load": dense}
 
@@ -285,42 +269,40 @@ def expert_policy(args) -> dict:
 
     outputs = {name: decode(pair, prompts[0]) for name, pair in runs.items()}  # compile each once
     assert outputs["fp4"] == outputs["dense at load"], "dequantizing at load changed the output"
-    seconds = {name: 0.0 for name in runs}
-    for rep in range(args.reps or 3):
-        for prompt in prompts:
-            for name, pair in (runs.items() if rep % 2 == 0 else reversed(list(runs.items()))):
-                t0 = time.perf_counter()
-                decode(pair, prompt)
-                seconds[name] += time.perf_counter() - t0
-    tokens = (args.reps or 3) * len(prompts) * n
+    reps = 3
+    t = h.paired_items(prompts, lambda prompt: {name: (lambda pair=pair: decode(pair, prompt))
+                                                for name, pair in runs.items()}, reps, alternate=True)
+    seconds = {name: sum(x.stat(name, "wall", "mean") * reps for x in t) for name in runs}
+    tokens = reps * len(prompts) * n
     tps = {name: tokens / s for name, s in seconds.items()}
     print(json.dumps(tps))
     return {
         "backend": jax.default_backend(), "jax": jax.__version__, "machine": f"{platform.machine()}, "
         f"{os.cpu_count()} cores", "prompts": len(prompts), "prompt_tokens": 128, "new_tokens": n,
-        "reps": args.reps or 3, "auto_dequantizes_here": bool(dense_experts_wanted(fp4, "auto")),
+        "reps": reps, "auto_dequantizes_here": bool(dense_experts_wanted(fp4, "auto")),
         "fp4_expert_bytes": fp4.expert_bytes, "dense_expert_bytes": dense_expert_bytes(fp4),
         "dense_dtype": str(fp4.target.embed.dtype),
         "tokens_per_second": tps, "speedup": tps["dense at load"] / tps["fp4"], "outputs_equal": True,
     }
 
 
-def expert_policy_markdown(r: dict) -> str:
+def expert_policy_markdown(r: dict) -> list[str]:
     tps = r["tokens_per_second"]
-    return "\n".join([
+    return [
         "# FP4 experts on a backend without the kernel: dequantize once at load", "",
         f"Plain greedy decoding of the shipped pair (`benchmarks/fp4_grouped_matmul.py --expert-policy`), backend "
         f"`{r['backend']}` ({r['machine']}), jax {r['jax']}: {r['prompts']} held-out prompts of {r['prompt_tokens']} "
         f"tokens, {r['new_tokens']} new tokens each, {r['reps']} passes, the two runs alternated prompt by prompt "
         "in one process; outputs equal.", "",
-        "| experts | bytes | plain tok/s |", "|---|---:|---:|",
-        f"| MXFP4 as stored (XLA path dequantizes per call) | {r['fp4_expert_bytes'] / 1e6:.2f} MB | {tps['fp4']:.1f} |",
-        f"| dequantized at load ({r['dense_dtype']}, the compute dtype) | {r['dense_expert_bytes'] / 1e6:.2f} MB "
-        f"| {tps['dense at load']:.1f} |", "",
+        *h.table(["experts", "bytes", "plain tok/s"],
+                 [["MXFP4 as stored (XLA path dequantizes per call)", f"{r['fp4_expert_bytes'] / 1e6:.2f} MB",
+                   f"{tps['fp4']:.1f}"],
+                  [f"dequantized at load ({r['dense_dtype']}, the compute dtype)",
+                   f"{r['dense_expert_bytes'] / 1e6:.2f} MB", f"{tps['dense at load']:.1f}"]], align="lrr"), "",
         f"Dequantizing at load: **{r['speedup']:.2f}x** plain tokens/s. `dflash_jax.load(dequantize_experts=\"auto\")` "
         f"and `dflash-generate` (default `--dequantize-experts auto`) do it here: "
         f"{'yes' if r['auto_dequantizes_here'] else 'no'} (no FP4 kernel on this backend; dense tables within 25% of "
-        "memory). Where the Pallas kernel runs (a GPU) the experts stay FP4.", ""])
+        "memory). Where the Pallas kernel runs (a GPU) the experts stay FP4."]
 
 
 def main(argv=None) -> int:
@@ -328,22 +310,14 @@ def main(argv=None) -> int:
     if args.expert_policy:
         result = expert_policy(args)
         if not args.no_write:
-            out = Path(output_dir(args))
-            (out / "fp4_grouped_matmul_expert_policy.json").write_text(json.dumps(result, indent=1) + "\n")
-            (out / "fp4_grouped_matmul_expert_policy.md").write_text(expert_policy_markdown(result))
-            print(f"wrote {out / 'fp4_grouped_matmul_expert_policy.md'}")
+            h.Report(args, "fp4_grouped_matmul_expert_policy").write(result, expert_policy_markdown(result))
         return 0
     if jax.default_backend() != "gpu" and not args.tiny:
         print("note: no GPU backend; full shapes in interpret mode are very slow (use --tiny for a smoke run)",
               file=sys.stderr)
     report = run(args)
     if not args.no_write:
-        out = Path(output_dir(args))
-        tmp = out / ".fp4_grouped_matmul.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, out / "fp4_grouped_matmul.json")
-        (out / "fp4_grouped_matmul.md").write_text(markdown(report))
-        print(f"wrote {out / 'fp4_grouped_matmul.json'} and {out / 'fp4_grouped_matmul.md'}")
+        h.Report(args, "fp4_grouped_matmul").write(report, markdown(report))
     return 0
 
 

@@ -213,15 +213,16 @@ class Outputs:
 
 
 def paired_items(items: Sequence, modes: Callable[[Any], Mapping[str, Callable[[], Any]]], repeats: int, *,
-                 outputs: Outputs | None = None, log: Callable[[int, Any, Timings], None] | None = None) -> list:
-    """`paired_runs` per item (a prompt), each repeat in the same order: `modes(item)` names the callables of that
-    item; every run's output goes to `outputs`. Returns one `Timings` per item; `log(i, item, timings)` after
-    each item."""
+                 outputs: Outputs | None = None, log: Callable[[int, Any, Timings], None] | None = None,
+                 alternate: bool = False) -> list:
+    """`paired_runs` per item (a prompt), each repeat in the same order (reversed every other one when
+    `alternate`): `modes(item)` names the callables of that item; every run's output goes to `outputs`. Returns
+    one `Timings` per item; `log(i, item, timings)` after each item."""
     out = []
     for i, item in enumerate(items):
         if outputs is not None:
             outputs.start()
-        t = paired_runs(modes(item), repeats, alternate=False, on_run=outputs.see if outputs else None)
+        t = paired_runs(modes(item), repeats, alternate=alternate, on_run=outputs.see if outputs else None)
         out.append(t)
         if log:
             log(i, item, t)
@@ -238,8 +239,10 @@ def table(header: Sequence[str], rows: Iterable[Sequence], align: str | None = N
     """Markdown table lines; align: one character per column ('l' left, 'r' right, '-' plain), default plain."""
     marks = {"l": ":---", "r": "---:", "-": "---"}
     rule = [marks[a] for a in (align or "-" * len(header))]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    def line(cells):
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    return [line(header).replace("|  |", "| |"), "|" + "|".join(rule) + "|"] + [line(row) for row in rows]
 
 
 def save_figure(fig, path: str) -> None:

@@ -1,6 +1,6 @@
 """The hybrid-target sweep: expert budget x speculation on/off x PFlash prefill compression on/off.
 
-  python benchmarks/hybrid_sweep.py [--pair NAME | --checkpoint DIR] [--prompt-len N] [--scorers LIST] [--write-docs]
+  python benchmarks/hybrid_sweep.py [--pair NAME | --checkpoint DIR] [--prompt-len N] [--scorers LIST] [--quick] [--write-docs]
 
 On a shipped pair (default: the Qwen3.5-MoE hybrid pair `tiny_pair_qwen3_5` when it is installed, else the
 Qwen3-MoE `tiny_pair`), with held-out prompts (standard-library files the pair never trained on) as long as the
@@ -33,16 +33,14 @@ hybrid_sweep.{json,md,png} (docs/benchmarks with --write-docs).
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report_output import add_output_args, output_dir, save_figure  # noqa: E402
+import harness as h
 
 KEEPS = (1.0, 0.5, 0.25, 0.1)
 HYBRID = "tiny_pair_qwen3_5"
@@ -129,33 +127,27 @@ def load_scorers(spec: str, pair, name: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pair", default=None, metavar="NAME",
-                   help=f"a shipped pair (default: {HYBRID} when installed, else tiny_pair)")
-    p.add_argument("--checkpoint", default=None, help="a convert-weights checkpoint instead of a shipped pair")
-    p.add_argument("--prompt-len", type=int, default=None,
-                   help="held-out prompt tokens (default and cap: the target's positions - max-new - block - 64)")
-    p.add_argument("--prompts", type=int, default=2, help="long-form prompts for timing and agreement")
-    p.add_argument("--needles", type=int, default=4, help="needle-retrieval prompts")
-    p.add_argument("--needle-answer", type=int, default=8, help="needle answer tokens scored by exact match")
-    p.add_argument("--max-new", type=int, default=64, help="greedy tokens compared with the full prefill's")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (the fastest is kept)")
-    p.add_argument("--scorers", default="auto",
-                   help="comma-separated scorers: target, target:N (its first N layers), PAIR[:N] or DIR[:N] (another "
-                        "model with the same tokenizer); auto: a shipped pair's first layer when one shares the "
-                        "tokenizer, then the target")
-    p.add_argument("--block-size", type=int, default=None, help="DFlash block (default: the draft's)")
-    p.add_argument("--budgets", default="0.25,1.0",
-                   help="offload budgets as fractions of all expert bytes (comma-separated; '' skips offload)")
-    p.add_argument("--offload-prompt-len", type=int, default=1024,
-                   help="the offloaded grid's held-out prompt tokens (its layer-by-layer prefill is the slowest part "
-                        "of the sweep; capped like --prompt-len)")
-    add_output_args(p)
-    args = p.parse_args(argv)
-    if min(args.prompts, args.max_new, args.repeats, args.needle_answer) < 1 or args.needles < 0 or (
-            args.prompt_len is not None and args.prompt_len < 128):
-        p.error("--prompts, --max-new, --repeats and --needle-answer must be >= 1, --needles >= 0, "
-                "--prompt-len >= 128")
+    p = h.parser(__doc__, {
+        "--pair": (None, f"a shipped pair (default: {HYBRID} when installed, else tiny_pair)"),
+        "--checkpoint": (None, "a convert-weights checkpoint instead of a shipped pair"),
+        "--prompt-len": (None, "held-out prompt tokens (default and cap: the target's positions - max-new - block - "
+                               "64)"),
+        "--needles": (4, "needle-retrieval prompts"), "--needle-answer": (8, "needle answer tokens scored by exact match"),
+        "--scorers": ("auto", "comma-separated scorers: target, target:N (its first N layers), PAIR[:N] or DIR[:N] "
+                              "(another model with the same tokenizer); auto: a shipped pair's first layer when one "
+                              "shares the tokenizer, then the target"),
+        "--block-size": (None, "DFlash block (default: the draft's)"),
+        "--budgets": ("0.25,1.0", "offload budgets as fractions of all expert bytes (comma-separated; '' skips "
+                                  "offload)"),
+        "--offload-prompt-len": (1024, "the offloaded grid's held-out prompt tokens (its layer-by-layer prefill is the "
+                                       "slowest part of the sweep; capped like --prompt-len)")},
+        prompts=2, max_new=64, repeats=2)
+    args = h.parse(p, argv, quick=dict(prompt_len="128", prompts=1, needles=1, needle_answer=2, max_new=4, repeats=1,
+                                       scorers="target:1", budgets="1.0", offload_prompt_len=128))
+    args.prompt_len = None if args.prompt_len is None else int(args.prompt_len)
+    args.block_size = None if args.block_size is None else int(args.block_size)
+    if args.needle_answer < 1 or args.needles < 0 or (args.prompt_len is not None and args.prompt_len < 128):
+        p.error("--needle-answer must be >= 1, --needles >= 0, --prompt-len >= 128")
 
     import dflash_jax
     from dflash_jax import pflash
@@ -163,8 +155,8 @@ def main(argv=None) -> int:
     from dflash_jax.offload import OffloadedGenerator
     from dflash_jax.pflash import needle as nd
     from dflash_jax.spec.loop import LOOP_BUCKETS
-    from study.needle import needle_set
     from dflash_jax.train.data import file_windows
+    from study.needle import needle_set
 
     name = args.pair if args.checkpoint else (args.pair or _default_pair())
     try:
@@ -195,12 +187,11 @@ def main(argv=None) -> int:
         key = (prompt_id, scorer.name)
         if key not in score_cache:
             scores = pflash.score_tokens(scorer, prompt)  # compiles this bucket (or hits the cache)
-            best, best_cpu = float("inf"), float("inf")
-            for _ in range(args.repeats if timed else 0):
-                t, c = time.perf_counter(), time.process_time()
-                scores = pflash.score_tokens(scorer, prompt)
-                best, best_cpu = min(best, time.perf_counter() - t), min(best_cpu, time.process_time() - c)
-            score_cache[key] = (scores, (best, best_cpu) if timed else (float("nan"),) * 2)
+            best = (float("nan"),) * 2
+            if timed:
+                t = h.paired_runs({"score": functools.partial(pflash.score_tokens, scorer, prompt)}, args.repeats)
+                best = (t.stat("score"), t.stat("score", "cpu"))
+            score_cache[key] = (scores, best)
         return score_cache[key]
 
     def compress(prompt_id, prompt, keep, scorer, timed=True):
@@ -208,9 +199,8 @@ def main(argv=None) -> int:
         if keep == 1:
             return np.arange(len(prompt), dtype=np.int32), (0.0, 0.0)
         scores, (score_s, score_cpu) = score(prompt_id, prompt, scorer, timed)
-        t, c = time.perf_counter(), time.process_time()
-        kept = pflash.select_tokens(scores, keep_ratio=keep)
-        return kept, (score_s + time.perf_counter() - t, score_cpu + time.process_time() - c)
+        kept, wall, cpu = h.timed(lambda: pflash.select_tokens(scores, keep_ratio=keep))
+        return kept, (score_s + wall, score_cpu + cpu)
 
     warm_shapes = set()
 
@@ -340,19 +330,14 @@ def main(argv=None) -> int:
                          f"{row['prefill_routed_mb']:.3f} MB, decode {row['decode_mb_moved']:.3f} MB, = plain "
                          f"{row['lossless_vs_plain']}")
 
-    out = output_dir(args)
-    raw_path = os.path.join(out, "hybrid_sweep_raw.json")  # the measurements, kept until the report is written
-    with open(raw_path, "w") as fh:
-        json.dump({"resident": resident, "needles": needle_rows, "offloaded": offloaded}, fh)
+    report = h.Report(args, "hybrid_sweep")
+    # the measurements, kept until the report is written
+    raw_path = report.json({"resident": resident, "needles": needle_rows, "offloaded": offloaded}, suffix="_raw")
     result = summarize(name or directory, [s.name for s in scorers], pair, block, length, n_new, resident,
                        needle_rows, offloaded, args.needle_answer)
-    with open(os.path.join(out, "hybrid_sweep.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    with open(os.path.join(out, "hybrid_sweep.md"), "w") as fh:
-        fh.write(markdown(result))
-    plotted = plot(result, os.path.join(out, "hybrid_sweep.png"))
+    report.write(result, markdown(result), draw=functools.partial(draw, result), ncols=3, figsize=(16, 4.4),
+                 image="quality and TTFT by keep ratio; decode by budget")
     os.remove(raw_path)
-    _log(f"wrote {out}/hybrid_sweep.json, .md{', .png' if plotted else ''}")
     print(result["recommendation"])
     return 0
 
@@ -470,7 +455,7 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def markdown(r: dict) -> str:
+def markdown(r: dict) -> list[str]:
     t = r["target"]
     n = r["needle_calibration"]
     lines = [
@@ -495,12 +480,10 @@ def markdown(r: dict) -> str:
             f"the passage's next {n['answer_tokens']} tokens (exact match of the greedy continuation). Chance: the "
             "same prompt with another passage planted (positions and query unchanged).",
             "",
-            "| | exact match | answer tokens matched |",
-            "|---|---|---|",
-            f"| full prefill (keep 1) | {n['keep1_exact_match']:.2f} | {n['keep1_token_match']:.2f} |",
-            f"| passage swapped (chance) | {n['chance_exact_match']:.2f} | {n['chance_token_match']:.2f} |",
-            f"| passage right before the query (easiest) | {n['adjacent_exact_match']:.2f} | "
-            f"{n['adjacent_token_match']:.2f} |",
+            *h.table(["", "exact match", "answer tokens matched"],
+                     [[what, f"{n[k + '_exact_match']:.2f}", f"{n[k + '_token_match']:.2f}"] for what, k in (
+                         ("full prefill (keep 1)", "keep1"), ("passage swapped (chance)", "chance"),
+                         ("passage right before the query (easiest)", "adjacent"))]),
             "",
             ("The full prefill retrieves clearly above chance: the needle columns below rank the keep ratios."
              if n["measurable"] else
@@ -516,16 +499,13 @@ def markdown(r: dict) -> str:
         "the DFlash rows also feed the draft its context). CPU ms: the process's CPU time (every thread), the work "
         "itself, which the machine's other load does not inflate; wall ms: the best elapsed time of the repeats.",
         "",
-        "| keep | scorer | kept tokens | speculation | scorer CPU ms | target prefill CPU ms (vs full) | TTFT CPU ms "
-        "(vs full) | scorer wall ms | target prefill wall ms | TTFT wall ms (vs full) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for g in r["grid"]:
-        lines.append(
-            f"| {g['keep']} | {g['scorer']} | {g['kept_tokens']:.0f} | {'DFlash' if g['speculation'] else 'plain'} | "
-            f"{g['score_cpu_ms']:.0f} | {g['prefill_cpu_ms']:.0f} ({g['prefill_cpu_vs_full']:.2f}) | "
-            f"{g['ttft_cpu_ms']:.0f} ({g['ttft_cpu_vs_full']:.2f}) | {g['score_ms']:.0f} | {g['prefill_ms']:.0f} | "
-            f"{g['ttft_ms']:.0f} ({g['ttft_vs_full']:.2f}) |")
+    lines += h.table(["keep", "scorer", "kept tokens", "speculation", "scorer CPU ms", "target prefill CPU ms (vs full)",
+                      "TTFT CPU ms (vs full)", "scorer wall ms", "target prefill wall ms", "TTFT wall ms (vs full)"],
+                     [[g["keep"], g["scorer"], f"{g['kept_tokens']:.0f}", "DFlash" if g["speculation"] else "plain",
+                       f"{g['score_cpu_ms']:.0f}", f"{g['prefill_cpu_ms']:.0f} ({g['prefill_cpu_vs_full']:.2f})",
+                       f"{g['ttft_cpu_ms']:.0f} ({g['ttft_cpu_vs_full']:.2f})", f"{g['score_ms']:.0f}",
+                       f"{g['prefill_ms']:.0f}", f"{g['ttft_ms']:.0f} ({g['ttft_vs_full']:.2f})"] for g in r["grid"]])
     lines += [
         "",
         "## Resident experts: decode and quality by keep ratio and scorer",
@@ -535,18 +515,16 @@ def markdown(r: dict) -> str:
         "full prefill's plain greedy output (and the common prefix). Needle columns (plain greedy, per keep and "
         "scorer): exact match, answer tokens matched, and the fraction of the planted passage the selection kept.",
         "",
-        "| keep | scorer | speculation | decode tok/s | per CPU s | vs plain (wall / CPU) | tau | agreement | "
-        "common prefix | needle EM | needle answer tokens | passage kept | DFlash = plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for g in r["grid"]:
-        lines.append(
-            f"| {g['keep']} | {g['scorer']} | {'DFlash' if g['speculation'] else 'plain'} | "
-            f"{g['decode_tokens_per_s']:.1f} | {g['decode_tokens_per_cpu_s']:.1f} | {g['decode_vs_plain']:.2f} / "
-            f"{g['decode_cpu_vs_plain']:.2f} | {g['acceptance']:.2f} | {g['agreement']:.2f} | "
-            f"{g['common_prefix']:.1f} | "
-            f"{_f(g['needle_exact_match'])} | {_f(g['needle_token_match'])} | {_f(g['needle_kept'])} | "
-            f"{'yes' if g['lossless_vs_plain_same_keep'] else 'NO'} |")
+    lines += h.table(["keep", "scorer", "speculation", "decode tok/s", "per CPU s", "vs plain (wall / CPU)", "tau",
+                      "agreement", "common prefix", "needle EM", "needle answer tokens", "passage kept",
+                      "DFlash = plain"],
+                     [[g["keep"], g["scorer"], "DFlash" if g["speculation"] else "plain", f"{g['decode_tokens_per_s']:.1f}",
+                       f"{g['decode_tokens_per_cpu_s']:.1f}",
+                       f"{g['decode_vs_plain']:.2f} / {g['decode_cpu_vs_plain']:.2f}", f"{g['acceptance']:.2f}",
+                       f"{g['agreement']:.2f}", f"{g['common_prefix']:.1f}", _f(g["needle_exact_match"]),
+                       _f(g["needle_token_match"]), _f(g["needle_kept"]),
+                       "yes" if g["lossless_vs_plain_same_keep"] else "NO"] for g in r["grid"]])
     if r["offloaded"]:
         lines += [
             "",
@@ -559,33 +537,23 @@ def markdown(r: dict) -> str:
             "of a full-context prompt takes tens of seconds here), the first scorer. = plain: the output equals the "
             "offloaded plain output of the same budget and keep (offloaded = resident is tested in tests/pflash).",
             "",
-            "| budget (of all experts) | MB | speculation | keep | scorer | kept | TTFT CPU ms (scorer + prefill) | "
-            "TTFT wall ms | decode tok/s | per CPU s | tau | prefill streamed MB | prefill routed MB | decode MB | "
-            "MB/token | = plain |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for o in r["offloaded"]:
-            lines.append(
-                f"| {o['budget_fraction']:.2f} | {o['budget_mb']:.3f} | {'DFlash' if o['speculation'] else 'plain'} | "
-                f"{o['keep']} | {o['scorer']} | {o['kept_tokens']} | {o['ttft_cpu_s'] * 1e3:.0f} "
-                f"({o['score_cpu_s'] * 1e3:.0f} + {o['prefill_cpu_s'] * 1e3:.0f}) | {o['ttft_s'] * 1e3:.0f} | "
-                f"{o['decode_tokens_per_s']:.1f} | {o['decode_tokens_per_cpu_s']:.1f} | "
-                f"{o['acceptance']:.2f} | {o['prefill_streamed_mb']:.3f} | {o['prefill_routed_mb']:.3f} | "
-                f"{o['decode_mb_moved']:.3f} | {o['decode_mb_per_token']:.4f} | "
-                f"{'yes' if o['lossless_vs_plain'] else 'NO'} |")
-    lines += ["", "![quality and TTFT by keep ratio; decode by budget](hybrid_sweep.png)", ""]
-    return "\n".join(lines)
+        lines += h.table(
+            ["budget (of all experts)", "MB", "speculation", "keep", "scorer", "kept", "TTFT CPU ms (scorer + prefill)",
+             "TTFT wall ms", "decode tok/s", "per CPU s", "tau", "prefill streamed MB", "prefill routed MB",
+             "decode MB", "MB/token", "= plain"],
+            [[f"{o['budget_fraction']:.2f}", f"{o['budget_mb']:.3f}", "DFlash" if o["speculation"] else "plain",
+              o["keep"], o["scorer"], o["kept_tokens"],
+              f"{o['ttft_cpu_s'] * 1e3:.0f} ({o['score_cpu_s'] * 1e3:.0f} + {o['prefill_cpu_s'] * 1e3:.0f})",
+              f"{o['ttft_s'] * 1e3:.0f}", f"{o['decode_tokens_per_s']:.1f}", f"{o['decode_tokens_per_cpu_s']:.1f}",
+              f"{o['acceptance']:.2f}", f"{o['prefill_streamed_mb']:.3f}", f"{o['prefill_routed_mb']:.3f}",
+              f"{o['decode_mb_moved']:.3f}", f"{o['decode_mb_per_token']:.4f}", "yes" if o["lossless_vs_plain"] else "NO"]
+             for o in r["offloaded"]])
+    return lines
 
 
-def plot(r: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.4))
+def draw(r: dict, axes) -> None:
+    a, b, c = axes
     full = next(g for g in r["grid"] if g["keep"] == 1.0 and not g["speculation"])
     for si, scorer in enumerate(r["scorers"]):
         rows = [full] + [g for g in r["grid"] if g["scorer"] == scorer and not g["speculation"]]
@@ -616,8 +584,6 @@ def plot(r: dict, path: str) -> bool:
     c.set_ylabel("decode tokens/s (offloaded)")
     c.set_ylim(bottom=0)
     c.legend(fontsize="x-small")
-    save_figure(fig, path)
-    return True
 
 
 if __name__ == "__main__":

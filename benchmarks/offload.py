@@ -2,6 +2,7 @@
 
   python benchmarks/offload.py [--checkpoint DIR] [--prompts 2] [--prompt-len 64] [--max-new 48]
                                [--blocks 1,4,8] [--budgets 0.25,0.5,1.0] [--predictors ...] [--tag NAME]
+                               [--quick] [--out DIR | --write-docs]
 
   B0  all experts resident: `spec.generate_stepping` (and the jitted `spec.generate`) at each block size
   B1  block 1, experts offloaded, on-demand fetch (`offload.OffloadedGenerator`, prefetcher "none")
@@ -15,31 +16,27 @@ bandwidth of this machine.
 Model: `--checkpoint DIR` (a convert-weights pair; held-out prompts when it has split.json, as
 benchmarks/tiny_pair.py), else a random agreeable Qwen3-MoE pair (`dflash_jax.testing.random_pair`, 32
 experts top-2, 4 layers) with random prompts. Runs on whatever backend JAX picks (CPU here; a GPU if
-present). Appends rows to docs/benchmarks/offload.jsonl and rewrites docs/benchmarks/offload.md.
+present). Appends rows to offload.jsonl and rewrites offload.md from all of them, in --out (default bench_out/) or,
+with --write-docs, docs/benchmarks/.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import sys
-import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = os.path.join(ROOT, "docs", "benchmarks")
-sys.path.insert(0, ROOT)
+import harness as h
 
 
 def learned_predictor(pair, args, train_prompts):
     """Trains `train.route_predictor` on rounds over `train_prompts`; returns (LearnedRouter, info)."""
     from dflash_jax.offload.predictors import LearnedRouter
     from dflash_jax.offload.route_model import init_from_target
-    from study.rounds import collect_route_data
     from dflash_jax.train.route_predictor import train_route_predictor
+    from study.rounds import collect_route_data
 
     block = max(int(b) for b in args.blocks.split(","))
     hidden, targets, layers = collect_route_data(pair, train_prompts, block_size=block, max_new_tokens=args.max_new)
@@ -78,15 +75,11 @@ def verify_overhead(pair, store, prompts, block: int, repeats: int = 30) -> dict
         "single": lambda: qwen3.forward_jit(pooled, blk, cache, cfg).logits,
         "layerwise": lambda: forward_layerwise(stripped, blk, cache, cfg, provider=provide).out.logits,
     }
-    best = {}
-    for name, fn in runs.items():
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times)
+    runs = {name: (lambda fn=fn: jax.block_until_ready(fn())) for name, fn in runs.items()}
+    for fn in runs.values():
+        fn()  # compiles
+    t = h.paired_runs(runs, repeats)
+    best = {name: t.stat(name) for name in runs}
     layers = len(store.layer_ids)
     return dict(single_ms=best["single"] * 1e3, layerwise_ms=best["layerwise"] * 1e3,
                 per_layer_overhead_ms=(best["layerwise"] - best["single"]) * 1e3 / layers)
@@ -129,21 +122,16 @@ def overlap(pair, store, prompts, *, block: int, experts: int, repeats: int = 5)
             target.fetch(layer, rng.choice(e, experts, replace=False))
             target.block_until_ready()
 
-        copies()  # compiles the copy programs
-        best = {"copy": np.inf, "compute": np.inf, "both": np.inf}
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            copies()
-            best["copy"] = min(best["copy"], time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            jax.block_until_ready(fam_forward(weights, tokens, cache))
-            best["compute"] = min(best["compute"], time.perf_counter() - t0)
-            t0 = time.perf_counter()
+        def both():
             target.fetch(layer, rng.choice(e, experts, replace=False))
             logits = fam_forward(weights, tokens, cache)
             target.block_until_ready()
             jax.block_until_ready(logits)
-            best["both"] = min(best["both"], time.perf_counter() - t0)
+
+        copies()  # compiles the copy programs
+        t = h.paired_runs({"copy": copies, "compute": lambda: jax.block_until_ready(fam_forward(weights, tokens, cache)),
+                           "both": both}, repeats, alternate=False)
+        best = {k: t.stat(k) for k in t.modes}
         hidden = best["copy"] + best["compute"] - best["both"]
         out[transfer] = dict({f"{k}_ms": v * 1e3 for k, v in best.items()},
                              overlap=hidden / min(best["copy"], best["compute"]), copied_bytes=experts * eb)
@@ -162,7 +150,7 @@ def overlap_main(args) -> int:
                model=args.checkpoint or "random", block=block,
                **overlap(pair, store, prompts, block=block, experts=min(store.num_experts - 1, 16)))
     print(json.dumps(row), flush=True)
-    with open(args.jsonl, "a") as fh:
+    with open(os.path.join(args.out_dir, "offload.jsonl"), "a") as fh:
         fh.write(json.dumps(row) + "\n")
     return 0
 
@@ -182,14 +170,12 @@ def load_model(args):
     import dflash_jax
     from dflash_jax import testing
     from dflash_jax.config import MoEConfig
-    from dflash_jax.train.data import file_windows
 
     if args.checkpoint:
         pair = dflash_jax.load(args.checkpoint)  # resident for B0; the offloaded runs copy experts to pinned host
         if os.path.exists(os.path.join(pair.directory, "split.json")):
-            train = file_windows(pair, "train", args.train_prompts, args.prompt_len, args.seed + 1)
-            return (pair, file_windows(pair, "held_out", args.prompts, args.prompt_len, args.seed),
-                    "held-out stdlib text", train)
+            train = h.prompts(pair, args.train_prompts, args.prompt_len, args.seed + 1, split="train")
+            return (pair, h.prompts(pair, args.prompts, args.prompt_len, args.seed), "held-out stdlib text", train)
         source = "random token prompts"
     else:
         cfg = testing.tiny_qwen3_moe_config(
@@ -233,28 +219,18 @@ def summarize(result, reference, extra) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-new", type=int, default=48)
-    p.add_argument("--blocks", default="1,4,8")
-    p.add_argument("--budgets", default="0.25,0.5,1.0")
-    p.add_argument("--predictors", default="previous,draft_router,previous+draft_router")
-    p.add_argument("--widths", default="", help="extra predictor widths (experts per token) for B3, e.g. 4")
-    p.add_argument("--expert-format", default="mxfp4", choices=["dense", "mxfp4", "nvfp4"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tag", default="cpu-random")
-    p.add_argument("--learned", action="store_true",
-                   help="also train the learned linear route predictor (on --train-prompts other prompts) and run it")
-    p.add_argument("--train-prompts", type=int, default=16)
-    p.add_argument("--learned-steps", type=int, default=300)
-    p.add_argument("--jsonl", default=os.path.join(DOCS, "offload.jsonl"))
-    p.add_argument("--md", default=os.path.join(DOCS, "offload.md"))
-    p.add_argument("--overlap", action="store_true",
-                   help="only measure whether expert copies issued ahead overlap the verify's compute (for a GPU): "
-                        "prints one JSON row and appends it to --jsonl")
-    args = p.parse_args(argv)
+    p = h.parser(__doc__, {
+        "--budgets": "0.25,0.5,1.0", "--predictors": "previous,draft_router,previous+draft_router",
+        "--widths": ("", "extra predictor widths (experts per token) for B3, e.g. 4"),
+        "--expert-format": ("mxfp4", None, ("dense", "mxfp4", "nvfp4")), "--tag": "cpu-random",
+        "--learned": (False, "also train the learned linear route predictor (on --train-prompts other prompts) and "
+                             "run it"),
+        "--train-prompts": 16, "--learned-steps": 300,
+        "--overlap": (False, "only measure whether expert copies issued ahead overlap the verify's compute (for a "
+                             "GPU): prints one JSON row and appends it to offload.jsonl")},
+        checkpoint=None, prompts=2, prompt_len=64, max_new=48, blocks="1,4,8", seed=0)
+    args = h.parse(p, argv, quick=dict(prompts=1, prompt_len=16, max_new=4, blocks="1,4", budgets="0.5",
+                                       predictors="previous", train_prompts=1, tag="quick"))
     if args.overlap:
         return overlap_main(args)
 
@@ -326,11 +302,11 @@ def main(argv=None) -> int:
                                verify="layerwise", **kw)
             emit(summarize(lw, reference, dict(mode="B2-layerwise-full", loop="offloaded", block=block, budget=1.0,
                                                predictor="none")))
-    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
-    with open(args.jsonl, "a") as fh:
+    report = h.Report(args, "offload")
+    with open(report.path("jsonl"), "a") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
-    write_markdown(args.jsonl, args.md)
+    report.markdown(markdown(report.path("jsonl")))
     return 0
 
 
@@ -348,7 +324,7 @@ def _sizes(r) -> str:
     return f"{r['mean_predicted']:.1f} / {r['mean_routed']:.1f}"
 
 
-def write_markdown(jsonl: str, md: str) -> None:
+def markdown(jsonl: str) -> list[str]:
     with open(jsonl) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     tags = []
@@ -372,39 +348,33 @@ def write_markdown(jsonl: str, md: str) -> None:
                 f"{e['backend']} ({e['device']}), model {e['model']}: {e['moe_layers']} MoE layers x {e['experts']} "
                 f"experts top-{e['top_k']}, {e['expert_bytes']} B per expert ({e['expert_format']}); "
                 f"{e['prompts']} prompts x {e['prompt_len']} tokens ({e['prompt_source']}), {e['max_new']} new "
-                f"tokens each; measured host->device bandwidth {e['bandwidth'] / 1e9:.2f} GB/s.", "",
-                "| mode | block | budget | predictor | width | tok/s | tau | hit rate | coverage | waste "
-                "| mean P / R | random cov. | MB moved/tok | exposed s | verify s | lossless |", "|---" * 16 + "|"]
-        overhead = [r for r in sub if r["mode"] == "verify-overhead"]
-        for r in sub:
-            if r["mode"] == "verify-overhead":
-                continue
+                f"tokens each; measured host->device bandwidth {e['bandwidth'] / 1e9:.2f} GB/s.", ""]
+
+        def cells(r):
             if "error" in r:
-                out.append(f"| {r['mode']} | {r['block']} | {r['budget']} | {r['predictor']} | - | - | - | - | - | - "
-                           f"| - | - | - | - | - | {r['error'][:60]} |")
-                continue
-            is_off = "coverage" in r
-            out.append(
-                f"| {r['mode']}{' (jit)' if r['loop'] == 'jit' else ''} | {r['block']} | {r['budget']} | "
-                f"{r['predictor']} | "
-                f"{_fmt(r.get('width'))} | {r['tokens_per_s']:.1f} | {r['mean_acceptance']:.2f} | "
-                f"{_fmt(r.get('hit_rate')) if is_off else '-'} | "
-                f"{_fmt(r.get('coverage')) if is_off and r['predictor'] != 'none' else '-'} | "
-                f"{_fmt(r.get('waste')) if is_off and r['predictor'] != 'none' else '-'} | "
-                f"{_sizes(r) if is_off and r['predictor'] != 'none' else '-'} | "
-                f"{_fmt(r.get('random_coverage')) if is_off and r['predictor'] != 'none' else '-'} | "
-                f"{_fmt(r['bytes_per_token'] / 1e6, '.3f') if is_off else '-'} | "
-                f"{_fmt(r.get('exposed_transfer_s'), '.4f') if is_off else '-'} | {_fmt(r.get('verify_s'), '.3f')} | "
-                f"{r['lossless']} |")
+                return [r["mode"], r["block"], r["budget"], r["predictor"]] + ["-"] * 11 + [r["error"][:60]]
+            off, pred = "coverage" in r, "coverage" in r and r["predictor"] != "none"
+            return [r["mode"] + (" (jit)" if r["loop"] == "jit" else ""), r["block"], r["budget"], r["predictor"],
+                    _fmt(r.get("width")), f"{r['tokens_per_s']:.1f}", f"{r['mean_acceptance']:.2f}",
+                    _fmt(r.get("hit_rate")) if off else "-", _fmt(r.get("coverage")) if pred else "-",
+                    _fmt(r.get("waste")) if pred else "-", _sizes(r) if pred else "-",
+                    _fmt(r.get("random_coverage")) if pred else "-",
+                    _fmt(r["bytes_per_token"] / 1e6, ".3f") if off else "-",
+                    _fmt(r.get("exposed_transfer_s"), ".4f") if off else "-", _fmt(r.get("verify_s"), ".3f"),
+                    r["lossless"]]
+
+        out += h.table(["mode", "block", "budget", "predictor", "width", "tok/s", "tau", "hit rate", "coverage",
+                        "waste", "mean P / R", "random cov.", "MB moved/tok", "exposed s", "verify s", "lossless"],
+                       [cells(r) for r in sub if r["mode"] != "verify-overhead"])
+        overhead = [r for r in sub if r["mode"] == "verify-overhead"]
         if overhead:
             out += ["", "Cost of the layer-wise verify (best of 30, full pool, batch 1): one jitted program vs layer "
-                    "by layer.", "", "| block | one program ms | layer-wise ms | overhead per MoE layer ms |",
-                    "|---|---|---|---|"]
-            out += [f"| {r['block']} | {r['single_ms']:.2f} | {r['layerwise_ms']:.2f} | "
-                    f"{r['per_layer_overhead_ms']:.2f} |" for r in overhead]
+                    "by layer.", ""]
+            out += h.table(["block", "one program ms", "layer-wise ms", "overhead per MoE layer ms"],
+                           [[r["block"], f"{r['single_ms']:.2f}", f"{r['layerwise_ms']:.2f}",
+                             f"{r['per_layer_overhead_ms']:.2f}"] for r in overhead])
         out.append("")
-    with open(md, "w") as fh:
-        fh.write("\n".join(out) + "\n")
+    return out
 
 
 if __name__ == "__main__":

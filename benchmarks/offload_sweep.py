@@ -2,7 +2,7 @@
 all experts, plain decoding (AR) vs DFlash with each route-ahead predictor, one shared device expert cache.
 
   python benchmarks/offload_sweep.py [--checkpoint DIR | --work DIR] [--block 4] [--prompts 1] [--prompt-len 64]
-                                     [--max-new 32] [--predictors none,previous,...] [--out DIR | --write-docs]
+                                     [--max-new 32] [--predictors none,previous,...] [--quick] [--out DIR | --write-docs]
 
 Model: `--checkpoint DIR` (a converted pair), else the route-study pair trained by `benchmarks/route_ahead.py`
 in `--work` (default route_study_work/) when it exists, else a random pair of the route-study pair's shape
@@ -29,8 +29,7 @@ offload_sweep.md / offload_sweep.png to --out (default bench_out/) or, with --wr
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import os
 import platform
 import sys
@@ -38,16 +37,10 @@ import time
 
 import numpy as np
 
-from report_output import add_output_args, output_dir
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as h
 
 H200_PCIE5 = 58e9  # host->device bytes/s of the cost model's H200 + PCIe 5 host (study.cost_model.HARDWARE)
-
-
-def _log(msg: str) -> None:
-    print(f"[offload_sweep] {msg}", flush=True)
+log = h.logger("offload_sweep")
 
 
 def load_pair(args):
@@ -61,9 +54,7 @@ def load_pair(args):
     if os.path.exists(os.path.join(directory, "manifest.json")):
         pair = dflash_jax.load(directory)
         if os.path.exists(os.path.join(directory, "split.json")):
-            from dflash_jax.train.data import file_windows
-
-            return pair, file_windows(pair, "held_out", args.prompts, args.prompt_len, args.seed), \
+            return pair, h.prompts(pair, args.prompts, args.prompt_len, args.seed), \
                 f"converted pair ({os.path.basename(os.path.normpath(directory))}), held-out text"
         desc = "converted pair, random prompts"
     else:
@@ -112,23 +103,16 @@ def row_of(result, *, mode, label, budget, predictor, placement, seconds, layers
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="a converted MoE pair")
-    p.add_argument("--work", default="route_study_work", help="the route-study pair's work dir, used when trained")
-    p.add_argument("--block", type=int, default=4, help="DFlash verify width")
-    p.add_argument("--prompts", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-new", type=int, default=24)
-    p.add_argument("--budgets", default="min,half-union,union,0.25,0.5,1.0")
-    p.add_argument("--predictors", default="none,previous,draft_router,residual")
-    p.add_argument("--hybrid-predictor", default="previous", help="predictor of the hybrid-placement DFlash rows")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the best is the row)")
-    p.add_argument("--seed", type=int, default=0)
-    add_output_args(p)
-    args = p.parse_args(argv)
-    if args.block < 2 or args.prompts < 1 or args.max_new < 1 or args.repeats < 1:
-        p.error("--block must be >= 2, --prompts, --max-new and --repeats >= 1")
-    out_dir = output_dir(args)
+    p = h.parser(__doc__, {
+        "--work": ("route_study_work", "the route-study pair's work dir, used when trained"),
+        "--block": (4, "DFlash verify width"), "--budgets": "min,half-union,union,0.25,0.5,1.0",
+        "--predictors": "none,previous,draft_router,residual",
+        "--hybrid-predictor": ("previous", "predictor of the hybrid-placement DFlash rows")},
+        checkpoint=None, prompts=1, prompt_len=64, max_new=24, repeats=3, seed=0)
+    args = h.parse(p, argv, quick=dict(prompt_len=16, max_new=4, budgets="min,1.0", predictors="none,previous",
+                                       repeats=1))
+    if args.block < 2:
+        p.error("--block must be >= 2")
 
     import jax
 
@@ -145,7 +129,7 @@ def main(argv=None) -> int:
     bandwidth = probe_host_to_device_bandwidth()
     host = HostCompute.measure(bandwidth)
     kw = dict(max_new_tokens=args.max_new, stop_ids=())
-    _log(f"{desc}; {layers} MoE layers x {store.num_experts} experts top-{cfg.moe.top_k}, "
+    log(f"{desc}; {layers} MoE layers x {store.num_experts} experts top-{cfg.moe.top_k}, "
          f"{store.expert_bytes(store.layer_ids[0])} bytes per expert, {store.total_bytes / 1e6:.2f} MB in all; "
          f"link {bandwidth / 1e9:.1f} GB/s")
     want = {1: generate(pair, prompts, block_size=1, **kw).tokens,
@@ -169,16 +153,15 @@ def main(argv=None) -> int:
         if not keys <= warmed:
             gen.generate(prompts, **kw)
             warmed |= keys
-        seconds = np.inf
-        for _ in range(args.repeats):  # the best of the timed runs: this machine is shared
-            t0 = time.perf_counter()
-            result = gen.generate(prompts, **kw)
-            seconds = min(seconds, time.perf_counter() - t0)
+        last = {}  # the best of the timed runs: this machine is shared
+        seconds = h.paired_runs({"run": lambda: gen.generate(prompts, **kw)}, args.repeats,
+                                on_run=lambda m, r, res: last.update(result=res)).stat("run")
+        result = last["result"]
         assert result.tokens == want[block], f"not lossless: {mode} {label} {predictor}"
         row = row_of(result, mode=mode, label=label, budget=budget, predictor=predictor,
                      placement="hybrid" if hybrid else "device", seconds=seconds, layers=layers)
         rows.append(row)
-        _log(f"[{i + 1}/{len(runs)}] {mode:6s} {label:>10s} ({budget / 1e6:.3f} MB) {predictor:17s} "
+        log(f"[{i + 1}/{len(runs)}] {mode:6s} {label:>10s} ({budget / 1e6:.3f} MB) {predictor:17s} "
              f"{row['placement']:6s}: {row['tokens_per_s']:.1f} tok/s, {row['mb_moved_per_token']:.3f} MB/token, "
              f"hit {row['hit_rate']:.2f}, passes {row['passes_per_layer_round']:.2f}, lossless")
     result = dict(
@@ -188,15 +171,13 @@ def main(argv=None) -> int:
         one_layer_union=union, block=args.block, prompts=len(prompts), prompt_len=args.prompt_len,
         max_new=args.max_new, repeats=args.repeats, link_bytes_per_s=bandwidth, host_compute=dict(host.__dict__),
         seconds=time.perf_counter() - t_all, rows=rows)
-    with open(os.path.join(out_dir, "offload_sweep.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    _write_md(result, out_dir)
-    _plot(result, out_dir)
-    _log(f"done in {result['seconds']:.0f} s: {out_dir}/offload_sweep.{{json,md,png}}")
+    h.Report(args, "offload_sweep").write(result, markdown(result), draw=functools.partial(draw, result), ncols=2,
+                                          figsize=(12, 4.5), image="tokens/s and MB moved per token by budget")
+    log(f"done in {result['seconds']:.0f} s")
     return 0
 
 
-def _write_md(r: dict, out_dir: str) -> None:
+def markdown(r: dict) -> list[str]:
     lines = [
         "# Offload budget sweep (one shared expert cache)", "",
         f"`benchmarks/offload_sweep.py`; {r['model']}; {r['moe_layers']} MoE layers x {r['experts']} experts "
@@ -209,47 +190,36 @@ def _write_md(r: dict, out_dir: str) -> None:
         "exposed-transfer columns are estimates from the bytes: at the measured link, what the prefetch windows "
         "did not hide, and all bytes moved at an H200 + PCIe 5 link (58 GB/s). On the CPU backend the grouped "
         "matmul is a dense dot over every slot of the cache's slab, so large budgets cost compute here (a GPU "
-        "kernel skips empty groups).", "",
-        "## Best DFlash predictor vs AR per budget", "",
-        "| budget | MB | AR tok/s | AR MB/token | DFlash tok/s (predictor) | DFlash MB/token | DFlash hit rate | "
-        "DFlash passes / layer | tau |", "|---|---|---|---|---|---|---|---|---|"]
+        "kernel skips empty groups).", "", "## Best DFlash predictor vs AR per budget", ""]
     by_budget: dict = {}
     for row in r["rows"]:
         by_budget.setdefault(row["budget"], []).append(row)
+    best_rows = []
     for label, rows in by_budget.items():
         ar = next((x for x in rows if x["mode"] == "AR"), None)
         df = [x for x in rows if x["mode"] == "DFlash" and x["placement"] == "device"]
-        best = max(df, key=lambda x: x["tokens_per_s"]) if df else None
-        if ar is None or best is None:
-            continue
-        lines.append(f"| {label} | {ar['budget_mb']:.3f} | {ar['tokens_per_s']:.1f} | {ar['mb_moved_per_token']:.3f} | "
-                     f"{best['tokens_per_s']:.1f} ({best['predictor']}) | {best['mb_moved_per_token']:.3f} | "
-                     f"{best['hit_rate']:.2f} | {best['passes_per_layer_round']:.2f} | {best['mean_acceptance']:.2f} |")
-    lines += ["", "## Every run", "",
-              "| mode | budget | MB | predictor | placement | tok/s | tau | MB/token | hit rate | coverage | waste | "
-              "host experts | passes / layer | exposed ms/token (measured link) | ms/token at PCIe 5 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for x in r["rows"]:
-        lines.append(f"| {x['mode']} | {x['budget']} | {x['budget_mb']:.3f} | {x['predictor']} | {x['placement']} | "
-                     f"{x['tokens_per_s']:.1f} | {x['mean_acceptance']:.2f} | {x['mb_moved_per_token']:.3f} | "
-                     f"{x['hit_rate']:.2f} | {x['coverage']:.2f} | {x['waste']:.2f} | {x['host_experts']} | "
-                     f"{x['passes_per_layer_round']:.2f} | {x['exposed_transfer_ms_per_token']:.3f} | "
-                     f"{x['h200_pcie5_transfer_ms_per_token']:.4f} |")
-    lines += ["", "![tokens/s and MB moved per token by budget](offload_sweep.png)", ""]
-    with open(os.path.join(out_dir, "offload_sweep.md"), "w") as fh:
-        fh.write("\n".join(lines))
+        if ar is not None and df:
+            best = max(df, key=lambda x: x["tokens_per_s"])
+            best_rows.append([label, f"{ar['budget_mb']:.3f}", f"{ar['tokens_per_s']:.1f}",
+                              f"{ar['mb_moved_per_token']:.3f}", f"{best['tokens_per_s']:.1f} ({best['predictor']})",
+                              f"{best['mb_moved_per_token']:.3f}", f"{best['hit_rate']:.2f}",
+                              f"{best['passes_per_layer_round']:.2f}", f"{best['mean_acceptance']:.2f}"])
+    lines += h.table(["budget", "MB", "AR tok/s", "AR MB/token", "DFlash tok/s (predictor)", "DFlash MB/token",
+                      "DFlash hit rate", "DFlash passes / layer", "tau"], best_rows)
+    lines += ["", "## Every run", ""]
+    lines += h.table(["mode", "budget", "MB", "predictor", "placement", "tok/s", "tau", "MB/token", "hit rate",
+                      "coverage", "waste", "host experts", "passes / layer", "exposed ms/token (measured link)",
+                      "ms/token at PCIe 5"],
+                     [[x["mode"], x["budget"], f"{x['budget_mb']:.3f}", x["predictor"], x["placement"],
+                       f"{x['tokens_per_s']:.1f}", f"{x['mean_acceptance']:.2f}", f"{x['mb_moved_per_token']:.3f}",
+                       f"{x['hit_rate']:.2f}", f"{x['coverage']:.2f}", f"{x['waste']:.2f}", x["host_experts"],
+                       f"{x['passes_per_layer_round']:.2f}", f"{x['exposed_transfer_ms_per_token']:.3f}",
+                       f"{x['h200_pcie5_transfer_ms_per_token']:.4f}"] for x in r["rows"]])
+    return lines
 
 
-def _plot(r: dict, out_dir: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _log("matplotlib not installed (pip install -e '.[bench]'): no plot")
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+def draw(r: dict, axes) -> None:
+    a, b = axes
     series: dict = {}
     for x in r["rows"]:
         name = "AR" if x["mode"] == "AR" else f"DFlash {x['predictor']}" + (" hybrid" if x["placement"] == "hybrid"
@@ -267,11 +237,8 @@ def _plot(r: dict, out_dir: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     b.legend(fontsize=7)
-    fig.suptitle(f"Offload budget sweep: {r['moe_layers']} layers x {r['experts']} experts top-{r['top_k']}, "
-                 f"block {r['block']} ({r['backend']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "offload_sweep.png"), dpi=110)
-    plt.close(fig)
+    a.figure.suptitle(f"Offload budget sweep: {r['moe_layers']} layers x {r['experts']} experts top-{r['top_k']}, "
+                      f"block {r['block']} ({r['backend']})", fontsize=10)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ speculation (block size 1), at concurrency 1, 4, 16, 32.
 
   python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 2] [--max-tokens 64]
                              [--prompt-len 64] [--modes auto8,4,tree16] [--repeats 4] [--slots 32]
-                             [--out DIR | --write-docs]
+                             [--quick] [--out DIR | --write-docs]
 
 For each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by its cost model; `treeN`:
 a token tree of N nodes, branch 4, every round; a fixed
@@ -14,7 +14,8 @@ round only for the row bucket (1, 2, 4, ..) that holds its live requests. At eac
 c clients (asyncio + httpx, in a separate process, as real clients are) each send `--requests-per-client`
 streaming completions back to back, at least 8 requests per point (prompts: token windows of the pair's
 held-out standard-library files; greedy; `ignore_eos`, so every mode produces exactly the same tokens, which
-is checked). The modes alternate for `--repeats` runs (the order reversed every other run), so a busy spell of
+is checked). The modes alternate for `--repeats` runs (`timing.paired_runs`: the order reversed every other
+run), so a busy spell of
 the (shared) machine does not land on one mode only; the speedup is the median of the per-run ratios to B=1.
 
 Measured: output tokens/s over the run, the server process's CPU seconds per output token (process CPU time of
@@ -30,11 +31,9 @@ max(c * requests-per-client, 8) requests of max-tokens tokens per concurrency. W
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import functools
 import json
-import os
-import platform
 import socket
 import sys
 import threading
@@ -42,11 +41,7 @@ import time
 
 import numpy as np
 
-from report_output import add_output_args, output_dir, save_figure
-
-
-def percentile(values, q):
-    return float(np.percentile(values, q)) if len(values) else float("nan")
+import harness as h
 
 
 def start_server(app):
@@ -169,7 +164,7 @@ def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
     cpu = time.process_time()  # this process: the engines and their HTTP loops (the clients run in another)
     records, wall = run_clients(point.base, work, max_tokens)
     cpu = time.process_time() - cpu
-    load = os.getloadavg()[0]
+    load = (h.load_average() or (float("nan"),))[0]
     explored = sum(point.engine.explore_rounds.values()) - explored
     after = point.metrics()
     m = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -183,11 +178,11 @@ def measure(point: Point, work, max_tokens, concurrency: int) -> dict:
     return {
         "mode": point.mode, "block_size": point.block_size, "concurrency": concurrency, "slots": point.slots,
         "requests": len(records), "tokens": tokens,
-        "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+        "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "wall_exact_s": wall, "cpu_exact_s": cpu,
         "cpu_s": round(cpu, 3), "cpu_ms_per_token": round(1e3 * cpu / max(tokens, 1), 3), "load_avg_1m": round(load, 2),
         "explored_rounds": explored,
-        "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 1), "ttft_ms_p99": round(1e3 * percentile(ttft, 99), 1),
-        "itl_ms_p50": round(1e3 * percentile(itl, 50), 2), "itl_ms_p99": round(1e3 * percentile(itl, 99), 2),
+        "ttft_ms_p50": round(1e3 * h.percentile(ttft, 50), 1), "ttft_ms_p99": round(1e3 * h.percentile(ttft, 99), 1),
+        "itl_ms_p50": round(1e3 * h.percentile(itl, 50), 2), "itl_ms_p99": round(1e3 * h.percentile(itl, 99), 2),
         "tokens_per_verify": round(m["dflash_acceptance_length_sum"] / verified, 2) if verified else None,
         "rounds": int(m["dflash_rounds_total"]),
         "expert_mb_per_round": round(m["dflash_round_expert_bytes_sum"] / count / 1e6, 4) if count else None,
@@ -217,78 +212,34 @@ def mode_label(mode: str) -> str:
     return f"DFlash B={mode}" if mode != "1" else "no speculation (B=1)"
 
 
-def plot(rows, path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.6))
-    styles = ["o-", "^-", "v-", "d-"]
-    modes = list(dict.fromkeys(r["mode"] for r in rows if r["mode"] != "1"))
-    for i, (mode, style) in enumerate([(m, styles[i % 4]) for i, m in enumerate(modes)] + [("1", "s--")]):
-        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
-        label = mode_label(mode)
-        cs = [r["concurrency"] for r in sel]
-        color = f"C{i}"
-        ax1.plot(cs, [r["tokens_per_s"] for r in sel], style, color=color, label=label)
-        ax2.plot(cs, [r["ttft_ms_p50"] for r in sel], style, color=color, label=label)
-        ax3.plot(cs, [r["itl_ms_p50"] for r in sel], style, color=color, label=label + " p50")
-        ax3.plot(cs, [r["itl_ms_p99"] for r in sel], style, color=color, alpha=0.35, label=label + " p99")
-    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT p50 (ms)"), (ax3, "inter-token latency (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize="small")
-    ax3.set_yscale("log")
-    save_figure(fig, path)
-    return True
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--concurrency", default="1,4,16,32")
-    p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=4, help="load runs per mode and concurrency (best kept)")
-    p.add_argument("--modes", default="auto8,4",
-                   help="DFlash modes besides B=1: `autoN` (the verify width chosen per round by the engine's cost "
-                        "model from 1, 2, 4, .. N) or a fixed block size N (default auto8,4)")
-    p.add_argument("--slots", type=int, default=None,
-                   help="the engine's slots, one engine per mode for every concurrency (default: the largest "
-                        "concurrency); 0: an engine per concurrency with as many slots as clients")
-    add_output_args(p)
-    args = p.parse_args(argv)
-    out_dir = output_dir(args)
-
-    import jax
-
-    import dflash_jax
-    from dflash_jax import compile_cache
-    from dflash_jax.cli.generate import load_tokenizer
-    from dflash_jax.train.data import file_windows
-
-    compile_cache.ensure_enabled()
-    pair = dflash_jax.load(args.checkpoint)
-    tokenizer = load_tokenizer(pair)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    n_prompts = max(levels) * args.requests_per_client
-    prompts = file_windows(pair, "held_out", n_prompts, args.prompt_len)
-    dmodes = [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "1"]
-    modes = dmodes + ["1"]
-    rows = []
-    paired: dict = {m: {} for m in dmodes}  # mode -> concurrency -> [ratio to B=1 in the same repeat]
-    paired_cpu: dict = {m: {} for m in dmodes}  # the same by CPU seconds per token (B=1's over the mode's)
-    loads: list = []
-    t_start = time.perf_counter()
-    slots = max(levels) if args.slots is None else args.slots
+    p = h.parser(__doc__, {
+        "--concurrency": "1,4,16,32", "--requests-per-client": 2,
+        "--modes": ("auto8,4", "DFlash modes besides B=1: `autoN` (the verify width chosen per round by the engine's "
+                               "cost model from 1, 2, 4, .. N) or a fixed block size N (default auto8,4)"),
+        "--slots": (None, "the engine's slots, one engine per mode for every concurrency (default: the largest "
+                          "concurrency); 0: an engine per concurrency with as many slots as clients")},
+        checkpoint=None, max_tokens=64, prompt_len=64, repeats=4)
+    args = h.parse(p, argv, quick=dict(concurrency="1,2", requests_per_client=1, max_tokens=8, prompt_len=16,
+                                       repeats=1, modes="4"))
+    levels = h.int_list(p, args.concurrency, "--concurrency")
+    slots = max(levels) if args.slots is None else int(args.slots)
     if slots < 0 or 0 < slots < max(levels):
         p.error(f"--slots {slots} is below the largest concurrency {max(levels)}: give at least that many, or 0")
+
+    from dflash_jax import compile_cache
+    from dflash_jax.cli.generate import load_tokenizer
+
+    compile_cache.ensure_enabled()
+    pair = h.load_pair(args)
+    tokenizer = load_tokenizer(pair)
+    prompts = h.prompts(pair, max(levels) * args.requests_per_client, args.prompt_len)
+    dmodes = [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "1"]
+    modes = dmodes + ["1"]
+    rows, loads = [], []
+    paired: dict = {m: {} for m in dmodes}  # mode -> concurrency -> paired tokens/s ratio to B=1 {median, min, max}
+    paired_cpu: dict = {m: {} for m in dmodes}  # the same by CPU seconds per token (B=1's over the mode's)
+    t_start = time.perf_counter()
     shared = None
     if slots:
         shared = {m: Point(pair, tokenizer, m, slots, args.prompt_len, args.max_tokens) for m in modes}
@@ -299,71 +250,62 @@ def main(argv=None) -> int:
         per_client = max(args.requests_per_client, -(-8 // c))  # at least 8 requests per point (low c is noisy)
         work = [[prompts[(i * per_client + j) % len(prompts)] for j in range(per_client)] for i in range(c)]
         best = {}
-        try:
-            for rep in range(args.repeats):  # the modes alternate, so a busy spell of the machine hits all
-                this, this_cpu = {}, {}
-                for point in (points if rep % 2 == 0 else points[::-1]):
-                    row = measure(point, work, args.max_tokens, c)
-                    this[point.mode] = row["tokens_per_s"]
-                    this_cpu[point.mode] = row["cpu_ms_per_token"]
-                    loads.append(row["load_avg_1m"])
-                    if point.mode not in best or row["tokens_per_s"] > best[point.mode]["tokens_per_s"]:
-                        best[point.mode] = row
-                    print(f"c={c:>3} {point.mode:>6} run {rep + 1}: {row['tokens_per_s']:>8.1f} tok/s  "
-                          f"TTFT p50 {row['ttft_ms_p50']:.0f} ms  ITL p50 {row['itl_ms_p50']:.2f} ms "
-                          f"p99 {row['itl_ms_p99']:.2f} ms  tau {row['tokens_per_verify']} widths "
-                          f"{row['rounds_by_width']} rows {row['rounds_by_rows']} engine busy "
-                          f"{row['engine_busy_s']:.1f}s, CPU {row['cpu_ms_per_token']:.2f} ms/token, explored "
-                          f"{row['explored_rounds']}, load {row['load_avg_1m']:.1f} ({row['wall_s']:.1f}s run, "
-                          f"{row['warmup_s']:.0f}s warm-up, "
-                          f"{time.perf_counter() - t_start:.0f}s so far)", flush=True)
-                for m in dmodes:
-                    paired[m].setdefault(c, []).append(this[m] / this["1"])
-                    paired_cpu[m].setdefault(c, []).append(this_cpu["1"] / this_cpu[m])
+
+        def keep(mode, rep, row):
+            loads.append(row["load_avg_1m"])
+            if mode not in best or row["tokens_per_s"] > best[mode]["tokens_per_s"]:
+                best[mode] = row
+            print(f"c={c:>3} {mode:>6} run {rep + 1}: {row['tokens_per_s']:>8.1f} tok/s  "
+                  f"TTFT p50 {row['ttft_ms_p50']:.0f} ms  ITL p50 {row['itl_ms_p50']:.2f} ms "
+                  f"p99 {row['itl_ms_p99']:.2f} ms  tau {row['tokens_per_verify']} widths "
+                  f"{row['rounds_by_width']} rows {row['rounds_by_rows']} engine busy "
+                  f"{row['engine_busy_s']:.1f}s, CPU {row['cpu_ms_per_token']:.2f} ms/token, explored "
+                  f"{row['explored_rounds']}, load {row['load_avg_1m']:.1f} ({row['wall_s']:.1f}s run, "
+                  f"{row['warmup_s']:.0f}s warm-up, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
+
+        try:  # the modes alternate, so a busy spell of the machine hits all
+            t = h.paired_runs({pt.mode: functools.partial(measure, pt, work, args.max_tokens, c) for pt in points},
+                              args.repeats, on_run=keep, seconds_of=lambda row: (row["wall_exact_s"], row["cpu_exact_s"]))
         finally:
             if not shared:
                 for point in points:
                     point.close()
+        for m in dmodes:  # tokens/s ratio = B=1's seconds over the mode's (the same tokens)
+            paired[m][c], paired_cpu[m][c] = t.ratio(m, "1", "wall"), t.ratio(m, "1", "cpu")
         rows += [best[m] for m in modes]
-    if shared:
-        for point in shared.values():
-            point.close()
-    # lossless: with ignore_eos and greedy decoding both modes emit exactly the same tokens for every prompt
+    for point in (shared or {}).values():
+        point.close()
+
     def row_of(c, m):
         return next(r for r in rows if r["concurrency"] == c and r["mode"] == m)
 
-    for c in levels:
-        plain = row_of(c, "1")
+    for c in levels:  # lossless: with ignore_eos and greedy decoding every mode emits B=1's tokens for every prompt
         for m in modes:
-            assert row_of(c, m)["outputs"] == plain["outputs"], f"{m} and B=1 outputs differ at concurrency {c}"
+            assert row_of(c, m)["outputs"] == row_of(c, "1")["outputs"], f"{m} and B=1 outputs differ at concurrency {c}"
             assert row_of(c, m)["compiles_while_serving"] == 0
-    # the speedup: the median over repeats of the ratio to B=1 measured in the same repeat (paired)
-    speedups = {m: {c: round(float(np.median(paired[m][c])), 2) for c in levels} for m in dmodes}
-    ratio_ranges = {m: {c: [round(min(paired[m][c]), 2), round(max(paired[m][c]), 2)] for c in levels}
-                    for m in dmodes}
-    cpu_speedups = {m: {c: round(float(np.median(paired_cpu[m][c])), 2) for c in levels} for m in dmodes}
-    cpu_ranges = {m: {c: [round(min(paired_cpu[m][c]), 2), round(max(paired_cpu[m][c]), 2)] for c in levels}
-                  for m in dmodes}
+
+    def median_and_range(table):
+        return ({m: {c: round(v["median"], 2) for c, v in by.items()} for m, by in table.items()},
+                {m: {c: [round(v["min"], 2), round(v["max"], 2)] for c, v in by.items()} for m, by in table.items()})
+
+    speedups, ratio_ranges = median_and_range(paired)
+    cpu_speedups, cpu_ranges = median_and_range(paired_cpu)
     load_summary = {"min": round(min(loads), 2), "median": round(float(np.median(loads)), 2),
                     "max": round(max(loads), 2)}
+    mach = h.machine()
     result = {
         "benchmark": "serve", "modes": dmodes, "speedup_by_mode_and_concurrency": speedups,
         "paired_ratio_range": ratio_ranges, "cpu_speedup_by_mode_and_concurrency": cpu_speedups,
         "paired_cpu_ratio_range": cpu_ranges, "load_avg_1m": load_summary, "repeats": args.repeats,
-        "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
-        "requests_per_client": args.requests_per_client,
-        "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                    "backend": jax.default_backend()},
+        "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "requests_per_client": args.requests_per_client,
+        "rows": [{k: v for k, v in r.items() if k not in ("outputs", "wall_exact_s", "cpu_exact_s")} for r in rows],
+        "machine": {k: mach[k] for k in ("platform", "cpus", "jax", "backend")},
         "total_s": round(time.perf_counter() - t_start, 1),
     }
-    with open(os.path.join(out_dir, "serve.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    has_plot = plot(rows, os.path.join(out_dir, "serve.png"))
     lines = [
         "# Serving benchmark (dflash-serve, loopback)", "",
-        f"`python benchmarks/serve.py --write-docs` on the shipped pair, {jax.default_backend()} backend, "
-        f"{os.cpu_count()} CPUs ({platform.machine()}); the server (HTTP loop and engine threads) in one process, "
+        f"`python benchmarks/serve.py --write-docs` on the shipped pair, {mach['backend']} backend, "
+        f"{mach['machine']}; the server (HTTP loop and engine threads) in one process, "
         "the clients (asyncio + httpx) in another, over 127.0.0.1. "
         f"Each client sends {args.requests_per_client} streaming greedy completions back to back (at least 8 requests "
         "per point) "
@@ -378,28 +320,27 @@ def main(argv=None) -> int:
         f"Load average (1 min, taken after each run) {load_summary['min']:.1f} / {load_summary['median']:.1f} / "
         f"{load_summary['max']:.1f} (min / median / max); the machine is shared with other jobs, so the CPU columns "
         "(the server process's CPU seconds per output token, and B=1's over the mode's, paired by run) are given "
-        "beside wall time.", "",
-        "| concurrency | mode | tokens/s | speedup [range] | CPU ms per token | CPU speedup [range] | TTFT p50 / p99 (ms) "
-        "| ITL p50 / p99 (ms) | tokens per verify | rounds by width (explored) | rounds by rows | engine busy "
-        "| expert MB per round (of all) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
-    ]
-    for r in rows:
-        m = r["mode"]
-        sp = (f"{speedups[m][r['concurrency']]:.2f}x [{ratio_ranges[m][r['concurrency']][0]:.2f}-"
-              f"{ratio_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
-        cpu_sp = (f"{cpu_speedups[m][r['concurrency']]:.2f}x [{cpu_ranges[m][r['concurrency']][0]:.2f}-"
-                  f"{cpu_ranges[m][r['concurrency']][1]:.2f}]" if m != "1" else "")
-        widths = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_width"].items(), key=lambda x: width_key(x[0])))
-        if r["explored_rounds"]:
-            widths += f" ({r['explored_rounds']} explored)"
-        by_rows = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_rows"].items(), key=lambda x: int(x[0])))
-        busy = f"{100 * r['engine_busy_s'] / r['wall_s']:.0f}%"
-        lines.append(f"| {r['concurrency']} | {mode_label(m)} | {r['tokens_per_s']:.1f} | {sp} | "
-                     f"{r['cpu_ms_per_token']:.2f} | {cpu_sp} | {r['ttft_ms_p50']:.0f} / "
-                     f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.2f} / {r['itl_ms_p99']:.2f} | "
-                     f"{r['tokens_per_verify']} | {widths} | {by_rows} | {busy} | {r['expert_mb_per_round']} "
-                     f"({r['all_expert_mb']}) |")
+        "beside wall time.", ""]
+
+    def speedup(table, ranges, r):
+        m, c = r["mode"], r["concurrency"]
+        return "" if m == "1" else f"{table[m][c]:.2f}x [{ranges[m][c][0]:.2f}-{ranges[m][c][1]:.2f}]"
+
+    def widths(r):
+        text = ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_width"].items(), key=lambda x: width_key(x[0])))
+        return text + (f" ({r['explored_rounds']} explored)" if r["explored_rounds"] else "")
+
+    lines += h.table(
+        ["concurrency", "mode", "tokens/s", "speedup [range]", "CPU ms per token", "CPU speedup [range]",
+         "TTFT p50 / p99 (ms)", "ITL p50 / p99 (ms)", "tokens per verify", "rounds by width (explored)",
+         "rounds by rows", "engine busy", "expert MB per round (of all)"],
+        [[r["concurrency"], mode_label(r["mode"]), f"{r['tokens_per_s']:.1f}", speedup(speedups, ratio_ranges, r),
+          f"{r['cpu_ms_per_token']:.2f}", speedup(cpu_speedups, cpu_ranges, r),
+          f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f}", f"{r['itl_ms_p50']:.2f} / {r['itl_ms_p99']:.2f}",
+          r["tokens_per_verify"], widths(r),
+          ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_rows"].items(), key=lambda x: int(x[0]))),
+          f"{100 * r['engine_busy_s'] / r['wall_s']:.0f}%", f"{r['expert_mb_per_round']} ({r['all_expert_mb']})"]
+         for r in rows], align="rlrrrrrrrllrr")
     lines += ["", "ITL: each streamed chunk's gap after the previous chunk, spread evenly over the tokens it carries "
               "(DFlash delivers several tokens per round). Engine busy: the engine's round time over the run's wall "
               "time (the rest: waiting for requests, HTTP). Expert MB per round: the bytes of the union of the "
@@ -409,16 +350,33 @@ def main(argv=None) -> int:
     if tables:
         lines += ["", "The width chooser's cost table (ms per round at the row bucket of the concurrency, widths 1, 2, "
                   "4, ..), at warm-up and as learned from the served rounds (at the end of the run shown):", ""]
-        for r in tables:
-            def fmt(t):
-                return " / ".join(f"{v:.1f}" for _, v in sorted(t.items(), key=lambda x: width_key(str(x[0]))))
-            lines.append(f"- {r['concurrency']} clients ({mode_label(r['mode'])}): warm-up "
-                         f"{fmt(r['warmup_round_ms_by_width'])}; learned {fmt(r['round_ms_by_width'])}")
-    if has_plot:
-        lines += ["", "![tokens/s, TTFT and ITL by concurrency](serve.png)"]
-    with open(os.path.join(out_dir, "serve.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(json.dumps(speedups), "CPU", json.dumps(cpu_speedups), f"load {load_summary}", f"-> {out_dir}")
+
+        def fmt(t):
+            return " / ".join(f"{v:.1f}" for _, v in sorted(t.items(), key=lambda x: width_key(str(x[0]))))
+
+        lines += [f"- {r['concurrency']} clients ({mode_label(r['mode'])}): warm-up "
+                  f"{fmt(r['warmup_round_ms_by_width'])}; learned {fmt(r['round_ms_by_width'])}" for r in tables]
+
+    def draw(axes):
+        ax1, ax2, ax3 = axes
+        styles = ["o-", "^-", "v-", "d-"]
+        for i, (mode, style) in enumerate([(m, styles[i % 4]) for i, m in enumerate(dmodes)] + [("1", "s--")]):
+            sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+            label, cs, color = mode_label(mode), [r["concurrency"] for r in sel], f"C{i}"
+            ax1.plot(cs, [r["tokens_per_s"] for r in sel], style, color=color, label=label)
+            ax2.plot(cs, [r["ttft_ms_p50"] for r in sel], style, color=color, label=label)
+            ax3.plot(cs, [r["itl_ms_p50"] for r in sel], style, color=color, label=label + " p50")
+            ax3.plot(cs, [r["itl_ms_p99"] for r in sel], style, color=color, alpha=0.35, label=label + " p99")
+        for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT p50 (ms)"), (ax3, "inter-token latency (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent clients")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize="small")
+        ax3.set_yscale("log")
+
+    h.Report(args, "serve").write(result, lines, draw=draw, ncols=3, figsize=(13, 3.6),
+                                  image="tokens/s, TTFT and ITL by concurrency")
+    print(json.dumps(speedups), "CPU", json.dumps(cpu_speedups), f"load {load_summary}", f"-> {args.out_dir}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Communication per verify round on a (data, expert, tensor) mesh, read from the compiled HLO, and what it
 costs on 8 x H200 over NVLink.
 
-  python benchmarks/sharding.py [--models gpt-oss-120b,Qwen3-Coder-30B-A3B] [--widths 16,64] [--write-docs]
+  python benchmarks/sharding.py [--models gpt-oss-120b,Qwen3-Coder-30B-A3B] [--widths 16,64] [--quick] [--write-docs]
 
 For each model (the release configs of `tests/gpu_compile/programs.py`), verify width T (tokens per verify
 round: batch x block size) and mesh of 8 devices (1x8, 2x4, 8x1 expert x tensor), the target's width-T
@@ -20,24 +20,19 @@ Writes sharding.json / sharding.md to bench_out/ (docs/benchmarks/ with --write-
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import re
 import sys
 import time
-from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+import harness as h  # noqa: E402  (puts the repository root on the path: tests.gpu_compile below)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-from report_output import add_output_args, output_dir  # noqa: E402
 
 from dflash_jax.config import from_hf_config  # noqa: E402
 from dflash_jax.nn import moe  # noqa: E402
@@ -197,7 +192,7 @@ def _itemsize_note() -> str:
             "MXFP4 expert codes and scales: uint8 as stored; Qwen3-Coder's experts bf16), target only")
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict) -> list[str]:
     lines = [
         "# Communication per verify round on 8 devices (from the compiled HLO)",
         "",
@@ -210,20 +205,19 @@ def markdown(result: dict) -> str:
         f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s per direction per GPU (H200 datasheet: 900 GB/s bidirectional "
         f"NVLink); {result['latency_us']:.0f} us per collective (order of NCCL small-message latency in one node).",
         "",
-        "| model | T | mesh (data,expert,tensor) | collectives / round | per layer: ops | MB / device / round "
-        "| wire MB / device | NVLink estimate (us) | of which bandwidth (us) | weights / device (GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
-        ops = ", ".join(f"{v['count']:.0f} {k}" for k, v in sorted(r["per_layer_ops"].items()) if v["count"])
-        lines.append(
-            f"| {r['model']} | {r['width']} | {r['mesh']} | {r['round']['count']:.0f} | {ops} | "
-            f"{r['round']['bytes'] / 1e6:.2f} | {r['round']['wire_bytes'] / 1e6:.2f} | {r['nvlink_us']:.0f} | "
-            f"{r['nvlink_bandwidth_us']:.1f} | {r['weights_per_device_gb']:.1f} |")
+    lines += h.table(["model", "T", "mesh (data,expert,tensor)", "collectives / round", "per layer: ops",
+                      "MB / device / round", "wire MB / device", "NVLink estimate (us)", "of which bandwidth (us)",
+                      "weights / device (GB)"],
+                     [[r["model"], r["width"], r["mesh"], f"{r['round']['count']:.0f}",
+                       ", ".join(f"{v['count']:.0f} {k}" for k, v in sorted(r["per_layer_ops"].items()) if v["count"]),
+                       f"{r['round']['bytes'] / 1e6:.2f}", f"{r['round']['wire_bytes'] / 1e6:.2f}",
+                       f"{r['nvlink_us']:.0f}", f"{r['nvlink_bandwidth_us']:.1f}", f"{r['weights_per_device_gb']:.1f}"]
+                      for r in result["rows"]])
     lines += ["", _itemsize_note() + ".", "", "## What it means", ""]
     lines += result.get("notes", [])
     lines += dispatch_markdown(result)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def notes(rows: list[dict], latency_us: float) -> list[str]:
@@ -355,16 +349,15 @@ def dispatch_wall(widths: list[int], repeats: int, mesh, hidden: int = 256, inte
             from jax.sharding import NamedSharding, PartitionSpec as P
             gu = put(gate_up, NamedSharding(mesh, P(moe.expert_axes(experts, mesh))))
             dn = put(down, NamedSharding(mesh, P(moe.expert_axes(experts, mesh))))
+            runs = {}
             for mode in ("psum", "all_to_all"):
                 fn = jax.jit(lambda x, i, w, gu, dn, mode=mode: moe.swiglu_experts(
                     x, i, w, gu, dn, implementation="xla", dispatch=mode))
-                got = np.asarray(fn(x, ids, weights, gu, dn))
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    fn(x, ids, weights, gu, dn).block_until_ready()
-                    times.append(time.perf_counter() - t0)
-                row[mode] = {"ms": 1e3 * float(np.median(times)), "max_abs_diff": float(np.max(np.abs(got - want)))}
+                row[mode] = {"max_abs_diff": float(np.max(np.abs(np.asarray(fn(x, ids, weights, gu, dn)) - want)))}
+                runs[mode] = functools.partial(lambda fn: fn(x, ids, weights, gu, dn).block_until_ready(), fn)
+            t = h.paired_runs(runs, repeats)  # both dispatches interleaved
+            for mode in runs:
+                row[mode]["ms"] = 1e3 * t.stat(mode, "wall", "median")
         row["ratio"] = row["all_to_all"]["ms"] / row["psum"]["ms"]
         log(f"wall T={width}: psum {row['psum']['ms']:.2f} ms, all_to_all {row['all_to_all']['ms']:.2f} ms "
             f"(x{row['ratio']:.2f}); |diff| {row['psum']['max_abs_diff']:.1e} / {row['all_to_all']['max_abs_diff']:.1e}")
@@ -387,29 +380,28 @@ def dispatch_markdown(result: dict) -> list[str]:
         "what `auto` (`nn.moe.choose_dispatch`) compares. T = tokens in the layer (verify: batch x block, 1..16 "
         f"for one sequence; prefill: the prompt chunk). All-to-all capacity factor {d['capacity_factor']}.",
         "",
-        "| model | T | psum: ops | psum KB | psum HLO est. / model (us) | all-to-all: ops | all-to-all KB | "
-        "fallback (on overflow) | all-to-all HLO est. / model (us) | auto |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in d["rows"]:
-        ops = lambda m: ", ".join(f"{v} {k}" for k, v in sorted(r[m]["ops"].items()))  # noqa: E731
-        a = r["all_to_all"]
-        lines.append(f"| {r['model']} | {r['width']} | {ops('psum')} | {r['psum']['bytes'] / 1e3:.1f} | "
-                     f"{r['psum']['nvlink_us']:.1f} / {r['psum']['model_us']:.1f} | {ops('all_to_all')} | "
-                     f"{a['bytes'] / 1e3:.1f} | {a['fallback_count']} op, {a['fallback_bytes'] / 1e3:.1f} KB | "
-                     f"{a['nvlink_us']:.1f} / {a['model_us']:.1f} | {r['auto']} |")
+
+    def ops(r, m):
+        return ", ".join(f"{v} {k}" for k, v in sorted(r[m]["ops"].items()))
+
+    lines += h.table(["model", "T", "psum: ops", "psum KB", "psum HLO est. / model (us)", "all-to-all: ops",
+                      "all-to-all KB", "fallback (on overflow)", "all-to-all HLO est. / model (us)", "auto"],
+                     [[r["model"], r["width"], ops(r, "psum"), f"{r['psum']['bytes'] / 1e3:.1f}",
+                       f"{r['psum']['nvlink_us']:.1f} / {r['psum']['model_us']:.1f}", ops(r, "all_to_all"),
+                       f"{a['bytes'] / 1e3:.1f}", f"{a['fallback_count']} op, {a['fallback_bytes'] / 1e3:.1f} KB",
+                       f"{a['nvlink_us']:.1f} / {a['model_us']:.1f}", r["auto"]]
+                      for r in d["rows"] for a in (r["all_to_all"],)])
     w = d.get("wall", [])
     if w:
         lines += [
             "", f"CPU wall time of one layer on 8 CPU devices ({w[0]['mesh']}), scaled-down shape H = "
             f"{w[0]['hidden']}, I = {w[0]['inter']}, E = {w[0]['experts']}, top-{w[0]['top_k']}, fp32; median of "
-            f"{d['repeats']} runs, both dispatches in the same run; |diff| = max |output - one device|:", "",
-            "| T | psum (ms) | all-to-all (ms) | all-to-all / psum | psum |diff| | all-to-all |diff| |",
-            "|---|---|---|---|---|---|"]
-        for r in w:
-            lines.append(f"| {r['width']} | {r['psum']['ms']:.2f} | {r['all_to_all']['ms']:.2f} | "
-                         f"{r['ratio']:.2f} | {r['psum']['max_abs_diff']:.1e} | "
-                         f"{r['all_to_all']['max_abs_diff']:.1e} |")
+            f"{d['repeats']} runs, both dispatches in the same run; |diff| = max |output - one device|:",
+            ""]
+        lines += h.table(["T", "psum (ms)", "all-to-all (ms)", "all-to-all / psum", "psum |diff|", "all-to-all |diff|"],
+                         [[r["width"], f"{r['psum']['ms']:.2f}", f"{r['all_to_all']['ms']:.2f}", f"{r['ratio']:.2f}",
+                           f"{r['psum']['max_abs_diff']:.1e}", f"{r['all_to_all']['max_abs_diff']:.1e}"] for r in w])
     lines += [""] + d.get("notes", [])
     return lines
 
@@ -442,21 +434,18 @@ def dispatch_notes(rows: list[dict], wall: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="gpt-oss-120b,Qwen3-Coder-30B-A3B")
-    ap.add_argument("--widths", default="16,64")
-    ap.add_argument("--meshes", default=",".join(m.replace(",", "+") for m in MESHES),
-                    help="meshes separated by commas, axes inside one mesh by '+' (expert=2+tensor=4)")
-    ap.add_argument("--latency-us", type=float, default=10.0)
-    ap.add_argument("--parts", default="verify,dispatch",
-                    help="verify (the full verify forward per mesh), dispatch (the MoE dispatch by width); a part "
-                         "left out keeps its figures from the existing sharding.json (--parts none: re-render)")
-    ap.add_argument("--dispatch-widths", default="1,2,4,8,16,64,256,1024,4096")
-    ap.add_argument("--wall-widths", default="1,4,16,64,256,1024")
-    ap.add_argument("--repeats", type=int, default=5)
-    add_output_args(ap)
-    args = ap.parse_args(argv)
-    out = output_dir(args)
+    ap = h.parser(__doc__, {
+        "--models": "gpt-oss-120b,Qwen3-Coder-30B-A3B", "--widths": "16,64",
+        "--meshes": (",".join(m.replace(",", "+") for m in MESHES),
+                     "meshes separated by commas, axes inside one mesh by '+' (expert=2+tensor=4)"),
+        "--latency-us": 10.0,
+        "--parts": ("verify,dispatch", "verify (the full verify forward per mesh), dispatch (the MoE dispatch by "
+                                       "width); a part left out keeps its figures from the existing sharding.json "
+                                       "(--parts none: re-render)"),
+        "--dispatch-widths": "1,2,4,8,16,64,256,1024,4096", "--wall-widths": "1,4,16,64,256,1024"}, repeats=5)
+    args = h.parse(ap, argv, quick=dict(models="Qwen3-Coder-30B-A3B", widths="16", meshes="expert=8+tensor=1",
+                                        dispatch_widths="16", wall_widths="4", repeats=1))
+    out = args.out_dir
     parts = set(args.parts.split(","))
     previous = {}
     if os.path.exists(os.path.join(out, "sharding.json")):
@@ -484,11 +473,7 @@ def main(argv=None) -> int:
     result = {"latency_us": args.latency_us, "nvlink_bytes_per_s": NVLINK_BYTES_PER_S, "rows": rows,
               "jax": jax.__version__, "notes": notes(rows, args.latency_us) if rows else [],
               "dispatch": dispatch}
-    with open(os.path.join(out, "sharding.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    with open(os.path.join(out, "sharding.md"), "w") as fh:
-        fh.write(markdown(result))
-    log(f"wrote {out}/sharding.json and sharding.md")
+    h.Report(args, "sharding").write(result, markdown(result))
     return 0
 
 

@@ -30,7 +30,6 @@ matplotlib) to --out (default bench_out/) or, with --write-docs, docs/benchmarks
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -39,29 +38,22 @@ import time
 
 import numpy as np
 
-from report_output import add_output_args, output_dir, save_figure
+import harness as h
 
-
-def log(msg: str) -> None:
-    print(f"[tree] {msg}", file=sys.stderr, flush=True)
+log = h.logger("tree", sys.stderr)
 
 
 def interleaved(runs: dict, repeats: int, what: str = "", alternate: bool = False, cpu: dict | None = None) -> dict:
-    """{name: fastest seconds} over `repeats` rounds of one run of each (compiled) function; `alternate`: the
-    order reversed every other round (A B, B A, ...), so that neither runs first in every round. `cpu`: filled
+    """{name: fastest seconds} (each run's own `stats["seconds"]`) over `repeats` rounds of one run of each
+    (compiled) function (`harness.paired_runs`; `alternate`: the order reversed every other round). `cpu`: filled
     with {name: least process CPU seconds} (the work done, less sensitive to other processes' load)."""
-    best = {}
-    for r in range(repeats):
-        order = list(runs.items())
-        for name, fn in (order[::-1] if alternate and r % 2 else order):
-            c0 = time.process_time()
-            seconds = fn().stats["seconds"]
-            used = time.process_time() - c0
-            best[name] = min(best.get(name, seconds), seconds)
-            if cpu is not None:
-                cpu[name] = min(cpu.get(name, used), used)
-        log(f"{what}timing repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.items()))
-    return best
+    def progress(r, t):
+        log(f"{what}timing repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {t.stat(k) * 1e3:.0f} ms" for k in t.modes))
+
+    t = h.paired_runs(runs, repeats, alternate=alternate, on_repeat=progress, seconds_of=lambda r: r.stats["seconds"])
+    if cpu is not None:
+        cpu.update({k: min(cpu.get(k, np.inf), t.stat(k, "cpu")) for k in t.modes})
+    return {k: t.stat(k) for k in t.modes}
 
 
 RANGE = (0.5, 2.0)  # the adaptive policy's calibration range (AdaptivePolicy.calibration_range)
@@ -90,27 +82,19 @@ def taus(result) -> float:
     return float(np.mean([a for seq in result.acceptance_lengths for a in seq]))
 
 
-def plot(rows: list[dict], path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def draw(rows: list[dict]):
+    def on(axes):
+        first = [r for r in rows if r["set"] == rows[0]["set"]]
+        labels = [r["shape"] for r in first]
+        colors = ["tab:blue" if r["kind"] == "chain" else "tab:green" if r["kind"] == "tree" else "tab:red"
+                  for r in first]
+        for ax, key, title in zip(axes, ("tokens_per_round", "expert_union_per_round", "tokens_per_second"),
+                                  ("tokens per round", "experts per layer per verify", "tokens/s (CPU)")):
+            ax.bar(labels, [r.get(key) or 0 for r in first], color=colors)
+            ax.set_title(f"{title} ({first[0]['set']})")
+            ax.tick_params(axis="x", rotation=45)
 
-    first = [r for r in rows if r["set"] == rows[0]["set"]]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    labels = [r["shape"] for r in first]
-    colors = ["tab:blue" if r["kind"] == "chain" else "tab:green" if r["kind"] == "tree" else "tab:red"
-              for r in first]
-    for ax, key, title in zip(axes, ("tokens_per_round", "expert_union_per_round", "tokens_per_second"),
-                              ("tokens per round", "experts per layer per verify", "tokens/s (CPU)")):
-        ax.bar(labels, [r.get(key) or 0 for r in first], color=colors)
-        ax.set_title(f"{title} ({first[0]['set']})")
-        ax.tick_params(axis="x", rotation=45)
-    save_figure(fig, path)
-    return True
+    return on
 
 
 def resident(args, pair, shapes, calib_prompts, sets, policy_shapes):
@@ -227,22 +211,17 @@ def offloaded(args, label, pair, prompts, calib, shapes, fraction):
     # calibration batches (training-split prompts, never the measured ones): each shape's offloaded generate,
     # transfers included; per batch the median over interleaved repeats of its seconds, then seconds per round
     # = the batches' seconds over their rounds, tokens per round the batches' mean
-    spent = [[[] for _ in calib] for _ in shapes]
     rounds = [[1] * len(calib) for _ in shapes]
     tau_b = [[0.0] * len(calib) for _ in shapes]
     for i, s in enumerate(shapes):  # compile, tokens per round
         for j, batch in enumerate(calib):
             res = gens[s.label()].generate(batch, max_new_tokens=n)
             tau_b[i][j], rounds[i][j] = taus(res), max(1, int(res.stats["rounds"]))
-    for _ in range(args.offload_calib_repeats):
-        for j, batch in enumerate(calib):
-            for i, s in enumerate(shapes):
-                c0 = time.process_time()
-                res = gens[s.label()].generate(batch, max_new_tokens=n)
-                split = res.stats["time_split"]
-                spent[i][j].append(time.process_time() - c0 if args.clock == "cpu"
-                                   else split["draft_s"] + split["verify_s"] + split["host_s"])
-    per_round = [sum(float(np.median(t)) for t in spent[i]) / sum(rounds[i]) for i in range(len(shapes))]
+    spent = [h.paired_runs({i: (lambda g=gens[s.label()], b=batch: g.generate(b, max_new_tokens=n))
+                            for i, s in enumerate(shapes)}, args.offload_calib_repeats,
+                           seconds_of=lambda res: sum(res.stats["time_split"][k] for k in ("draft_s", "verify_s", "host_s")))
+             for batch in calib]
+    per_round = [sum(t.stat(i, args.clock, "median") for t in spent) / sum(rounds[i]) for i in range(len(shapes))]
     cal_taus = [float(np.mean(t)) for t in tau_b]
     policy = AdaptivePolicy(tuple(shapes), VerifyCost(tuple(per_round)), taus=tuple(cal_taus),
                             calibration_range=RANGE, margin=args.margin)
@@ -320,49 +299,38 @@ def fit_head(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--sets", default="held_out:0,train:1", help="prompt sets split:seed (held_out / train)")
-    p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-new", type=int, default=64)
-    p.add_argument("--chains", default="4,8,16")
-    p.add_argument("--trees", default="8,16,32")
-    p.add_argument("--branch", type=int, default=8, help="candidates per node of the calibrated trees")
-    p.add_argument("--calib-seeds", default="7,11,13,17",
-                   help="training-split prompt sets (seeds) the tree build's acceptance model is fitted on")
-    p.add_argument("--no-calibration", action="store_true", help="build trees from the draft's marginals")
-    p.add_argument("--no-branch-head", action="store_true",
-                   help="build the measured trees from the draft's marginals even when the pair carries a branch head")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-offload", action="store_true")
-    p.add_argument("--offload-prompts", type=int, default=2)
-    p.add_argument("--offload-new", type=int, default=32)
-    p.add_argument("--offload-repeats", type=int, default=6, help="paired repeats, adaptive vs the fastest fixed")
-    p.add_argument("--paired-repeats", type=int, default=6, help="resident paired repeats")
-    p.add_argument("--offload-calib-repeats", type=int, default=4, help="offloaded calibration repeats")
-    p.add_argument("--margin", type=float, default=0.15,
-                   help="the adaptive policy's prior toward the cheapest shape (AdaptivePolicy.margin): another shape "
-                        "must promise this much more tokens/s; the spread of identical work by CPU time here")
-    p.add_argument("--fit-calibration", action="store_true",
-                   help="fit the tree build's acceptance model on --fit-seeds and write it beside the pair "
-                        "(spec.calibration_file.CALIBRATION_FILE, loaded by default), then exit")
-    p.add_argument("--fit-seeds", default="7,11,13,17,19,23,29,31,37,41,43,47,53,59,61,67,71,73,79,83,89,97",
-                   help="training-split prompt sets (seeds) for --fit-calibration")
-    p.add_argument("--fit-branch-head", action="store_true",
-                   help="fit the pair's branch head (models.draft.BranchHeadWeights) on training-split prompts and "
-                        "write it beside the checkpoint (dflash_jax.pair.BRANCH_HEAD_FILE), then exit")
-    p.add_argument("--head-seeds", default="101,102,103,104,105,106,107,108",
-                   help="training-split prompt sets (seeds) for --fit-branch-head")
-    p.add_argument("--head-windows", type=int, default=256, help="prompts per --head-seeds set")
-    p.add_argument("--head-steps", type=int, default=3000)
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="the adaptive policy's calibration clock: process CPU seconds (the work) or wall seconds")
-    p.add_argument("--keep-resident", action="store_true",
-                   help="reuse the resident rows of the tree.json already in the output directory (offloaded only)")
-    add_output_args(p)
-    args = p.parse_args(argv)
-    out_dir = output_dir(args)
+    p = h.parser(__doc__, {
+        "--sets": ("held_out:0,train:1", "prompt sets split:seed (held_out / train)"),
+        "--chains": "4,8,16", "--trees": "8,16,32", "--branch": (8, "candidates per node of the calibrated trees"),
+        "--calib-seeds": ("7,11,13,17", "training-split prompt sets (seeds) the tree build's acceptance model is "
+                                        "fitted on"),
+        "--no-calibration": (False, "build trees from the draft's marginals"),
+        "--no-branch-head": (False, "build the measured trees from the draft's marginals even when the pair carries "
+                                    "a branch head"),
+        "--no-offload": False, "--offload-prompts": 2, "--offload-new": 32,
+        "--offload-repeats": (6, "paired repeats, adaptive vs the fastest fixed"),
+        "--paired-repeats": (6, "resident paired repeats"),
+        "--offload-calib-repeats": (4, "offloaded calibration repeats"),
+        "--margin": (0.15, "the adaptive policy's prior toward the cheapest shape (AdaptivePolicy.margin): another "
+                           "shape must promise this much more tokens/s; the spread of identical work by CPU time here"),
+        "--fit-calibration": (False, "fit the tree build's acceptance model on --fit-seeds and write it beside the "
+                                     "pair (spec.calibration_file.CALIBRATION_FILE, loaded by default), then exit"),
+        "--fit-seeds": ("7,11,13,17,19,23,29,31,37,41,43,47,53,59,61,67,71,73,79,83,89,97",
+                        "training-split prompt sets (seeds) for --fit-calibration"),
+        "--fit-branch-head": (False, "fit the pair's branch head (models.draft.BranchHeadWeights) on training-split "
+                                     "prompts and write it beside the checkpoint (dflash_jax.pair.BRANCH_HEAD_FILE), "
+                                     "then exit"),
+        "--head-seeds": ("101,102,103,104,105,106,107,108", "training-split prompt sets (seeds) for --fit-branch-head"),
+        "--head-windows": (256, "prompts per --head-seeds set"), "--head-steps": 3000,
+        "--clock": ("cpu", "the adaptive policy's calibration clock: process CPU seconds (the work) or wall seconds",
+                    ("cpu", "wall")),
+        "--keep-resident": (False, "reuse the resident rows of the tree.json already in the output directory "
+                                   "(offloaded only)")},
+        checkpoint=None, prompts=6, prompt_len=64, max_new=64, repeats=3)
+    args = h.parse(p, argv, quick=dict(sets="held_out:0", prompts=1, prompt_len=32, max_new=8, chains="4",
+                                       trees="8", branch=2, repeats=1, paired_repeats=1, no_offload=True,
+                                       calib_seeds="7"))
+    out_dir = args.out_dir
 
     import jax
 
@@ -370,9 +338,9 @@ def main(argv=None) -> int:
     from dflash_jax import SHIPPED_PAIR, testing
     from dflash_jax.spec.calibration_file import CALIBRATION_FILE, pair_calibration, save_calibration
     from dflash_jax.spec.tree import DEFAULT_TEMPERATURE, TreeShape
-    from study.tree_calibration import calibration_samples, fit_calibration
     from dflash_jax.train.data import file_windows
     from dflash_jax.train.tiny_pair import target_config
+    from study.tree_calibration import calibration_samples, fit_calibration
 
     branch = args.branch
     if args.fit_branch_head:
@@ -474,9 +442,9 @@ def main(argv=None) -> int:
                   tree_calibration_from=cal_from, margin=args.margin, branch_head=head_from or None,
                   platform=f"{platform.machine()} {jax.devices()[0].platform}, jax {jax.__version__}",
                   rows=rows, summary=summary, offloaded=off_rows, offloaded_summary=off_summary, lossless=True)
-    with open(os.path.join(out_dir, "tree.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    has_plot = plot(rows, os.path.join(out_dir, "tree.png"))
+    report = h.Report(args, "tree")
+    report.json(result)
+    has_plot = report.plot(draw(rows), ncols=3, figsize=(13, 3.6))
     md = ["# Chain vs tree verification vs the adaptive policy", "",
           f"`python benchmarks/tree.py --write-docs` - shipped pair; prompt sets of {args.prompts} stdlib windows of "
           f"{args.prompt_len} tokens as one batch, {args.max_new} new tokens each, greedy; "
@@ -488,14 +456,13 @@ def main(argv=None) -> int:
           "a tree with neither is the plain build (the draft's marginals); chains are the draft's argmax chain; "
           f"{result['platform']}. Every run's output equals the target's plain greedy output. Expert union: "
           "distinct experts per MoE layer that one verify's rows route to (mean over layers and rounds; first "
-          "set).", "",
-          "| set | shape | tokens / round | experts / layer / verify | off-chain rounds | tokens/s | rounds |",
-          "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        u = "" if r["expert_union_per_round"] is None else f"{r['expert_union_per_round']:.1f}"
-        off = "" if r["off_chain_rounds"] is None else f"{r['off_chain_rounds']:.2f}"
-        md.append(f"| {r['set']} | {r['shape']} | {r['tokens_per_round']:.2f} | {u} | {off} | "
-                  f"{r['tokens_per_second']:.0f} | {r['rounds']} |")
+          "set).", ""]
+    md += h.table(["set", "shape", "tokens / round", "experts / layer / verify", "off-chain rounds", "tokens/s",
+                   "rounds"],
+                  [[r["set"], r["shape"], f"{r['tokens_per_round']:.2f}",
+                    "" if r["expert_union_per_round"] is None else f"{r['expert_union_per_round']:.1f}",
+                    "" if r["off_chain_rounds"] is None else f"{r['off_chain_rounds']:.2f}",
+                    f"{r['tokens_per_second']:.0f}", r["rounds"]] for r in rows])
     md.append("")
     for name, s in summary.items():
         md.append(f"- **{name}**: best tree ({s['best_tree']}) / best chain ({s['best_chain']}) tokens per round "
@@ -530,13 +497,11 @@ def main(argv=None) -> int:
                f"median of {args.offload_calib_repeats} interleaved runs, two batches of training-split prompts "
                f"(seeds 7, 11; random prompts for the random pair), their seconds over their rounds) and tokens per "
                f"round (the batches' mean), calibration range {RANGE}, margin {args.margin} toward the cheapest "
-               "shape; it provisions only the shapes it can choose.", "",
-               "| pair, cache | shape | tokens / round | expert MB moved / round | tokens/s | rounds chosen |",
-               "|---|---|---|---|---|---|"]
-        for r in off_rows:
-            md.append(f"| {r['set']} | {r['shape']} | {r['tokens_per_round']:.2f} | "
-                      f"{r['bytes_moved_per_round'] / 1e6:.3f} | {r['tokens_per_second']:.0f} | "
-                      f"{r['chosen'] or ''} |")
+               "shape; it provisions only the shapes it can choose.", ""]
+        md += h.table(["pair, cache", "shape", "tokens / round", "expert MB moved / round", "tokens/s",
+                       "rounds chosen"],
+                      [[r["set"], r["shape"], f"{r['tokens_per_round']:.2f}", f"{r['bytes_moved_per_round'] / 1e6:.3f}",
+                        f"{r['tokens_per_second']:.0f}", r["chosen"] or ""] for r in off_rows])
         md.append("")
         for name, s in off_summary.items():
             md.append(f"- **{name}**: adaptive / fastest fixed ({s['fastest_fixed']}) tokens/s "
@@ -549,8 +514,7 @@ def main(argv=None) -> int:
         md.append("")
     if has_plot:
         md += ["![tree benchmark](tree.png)", ""]
-    with open(os.path.join(out_dir, "tree.md"), "w") as fh:
-        fh.write("\n".join(md))
+    report.markdown(md)
     log(f"wrote {out_dir}/tree.json, tree.md" + (", tree.png" if has_plot else ""))
     print(json.dumps(dict(resident=summary, offloaded=off_summary)))
     return 0
