@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import (FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, GptOssConfig, MoEConfig, Qwen3_5Config,
-                               Qwen3Config, RopeConfig)
+from dflash_jax.config import DraftConfig, Qwen3Config, RopeConfig
 from dflash_jax.models import draft, gpt_oss, qwen3, qwen3_5
 from dflash_jax.models.family import family_of
 
@@ -15,16 +14,10 @@ random_qwen3_weights = qwen3.random_weights
 random_gpt_oss_weights = gpt_oss.random_weights
 random_qwen3_5_weights = qwen3_5.random_weights
 random_draft_weights = draft.random_weights
-
-
-def tiny_qwen3_moe_config(**overrides) -> Qwen3Config:
-    kw = dict(
-        model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        head_dim=16, intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
-    )
-    kw.update(overrides)
-    return Qwen3Config(**kw)
+# Each family's tiny config is the family's own (`ModelFamily.tiny_config`); these names stay for tests and examples.
+tiny_qwen3_moe_config = qwen3.tiny_config
+tiny_gpt_oss_config = gpt_oss.tiny_config
+tiny_qwen3_5_config = qwen3_5.tiny_config
 
 
 def tiny_draft_config(target: Qwen3Config, **overrides) -> DraftConfig:
@@ -36,35 +29,6 @@ def tiny_draft_config(target: Qwen3Config, **overrides) -> DraftConfig:
     )
     kw.update(overrides)
     return DraftConfig(**kw)
-
-
-def tiny_gpt_oss_config(**overrides):
-    """A tiny gpt-oss: alternating sliding (window 16) / full layers, the release's YaRN, 8 experts top-2."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope=RopeConfig(theta=150000.0, rotary_dim=16, kind="yarn", factor=32.0, original_max_position_embeddings=4096,
-                        truncate=False),
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True, router="topk_softmax"),
-        layer_windows=(16, None, 16, None),
-    )
-    kw.update(overrides)
-    return GptOssConfig(**kw)
-
-
-def tiny_qwen3_5_config(**overrides):
-    """A tiny Qwen3.5-MoE: DeltaNet and gated-attention layers mixed (linear, linear, full, linear), dk != dv,
-    Hv = 2 Hk, partial RoPE (8 of 32 head dims), 8 experts top-2 and a narrower shared expert."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, num_layers=4,
-        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION),
-        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel=4,
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
-        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
-        max_position_embeddings=2048,
-    )
-    kw.update(overrides)
-    return Qwen3_5Config(**kw)
 
 
 def make_agreeable(target_w, draft_w: draft.DraftWeights, *, strength: float = 2.0, tokens: tuple[int, int] = (7, 9)):

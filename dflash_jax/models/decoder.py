@@ -4,7 +4,7 @@
   for each layer i:
       x, state_i = mixer(layer_i, x, cache_i)         attention / DeltaNet sub-layer, writes the layer's cache part
       h = mlp_input(layer_i, x)
-      MoE layer:  routing = route(layer_i, h)
+      MoE layer:  routing = route_rows(router_of(layer_i), x)   (the family's one routing function)
                   layer_i = hook(i, layer_i, routing)  (offload: the experts `routing` reads, on the device)
                   x = experts(layer_i, x, h, routing)
       dense:      x = dense(layer_i, x, h)
@@ -49,11 +49,25 @@ class BlockContext:
 @struct.dataclass
 class Routing:
     """One MoE layer's exact routing of a block: `weights` [b*T, k] fp32 (renormalized when configured),
-    `experts` [b*T, k] int32, router `logits` [b*T, E] fp32."""
+    `experts` [b*T, k] int32, router `logits` [b*T, E] fp32; `probs` [b*T, k] fp32, the family's routing
+    probability of each chosen expert before any renormalization (what route-ahead predictions rank by)."""
 
     weights: jax.Array
     experts: jax.Array
     logits: jax.Array
+    probs: jax.Array | None = None
+
+
+@struct.dataclass
+class RouterWeights:
+    """What one MoE layer's router reads (`ModelFamily.router_of`): the post-attention norm weights `norm` [H],
+    the router `router` [H, E] and its bias `router_bias` [E] (gpt-oss; None otherwise). Every MoE layer of a
+    family has the same structure, so a stack of them (leading axis L) is what `ModelFamily.route_rows` is
+    vmapped over."""
+
+    norm: jax.Array
+    router: jax.Array
+    router_bias: jax.Array | None = None
 
 
 @struct.dataclass
@@ -135,8 +149,7 @@ class Steps:
         """Layer i's mixer sub-layer, its MLP input and (MoE layers) routing: (x, h, routing | None, state)."""
         fam, cfg = self.fam, self.cfg
         x, state = fam.mixer(layer, x, state, ctx, fam.kind(cfg, i), cfg)
-        h = fam.mlp_input(layer, x, cfg)
-        return x, h, fam.route(layer, h, cfg) if moe else None, state
+        return x, fam.mlp_input(layer, x, cfg), route_layer(fam, layer, x, cfg) if moe else None, state
 
     def mlp(self, i, layer, x, h, routing):
         """Layer i's MLP sub-layer (`routing` None: a dense layer)."""
@@ -149,6 +162,13 @@ class Steps:
 
     def new_cache(self, cache, ctx, states):
         return self.fam.new_cache(cache, ctx, states, self.cfg)
+
+
+def route_layer(fam, layer, x: jax.Array, cfg) -> Routing:
+    """MoE layer `layer`'s exact routing of the residual stream `x` [..., H] entering its MLP sub-layer: the
+    family's one routing function (`ModelFamily.route_rows`, post-attention norm included) on the flattened rows.
+    (The norm it shares with `mlp_input` is computed once: XLA merges the identical expressions.)"""
+    return fam.route_rows(fam.router_of(layer), x.reshape(-1, x.shape[-1]), cfg)
 
 
 # hook(layer index, layer weights, routing) -> the layer weights its experts run on (e.g. with a slot pool)

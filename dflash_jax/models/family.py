@@ -22,13 +22,18 @@ What a family declares:
                              one kind share compiled programs in the layer-wise (offloaded) forward
     layer_cache(cache, i, cfg), mixer(layer, x, state, ctx, kind, cfg) -> (x, state),
     new_cache(cache, ctx, states, cfg)                       each layer's part of the cache in and out
-    mlp_input(layer, x, cfg), route(layer, h, cfg) -> Routing,
+    mlp_input(layer, x, cfg),
     experts(layer, x, h, routing, cfg, implementation)     the MoE sub-layer on `layer.mlp`'s tables,
                              which may be a device slot pool addressed through `layer.mlp.slot_of`
     dense(layer, x, h, cfg, implementation)                 a dense MLP sub-layer
     finish(weights, x, num_valid, cfg, logits) -> (final-normed x, logits)
-  router_norm / router_topk_first / router_bias / router_parts / norm_scale: how a layer's router is applied
-                       outside the layer (route-ahead predictors on draft hidden states or on a residual)
+  routing, the family's one routing function, used by the verify and by everything that projects a layer's
+  routing onto other hidden states (route-ahead predictors, the serving engine's byte pricing):
+    router_of(layer) -> RouterWeights                       what the layer's router reads (stackable)
+    route_rows(router, x, cfg, top_k=None) -> Routing       the routing of residual rows x [rows, H] (post-
+                             attention norm included); vmappable over a stack of MoE layers' `router_of`
+    linear_router(router) -> RouterWeights                  the router as a plain `rms(x) * norm @ router + bias`
+                             (fp32): the start of the learned route-ahead model (`offload.route_model`)
 
 An expert pool is just different MoE weights: `with_expert_pool(layer_mlp, tables, slot_of)` swaps the
 per-expert tables for a `[S, ...]` slot pool and sets the layer's `slot_of` [E] table (see `nn.moe`), so
@@ -62,8 +67,6 @@ class ModelFamily:
     moe_type: type = type(None)
     model_types: tuple[str, ...] = ()
     expert_fields: tuple[str, ...] = ("gate_up", "down")
-    router_norm: dict = {}  # keyword arguments of `nn.norms.rms_norm` for the post-attention norm
-    router_topk_first: bool = False  # gpt-oss: top-k of the (biased) logits, then softmax over those k
     needs_rollback_width: bool = False  # the cache must be sized by the verify width (linear attention)
 
     # ---- caches ------------------------------------------------------------------------------------------
@@ -110,6 +113,14 @@ class ModelFamily:
         """The weights pytree from `{stored name: array}` (what a converted checkpoint holds)."""
         return self.from_flat_fn(flat, cfg)
 
+    tiny_config_fn = None  # (**overrides) -> a tiny config of the family (tests, examples)
+
+    def tiny_config(self, **overrides):
+        """A tiny config of the family for tests and examples (`overrides` replace its fields)."""
+        if self.tiny_config_fn is None:
+            raise NotImplementedError(f"{self.name}: no tiny config")
+        return self.tiny_config_fn(**overrides)
+
     def random_weights(self, cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str = "dense"):
         """Random tiny weights with the expert tables in `expert_format` ("dense", "mxfp4", ...)."""
         raise NotImplementedError(f"{self.name}: no random weights")
@@ -142,18 +153,35 @@ class ModelFamily:
         later expert passes over one layer (the first pass adds the shared part)."""
         return mlp
 
-    def router_bias(self, mlp):
-        return None
+    # ---- routing (traced): the one routing function ----------------------------------------------------
+    route_rows_fn = None  # (router: RouterWeights, x [rows, H], cfg, top_k) -> Routing
 
-    def router_parts(self, layer) -> tuple:
-        """(post-attention norm weights, router [H, E], router bias [E] or None) of a MoE layer: with
-        `router_norm` and `router_topk_first`, everything needed to apply its router to another hidden state."""
-        return layer.post_norm, layer.mlp.router, self.router_bias(layer.mlp)
+    def router_of(self, layer) -> decoder.RouterWeights:
+        """What MoE layer `layer`'s router reads; the same structure for every MoE layer of the family (so that
+        a stack of them vmaps), without the expert tables (works on stripped weights)."""
+        return decoder.RouterWeights(norm=layer.post_norm, router=layer.mlp.router)
 
-    def norm_scale(self, weight) -> jnp.ndarray:
-        """The post-attention norm's effective fp32 scale s, so that on fp32 inputs the family's norm is
-        `s * x / rms(x)` (plain and fp32-scaled norms: w; Qwen3.5's zero-centred norm: 1 + w)."""
-        return weight.astype(jnp.float32)
+    def routers_of(self, weights, layers) -> decoder.RouterWeights:
+        """`router_of` of the MoE layers `layers` of `weights`, stacked along a leading layer axis (what
+        `route_rows` is vmapped over)."""
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *[self.router_of(weights.layers[i]) for i in layers])
+
+    def route_rows(self, router, x, cfg, *, top_k: int | None = None) -> decoder.Routing:
+        """The exact routing of residual rows `x` [rows, H] (the stream entering the MoE sub-layer, before its
+        post-attention norm) by the router `router` (`router_of(layer)`): what the verify computes for the
+        layer. `top_k` (default `cfg.moe.top_k`): each row's top-`top_k` experts instead, with their
+        probabilities in `probs` (route-ahead widths). Traced; vmap it over a stack of `router_of`s."""
+        return self.route_rows_fn(router, x, cfg, cfg.moe.top_k if top_k is None else top_k)
+
+    def linear_router(self, router) -> decoder.RouterWeights:
+        """`router` as a plain linear map on RMS-normalized rows, all fp32: logits = `(x / rms(x)) * norm @ router
+        + router_bias` equal `route_rows(router, x).logits` on fp32 rows (`router_bias` zeros when the family has
+        none). What the learned route-ahead model starts from (`offload.route_model.init_from_target`)."""
+        bias = router.router_bias
+        return decoder.RouterWeights(
+            norm=router.norm.astype(jnp.float32), router=router.router.astype(jnp.float32),
+            router_bias=(jnp.zeros(router.router.shape[-1], jnp.float32) if bias is None
+                         else bias.astype(jnp.float32)))
 
     # ---- layer pieces (traced) ----------------------------------------------------------------------------
     # A family's model module defines module-level pieces; the family names them here (staticmethods) and the
@@ -161,7 +189,6 @@ class ModelFamily:
     block_context_fn = None  # (weights, tokens, cache, cfg, num_valid) -> (x, BlockContext)
     attention_fn = None  # (layer, x, k_buf, v_buf, ctx, window, cfg) -> (x, k_buf, v_buf)
     mlp_input_fn = None  # (layer, x, cfg) -> h [b*T, H]
-    route_fn = None  # (mlp, h, cfg) -> Routing
     mlp_fn = None  # (layer, x, h, cfg, implementation, *, routing=None) -> x
     final_norm_fn = None  # (weights, x, cfg) -> final-normed x
     attention_queries_fn = None  # (layer, x, ctx, kind, cfg) -> post-RoPE queries [b, T, Hq, d] or None
@@ -183,9 +210,6 @@ class ModelFamily:
 
     def mlp_input(self, layer, x, cfg):
         return self.mlp_input_fn(layer, x, cfg)
-
-    def route(self, layer, h, cfg):
-        return self.route_fn(layer.mlp, h, cfg)
 
     def experts(self, layer, x, h, routing, cfg, implementation):
         return self.mlp_fn(layer, x, h, cfg, implementation, routing=routing)

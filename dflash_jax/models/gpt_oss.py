@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflash_jax.config import GptOssConfig
+from dflash_jax.config import GptOssConfig, MoEConfig, RopeConfig
 from dflash_jax.models import decoder
-from dflash_jax.models.decoder import BlockContext, ForwardOutput, Routing, lm_head_logits
+from dflash_jax.models.decoder import BlockContext, ForwardOutput, RouterWeights, Routing, lm_head_logits
 from dflash_jax.models.declare import Target, fp4_part, layer_getter
 from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
@@ -57,12 +57,14 @@ __all__ = [
     "attention_sublayer",
     "mlp_input",
     "route",
+    "route_rows",
     "mlp_sublayer",
     "final_norm",
     "forward",
     "rollback",
     "forward_jit",
     "random_weights",
+    "tiny_config",
     "declare_weights",
     "weights_from_flat",
 ]
@@ -167,10 +169,19 @@ def mlp_input(layer: GptOssLayerWeights, x: jax.Array, cfg: GptOssConfig) -> jax
     return _norm(x, layer.post_norm, cfg).reshape(-1, x.shape[-1])
 
 
-def route(mlp: GptOssMoEWeights, h: jax.Array, cfg: GptOssConfig) -> Routing:
-    """The exact routing of `h` [b*T, H]: top-k of the biased logits, softmax over those k."""
-    weights, experts, logits = topk_softmax_router(h, mlp.router, mlp.router_bias, cfg.moe.top_k)
-    return Routing(weights=weights, experts=experts, logits=logits)
+def route(mlp: GptOssMoEWeights | RouterWeights, h: jax.Array, cfg: GptOssConfig, top_k: int | None = None
+          ) -> Routing:
+    """The exact routing of post-normed rows `h` [b*T, H]: top-k of the biased logits, softmax over those k;
+    `top_k` defaults to the config's."""
+    weights, experts, logits = topk_softmax_router(h, mlp.router, mlp.router_bias,
+                                                   cfg.moe.top_k if top_k is None else top_k)
+    return Routing(weights=weights, experts=experts, logits=logits, probs=weights)
+
+
+def route_rows(router: RouterWeights, x: jax.Array, cfg: GptOssConfig, top_k: int) -> Routing:
+    """The family's routing function (`ModelFamily.route_rows`): `route` of the post-attention-normed rows
+    (fp32-scaled norm)."""
+    return route(router, _norm(x, router.norm, cfg), cfg, top_k)
 
 
 def mlp_sublayer(
@@ -195,6 +206,19 @@ def final_norm(weights: GptOssWeights, x: jax.Array, cfg: GptOssConfig) -> jax.A
     return _norm(x, weights.final_norm, cfg)
 
 
+def tiny_config(**overrides):
+    """A tiny gpt-oss: alternating sliding (window 16) / full layers, the release's YaRN, 8 experts top-2."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=150000.0, rotary_dim=16, kind="yarn", factor=32.0, original_max_position_embeddings=4096,
+                        truncate=False),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True, router="topk_softmax"),
+        layer_windows=(16, None, 16, None),
+    )
+    kw.update(overrides)
+    return GptOssConfig(**kw)
+
+
 class GptOssFamily(ModelFamily):
     """gpt-oss: every layer MoE, alternating sliding / full attention with sinks, biased top-k router."""
 
@@ -202,8 +226,6 @@ class GptOssFamily(ModelFamily):
     config_type, weights_type, moe_type = GptOssConfig, GptOssWeights, GptOssMoEWeights
     model_types = ("gpt_oss",)
     expert_fields = ("gate_up", "down", "gate_up_bias", "down_bias")
-    router_norm = {"scale_in_fp32": True}
-    router_topk_first = True
 
     def random_weights(self, cfg, key, dtype=jnp.float32, *, expert_format: str = "dense"):
         if expert_format not in ("dense", "mxfp4"):
@@ -211,18 +233,19 @@ class GptOssFamily(ModelFamily):
                              f"{expert_format!r}")
         return random_weights(cfg, key, dtype, expert_format=expert_format)
 
-    def router_bias(self, mlp):
-        return mlp.router_bias
-
     block_context_fn = staticmethod(block_context)
     attention_fn = staticmethod(attention_sublayer)
     attention_queries_fn = staticmethod(attention_queries)
     mlp_input_fn = staticmethod(mlp_input)
-    route_fn = staticmethod(route)
+    route_rows_fn = staticmethod(route_rows)
+    tiny_config_fn = staticmethod(tiny_config)
     mlp_fn = staticmethod(mlp_sublayer)
     final_norm_fn = staticmethod(final_norm)
     declare_fn = staticmethod(lambda cfg: declare_weights(cfg))
     from_flat_fn = staticmethod(lambda flat, cfg: weights_from_flat(flat, cfg))
+
+    def router_of(self, layer):
+        return RouterWeights(norm=layer.post_norm, router=layer.mlp.router, router_bias=layer.mlp.router_bias)
 
 
 GPT_OSS = register(GptOssFamily())

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import MoEConfig, Qwen3Config, RopeConfig
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.init import ParamInit
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import (  # noqa: F401  (re-exported: the shapes every family shares)
-    BlockContext, ForwardOutput, LogitsMode, Routing, block_positions, lm_head_logits,
+    BlockContext, ForwardOutput, LogitsMode, RouterWeights, Routing, block_positions, lm_head_logits,
 )
 from dflash_jax.models.declare import Target, attention_targets, layer_getter
 from dflash_jax.models.family import ModelFamily, register
@@ -145,10 +145,23 @@ def mlp_input(layer: DecoderLayerWeights, x: jax.Array, cfg: Qwen3Config) -> jax
     return rms_norm(x, layer.post_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
 
 
-def route(mlp: MoEWeights, h: jax.Array, cfg: Qwen3Config) -> Routing:
-    """The exact routing of `h` [b*T, H] (fp32 softmax over all experts, top-k, renormalized if configured)."""
-    weights, experts, logits = softmax_topk_router(h, mlp.router, cfg.moe.top_k, normalize=cfg.moe.norm_topk_prob)
-    return Routing(weights=weights, experts=experts, logits=logits)
+def route(mlp: MoEWeights | RouterWeights, h: jax.Array, cfg: Qwen3Config, top_k: int | None = None) -> Routing:
+    """The exact routing of post-normed rows `h` [b*T, H] (fp32 softmax over all experts, top-k, renormalized if
+    configured); `top_k` defaults to the config's."""
+    return softmax_routing(h, mlp.router, cfg.moe.top_k if top_k is None else top_k, cfg.moe.norm_topk_prob)
+
+
+def softmax_routing(h: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> Routing:
+    """Qwen routing: softmax over all experts in fp32, each row's top-k (`probs`), renormalized to sum 1 as the
+    weights when `normalize`."""
+    probs, experts, logits = softmax_topk_router(h, router, top_k, normalize=False)
+    weights = probs / jnp.sum(probs, axis=-1, keepdims=True) if normalize else probs
+    return Routing(weights=weights, experts=experts, logits=logits, probs=probs)
+
+
+def route_rows(router: RouterWeights, x: jax.Array, cfg: Qwen3Config, top_k: int) -> Routing:
+    """The family's routing function (`ModelFamily.route_rows`): `route` of the post-attention-normed rows."""
+    return route(router, rms_norm(x, router.norm, cfg.rms_norm_eps), cfg, top_k)
 
 
 def mlp_sublayer(
@@ -170,6 +183,17 @@ def final_norm(weights: Qwen3Weights, x: jax.Array, cfg: Qwen3Config) -> jax.Arr
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
 
 
+def tiny_config(**overrides) -> Qwen3Config:
+    """A tiny Qwen3-MoE (4 layers, 8 experts top-2) for tests and examples; `overrides` replace fields."""
+    kw = dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
 class Qwen3Family(ModelFamily):
     """Dense Qwen3 and Qwen3-MoE (dense and MoE layers may mix: `cfg.moe_layers`)."""
 
@@ -185,7 +209,8 @@ class Qwen3Family(ModelFamily):
     attention_fn = staticmethod(attention_sublayer)
     attention_queries_fn = staticmethod(attention_queries)
     mlp_input_fn = staticmethod(mlp_input)
-    route_fn = staticmethod(route)
+    route_rows_fn = staticmethod(route_rows)
+    tiny_config_fn = staticmethod(tiny_config)
     mlp_fn = staticmethod(mlp_sublayer)
     final_norm_fn = staticmethod(final_norm)
     declare_fn = staticmethod(lambda cfg: declare_weights(cfg))

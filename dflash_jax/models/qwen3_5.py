@@ -55,12 +55,12 @@ from flax import struct
 from pallas_kernels import ops
 from pallas_kernels import target as kernel_target
 
-from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
+from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, MoEConfig, Qwen3_5Config, RopeConfig
 from dflash_jax.models import decoder
-from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, Routing, lm_head_logits
+from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, RouterWeights, Routing, lm_head_logits
 from dflash_jax.models.declare import Target, layer_getter
 from dflash_jax.models.family import ModelFamily, register
-from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables
+from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables, softmax_routing
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn import gated_deltanet as gdn
 from dflash_jax.nn import moe
@@ -355,10 +355,17 @@ def mlp_input(layer: DecoderLayerWeights, x: jax.Array, cfg: Qwen3_5Config) -> j
     return _norm(x, layer.post_norm, cfg).reshape(-1, x.shape[-1])
 
 
-def route(mlp: SparseMoEWeights, h: jax.Array, cfg: Qwen3_5Config) -> Routing:
-    """The exact routing of `h` [b*T, H]: fp32 softmax over all experts, top-k, renormalized."""
-    weights, experts, logits = softmax_topk_router(h, mlp.router, cfg.moe.top_k, normalize=True)
-    return Routing(weights=weights, experts=experts, logits=logits)
+def route(mlp: SparseMoEWeights | RouterWeights, h: jax.Array, cfg: Qwen3_5Config, top_k: int | None = None
+          ) -> Routing:
+    """The exact routing of post-normed rows `h` [b*T, H]: fp32 softmax over all experts, top-k, renormalized;
+    `top_k` defaults to the config's."""
+    return softmax_routing(h, mlp.router, cfg.moe.top_k if top_k is None else top_k, True)
+
+
+def route_rows(router: RouterWeights, x: jax.Array, cfg: Qwen3_5Config, top_k: int) -> Routing:
+    """The family's routing function (`ModelFamily.route_rows`): `route` of the post-attention-normed rows
+    (zero-centred norm)."""
+    return route(router, _norm(x, router.norm, cfg), cfg, top_k)
 
 
 def mlp_sublayer(
@@ -418,6 +425,22 @@ def final_norm(weights: Qwen3_5Weights, x: jax.Array, cfg: Qwen3_5Config) -> jax
     return _norm(x, weights.final_norm, cfg)
 
 
+def tiny_config(**overrides):
+    """A tiny Qwen3.5-MoE: DeltaNet and gated-attention layers mixed (linear, linear, full, linear), dk != dv,
+    Hv = 2 Hk, partial RoPE (8 of 32 head dims), 8 experts top-2 and a narrower shared expert."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, num_layers=4,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION),
+        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel=4,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
+        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
+        max_position_embeddings=2048,
+    )
+    kw.update(overrides)
+    return Qwen3_5Config(**kw)
+
+
 class Qwen3_5Family(ModelFamily):
     """Qwen3.5-MoE: DeltaNet and gated-attention mixers, MoE with a shared expert, exact in-jit rollback."""
 
@@ -425,7 +448,6 @@ class Qwen3_5Family(ModelFamily):
     config_type, weights_type, moe_type = Qwen3_5Config, Qwen3_5Weights, SparseMoEWeights
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     expert_fields = ("gate_up", "down")
-    router_norm = {"zero_centered": True}
     needs_rollback_width = True
 
     def init_cache(self, cfg, batch, max_len, dtype=jnp.float32, *, verify_width: int = 0):
@@ -437,13 +459,15 @@ class Qwen3_5Family(ModelFamily):
     def random_weights(self, cfg, key, dtype=jnp.float32, *, expert_format: str = "dense"):
         return quantize_expert_tables(random_weights(cfg, key, dtype), expert_format)
 
-    def norm_scale(self, weight):
-        return 1.0 + weight.astype(jnp.float32)
+    def linear_router(self, router):
+        linear = super().linear_router(router)
+        return linear.replace(norm=1.0 + linear.norm)  # the zero-centred norm scales by 1 + w
 
     block_context_fn = staticmethod(block_context)
     attention_queries_fn = staticmethod(attention_queries)
     mlp_input_fn = staticmethod(mlp_input)
-    route_fn = staticmethod(route)
+    route_rows_fn = staticmethod(route_rows)
+    tiny_config_fn = staticmethod(tiny_config)
     mlp_fn = staticmethod(mlp_sublayer)
     final_norm_fn = staticmethod(final_norm)
     declare_fn = staticmethod(lambda cfg: declare_weights(cfg))

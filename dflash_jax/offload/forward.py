@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.decoder import ForwardOutput, Routing, Steps, run_layers
+from dflash_jax.models.decoder import ForwardOutput, Routing, Steps, route_layer, run_layers
 from dflash_jax.models.family import family_of
-from dflash_jax.offload.predictors import router_topk
 
 
 @dataclasses.dataclass
@@ -74,21 +73,20 @@ def _begin(fam, weights, tokens, cache, num_valid, cfg):
 
 
 def _route_ahead(fam, nxt, x, cfg, width):
-    """The in-verify route-ahead prediction (`predictors.NextLayerResidual`): the next MoE layer's router parts
-    `nxt` (`fam.router_parts`) applied to this layer's post-attention residual `x` [b, T, H] -> (experts
-    [b*T, width], probs [b*T, width], logits [b*T, E]); None when `nxt` is None."""
+    """The in-verify route-ahead prediction (`predictors.NextLayerResidual`): the next MoE layer's router `nxt`
+    (`fam.router_of`) applied by the family's routing (`fam.route_rows`) to this layer's post-attention residual
+    `x` [b, T, H] -> (experts [b*T, width], probs [b*T, width], logits [b*T, E]); None when `nxt` is None."""
     if nxt is None:
         return None
-    norm_w, router, bias = nxt
-    return router_topk(x.reshape(-1, x.shape[-1]), norm_w, router, bias, width, cfg.rms_norm_eps,
-                       tuple(sorted(fam.router_norm.items())), fam.router_topk_first)
+    routing = fam.route_rows(nxt, x.reshape(-1, x.shape[-1]), cfg, top_k=width)
+    return routing.experts, routing.probs, routing.logits
 
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg", "kind", "moe", "width"))
 def _attend(fam, layer, x, state, ctx, cfg, kind, moe, nxt=None, width=0):
     x, state = fam.mixer(layer, x, state, ctx, kind, cfg)
     h = fam.mlp_input(layer, x, cfg)
-    routing = fam.route(layer, h, cfg) if moe else None
+    routing = route_layer(fam, layer, x, cfg) if moe else None
     return x, h, routing, state, _route_ahead(fam, nxt, x, cfg, width)
 
 
@@ -160,7 +158,7 @@ class LayerwiseSteps(Steps):
     def attend(self, i, layer, x, state, ctx, moe):
         self.starts.append(time.perf_counter())
         target = self.next_moe.get(i) if moe else None
-        nxt = None if target is None else self.fam.router_parts(self.weights.layers[target])
+        nxt = None if target is None else self.fam.router_of(self.weights.layers[target])
         x, h, routing, state, guess = _attend(self.fam, layer, x, state, ctx, self.cfg, self.fam.kind(self.cfg, i),
                                               moe, nxt, 0 if target is None else self.width)
         self.guess = None if guess is None else (target, guess)

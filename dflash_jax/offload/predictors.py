@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.nn.moe import router_topk  # noqa: F401  (the family routing every predictor projects)
 from dflash_jax.offload.families import family_of_weights
 from dflash_jax.offload.route_model import route_probs
 from dflash_jax.offload.store import moe_layer_ids
@@ -112,48 +111,39 @@ class PreviousRound:
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("width", "eps", "norm", "topk_first"))
-def _draft_router_topk(hidden, norms, routers, biases, width, eps, norm, topk_first):
-    """hidden [rows, H]; norms [L, H]; routers [L, H, E]; biases [L, E] or None -> (experts [L, rows, width],
-    probs [L, rows, width]) of `router_topk` for every layer."""
+@functools.partial(jax.jit, static_argnames=("fam", "cfg", "width"))
+def route_stacked(fam, routers, hidden, cfg, width):
+    """hidden [rows, H]; `routers` stacked over L MoE layers (`ModelFamily.routers_of`) -> (experts [L, rows, width],
+    probs [L, rows, width]): the family's routing (`fam.route_rows`) of the rows by every layer's router."""
 
-    def one(norm_w, router, bias):
-        return router_topk(hidden, norm_w, router, bias, width, eps, norm, topk_first)[:2]
+    def one(router):
+        routing = fam.route_rows(router, hidden, cfg, top_k=width)
+        return routing.experts, routing.probs
 
-    return jax.vmap(one)(norms, routers, biases)
+    return jax.vmap(one)(routers)
 
 
 class DraftRouter:
-    """Target routers on the draft's hidden states: for MoE layer l, the layer's router applied to
-    `RMSNorm_l(h_draft)` (the layer's post-attention norm as its family defines it: plain for Qwen3, fp32
-    scale for gpt-oss, zero-centred for Qwen3.5) over the block's B draft rows, each row's top-`width` experts
-    (width None: top_k) by the family's routing (Qwen: softmax over all experts; gpt-oss: biased logits,
-    softmax over the top `width`), ranked by summed probability. `renorm=False` uses a plain RMS
-    normalization without the layer's norm weights (the draft hidden is already RMS-normalized by the
-    draft's final norm)."""
+    """Target routers on the draft's hidden states: for MoE layer l, the layer's routing (`route_rows`: its
+    post-attention norm and router exactly as its family's verify applies them: plain norm for Qwen3, fp32
+    scale and router bias for gpt-oss, zero-centred for Qwen3.5) of the block's B draft rows, each row's
+    top-`width` experts (width None: top_k) by the family's rule (Qwen: softmax over all experts; gpt-oss:
+    biased logits, softmax over the top `width`), ranked by summed probability."""
 
     needs_draft = True
 
-    def __init__(self, weights, cfg, *, width: int | None = None, renorm: bool = True, name: str = "draft_router"):
-        fam = family_of_weights(weights)
-        self.name, self.width, self.renorm, self.cfg = name, width, renorm, cfg
+    def __init__(self, weights, cfg, *, width: int | None = None, name: str = "draft_router"):
+        self.fam = family_of_weights(weights)
+        self.name, self.width, self.cfg = name, width, cfg
         self.layers = moe_layer_ids(weights)
-        mlps = [weights.layers[i].mlp for i in self.layers]
-        self.routers = jnp.stack([mlp.router for mlp in mlps])
-        self.norms = jnp.stack([weights.layers[i].post_norm for i in self.layers])
-        biases = [fam.router_bias(mlp) for mlp in mlps]  # the family's router parts (see `router_parts`)
-        self.biases = None if all(b is None for b in biases) else jnp.stack(biases)
-        self.norm_options = tuple(sorted(fam.router_norm.items()))
-        self.topk_first = fam.router_topk_first
+        self.routers = self.fam.routers_of(weights, self.layers)
 
     def predict(self, inputs: RoundInputs) -> dict[int, np.ndarray]:
         if inputs.draft_hidden is None:
             return {}
         width = self.width or inputs.top_k
         hidden = inputs.draft_hidden.reshape(-1, inputs.draft_hidden.shape[-1])
-        norms, options = (self.norms, self.norm_options) if self.renorm else (jnp.ones_like(self.norms), ())
-        experts, probs = _draft_router_topk(hidden, norms, self.routers.astype(hidden.dtype), self.biases, width,
-                                            self.cfg.rms_norm_eps, options, self.topk_first)
+        experts, probs = route_stacked(self.fam, self.routers, hidden, self.cfg, width)
         experts, probs = np.asarray(experts), np.asarray(probs)
         return {layer: ranked_union(experts[j], probs[j]) for j, layer in enumerate(self.layers)}
 
@@ -229,7 +219,7 @@ class Union:
 class NextLayerResidual:
     """"Previous-layer residual inside the verify": during the layer-wise verify, as soon as MoE layer i's
     attention and router have run, the NEXT MoE layer j's router (with layer j's post-attention norm, as its
-    family applies it: `router_topk`) is applied to layer i's post-attention residual stream (the hidden state
+    family applies it: `ModelFamily.route_rows`) is applied to layer i's post-attention residual stream (the hidden state
     entering layer i's MoE sub-layer), and each row's top-`width` experts (None: top_k) are layer j's
     prediction. It is computed inside the jitted call that routes layer i and read on the host together with
     layer i's exact routing (`offload.forward.forward_layerwise(ahead=, ahead_width=)`), so the loop can

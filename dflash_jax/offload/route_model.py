@@ -2,8 +2,8 @@
 layer's routing. What `predictors.LearnedRouter` runs; `train.route_predictor` fits its weights.
 
 Model (`LinearRouteWeights`): `logits_l = RMSNorm_l(h) @ W_l + b_l` with RMSNorm_l the target layer's
-post-attention norm as an effective fp32 scale (`Family.norm_scale`: w, or 1 + w for Qwen3.5's zero-centred
-norms); `init_from_target` starts W_l at the target's router and b_l at its router bias (gpt-oss; 0
+post-attention norm as an effective fp32 scale (`ModelFamily.linear_router`: w, or 1 + w for Qwen3.5's
+zero-centred norms); `init_from_target` starts W_l at the target's router and b_l at its router bias (gpt-oss; 0
 otherwise), so step 0 reproduces each family's router logits, i.e. is `DraftRouter` (gpt-oss: top-k of these
 logits). With token features (`u` set): `+ RMSNorm_l(embed[t]) @ U_l`, where t is the verify block's token in
 that row (the anchor or the draft's proposal: known before the verify, and what the verify's early layers
@@ -37,11 +37,10 @@ def init_from_target(weights, layers: tuple[int, ...], *, token_features: bool =
     the family defines it (Qwen3.5: 1 + w): `route_logits` at step 0 are the family's router logits (on fp32
     inputs), i.e. the `DraftRouter` prediction; U_l = 0."""
     fam = family_of_weights(weights)
-    w = jnp.stack([weights.layers[i].mlp.router.astype(jnp.float32) for i in layers])
-    norms = jnp.stack([fam.norm_scale(weights.layers[i].post_norm) for i in layers])
-    biases = [fam.router_bias(weights.layers[i].mlp) for i in layers]
-    b = jnp.stack([jnp.zeros(w.shape[2], jnp.float32) if bias is None else bias.astype(jnp.float32)
-                   for bias in biases])
+    linear = [fam.linear_router(fam.router_of(weights.layers[i])) for i in layers]
+    w = jnp.stack([r.router for r in linear])
+    norms = jnp.stack([r.norm for r in linear])
+    b = jnp.stack([r.router_bias for r in linear])
     u = jnp.zeros((len(layers), weights.embed.shape[1], w.shape[2]), jnp.float32) if token_features else None
     return LinearRouteWeights(norms=norms, w=w, b=b, u=u)
 

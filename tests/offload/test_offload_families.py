@@ -197,7 +197,7 @@ def test_draft_router_applies_the_familys_router(pair):
                                                          draft_hidden=hidden))
     for layer in range(cfg.num_layers):
         lw = weights.layers[layer]
-        routed = fam.route(lw, fam.mlp_input(lw, flat[None], cfg), cfg).experts  # the model's own router
+        routed = fam.route_rows(fam.router_of(lw), flat, cfg).experts  # the model's own router
         assert set(pred[layer].tolist()) == set(np.asarray(routed).reshape(-1).tolist())
 
 
@@ -216,7 +216,7 @@ def test_learned_router_starts_exactly_at_the_familys_router(pair):
     logits = np.asarray(route_logits(params, flat, cfg.rms_norm_eps))
     for j, layer in enumerate(layers):
         lw = weights.layers[layer]
-        routing = fam.route(lw, fam.mlp_input(lw, flat[None], cfg), cfg)  # the model's own router
+        routing = fam.route_rows(fam.router_of(lw), flat, cfg)  # the model's own router
         np.testing.assert_allclose(logits[j], np.asarray(routing.logits), rtol=1e-5, atol=1e-5)
         top = np.argsort(-logits[j], axis=-1, kind="stable")[:, :2]
         for row in range(flat.shape[0]):
@@ -250,13 +250,14 @@ def test_in_verify_prediction_is_the_next_router_on_the_residual(pair, reference
         x, _ = ofam.mixer(lw, x, ofam.layer_cache(cache, i, cfg), ctx, ofam.kind(cfg, i), cfg)
         if i + 1 < cfg.num_layers:
             nxt = weights.layers[i + 1]
-            want = ofam.route(nxt, ofam.mlp_input(nxt, x, cfg), cfg)
+            want = ofam.route_rows(ofam.router_of(nxt), x.reshape(-1, cfg.hidden_size), cfg)
             for row in range(8):
                 assert set(seen[i + 1][row].tolist()) == set(np.asarray(want.experts)[row].tolist()), (i + 1, row)
             np.testing.assert_allclose(np.asarray(got.ahead_logits[i + 1]), np.asarray(want.logits), rtol=1e-5,
                                        atol=1e-4)
         h = ofam.mlp_input(lw, x, cfg)
-        x = ofam.experts(lw, x, h, ofam.route(lw, h, cfg), cfg, "auto")
+        x = ofam.experts(lw, x, h, ofam.route_rows(ofam.router_of(lw), x.reshape(-1, cfg.hidden_size), cfg), cfg,
+                         "auto")
 
 
 def _predictors(pair):
