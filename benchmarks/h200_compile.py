@@ -296,7 +296,8 @@ def markdown(result: dict) -> list[str]:
                        [[r["model"], f"{r['weight_bytes'] / GB:.1f} ({r['expert_bytes'] / GB:.1f})",
                          f"{r['expected_routed_experts_per_layer']:.1f}", f"{r['verify_read_bytes'] / GB:.2f}",
                          f"{r['verify_roofline_ms']:.2f}", f"{r['verify_hlo_roofline_ms']:.1f}",
-                         f"{r['draft_roofline_ms']:.2f}"] + [f"{r['tokens_per_second'][t]:.0f}" for t in ("1.0", "3.0", "6.0")]
+                         f"{r['draft_roofline_ms']:.2f}"]
+                        + [f"{r['tokens_per_second'][t]:.0f}" for t in ("1.0", "3.0", "6.0")]
                         + [f"{r['cost_model']['non_expert_bytes'] / GB:.2f}, {r['cost_model']['verify_ms']:.2f} / "
                            f"{r['cost_model']['draft_ms']:.2f}"] for r in result["rounds"]])
         out += ["", NOTES["rounds"], ""]
@@ -306,7 +307,8 @@ def markdown(result: dict) -> list[str]:
         out += h.table(["model", "piece", "arguments MiB", "temporaries MiB", "peak MiB", "GFLOP", "HLO bytes MB",
                         "reads MB", "roofline us"],
                        [[r["model"], r["piece"], f"{r['argument_bytes'] / 2**20:.1f}", f"{r['temp_bytes'] / 2**20:.1f}",
-                         f"{r['peak_bytes'] / 2**20:.1f}", f"{r['flops'] / 1e9:.2f}", f"{r['bytes_accessed'] / 1e6:.1f}",
+                         f"{r['peak_bytes'] / 2**20:.1f}", f"{r['flops'] / 1e9:.2f}",
+                         f"{r['bytes_accessed'] / 1e6:.1f}",
                          f"{r['read_bytes'] / 1e6:.1f}", f"{r['roofline_us']:.1f}"] for r in result["offload"]])
         out += ["", NOTES["offload"], ""]
     return out

@@ -132,7 +132,8 @@ def main(argv=None) -> int:
         "--checkpoint": (None, "a convert-weights checkpoint instead of a shipped pair"),
         "--prompt-len": (None, "held-out prompt tokens (default and cap: the target's positions - max-new - block - "
                                "64)"),
-        "--needles": (4, "needle-retrieval prompts"), "--needle-answer": (8, "needle answer tokens scored by exact match"),
+        "--needles": (4, "needle-retrieval prompts"),
+        "--needle-answer": (8, "needle answer tokens scored by exact match"),
         "--scorers": ("auto", "comma-separated scorers: target, target:N (its first N layers), PAIR[:N] or DIR[:N] "
                               "(another model with the same tokenizer); auto: a shipped pair's first layer when one "
                               "shares the tokenizer, then the target"),
@@ -500,8 +501,8 @@ def markdown(r: dict) -> list[str]:
         "itself, which the machine's other load does not inflate; wall ms: the best elapsed time of the repeats.",
         "",
     ]
-    lines += h.table(["keep", "scorer", "kept tokens", "speculation", "scorer CPU ms", "target prefill CPU ms (vs full)",
-                      "TTFT CPU ms (vs full)", "scorer wall ms", "target prefill wall ms", "TTFT wall ms (vs full)"],
+    lines += h.table(["keep", "scorer", "kept tokens", "speculation", "scorer CPU ms",
+                      "target prefill CPU ms (vs full)", "TTFT CPU ms (vs full)", "scorer wall ms", "target prefill wall ms", "TTFT wall ms (vs full)"],
                      [[g["keep"], g["scorer"], f"{g['kept_tokens']:.0f}", "DFlash" if g["speculation"] else "plain",
                        f"{g['score_cpu_ms']:.0f}", f"{g['prefill_cpu_ms']:.0f} ({g['prefill_cpu_vs_full']:.2f})",
                        f"{g['ttft_cpu_ms']:.0f} ({g['ttft_cpu_vs_full']:.2f})", f"{g['score_ms']:.0f}",
@@ -519,7 +520,8 @@ def markdown(r: dict) -> list[str]:
     lines += h.table(["keep", "scorer", "speculation", "decode tok/s", "per CPU s", "vs plain (wall / CPU)", "tau",
                       "agreement", "common prefix", "needle EM", "needle answer tokens", "passage kept",
                       "DFlash = plain"],
-                     [[g["keep"], g["scorer"], "DFlash" if g["speculation"] else "plain", f"{g['decode_tokens_per_s']:.1f}",
+                     [[g["keep"], g["scorer"], "DFlash" if g["speculation"] else "plain",
+                       f"{g['decode_tokens_per_s']:.1f}",
                        f"{g['decode_tokens_per_cpu_s']:.1f}",
                        f"{g['decode_vs_plain']:.2f} / {g['decode_cpu_vs_plain']:.2f}", f"{g['acceptance']:.2f}",
                        f"{g['agreement']:.2f}", f"{g['common_prefix']:.1f}", _f(g["needle_exact_match"]),
@@ -547,7 +549,8 @@ def markdown(r: dict) -> list[str]:
               f"{o['ttft_cpu_s'] * 1e3:.0f} ({o['score_cpu_s'] * 1e3:.0f} + {o['prefill_cpu_s'] * 1e3:.0f})",
               f"{o['ttft_s'] * 1e3:.0f}", f"{o['decode_tokens_per_s']:.1f}", f"{o['decode_tokens_per_cpu_s']:.1f}",
               f"{o['acceptance']:.2f}", f"{o['prefill_streamed_mb']:.3f}", f"{o['prefill_routed_mb']:.3f}",
-              f"{o['decode_mb_moved']:.3f}", f"{o['decode_mb_per_token']:.4f}", "yes" if o["lossless_vs_plain"] else "NO"]
+              f"{o['decode_mb_moved']:.3f}", f"{o['decode_mb_per_token']:.4f}",
+              "yes" if o["lossless_vs_plain"] else "NO"]
              for o in r["offloaded"]])
     return lines
 

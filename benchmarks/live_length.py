@@ -141,8 +141,8 @@ def main(argv=None) -> int:
         "paths run the same dense program there.", "",
         "ms/round = loop time / rounds (the loop donates its state: no cache copy); ms/token of the plain loop "
         "includes the one copy of its non-donated input cache per call (O(buffer) once per request).", ""]
-    md += h.table(["cache rows", "spec ms/round dense", "spec ms/round chunked", "chunked/dense", "plain ms/token dense",
-                   "plain ms/token chunked", "chunked/dense", "tau", "lossless"],
+    md += h.table(["cache rows", "spec ms/round dense", "spec ms/round chunked", "chunked/dense",
+                   "plain ms/token dense", "plain ms/token chunked", "chunked/dense", "tau", "lossless"],
                   [[r["cache_rows"], f"{r['dense']['ms_per_round']:.2f}", f"{r['chunked']['ms_per_round']:.2f}",
                     f"{r['round_ratio_chunked_over_dense']:.2f}", f"{r['dense']['ms_per_plain_token']:.3f}",
                     f"{r['chunked']['ms_per_plain_token']:.3f}", f"{r['token_ratio_chunked_over_dense']:.2f}",

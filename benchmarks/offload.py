@@ -129,8 +129,10 @@ def overlap(pair, store, prompts, *, block: int, experts: int, repeats: int = 5)
             jax.block_until_ready(logits)
 
         copies()  # compiles the copy programs
-        t = h.paired_runs({"copy": copies, "compute": lambda: jax.block_until_ready(fam_forward(weights, tokens, cache)),
-                           "both": both}, repeats, alternate=False)
+        def compute():
+            jax.block_until_ready(fam_forward(weights, tokens, cache))
+
+        t = h.paired_runs({"copy": copies, "compute": compute, "both": both}, repeats, alternate=False)
         best = {k: t.stat(k) for k in t.modes}
         hidden = best["copy"] + best["compute"] - best["both"]
         out[transfer] = dict({f"{k}_ms": v * 1e3 for k, v in best.items()},

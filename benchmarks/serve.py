@@ -265,7 +265,8 @@ def main(argv=None) -> int:
 
         try:  # the modes alternate, so a busy spell of the machine hits all
             t = h.paired_runs({pt.mode: functools.partial(measure, pt, work, args.max_tokens, c) for pt in points},
-                              args.repeats, on_run=keep, seconds_of=lambda row: (row["wall_exact_s"], row["cpu_exact_s"]))
+                              args.repeats, on_run=keep,
+                              seconds_of=lambda row: (row["wall_exact_s"], row["cpu_exact_s"]))
         finally:
             if not shared:
                 for point in points:
@@ -281,7 +282,8 @@ def main(argv=None) -> int:
 
     for c in levels:  # lossless: with ignore_eos and greedy decoding every mode emits B=1's tokens for every prompt
         for m in modes:
-            assert row_of(c, m)["outputs"] == row_of(c, "1")["outputs"], f"{m} and B=1 outputs differ at concurrency {c}"
+            assert row_of(c, m)["outputs"] == row_of(c, "1")["outputs"], \
+                f"{m} and B=1 outputs differ at concurrency {c}"
             assert row_of(c, m)["compiles_while_serving"] == 0
 
     def median_and_range(table):

@@ -3,7 +3,7 @@ the experts, DFlash vs the same engine without speculation (block size 1), at co
 
   python benchmarks/serve_offload.py [--concurrency 1,4] [--requests 6] [--max-tokens 40] [--prompt-len 32]
                                      [--cache-fraction 0.5] [--block-size B] [--byte-budgets cache,none]
-                                     [--repeats 2] [--slots 4] [--out DIR | --write-docs]
+                                     [--repeats 2] [--slots 4] [--quick] [--out DIR | --write-docs]
 
 One `serve.engine.Engine(experts="offload")` (its rounds run by `serve.offload_runner.OffloadedRunner`) per
 block size (DFlash at the draft's block size, and B=1), `--slots` slots, an expert cache of `--cache-fraction`
@@ -16,8 +16,8 @@ row verifies every round); `cache-all` prices the whole projected union against 
 `--requests` greedy requests (prompts: token windows of the pair's held-out standard-library files,
 `stop_ids=[]` so every mode produces exactly the same tokens, which is checked) are fed so that c are in
 flight at a time; the engine is driven in this process (no HTTP: `benchmarks/serve.py` measures the server).
-The cache starts empty at every point. The modes alternate for `--repeats` runs (order reversed every other
-run); the speedup is the median of the per-run ratios of tokens/s to B=1 under the same byte budget in the
+The cache starts empty at every point. The modes alternate for `--repeats` runs (`timing.paired_runs`: order
+reversed every other run); the speedup is the median of the per-run ratios of tokens/s to B=1 under the same byte budget in the
 same run.
 
 Measured per point: output tokens/s, rounds, tokens per verify, expert MB moved host -> device per round
@@ -30,8 +30,7 @@ tokens (about 5 minutes with the defaults on two busy shared CPU cores). Writes 
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import os
 import platform
 import sys
@@ -39,7 +38,7 @@ import time
 
 import numpy as np
 
-from report_output import add_output_args, output_dir
+import harness as h
 
 
 def run_point(engine, prompts, max_tokens: int, concurrency: int) -> tuple[dict, list]:
@@ -80,22 +79,16 @@ def run_point(engine, prompts, max_tokens: int, concurrency: int) -> tuple[dict,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--concurrency", default="1,4")
-    p.add_argument("--requests", type=int, default=6, help="requests per point")
-    p.add_argument("--max-tokens", type=int, default=40)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--cache-fraction", type=float, default=0.5, help="expert cache size / all routed experts' bytes")
-    p.add_argument("--block-size", type=int, default=None, help="DFlash's block size (default: the draft's)")
-    p.add_argument("--byte-budgets", default="cache,none",
-                   help="scheduler byte budgets to run: cache (a round moves at most the cache's bytes), none "
-                        "(unlimited), cache-all (the whole projected union priced against the cache's bytes)")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--slots", type=int, default=4)
-    add_output_args(p)
-    args = p.parse_args(argv)
-    out_dir = output_dir(args)
+    p = h.parser(__doc__, {
+        "--concurrency": "1,4", "--requests": (6, "requests per point"),
+        "--cache-fraction": (0.5, "expert cache size / all routed experts' bytes"),
+        "--block-size": (None, "DFlash's block size (default: the draft's)"),
+        "--byte-budgets": ("cache,none", "scheduler byte budgets to run: cache (a round moves at most the cache's "
+                                         "bytes), none (unlimited), cache-all (the whole projected union priced "
+                                         "against the cache's bytes)"),
+        "--slots": 4}, checkpoint=None, max_tokens=40, prompt_len=32, repeats=2)
+    args = h.parse(p, argv, quick=dict(concurrency="1", requests=1, max_tokens=4, prompt_len=16, byte_budgets="cache",
+                                       repeats=1, slots=1))
     levels = [int(c) for c in args.concurrency.split(",")]
     if max(levels) > args.slots:
         p.error(f"--slots {args.slots} is below the largest concurrency {max(levels)}")
@@ -110,15 +103,14 @@ def main(argv=None) -> int:
     from dflash_jax.offload import HostExpertStore
     from dflash_jax.serve import scheduler as sched
     from dflash_jax.serve.engine import Engine
-    from dflash_jax.train.data import file_windows
 
     compile_cache.ensure_enabled()
     t_start = time.perf_counter()
     pair = dflash_jax.load(args.checkpoint)
-    prompts = file_windows(pair, "held_out", args.requests, args.prompt_len)
+    prompts = h.prompts(pair, args.requests, args.prompt_len)
     store = HostExpertStore(pair.target)
     budget = int(args.cache_fraction * store.total_bytes)
-    block = args.block_size or pair.draft_cfg.block_size
+    block = int(args.block_size or pair.draft_cfg.block_size)
     engines, warmup = {}, {}
     for b in (block, 1):
         print(f"[serve_offload] building and warming up the B={b} engine ...", file=sys.stderr, flush=True)
@@ -126,26 +118,31 @@ def main(argv=None) -> int:
                             max_prompt_len=args.prompt_len, max_new_tokens=args.max_tokens, store=store,
                             round_seconds={b: 1.0})
         warmup[b] = engines[b].warmup([args.prompt_len])
-    rows, ratios = [], {(c, bb): [] for c in levels for bb in budgets}
-    for rep in range(args.repeats):
-        for c in levels:
-            for bb in budgets:
-                order = (block, 1) if rep % 2 == 0 else (1, block)
-                got, toks = {}, {}
-                for b in order:
-                    eng = engines[b]
-                    eng.budgets = sched.Budgets(tokens=None,
-                                                expert_bytes=None if bb == "none" else eng.runner.pool.bytes)
-                    eng.runner.byte_cost = "all" if bb == "cache-all" else "missing"
-                    got[b], toks[b] = run_point(eng, prompts, args.max_tokens, c)
-                    got[b].update(repeat=rep, byte_budget=bb)
-                    rows.append(got[b])
-                    print(f"[serve_offload] run {rep + 1}/{args.repeats} c={c} bytes={bb} B={b}: "
-                          f"{got[b]['tokens_per_s']:.1f} tok/s, {got[b]['mb_moved_per_round']:.3f} MB/round, "
-                          f"hit rate {got[b]['hit_rate']:.2f}", file=sys.stderr, flush=True)
-                if toks[block] != toks[1]:
-                    raise SystemExit("DFlash and B=1 produced different tokens: the offloaded engine is not lossless")
-                ratios[(c, bb)].append(got[block]["tokens_per_s"] / got[1]["tokens_per_s"])
+    rows, ratios = [], {}
+
+    def point(b, c, bb):
+        eng = engines[b]
+        eng.budgets = sched.Budgets(tokens=None, expert_bytes=None if bb == "none" else eng.runner.pool.bytes)
+        eng.runner.byte_cost = "all" if bb == "cache-all" else "missing"
+        return run_point(eng, prompts, args.max_tokens, c)
+
+    for c in levels:
+        for bb in budgets:
+            outputs = h.Outputs(block, key=lambda res: res[1])
+
+            def keep(b, rep, res, c=c, bb=bb):
+                outputs.see(b, rep, res)
+                row = dict(res[0], repeat=rep, byte_budget=bb)
+                rows.append(row)
+                print(f"[serve_offload] run {rep + 1}/{args.repeats} c={c} bytes={bb} B={b}: "
+                      f"{row['tokens_per_s']:.1f} tok/s, {row['mb_moved_per_round']:.3f} MB/round, "
+                      f"hit rate {row['hit_rate']:.2f}", file=sys.stderr, flush=True)
+
+            t = h.paired_runs({b: functools.partial(point, b, c, bb) for b in (block, 1)}, args.repeats, on_run=keep,
+                              seconds_of=lambda res: res[0]["seconds"])
+            if not outputs.lossless[1]:
+                raise SystemExit("DFlash and B=1 produced different tokens: the offloaded engine is not lossless")
+            ratios[(c, bb)] = [float(x) for x in t.ratios(block, 1)]  # tokens/s over B=1's: the same tokens
     total = time.perf_counter() - t_start
 
     def pick(c, bb, b):
@@ -160,14 +157,13 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "serve_offload", "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
         "checkpoint": os.path.basename(os.path.normpath(pair.directory)) if getattr(pair, "directory", None) else None,
-        "args": vars(args), "cache_bytes": engines[block].runner.pool.bytes, "experts_bytes": store.total_bytes,
+        "args": {k: v for k, v in vars(args).items() if k not in ("out_dir", "quick")},
+        "cache_bytes": engines[block].runner.pool.bytes, "experts_bytes": store.total_bytes,
         "warmup_s": {str(b): s for b, s in warmup.items()}, "seconds": total,
         "speedup_vs_b1": {f"c={c},bytes={bb}": {"median": float(np.median(v)), "runs": v}
                           for (c, bb), v in ratios.items()},
         "summary": summary, "runs": rows,
     }
-    with open(os.path.join(out_dir, "serve_offload.json"), "w") as f:
-        json.dump(result, f, indent=1)
     lines = [
         "# Offloaded serving: DFlash vs block size 1, experts in host memory",
         "",
@@ -183,17 +179,19 @@ def main(argv=None) -> int:
         "the modes alternating; vs B=1: the median of the per-run ratios to B=1 under the same byte budget. Every "
         "mode produced the same tokens for every prompt (checked).",
         "",
-        "| c | byte budget | mode | tokens/s | vs B=1 (runs) | tokens / verify | verifies / round | MB moved / round | "
-        "MB moved / token | hit rate | coverage | compiles |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for s in summary:
-        c, bb, b = s["concurrency"], s["byte_budget"], s["block_size"]
-        r = ratios[(c, bb)]
-        vs = f"{np.median(r):.2f}x ({', '.join(f'{x:.2f}' for x in r)})" if b == block else "1"
-        lines.append(f"| {c} | {bb} | {'DFlash B=' + str(b) if b > 1 else 'B=1'} | {s['tokens_per_s']:.1f} | {vs} | "
-                     f"{s['tokens_per_verify']:.2f} | {s['verifies_per_round']:.2f} | {s['mb_moved_per_round']:.3f} | "
-                     f"{s['mb_moved_per_token']:.3f} | {s['hit_rate']:.2f} | {s['coverage']:.2f} | {s['compiles']} |")
+
+    def vs(s):
+        r = ratios[(s["concurrency"], s["byte_budget"])]
+        return f"{np.median(r):.2f}x ({', '.join(f'{x:.2f}' for x in r)})" if s["block_size"] == block else "1"
+
+    lines += h.table(["c", "byte budget", "mode", "tokens/s", "vs B=1 (runs)", "tokens / verify", "verifies / round",
+                      "MB moved / round", "MB moved / token", "hit rate", "coverage", "compiles"],
+                     [[s["concurrency"], s["byte_budget"], f"DFlash B={s['block_size']}" if s["block_size"] > 1 else "B=1",
+                       f"{s['tokens_per_s']:.1f}", vs(s), f"{s['tokens_per_verify']:.2f}",
+                       f"{s['verifies_per_round']:.2f}", f"{s['mb_moved_per_round']:.3f}",
+                       f"{s['mb_moved_per_token']:.3f}", f"{s['hit_rate']:.2f}", f"{s['coverage']:.2f}", s["compiles"]]
+                      for s in summary], align="rllrrrrrrrrr")
     lines += [
         "",
         "MB moved: expert bytes copied host -> device for the verifies (prefetch + on demand), per round with a "
@@ -202,11 +200,8 @@ def main(argv=None) -> int:
         "(layer, expert) pairs of the verified rows resident when their layer ran. Coverage: routed pairs the "
         "admitted rows' projection had asked the prefetch for. On this CPU host and device memory are the same "
         "RAM, so a copy costs a memcpy, not a PCIe transfer: tokens/s here measures the engine's work, not a link.",
-        "",
     ]
-    with open(os.path.join(out_dir, "serve_offload.md"), "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    h.Report(args, "serve_offload").write(result, lines)
     return 0
 
 
