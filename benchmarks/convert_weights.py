@@ -1,6 +1,6 @@
 """Benchmark: convert-weights on a synthetic multi-GB Qwen3-MoE checkpoint.
 
-  python benchmarks/convert_weights.py [--gb 2] [--expert-format mxfp4] [--keep] [--out DIR | --write-docs]
+  python benchmarks/convert_weights.py [--gb 2] [--expert-format mxfp4] [--keep] [--quick] [--out DIR | --write-docs]
 
 Writes a random bf16 checkpoint in the release layout (sharded safetensors + index, per-expert tensors),
 runs `convert-weights` in a child process, and reports the child's peak RSS against the checkpoint size
@@ -10,23 +10,18 @@ convert_weights.{json,md} in --out (default bench_out/, ignored by git) or, with
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import resource
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import ml_dtypes
 import numpy as np
 
-from report_output import add_output_args, output_dir
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness as h
 
 
 def synthetic_config(gb: float) -> dict:
@@ -113,76 +108,69 @@ def write_draft(directory: str, target_cfg: dict) -> None:
     save_hf_draft(random_draft_weights(cfg, jax.random.key(0)), cfg, directory)
 
 
+def synthetic_pair(work: str, gb: float) -> tuple[dict, int, int]:
+    """A synthetic target of about `gb` GiB of experts and its draft under `work` (target/, draft/): (the target's
+    config, its bytes, its largest tensor's bytes)."""
+    cfg = synthetic_config(gb)
+    t0 = time.perf_counter()
+    total, largest = write_checkpoint(os.path.join(work, "target"), cfg)
+    print(f"wrote a {total / 2**30:.2f} GiB synthetic target in {time.perf_counter() - t0:.0f} s", flush=True)
+    write_draft(os.path.join(work, "draft"), cfg)
+    return cfg, total, largest
+
+
+def convert(work: str, *flags: str) -> float:
+    """convert-weights of work/{target,draft} into work/out in a child process; returns its seconds."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "convert", "--target", os.path.join(work, "target"), "--draft",
+                    os.path.join(work, "draft"), "--out", os.path.join(work, "out"), *flags], check=True)
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gb", type=float, default=2.0, help="approximate expert bytes of the synthetic target")
-    p.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "nvfp4", "bf16"])
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--keep", action="store_true")
-    add_output_args(p)
-    args = p.parse_args(argv)
-    out_dir = output_dir(args)  # before the run: --out / --write-docs mistakes fail fast
+    p = h.parser(__doc__, {"--gb": (2.0, "approximate expert bytes of the synthetic target"),
+                           "--expert-format": ("mxfp4", None, ("mxfp4", "nvfp4", "bf16")), "--workdir": None,
+                           "--keep": False})
+    args = h.parse(p, argv, quick=dict(gb=0.05))  # before the run: --out / --write-docs mistakes fail fast
     if args.gb <= 0:
         p.error("--gb must be > 0")
-    work = args.workdir or tempfile.mkdtemp(prefix="convert_bench_")
-    try:
-        cfg = synthetic_config(args.gb)
-        t0 = time.perf_counter()
-        total, largest = write_checkpoint(os.path.join(work, "target"), cfg)
-        print(f"wrote a {total / 2**30:.2f} GiB synthetic target in {time.perf_counter() - t0:.0f} s", flush=True)
-        write_draft(os.path.join(work, "draft"), cfg)
-        cmd = [sys.executable, "-m", "convert", "--target", os.path.join(work, "target"), "--draft",
-               os.path.join(work, "draft"), "--out", os.path.join(work, "out"), "--expert-format", args.expert_format,
-               "--dtype", "bf16"]
-        t1 = time.perf_counter()
-        subprocess.run(cmd, check=True)
-        seconds = time.perf_counter() - t1
+    with h.workdir(args, "convert_bench_") as work:
+        cfg, total, largest = synthetic_pair(work, args.gb)
+        seconds = convert(work, "--expert-format", args.expert_format, "--dtype", "bf16")
         peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
         with open(os.path.join(work, "out", "manifest.json")) as fh:
             out_expert = json.load(fh)["expert_bytes"]
-        row = {
-            "source_bytes": total, "largest_tensor_bytes": largest, "layers": cfg["num_hidden_layers"],
-            "largest_chunk_bytes": cfg["num_experts"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2,
-            "expert_format": args.expert_format, "seconds": round(seconds, 2),
-            "mb_per_s": round(total / 2**20 / seconds, 1), "peak_rss_bytes": peak_rss,
-            "peak_rss_over_source": round(peak_rss / total, 3), "output_expert_bytes": out_expert,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        }
-        path = os.path.join(out_dir, "convert_weights.json")
-        rows = []
-        if os.path.exists(path):  # one row per (size, format): runs of other sizes are kept for the table
-            with open(path) as fh:
-                old = json.load(fh)
-            rows = [r for r in (old if isinstance(old, list) else [old])
-                    if (r["layers"], r["expert_format"]) != (row["layers"], row["expert_format"])]
-        rows = sorted(rows + [row], key=lambda r: (r["expert_format"], r["source_bytes"]))
-        with open(path, "w") as fh:
-            json.dump(rows, fh, indent=1)
-        md = [
-            "# convert-weights on a synthetic Qwen3-MoE checkpoint",
-            "",
-            f"Command: `python benchmarks/convert_weights.py --gb N --expert-format FORMAT --write-docs` ({row['machine']}). "
-            "The child process's peak RSS includes the Python/JAX/orbax runtime (~0.5 GB).",
-            "",
-            "| source | layers | largest tensor | one layer's experts (bf16) | format | time | rate | peak RSS | RSS / source |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ] + [
-            f"| {r['source_bytes'] / 2**30:.2f} GiB | {r['layers']} | {r['largest_tensor_bytes'] / 2**20:.1f} MiB | "
-            f"{r['largest_chunk_bytes'] / 2**20:.0f} MiB | {r['expert_format']} | {r['seconds']:.1f} s | "
-            f"{r['mb_per_s']} MB/s | {r['peak_rss_bytes'] / 2**20:.0f} MiB | {r['peak_rss_over_source']} |"
-            for r in rows
-        ] + [
-            "",
-            "Peak RSS stays flat as the checkpoint grows: conversion holds about one layer (source tensors are "
-            "memory-mapped, each expert table is quantized expert by expert and written as soon as it is complete).",
-            "",
-        ]
-        with open(os.path.join(out_dir, "convert_weights.md"), "w") as fh:
-            fh.write("\n".join(md))
-        print(json.dumps(row, indent=1))
-    finally:
-        if not args.keep and not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
+    row = {
+        "source_bytes": total, "largest_tensor_bytes": largest, "layers": cfg["num_hidden_layers"],
+        "largest_chunk_bytes": cfg["num_experts"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2,
+        "expert_format": args.expert_format, "seconds": round(seconds, 2),
+        "mb_per_s": round(total / 2**20 / seconds, 1), "peak_rss_bytes": peak_rss,
+        "peak_rss_over_source": round(peak_rss / total, 3), "output_expert_bytes": out_expert,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    }
+    report = h.Report(args, "convert_weights")
+    rows = []
+    if os.path.exists(report.path("json")):  # one row per (size, format): runs of other sizes are kept for the table
+        with open(report.path("json")) as fh:
+            old = json.load(fh)
+        rows = [r for r in (old if isinstance(old, list) else [old])
+                if (r["layers"], r["expert_format"]) != (row["layers"], row["expert_format"])]
+    rows = sorted(rows + [row], key=lambda r: (r["expert_format"], r["source_bytes"]))
+    with open(report.path("json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    md = ["# convert-weights on a synthetic Qwen3-MoE checkpoint", "",
+          "Command: `python benchmarks/convert_weights.py --gb N --expert-format FORMAT --write-docs` "
+          f"({row['machine']}). The child process's peak RSS includes the Python/JAX/orbax runtime (~0.5 GB).", ""]
+    md += h.table(["source", "layers", "largest tensor", "one layer's experts (bf16)", "format", "time", "rate",
+                   "peak RSS", "RSS / source"],
+                  [[f"{r['source_bytes'] / 2**30:.2f} GiB", r["layers"], f"{r['largest_tensor_bytes'] / 2**20:.1f} MiB",
+                    f"{r['largest_chunk_bytes'] / 2**20:.0f} MiB", r["expert_format"], f"{r['seconds']:.1f} s",
+                    f"{r['mb_per_s']} MB/s", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB", r["peak_rss_over_source"]]
+                   for r in rows])
+    md += ["", "Peak RSS stays flat as the checkpoint grows: conversion holds about one layer (source tensors are "
+           "memory-mapped, each expert table is quantized expert by expert and written as soon as it is complete)."]
+    report.markdown(md)
+    print(json.dumps(row, indent=1))
     return 0
 
 

@@ -6,8 +6,8 @@
                  `(default, help, choices)`), and always --out / --write-docs / --quick; `parse(p, argv, quick=)`
                  applies --quick's small settings, checks them, sets XLA's one-thread flags and `args.out_dir`.
   workloads      `load_pair(args)` (--checkpoint / --pair, else the shipped pair), `prompts(pair, n, length)`
-                 (token windows of the pair's held-out or training files), `int_list`, `command` (the line that
-                 regenerates a report).
+                 (token windows of the pair's held-out or training files), `workdir` (--workdir / --keep),
+                 `int_list`, `command` (the line that regenerates a report).
   timing         `dflash_jax.timing` (`paired_runs`, `Timings`, `timed`, `load_average`): paired, interleaved runs
                  of named modes, wall and process CPU seconds, load average, medians and ranges; `paired_items`
                  runs them per item (prompt) and checks every mode's output against a reference mode
@@ -24,10 +24,13 @@ default it writes to --out (default bench_out/, ignored by git), so a trial run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -41,7 +44,7 @@ from dflash_jax.timing import Timings, load_average, paired_runs, timed  # noqa:
 __all__ = ["DOCS", "DEFAULT_OUT", "ONE_THREAD", "READING_MARK", "ROOT", "Outputs", "Report", "Timings",
            "add_output_args", "command", "int_list", "load_average", "load_pair", "logger", "machine",
            "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompts", "rate", "save_figure",
-           "table", "timed"]
+           "table", "timed", "workdir"]
 
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
 DEFAULT_OUT = os.path.join(ROOT, "bench_out")
@@ -176,6 +179,17 @@ def machine() -> dict:
 
     return {"platform": platform.platform(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}
+
+
+@contextlib.contextmanager
+def workdir(args: argparse.Namespace, prefix: str):
+    """`--workdir` when given (kept), else a fresh temporary directory removed at the end unless `--keep`."""
+    work = getattr(args, "workdir", None) or tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield work
+    finally:
+        if not getattr(args, "keep", False) and not getattr(args, "workdir", None):
+            shutil.rmtree(work, ignore_errors=True)
 
 
 # ---- paired timing with output checks ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Where a verify forward of the shipped hybrid Qwen3.5-MoE target spends its time, piece by piece, by width.
 
-  python benchmarks/hybrid_profile.py [--widths 1,4,8,16] [--reps 40] [--dequantize-experts] [--out DIR | --write-docs]
+  python benchmarks/hybrid_profile.py [--widths 1,4,8,16] [--reps 40] [--dequantize-experts] [--quick]
+                                     [--out DIR | --write-docs]
 
 After a 128-token prefill of a held-out prompt (cache rollback width 16, as a B=16 DFlash run keeps), each piece
 of the target's forward is jitted alone and timed at widths T = 1 / 4 / 8 / 16 (one sequence): the whole
@@ -9,7 +10,8 @@ forward (all logits, the draft's taps) with the routed experts as the model runs
 its parts (the committed-state replay, the qkv projection + causal conv, the gated delta rule), the gated
 attention mixer, the final norm + lm_head, the rollback after a verify, and the draft's round.
 
-Timing: process CPU time of each call, the minimum over `--reps` calls made in turn (pieces interleaved), with
+Timing: process CPU time of each call, the minimum over `--reps` calls made in turn (pieces interleaved,
+`timing.paired_runs`), with
 XLA's CPU runtime on one thread (set before jax is imported): on a shared machine the minimum CPU time is far
 steadier than wall time, and one thread makes the pieces add up. Numbers are therefore per-core costs, not the
 wall time of a multi-threaded run. Writes hybrid_profile.{json,md} to --out (default bench_out/) or, with
@@ -18,30 +20,21 @@ wall time of a multi-threaded run. Writes hybrid_profile.{json,md} to --out (def
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import sys
-import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+import harness as h
 
-import numpy as np  # noqa: E402
-
-from report_output import add_output_args, output_dir  # noqa: E402
+os.environ.setdefault("XLA_FLAGS", h.ONE_THREAD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--widths", default="1,4,8,16")
-    p.add_argument("--reps", type=int, default=40)
-    p.add_argument("--dequantize-experts", action="store_true",
-                   help="expert tables dequantized at load (dflash-generate on a CPU); default: FP4 as stored")
-    add_output_args(p)
-    args = p.parse_args(argv)
-    widths = [int(w) for w in args.widths.split(",")]
-    if min(widths) < 1 or max(widths) > 16 or args.reps < 1:
+    p = h.parser(__doc__, {"--widths": "1,4,8,16", "--reps": 40, "--dequantize-experts": (
+        False, "expert tables dequantized at load (dflash-generate on a CPU); default: FP4 as stored")})
+    args = h.parse(p, argv, quick=dict(widths="1,4", reps=1))
+    widths = h.int_list(p, args.widths, "--widths")
+    if max(widths) > 16 or args.reps < 1:
         p.error("--widths must be in 1..16 (the rollback width) and --reps >= 1")
 
     import jax
@@ -53,11 +46,10 @@ def main(argv=None) -> int:
     from dflash_jax.nn.mlp import swiglu
     from dflash_jax.nn.moe import swiglu_experts
     from dflash_jax.spec import session
-    from dflash_jax.train.data import file_windows
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS["tiny_pair_qwen3_5"], dequantize_experts=args.dequantize_experts)
     w, cfg = pair.target, pair.target_cfg
-    prompt = file_windows(pair, "held_out", 1, 128)[0]
+    prompt = h.prompts(pair, 1, 128)[0]
     width = q.DEFAULT_ROLLBACK_WIDTH
     c0 = q.forward_jit(w, jnp.asarray([prompt], jnp.int32), q.init_cache(cfg, 1, 512, rollback_width=width), cfg,
                        logits="last").cache
@@ -127,37 +119,26 @@ def main(argv=None) -> int:
         if t > 1:
             spec, state = session.begin(pair, [prompt], block_size=t, max_new_tokens=64)
             pieces["draft round (block T)"] = (session.draft_round_jit, (w, pair.draft, state, spec))
-        for f, a in pieces.values():
-            jax.block_until_ready(f(*a))
-        times = {k: [] for k in pieces}
-        for _ in range(args.reps):
-            for k, (f, a) in pieces.items():
-                t0 = time.process_time()
-                jax.block_until_ready(f(*a))
-                times[k].append(time.process_time() - t0)
-        rows[t] = {k: round(float(np.min(v)) * 1e3, 3) for k, v in times.items()}
+        runs = {k: (lambda f=f, a=a: jax.block_until_ready(f(*a))) for k, (f, a) in pieces.items()}
+        for run in runs.values():
+            run()
+        times = h.paired_runs(runs, args.reps, alternate=False)
+        rows[t] = {k: round(times.stat(k, "cpu", "min") * 1e3, 3) for k in runs}
         print(t, rows[t], flush=True)
 
     names = list(dict.fromkeys(k for r in rows.values() for k in r))
     result = {"pair": "tiny_pair_qwen3_5", "dequantize_experts": args.dequantize_experts, "reps": args.reps,
               "backend": jax.default_backend(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "ms_by_width": rows}
-    out_dir = output_dir(args)
     stem = "hybrid_profile" + ("_dense" if args.dequantize_experts else "")
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
     tables = "dequantized at load" if args.dequantize_experts else "FP4 as stored, dequantized in every forward"
     md = [f"# The hybrid target's forward, piece by piece (CPU, expert tables {tables})", "",
           f"`python benchmarks/hybrid_profile.py{' --dequantize-experts' if args.dequantize_experts else ''} "
           f"--write-docs` - ms of one core (process CPU time, minimum of {args.reps} interleaved calls, XLA on one "
-          f"thread); batch 1 after a 128-token prefill, rollback width 16; {result['machine']}.", "",
-          "| piece | " + " | ".join(f"T={t}" for t in rows) + " |", "|---|" + "---|" * len(rows)]
-    for k in names:
-        md.append(f"| {k} | " + " | ".join(f"{rows[t][k]:.2f}" if k in rows[t] else "-" for t in rows) + " |")
-    md.append("")
-    with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
-        fh.write("\n".join(md))
-    print(f"wrote {out_dir}/{stem}.{{json,md}}")
+          f"thread); batch 1 after a 128-token prefill, rollback width 16; {result['machine']}.", ""]
+    md += h.table(["piece"] + [f"T={t}" for t in rows],
+                  [[k] + [f"{rows[t][k]:.2f}" if k in rows[t] else "-" for t in rows] for k in names])
+    h.Report(args, stem).write(result, md)
     return 0
 
 

@@ -2,7 +2,7 @@
 MoE targets on real links, the verify width (block size) that maximizes accepted tokens/s, and how much
 route-ahead coverage B3 needs. Pure arithmetic (no device needed).
 
-  python benchmarks/offload_cost_model.py [--acceptance 0.85] [--out DIR | --write-docs]
+  python benchmarks/offload_cost_model.py [--acceptance 0.85] [--quick] [--out DIR | --write-docs]
 
 Writes offload_cost_model.md to --out (default bench_out/, ignored by git) or, with --write-docs, to
 docs/benchmarks/.
@@ -10,14 +10,9 @@ docs/benchmarks/.
 
 from __future__ import annotations
 
-import argparse
-import os
-
-from report_output import add_output_args, output_dir
-
+import harness as h
 from study import cost_model as cm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGETS = (0.1, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -28,8 +23,7 @@ def _cell(r: cm.RoundEstimate, with_block: bool = True) -> str:
 
 def mode_table(model_key: str, hardware: list[str], *, acceptance: float, skew: float, prediction) -> list[str]:
     model = cm.MODELS[model_key]
-    lines = ["| machine | expert budget | pool GB | B0 resident | B1 plain offload | B2 DFlash on-demand | "
-             "B3 DFlash + prefetch | GB moved / round (B3) |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for hw_key in hardware:
         hw = cm.HARDWARE[hw_key]
         b0 = cm.best_block(model, hw, mode="B0", budget_bytes=0, acceptance=acceptance, skew=skew)
@@ -37,47 +31,43 @@ def mode_table(model_key: str, hardware: list[str], *, acceptance: float, skew: 
             budget = frac * model.all_expert_bytes
             r = {m: cm.best_block(model, hw, mode=m, budget_bytes=budget, acceptance=acceptance, skew=skew,
                                   prediction=prediction) for m in ("B1", "B2", "B3")}
-            lines.append(f"| {hw.name} | {frac:.0%} | {budget / cm.GB:.1f} | {_cell(b0)} | {_cell(r['B1'], False)} | "
-                         f"{_cell(r['B2'])} | {_cell(r['B3'])} | {r['B3'].bytes_moved / cm.GB:.2f} |")
-    return lines
+            rows.append([hw.name, f"{frac:.0%}", f"{budget / cm.GB:.1f}", _cell(b0), _cell(r["B1"], False),
+                         _cell(r["B2"]), _cell(r["B3"]), f"{r['B3'].bytes_moved / cm.GB:.2f}"])
+    return h.table(["machine", "expert budget", "pool GB", "B0 resident", "B1 plain offload", "B2 DFlash on-demand",
+                    "B3 DFlash + prefetch", "GB moved / round (B3)"], rows)
 
 
 def width_table(model_key: str, hw_key: str, frac: float, *, acceptance: float, skew: float, prediction) -> list[str]:
     model, hw = cm.MODELS[model_key], cm.HARDWARE[hw_key]
     budget = frac * model.all_expert_bytes
     blocks = (1, 2, 3, 4, 6, 8, 12, 16)
-    lines = ["| mode | " + " | ".join(f"B={b}" for b in blocks) + " |", "|---" * (len(blocks) + 1) + "|"]
-    for mode in ("B0", "B2", "B3"):
-        rates = [cm.estimate(model, hw, mode=mode, block=b, budget_bytes=budget, acceptance=acceptance, skew=skew,
-                             prediction=prediction).tokens_per_second for b in blocks]
-        cells = [f"{r:,.0f}" for r in rates]
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
-    return lines
+    def rate(mode, b):
+        return cm.estimate(model, hw, mode=mode, block=b, budget_bytes=budget, acceptance=acceptance, skew=skew,
+                           prediction=prediction).tokens_per_second
+
+    return h.table(["mode"] + [f"B={b}" for b in blocks],
+                   [[mode] + [f"{rate(mode, b):,.0f}" for b in blocks] for mode in ("B0", "B2", "B3")])
 
 
 def coverage_table(model_key: str, hw_key: str, frac: float, *, acceptance: float, skew: float) -> list[str]:
     model, hw = cm.MODELS[model_key], cm.HARDWARE[hw_key]
     budget = frac * model.all_expert_bytes
     b2 = cm.best_block(model, hw, mode="B2", budget_bytes=budget, acceptance=acceptance, skew=skew)
-    lines = [f"B2 (no prediction): {b2.tokens_per_second:,.0f} tok/s at B={b2.block}", "",
-             "| coverage \\ waste | 0.0 | 0.3 | 0.5 | 0.7 |", "|---|---|---|---|---|"]
-    for c in (0.5, 0.7, 0.8, 0.9, 0.95, 1.0):
-        cells = []
-        for w in (0.0, 0.3, 0.5, 0.7):
-            r = cm.best_block(model, hw, mode="B3", budget_bytes=budget, acceptance=acceptance, skew=skew,
-                              prediction=cm.Prediction(coverage=c, waste=w))
-            cells.append(f"{r.tokens_per_second:,.0f} (B={r.block})")
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return lines
+    def cell(c, w):
+        r = cm.best_block(model, hw, mode="B3", budget_bytes=budget, acceptance=acceptance, skew=skew,
+                          prediction=cm.Prediction(coverage=c, waste=w))
+        return f"{r.tokens_per_second:,.0f} (B={r.block})"
+
+    wastes = (0.0, 0.3, 0.5, 0.7)
+    return [f"B2 (no prediction): {b2.tokens_per_second:,.0f} tok/s at B={b2.block}", ""] + h.table(
+        ["coverage \\ waste"] + [str(w) for w in wastes],
+        [[c] + [cell(c, w) for w in wastes] for c in (0.5, 0.7, 0.8, 0.9, 0.95, 1.0)])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--acceptance", type=float, default=0.85, help="per-position acceptance a: tau(B) = (1-a^B)/(1-a)")
-    p.add_argument("--coverage", type=float, default=0.8)
-    p.add_argument("--waste", type=float, default=0.3)
-    add_output_args(p)
-    args = p.parse_args(argv)
+    p = h.parser(__doc__, {"--acceptance": (0.85, "per-position acceptance a: tau(B) = (1-a^B)/(1-a)"),
+                           "--coverage": 0.8, "--waste": 0.3})
+    args = h.parse(p, argv)
     pred = cm.Prediction(coverage=args.coverage, waste=args.waste)
     a = args.acceptance
     out = ["# Offload cost model: predicted tokens/s of B0-B3", "",
@@ -90,13 +80,14 @@ def main(argv=None) -> int:
            f"tau(16) = {cm.tau(16, a):.2f}); B3 coverage {pred.coverage}, waste {pred.waste}; KV cache + "
            "workspace 2 GB. ~~Struck~~ cells do not fit the device memory. Each cell is the best verify width "
            "B in 2..16 (B1 is 1 by definition).", "",
-           "Model sizes:", "", "| model | MoE layers x experts, top-k | one expert (MXFP4) | all experts | resident "
-           "(non-expert + draft) |", "|---|---|---|---|---|"]
-    for m in cm.MODELS.values():
-        out.append(f"| {m.name} | {m.layers} x {m.experts}, top-{m.top_k} | {m.expert_bytes / cm.MB:.2f} MB | "
-                   f"{m.all_expert_bytes / cm.GB:.1f} GB | {m.resident_bytes / cm.GB:.1f} GB |")
-    machines = [f"{h.name}: HBM {h.hbm_bytes_per_s / 1e12:.2f} TB/s, {h.memory_bytes / cm.GB:.0f} GB, "
-                f"host->device {h.h2d_bytes_per_s / cm.GB:.0f} GB/s" for h in cm.HARDWARE.values()]
+           "Model sizes:", ""]
+    out += h.table(["model", "MoE layers x experts, top-k", "one expert (MXFP4)", "all experts",
+                    "resident (non-expert + draft)"],
+                   [[m.name, f"{m.layers} x {m.experts}, top-{m.top_k}", f"{m.expert_bytes / cm.MB:.2f} MB",
+                     f"{m.all_expert_bytes / cm.GB:.1f} GB", f"{m.resident_bytes / cm.GB:.1f} GB"]
+                    for m in cm.MODELS.values()])
+    machines = [f"{hw.name}: HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, {hw.memory_bytes / cm.GB:.0f} GB, "
+                f"host->device {hw.h2d_bytes_per_s / cm.GB:.0f} GB/s" for hw in cm.HARDWARE.values()]
     out += ["", "Machines: " + "; ".join(machines),
             ""]
     for skew, label in ((0.0, "uniform routing (skew 0: the worst case for caching)"),
@@ -116,10 +107,7 @@ def main(argv=None) -> int:
     out += coverage_table("gpt-oss-120b", "h200-pcie5", 0.25, acceptance=a, skew=0.0) + [""]
     out += ["Qwen3-30B-A3B on an RTX 4090 (PCIe 4), 50% on the device, skew 1:", ""]
     out += coverage_table("qwen3-30b-a3b", "rtx4090-pcie4", 0.5, acceptance=a, skew=1.0) + [""]
-    path = os.path.join(output_dir(args), "offload_cost_model.md")
-    with open(path, "w") as fh:
-        fh.write("\n".join(out) + "\n")
-    print(f"wrote {path}")
+    h.Report(args, "offload_cost_model").write(None, out)
     return 0
 
 
