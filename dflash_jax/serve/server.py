@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI on uvicorn): `dflash-serve`.
 
-  POST /v1/completions        prompt (text, or token ids), max_tokens, temperature, top_p, seed, stop, stream, n,
+  POST /v1/completions        prompt (text, token ids, or a list of those: choices prompt-major), max_tokens, temperature, top_p, seed, stop, stream, n,
                               logprobs (0 .. 20 alternatives), echo (with the prompt's logprobs when logprobs is set)
   POST /v1/chat/completions   messages (the tokenizer's chat template when the checkpoint has one; a plain
                               "role: content" template otherwise), same settings (max_completion_tokens too),
@@ -354,20 +354,28 @@ class Server:
             raise BadRequest(f"model {model!r} is not served here; this server serves {self.model_name!r} "
                              "(GET /v1/models)", "model", status=404, kind="not_found_error")
 
+    def _prompt_list(self, prompt) -> list:
+        """The prompts of a completions `prompt` (OpenAI's forms): a string, a list of ids, or a list of strings /
+        of id lists (a batch: each prompt one queued request, its choices indexed prompt by prompt, n per prompt;
+        at most the queue's length, `--max-queue`)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            limit = max(1, self.engine.max_queue)
+            if len(prompt) > limit:
+                raise BadRequest(f"{len(prompt)} prompts in one request; this server queues at most {limit} "
+                                 "(split the batch, or restart with a larger --max-queue)", "prompt")
+            return list(prompt)  # one level only: deeper nesting is not a prompt
+        return [prompt]
+
     def _prompt_ids(self, prompt) -> list[int]:
-        """The ids of a completions `prompt`: a string, a list of ids, or a list holding one of those. Runs on a
-        worker thread (it may tokenize)."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one level only: deeper nesting is not a prompt
+        """The ids of one completions prompt: a string or a list of ids. Runs on a worker thread (it may
+        tokenize)."""
         limit = self.engine.max_prompt_len
         if isinstance(prompt, str):
             ids = self.tokens.encode(prompt, "prompt", max_tokens=limit)
         elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
             ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise BadRequest("one prompt per request: send the prompts as separate requests", "prompt")
         else:
-            raise BadRequest("`prompt` must be a non-empty string or a list of token ids", "prompt")
+            raise BadRequest("`prompt` must be a non-empty string, a list of token ids, or a list of those", "prompt")
         if not ids:
             raise BadRequest("the prompt is empty: give at least one token", "prompt")
         return ids
@@ -405,6 +413,14 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -- generation ------------------------------------------------------------------------------------
+
+    def _validate(self, ids: list[int], s: dict) -> None:
+        try:
+            self.engine.validate(ids, max_new_tokens=s["max_new_tokens"], sampling=s["sampling"],
+                                 stop_ids=s["stop_ids"], seed=s["seed"], n=s["n"], logprobs=s["logprobs"],
+                                 prompt_logprobs=s["prompt_logprobs"])
+        except RequestError as e:
+            raise BadRequest(str(e)) from None
 
     def _submit(self, ids: list[int], s: dict, on_tokens, on_finish) -> Request:
         try:
@@ -640,12 +656,14 @@ class Server:
             if "prompt" not in body:
                 raise BadRequest("`prompt` is required", "prompt")
             s = self._settings(body, default_max_tokens=min(16, self.engine.max_new_tokens))
-            ids = await self._off_loop(self._prompt_ids, body["prompt"])
-            if s["echo"]:
-                prompt = body["prompt"]
-                prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-                s["prompt_text"] = prompt if isinstance(prompt, str) else await self._off_loop(self.tokens.decode, ids)
-            return await self._respond(http, ids, s, chat=False)
+            batch = []
+            for prompt in self._prompt_list(body["prompt"]):
+                ids = await self._off_loop(self._prompt_ids, prompt)
+                text = None
+                if s["echo"]:
+                    text = prompt if isinstance(prompt, str) else await self._off_loop(self.tokens.decode, ids)
+                batch.append((ids, dict(s, prompt_text=text)))
+            return await self._respond(http, batch, s, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(http: HttpRequest):
@@ -655,28 +673,45 @@ class Server:
                 raise BadRequest("`messages` is required", "messages")
             s = self._settings(body, default_max_tokens=self.engine.max_new_tokens, chat=True)
             ids = await self._off_loop(self._chat_ids, body["messages"])
-            return await self._respond(http, ids, s, chat=True)
+            return await self._respond(http, [(ids, s)], s, chat=True)
 
         return app
 
-    async def _respond(self, http: HttpRequest, ids: list[int], s: dict, *, chat: bool):
+    async def _respond(self, http: HttpRequest, batch: list, s: dict, *, chat: bool):
+        """Runs `batch` [(prompt ids, its settings)] (one prompt, or a completions batch) and answers with their
+        choices: prompt p's sample i is choice p * n + i (OpenAI's order)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         loop = asyncio.get_running_loop()
-        queues = [asyncio.Queue() for _ in range(s["n"])]
+        n = s["n"]
+        queues = [asyncio.Queue() for _ in range(n * len(batch))]
 
-        def on_event(req, new=None):  # from the engine's thread: wakes the choice's stream
-            loop.call_soon_threadsafe(queues[req.index].put_nowait, "event")
+        def waker(p: int):
+            def on_event(req, new=None):  # from the engine's thread: wakes the choice's stream
+                loop.call_soon_threadsafe(queues[p * n + req.index].put_nowait, "event")
+            return on_event
 
-        head = self._submit(ids, s, on_event, on_event)  # a bad request / full queue raises here, before any byte
-        reqs = head.samples
-        streams = [self._choice_stream(http, r, s, q) for r, q in zip(reqs, queues)]
+        for ids, _ in batch:  # every prompt checked before any is queued: a bad one refuses the whole request
+            self._validate(ids, s)
+        heads = []
+        try:
+            for p, (ids, sp) in enumerate(batch):  # a full queue raises here, before any byte
+                heads.append(self._submit(ids, sp, waker(p), waker(p)))
+        except BadRequest:
+            for head in heads:
+                for r in head.samples:
+                    self.engine.cancel(r)
+            raise
+        reqs = [r for head in heads for r in head.samples]
+        where = [(ids, sp) for ids, sp in batch for _ in range(n)]  # each choice's prompt ids and settings
+        streams = [self._choice_stream(http, r, sp, q) for r, (_, sp), q in zip(reqs, where, queues)]
         echo = s["echo"]
 
         def usage() -> dict:
             done = sum(len(r.tokens) for r in reqs)
-            return {"prompt_tokens": len(ids), "completion_tokens": done, "total_tokens": len(ids) + done}
+            prompt = sum(len(ids) for ids, _ in batch)
+            return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
         if not s["stream"]:
             reasons = []
@@ -693,8 +728,10 @@ class Server:
             if any(reason is None for reason in reasons):  # the client went away
                 return JSONResponse(error_body("the request was cancelled", "cancelled"), status_code=499)
             choices = []
-            for r, reason in zip(reqs, reasons):
-                choices.append(await self._off_loop(self._final_choice, r, ids, s, reason, chat))
+            for i, (r, reason) in enumerate(zip(reqs, reasons)):
+                choice = await self._off_loop(self._final_choice, r, *where[i], reason, chat)
+                choice["index"] = i
+                choices.append(choice)
             return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices,
                     "usage": usage()}
 
@@ -735,13 +772,14 @@ class Server:
                 try:
                     async for i, (piece, reason, new_ids, first, shown) in items:
                         req = reqs[i]
+                        ids, sp = where[i]
                         lp = None
                         if req.logprobs is not None and new_ids:
-                            base = len(s["prompt_text"]) if echo else 0
+                            base = len(sp["prompt_text"]) if echo else 0
                             lp = await self._off_loop(self._choice_logprobs, req, shown, first, first + len(new_ids),
-                                                      s, chat, base)
+                                                      sp, chat, base)
                         if i not in started and echo:  # completions' echo: the prompt leads the first chunk
-                            text, prompt_lp = await self._off_loop(self._echo, req, ids, s)
+                            text, prompt_lp = await self._off_loop(self._echo, req, ids, sp)
                             piece = text + piece
                             if prompt_lp is not None:
                                 lp = prompt_lp if lp is None else {k: prompt_lp[k] + lp[k] for k in prompt_lp}

@@ -171,3 +171,31 @@ def test_held_back_text():
     assert Server._held("abc<", ["</end>", "<x"]) == 1
     assert Server._held("abc", ["</end>"]) == 0
     assert Server._held("aaa", ["aab"]) == 2
+
+
+def test_a_batch_of_prompts_answers_prompt_major(client, server, tokenizer):
+    """A list of prompts (strings, or id lists) in one completions request: each prompt's choices are its `n`
+    samples, indexed prompt by prompt, each equal to that prompt sent alone; echo and logprobs per prompt."""
+    prompts = [PROMPT, "class A:", "import os"]
+    kw = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    out = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [t for t in alone for _ in range(2)]
+    ids = [list(tokenizer.encode(p, add_special_tokens=False).ids) for p in prompts]
+    assert out.usage.prompt_tokens == sum(map(len, ids)) and out.usage.completion_tokens == 6 * 6
+    scored = client.completions.create(prompt=ids[:2], max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                       model="tiny")
+    for c, p, i in zip(scored.choices, prompts, ids):
+        assert c.text.startswith(p) and len(c.logprobs.token_logprobs) == len(i) + 1
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == alone
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server + "/v1/completions", headers=headers,
+                   json={"model": "tiny", "prompt": [PROMPT, [10**9]], "max_tokens": 2})
+    assert r.status_code == 400 and "vocab" in r.json()["error"]["message"]  # one bad prompt refuses the batch
+    r = httpx.post(server + "/v1/completions", headers=headers, json={"model": "tiny", "prompt": [PROMPT] * 100})
+    assert r.status_code == 400 and "--max-queue" in r.json()["error"]["message"]
