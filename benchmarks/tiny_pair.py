@@ -82,18 +82,6 @@ def repeated_share(prompt, out, n: int = 8) -> float:
     return repeated / max(len(out), 1)
 
 
-def repeated_share(prompt, out, n: int = 8) -> float:
-    """Share of the generated tokens that end an n-gram already seen in the prompt or earlier output: how much a
-    greedy continuation loops (drafts accept more on repeated text)."""
-    seq = list(prompt) + list(out)
-    seen, repeated = set(), 0
-    for j in range(n, len(seq) + 1):
-        gram = tuple(seq[j - n: j])
-        repeated += j > len(prompt) and gram in seen
-        seen.add(gram)
-    return repeated / max(len(out), 1)
-
-
 def summary(times: list, clock: str, tokens: int, blocks, base: str = "plain") -> dict:
     """tokens/s of the plain loop `base` and each block size, by the sum over prompts of each prompt's best
     (minimum) and median time; per-prompt ratios of the medians."""
