@@ -106,8 +106,6 @@ def main(argv=None) -> int:
     args = h.parse(p, argv, quick=dict(prompts=1, prompt_len=32, max_new=8, repeats=1, blocks="1,4"))
     blocks = h.int_list(p, args.blocks, "--blocks")
 
-    import jax
-
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate, generate_stepping
     from dflash_jax.spec.session import target_family
