@@ -106,14 +106,15 @@ def output_dir(args: argparse.Namespace) -> str:
 
 
 def parse(p: argparse.ArgumentParser, argv=None, quick: Mapping[str, Any] | None = None) -> argparse.Namespace:
-    """Parses; with --quick the `quick` settings replace the defaults; checks the common counts are positive; with
+    """Parses; with --quick the `quick` settings replace the defaults (not the flags given); checks the common counts are positive; with
     `--threads one` sets XLA's one-thread CPU flags (before jax starts); `args.out_dir` is where results go."""
     args = p.parse_args(argv)
     if args.quick:
         if args.write_docs:
             p.error("--quick runs are smoke runs: they never write the tracked reports (drop --write-docs)")
-        for name, value in (quick or {}).items():
-            setattr(args, name, value)
+        for name, value in (quick or {}).items():  # a flag given on the command line keeps its value
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     bad = [COMMON[n][0] for n in POSITIVE if isinstance(getattr(args, n, None), int) and getattr(args, n) < 1]
     if bad:
         p.error(f"{', '.join(bad)} must be >= 1")

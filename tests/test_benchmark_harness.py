@@ -25,6 +25,8 @@ def test_parser_common_flags_option_table_and_quick(tmp_path):
     assert args.out_dir == str(tmp_path) and not args.quick
     quick = h.parse(p, ["--quick", "--out", str(tmp_path)], quick=dict(prompts=1, sizes="1"))
     assert (quick.prompts, quick.sizes, quick.repeats) == (1, "1", 3)
+    given = h.parse(p, ["--quick", "--prompts", "4", "--out", str(tmp_path)], quick=dict(prompts=1, sizes="1"))
+    assert (given.prompts, given.sizes) == (4, "1")
     for bad in (["--quick", "--write-docs"], ["--prompts", "0", "--out", str(tmp_path)], ["--mode", "c"]):
         with pytest.raises(SystemExit):
             h.parse(p, bad)
