@@ -220,7 +220,7 @@ def markdown(report: dict) -> list[str]:
                        f"{r['routed_mb']:.2f}", f"{r['pallas_us']:.1f}", f"{r['pallas_gbps']:.1f}",
                        f"{100 * r['fraction_of_copy_bw']:.1f}", fmt(r["xla_us"], ".1f"),
                        fmt(r["speedup_vs_xla"], ".2f") + ("x" if r["speedup_vs_xla"] is not None else ""),
-                       fmt(r["max_rel_diff_vs_xla"], ".1e")] for r in report["results"]], align="lllrrrrrrrrrr")
+                       fmt(r["max_rel_diff_vs_xla"], ".1e")] for r in report["results"]], align="---rrrrrrrrrr")
     return lines
 
 
@@ -298,7 +298,7 @@ def expert_policy_markdown(r: dict) -> list[str]:
                  [["MXFP4 as stored (XLA path dequantizes per call)", f"{r['fp4_expert_bytes'] / 1e6:.2f} MB",
                    f"{tps['fp4']:.1f}"],
                   [f"dequantized at load ({r['dense_dtype']}, the compute dtype)",
-                   f"{r['dense_expert_bytes'] / 1e6:.2f} MB", f"{tps['dense at load']:.1f}"]], align="lrr"), "",
+                   f"{r['dense_expert_bytes'] / 1e6:.2f} MB", f"{tps['dense at load']:.1f}"]], align="-rr"), "",
         f"Dequantizing at load: **{r['speedup']:.2f}x** plain tokens/s. `dflash_jax.load(dequantize_experts=\"auto\")` "
         f"and `dflash-generate` (default `--dequantize-experts auto`) do it here: "
         f"{'yes' if r['auto_dequantizes_here'] else 'no'} (no FP4 kernel on this backend; dense tables within 25% of "

@@ -342,7 +342,7 @@ def main(argv=None) -> int:
           r["tokens_per_verify"], widths(r),
           ", ".join(f"{w}: {n}" for w, n in sorted(r["rounds_by_rows"].items(), key=lambda x: int(x[0]))),
           f"{100 * r['engine_busy_s'] / r['wall_s']:.0f}%", f"{r['expert_mb_per_round']} ({r['all_expert_mb']})"]
-         for r in rows], align="rlrrrrrrrllrr")
+         for r in rows], align="r-rrrrrrr--rr")
     lines += ["", "ITL: each streamed chunk's gap after the previous chunk, spread evenly over the tokens it carries "
               "(DFlash delivers several tokens per round). Engine busy: the engine's round time over the run's wall "
               "time (the rest: waiting for requests, HTTP). Expert MB per round: the bytes of the union of the "

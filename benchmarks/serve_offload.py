@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                        f"{s['tokens_per_s']:.1f}", vs(s), f"{s['tokens_per_verify']:.2f}",
                        f"{s['verifies_per_round']:.2f}", f"{s['mb_moved_per_round']:.3f}",
                        f"{s['mb_moved_per_token']:.3f}", f"{s['hit_rate']:.2f}", f"{s['coverage']:.2f}", s["compiles"]]
-                      for s in summary], align="rllrrrrrrrrr")
+                      for s in summary], align="r--rrrrrrrrr")
     lines += [
         "",
         "MB moved: expert bytes copied host -> device for the verifies (prefetch + on demand), per round with a "
