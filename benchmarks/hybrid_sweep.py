@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                                        "slowest part of the sweep; capped like --prompt-len)")},
         prompts=2, max_new=64, repeats=2)
     args = h.parse(p, argv, quick=dict(prompt_len="128", prompts=1, needles=1, needle_answer=2, max_new=4, repeats=1,
-                                       scorers="target:1", budgets="1.0", offload_prompt_len=128))
+                                       scorers="target", budgets="1.0", offload_prompt_len=128))
     args.prompt_len = None if args.prompt_len is None else int(args.prompt_len)
     args.block_size = None if args.block_size is None else int(args.block_size)
     if args.needle_answer < 1 or args.needles < 0 or (args.prompt_len is not None and args.prompt_len < 128):
