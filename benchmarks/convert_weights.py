@@ -96,7 +96,8 @@ def write_checkpoint(directory: str, cfg: dict, *, shard_bytes: int = 1 << 30) -
 def write_draft(directory: str, target_cfg: dict) -> None:
     import jax
 
-    from dflash_jax.config import DraftConfig, RopeConfig
+    from dflash_jax.config import RopeConfig
+    from dflash_jax.models.draft.config import DraftConfig
     from dflash_jax.testing import random_draft_weights
     from dflash_jax.train.export import save_hf_draft
 

@@ -13,17 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from convert import gpt_oss as gpt_oss_table
-from convert import qwen3 as qwen3_table
-from convert import qwen3_5 as qwen3_5_table
 from convert.safetensors_io import HFCheckpoint
-from convert.table import FP4Joiner, assemble, iter_with_progress, table_targets
+from convert.table import FamilyTable, FP4Joiner, assemble, iter_with_progress, table_targets
 from dflash_jax.config import ConfigError, from_hf_config
-from dflash_jax.models.family import family_of
+from dflash_jax.models.family import families, family_of
 from dflash_jax.errors import CheckpointError, UsageError
-
-# One conversion table per registered target family, by family name.
-TABLES = {"qwen3": qwen3_table, "gpt_oss": gpt_oss_table, "qwen3_5": qwen3_5_table}
 
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "float32": jnp.float32}
 AUTO = "auto"
@@ -63,16 +57,17 @@ def dtype_rule(dtype):
 
 
 def table_for(cfg, source: str = "checkpoint"):
-    """The conversion table module (targets / rules / ignore / build_weights) of a target family, looked up by
-    the family's registered name (`dflash_jax.models.family`)."""
+    """The conversion table (targets / rules / ignore / build_weights) of a target config's registered family:
+    its HF layout (`ModelFamily.hf_table`) over its declarations (`convert.table.FamilyTable`)."""
     try:
-        name = family_of(cfg).name
+        fam = family_of(cfg)
     except TypeError:
-        name = None
-    if name not in TABLES:
+        fam = None
+    if fam is None or fam.hf_table is None:
+        known = sorted(f.name for f in families() if f.hf_table is not None)
         raise ConfigError(f"{source}: {type(cfg).__name__} is not a target model family this converter knows "
-                          f"(it converts {', '.join(sorted(TABLES))})")
-    return TABLES[name]
+                          f"(it converts {', '.join(known)})")
+    return FamilyTable(fam)
 
 
 def load_hf_model(directory: str | os.PathLike, *, dtype="fp32", progress: bool = False):

@@ -20,16 +20,16 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from convert import draft as draft_table
 from convert.cli import DTYPES, EXPERT_FORMATS
 from convert.checkpoint import ChunkWriter, checksum_files, write_json
 from convert.loader import dtype_rule, source_precision, table_for
 from convert.output import MARKER, StagedOutput, check_input_dir, naming_os_errors
 from convert.safetensors_io import HFCheckpoint, trusted_file
-from convert.table import FP4Joiner, assemble, iter_with_progress, joined_keys, table_targets
+from convert.table import FamilyTable, FP4Joiner, assemble, iter_with_progress, joined_keys, table_targets
 from dflash_jax.checkpoint import (CHECKSUM, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, file_sha256, is_expert_table,
                                    seal_manifest)
-from dflash_jax.config import ConfigError, DraftConfig, GptOssConfig, from_hf_config, load_hf_config_dict
+from dflash_jax.config import ConfigError, from_hf_config, load_hf_config_dict
+from dflash_jax.models.family import draft_family_of, family_of, family_of_draft_model_type
 from dflash_jax.errors import UsageError, open_regular
 from dflash_jax.pair import check_pair
 from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4_np, quantize_mxfp4_np, quantize_nvfp4_np
@@ -37,10 +37,6 @@ from dflash_jax.quant import MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4_np, quan
 CONVERTER_VERSION = "0.2.0"
 _BLOCK = {"mxfp4": 32, "nvfp4": 16}
 _BF16, _FP32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
-# Draft `model_type`s that name the family of the target they were built for: z-lab ships gpt-oss drafts
-# with the target's `gpt_oss` config class. A `qwen3` draft config is the generic DFlash container (Qwen3
-# layers), used for every family, so only the pair checks (sizes, layers, vocabulary) apply to it.
-DRAFT_TARGET_FAMILIES = {"gpt_oss": (GptOssConfig,)}
 
 
 def _stderr_note(message: str) -> None:
@@ -163,14 +159,17 @@ def _read_config(directory: str) -> tuple[dict, Any]:
 
 
 def _check_families(target_dir: str, draft_dir: str, target_cfg, draft_cfg) -> None:
-    if isinstance(target_cfg, DraftConfig):
+    if draft_family_of(target_cfg) is not None:
         raise ConfigError(f"--target {target_dir} is a DFlash draft; pass the target model's directory "
                           "(did you swap --target and --draft?)")
-    if not isinstance(draft_cfg, DraftConfig):
+    if draft_family_of(draft_cfg) is None:
         raise ConfigError(f"--draft {draft_dir} is not a DFlash draft (config.json architectures should list "
                           "DFlashDraftModel)")
-    families = DRAFT_TARGET_FAMILIES.get(draft_cfg.model_type)
-    if families is not None and not isinstance(target_cfg, families):
+    # A draft's model_type may name the family it was built for (`ModelFamily.draft_model_types`: z-lab ships
+    # gpt-oss drafts with the target's config class); a `qwen3` draft config is the generic DFlash container
+    # (Qwen3 layers), used for every family, so only the pair checks (sizes, layers, vocabulary) apply to it.
+    built_for = family_of_draft_model_type(draft_cfg.model_type)
+    if built_for is not None and family_of(target_cfg) is not built_for:
         raise ConfigError(f"--draft {draft_dir} was built for a {draft_cfg.model_type} target (its config.json "
                           f"model_type), but --target {target_dir} is {target_cfg.model_type}; pass the draft "
                           "trained for this target")
@@ -297,7 +296,7 @@ def convert(
             "target": _convert_model(target_src, target_cfg, target_table, os.path.join(tmp, "target"),
                                      precision=target_precision, finalize=expert_finalizer(expert_format),
                                      progress=progress, desc="target", critical=stage.guard.critical),
-            "draft": _convert_model(draft_src, draft_cfg, draft_table, os.path.join(tmp, "draft"),
+            "draft": _convert_model(draft_src, draft_cfg, FamilyTable(draft_family_of(draft_cfg)), os.path.join(tmp, "draft"),
                                     precision=draft_precision, finalize=lambda k, a: a, progress=progress,
                                     desc="draft", critical=stage.guard.critical),
         }

@@ -23,22 +23,9 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from convert.errors import CheckpointError
-from dflash_jax.models.declare import Target, attention_targets, fp4_part  # noqa: F401  (the tables' vocabulary)
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    key: str  # target name
-    region: Any = Ellipsis  # index into the target array
-    cover: Any = ()  # index into the target's coverage grid
-    transpose: tuple[int, ...] | None = None  # axes permutation applied to the source tensor
-
-
-Rule = tuple[re.Pattern, Callable[[re.Match], Placement]]
-
-
-def rule(pattern: str, handler: Callable[[re.Match], Placement]) -> Rule:
-    return re.compile(pattern), handler
+from dflash_jax.models.declare import (  # noqa: F401  (the tables' vocabulary, defined with the declarations)
+    Placement, Rule, Target, attention_targets, fp4_part, rule,
+)
 
 
 def assemble(
@@ -201,3 +188,27 @@ def table_targets(table: Any, cfg: Any, keys: Iterable[str]) -> dict[str, Target
     checkpoint (gpt-oss experts: packed MXFP4 or dense) define `targets_for_checkpoint(cfg, keys)`."""
     for_checkpoint = getattr(table, "targets_for_checkpoint", None)
     return for_checkpoint(cfg, list(keys)) if for_checkpoint else table.targets(cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyTable:
+    """The conversion table of a registered family (a target `ModelFamily` or the draft's): its HF layout
+    (`models.declare.HFTable`) with the family's declarations and pytree builder, as the converter reads it."""
+
+    family: Any
+
+    def targets(self, cfg) -> dict[str, Target]:
+        return self.family.declare_weights(cfg)
+
+    @property
+    def targets_for_checkpoint(self):
+        return self.family.hf_table.targets_for_checkpoint
+
+    def rules(self, cfg) -> list[Rule]:
+        return self.family.hf_table.rules(cfg)
+
+    def ignore(self, cfg):
+        return self.family.hf_table.ignore(cfg)
+
+    def build_weights(self, flat: dict, cfg):
+        return self.family.weights_from_flat(flat, cfg)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflash_jax.config import Qwen3Config
+from dflash_jax.models.qwen3.config import Qwen3Config
 from dflash_jax.spec import requests as rq
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dflash_jax.config import ConfigError, DraftConfig
+from dflash_jax.config import ConfigError
+from dflash_jax.models.draft.config import DraftConfig
 
 
 #: what a pair mismatch means when the configs come from HuggingFace directories (convert-weights --target /

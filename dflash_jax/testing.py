@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DraftConfig, Qwen3Config, RopeConfig
 from dflash_jax.models import draft, gpt_oss, qwen3, qwen3_5
 from dflash_jax.models.family import family_of
 
@@ -20,15 +19,7 @@ tiny_gpt_oss_config = gpt_oss.tiny_config
 tiny_qwen3_5_config = qwen3_5.tiny_config
 
 
-def tiny_draft_config(target: Qwen3Config, **overrides) -> DraftConfig:
-    kw = dict(
-        model_type="qwen3", hidden_size=target.hidden_size, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
-        target_layer_ids=(0, target.num_layers - 2), mask_token_id=target.vocab_size - 1, block_size=8,
-        num_target_layers=target.num_layers, vocab_size=target.vocab_size,
-    )
-    kw.update(overrides)
-    return DraftConfig(**kw)
+tiny_draft_config = draft.tiny_config
 
 
 def make_agreeable(target_w, draft_w: draft.DraftWeights, *, strength: float = 2.0, tokens: tuple[int, int] = (7, 9)):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dflash_jax.config import ConfigError, MoEConfig, Qwen3Config, RopeConfig, from_hf_config
+from dflash_jax.config import ConfigError, MoEConfig, RopeConfig, from_hf_config
+from dflash_jax.models.qwen3.config import Qwen3Config
 
 # The fields of Qwen3-Coder-30B-A3B-Instruct's release config.json (older schema: top-level rope_theta).
 QWEN3_CODER_30B = {

@@ -5,13 +5,17 @@ registry) and builds its weight pytree from a flat `{name: array}` (`weights_fro
 declarations check a converted checkpoint at load time (`dflash_jax.pair.load`) and drive the converter
 (`convert`'s tables add only the HF name rules). Names are the pytree paths: `layers.{i}.attn.q`, ...
 An FP4 tensor kept packed from its source is declared as two parts `NAME#blocks` / `NAME#scales`.
+
+A family's HuggingFace layout is an `HFTable` over these names: regex rules from the HF tensor names onto
+the declared names (`Placement`: which array, which region of it, which piece of its coverage grid, how the
+source is transposed). `convert` runs the tables (`convert.table.assemble`); the tables live with their family.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Callable
 
 
 # Logical sharding axes of a declared dimension (`Target.axes`); `dflash_jax.sharding` maps them to mesh axes.
@@ -104,3 +108,41 @@ def layer_getter(flat: dict[str, Any], i: int, *, required: bool = False):
     if required:
         return lambda k: flat[f"layers.{i}.{k}"]
     return lambda k: flat.get(f"layers.{i}.{k}")
+
+
+# ---- HuggingFace layouts: name rules onto the declarations ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one HF tensor goes: the declared array `key`, the `region` of it the tensor fills, the piece(s) of
+    its coverage grid it covers (`cover`), and the axes permutation applied to the source first (`transpose`)."""
+
+    key: str  # target name
+    region: Any = Ellipsis  # index into the target array
+    cover: Any = ()  # index into the target's coverage grid
+    transpose: tuple[int, ...] | None = None  # axes permutation applied to the source tensor
+
+
+Rule = tuple[re.Pattern, Callable[[re.Match], Placement]]
+
+
+def rule(pattern: str, handler: Callable[[re.Match], Placement]) -> Rule:
+    """A conversion rule: HF tensor names matching `pattern` (in full) go where `handler(match)` says."""
+    return re.compile(pattern), handler
+
+
+def ignore_nothing(cfg) -> Callable[[str], bool]:
+    return lambda name: False
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTable:
+    """A family's HuggingFace checkpoint layout. `rules(cfg)`: the name rules; `ignore(cfg)(name)`: source
+    tensors to skip (a tied checkpoint's lm_head, a vision tower); `targets_for_checkpoint(cfg, keys)`: the
+    declarations when they depend on the checkpoint's tensor names (gpt-oss experts: packed MXFP4 or dense),
+    None for the family's `declare_weights(cfg)`."""
+
+    rules: Callable[[Any], list[Rule]]
+    ignore: Callable[[Any], Callable[[str], bool]] = ignore_nothing
+    targets_for_checkpoint: Callable[[Any, list[str]], dict[str, Target]] | None = None

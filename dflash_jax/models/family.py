@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import config
 from dflash_jax.cache import KVCache, init_kv_cache
 from dflash_jax.cache import rollback as _counter_rollback
 from dflash_jax.models import decoder
@@ -68,6 +69,13 @@ class ModelFamily:
     model_types: tuple[str, ...] = ()
     expert_fields: tuple[str, ...] = ("gate_up", "down")
     needs_rollback_width: bool = False  # the cache must be sized by the verify width (linear attention)
+    # ---- the family's HuggingFace side (its package's `config.py` and `hf.py`) -----------------------------
+    parse_hf = None  # (config.Fields) -> the family's config: its HF config.json parser, for `model_types`
+    hf_table = None  # models.declare.HFTable: its HF checkpoint layout (the converter's table)
+    export_hf = None  # (weights, cfg, directory, *, eos_token_id=None) -> None: writes weights in that layout
+    draft_model_types: tuple[str, ...] = ()  # draft config model_types that name drafts built for this family
+    small_config_fn = None  # (vocab_size, eos_id, num_experts, top_k, expert_intermediate) -> the trained pairs'
+    # target config (`train.tiny_pair.Recipe`)
 
     # ---- caches ------------------------------------------------------------------------------------------
     def init_cache(self, cfg, batch: int, max_len: int, dtype=jnp.float32, *, verify_width: int = 0) -> Any:
@@ -120,6 +128,12 @@ class ModelFamily:
         if self.tiny_config_fn is None:
             raise NotImplementedError(f"{self.name}: no tiny config")
         return self.tiny_config_fn(**overrides)
+
+    def small_config(self, *, vocab_size: int, eos_id: int, num_experts: int, top_k: int, expert_intermediate: int):
+        """The small target config the trained pairs use (`train.tiny_pair.Recipe(family=...)`)."""
+        if self.small_config_fn is None:
+            raise NotImplementedError(f"{self.name}: no small training config")
+        return self.small_config_fn(vocab_size, eos_id, num_experts, top_k, expert_intermediate)
 
     def random_weights(self, cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str = "dense"):
         """Random tiny weights with the expert tables in `expert_format` ("dense", "mxfp4", ...)."""
@@ -236,16 +250,71 @@ class ModelFamily:
         return f"<model family {self.name}>"
 
 
-_REGISTRY: dict[str, ModelFamily] = {}
+class DraftFamily:
+    """The draft model's registration (DFlash 1 and 2: one family, `models.draft`): its config type, weights
+    type, HF config parser (found by `architectures`: a draft's model_type names the target family it was built
+    for), declarations, pytree builder, HF layout, writer and tiny config, as the converter, the exporter and
+    the test helpers look them up (`draft_family()`)."""
+
+    name: str = ""
+    config_type: type = type(None)
+    weights_type: type = type(None)
+    architectures: tuple[str, ...] = ()
+    parse_hf = None
+    hf_table = None
+    export_hf = None  # (weights, cfg, directory) -> None
+    declare_fn = None
+    from_flat_fn = None
+    tiny_config_fn = None  # (target_cfg, **overrides) -> a tiny draft config for that target
+    random_weights_fn = None  # (cfg, key, dtype) -> random draft weights
+
+    def declare_weights(self, cfg) -> dict:
+        return self.declare_fn(cfg)
+
+    def weights_from_flat(self, flat: dict, cfg):
+        return self.from_flat_fn(flat, cfg)
+
+    def tiny_config(self, target_cfg, **overrides):
+        return self.tiny_config_fn(target_cfg, **overrides)
+
+    def random_weights(self, cfg, key: jax.Array, dtype=jnp.float32):
+        return self.random_weights_fn(cfg, key, dtype)
+
+    def __repr__(self):
+        return f"<draft family {self.name}>"
+
+
+REGISTRY: dict[str, ModelFamily] = {}
+DRAFT_REGISTRY: dict[str, DraftFamily] = {}
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    """Registers a family (once per name); returns it."""
+    """Registers a target family (once per name), with its HF config parser for its `model_types`; returns it."""
     if not family.name:
         raise ValueError("a model family needs a name")
-    if family.name in _REGISTRY and _REGISTRY[family.name] is not family:
+    if family.name in REGISTRY and REGISTRY[family.name] is not family:
         raise ValueError(f"model family {family.name!r} is registered twice")
-    _REGISTRY[family.name] = family
+    if family.parse_hf is not None:
+        config.register_hf_parser(family.parse_hf, model_types=family.model_types)
+    REGISTRY[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    """Removes a registered target family and its HF parsers (a family registered by a test)."""
+    family = REGISTRY.pop(name, None)
+    if family is not None and family.parse_hf is not None:
+        for model_type in family.model_types:
+            if config.HF_PARSERS.get(model_type) is family.parse_hf:
+                del config.HF_PARSERS[model_type]
+
+
+def register_draft(family: DraftFamily) -> DraftFamily:
+    """Registers a draft family (once per name), with its HF config parser for its `architectures`."""
+    if family.name in DRAFT_REGISTRY and DRAFT_REGISTRY[family.name] is not family:
+        raise ValueError(f"draft family {family.name!r} is registered twice")
+    config.register_hf_parser(family.parse_hf, architectures=family.architectures)
+    DRAFT_REGISTRY[family.name] = family
     return family
 
 
@@ -257,14 +326,32 @@ def _ensure_loaded() -> None:
 
 def families() -> tuple[ModelFamily, ...]:
     _ensure_loaded()
-    return tuple(_REGISTRY.values())
+    return tuple(REGISTRY.values())
 
 
 def family_named(name: str) -> ModelFamily:
     _ensure_loaded()
-    if name not in _REGISTRY:
-        raise KeyError(f"no model family {name!r} (registered: {', '.join(sorted(_REGISTRY))})")
-    return _REGISTRY[name]
+    if name not in REGISTRY:
+        raise KeyError(f"no model family {name!r} (registered: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[name]
+
+
+def draft_family(name: str = "dflash") -> DraftFamily:
+    """The registered draft family (one today: the DFlash draft, versions 1 and 2)."""
+    _ensure_loaded()
+    return DRAFT_REGISTRY[name]
+
+
+def draft_family_of(cfg) -> DraftFamily | None:
+    """The draft family of a config (None: not a draft config)."""
+    _ensure_loaded()
+    return next((d for d in DRAFT_REGISTRY.values() if isinstance(cfg, d.config_type)), None)
+
+
+def family_of_draft_model_type(model_type: str) -> ModelFamily | None:
+    """The target family a draft config's `model_type` names as the family it was built for (z-lab ships
+    gpt-oss drafts with the target's `gpt_oss` config class), or None (a generic `qwen3` DFlash container)."""
+    return next((fam for fam in families() if model_type in fam.draft_model_types), None)
 
 
 def _family_by_type(obj, attr: str, what: str) -> ModelFamily:

@@ -40,7 +40,7 @@ import numpy as np
 from flax import struct
 
 from dflash_jax.cache import KVCache
-from dflash_jax.config import DraftConfig
+from dflash_jax.models.draft.config import DraftConfig
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.family import family_of
 from dflash_jax.spec.accept import match_accept, rejection_accept

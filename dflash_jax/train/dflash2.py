@@ -24,7 +24,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DraftConfig
+from dflash_jax.models.draft.config import DraftConfig
 from dflash_jax.models.draft import ConvWeights, DraftWeights, LayerConvs, SelectorWeights
 
 #: The DFlash 2 fields the recipes use for the small pairs (4 taps, one dynamic kernel per 16 channels, rank-32

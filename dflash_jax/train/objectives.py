@@ -26,7 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DraftConfig, Qwen3Config
+from dflash_jax.models.draft.config import DraftConfig
+from dflash_jax.models.qwen3.config import Qwen3Config
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.family import family_of
 

@@ -31,10 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
-from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, DraftConfig, MoEConfig, Qwen3_5Config, Qwen3Config, RopeConfig
+from dflash_jax.config import RopeConfig
+from dflash_jax.models.draft.config import DraftConfig
 from dflash_jax.decode import greedy_generate
 from dflash_jax.models import draft as draft_model
-from dflash_jax.models.family import family_of
+from dflash_jax.models.family import families, family_named, family_of
 from dflash_jax.testing import random_draft_weights, random_qwen3_weights
 from dflash_jax.train import data
 from dflash_jax.train.common import TrainConfig, batch_rng, train_loop
@@ -46,31 +47,16 @@ VOCAB = 1024
 EOS_ID, MASK_ID = VOCAB - 2, VOCAB - 1
 
 
-def target_config(num_experts: int = 8, top_k: int = 2, expert_intermediate: int = 256) -> Qwen3Config:
-    return Qwen3Config(
-        model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-        head_dim=32, intermediate_size=512, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=32),
-        max_position_embeddings=4096, moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=expert_intermediate,
-                      norm_topk_prob=True),
-        eos_token_ids=(EOS_ID,),
-    )
+def target_config(num_experts: int = 8, top_k: int = 2, expert_intermediate: int = 256):
+    """The shipped pair's Qwen3-MoE target shape (the qwen3 family's `small_config`)."""
+    return family_named("qwen3").small_config(vocab_size=VOCAB, eos_id=EOS_ID, num_experts=num_experts, top_k=top_k,
+                                             expert_intermediate=expert_intermediate)
 
 
-def hybrid_target_config(num_experts: int = 8, top_k: int = 2, expert_intermediate: int = 256) -> Qwen3_5Config:
-    """A small Qwen3.5-MoE: three Gated DeltaNet layers then one gated full-attention layer (the release's
-    1-in-4 pattern), partial RoPE (a quarter of the head dims), a shared expert beside the routed ones."""
-    return Qwen3_5Config(
-        vocab_size=VOCAB, hidden_size=128, num_layers=4,
-        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
-        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4,
-        moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=expert_intermediate, norm_topk_prob=True),
-        shared_expert_intermediate_size=256, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
-        max_position_embeddings=4096, eos_token_ids=(EOS_ID,),
-    )
-
-
-TARGET_CONFIGS = {"qwen3": target_config, "qwen3_5": hybrid_target_config}
+def hybrid_target_config(num_experts: int = 8, top_k: int = 2, expert_intermediate: int = 256):
+    """The hybrid pair's Qwen3.5-MoE target shape (the qwen3_5 family's `small_config`)."""
+    return family_named("qwen3_5").small_config(vocab_size=VOCAB, eos_id=EOS_ID, num_experts=num_experts,
+                                               top_k=top_k, expert_intermediate=expert_intermediate)
 
 
 def draft_config(block_size: int = 16) -> DraftConfig:
@@ -102,7 +88,7 @@ class Recipe:
     top_k: int = 2
     expert_intermediate: int = 256
     moe_implementation: str = "auto"  # "dense" trains many small experts faster on CPU (`nn.moe`)
-    family: str = "qwen3"  # the target's registered family: a key of TARGET_CONFIGS
+    family: str = "qwen3"  # the target's registered family (its `small_config` is the target's shape)
     # the draft: 1 (DFlashDraftModel) or 2 (DFlash2DraftModel: the four fields below, and the selector's K-way
     # cross-entropy added to the draft's loss with weight `selector_weight`)
     draft_version: int = 1
@@ -122,9 +108,11 @@ class Recipe:
         return dflash2_config(base, **{k: getattr(self, k) for k in DEFAULT_FIELDS})
 
     def target_config(self):
-        if self.family not in TARGET_CONFIGS:
-            raise ValueError(f"Recipe.family must be one of {sorted(TARGET_CONFIGS)}, got {self.family!r}")
-        return TARGET_CONFIGS[self.family](self.num_experts, self.top_k, self.expert_intermediate)
+        trainable = sorted(f.name for f in families() if f.small_config_fn is not None)
+        if self.family not in trainable:
+            raise ValueError(f"Recipe.family must be one of {trainable}, got {self.family!r}")
+        return family_named(self.family).small_config(vocab_size=VOCAB, eos_id=EOS_ID, num_experts=self.num_experts,
+                                                      top_k=self.top_k, expert_intermediate=self.expert_intermediate)
 
     @classmethod
     def quick(cls) -> "Recipe":

@@ -24,7 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 from convert.draft import load_hf_draft  # noqa: E402
 from convert.errors import CheckpointError  # noqa: E402
 from convert import load_hf_target  # noqa: E402
-from dflash_jax.config import ConfigError, DraftConfig, default_target_layer_ids, from_hf_config  # noqa: E402
+from dflash_jax.config import ConfigError, from_hf_config  # noqa: E402
+from dflash_jax.models.draft.config import DraftConfig, default_target_layer_ids  # noqa: E402
 from dflash_jax.pair import check_pair  # noqa: E402
 from dflash_jax.models import draft, qwen3  # noqa: E402
 from tests.hf_reference import build_and_save, randomize_, tiny_qwen3_moe_config  # noqa: E402

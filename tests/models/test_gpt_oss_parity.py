@@ -24,10 +24,12 @@ import jax.numpy as jnp  # noqa: E402
 
 import dflash_jax  # noqa: E402
 from convert.cli import convert  # noqa: E402
-from convert.gpt_oss import deinterleave_index  # noqa: E402
+from dflash_jax.models.gpt_oss.hf import deinterleave_index  # noqa: E402
 from convert import load_hf_target  # noqa: E402
 from dflash_jax.cache import rollback  # noqa: E402
-from dflash_jax.config import ConfigError, DraftConfig, GptOssConfig, MoEConfig, from_hf_config  # noqa: E402
+from dflash_jax.config import ConfigError, MoEConfig, from_hf_config  # noqa: E402
+from dflash_jax.models.draft.config import DraftConfig  # noqa: E402
+from dflash_jax.models.gpt_oss.config import GptOssConfig  # noqa: E402
 from dflash_jax.models import gpt_oss  # noqa: E402
 from dflash_jax.nn.rope import inverse_frequencies  # noqa: E402
 from dflash_jax.pair import check_pair  # noqa: E402

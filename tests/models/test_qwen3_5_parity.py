@@ -28,7 +28,7 @@ from convert.errors import CheckpointError  # noqa: E402
 from convert import load_hf_target  # noqa: E402
 from dflash_jax import ConfigError, from_hf_config  # noqa: E402
 from dflash_jax.cache import rollback as move_lengths  # noqa: E402
-from dflash_jax.config import Qwen3_5Config  # noqa: E402
+from dflash_jax.models.qwen3_5.config import Qwen3_5Config  # noqa: E402
 from dflash_jax.models import qwen3_5  # noqa: E402
 from tests.hf_reference import (  # noqa: E402
     Float64Reference, build_and_save, fast_torch_cpu, gated_delta_rule_float64, hf_forward,

@@ -139,7 +139,8 @@ def test_hf_export_round_trip_qwen3_5(tmp_path):
     import torch
 
     from convert import load_hf_target
-    from dflash_jax.config import Qwen3_5Config, RopeConfig, MoEConfig
+    from dflash_jax.config import RopeConfig, MoEConfig
+    from dflash_jax.models.qwen3_5.config import Qwen3_5Config
     from dflash_jax.models.family import family_of
     from dflash_jax.train.export import save_hf_target
     from tests.hf_reference import hf_forward

@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE HuggingFace layouts -> `dflash_jax.models.qwen3_5.Qwen3_5Weights`.
+"""The Qwen3.5-MoE HuggingFace layouts: the conversion table onto the declared names (`HF_TABLE`) and the writer
+of trained weights (`export_hf`).
 
 Prefix: `model.language_model.` (the release, a multimodal wrapper) or `model.` (what transformers'
 `save_pretrained` writes for `Qwen3_5MoeForCausalLM`); `lm_head.weight` at the top. Ignored: `mtp.*` (the
@@ -18,10 +19,11 @@ transposed here to `[in, out]`.
 
 from __future__ import annotations
 
-from convert.qwen3 import per_expert_placement
-from convert.table import Placement, rule
-from dflash_jax.config import FULL_ATTENTION, Qwen3_5Config
-from dflash_jax.models import qwen3_5 as model
+from dflash_jax.config import FULL_ATTENTION
+from dflash_jax.models.declare import HFTable, Placement, rule
+from dflash_jax.models.hf_export import save_hf_directory, to_numpy
+from dflash_jax.models.qwen3.hf import per_expert_placement
+from dflash_jax.models.qwen3_5.config import Qwen3_5Config
 
 _P = r"model\.(?:language_model\.)?"
 _L = _P + r"layers\.(\d+)\."
@@ -80,6 +82,57 @@ def ignore(cfg: Qwen3_5Config):
     return ignored
 
 
-# Declarations and the pytree builder live with the model (`dflash_jax.models.qwen3_5`).
-targets = model.declare_weights
-build_weights = model.weights_from_flat
+HF_TABLE = HFTable(rules=rules, ignore=ignore)
+
+
+LINEAR_NAMES = {"qkv": "in_proj_qkv", "z": "in_proj_z", "a": "in_proj_a", "b": "in_proj_b", "out": "out_proj"}
+
+
+def export_hf(weights, cfg: Qwen3_5Config, directory: str, *, eos_token_id=None) -> None:
+    """The layout transformers' `save_pretrained` writes for `Qwen3_5MoeForCausalLM` (prefix `model.`, routed
+    experts fused as `mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) / `down_proj [E, H, I]`)."""
+    tensors = {"model.embed_tokens.weight": to_numpy(weights.embed), "model.norm.weight": to_numpy(weights.final_norm)}
+    if weights.lm_head is not None:
+        tensors["lm_head.weight"] = to_numpy(weights.lm_head).T
+    for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = to_numpy(layer.input_norm)
+        tensors[p + "post_attention_layernorm.weight"] = to_numpy(layer.post_norm)
+        mixer = layer.mixer
+        if kind == FULL_ATTENTION:
+            for name in "qkvo":
+                tensors[p + f"self_attn.{name}_proj.weight"] = to_numpy(getattr(mixer, name)).T
+            tensors[p + "self_attn.q_norm.weight"] = to_numpy(mixer.q_norm)
+            tensors[p + "self_attn.k_norm.weight"] = to_numpy(mixer.k_norm)
+        else:
+            for ours, hf in LINEAR_NAMES.items():
+                tensors[p + f"linear_attn.{hf}.weight"] = to_numpy(getattr(mixer, ours)).T
+            tensors[p + "linear_attn.conv1d.weight"] = to_numpy(mixer.conv).T[:, None, :]  # [K, C] -> [C, 1, K]
+            tensors[p + "linear_attn.A_log"] = to_numpy(mixer.a_log)
+            tensors[p + "linear_attn.dt_bias"] = to_numpy(mixer.dt_bias)
+            tensors[p + "linear_attn.norm.weight"] = to_numpy(mixer.norm)
+        mlp = layer.mlp
+        tensors[p + "mlp.gate.weight"] = to_numpy(mlp.router).T
+        tensors[p + "mlp.experts.gate_up_proj"] = to_numpy(mlp.gate_up).transpose(0, 2, 1)
+        tensors[p + "mlp.experts.down_proj"] = to_numpy(mlp.down).transpose(0, 2, 1)
+        for name in ("gate", "up", "down"):
+            tensors[p + f"mlp.shared_expert.{name}_proj.weight"] = to_numpy(getattr(mlp.shared, name)).T
+        tensors[p + "mlp.shared_expert_gate.weight"] = to_numpy(mlp.shared_gate).T
+    if cfg.rope.kind != "default":
+        raise ValueError("export supports default RoPE only")
+    config = {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "layer_types": list(cfg.layer_types), "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel, "num_experts": cfg.moe.num_experts,
+        "num_experts_per_tok": cfg.moe.top_k, "moe_intermediate_size": cfg.moe.intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope.theta,
+                            "partial_rotary_factor": cfg.rope.rotary_dim / cfg.head_dim},
+        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_id": eos_token_id, "torch_dtype": "float32",
+    }
+    save_hf_directory(directory, config, tensors)

@@ -27,9 +27,9 @@ from typing import Any, Collection
 
 import numpy as np
 
-from convert.table import Placement, Target, fp4_part, rule  # noqa: F401 (Target: the tables' return type)
-from dflash_jax.config import GptOssConfig
-from dflash_jax.models import gpt_oss as model
+from dflash_jax.models import gpt_oss as model  # the package: its declarations (it imports this module last)
+from dflash_jax.models.declare import HFTable, Placement, Target, fp4_part, rule
+from dflash_jax.models.gpt_oss.config import GptOssConfig
 
 _L = r"model\.layers\.(\d+)\."
 _T2 = (1, 0)
@@ -51,12 +51,9 @@ def _packed_in(keys: Collection[str] | None):
     return lambda layer, proj: keys is None or _EXPERT_SOURCE.format(i=layer, proj=proj) in keys
 
 
-def targets(cfg: GptOssConfig) -> dict[str, Target]:
-    """Targets of the release layout (MXFP4 experts)."""
-    return model.declare_weights(cfg)
-
-
 def targets_for_checkpoint(cfg: GptOssConfig, keys: Collection[str] | None) -> dict[str, Target]:
+    """The declarations of a checkpoint's layout: each expert table packed (MXFP4, as released) or dense, as the
+    checkpoint's tensor names say."""
     return model.declare_weights(cfg, packed=_packed_in(keys))
 
 
@@ -101,4 +98,4 @@ def ignore(cfg: GptOssConfig):
     return lambda name: cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
-build_weights = model.weights_from_flat  # the pytree builder lives with the model
+HF_TABLE = HFTable(rules=rules, ignore=ignore, targets_for_checkpoint=targets_for_checkpoint)

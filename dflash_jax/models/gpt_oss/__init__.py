@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflash_jax.config import GptOssConfig, MoEConfig, RopeConfig
+from dflash_jax.config import MoEConfig, RopeConfig
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, RouterWeights, Routing, lm_head_logits
 from dflash_jax.models.declare import Target, fp4_part, layer_getter
 from dflash_jax.models.family import ModelFamily, register
+from dflash_jax.models.gpt_oss.config import GptOssConfig, parse_hf_config
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.moe import clamped_swiglu, swiglu_experts, topk_softmax_router
@@ -219,6 +220,10 @@ def tiny_config(**overrides):
     return GptOssConfig(**kw)
 
 
+
+from dflash_jax.models.gpt_oss.hf import HF_TABLE  # noqa: E402  (the layout reads the declarations below at call time)
+
+
 class GptOssFamily(ModelFamily):
     """gpt-oss: every layer MoE, alternating sliding / full attention with sinks, biased top-k router."""
 
@@ -226,6 +231,9 @@ class GptOssFamily(ModelFamily):
     config_type, weights_type, moe_type = GptOssConfig, GptOssWeights, GptOssMoEWeights
     model_types = ("gpt_oss",)
     expert_fields = ("gate_up", "down", "gate_up_bias", "down_bias")
+    parse_hf = staticmethod(parse_hf_config)
+    hf_table = HF_TABLE
+    draft_model_types = ("gpt_oss",)  # z-lab ships gpt-oss drafts with the target's config class
 
     def random_weights(self, cfg, key, dtype=jnp.float32, *, expert_format: str = "dense"):
         if expert_format not in ("dense", "mxfp4"):

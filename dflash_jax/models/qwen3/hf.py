@@ -1,4 +1,5 @@
-"""Qwen3 / Qwen3-MoE HuggingFace layout -> `dflash_jax.models.qwen3.Qwen3Weights`.
+"""The Qwen3 / Qwen3-MoE HuggingFace layout: its conversion table onto the declared names (`HF_TABLE`) and the
+writer of trained weights in it (`export_hf`).
 
 Release layout (`[out, in]` Linear weights, transposed here to `[in, out]`):
   model.embed_tokens.weight, model.norm.weight, lm_head.weight (absent when tied)
@@ -13,9 +14,9 @@ Release layout (`[out, in]` Linear weights, transposed here to `[in, out]`):
 
 from __future__ import annotations
 
-from convert.table import Placement, rule
-from dflash_jax.config import Qwen3Config
-from dflash_jax.models import qwen3 as model
+from dflash_jax.models.declare import HFTable, Placement, rule
+from dflash_jax.models.hf_export import qwen_attention_tensors, rope_json, save_hf_directory, to_numpy
+from dflash_jax.models.qwen3.config import Qwen3Config
 
 _L = r"model\.layers\.(\d+)\."
 _T2 = (1, 0)
@@ -64,7 +65,44 @@ def ignore(cfg: Qwen3Config):
     return lambda name: cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
-# Declarations and the pytree builder live with the model (`dflash_jax.models.qwen3`).
-targets = model.declare_weights
-attention_weights = model.attention_weights_from
-build_weights = model.weights_from_flat
+HF_TABLE = HFTable(rules=rules, ignore=ignore)
+
+
+def export_hf(weights, cfg: Qwen3Config, directory: str, *, eos_token_id=None) -> None:
+    """Writes full-attention Qwen3-MoE weights in the release layout (per-expert tensors), as transformers' `Qwen3MoeForCausalLM` loads them."""
+    if cfg.model_type != "qwen3_moe" or any(w is not None for w in cfg.layer_windows):
+        raise ValueError("export writes full-attention qwen3_moe targets")
+    tensors = {"model.embed_tokens.weight": to_numpy(weights.embed), "model.norm.weight": to_numpy(weights.final_norm)}
+    if weights.lm_head is not None:
+        tensors["lm_head.weight"] = to_numpy(weights.lm_head).T
+    mlp_only = []
+    for i, layer in enumerate(weights.layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = to_numpy(layer.input_norm)
+        tensors[p + "post_attention_layernorm.weight"] = to_numpy(layer.post_norm)
+        tensors.update(qwen_attention_tensors(p, layer.attn))
+        if hasattr(layer.mlp, "router"):
+            inter = layer.mlp.gate_up.shape[-1] // 2
+            gate_up, down = to_numpy(layer.mlp.gate_up), to_numpy(layer.mlp.down)
+            tensors[p + "mlp.gate.weight"] = to_numpy(layer.mlp.router).T
+            for e in range(gate_up.shape[0]):
+                tensors[p + f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :, :inter].T
+                tensors[p + f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, :, inter:].T
+                tensors[p + f"mlp.experts.{e}.down_proj.weight"] = down[e].T
+        else:
+            mlp_only.append(i)
+            for name in ("gate", "up", "down"):
+                tensors[p + f"mlp.{name}_proj.weight"] = to_numpy(getattr(layer.mlp, name)).T
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope_json(cfg.rope), "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias, "use_sliding_window": False, "sliding_window": None,
+        "decoder_sparse_step": 1, "mlp_only_layers": mlp_only, "num_experts": cfg.moe.num_experts,
+        "num_experts_per_tok": cfg.moe.top_k, "moe_intermediate_size": cfg.moe.intermediate_size,
+        "norm_topk_prob": cfg.moe.norm_topk_prob, "eos_token_id": eos_token_id, "torch_dtype": "float32",
+    }
+    save_hf_directory(directory, config, tensors)

@@ -44,8 +44,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax.cache import KVCache, init_kv_cache, write_rows
-from dflash_jax.config import DraftConfig
+from dflash_jax.config import RopeConfig
+from dflash_jax.models.draft.config import DRAFT_ARCHITECTURES, DraftConfig, parse_hf_config
 from dflash_jax.models.declare import Target, attention_targets, layer_getter
+from dflash_jax.models.family import DraftFamily, register_draft
 from dflash_jax.models.qwen3 import (
     AttentionWeights, DecoderLayerWeights, MLPWeights, attention_weights_from, qkv_projection,
 )
@@ -585,3 +587,36 @@ def weights_from_flat(flat: dict[str, Any], cfg: DraftConfig) -> DraftWeights:
     selector = SelectorWeights(predecessor=flat["selector.predecessor"], successor=flat["selector.successor"],
                                projection=flat["selector.projection"])
     return weights.replace(convs=convs, branch_head=selector)
+
+
+def tiny_config(target, **overrides) -> DraftConfig:
+    """A tiny draft for a tiny target config (`ModelFamily.tiny_config`): 2 layers tapping layers 0 and L - 2."""
+    kw = dict(
+        model_type="qwen3", hidden_size=target.hidden_size, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
+        target_layer_ids=(0, target.num_layers - 2), mask_token_id=target.vocab_size - 1, block_size=8,
+        num_target_layers=target.num_layers, vocab_size=target.vocab_size,
+    )
+    kw.update(overrides)
+    return DraftConfig(**kw)
+
+
+from dflash_jax.models.draft.hf import HF_TABLE, export_hf  # noqa: E402  (the layout reads the weight types above)
+
+
+class DFlashDraftFamily(DraftFamily):
+    """The DFlash draft (`DFlashDraftModel`) and DFlash 2 (`DFlash2DraftModel`: convolutions, candidate selector)."""
+
+    name = "dflash"
+    config_type, weights_type = DraftConfig, DraftWeights
+    architectures = DRAFT_ARCHITECTURES
+    parse_hf = staticmethod(parse_hf_config)
+    hf_table = HF_TABLE
+    export_hf = staticmethod(export_hf)
+    declare_fn = staticmethod(lambda cfg: declare_weights(cfg))
+    from_flat_fn = staticmethod(lambda flat, cfg: weights_from_flat(flat, cfg))
+    tiny_config_fn = staticmethod(tiny_config)
+    random_weights_fn = staticmethod(lambda cfg, key, dtype: random_weights(cfg, key, dtype))
+
+
+DFLASH = register_draft(DFlashDraftFamily())

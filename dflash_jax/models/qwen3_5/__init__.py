@@ -55,11 +55,12 @@ from flax import struct
 from pallas_kernels import ops
 from pallas_kernels import target as kernel_target
 
-from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, MoEConfig, Qwen3_5Config, RopeConfig
+from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, MoEConfig, RopeConfig
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, RouterWeights, Routing, lm_head_logits
 from dflash_jax.models.declare import Target, layer_getter
 from dflash_jax.models.family import ModelFamily, register
+from dflash_jax.models.qwen3_5.config import Qwen3_5Config, parse_hf_config
 from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables, softmax_routing
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn import gated_deltanet as gdn
@@ -441,6 +442,26 @@ def tiny_config(**overrides):
     return Qwen3_5Config(**kw)
 
 
+
+def small_config(vocab_size: int, eos_id: int, num_experts: int = 8, top_k: int = 2,
+                 expert_intermediate: int = 256) -> Qwen3_5Config:
+    """The hybrid pair's target shape (`train.tiny_pair.Recipe.hybrid`): three Gated DeltaNet layers then one
+    gated full-attention layer (the release's 1-in-4 pattern), partial RoPE (a quarter of the head dims), a
+    shared expert beside the routed ones."""
+    return Qwen3_5Config(
+        vocab_size=vocab_size, hidden_size=128, num_layers=4,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
+        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4,
+        moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=expert_intermediate, norm_topk_prob=True),
+        shared_expert_intermediate_size=256, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
+        max_position_embeddings=4096, eos_token_ids=(eos_id,),
+    )
+
+
+from dflash_jax.models.qwen3_5.hf import HF_TABLE, export_hf  # noqa: E402  (the layout reads the weight types above)
+
+
 class Qwen3_5Family(ModelFamily):
     """Qwen3.5-MoE: DeltaNet and gated-attention mixers, MoE with a shared expert, exact in-jit rollback."""
 
@@ -448,6 +469,10 @@ class Qwen3_5Family(ModelFamily):
     config_type, weights_type, moe_type = Qwen3_5Config, Qwen3_5Weights, SparseMoEWeights
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     expert_fields = ("gate_up", "down")
+    parse_hf = staticmethod(parse_hf_config)
+    hf_table = HF_TABLE
+    export_hf = staticmethod(export_hf)
+    small_config_fn = staticmethod(small_config)
     needs_rollback_width = True
 
     def init_cache(self, cfg, batch, max_len, dtype=jnp.float32, *, verify_width: int = 0):

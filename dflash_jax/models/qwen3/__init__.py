@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax.config import MoEConfig, Qwen3Config, RopeConfig
+from dflash_jax.config import MoEConfig, RopeConfig
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.init import ParamInit
 from dflash_jax.models import decoder
@@ -28,6 +28,7 @@ from dflash_jax.models.decoder import (  # noqa: F401  (re-exported: the shapes 
 )
 from dflash_jax.models.declare import Target, attention_targets, layer_getter
 from dflash_jax.models.family import ModelFamily, register
+from dflash_jax.models.qwen3.config import Qwen3Config, parse_hf_config
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
 from dflash_jax.nn.norms import rms_norm
@@ -194,6 +195,22 @@ def tiny_config(**overrides) -> Qwen3Config:
     return Qwen3Config(**kw)
 
 
+
+def small_config(vocab_size: int, eos_id: int, num_experts: int = 8, top_k: int = 2,
+                 expert_intermediate: int = 256) -> Qwen3Config:
+    """The shipped pair's target shape (`train.tiny_pair.Recipe`): 4 layers, hidden 128, MoE in every layer."""
+    return Qwen3Config(
+        model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=32, intermediate_size=512, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=32),
+        max_position_embeddings=4096, moe=MoEConfig(num_experts=num_experts, top_k=top_k,
+                                                    intermediate_size=expert_intermediate, norm_topk_prob=True),
+        eos_token_ids=(eos_id,),
+    )
+
+
+from dflash_jax.models.qwen3.hf import HF_TABLE, export_hf  # noqa: E402  (the layout reads the weight types above)
+
+
 class Qwen3Family(ModelFamily):
     """Dense Qwen3 and Qwen3-MoE (dense and MoE layers may mix: `cfg.moe_layers`)."""
 
@@ -201,6 +218,10 @@ class Qwen3Family(ModelFamily):
     config_type, weights_type, moe_type = Qwen3Config, Qwen3Weights, MoEWeights
     model_types = ("qwen3", "qwen3_moe")
     expert_fields = ("gate_up", "down")
+    parse_hf = staticmethod(parse_hf_config)
+    hf_table = HF_TABLE
+    export_hf = staticmethod(export_hf)
+    small_config_fn = staticmethod(small_config)
 
     def random_weights(self, cfg, key, dtype=jnp.float32, *, expert_format: str = "dense"):
         return quantize_expert_tables(random_weights(cfg, key, dtype), expert_format)
