@@ -76,6 +76,16 @@ def weight_dims(w: Any) -> tuple[int, int, int]:
     return g, k, n
 
 
+def take_groups(w: Any, index: jax.Array) -> Any:
+    """The weight operand of groups `index` [n] of `w` (a dense `[n, K, N]` array, or an FP4 tensor of those
+    groups' packed bytes: only they are read, so dequantizing the result reads only the routed experts).
+    An NVFP4 tensor scale shared by all groups (shape ()) is kept as is."""
+    if is_fp4(w):
+        groups = w.shape[0]
+        return jax.tree.map(lambda a: jnp.take(a, index, axis=0) if a.ndim and a.shape[0] == groups else a, w)
+    return jnp.take(w, index, axis=0)
+
+
 def dense_weight(w: Any, dtype) -> jax.Array:
     """The `[G, K, N]` dense form of a weight operand (dequantizes FP4; reads the whole pool)."""
     if is_fp4(w):

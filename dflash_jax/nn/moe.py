@@ -16,13 +16,14 @@ gate/up halves: `silu_glu` (SwiGLU) and `clamped_swiglu` (gpt-oss).
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.nn.norms import rms_norm
-from pallas_kernels import ops
+from pallas_kernels import ops, target
 
 
 def softmax_topk_router(
@@ -88,16 +89,24 @@ def read_after(token: jax.Array, *tables):
 
 
 def _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation):
-    combine = jnp.einsum("tk,tks->ts", weights.astype(jnp.float32),
-                         jax.nn.one_hot(slots, num_slots, dtype=jnp.float32))  # [T, S] routing weights
-    gu = jnp.einsum("th,shn->tsn", x, ops.dense_weight(gate_up, x.dtype), preferred_element_type=jnp.float32)
+    """Every token through every slot's expert, combined by the routing weights. A slot's outputs for tokens not
+    routed to it are selected away (not multiplied by a zero weight): a NaN / inf slot without rows (a poisoned or
+    never-written pool slot) reaches no output. FP4 tables are dequantized after this layer's routing
+    (`read_after`)."""
+    onehot = jax.nn.one_hot(slots, num_slots, dtype=jnp.float32)  # [T, k, S]
+    combine = jnp.einsum("tk,tks->ts", weights.astype(jnp.float32), onehot)  # [T, S] routing weights
+    routed = jnp.any(onehot > 0, axis=1)  # [T, S]
+    gate_up, down = read_after(slots, gate_up, down)
+    wide = jnp.promote_types(x.dtype, jnp.float32)  # float32 products (XLA's CPU lacks bf16 x bf16 -> f32 dots)
+    gu = jnp.einsum("th,shn->tsn", x.astype(wide), ops.dense_weight(gate_up, wide))
     if gate_up_bias is not None:
         gu = gu + gate_up_bias.astype(jnp.float32)
     inter = gu.shape[-1] // 2
     act = activation(gu[..., :inter], gu[..., inter:]).astype(x.dtype)
-    y = jnp.einsum("tsi,sih->tsh", act, ops.dense_weight(down, x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("tsi,sih->tsh", act.astype(wide), ops.dense_weight(down, wide))
     if down_bias is not None:
         y = y + down_bias.astype(jnp.float32)
+    y = jnp.where(routed[..., None], y, jnp.zeros((), y.dtype))
     return jnp.einsum("tsh,ts->th", y, combine).astype(x.dtype)
 
 
@@ -123,7 +132,10 @@ def swiglu_experts(
     row's grouped-matmul output, by the row's slot. activation(gate, up): `silu_glu` when None.
     implementation "dense": every token through every slot's expert, combined by the routing weights (the
     same sum; k-sparse FLOPs traded for dense einsums: for training small many-expert models on CPU, where
-    `ragged_dot`'s cost grows with the number of groups). Otherwise sorted dispatch + `ops.grouped_matmul`,
+    `ragged_dot`'s cost grows with the number of groups). "tiles": only the routed rows' work, each expert's
+    rows in whole tiles multiplied by that expert's gathered weights (`_tiled_experts`). "auto" off a mesh
+    takes one of those two on a CPU (`routed_path`: "dense" only for small tables and few tokens). Otherwise
+    sorted dispatch + `ops.grouped_matmul`,
     and under a context mesh with an `expert` axis (`jax.set_mesh`, see `expert_parallel_mesh`) the same
     dispatch per expert shard under `shard_map` (a slot pool is split along its slots the same way: each
     shard computes the rows whose expert sits in one of its slots; `offload.sharded.ShardedExpertCache`).
@@ -133,6 +145,9 @@ def swiglu_experts(
     """
     num_slots = ops.weight_dims(gate_up)[0]
     slots = experts if slot_of is None else slot_of[experts]
+    if implementation == "tiles":
+        return _tiled_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
+                              activation or silu_glu)
     if implementation == "dense":
         return _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
                               activation or silu_glu)
@@ -141,9 +156,102 @@ def swiglu_experts(
         return _expert_parallel(x, slots, weights, gate_up, down, mesh, implementation=implementation,
                                 gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
                                 dispatch=dispatch)
+    path = routed_path(implementation, gate_up, x.dtype, x.shape[0], slots.shape[1])
+    if path == "dense":
+        return _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
+                              activation or silu_glu)
+    if path == "tiles":
+        return _tiled_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
+                              activation or silu_glu)
     y = _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation)
     out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights.astype(jnp.float32))
     return out.astype(x.dtype)
+
+
+# The CPU's choice between every token through every expert ("dense") and the routed rows only ("tiles"), in
+# multiply-adds: the tiles' bookkeeping (a count, a scatter, gathers of rows and of each tile's weights) costs
+# about TILE_OVERHEAD_MACS, measured on a 2-core x86 CPU (docs/benchmarks/moe_cpu.md); the dense path wins only
+# where all experts' work for every token is below the tiles' work plus that, i.e. for small tables and few tokens.
+TILE_OVERHEAD_MACS = 8_000_000
+# The CPU path "auto" takes, overridden for every layer traced afterwards (benchmarks compare the paths in separate
+# processes: a compiled program keeps the path it was traced with): auto | tiles | dense | xla (`ragged_dot`).
+CPU_PATH_ENV = "DFLASH_MOE_CPU_PATH"
+CPU_PATHS = ("auto", "tiles", "dense", "xla")
+
+
+def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None, top_k: int | None = None) -> str:
+    """How `swiglu_experts` runs its rows off a mesh, for `tokens` x `top_k` rows (static): where "auto"
+    resolves to XLA on a CPU, "tiles" (`_tiled_experts`: only the routed rows' work) or, where every token
+    through every expert costs less than the tiles' work plus their bookkeeping (`TILE_OVERHEAD_MACS`),
+    "dense"; otherwise the grouped matmuls of `implementation` ("xla": `ragged_dot`, "pallas": the FP4 kernel).
+    XLA's CPU `ragged_dot` runs every row through every group (a 0/1 mask per group), so its cost grows with
+    the number of experts; on a GPU it does not, and the FP4 kernel reads only the routed experts."""
+    impl = ops.resolve_implementation(implementation, gate_up, x_dtype)
+    if implementation != "auto" or impl != "xla" or target.platform() != "cpu":
+        return impl
+    forced = os.environ.get(CPU_PATH_ENV, "auto") or "auto"
+    if forced not in CPU_PATHS:
+        raise ValueError(f"{CPU_PATH_ENV}={forced!r} is not one of {CPU_PATHS}")
+    if forced != "auto":
+        return forced
+    if tokens is None or top_k is None:
+        return "tiles"
+    slots, hidden, two_inter = ops.weight_dims(gate_up)
+    per_row = hidden * two_inter * 3 // 2  # gate/up and down multiply-adds of one row
+    rows = tokens * top_k
+    tile = tile_rows(rows, slots)
+    tiles = -(-(rows + min(rows, slots) * (tile - 1)) // tile)
+    if tokens * slots * per_row <= tiles * tile * per_row + TILE_OVERHEAD_MACS:
+        return "dense"
+    return "tiles"
+
+
+def tile_rows(rows: int, num_slots: int) -> int:
+    """Rows per tile of `_tiled_experts` for `rows` (token, choice) rows over `num_slots` experts (static): about
+    the rows an expert gets on average, a power of two in [1, 64]. Padding costs at most (tile - 1) rows for each
+    routed expert, so the tiles hold at most `rows + min(rows, num_slots) * (tile - 1)` rows."""
+    share = max(1, rows // max(1, min(rows, num_slots)))
+    tile = 1
+    while tile * 2 <= min(share, 64):
+        tile *= 2
+    return tile
+
+
+def _tiled_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation):
+    """`swiglu_experts` with only the routed rows' work: each expert's rows are laid out in whole tiles of
+    `tile_rows` rows (its last tile padded with a zero row), each tile multiplies its rows by its own expert's
+    weights (gathered per tile: an FP4 table is read and dequantized only for the routed experts), and every
+    (token, choice) row reads its result back from its place in the tiles. Rows are independent in both
+    matmuls, so padding rows (and tiles past the last routed expert) never reach a real row, and an expert
+    without rows is never read. No sort: a row's place is its expert's first tile plus its rank among that
+    expert's rows (a cumulative count)."""
+    t, k = slots.shape
+    rows = t * k
+    tile = tile_rows(rows, num_slots)
+    tiles = -(-(rows + min(rows, num_slots) * (tile - 1)) // tile)  # static bound on the tiles routing can fill
+    flat = slots.reshape(-1)
+    onehot = jax.nn.one_hot(flat, num_slots, dtype=jnp.int32)  # [R, S]
+    sizes = jnp.sum(onehot, axis=0)
+    padded = (sizes + tile - 1) // tile * tile
+    ends = jnp.cumsum(padded)
+    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), flat[:, None], axis=1)[:, 0] - 1
+    place = ends[flat] - padded[flat] + rank  # [R]: each row's position in the tiles
+    row_at = jnp.full((tiles * tile,), rows, jnp.int32).at[place].set(jnp.arange(rows, dtype=jnp.int32))
+    x_tiles = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[row_at // k].reshape(tiles, tile, -1)
+    tile_slot = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles, dtype=jnp.int32) * tile, side="right"),
+                            num_slots - 1).astype(jnp.int32)
+    # the products in float32 (XLA's CPU has no batched bf16 x bf16 -> f32 dot; bf16 products are exact in f32)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    gu = jnp.einsum("tmh,thn->tmn", x_tiles.astype(wide), ops.dense_weight(ops.take_groups(gate_up, tile_slot), wide))
+    if gate_up_bias is not None:
+        gu = gu + jnp.take(gate_up_bias, tile_slot, axis=0)[:, None, :].astype(jnp.float32)
+    inter = gu.shape[-1] // 2
+    act = activation(gu[..., :inter], gu[..., inter:]).astype(x.dtype)
+    y = jnp.einsum("tmi,tih->tmh", act.astype(wide), ops.dense_weight(ops.take_groups(down, tile_slot), wide))
+    if down_bias is not None:
+        y = y + jnp.take(down_bias, tile_slot, axis=0)[:, None, :].astype(jnp.float32)
+    y = y.reshape(tiles * tile, -1)[place].reshape(t, k, -1)
+    return jnp.einsum("tkh,tk->th", y, weights.astype(jnp.float32)).astype(x.dtype)
 
 
 def _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation):
@@ -244,8 +352,6 @@ def choose_dispatch(dispatch: str, tokens: int, hidden: int, top_k: int, shards:
                     itemsize: int = 2) -> str:
     """"psum" or "all_to_all": `dispatch` itself unless "auto"; "auto" takes DFLASH_MOE_DISPATCH when set
     (read at each trace), else the cheaper by `dispatch_cost` at this width."""
-    import os
-
     if dispatch == "auto":
         dispatch = os.environ.get(_DISPATCH_ENV, "auto") or "auto"
     if dispatch not in DISPATCHES:
