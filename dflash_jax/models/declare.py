@@ -146,3 +146,120 @@ class HFTable:
     rules: Callable[[Any], list[Rule]]
     ignore: Callable[[Any], Callable[[str], bool]] = ignore_nothing
     targets_for_checkpoint: Callable[[Any, list[str]], dict[str, Target]] | None = None
+
+
+# ---- weights declared once: the weight dataclasses' fields carry their declarations --------------------------
+#
+# A family's weight pytree type IS its declaration: each array field is `param(shape, ...)` (its shape and
+# sharding as functions of the config), each nested weights field `sub(...)`, the per-layer tuple `layers(...)`
+# (which weights type layer i has). `declare_tree(root, cfg)` walks the type into the flat declarations
+# (`{stored name: Target}`, names = pytree paths) and `build_tree(root, flat, cfg)` builds the pytree from the
+# flat arrays: one description, read both ways.
+
+_DECLARE = "declare"
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """The declaration of one array field: `shape(cfg)`; `coverage` / `unit` (values or functions of cfg),
+    `dtype`, `axes` as in `Target`; `when(cfg)`: the array exists only when true (an optional field, None
+    otherwise)."""
+
+    shape: Callable[[Any], tuple[int, ...]]
+    coverage: Any = ()
+    dtype: Any = None
+    axes: tuple[str | None, ...] | None = None
+    unit: Any = 1
+    when: Callable[[Any], bool] | None = None
+    held: Callable[[Any], tuple[int, ...]] | None = None  # the pytree's shape when it differs from the stored one
+
+
+@dataclasses.dataclass(frozen=True)
+class Sub:
+    """A nested weights field: `choose(cfg, layer)` -> its weights type (layer: the index inside `layers`, or
+    None); `when(cfg)` as in `Param`; `view(cfg)`: the config its fields' shapes read (e.g. a shared expert's
+    width as `intermediate_size`), default the config itself."""
+
+    choose: Callable[[Any, int | None], type]
+    when: Callable[[Any], bool] | None = None
+    view: Callable[[Any], Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """The per-layer tuple: `cfg.num_layers` entries, entry i of type `choose(cfg, i)`."""
+
+    choose: Callable[[Any, int], type]
+
+
+def _value(v, cfg):
+    return v(cfg) if callable(v) else v
+
+
+def param(shape: Callable[[Any], tuple[int, ...]], *, coverage: Any = (), dtype: Any = None,
+          axes: tuple[str | None, ...] | None = None, unit: Any = 1, when: Callable[[Any], bool] | None = None,
+          held: Callable[[Any], tuple[int, ...]] | None = None):
+    """A weights-dataclass field declaring one array (see `Param`); optional (`when`) fields default to None.
+    `held(cfg)`: the shape the pytree holds the stored array in (a reshape of the same elements), when they differ."""
+    extra = {} if when is None else {"default": None}
+    meta = Param(shape, coverage, dtype, axes, unit, when, held)
+    return dataclasses.field(metadata={"pytree_node": True, _DECLARE: meta}, **extra)
+
+
+def sub(choose: type | Callable[[Any, int | None], type], *, when: Callable[[Any], bool] | None = None,
+        view: Callable[[Any], Any] | None = None):
+    """A weights-dataclass field holding nested weights of type `choose` (or `choose(cfg, layer)`; see `Sub`)."""
+    pick = choose if not isinstance(choose, type) else (lambda cfg, layer: choose)
+    extra = {} if when is None else {"default": None}
+    return dataclasses.field(metadata={"pytree_node": True, _DECLARE: Sub(pick, when, view)}, **extra)
+
+
+def layers(choose: type | Callable[[Any, int], type]):
+    """The weights-dataclass field holding the per-layer weights tuple (layer i of type `choose(cfg, i)`)."""
+    pick = choose if not isinstance(choose, type) else (lambda cfg, i: choose)
+    return dataclasses.field(metadata={"pytree_node": True, _DECLARE: Layers(pick)})
+
+
+def _declared_fields(weights_type: type):
+    for f in dataclasses.fields(weights_type):
+        meta = f.metadata.get(_DECLARE)
+        if meta is not None:
+            yield f.name, meta
+
+
+def declare_tree(root: type, cfg, prefix: str = "", layer: int | None = None) -> dict[str, Target]:
+    """The declarations (`{stored name: Target}`) of weights type `root` for `cfg`, read off its fields."""
+    out: dict[str, Target] = {}
+    for name, meta in _declared_fields(root):
+        if getattr(meta, "when", None) is not None and not meta.when(cfg):
+            continue
+        key = prefix + name
+        if isinstance(meta, Param):
+            out[key] = Target(tuple(meta.shape(cfg)), coverage=tuple(_value(meta.coverage, cfg)), dtype=meta.dtype,
+                              axes=meta.axes, unit=_value(meta.unit, cfg))
+        elif isinstance(meta, Sub):
+            inner = cfg if meta.view is None else meta.view(cfg)
+            out.update(declare_tree(meta.choose(cfg, layer), inner, key + ".", layer))
+        else:
+            for i in range(cfg.num_layers):
+                out.update(declare_tree(meta.choose(cfg, i), cfg, f"{key}.{i}.", i))
+    return out
+
+
+def build_tree(root: type, flat: dict[str, Any], cfg, prefix: str = "", layer: int | None = None):
+    """The weights pytree of type `root` from `{stored name: array}` (the names `declare_tree` declares)."""
+    kw = {}
+    for name, meta in _declared_fields(root):
+        if getattr(meta, "when", None) is not None and not meta.when(cfg):
+            kw[name] = None
+            continue
+        key = prefix + name
+        if isinstance(meta, Param):
+            kw[name] = flat[key] if meta.held is None else flat[key].reshape(meta.held(cfg))
+        elif isinstance(meta, Sub):
+            inner = cfg if meta.view is None else meta.view(cfg)
+            kw[name] = build_tree(meta.choose(cfg, layer), flat, inner, key + ".", layer)
+        else:
+            kw[name] = tuple(build_tree(meta.choose(cfg, i), flat, cfg, f"{key}.{i}.", i)
+                             for i in range(cfg.num_layers))
+    return root(**kw)

@@ -26,7 +26,7 @@ from dflash_jax.models import decoder
 from dflash_jax.models.decoder import (  # noqa: F401  (re-exported: the shapes every family shares)
     BlockContext, ForwardOutput, LogitsMode, RouterWeights, Routing, block_positions, lm_head_logits,
 )
-from dflash_jax.models.declare import Target, attention_targets, layer_getter
+from dflash_jax.models.declare import HEADS, Target, build_tree, declare_tree, layers, param, sub
 from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.models.qwen3.config import Qwen3Config, parse_hf_config
 from dflash_jax.nn.mlp import swiglu
@@ -35,49 +35,68 @@ from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, rope_cos_sin
 from dflash_jax.quant import quantize_mxfp4, quantize_nvfp4
 
+def _group(c) -> int:
+    """The query-head width of one KV head: a tensor-parallel split keeps whole GQA groups together."""
+    return c.head_dim * max(1, c.num_heads // max(1, c.num_kv_heads))
+
+
+def _biased(c) -> bool:
+    return c.attention_bias
+
+
+# The weight dataclasses are the declarations (`models.declare`): every array field states its shape (and
+# sharding unit) from the config; `declare_weights` / `weights_from_flat` read them off the types.
 @struct.dataclass
 class AttentionWeights:
-    q: jax.Array  # [H, Hq*d]
-    k: jax.Array  # [H, Hkv*d]
-    v: jax.Array  # [H, Hkv*d]
-    o: jax.Array  # [Hq*d, H]
-    q_norm: jax.Array  # [d]
-    k_norm: jax.Array  # [d]
-    q_bias: jax.Array | None = None
-    k_bias: jax.Array | None = None
-    v_bias: jax.Array | None = None
-    o_bias: jax.Array | None = None
+    q: jax.Array = param(lambda c: (c.hidden_size, c.num_heads * c.head_dim), axes=(None, HEADS), unit=_group)
+    k: jax.Array = param(lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim), axes=(None, HEADS),
+                         unit=lambda c: c.head_dim)
+    v: jax.Array = param(lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim), axes=(None, HEADS),
+                         unit=lambda c: c.head_dim)
+    o: jax.Array = param(lambda c: (c.num_heads * c.head_dim, c.hidden_size), axes=(HEADS, None), unit=_group)
+    q_norm: jax.Array = param(lambda c: (c.head_dim,))
+    k_norm: jax.Array = param(lambda c: (c.head_dim,))
+    q_bias: jax.Array | None = param(lambda c: (c.num_heads * c.head_dim,), axes=(HEADS,), unit=_group, when=_biased)
+    k_bias: jax.Array | None = param(lambda c: (c.num_kv_heads * c.head_dim,), axes=(HEADS,),
+                                     unit=lambda c: c.head_dim, when=_biased)
+    v_bias: jax.Array | None = param(lambda c: (c.num_kv_heads * c.head_dim,), axes=(HEADS,),
+                                     unit=lambda c: c.head_dim, when=_biased)
+    o_bias: jax.Array | None = param(lambda c: (c.hidden_size,), when=_biased)
 
 
 @struct.dataclass
 class MLPWeights:
-    gate: jax.Array  # [H, I]
-    up: jax.Array  # [H, I]
-    down: jax.Array  # [I, H]
+    gate: jax.Array = param(lambda c: (c.hidden_size, c.intermediate_size))  # [H, I]
+    up: jax.Array = param(lambda c: (c.hidden_size, c.intermediate_size))  # [H, I]
+    down: jax.Array = param(lambda c: (c.intermediate_size, c.hidden_size))  # [I, H]
 
 
 @struct.dataclass
 class MoEWeights:
-    router: jax.Array  # [H, E]
-    gate_up: jax.Array  # [E, H, 2I] (or a slot pool [S, H, 2I] with `slot_of`)
-    down: jax.Array  # [E, I, H]
+    router: jax.Array = param(lambda c: (c.hidden_size, c.moe.num_experts))  # [H, E]
+    # [E, H, 2I] (or a slot pool [S, H, 2I] with `slot_of`), assembled per expert and gate / up half
+    gate_up: jax.Array = param(lambda c: (c.moe.num_experts, c.hidden_size, 2 * c.moe.intermediate_size),
+                               coverage=lambda c: (c.moe.num_experts, 2))
+    down: jax.Array = param(lambda c: (c.moe.num_experts, c.moe.intermediate_size, c.hidden_size),
+                            coverage=lambda c: (c.moe.num_experts,))  # [E, I, H]
     slot_of: jax.Array | None = None  # [E] int32 slot of each expert in a pool; None: the tables are whole
 
 
 @struct.dataclass
 class DecoderLayerWeights:
-    input_norm: jax.Array
-    attn: AttentionWeights
-    post_norm: jax.Array
-    mlp: MLPWeights | MoEWeights
+    input_norm: jax.Array = param(lambda c: (c.hidden_size,))
+    attn: AttentionWeights = sub(AttentionWeights)
+    post_norm: jax.Array = param(lambda c: (c.hidden_size,))
+    mlp: MLPWeights | MoEWeights = sub(lambda c, i: MoEWeights if c.moe_layers[i] else MLPWeights)
 
 
 @struct.dataclass
 class Qwen3Weights:
-    embed: jax.Array  # [V, H]
-    layers: tuple[DecoderLayerWeights, ...]
-    final_norm: jax.Array  # [H]
-    lm_head: jax.Array | None  # [H, V]; None when tied to the embedding
+    embed: jax.Array = param(lambda c: (c.vocab_size, c.hidden_size))  # [V, H]
+    layers: tuple[DecoderLayerWeights, ...] = layers(DecoderLayerWeights)
+    final_norm: jax.Array = param(lambda c: (c.hidden_size,))  # [H]
+    lm_head: jax.Array | None = param(lambda c: (c.hidden_size, c.vocab_size),  # [H, V]; None when tied
+                                      when=lambda c: not c.tie_word_embeddings)
 
 
 def embed_tokens(weights: Qwen3Weights, tokens: jax.Array) -> jax.Array:
@@ -300,33 +319,8 @@ def quantize_expert_tables(weights, expert_format: str):
 
 
 def declare_weights(cfg: Qwen3Config) -> dict[str, Target]:
-    """The declared arrays of Qwen3 / Qwen3-MoE weights (`models.declare`)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,))}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = Target((h, cfg.vocab_size))
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out.update({
-            p + "input_norm": Target((h,)),
-            p + "post_norm": Target((h,)),
-        })
-        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                     head_dim=d, bias=cfg.attention_bias))
-        if cfg.moe_layers[i]:
-            e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
-            out.update({
-                p + "mlp.router": Target((h, e)),
-                p + "mlp.gate_up": Target((e, h, 2 * inter), coverage=(e, 2)),
-                p + "mlp.down": Target((e, inter, h), coverage=(e,)),
-            })
-        else:
-            out.update({
-                p + "mlp.gate": Target((h, cfg.intermediate_size)),
-                p + "mlp.up": Target((h, cfg.intermediate_size)),
-                p + "mlp.down": Target((cfg.intermediate_size, h)),
-            })
-    return out
+    """The declared arrays of Qwen3 / Qwen3-MoE weights (`models.declare`): read off `Qwen3Weights`."""
+    return declare_tree(Qwen3Weights, cfg)
 
 
 def attention_weights_from(g) -> AttentionWeights:
@@ -336,17 +330,5 @@ def attention_weights_from(g) -> AttentionWeights:
 
 
 def weights_from_flat(flat: dict[str, Any], cfg: Qwen3Config) -> Qwen3Weights:
-    """The weight pytree from `{declared name: array}`."""
-    layers = []
-    for i in range(cfg.num_layers):
-        g = layer_getter(flat, i)
-        attn = attention_weights_from(g)
-        if cfg.moe_layers[i]:
-            mlp = MoEWeights(router=g("mlp.router"), gate_up=g("mlp.gate_up"), down=g("mlp.down"))
-        else:
-            mlp = MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
-        layers.append(DecoderLayerWeights(
-            input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
-    return Qwen3Weights(
-        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
-    )
+    """The weight pytree from `{declared name: array}` (`models.declare.build_tree` over `Qwen3Weights`)."""
+    return build_tree(Qwen3Weights, flat, cfg)

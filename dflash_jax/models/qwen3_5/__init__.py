@@ -45,6 +45,7 @@ through the layer's `slot_of`); the shared expert and the DeltaNet states stay w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -58,7 +59,7 @@ from pallas_kernels import target as kernel_target
 from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, MoEConfig, RopeConfig
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, RouterWeights, Routing, lm_head_logits
-from dflash_jax.models.declare import Target, layer_getter
+from dflash_jax.models.declare import Target, build_tree, declare_tree, layers, param, sub
 from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.models.qwen3_5.config import Qwen3_5Config, parse_hf_config
 from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables, softmax_routing
@@ -74,53 +75,74 @@ from dflash_jax.nn.rope import apply_rope
 DEFAULT_ROLLBACK_WIDTH = 16
 
 
+# The weight dataclasses are the declarations (`models.declare`): every array field states its shape from the
+# config; `declare_weights` / `weights_from_flat` read them off the types.
 @struct.dataclass
 class GatedAttentionWeights:
-    q: jax.Array  # [H, Hq*2d]: per head [q_h | gate_h]
-    k: jax.Array  # [H, Hkv*d]
-    v: jax.Array  # [H, Hkv*d]
-    o: jax.Array  # [Hq*d, H]
-    q_norm: jax.Array  # [d], zero-centred
-    k_norm: jax.Array  # [d], zero-centred
+    q: jax.Array = param(lambda c: (c.hidden_size, c.num_heads * 2 * c.head_dim))  # [H, Hq*2d]: per head [q_h | gate_h]
+    k: jax.Array = param(lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim))  # [H, Hkv*d]
+    v: jax.Array = param(lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim))  # [H, Hkv*d]
+    o: jax.Array = param(lambda c: (c.num_heads * c.head_dim, c.hidden_size))  # [Hq*d, H]
+    q_norm: jax.Array = param(lambda c: (c.head_dim,))  # [d], zero-centred
+    k_norm: jax.Array = param(lambda c: (c.head_dim,))  # [d], zero-centred
+
+
+def _value_width(c) -> int:
+    return c.linear_num_value_heads * c.linear_value_head_dim
 
 
 @struct.dataclass
 class GatedDeltaNetWeights:
-    qkv: jax.Array  # [H, C], C = 2*Hk*dk + Hv*dv (q, k, v channels)
-    z: jax.Array  # [H, Hv*dv]
-    b: jax.Array  # [H, Hv]
-    a: jax.Array  # [H, Hv]
-    conv: jax.Array  # [K, C]
-    a_log: jax.Array  # [Hv]
-    dt_bias: jax.Array  # [Hv]
-    norm: jax.Array  # [dv], plain weight
-    out: jax.Array  # [Hv*dv, H]
+    qkv: jax.Array = param(lambda c: (c.hidden_size, c.linear_conv_dim))  # [H, C], C = 2*Hk*dk + Hv*dv (q, k, v)
+    z: jax.Array = param(lambda c: (c.hidden_size, _value_width(c)))  # [H, Hv*dv]
+    b: jax.Array = param(lambda c: (c.hidden_size, c.linear_num_value_heads))  # [H, Hv]
+    a: jax.Array = param(lambda c: (c.hidden_size, c.linear_num_value_heads))  # [H, Hv]
+    # [K, C], stored [K, 1, C] (the release's depthwise [C, 1, K] transposed)
+    conv: jax.Array = param(lambda c: (c.linear_conv_kernel, 1, c.linear_conv_dim),
+                            held=lambda c: (c.linear_conv_kernel, c.linear_conv_dim))
+    a_log: jax.Array = param(lambda c: (c.linear_num_value_heads,))  # [Hv]
+    dt_bias: jax.Array = param(lambda c: (c.linear_num_value_heads,))  # [Hv]
+    norm: jax.Array = param(lambda c: (c.linear_value_head_dim,))  # [dv], plain weight
+    out: jax.Array = param(lambda c: (_value_width(c), c.hidden_size))  # [Hv*dv, H]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SharedExpertShape:
+    """What the shared expert's `MLPWeights` declarations read: its width as `intermediate_size`."""
+
+    hidden_size: int
+    intermediate_size: int
 
 
 @struct.dataclass
 class SparseMoEWeights:
-    router: jax.Array  # [H, E]
-    gate_up: jax.Array  # [E, H, 2I] (gate columns first)
-    down: jax.Array  # [E, I, H]
-    shared: MLPWeights  # the shared SwiGLU expert
-    shared_gate: jax.Array  # [H, 1]
+    router: jax.Array = param(lambda c: (c.hidden_size, c.moe.num_experts))  # [H, E]
+    gate_up: jax.Array = param(lambda c: (c.moe.num_experts, c.hidden_size, 2 * c.moe.intermediate_size),
+                               coverage=lambda c: (c.moe.num_experts, 2))  # [E, H, 2I] (gate columns first)
+    down: jax.Array = param(lambda c: (c.moe.num_experts, c.moe.intermediate_size, c.hidden_size),
+                            coverage=lambda c: (c.moe.num_experts,))  # [E, I, H]
+    shared: MLPWeights = sub(MLPWeights, view=lambda c: _SharedExpertShape(  # the shared SwiGLU expert
+        hidden_size=c.hidden_size, intermediate_size=c.shared_expert_intermediate_size))
+    shared_gate: jax.Array = param(lambda c: (c.hidden_size, 1))  # [H, 1]
     slot_of: jax.Array | None = None  # [E] int32 slot of each routed expert in a pool; None: the tables are whole
 
 
 @struct.dataclass
 class DecoderLayerWeights:
-    input_norm: jax.Array
-    mixer: GatedDeltaNetWeights | GatedAttentionWeights
-    post_norm: jax.Array
-    mlp: SparseMoEWeights
+    input_norm: jax.Array = param(lambda c: (c.hidden_size,))
+    mixer: GatedDeltaNetWeights | GatedAttentionWeights = sub(
+        lambda c, i: GatedAttentionWeights if c.layer_types[i] == FULL_ATTENTION else GatedDeltaNetWeights)
+    post_norm: jax.Array = param(lambda c: (c.hidden_size,))
+    mlp: SparseMoEWeights = sub(SparseMoEWeights)
 
 
 @struct.dataclass
 class Qwen3_5Weights:
-    embed: jax.Array  # [V, H]
-    layers: tuple[DecoderLayerWeights, ...]
-    final_norm: jax.Array  # [H], zero-centred
-    lm_head: jax.Array | None  # [H, V]; None when tied
+    embed: jax.Array = param(lambda c: (c.vocab_size, c.hidden_size))  # [V, H]
+    layers: tuple[DecoderLayerWeights, ...] = layers(DecoderLayerWeights)
+    final_norm: jax.Array = param(lambda c: (c.hidden_size,))  # [H], zero-centred
+    lm_head: jax.Array | None = param(lambda c: (c.hidden_size, c.vocab_size),  # [H, V]; None when tied
+                                      when=lambda c: not c.tie_word_embeddings)
 
 
 @struct.dataclass
@@ -634,77 +656,10 @@ def random_weights(cfg, key: jax.Array, dtype=jnp.float32):
 
 
 def declare_weights(cfg: Qwen3_5Config) -> dict[str, Target]:
-    """The declared arrays of Qwen3.5-MoE weights (`models.declare`)."""
-    h = cfg.hidden_size
-    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,))}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = Target((h, cfg.vocab_size))
-    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    conv_dim = cfg.linear_conv_dim
-    d = cfg.head_dim
-    e, inter, shared = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.shared_expert_intermediate_size
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out[p + "input_norm"] = Target((h,))
-        out[p + "post_norm"] = Target((h,))
-        if cfg.layer_types[i] == FULL_ATTENTION:
-            out.update({
-                p + "mixer.q": Target((h, cfg.num_heads * 2 * d)),
-                p + "mixer.k": Target((h, cfg.num_kv_heads * d)),
-                p + "mixer.v": Target((h, cfg.num_kv_heads * d)),
-                p + "mixer.o": Target((cfg.num_heads * d, h)),
-                p + "mixer.q_norm": Target((d,)),
-                p + "mixer.k_norm": Target((d,)),
-            })
-        else:
-            out.update({
-                p + "mixer.qkv": Target((h, conv_dim)),
-                p + "mixer.z": Target((h, hv * dv)),
-                p + "mixer.b": Target((h, hv)),
-                p + "mixer.a": Target((h, hv)),
-                p + "mixer.conv": Target((cfg.linear_conv_kernel, 1, conv_dim)),
-                p + "mixer.a_log": Target((hv,)),
-                p + "mixer.dt_bias": Target((hv,)),
-                p + "mixer.norm": Target((dv,)),
-                p + "mixer.out": Target((hv * dv, h)),
-            })
-        out.update({
-            p + "mlp.router": Target((h, e)),
-            p + "mlp.gate_up": Target((e, h, 2 * inter), coverage=(e, 2)),
-            p + "mlp.down": Target((e, inter, h), coverage=(e,)),
-            p + "mlp.shared.gate": Target((h, shared)),
-            p + "mlp.shared.up": Target((h, shared)),
-            p + "mlp.shared.down": Target((shared, h)),
-            p + "mlp.shared_gate": Target((h, 1)),
-        })
-    return out
+    """The declared arrays of Qwen3.5-MoE weights (`models.declare`): read off `Qwen3_5Weights`."""
+    return declare_tree(Qwen3_5Weights, cfg)
 
 
 def weights_from_flat(flat: dict[str, Any], cfg: Qwen3_5Config) -> Qwen3_5Weights:
-    """The weight pytree from `{declared name: array}`."""
-    layers = []
-    for i in range(cfg.num_layers):
-        g = layer_getter(flat, i, required=True)
-        if cfg.layer_types[i] == FULL_ATTENTION:
-            mixer = GatedAttentionWeights(
-                q=g("mixer.q"), k=g("mixer.k"), v=g("mixer.v"), o=g("mixer.o"),
-                q_norm=g("mixer.q_norm"), k_norm=g("mixer.k_norm"),
-            )
-        else:
-            conv = g("mixer.conv")
-            mixer = GatedDeltaNetWeights(
-                qkv=g("mixer.qkv"), z=g("mixer.z"), b=g("mixer.b"), a=g("mixer.a"),
-                conv=conv.reshape(conv.shape[0], conv.shape[2]), a_log=g("mixer.a_log"),
-                dt_bias=g("mixer.dt_bias"), norm=g("mixer.norm"), out=g("mixer.out"),
-            )
-        mlp = SparseMoEWeights(
-            router=g("mlp.router"), gate_up=g("mlp.gate_up"), down=g("mlp.down"),
-            shared=MLPWeights(gate=g("mlp.shared.gate"), up=g("mlp.shared.up"),
-                                          down=g("mlp.shared.down")),
-            shared_gate=g("mlp.shared_gate"),
-        )
-        layers.append(DecoderLayerWeights(
-            input_norm=g("input_norm"), mixer=mixer, post_norm=g("post_norm"), mlp=mlp))
-    return Qwen3_5Weights(
-        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
-    )
+    """The weight pytree from `{declared name: array}` (`models.declare.build_tree` over `Qwen3_5Weights`)."""
+    return build_tree(Qwen3_5Weights, flat, cfg)
