@@ -6,7 +6,8 @@
                  `(default, help, choices)`), and always --out / --write-docs / --quick; `parse(p, argv, quick=)`
                  applies --quick's small settings, checks them, sets XLA's one-thread flags and `args.out_dir`.
   workloads      `load_pair(args)` (--checkpoint / --pair, else the shipped pair), `prompts(pair, n, length)`
-                 (token windows of the pair's held-out or training files), `workdir` (--workdir / --keep),
+                 (token windows of the pair's held-out or training files), `prompt_sets` (named sets
+                 "held_out:0,train:1"), `workdir` (--workdir / --keep),
                  `int_list`, `command` (the line that regenerates a report).
   timing         `dflash_jax.timing` (`paired_runs`, `Timings`, `timed`, `load_average`): paired, interleaved runs
                  of named modes, wall and process CPU seconds, load average, medians and ranges; `paired_items`
@@ -42,9 +43,9 @@ if ROOT not in sys.path:  # the research package `study` is run from the checkou
 from dflash_jax.timing import Timings, load_average, paired_runs, timed  # noqa: E402
 
 __all__ = ["DOCS", "DEFAULT_OUT", "ONE_THREAD", "READING_MARK", "ROOT", "Outputs", "Report", "Timings",
-           "add_output_args", "command", "int_list", "load_average", "load_pair", "logger", "machine",
-           "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompts", "rate", "save_figure",
-           "table", "timed", "workdir"]
+           "add_output_args", "command", "int_list", "load_average", "load_pair", "logger", "machine", "output_dir",
+           "paired_items", "paired_runs", "parse", "parser", "prompt_sets", "prompts", "rate", "save_figure", "table",
+           "timed", "workdir"]
 
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
 DEFAULT_OUT = os.path.join(ROOT, "bench_out")
@@ -106,8 +107,9 @@ def output_dir(args: argparse.Namespace) -> str:
 
 
 def parse(p: argparse.ArgumentParser, argv=None, quick: Mapping[str, Any] | None = None) -> argparse.Namespace:
-    """Parses; with --quick the `quick` settings replace the defaults (not the flags given); checks the common counts are positive; with
-    `--threads one` sets XLA's one-thread CPU flags (before jax starts); `args.out_dir` is where results go."""
+    """Parses; with --quick the `quick` settings replace the defaults (not the flags given); checks the common
+    counts are positive; with `--threads one` sets XLA's one-thread CPU flags (before jax starts); `args.out_dir` is
+    where results go."""
     args = p.parse_args(argv)
     if args.quick:
         if args.write_docs:
@@ -172,6 +174,17 @@ def prompts(pair, n: int, length: int, seed: int | None = None, split: str = "he
         return file_windows(pair, split, n, length) if seed is None else file_windows(pair, split, n, length, seed)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(str(e))
+
+
+def prompt_sets(pair, spec: str, n: int, length: int) -> list[tuple[str, list[list[int]]]]:
+    """Named prompt sets "split:seed,split:seed" (e.g. "held_out:0,train:1"): [(name, n windows of `length`)]."""
+    out = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        split, _, seed = item.partition(":")
+        if split not in ("held_out", "train") or not seed.isdigit():
+            raise SystemExit(f"prompt set {item!r}: write split:seed with split held_out or train (held_out:0)")
+        out.append((item, prompts(pair, n, length, int(seed), split)))
+    return out
 
 
 def machine() -> dict:

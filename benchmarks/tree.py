@@ -346,11 +346,8 @@ def main(argv=None) -> int:
     if args.fit_branch_head:
         return fit_head(args)
     pair = dflash_jax.load(args.checkpoint or SHIPPED_PAIR)
-    sets = []
-    for item in args.sets.split(","):
-        split, seed = item.split(":")
-        sets.append((f"{split}:{seed}", file_windows(pair, split, args.prompts, args.prompt_len, int(seed))))
-    calib = [file_windows(pair, "train", args.prompts, args.prompt_len, seed) for seed in (7, 11)]
+    sets = h.prompt_sets(pair, args.sets, args.prompts, args.prompt_len)
+    calib = [p for _, p in h.prompt_sets(pair, "train:7,train:11", args.prompts, args.prompt_len)]
     def fit(seeds):
         t0 = time.perf_counter()
         samples = np.concatenate([calibration_samples(pair, file_windows(pair, "train", args.prompts, args.prompt_len,
@@ -419,7 +416,7 @@ def main(argv=None) -> int:
     off_rows, off_summary = [], {}
     if not args.no_offload:
         oshapes = [TreeShape(4, 1), TreeShape(8, 1), TreeShape(16, 4)]
-        ocal = [file_windows(pair, "train", args.offload_prompts, args.prompt_len, seed) for seed in (7, 11)]
+        ocal = [p for _, p in h.prompt_sets(pair, "train:7,train:11", args.offload_prompts, args.prompt_len)]
         oprompts = sets[0][1][: args.offload_prompts]
         r, s = offloaded(args, "shipped pair, 4 of 8 experts", pair, oprompts, ocal, oshapes, 0.5)
         off_rows += r

@@ -34,6 +34,8 @@ def test_parser_common_flags_option_table_and_quick(tmp_path):
     with pytest.raises(SystemExit):
         h.int_list(p, "4,x", "--blocks")
     assert h.command("x.py", args, dict(prompts=10, repeats=2)) == "python benchmarks/x.py --repeats 3 --write-docs"
+    with pytest.raises(SystemExit, match="split:seed"):
+        h.prompt_sets(None, "dev:1", 1, 8)
 
 
 def test_outputs_compare_every_run_with_the_reference_in_any_order():
