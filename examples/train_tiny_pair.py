@@ -7,9 +7,12 @@
       draft (1200 steps) + convert about 25; the default pair's tokenizer is reused)
   python examples/train_tiny_pair.py --quick --work quick_work   # smoke run (toy sizes)
   python examples/train_tiny_pair.py --out dflash_jax/assets/tiny_pair   # replace the shipped pair
-  python examples/train_tiny_pair.py --dflash2 --work d2_work --draft-steps 800 --prompts 2048
-      # a DFlash 2 draft for the shipped target, from its DFlash 1 draft (`train.dflash2.train_dflash2_pair`);
-      # the pair in <work>/pair (the shipped variant dflash_jax/assets/tiny_pair_dflash2 was made this way)
+  python examples/train_tiny_pair.py --dflash2 --work d2_work --draft-steps 800 --prompts 2048 \
+      --selector-refit-prompts 6144 --selector-refit-top-k 16
+      # a DFlash 2 draft for the shipped target, from its DFlash 1 draft (`train.dflash2.train_dflash2_pair`): joint
+      # training on 2048 continuations, then a fresh 16-candidate selector fit alone on the frozen draft over 6144
+      # (`--selector-refit-steps`, 0: no refit); the pair in <work>/pair (the shipped variant
+      # dflash_jax/assets/tiny_pair_dflash2 was made this way)
 
 By default everything, the converted pair included, goes under --work (default `tiny_pair_work/` at the
 repository root, ignored by git; the pair in `<work>/pair`): the shipped pair is replaced only when --out
@@ -47,9 +50,19 @@ def main(argv=None) -> int:
                    help="the target's family: qwen3 (Qwen3-MoE, the default pair) or qwen3_5 (Qwen3.5-MoE: "
                         "Gated DeltaNet + gated attention + shared expert, `Recipe.hybrid()`)")
     p.add_argument("--dflash2", action="store_true",
-                   help="train a DFlash 2 draft for the shipped Qwen3-MoE target instead, starting from its DFlash 1 "
-                        "draft (identity convolutions, a fresh candidate selector), on the same corpus recipe")
+                   help="train a DFlash 2 draft for a shipped target instead (the Qwen3-MoE pair's, or with --family "
+                        "qwen3_5 the hybrid pair's), starting from its DFlash 1 draft (identity convolutions, a fresh "
+                        "candidate selector), on the same corpus recipe")
     p.add_argument("--prompts", type=int, help="greedy continuations in the draft's corpus")
+    p.add_argument("--selector-top-k", type=int, help="with --dflash2: the selector's candidates per position")
+    p.add_argument("--selector-refit-steps", type=int, default=None,
+                   help="with --dflash2: steps of the selector refit on the frozen draft after the joint training "
+                        "(train.dflash2.SelectorRefit; default its steps, 0: no refit)")
+    p.add_argument("--selector-refit-prompts", type=int, default=None,
+                   help="with --dflash2: greedy continuations in the refit's corpus (default: --prompts; more "
+                        "extend the corpus, the joint stage keeping its first --prompts rows)")
+    p.add_argument("--selector-refit-top-k", type=int, default=None,
+                   help="with --dflash2: the refit selector's candidates per position (default: --selector-top-k)")
     p.add_argument("--draft-lr", type=float)
     p.add_argument("--target-steps", type=int)
     p.add_argument("--draft-steps", type=int)
@@ -72,15 +85,23 @@ def main(argv=None) -> int:
     out = args.out if args.out is not None else os.path.join(args.work, "pair")
     if args.dflash2:
         import dflash_jax
-        from dflash_jax.train.dflash2 import train_dflash2_pair
+        from dflash_jax.train.dflash2 import SelectorRefit, train_dflash2_pair
 
-        if args.family != "qwen3" or args.quick:
-            p.error("--dflash2 trains a draft for the shipped Qwen3-MoE pair's target (no --family / --quick)")
+        if args.quick:
+            p.error("--dflash2 trains a draft for a shipped pair's target (no --quick)")
         # continuing from a trained draft: a smaller learning rate than from scratch unless one is given
         recipe = dataclasses.replace(recipe, draft_version=2,
                                      draft_lr=1e-3 if args.draft_lr is None else args.draft_lr)
-        pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR, dequantize_experts=True)
-        summary = train_dflash2_pair(pair, args.work, out, convert=convert, recipe=recipe)
+        if args.selector_top_k is not None:
+            recipe = dataclasses.replace(recipe, selector_top_k=args.selector_top_k)
+        refit = SelectorRefit(prompts=args.selector_refit_prompts, top_k=args.selector_refit_top_k)
+        if args.selector_refit_steps is not None:
+            if args.selector_refit_steps < 0:
+                p.error("--selector-refit-steps must be >= 0")
+            refit = dataclasses.replace(refit, steps=args.selector_refit_steps) if args.selector_refit_steps else None
+        shipped = dflash_jax.SHIPPED_PAIR if args.family == "qwen3" else dflash_jax.SHIPPED_PAIRS["tiny_pair_qwen3_5"]
+        pair = dflash_jax.load(shipped, dequantize_experts=True)
+        summary = train_dflash2_pair(pair, args.work, out, convert=convert, recipe=recipe, refit=refit)
         print(json.dumps(summary, indent=1))
         return 0
     if recipe.family != "qwen3" and not args.quick:

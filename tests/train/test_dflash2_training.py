@@ -16,8 +16,10 @@ from dflash_jax import testing
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models import qwen3
 from dflash_jax.train.common import TrainConfig, train_loop
-from dflash_jax.train.dflash2 import as_dflash2, dflash2_config
-from dflash_jax.train.objectives import dflash2_loss, draft_blocks, sample_anchors, selector_candidates
+from dflash_jax.train.dflash2 import (as_dflash2, dflash2_config, fit_selector, init_selector, selector_examples,
+                                     selector_refit_loss)
+from dflash_jax.train.objectives import (_scored_blocks, dflash2_loss, draft_blocks, sample_anchors, selector_candidates,
+                                         selector_loss)
 
 TCFG = testing.tiny_qwen3_moe_config(vocab_size=64, num_layers=2, max_position_embeddings=512)
 DCFG1 = testing.tiny_draft_config(TCFG, target_layer_ids=(0,), block_size=4, mask_token_id=63)
@@ -78,6 +80,36 @@ def test_selector_candidates_are_the_top_k_with_the_target_injected():
     np.testing.assert_array_equal(np.asarray(cands), [[1, 2, 3], [1, 2, 5]])  # 5 was missing: it replaces the 3rd
     np.testing.assert_array_equal(np.asarray(target), [1, 2])
     np.testing.assert_array_equal(np.asarray(present), [True, False])
+
+
+def test_selector_refit_examples_give_the_joint_objectives_selector_loss(target_w):
+    """The refit's precomputed examples (the draft frozen) score the selector as `dflash2_loss` does on the same
+    forward: equal loss and metrics, the target's token injected with its own logit where it is missing; a short
+    `fit_selector` on them lowers that loss."""
+    cfg = dataclasses.replace(DCFG2, selector_top_k=24)  # a random draft's top-24 of 64 holds some targets
+    w2 = as_dflash2(testing.random_draft_weights(DCFG1, jax.random.key(6)), cfg, jax.random.key(7))
+    w2 = w2.replace(branch_head=w2.branch_head.replace(
+        successor=jax.random.normal(jax.random.key(8), w2.branch_head.successor.shape)))  # a selector that scores
+    tokens, feats, anchors = _blocks(target_w, seed=2)
+    widths = jnp.asarray(np.random.default_rng(2).choice([2, 3, 4], anchors.shape), jnp.int32)
+    logits, hidden, labels, w = _scored_blocks(w2, target_w, tokens, feats, anchors, cfg, block_size=4, gamma=3.0,
+                                               widths=widths)
+    want, want_metrics = selector_loss(w2.branch_head, logits, hidden, labels, w, cfg.selector_top_k)
+    examples = selector_examples(w2, target_w, tokens, feats, anchors, cfg, gamma=3.0, widths=widths)
+    got, got_metrics = selector_refit_loss(w2.branch_head, examples)
+    assert 0 < float(want_metrics["sel_hit"]) < 1  # both injected and present examples
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for k in want_metrics:
+        if k.startswith("sel_"):
+            np.testing.assert_allclose(float(got_metrics[k]), float(want_metrics[k]), rtol=1e-5)
+
+    scored = np.asarray(examples[-1]) > 0
+    data = {k: np.asarray(x)[scored] for k, x in zip(("hidden", "unary", "candidates", "label_logit", "parent",
+                                                      "label", "w"), examples)}
+    fresh = init_selector(cfg, jax.random.key(9))
+    fitted, losses = fit_selector(fresh, data, steps=30, batch=64, learning_rate=3e-2, progress=False)
+    batch = tuple(jnp.asarray(data[k]) for k in data)
+    assert float(selector_refit_loss(fitted, batch)[0]) < float(selector_refit_loss(fresh, batch)[0])
 
 
 @pytest.mark.slow
