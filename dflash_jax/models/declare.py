@@ -172,6 +172,9 @@ class Param:
     unit: Any = 1
     when: Callable[[Any], bool] | None = None
     held: Callable[[Any], tuple[int, ...]] | None = None  # the pytree's shape when it differs from the stored one
+    # custom(cfg, layer, options) -> {name suffix: Target}: a field stored in a form chosen per checkpoint (an
+    # MXFP4 table kept packed from its source: parts "#blocks" / "#scales"; or dense: suffix "")
+    custom: Callable[[Any, int | None, dict], dict[str, Target]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +186,18 @@ class Sub:
     choose: Callable[[Any, int | None], type]
     when: Callable[[Any], bool] | None = None
     view: Callable[[Any], Any] | None = None
+    stored: str | None = None  # the stored name when it differs from the field's (a release's naming)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layers:
-    """The per-layer tuple: `cfg.num_layers` entries, entry i of type `choose(cfg, i)`."""
+    """The per-layer tuple: `cfg.num_layers` entries, entry i of type `choose(cfg, i)`, stored under
+    `{stored}.{i}.` (default: the field's name); `when` and `view` as in `Sub`."""
 
     choose: Callable[[Any, int], type]
+    when: Callable[[Any], bool] | None = None
+    view: Callable[[Any], Any] | None = None
+    stored: str | None = None
 
 
 def _value(v, cfg):
@@ -198,26 +206,30 @@ def _value(v, cfg):
 
 def param(shape: Callable[[Any], tuple[int, ...]], *, coverage: Any = (), dtype: Any = None,
           axes: tuple[str | None, ...] | None = None, unit: Any = 1, when: Callable[[Any], bool] | None = None,
-          held: Callable[[Any], tuple[int, ...]] | None = None):
+          held: Callable[[Any], tuple[int, ...]] | None = None,
+          custom: Callable[[Any, int | None, dict], dict[str, Target]] | None = None):
     """A weights-dataclass field declaring one array (see `Param`); optional (`when`) fields default to None.
     `held(cfg)`: the shape the pytree holds the stored array in (a reshape of the same elements), when they differ."""
     extra = {} if when is None else {"default": None}
-    meta = Param(shape, coverage, dtype, axes, unit, when, held)
+    meta = Param(shape, coverage, dtype, axes, unit, when, held, custom)
     return dataclasses.field(metadata={"pytree_node": True, _DECLARE: meta}, **extra)
 
 
 def sub(choose: type | Callable[[Any, int | None], type], *, when: Callable[[Any], bool] | None = None,
-        view: Callable[[Any], Any] | None = None):
+        view: Callable[[Any], Any] | None = None, stored: str | None = None):
     """A weights-dataclass field holding nested weights of type `choose` (or `choose(cfg, layer)`; see `Sub`)."""
     pick = choose if not isinstance(choose, type) else (lambda cfg, layer: choose)
     extra = {} if when is None else {"default": None}
-    return dataclasses.field(metadata={"pytree_node": True, _DECLARE: Sub(pick, when, view)}, **extra)
+    return dataclasses.field(metadata={"pytree_node": True, _DECLARE: Sub(pick, when, view, stored)}, **extra)
 
 
-def layers(choose: type | Callable[[Any, int], type]):
-    """The weights-dataclass field holding the per-layer weights tuple (layer i of type `choose(cfg, i)`)."""
+def layers(choose: type | Callable[[Any, int], type], *, when: Callable[[Any], bool] | None = None,
+           view: Callable[[Any], Any] | None = None, stored: str | None = None):
+    """The weights-dataclass field holding a per-layer weights tuple (layer i of type `choose(cfg, i)`; see
+    `Layers`)."""
     pick = choose if not isinstance(choose, type) else (lambda cfg, i: choose)
-    return dataclasses.field(metadata={"pytree_node": True, _DECLARE: Layers(pick)})
+    extra = {} if when is None else {"default": None}
+    return dataclasses.field(metadata={"pytree_node": True, _DECLARE: Layers(pick, when, view, stored)}, **extra)
 
 
 def _declared_fields(weights_type: type):
@@ -227,22 +239,26 @@ def _declared_fields(weights_type: type):
             yield f.name, meta
 
 
-def declare_tree(root: type, cfg, prefix: str = "", layer: int | None = None) -> dict[str, Target]:
-    """The declarations (`{stored name: Target}`) of weights type `root` for `cfg`, read off its fields."""
+def declare_tree(root: type, cfg, prefix: str = "", layer: int | None = None, **options) -> dict[str, Target]:
+    """The declarations (`{stored name: Target}`) of weights type `root` for `cfg`, read off its fields;
+    `options` reach the fields' `custom` declarations (e.g. which expert tables a checkpoint keeps packed)."""
     out: dict[str, Target] = {}
     for name, meta in _declared_fields(root):
         if getattr(meta, "when", None) is not None and not meta.when(cfg):
             continue
-        key = prefix + name
-        if isinstance(meta, Param):
+        key = prefix + (getattr(meta, "stored", None) or name)
+        if isinstance(meta, Param) and meta.custom is not None:
+            out.update({key + suffix: t for suffix, t in meta.custom(cfg, layer, options).items()})
+        elif isinstance(meta, Param):
             out[key] = Target(tuple(meta.shape(cfg)), coverage=tuple(_value(meta.coverage, cfg)), dtype=meta.dtype,
                               axes=meta.axes, unit=_value(meta.unit, cfg))
         elif isinstance(meta, Sub):
             inner = cfg if meta.view is None else meta.view(cfg)
-            out.update(declare_tree(meta.choose(cfg, layer), inner, key + ".", layer))
+            out.update(declare_tree(meta.choose(cfg, layer), inner, key + ".", layer, **options))
         else:
+            inner = cfg if meta.view is None else meta.view(cfg)
             for i in range(cfg.num_layers):
-                out.update(declare_tree(meta.choose(cfg, i), cfg, f"{key}.{i}.", i))
+                out.update(declare_tree(meta.choose(cfg, i), inner, f"{key}.{i}.", i, **options))
     return out
 
 
@@ -253,13 +269,14 @@ def build_tree(root: type, flat: dict[str, Any], cfg, prefix: str = "", layer: i
         if getattr(meta, "when", None) is not None and not meta.when(cfg):
             kw[name] = None
             continue
-        key = prefix + name
+        key = prefix + (getattr(meta, "stored", None) or name)
         if isinstance(meta, Param):
             kw[name] = flat[key] if meta.held is None else flat[key].reshape(meta.held(cfg))
         elif isinstance(meta, Sub):
             inner = cfg if meta.view is None else meta.view(cfg)
             kw[name] = build_tree(meta.choose(cfg, layer), flat, inner, key + ".", layer)
         else:
-            kw[name] = tuple(build_tree(meta.choose(cfg, i), flat, cfg, f"{key}.{i}.", i)
+            inner = cfg if meta.view is None else meta.view(cfg)
+            kw[name] = tuple(build_tree(meta.choose(cfg, i), flat, inner, f"{key}.{i}.", i)
                              for i in range(cfg.num_layers))
     return root(**kw)

@@ -36,7 +36,7 @@ from flax import struct
 from dflash_jax.config import MoEConfig, RopeConfig
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, RouterWeights, Routing, lm_head_logits
-from dflash_jax.models.declare import Target, fp4_part, layer_getter
+from dflash_jax.models.declare import Target, build_tree, declare_tree, layers, param, sub
 from dflash_jax.models.family import ModelFamily, register
 from dflash_jax.models.gpt_oss.config import GptOssConfig, parse_hf_config
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
@@ -71,44 +71,71 @@ __all__ = [
 ]
 
 
+# The weight dataclasses are the declarations (`models.declare`): every array field states its shape from the
+# config (norms fp32, as released); the expert tables declare themselves packed (MXFP4 parts) or dense per
+# checkpoint (`_expert_table`). `declare_weights` / `weights_from_flat` read them off the types.
+def _biased(c) -> bool:
+    return c.attention_bias
+
+
 @struct.dataclass
 class GptOssAttentionWeights:
-    q: jax.Array  # [H, Hq*d]
-    k: jax.Array  # [H, Hkv*d]
-    v: jax.Array  # [H, Hkv*d]
-    o: jax.Array  # [Hq*d, H]
-    sinks: jax.Array  # [Hq]
-    q_bias: jax.Array | None = None
-    k_bias: jax.Array | None = None
-    v_bias: jax.Array | None = None
-    o_bias: jax.Array | None = None
+    q: jax.Array = param(lambda c: (c.hidden_size, c.num_heads * c.head_dim))  # [H, Hq*d]
+    k: jax.Array = param(lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim))  # [H, Hkv*d]
+    v: jax.Array = param(lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim))  # [H, Hkv*d]
+    o: jax.Array = param(lambda c: (c.num_heads * c.head_dim, c.hidden_size))  # [Hq*d, H]
+    sinks: jax.Array = param(lambda c: (c.num_heads,))  # [Hq]
+    q_bias: jax.Array | None = param(lambda c: (c.num_heads * c.head_dim,), when=_biased)
+    k_bias: jax.Array | None = param(lambda c: (c.num_kv_heads * c.head_dim,), when=_biased)
+    v_bias: jax.Array | None = param(lambda c: (c.num_kv_heads * c.head_dim,), when=_biased)
+    o_bias: jax.Array | None = param(lambda c: (c.hidden_size,), when=_biased)
+
+
+def _expert_table(proj: str):
+    """The declaration of one expert table (`proj` "gate_up" / "down"): packed MXFP4 parts of logical
+    `[E, out, in]` (the release's form; declared `#blocks` / `#scales`), or dense `[E, in, out]`, as the
+    `packed(layer, proj)` option of `declare_weights` says (default: packed)."""
+
+    def declare(c, layer, options):
+        e, inter, h = c.moe.num_experts, c.moe.intermediate_size, c.hidden_size
+        rows, cols = (2 * inter, h) if proj == "gate_up" else (h, inter)
+        packed = options.get("packed")
+        if packed is not None and not packed(layer, proj):
+            return {"": Target((e, cols, rows))}
+        groups = cols // MXFP4_BLOCK_SIZE
+        return {"#blocks": Target((e, rows, groups, MXFP4_BLOCK_SIZE // 2), dtype=np.uint8),
+                "#scales": Target((e, rows, groups), dtype=np.uint8)}
+
+    return declare
 
 
 @struct.dataclass
 class GptOssMoEWeights:
-    router: jax.Array  # [H, E]
-    router_bias: jax.Array  # [E]
-    gate_up: Any  # MXFP4Tensor logical [E, 2I, H] or dense [E, H, 2I]; gate half first
-    gate_up_bias: jax.Array  # [E, 2I], gate half first
-    down: Any  # MXFP4Tensor logical [E, H, I] or dense [E, I, H]
-    down_bias: jax.Array  # [E, H]
+    router: jax.Array = param(lambda c: (c.hidden_size, c.moe.num_experts))  # [H, E]
+    router_bias: jax.Array = param(lambda c: (c.moe.num_experts,))  # [E]
+    # MXFP4Tensor logical [E, 2I, H] or dense [E, H, 2I]; gate half first
+    gate_up: Any = param(None, custom=_expert_table("gate_up"))
+    gate_up_bias: jax.Array = param(lambda c: (c.moe.num_experts, 2 * c.moe.intermediate_size))  # [E, 2I], gate first
+    down: Any = param(None, custom=_expert_table("down"))  # MXFP4Tensor logical [E, H, I] or dense [E, I, H]
+    down_bias: jax.Array = param(lambda c: (c.moe.num_experts, c.hidden_size))  # [E, H]
     slot_of: jax.Array | None = None  # [E] int32 slot of each expert in a pool; None: the tables are whole
 
 
 @struct.dataclass
 class GptOssLayerWeights:
-    input_norm: jax.Array  # [H] fp32
-    attn: GptOssAttentionWeights
-    post_norm: jax.Array  # [H] fp32
-    mlp: GptOssMoEWeights
+    input_norm: jax.Array = param(lambda c: (c.hidden_size,), dtype=np.float32)  # [H] fp32
+    attn: GptOssAttentionWeights = sub(GptOssAttentionWeights)
+    post_norm: jax.Array = param(lambda c: (c.hidden_size,), dtype=np.float32)  # [H] fp32
+    mlp: GptOssMoEWeights = sub(GptOssMoEWeights)
 
 
 @struct.dataclass
 class GptOssWeights:
-    embed: jax.Array  # [V, H]
-    layers: tuple[GptOssLayerWeights, ...]
-    final_norm: jax.Array  # [H] fp32
-    lm_head: jax.Array | None  # [H, V]; None when tied to the embedding
+    embed: jax.Array = param(lambda c: (c.vocab_size, c.hidden_size))  # [V, H]
+    layers: tuple[GptOssLayerWeights, ...] = layers(GptOssLayerWeights)
+    final_norm: jax.Array = param(lambda c: (c.hidden_size,), dtype=np.float32)  # [H] fp32
+    lm_head: jax.Array | None = param(lambda c: (c.hidden_size, c.vocab_size),  # [H, V]; None when tied
+                                      when=lambda c: not c.tie_word_embeddings)
 
 
 def _linear(x, w, b):
@@ -314,63 +341,12 @@ def random_weights(cfg, key: jax.Array, dtype=jnp.float32, *, expert_format: str
 
 
 def declare_weights(cfg: GptOssConfig, *, packed=None) -> dict[str, Target]:
-    """The declared arrays of gpt-oss weights (`models.declare`). `packed(layer, proj)`: whether that expert
-    table is kept MXFP4-packed (declared as `#blocks` / `#scales` parts, logical `[E, out, in]`) or dense
-    `[E, in, out]`; default: packed, as in the release."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
-    e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
-    out = {"embed": Target((cfg.vocab_size, h)), "final_norm": Target((h,), dtype=np.float32)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = Target((h, cfg.vocab_size))
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out.update({
-            p + "input_norm": Target((h,), dtype=np.float32),
-            p + "post_norm": Target((h,), dtype=np.float32),
-            p + "attn.q": Target((h, qd)),
-            p + "attn.k": Target((h, kvd)),
-            p + "attn.v": Target((h, kvd)),
-            p + "attn.o": Target((qd, h)),
-            p + "attn.sinks": Target((cfg.num_heads,)),
-            p + "mlp.router": Target((h, e)),
-            p + "mlp.router_bias": Target((e,)),
-            p + "mlp.gate_up_bias": Target((e, 2 * inter)),
-            p + "mlp.down_bias": Target((e, h)),
-        })
-        if cfg.attention_bias:
-            out.update({
-                p + "attn.q_bias": Target((qd,)),
-                p + "attn.k_bias": Target((kvd,)),
-                p + "attn.v_bias": Target((kvd,)),
-                p + "attn.o_bias": Target((h,)),
-            })
-        # logical [out, in] of the packed tables, [in, out] of the dense ones
-        for proj, rows, cols in (("gate_up", 2 * inter, h), ("down", h, inter)):
-            if packed is None or packed(i, proj):
-                groups = cols // MXFP4_BLOCK_SIZE
-                out[fp4_part(p + f"mlp.{proj}", "blocks")] = Target((e, rows, groups, MXFP4_BLOCK_SIZE // 2), dtype=np.uint8)
-                out[fp4_part(p + f"mlp.{proj}", "scales")] = Target((e, rows, groups), dtype=np.uint8)
-            else:
-                out[p + f"mlp.{proj}"] = Target((e, cols, rows))
-    return out
+    """The declared arrays of gpt-oss weights (`models.declare`), read off `GptOssWeights`. `packed(layer, proj)`:
+    whether that expert table is kept MXFP4-packed (declared as `#blocks` / `#scales` parts, logical
+    `[E, out, in]`) or dense `[E, in, out]`; default: packed, as in the release."""
+    return declare_tree(GptOssWeights, cfg, packed=packed)
 
 
 def weights_from_flat(flat: dict[str, Any], cfg: GptOssConfig) -> GptOssWeights:
     """The weight pytree from `{declared name: array}` (packed experts already joined into MXFP4Tensors)."""
-    layers = []
-    for i in range(cfg.num_layers):
-        g = layer_getter(flat, i)
-        attn = GptOssAttentionWeights(
-            q=g("attn.q"), k=g("attn.k"), v=g("attn.v"), o=g("attn.o"), sinks=g("attn.sinks"),
-            q_bias=g("attn.q_bias"), k_bias=g("attn.k_bias"), v_bias=g("attn.v_bias"), o_bias=g("attn.o_bias"),
-        )
-        mlp = GptOssMoEWeights(
-            router=g("mlp.router"), router_bias=g("mlp.router_bias"), gate_up=g("mlp.gate_up"),
-            gate_up_bias=g("mlp.gate_up_bias"), down=g("mlp.down"), down_bias=g("mlp.down_bias"),
-        )
-        layers.append(GptOssLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"),
-                                               mlp=mlp))
-    return GptOssWeights(
-        embed=flat["embed"], layers=tuple(layers), final_norm=flat["final_norm"], lm_head=flat.get("lm_head")
-    )
+    return build_tree(GptOssWeights, flat, cfg)
