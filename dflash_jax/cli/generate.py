@@ -380,7 +380,7 @@ def run(args) -> dict:
                     from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
                     from dflash_jax.offload.hybrid import HostCompute
 
-                    hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
+                    hybrid = HostCompute.for_pair(pair, probe_host_to_device_bandwidth())
                 gen = OffloadedGenerator(pair, budget_bytes=int(args.expert_budget_mb * 1e6), prefetcher=args.predictor,
                                          width=args.predictor_width, block_size=args.block_size, pin=pin,
                                          hybrid=hybrid, mesh=mesh, buckets=kwargs["buckets"], proposer=proposer)

@@ -9,8 +9,9 @@ activations move there and its output back: `host_pass_s` per layer is charged a
 layer sends experts to the host only when the summed saving exceeds it). Experts already resident are always
 computed on the device. Both give the same numbers (the same jitted pass on the same inputs; tested equal).
 
-`HostCompute.measure()` fills the figures from this machine (the link by `bandwidth`, the host's matmul rate
-by a timed product); `for_link()` lets a caller state them (what `study.cost_model` assumes for an H200 + PCIe
+`HostCompute.measure()` fills the figures from this machine (the link by `bandwidth`; the host's rates from the
+library's own host pass timed at the pair's expert shape, `for_pair` / `measure_host_pass`, or numpy's matmul
+and copy rates without one); `for_link()` lets a caller state them (what `study.cost_model` assumes for an H200 + PCIe
 5 host: the link ~58 GB/s, a host socket ~2 TFLOP/s and ~200 GB/s (assumed): a cold expert of Qwen3-30B (~2.5 MB
 MXFP4, 6HI = 9.4 MFLOP per row) copies in ~43 us and computes on the host in ~12.5 us + 4.7 us per row, so it is
 worth computing there while it has up to ~6 rows this round).
@@ -57,8 +58,19 @@ class HostCompute:
         return cls(link_bytes_per_s=1e-9, host_flops=1e30, host_bytes_per_s=1e30)
 
     @classmethod
-    def measure(cls, link_bytes_per_s: float, *, size: int = 512, repeats: int = 3) -> "HostCompute":
-        """The host's fp32 matmul rate and memory rate measured with numpy (timed, best of `repeats`)."""
+    def measure(cls, link_bytes_per_s: float, *, size: int = 512, repeats: int = 3, hidden: int | None = None,
+                intermediate: int | None = None, expert_format: str = "mxfp4", experts: int = 8,
+                rows: int = 16) -> "HostCompute":
+        """The host's figures measured on this machine. With an expert shape (`hidden`, `intermediate`): the
+        library's own host pass (`nn.moe.swiglu_experts` on the CPU device, tables in `expert_format`, "mxfp4"
+        as the store keeps them or "bf16"/"float32") timed twice, `experts` experts with 1 row each and with `rows`
+        rows each, and the cost model fitted to the two (the rate of extra rows gives `host_flops`, the rest
+        of the 1-row time the rate of reading an expert, `host_bytes_per_s`; best of `repeats`). Without one:
+        numpy's fp32 matmul rate and memory copy rate (upper bounds of what a host pass reaches)."""
+        if hidden is not None and intermediate is not None:
+            flops, rate = measure_host_pass(hidden, intermediate, expert_format=expert_format, experts=experts,
+                                            rows=rows, repeats=repeats)
+            return cls(link_bytes_per_s=float(link_bytes_per_s), host_flops=flops, host_bytes_per_s=rate)
         a = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32)
         best = float("inf")
         for _ in range(repeats):
@@ -67,13 +79,75 @@ class HostCompute:
             best = min(best, time.perf_counter() - t0)
         flops = 2 * size ** 3 / best
         buf = np.ones(32 << 20, np.uint8)
+        dst = np.empty_like(buf)
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            buf.copy()
+            np.copyto(dst, buf)
             best = min(best, time.perf_counter() - t0)
         return cls(link_bytes_per_s=float(link_bytes_per_s), host_flops=float(flops),
                    host_bytes_per_s=float(buf.nbytes / best), host_pass_s=0.0)
+
+    @classmethod
+    def for_pair(cls, pair, link_bytes_per_s: float, **kw) -> "HostCompute":
+        """`measure` at the expert shape and table format of `pair`'s target (its MoE hidden size, expert
+        intermediate size and expert format)."""
+        cfg = pair.target_cfg
+        if pair.expert_format in ("mxfp4", "nvfp4") and not pair.experts_dequantized:
+            fmt = "mxfp4"  # FP4 tables as stored (NVFP4 reads and decodes alike, per 16 instead of 32 codes)
+        else:
+            fmt = "float32" if pair.manifest.get("dtype") == "float32" else "bf16"
+        return cls.measure(link_bytes_per_s, hidden=cfg.hidden_size, intermediate=cfg.moe.intermediate_size,
+                           expert_format=fmt, **kw)
+
+
+def measure_host_pass(hidden: int, intermediate: int, *, expert_format: str = "mxfp4", experts: int = 8,
+                      rows: int = 16, repeats: int = 3) -> tuple[float, float]:
+    """(FLOP/s, expert bytes read per s) of the host pass at one expert shape, fitted from two timed calls of
+    `swiglu_experts` on the CPU device (random tables of `experts` experts; 1 and `rows` rows per expert)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.nn.moe import swiglu_experts
+    from pallas_kernels.formats import MXFP4Tensor
+
+    if rows < 2 or experts < 1:
+        raise ValueError(f"measure_host_pass needs rows >= 2 and experts >= 1, got rows={rows}, experts={experts}")
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    with jax.default_device(cpu):
+        if expert_format == "mxfp4":
+            def table(n, k):
+                return MXFP4Tensor(jnp.asarray(rng.integers(0, 256, (experts, n, k // 32, 16), dtype=np.uint8)),
+                                   jnp.asarray(rng.integers(118, 124, (experts, n, k // 32), dtype=np.uint8)))
+            gate_up, down = table(2 * intermediate, hidden), table(hidden, intermediate)
+        elif expert_format in ("bf16", "bfloat16", "float32"):
+            dtype = jnp.float32 if expert_format == "float32" else jnp.bfloat16
+            gate_up = jnp.asarray(rng.standard_normal((experts, hidden, 2 * intermediate), np.float32) * 0.02, dtype)
+            down = jnp.asarray(rng.standard_normal((experts, intermediate, hidden), np.float32) * 0.02, dtype)
+        else:
+            raise ValueError(f"expert_format must be mxfp4, bf16 or float32, got {expert_format!r}")
+        expert_bytes = sum(int(a.nbytes) for a in jax.tree.leaves((gate_up, down))) / experts
+        layer = jax.jit(lambda x, e, w, gu, dn: swiglu_experts(x, e, w, gu, dn))
+
+        def best(n_rows):
+            tokens = experts * n_rows
+            x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+            e = jnp.asarray(np.arange(tokens) % experts, jnp.int32)[:, None]
+            w = jnp.ones((tokens, 1), jnp.float32)
+            jax.block_until_ready(layer(x, e, w, gate_up, down))
+            out = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(layer(x, e, w, gate_up, down))
+                out = min(out, time.perf_counter() - t0)
+            return out
+
+        one, many = best(1), best(rows)
+    flops = experts * (rows - 1) * flops_per_row(hidden, intermediate) / max(many - one, 1e-9)
+    compute_one = experts * flops_per_row(hidden, intermediate) / flops
+    rate = experts * expert_bytes / max(one - compute_one, 1e-9)
+    return float(flops), float(rate)
 
 
 def flops_per_row(hidden: int, intermediate: int) -> float:
