@@ -9,7 +9,8 @@ Three parts, one report (docs/benchmarks/moe_cpu.{json,md,png}):
               expert behind a 0/1 mask), "dense" (every token through every expert), "tiles" (the routed rows
               only) and "auto" (the library's choice, `nn.moe.routed_path`); process CPU ms per call, paired runs.
   end to end  the shipped pair (experts dequantized at load, as `dflash-generate` runs on a CPU), plain greedy
-              decoding and DFlash chains at blocks 8 and 16, batches of held-out prompts, in separate processes
+              decoding and DFlash chains at blocks 8 and 16, batches of held-out prompts (26 windows, repeated to fill a
+              batch of 32), in separate processes
               per MoE path (DFLASH_MOE_CPU_PATH=xla: the path before the tiles; auto: the library's), alternated;
               tokens/s wall and per process CPU second; every output checked against plain greedy of its process.
   host        one MoE layer's routed experts at the real shapes of Qwen3-30B-A3B (128 experts, top-8,
@@ -140,7 +141,7 @@ def child(args) -> None:
     pool = H.prompts(pair, max(args.batches), args.prompt_len)
     out = []
     for b in args.batches:
-        prompts = pool[:b]
+        prompts = [pool[i % len(pool)] for i in range(b)]  # the held-out windows, repeated past the last
         modes = {"plain": lambda: greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=args.max_new)}
         for block in args.blocks:
             modes[f"dflash B={block}"] = (lambda block=block: generate(pair, prompts, max_new_tokens=args.max_new,
