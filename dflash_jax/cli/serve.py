@@ -397,7 +397,7 @@ def build_app(args):
                 from dflash_jax.offload.bandwidth import probe_host_to_device_bandwidth
                 from dflash_jax.offload.hybrid import HostCompute
 
-                hybrid = HostCompute.measure(probe_host_to_device_bandwidth())
+                hybrid = HostCompute.for_pair(pair, probe_host_to_device_bandwidth())
             try:
                 engine = Engine(pair, experts="offload", budget_bytes=int(args.expert_budget_mb * 1e6),
                                 predictor=args.predictor, pin=pin_experts_arg(args.pin_experts), hybrid=hybrid,
