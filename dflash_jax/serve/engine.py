@@ -40,9 +40,9 @@ One round (`step`):
   5. verify (`RoundRunner.verify`): the target forward over the round's rows at that width, acceptance, commit,
      and every row the scheduler left out (or that is free) put back as it was before the round. So a row that
      sits out a round is the row it was, and a row that verifies computes what it computes alone: each
-     request's output is its output run alone (greedy: the same tokens at any mix of widths; sampled: at a
-     given width the same draws from its own per-request key as `spec.generate` at that block size, so the
-     target's distribution);
+     request's output is its output run alone (greedy: the same tokens at any mix of widths; sampled: the same
+     draws from its own per-request key as `spec.generate`, keyed by output position, so at any mix of widths
+     under the exact-match rule; the target's distribution);
   6. one host fetch (counts, done flags, output buffer); new tokens go to each request's callback; finished or
      cancelled requests free their slots, and the live rows are compacted.
 

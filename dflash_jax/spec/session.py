@@ -46,7 +46,7 @@ from dflash_jax.models.family import family_of
 from dflash_jax.spec.accept import match_accept, rejection_accept
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import (
-    AcceptanceMode, RowSampling, SamplingParams, next_token_rows, processed_scores, sample_probs_rows, sample_rows,
+    AcceptanceMode, RowSampling, SamplingParams, next_token_rows, processed_scores, sample_probs_rows,
     sampling_probs, seed_key_data,
 )
 
@@ -293,6 +293,33 @@ def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     return split[:, 0], split[:, 1]
 
 
+# A row's key (`SpecState.key`) stays the same for its whole life; a round's draws come from two streams of it:
+# the round's key, folded with the row's output length when the round starts (every round that commits starts at a
+# new length, so no two rounds share one), for the draft's draws and the rejection rule; and, for the target's
+# draws under the exact-match rule (what is committed), one key per OUTPUT POSITION, so the token at position p is
+# drawn with the same key whatever the widths, proposers or rounds that reach it: a seeded sample does not depend on
+# how its rounds were shaped (the serving engine's `--widths auto`, a tree, another block size).
+_ROUND_STREAM, _POSITION_STREAM = 0, 1
+
+
+def round_keys(state: "SpecState") -> jax.Array:
+    """[b] this round's keys: each row's key, its round stream, folded with its output length."""
+    return jax.vmap(lambda k, n: jax.random.fold_in(jax.random.fold_in(k, _ROUND_STREAM), n))(
+        state.key, state.num_generated)
+
+
+def position_draws(state: "SpecState", scores: jax.Array, offsets: jax.Array) -> jax.Array:
+    """[b, W] int32: one draw per column from softmax(scores [b, W, V]), column j of row i drawn for output position
+    `num_generated[i] + offsets[i, j]` with that position's key alone (`offsets` [b, W] or [1, W])."""
+    offsets = jnp.broadcast_to(offsets, scores.shape[:2])
+
+    def row(key, n, s, off):
+        stream = jax.random.fold_in(key, _POSITION_STREAM)
+        return jax.vmap(lambda o, x: jax.random.categorical(jax.random.fold_in(stream, n + o), x))(off, s)
+
+    return jax.vmap(row)(state.key, state.num_generated, scores, offsets).astype(jnp.int32)
+
+
 def emit_tokens(state: SpecState, accepted, bonus, proposals, spec: SpecConfig):
     """Writes d_1..d_a, bonus (cut by each sequence's budget and stop tokens) into the output; returns
     (state, produced)."""
@@ -434,7 +461,7 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
 
     def sampled():
         probs = sampling_probs(logits, rows)
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(state.key)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(round_keys(state))
         return jnp.where(rows.greedy[:, None], argmax, sample_probs_rows(keys, probs)), probs
 
     def greedy():
@@ -468,7 +495,7 @@ def head_chain_draft(target_w, draft_w, state: SpecState, spec: SpecConfig, hidd
     # per position a key of a stream no other draw of the round touches: fold_in(key, i) is split(key)[i] here,
     # and split(key)[1]'s children are the acceptance's uniforms, so fold_in(fold_in(key, 1), 0) would draw
     # d_1 with the very bits its acceptance test uses (measured: chi-square p ~ 1e-13 against the target)
-    keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 2), max(gamma, 1)))(state.key)  # [b, gamma]
+    keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 2), max(gamma, 1)))(round_keys(state))
 
     def step(prev, xs):
         h, k = xs
@@ -516,13 +543,14 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
     `spec.method` (exact-match against the target's own draws, or rejection sampling)."""
     fam = target_family(spec.target)
     start = state.target_cache.lengths
-    key, k_acc = split_rows(state.key)
+    _, k_acc = split_rows(round_keys(state))
     rows = state.params.sampling
     greedy = rows.greedy
     target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
     if spec.method == "exact_match" or spec.block_size == 1:
-        def sampled():
-            draws = sample_rows(k_acc, processed_scores(out.logits, rows))
+        def sampled():  # block row j draws output position num_generated + j (`position_draws`)
+            scores = processed_scores(out.logits, rows)
+            draws = position_draws(state, scores, jnp.arange(scores.shape[1])[None])
             return jnp.where(greedy[:, None], target_argmax, draws)
 
         target_tokens = jax.lax.cond(all_greedy(state), lambda: target_argmax, sampled)
@@ -535,7 +563,7 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
             return jnp.where(greedy, greedy_accepted, acc), jnp.where(greedy, greedy_bonus, bon)
 
         accepted, bonus = jax.lax.cond(all_greedy(state), lambda: (greedy_accepted, greedy_bonus), sampled)
-    new, produced = emit_tokens(state.replace(key=key), accepted, bonus, draft.tokens, spec)
+    new, produced = emit_tokens(state, accepted, bonus, draft.tokens, spec)
     context = draft_model.context_features(out.taps) if spec.taps else state.context
     return new.replace(
         target_cache=fam.rollback(out.cache, start + produced),

@@ -61,8 +61,8 @@ from flax import struct
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
-from dflash_jax.spec.sampling import processed_scores, sample_rows
-from dflash_jax.spec.session import RoundOutcome, SpecConfig, SpecState, all_greedy, emit_tokens, split_rows
+from dflash_jax.spec.sampling import processed_scores
+from dflash_jax.spec.session import RoundOutcome, SpecConfig, SpecState, all_greedy, emit_tokens, position_draws
 
 DEFAULT_BRANCH = 4
 # The draft's per-position distributions are marginals: the product of a path's marginals underrates the
@@ -409,12 +409,12 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
     Returns (state, RoundOutcome)."""
     fam = family_of(spec.target)
     start = state.target_cache.lengths
-    key, k_acc = split_rows(state.key)
     rows = state.params.sampling
     target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
 
-    def sampled():  # one independent draw per node (see the module doc: the sibling rejection rule)
-        draws = sample_rows(k_acc, processed_scores(out.logits, rows))
+    def sampled():  # a node's draw is for the position after it: the key of output position num_generated + depth
+        # (`session.position_draws`); siblings share it, and only the accepted path's draws are ever committed
+        draws = position_draws(state, processed_scores(out.logits, rows), tree.depth)
         return jnp.where(rows.greedy[:, None], target_argmax, draws)
 
     target_tokens = jax.lax.cond(all_greedy(state), lambda: target_argmax, sampled)
@@ -422,7 +422,7 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
     gamma = spec.block_size - 1
     path = pad_cols(path, spec.block_size)
     proposals = jnp.take_along_axis(tree.tokens, path[:, 1:], axis=1)  # [b, B-1]: d_1 .. d_a on the path
-    new, produced = emit_tokens(state.replace(key=key), accepted, bonus, proposals[:, :gamma], spec)
+    new, produced = emit_tokens(state, accepted, bonus, proposals[:, :gamma], spec)
     cache = getattr(fam, "commit_tree_path", commit_path)(out.cache, start, path)
     context = draft_model.context_features(out.taps)  # [b, N, F]
     context = jnp.take_along_axis(context, path[..., None], axis=1)  # [b, B, F]: the path's rows

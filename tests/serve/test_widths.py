@@ -1,6 +1,6 @@
 """The verify width chosen per round: the pure choice rule, and lossless output at every width of one engine
-(greedy: the same tokens as alone whatever widths its rounds used; sampled: at a given width, the same draws
-as `spec.generate` at that block size), with no compiles after warm-up. The engine tests compile 4 widths' programs: slow."""
+(greedy: the same tokens as alone whatever widths its rounds used; sampled: the same draws as `spec.generate` at any
+block size, whatever widths its rounds used: the draws are keyed by output position), with no compiles after warm-up. The engine tests compile 4 widths' programs: slow."""
 
 from __future__ import annotations
 
@@ -77,6 +77,22 @@ def test_sampled_at_a_width_draws_as_alone(engine, pair, width):
         alone = spec_generate(pair, [PROMPTS[i]], max_new_tokens=BUDGET, sampling=SAMPLING[i], stop_ids=[], seed=i,
                               block_size=width)
         assert r.tokens == alone.tokens[0], i
+
+
+@pytest.mark.slow
+def test_sampled_when_every_round_changes_width_equals_alone_at_any_block(engine, pair):
+    """Seeds are reproducible under `--widths auto`: the target's draws are keyed by output position, not by round
+    (`spec.session.position_draws`), so a seeded sample whose rounds changed width every time is the sample the
+    library draws alone at block 1 (no speculation) and at block 8, and proposals were accepted on the way."""
+    cycle = itertools.cycle([8, 1, 4, 2, 8, 8, 1])
+    reqs, rounds = _run(engine, lambda live: next(cycle), sampling=SAMPLING, seed=[0, 1, 2, 3])
+    assert {r.width for r in rounds if r.width} == {1, 2, 4, 8}
+    for i, r in enumerate(reqs):
+        for block in (1, 8):
+            alone = spec_generate(pair, [PROMPTS[i]], max_new_tokens=BUDGET, sampling=SAMPLING[i], stop_ids=[],
+                                  seed=i, block_size=block)
+            assert r.tokens == alone.tokens[0], (i, block)
+    assert max(max(r.acceptance) for i, r in enumerate(reqs) if SAMPLING[i].temperature) >= 2
 
 
 @pytest.mark.slow
