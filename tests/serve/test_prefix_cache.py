@@ -106,17 +106,25 @@ def _cold_and_warm(pair, prompts, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("which", ["qwen3_moe", "qwen3_5", "qwen3_moe_offloaded"])
 def test_outputs_after_a_cached_prefix_equal_the_cold_prefill(which):
     """A 200-token shared prefix, then three different endings: the second and third requests start from the
     snapshot at 192 tokens (the target's KV rows, the hybrid family's Gated DeltaNet state and conv tail, the draft's
-    context rows) and their greedy outputs equal a cold prefill's, token for token, with proposals accepted."""
+    context rows: the live rows only) and their greedy outputs equal a cold prefill's, token for token, with
+    proposals accepted; also with the experts offloaded (host memory behind a device cache of 12 experts)."""
     import dflash_jax
 
-    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS["tiny_pair" if which == "qwen3_moe" else "tiny_pair_qwen3_5"])
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS["tiny_pair_qwen3_5" if which == "qwen3_5" else "tiny_pair"])
+    kw = {}
+    if which.endswith("offloaded"):
+        from dflash_jax.offload import HostExpertStore
+
+        store = HostExpertStore(pair.target)
+        kw = dict(experts="offload", budget_bytes=12 * store.expert_bytes(store.layer_ids[0]), store=store,
+                  bandwidth=1e9)
     system = [int(t) for t in np.random.default_rng(4).integers(0, 1000, 200)]
     prompts = [system + [int(t) for t in np.random.default_rng(i).integers(0, 1000, 5 + i)] for i in range(3)]
-    eng, warm, cold = _cold_and_warm(pair, prompts)
+    eng, warm, cold = _cold_and_warm(pair, prompts, **kw)
     assert [r.tokens for r in warm] == [r.tokens for r in cold]
     assert eng.prefix_hit_tokens == 2 * 192
     assert max(max(r.acceptance) for r in warm) > 1
