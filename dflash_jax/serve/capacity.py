@@ -83,7 +83,7 @@ class Capacity:
 
     def describe(self) -> str:
         """One line: the numbers and how they were derived."""
-        mb = lambda b: f"{b / 1e6:.3g} MB"  # noqa: E731
+        mb = lambda b: f"{b / 1e6:.1f} MB" if b >= 1e7 else f"{b / 1e6:.3g} MB"  # noqa: E731
         how = []
         how.append("--slots" if self.slots_given else f"as many as fit, at most {self.cap}")
         how.append("--max-prompt-len" if self.prompt_given else "the target's context" +
