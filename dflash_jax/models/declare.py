@@ -1,7 +1,8 @@
 """Weight declarations: the stored name, shape and (optionally) dtype of every array of a family's weights.
 
-Each family declares its weights once (`declare_weights(cfg)` in its model module, reached through the
-registry) and builds its weight pytree from a flat `{name: array}` (`weights_from_flat`). The same
+Each family declares its weights once: its weight dataclasses' fields carry their declarations (`param`,
+`sub`, `layers`, below), and `declare_tree` / `build_tree` read the flat declarations and build the pytree
+off the types (the family's `declare_weights(cfg)` / `weights_from_flat`, reached through the registry). The same
 declarations check a converted checkpoint at load time (`dflash_jax.pair.load`) and drive the converter
 (`convert`'s tables add only the HF name rules). Names are the pytree paths: `layers.{i}.attn.q`, ...
 An FP4 tensor kept packed from its source is declared as two parts `NAME#blocks` / `NAME#scales`.

@@ -1,12 +1,18 @@
 """The one model-family interface and its registry.
 
-A target family (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE, ...) is one `ModelFamily` subclass, registered once
-from its model module with `register(...)`. Everything outside the model modules asks the registry
-(`family_of(cfg)`, `family_of_weights(weights)`, `family_named(name)`) instead of dispatching on types:
-the speculative rounds, plain decoding, expert offload, the converter, the test helpers.
+A target family (Qwen3 / Qwen3-MoE, gpt-oss, Qwen3.5-MoE, ...) is one package `models/<family>/` and one
+`ModelFamily` subclass, registered once from it with `register(...)`; the draft (DFlash 1 and 2) is one
+`DraftFamily`, registered with `register_draft(...)`. Everything outside the family packages asks the registry
+(`family_of(cfg)`, `family_of_weights(weights)`, `family_named(name)`, `draft_family()`) instead of dispatching
+on types: the config parser, the speculative rounds, plain decoding, expert offload, the converter, the
+exporter, the training recipe, the test helpers.
 
 What a family declares:
   name, config_type, weights_type, moe_type, model_types   identity (HF `model_type`s it parses)
+  parse_hf, hf_table, export_hf    its HF side: the config.json parser (registered with `config.from_hf_config`),
+                       the checkpoint layout (`models.declare.HFTable`: name rules onto its declarations, what
+                       `convert` runs) and the writer of trained weights in that layout
+  tiny_config(**overrides), small_config(...)               a tiny config for tests, the trained pairs' shape
   expert_fields        the per-expert fields of a MoE layer's weights, in expert-pool order
                        (Qwen3 / Qwen3.5: gate_up, down; gpt-oss: gate_up, down, gate_up_bias, down_bias)
   init_cache(cfg, batch, max_len, dtype, verify_width=)   an empty cache that can roll a width-

@@ -46,10 +46,11 @@ from flax import struct
 from dflash_jax.cache import KVCache, init_kv_cache, write_rows
 from dflash_jax.config import RopeConfig
 from dflash_jax.models.draft.config import DRAFT_ARCHITECTURES, DraftConfig, parse_hf_config
-from dflash_jax.models.declare import Target, attention_targets, layer_getter
+from dflash_jax.models.declare import Target, build_tree, declare_tree, param, sub
+from dflash_jax.models.declare import layers as per_layer
 from dflash_jax.models.family import DraftFamily, register_draft
 from dflash_jax.models.qwen3 import (
-    AttentionWeights, DecoderLayerWeights, MLPWeights, attention_weights_from, qkv_projection,
+    AttentionWeights, DecoderLayerWeights, MLPWeights, qkv_projection,
 )
 from dflash_jax.nn.attention import attention_mask, gqa_attention, kv_cache_attention
 from dflash_jax.nn.init import ParamInit
@@ -110,16 +111,18 @@ class ConvWeights:
     ([in, out]; G = H / conv_group_size groups): column `s * K * G + j * G + g` is the dynamic correction of
     kernel s, tap j, channel group g."""
 
-    base: jax.Array
-    projection: jax.Array
+    base: jax.Array = param(lambda c: (2, c.conv_kernel_size, c.hidden_size))
+    projection: jax.Array = param(
+        lambda c: (c.hidden_size, 2 * c.conv_kernel_size * (c.hidden_size // c.conv_group_size)))
 
 
 @struct.dataclass
 class LayerConvs:
-    """A DFlash 2 draft layer's convolutions: around its attention and around its MLP."""
+    """A DFlash 2 draft layer's convolutions: around its attention and around its MLP (stored beside the layer's
+    other arrays, as the release names them: `layers.{i}.attention_conv.*`, `layers.{i}.mlp_conv.*`)."""
 
-    attention: ConvWeights
-    mlp: ConvWeights
+    attention: ConvWeights = sub(ConvWeights, stored="attention_conv")
+    mlp: ConvWeights = sub(ConvWeights, stored="mlp_conv")
 
 
 @struct.dataclass
@@ -132,9 +135,9 @@ class SelectorWeights:
 
     and every other token is out (score -inf): the selector's q(. | p) = softmax(score / T)."""
 
-    predecessor: jax.Array
-    successor: jax.Array
-    projection: jax.Array
+    predecessor: jax.Array = param(lambda c: (c.vocab_size, c.selector_rank))
+    successor: jax.Array = param(lambda c: (c.vocab_size, c.selector_rank))
+    projection: jax.Array = param(lambda c: (c.hidden_size, c.selector_rank))
 
 
 @struct.dataclass
@@ -145,12 +148,25 @@ class DraftWeights:
     optional `BranchHeadWeights` (a pair ships it beside its checkpoint; head chains and token trees are built
     from it) or a DFlash 2 draft's `SelectorWeights` (from its checkpoint)."""
 
-    fc: jax.Array
-    hidden_norm: jax.Array
-    layers: tuple[DecoderLayerWeights, ...]
-    final_norm: jax.Array
-    branch_head: BranchHeadWeights | SelectorWeights | None = None
-    convs: tuple[LayerConvs, ...] | None = None
+    fc: jax.Array = param(lambda c: (c.num_taps * c.target_hidden_size, c.hidden_size))
+    hidden_norm: jax.Array = param(lambda c: (c.hidden_size,))
+    layers: tuple[DecoderLayerWeights, ...] = per_layer(DecoderLayerWeights, view=lambda c: _DenseLayers(c))
+    final_norm: jax.Array = param(lambda c: (c.hidden_size,))
+    # declared (stored as `selector.*`) for a DFlash 2 draft; a branch head is attached after loading
+    branch_head: BranchHeadWeights | SelectorWeights | None = sub(SelectorWeights, when=lambda c: c.dflash2,
+                                                                  stored="selector")
+    convs: tuple[LayerConvs, ...] | None = per_layer(LayerConvs, when=lambda c: c.dflash2, stored="layers")
+
+
+class _DenseLayers:
+    """The draft config as its Qwen3 decoder layers' declarations read it: every layer's MLP is dense."""
+
+    def __init__(self, cfg):
+        self._cfg = cfg
+        self.moe_layers = (False,) * cfg.num_layers
+
+    def __getattr__(self, name):
+        return getattr(self._cfg, name)
 
 
 def is_selector(head) -> bool:
@@ -534,59 +550,13 @@ def random_weights(cfg: DraftConfig, key: jax.Array, dtype=jnp.float32, *,
 
 
 def declare_weights(cfg: DraftConfig) -> dict[str, Target]:
-    """The declared arrays of DFlash draft weights (`models.declare`)."""
-    h = cfg.hidden_size
-    out = {
-        "fc": Target((cfg.num_taps * cfg.target_hidden_size, h)),
-        "hidden_norm": Target((h,)),
-        "final_norm": Target((h,)),
-    }
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out.update({
-            p + "input_norm": Target((h,)),
-            p + "post_norm": Target((h,)),
-            p + "mlp.gate": Target((h, cfg.intermediate_size)),
-            p + "mlp.up": Target((h, cfg.intermediate_size)),
-            p + "mlp.down": Target((cfg.intermediate_size, h)),
-        })
-        out.update(attention_targets(p, hidden=h, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                     head_dim=cfg.head_dim, bias=cfg.attention_bias))
-        if cfg.dflash2:
-            k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
-            for conv in ("attention_conv", "mlp_conv"):
-                out[p + conv + ".base"] = Target((2, k, h))
-                out[p + conv + ".projection"] = Target((h, 2 * k * groups))
-    if cfg.dflash2:
-        r = cfg.selector_rank
-        out.update({"selector.predecessor": Target((cfg.vocab_size, r)),
-                    "selector.successor": Target((cfg.vocab_size, r)),
-                    "selector.projection": Target((h, r))})
-    return out
+    """The declared arrays of DFlash draft weights (`models.declare`): read off `DraftWeights`."""
+    return declare_tree(DraftWeights, cfg)
 
 
 def weights_from_flat(flat: dict[str, Any], cfg: DraftConfig) -> DraftWeights:
-    """The weight pytree from `{declared name: array}`."""
-    layers = []
-    for i in range(cfg.num_layers):
-        g = layer_getter(flat, i)
-        attn = attention_weights_from(g)
-        mlp = MLPWeights(gate=g("mlp.gate"), up=g("mlp.up"), down=g("mlp.down"))
-        layers.append(DecoderLayerWeights(input_norm=g("input_norm"), attn=attn, post_norm=g("post_norm"), mlp=mlp))
-    weights = DraftWeights(
-        fc=flat["fc"], hidden_norm=flat["hidden_norm"], layers=tuple(layers), final_norm=flat["final_norm"]
-    )
-    if not cfg.dflash2:
-        return weights
-
-    def conv(i, name):
-        return ConvWeights(base=flat[f"layers.{i}.{name}.base"], projection=flat[f"layers.{i}.{name}.projection"])
-
-    convs = tuple(LayerConvs(attention=conv(i, "attention_conv"), mlp=conv(i, "mlp_conv"))
-                  for i in range(cfg.num_layers))
-    selector = SelectorWeights(predecessor=flat["selector.predecessor"], successor=flat["selector.successor"],
-                               projection=flat["selector.projection"])
-    return weights.replace(convs=convs, branch_head=selector)
+    """The weight pytree from `{declared name: array}` (`models.declare.build_tree` over `DraftWeights`)."""
+    return build_tree(DraftWeights, flat, cfg)
 
 
 def tiny_config(target, **overrides) -> DraftConfig:
