@@ -44,8 +44,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax.cache import KVCache, init_kv_cache, write_rows
-from dflash_jax.config import RopeConfig
-from dflash_jax.models.draft.config import DRAFT_ARCHITECTURES, DraftConfig, parse_hf_config
+from dflash_jax.models.draft.config import DRAFT_ARCHITECTURES, DraftConfig, parse_hf_config, tiny_config
 from dflash_jax.models.declare import Target, build_tree, declare_tree, param, sub
 from dflash_jax.models.declare import layers as per_layer
 from dflash_jax.models.family import DraftFamily, register_draft
@@ -557,18 +556,6 @@ def declare_weights(cfg: DraftConfig) -> dict[str, Target]:
 def weights_from_flat(flat: dict[str, Any], cfg: DraftConfig) -> DraftWeights:
     """The weight pytree from `{declared name: array}` (`models.declare.build_tree` over `DraftWeights`)."""
     return build_tree(DraftWeights, flat, cfg)
-
-
-def tiny_config(target, **overrides) -> DraftConfig:
-    """A tiny draft for a tiny target config (`ModelFamily.tiny_config`): 2 layers tapping layers 0 and L - 2."""
-    kw = dict(
-        model_type="qwen3", hidden_size=target.hidden_size, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
-        target_layer_ids=(0, target.num_layers - 2), mask_token_id=target.vocab_size - 1, block_size=8,
-        num_target_layers=target.num_layers, vocab_size=target.vocab_size,
-    )
-    kw.update(overrides)
-    return DraftConfig(**kw)
 
 
 from dflash_jax.models.draft.hf import HF_TABLE, export_hf  # noqa: E402  (the layout reads the weight types above)

@@ -272,3 +272,15 @@ def parse_hf_config(f: Fields) -> DraftConfig:
     )
     f.check_all_used()
     return cfg
+
+
+def tiny_config(target, **overrides) -> DraftConfig:
+    """A tiny draft for a tiny target config (`ModelFamily.tiny_config`): 2 layers tapping layers 0 and L - 2."""
+    kw = dict(
+        model_type="qwen3", hidden_size=target.hidden_size, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
+        target_layer_ids=(0, target.num_layers - 2), mask_token_id=target.vocab_size - 1, block_size=8,
+        num_target_layers=target.num_layers, vocab_size=target.vocab_size,
+    )
+    kw.update(overrides)
+    return DraftConfig(**kw)

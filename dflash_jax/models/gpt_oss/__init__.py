@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflash_jax.config import MoEConfig, RopeConfig
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, RouterWeights, Routing, lm_head_logits
 from dflash_jax.models.declare import Target, build_tree, declare_tree, layers, param, sub
 from dflash_jax.models.family import ModelFamily, register
-from dflash_jax.models.gpt_oss.config import GptOssConfig, parse_hf_config
+from dflash_jax.models.gpt_oss.config import GptOssConfig, parse_hf_config, tiny_config
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.moe import clamped_swiglu, swiglu_experts, topk_softmax_router
@@ -232,19 +231,6 @@ def mlp_sublayer(
 def final_norm(weights: GptOssWeights, x: jax.Array, cfg: GptOssConfig) -> jax.Array:
     """The final RMSNorm of the last layer's output (what the logits and the last layer's tap read)."""
     return _norm(x, weights.final_norm, cfg)
-
-
-def tiny_config(**overrides):
-    """A tiny gpt-oss: alternating sliding (window 16) / full layers, the release's YaRN, 8 experts top-2."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope=RopeConfig(theta=150000.0, rotary_dim=16, kind="yarn", factor=32.0, original_max_position_embeddings=4096,
-                        truncate=False),
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True, router="topk_softmax"),
-        layer_windows=(16, None, 16, None),
-    )
-    kw.update(overrides)
-    return GptOssConfig(**kw)
 
 
 

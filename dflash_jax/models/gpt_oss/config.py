@@ -173,3 +173,16 @@ def parse_hf_config(f: Fields) -> GptOssConfig:
     )
     f.check_all_used()
     return cfg
+
+
+def tiny_config(**overrides):
+    """A tiny gpt-oss: alternating sliding (window 16) / full layers, the release's YaRN, 8 experts top-2."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=150000.0, rotary_dim=16, kind="yarn", factor=32.0, original_max_position_embeddings=4096,
+                        truncate=False),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True, router="topk_softmax"),
+        layer_windows=(16, None, 16, None),
+    )
+    kw.update(overrides)
+    return GptOssConfig(**kw)

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax.config import MoEConfig, RopeConfig
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.init import ParamInit
 from dflash_jax.models import decoder
@@ -28,7 +27,7 @@ from dflash_jax.models.decoder import (  # noqa: F401  (re-exported: the shapes 
 )
 from dflash_jax.models.declare import HEADS, Target, build_tree, declare_tree, layers, param, sub
 from dflash_jax.models.family import ModelFamily, register
-from dflash_jax.models.qwen3.config import Qwen3Config, parse_hf_config
+from dflash_jax.models.qwen3.config import Qwen3Config, parse_hf_config, small_config, tiny_config
 from dflash_jax.nn.mlp import swiglu
 from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
 from dflash_jax.nn.norms import rms_norm
@@ -202,29 +201,6 @@ def mlp_sublayer(
 def final_norm(weights: Qwen3Weights, x: jax.Array, cfg: Qwen3Config) -> jax.Array:
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
 
-
-def tiny_config(**overrides) -> Qwen3Config:
-    """A tiny Qwen3-MoE (4 layers, 8 experts top-2) for tests and examples; `overrides` replace fields."""
-    kw = dict(
-        model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        head_dim=16, intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
-    )
-    kw.update(overrides)
-    return Qwen3Config(**kw)
-
-
-
-def small_config(vocab_size: int, eos_id: int, num_experts: int = 8, top_k: int = 2,
-                 expert_intermediate: int = 256) -> Qwen3Config:
-    """The shipped pair's target shape (`train.tiny_pair.Recipe`): 4 layers, hidden 128, MoE in every layer."""
-    return Qwen3Config(
-        model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-        head_dim=32, intermediate_size=512, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=32),
-        max_position_embeddings=4096, moe=MoEConfig(num_experts=num_experts, top_k=top_k,
-                                                    intermediate_size=expert_intermediate, norm_topk_prob=True),
-        eos_token_ids=(eos_id,),
-    )
 
 
 from dflash_jax.models.qwen3.hf import HF_TABLE, export_hf  # noqa: E402  (the layout reads the weight types above)

@@ -130,3 +130,26 @@ def parse_hf_config(f: Fields) -> Qwen3Config:
     )
     f.check_all_used()
     return cfg
+
+
+def tiny_config(**overrides) -> Qwen3Config:
+    """A tiny Qwen3-MoE (4 layers, 8 experts top-2) for tests and examples; `overrides` replace fields."""
+    kw = dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6, rotary_dim=16),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def small_config(vocab_size: int, eos_id: int, num_experts: int = 8, top_k: int = 2,
+                 expert_intermediate: int = 256) -> Qwen3Config:
+    """The shipped pair's target shape (`train.tiny_pair.Recipe`): 4 layers, hidden 128, MoE in every layer."""
+    return Qwen3Config(
+        model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=32, intermediate_size=512, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=32),
+        max_position_embeddings=4096, moe=MoEConfig(num_experts=num_experts, top_k=top_k,
+                                                    intermediate_size=expert_intermediate, norm_topk_prob=True),
+        eos_token_ids=(eos_id,),
+    )

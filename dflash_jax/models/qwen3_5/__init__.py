@@ -56,12 +56,12 @@ from flax import struct
 from pallas_kernels import ops
 from pallas_kernels import target as kernel_target
 
-from dflash_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, MoEConfig, RopeConfig
+from dflash_jax.config import FULL_ATTENTION
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, RouterWeights, Routing, lm_head_logits
 from dflash_jax.models.declare import Target, build_tree, declare_tree, layers, param, sub
 from dflash_jax.models.family import ModelFamily, register
-from dflash_jax.models.qwen3_5.config import Qwen3_5Config, parse_hf_config
+from dflash_jax.models.qwen3_5.config import Qwen3_5Config, parse_hf_config, small_config, tiny_config
 from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables, softmax_routing
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn import gated_deltanet as gdn
@@ -447,38 +447,6 @@ def final_norm(weights: Qwen3_5Weights, x: jax.Array, cfg: Qwen3_5Config) -> jax
     """The final (zero-centred) RMSNorm of the last layer's output."""
     return _norm(x, weights.final_norm, cfg)
 
-
-def tiny_config(**overrides):
-    """A tiny Qwen3.5-MoE: DeltaNet and gated-attention layers mixed (linear, linear, full, linear), dk != dv,
-    Hv = 2 Hk, partial RoPE (8 of 32 head dims), 8 experts top-2 and a narrower shared expert."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, num_layers=4,
-        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION),
-        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel=4,
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
-        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
-        max_position_embeddings=2048,
-    )
-    kw.update(overrides)
-    return Qwen3_5Config(**kw)
-
-
-
-def small_config(vocab_size: int, eos_id: int, num_experts: int = 8, top_k: int = 2,
-                 expert_intermediate: int = 256) -> Qwen3_5Config:
-    """The hybrid pair's target shape (`train.tiny_pair.Recipe.hybrid`): three Gated DeltaNet layers then one
-    gated full-attention layer (the release's 1-in-4 pattern), partial RoPE (a quarter of the head dims), a
-    shared expert beside the routed ones."""
-    return Qwen3_5Config(
-        vocab_size=vocab_size, hidden_size=128, num_layers=4,
-        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
-        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4,
-        moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=expert_intermediate, norm_topk_prob=True),
-        shared_expert_intermediate_size=256, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
-        max_position_embeddings=4096, eos_token_ids=(eos_id,),
-    )
 
 
 from dflash_jax.models.qwen3_5.hf import HF_TABLE, export_hf  # noqa: E402  (the layout reads the weight types above)

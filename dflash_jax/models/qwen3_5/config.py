@@ -215,3 +215,35 @@ def _parse_qwen3_5_text(f: Fields, *, wrapper_tie: bool | None) -> Qwen3_5Config
     )
     f.check_all_used()
     return cfg
+
+
+def tiny_config(**overrides):
+    """A tiny Qwen3.5-MoE: DeltaNet and gated-attention layers mixed (linear, linear, full, linear), dk != dv,
+    Hv = 2 Hk, partial RoPE (8 of 32 head dims), 8 experts top-2 and a narrower shared expert."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, num_layers=4,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION),
+        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel=4,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
+        shared_expert_intermediate_size=24, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
+        max_position_embeddings=2048,
+    )
+    kw.update(overrides)
+    return Qwen3_5Config(**kw)
+
+
+def small_config(vocab_size: int, eos_id: int, num_experts: int = 8, top_k: int = 2,
+                 expert_intermediate: int = 256) -> Qwen3_5Config:
+    """The hybrid pair's target shape (`train.tiny_pair.Recipe.hybrid`): three Gated DeltaNet layers then one
+    gated full-attention layer (the release's 1-in-4 pattern), partial RoPE (a quarter of the head dims), a
+    shared expert beside the routed ones."""
+    return Qwen3_5Config(
+        vocab_size=vocab_size, hidden_size=128, num_layers=4,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
+        num_heads=4, num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel=4,
+        moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=expert_intermediate, norm_topk_prob=True),
+        shared_expert_intermediate_size=256, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rotary_dim=8),
+        max_position_embeddings=4096, eos_token_ids=(eos_id,),
+    )
