@@ -13,11 +13,13 @@ import os as _os  # noqa: E402
 SHIPPED_PAIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "assets", "tiny_pair")
 # Every pair that ships, by name (`dflash-generate --pair NAME`): the default Qwen3-MoE pair above, the hybrid
 # Qwen3.5-MoE pair (Gated DeltaNet + gated attention + shared expert) trained on the same corpus and tokenizer, and
-# a DFlash 2 draft of the default pair's target (a draft variant: it reads its target from tiny_pair).
+# a DFlash 2 draft of the default pair's target (a draft variant: it reads its target from tiny_pair), and a DFlash 2
+# draft of the hybrid pair's target (a draft variant of tiny_pair_qwen3_5).
 SHIPPED_PAIRS = {
     "tiny_pair": SHIPPED_PAIR,
     "tiny_pair_qwen3_5": _os.path.join(_os.path.dirname(SHIPPED_PAIR), "tiny_pair_qwen3_5"),
     "tiny_pair_dflash2": _os.path.join(_os.path.dirname(SHIPPED_PAIR), "tiny_pair_dflash2"),
+    "tiny_pair_qwen3_5_dflash2": _os.path.join(_os.path.dirname(SHIPPED_PAIR), "tiny_pair_qwen3_5_dflash2"),
 }
 
 

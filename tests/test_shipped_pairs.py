@@ -31,7 +31,7 @@ def test_shipped_pairs_names_and_default():
 
 @pytest.mark.parametrize("argv, message", [
     (["--pair", "nope"], "--pair 'nope' is not a shipped pair; the shipped pairs are: tiny_pair, tiny_pair_qwen3_5, "
-                        "tiny_pair_dflash2"),
+                        "tiny_pair_dflash2, tiny_pair_qwen3_5_dflash2"),
     (["--pair", HYBRID, "--checkpoint", "somewhere"], "--pair and --checkpoint both name a checkpoint"),
 ])
 def test_pair_flag_errors(capsys, argv, message):
@@ -100,32 +100,37 @@ def test_hybrid_pair_is_small_and_portable():
 
 
 DFLASH2 = "tiny_pair_dflash2"
+# the DFlash 2 variants and the pair whose target each reads
+DFLASH2_VARIANTS = [(DFLASH2, "tiny_pair"), ("tiny_pair_qwen3_5_dflash2", HYBRID)]
 
 
-def test_dflash2_pair_is_a_small_draft_variant_of_the_default_pair():
-    """The DFlash 2 pair ships its draft only: its target is the default pair's, read from beside it and checked
+@pytest.mark.parametrize("name, base", DFLASH2_VARIANTS)
+def test_dflash2_pairs_are_small_draft_variants_of_their_targets_pairs(name, base):
+    """A DFlash 2 pair ships its draft only: its target is its base pair's, read from beside it and checked
     against its own manifest; its default proposer is the selector chain."""
     from dflash_jax import checkpoint as ckpt_io
     from dflash_jax.api import default_proposer
     from dflash_jax.models.draft import is_selector
 
-    root = dflash_jax.SHIPPED_PAIRS[DFLASH2]
+    root = dflash_jax.SHIPPED_PAIRS[name]
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     assert 0 < size <= 4 * 2**20 and not os.path.exists(os.path.join(root, "target"))
-    assert json.load(open(os.path.join(root, "manifest.json")))[ckpt_io.TARGET_FROM] == "tiny_pair"
+    assert json.load(open(os.path.join(root, "manifest.json")))[ckpt_io.TARGET_FROM] == base
     pair = dflash_jax.load(root)
     assert pair.draft_cfg.dflash2 and is_selector(pair.draft.branch_head)
+    assert pair.target_cfg == dflash_jax.load(dflash_jax.SHIPPED_PAIRS[base]).target_cfg
     assert default_proposer(pair) == "selector"
     for d, _, fs in os.walk(root):
         assert "commit_success.txt" not in fs
 
 
 @pytest.mark.slow
-def test_dflash2_pair_selector_chain_equals_plain_greedy_with_acceptance():
+@pytest.mark.parametrize("name", [name for name, _ in DFLASH2_VARIANTS])
+def test_dflash2_pair_selector_chain_equals_plain_greedy_with_acceptance(name):
     from dflash_jax.decode import greedy_generate
     from dflash_jax.train.data import file_windows
 
-    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS[DFLASH2])
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS[name])
     prompt = file_windows(pair, "held_out", 1, 64, seed=3)[0]
     want = greedy_generate(pair.target, pair.target_cfg, [prompt], max_new_tokens=NEW, stop_ids=[])
     res = dflash_jax.generate(pair, [prompt], max_new_tokens=NEW, proposer="selector", block_size=8, stop_ids=[])

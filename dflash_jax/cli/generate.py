@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--pair", metavar="NAME", default=None,
                       help=f"a pair shipped with the package, by name: {', '.join(SHIPPED_PAIRS)} (default: "
                            f"tiny_pair, the Qwen3-MoE pair; tiny_pair_qwen3_5 is the hybrid Qwen3.5-MoE one; "
-                           "tiny_pair_dflash2 a DFlash 2 draft of tiny_pair's target)")
+                           "tiny_pair_dflash2 a DFlash 2 draft of tiny_pair's target, tiny_pair_qwen3_5_dflash2 one of "
+                           "the hybrid's)")
     ckpt.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
                       help="dequantize FP4 experts once at load (auto: where no FP4 kernel runs, i.e. the CPU, and "
                            "they take at most 25%% of memory; never with --experts offload, which moves FP4 bytes)")
