@@ -86,14 +86,14 @@ EXAMPLE_FIELDS = ("hidden", "unary", "candidates", "label_logit", "parent", "lab
 def selector_examples(draft: DraftWeights, target_w, tokens: jax.Array, features: jax.Array, anchors: jax.Array,
                       dcfg: DraftConfig, *, gamma: float, widths: jax.Array | None = None) -> tuple:
     """The selector refit's examples of one batch of blocks (the arguments of `objectives.dflash2_loss`): the
-    draft's training forward (`objectives._scored_blocks`), then per block slot k >= 1 the draft's final-normed
+    draft's training forward (`objectives.scored_blocks`), then per block slot k >= 1 the draft's final-normed
     hidden state at k ("hidden" [N, B-1, H]), its top-`dcfg.selector_top_k` logits and their tokens ("unary",
     "candidates" [N, B-1, K]), the logit of the target's token ("label_logit"), the target's tokens at k - 1 and k
     ("parent", "label") and the slot weight ("w", 0 where the slot is not scored): `EXAMPLE_FIELDS`. On the scored
     slots, `selector_refit_loss` of these is `objectives.selector_loss` of the same forward."""
-    from dflash_jax.train.objectives import _scored_blocks
+    from dflash_jax.train.objectives import scored_blocks
 
-    logits, hidden, labels, w = _scored_blocks(draft, target_w, tokens, features, anchors, dcfg,
+    logits, hidden, labels, w = scored_blocks(draft, target_w, tokens, features, anchors, dcfg,
                                                block_size=dcfg.block_size, gamma=gamma, widths=widths)
     logits = logits[:, 1:]
     unary, candidates = jax.lax.top_k(logits, dcfg.selector_top_k)

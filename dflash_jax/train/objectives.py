@@ -72,12 +72,12 @@ def dflash_loss(draft_w, target_w, tokens: jax.Array, features: jax.Array, ancho
     1 <= s <= L - B; widths [n, A] (optional): block a is run and scored as a width-w block (slots 1..w-1),
     so one draft learns every block size it will serve. Returns (weighted mean CE over the scored slots,
     {"ce": unweighted CE, "acc1": slot-1 accuracy})."""
-    logits, _, labels, w = _scored_blocks(draft_w, target_w, tokens, features, anchors, dcfg, block_size=block_size,
+    logits, _, labels, w = scored_blocks(draft_w, target_w, tokens, features, anchors, dcfg, block_size=block_size,
                                           gamma=gamma, widths=widths)
     return _block_ce(logits, labels, w)
 
 
-def _scored_blocks(draft_w, target_w, tokens, features, anchors, dcfg: DraftConfig, *, block_size: int, gamma: float,
+def scored_blocks(draft_w, target_w, tokens, features, anchors, dcfg: DraftConfig, *, block_size: int, gamma: float,
                    widths):
     """The training forward: (logits [N, B, V], hidden [N, B, H], labels [N, B], slot weights [N, B] with 0 on
     the slots not scored), N = n * A blocks."""
@@ -141,7 +141,7 @@ def dflash2_loss(draft_w, target_w, tokens: jax.Array, features: jax.Array, anch
     if not dcfg.dflash2 or not draft_model.is_selector(draft_w.branch_head):
         raise ValueError("dflash2_loss trains a DFlash 2 draft (version 2 config, weights with a SelectorWeights "
                          "head); a DFlash 1 draft trains with dflash_loss")
-    logits, hidden, labels, w = _scored_blocks(draft_w, target_w, tokens, features, anchors, dcfg,
+    logits, hidden, labels, w = scored_blocks(draft_w, target_w, tokens, features, anchors, dcfg,
                                                block_size=block_size, gamma=gamma, widths=widths)
     draft_part, metrics = _block_ce(logits, labels, w)
     sel_part, sel_metrics = selector_loss(draft_w.branch_head, logits, hidden, labels, w, dcfg.selector_top_k)

@@ -18,7 +18,7 @@ from dflash_jax.models import qwen3
 from dflash_jax.train.common import TrainConfig, train_loop
 from dflash_jax.train.dflash2 import (as_dflash2, dflash2_config, fit_selector, init_selector, selector_examples,
                                      selector_refit_loss)
-from dflash_jax.train.objectives import (_scored_blocks, dflash2_loss, draft_blocks, sample_anchors, selector_candidates,
+from dflash_jax.train.objectives import (scored_blocks, dflash2_loss, draft_blocks, sample_anchors, selector_candidates,
                                          selector_loss)
 
 TCFG = testing.tiny_qwen3_moe_config(vocab_size=64, num_layers=2, max_position_embeddings=512)
@@ -92,7 +92,7 @@ def test_selector_refit_examples_give_the_joint_objectives_selector_loss(target_
         successor=jax.random.normal(jax.random.key(8), w2.branch_head.successor.shape)))  # a selector that scores
     tokens, feats, anchors = _blocks(target_w, seed=2)
     widths = jnp.asarray(np.random.default_rng(2).choice([2, 3, 4], anchors.shape), jnp.int32)
-    logits, hidden, labels, w = _scored_blocks(w2, target_w, tokens, feats, anchors, cfg, block_size=4, gamma=3.0,
+    logits, hidden, labels, w = scored_blocks(w2, target_w, tokens, feats, anchors, cfg, block_size=4, gamma=3.0,
                                                widths=widths)
     want, want_metrics = selector_loss(w2.branch_head, logits, hidden, labels, w, cfg.selector_top_k)
     examples = selector_examples(w2, target_w, tokens, feats, anchors, cfg, gamma=3.0, widths=widths)
