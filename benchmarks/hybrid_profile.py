@@ -61,15 +61,12 @@ def main(argv=None) -> int:
     def forward(impl):
         return jax.jit(lambda w, t, c: q.forward(w, t, c, cfg, tap_layers=taps, logits="all", implementation=impl))
 
-    def moe_layer(per_slot):
+    def moe_layer(as_run):
         def run(layer, x):
             h = q.mlp_input(layer, x, cfg)
             rt = q.route(layer.mlp, h, cfg)
-            if per_slot:
-                routed = q._experts_per_slot(h, rt, layer.mlp.gate_up, layer.mlp.down)
-            else:
-                routed = swiglu_experts(h, rt.experts, rt.weights, layer.mlp.gate_up, layer.mlp.down)
-            return routed
+            return swiglu_experts(h, rt.experts, rt.weights, layer.mlp.gate_up, layer.mlp.down,
+                                  implementation="auto" if as_run else "xla")
         return jax.jit(run)
 
     def shared(layer, x):

@@ -397,7 +397,7 @@ def test_pallas_kernels_loads_no_sibling_at_run_time():
 
 
 def test_the_resident_engine_does_not_import_offload():
-    """Routing is the family's (`nn.moe.router_topk`, `ModelFamily.moe_layer_ids`): only the offloaded engine knows
+    """Routing is the family's (`ModelFamily.route_rows`, `ModelFamily.moe_layer_ids`): only the offloaded engine knows
     `offload`."""
     import ast
     import pathlib

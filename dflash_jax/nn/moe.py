@@ -22,7 +22,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.nn.norms import rms_norm
 from pallas_kernels import ops, target
 
 
@@ -481,20 +480,3 @@ def _expert_parallel(x, experts, weights, gate_up, down, mesh, *, implementation
         out = out.reshape(groups, -1, x.shape[1])[:, :local_tokens].reshape(x.shape)
         out = jax.lax.with_sharding_constraint(out, tokens)
     return out
-
-
-def router_topk(hidden, norm_w, router, bias, width: int, eps: float, norm: tuple, topk_first: bool):
-    """One MoE layer's router applied to `hidden` [rows, H] as its family applies it: the layer's post-attention
-    norm (`norm_w`, `rms_norm` options `norm` as sorted (name, value) pairs), `hidden @ router` in fp32, the
-    router `bias` (gpt-oss; None otherwise), then each row's top-`width` experts: Qwen softmax over all experts
-    then top-`width`; `topk_first` (gpt-oss) top-`width` logits then a softmax over them.
-    -> (experts [rows, width] int32, probs [rows, width] fp32, logits [rows, E] fp32). Traced (call in jit)."""
-    h = rms_norm(hidden, norm_w, eps, **dict(norm))
-    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    if topk_first:
-        top, experts = jax.lax.top_k(logits, width)
-        return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1), logits
-    probs, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), width)
-    return experts.astype(jnp.int32), probs, logits

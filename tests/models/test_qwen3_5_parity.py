@@ -411,16 +411,24 @@ def test_wrapper_configs():
             from_hf_config(c)
 
 
-def test_batched_experts_only_where_ragged_dot_is_generic():
-    """The routed experts run as a batched matmul over the experts only when traced for the CPU, never for a
-    GPU (a deviceless H200 compile on a CPU host keeps the grouped path) nor on a slot pool."""
+def test_the_hybrids_routed_experts_take_the_shared_moe_path():
+    """Qwen3.5's routed experts run through `nn.moe.swiglu_experts` like every family's: on a CPU its choice of the
+    routed-rows tiles or every token through every expert (`routed_path`), never for a GPU trace (a deviceless
+    H200 compile on a CPU host keeps the grouped path); the layer equals the same sum through `ragged_dot`."""
     from dflash_jax import testing as T
     from dflash_jax.models import qwen3_5 as q35
+    from dflash_jax.nn import moe
     from pallas_kernels import target
 
-    mlp = T.random_pair(T.tiny_qwen3_5_config(), seed=0, expert_format="dense").target.layers[0].mlp
-    h = jnp.zeros((4, mlp.router.shape[0]), jnp.float32)
-    assert q35._experts_per_slot_wanted(mlp, h, "auto") == (jax.default_backend() == "cpu")
-    assert not q35._experts_per_slot_wanted(mlp, h, "xla")
+    cfg = T.tiny_qwen3_5_config()
+    layer = T.random_pair(cfg, seed=0, expert_format="dense").target.layers[0]
+    x = jax.random.normal(jax.random.PRNGKey(0), (40, cfg.hidden_size), jnp.float32)
+    h = q35.mlp_input(layer, x, cfg)
+    rt = q35.route(layer.mlp, h, cfg)
+    assert moe.routed_path("auto", layer.mlp.gate_up, h.dtype, 40, rt.experts.shape[1]) in ("tiles", "dense")
     with target.compiling_for("gpu"):
-        assert not q35._experts_per_slot_wanted(mlp, h, "auto")
+        assert moe.routed_path("auto", layer.mlp.gate_up, h.dtype, 40, rt.experts.shape[1]) == "xla"
+    ours = q35.mlp_sublayer(layer, x, h, cfg)
+    grouped = q35.mlp_sublayer(layer, x, h, cfg, implementation="xla")
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(grouped), atol=2e-5)
+

@@ -53,8 +53,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from pallas_kernels import ops
-from pallas_kernels import target as kernel_target
 
 from dflash_jax.config import FULL_ATTENTION
 from dflash_jax.models import decoder
@@ -65,10 +63,9 @@ from dflash_jax.models.qwen3_5.config import Qwen3_5Config, parse_hf_config, sma
 from dflash_jax.models.qwen3 import MLPWeights, quantize_expert_tables, softmax_routing
 from dflash_jax.models.qwen3 import block_context as qwen3_block_context
 from dflash_jax.nn import gated_deltanet as gdn
-from dflash_jax.nn import moe
 from dflash_jax.nn.attention import cached_causal_attention
 from dflash_jax.nn.mlp import swiglu
-from dflash_jax.nn.moe import softmax_topk_router, swiglu_experts
+from dflash_jax.nn.moe import swiglu_experts
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope
 
@@ -400,47 +397,11 @@ def mlp_sublayer(
     the shared expert is always the layer's own."""
     mlp = layer.mlp
     routing = route(mlp, h, cfg) if routing is None else routing
-    if _experts_per_slot_wanted(mlp, h, implementation):
-        routed = _experts_per_slot(h, routing, mlp.gate_up, mlp.down)
-    else:
-        routed = swiglu_experts(h, routing.experts, routing.weights, mlp.gate_up, mlp.down, slot_of=mlp.slot_of,
-                                implementation=implementation)
+    routed = swiglu_experts(h, routing.experts, routing.weights, mlp.gate_up, mlp.down, slot_of=mlp.slot_of,
+                            implementation=implementation)
     shared = swiglu(h, mlp.shared.gate, mlp.shared.up, mlp.shared.down)
     shared = jax.nn.sigmoid(h @ mlp.shared_gate) * shared
     return x + (routed + shared).reshape(x.shape)
-
-
-def _experts_per_slot_wanted(mlp: SparseMoEWeights, h: jax.Array, implementation: str) -> bool:
-    """Whether the routed experts run as `_experts_per_slot`: a resident layer (no slot pool, no expert mesh)
-    whose grouped matmul would be XLA's `ragged_dot` on a backend without a native lowering of it (the CPU).
-    There `ragged_dot` multiplies every row by every expert's (masked) table, k times the work of running
-    each expert once on every token, and copies the tables masked by `group_sizes > 0` on every call."""
-    # the platform traced for: a deviceless H200 compile on a CPU host traces for the GPU (`compiling_for`)
-    if implementation != "auto" or mlp.slot_of is not None or kernel_target.platform() in ("gpu", "cuda", "tpu"):
-        return False
-    if moe.expert_parallel_mesh() is not None:
-        return False
-    return ops.resolve_implementation(implementation, mlp.gate_up, h.dtype) == "xla"
-
-
-def _experts_per_slot(h: jax.Array, routing: Routing, gate_up, down) -> jax.Array:
-    """The routed experts' sum `sum_j w_j SwiGLU_{e_j}(h)` as one batched matmul per table over the E experts:
-    every expert runs on every row, and the rows' routing weights (0 for the experts a row did not pick)
-    combine them. The same sum (the unpicked terms are exact zeros) in E * T rows instead of `ragged_dot`'s
-    generic lowering (E * k * T rows plus masked table copies): on the CPU, the MoE layer of a width-16 verify
-    of the shipped hybrid pair in about half the time. FP4 tables are dequantized after the routing is known
-    (`nn.moe.read_after`), as in `swiglu_experts`. h [N, H] -> [N, H]."""
-    num = ops.weight_dims(gate_up)[0]
-    gate_up, down = moe.read_after(routing.experts, gate_up, down)
-    gu_w, down_w = ops.dense_weight(gate_up, h.dtype), ops.dense_weight(down, h.dtype)  # [E, H, 2I], [E, I, H]
-    combine = jnp.sum(jnp.where(routing.experts[:, :, None] == jnp.arange(num, dtype=routing.experts.dtype),
-                                routing.weights.astype(jnp.float32)[:, :, None], 0.0), axis=1)  # [N, E]
-    rows = jnp.broadcast_to(h[None], (num,) + h.shape)  # [E, N, H]
-    gu = jnp.einsum("enh,ehi->eni", rows, gu_w, preferred_element_type=jnp.float32)
-    inter = gu.shape[-1] // 2
-    act = moe.silu_glu(gu[..., :inter], gu[..., inter:]).astype(h.dtype)
-    y = jnp.einsum("eni,eih->enh", act, down_w, preferred_element_type=jnp.float32)
-    return jnp.einsum("enh,ne->nh", y, combine).astype(h.dtype)
 
 
 def final_norm(weights: Qwen3_5Weights, x: jax.Array, cfg: Qwen3_5Config) -> jax.Array:
