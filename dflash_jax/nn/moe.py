@@ -144,24 +144,16 @@ def swiglu_experts(
     """
     num_slots = ops.weight_dims(gate_up)[0]
     slots = experts if slot_of is None else slot_of[experts]
-    if implementation == "tiles":
-        return _tiled_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
-                              activation or silu_glu)
-    if implementation == "dense":
-        return _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
-                              activation or silu_glu)
-    mesh = expert_parallel_mesh()
+    mesh = None if implementation in ("tiles", "dense") else expert_parallel_mesh()
     if mesh is not None and expert_axes(num_slots, mesh):
         return _expert_parallel(x, slots, weights, gate_up, down, mesh, implementation=implementation,
                                 gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
                                 dispatch=dispatch)
-    path = routed_path(implementation, gate_up, x.dtype, x.shape[0], slots.shape[1])
-    if path == "dense":
-        return _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
-                              activation or silu_glu)
-    if path == "tiles":
-        return _tiled_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias,
-                              activation or silu_glu)
+    path = implementation if implementation in ("tiles", "dense") else routed_path(
+        implementation, gate_up, x.dtype, x.shape[0], slots.shape[1])
+    if path in ("tiles", "dense"):
+        run = _tiled_experts if path == "tiles" else _dense_experts
+        return run(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation or silu_glu)
     y = _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation)
     out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights.astype(jnp.float32))
     return out.astype(x.dtype)
