@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dflash_jax
 from dflash_jax import testing
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models import qwen3
@@ -170,7 +171,7 @@ def test_hf_export_round_trip_qwen3_5(tmp_path):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
 
 
-SHIPPED = os.path.join(os.path.dirname(draft_model.__file__), "..", "assets", "tiny_pair")
+SHIPPED = dflash_jax.SHIPPED_PAIR
 
 
 def test_shipped_pair_is_small_and_loads():
