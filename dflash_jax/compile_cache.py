@@ -282,7 +282,7 @@ def _reset_jax_cache() -> None:
         _jax_cc.reset_cache()
 
 
-def _remove_stale_temporaries(directory: str) -> None:
+def remove_stale_temporaries(directory: str) -> None:
     """Temporary files of runs killed mid-write (older than an hour; a live writer's are seconds old)."""
     now = time.time()
     with contextlib.suppress(OSError):
@@ -358,7 +358,7 @@ def enable(path: str | None = None) -> str | None:
             jax.config.update("jax_compilation_cache_dir", target)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        _remove_stale_temporaries(target)
+        remove_stale_temporaries(target)
         _state.update(resolved=True, dir=target, reason=None, mode=_file_mode())
         return target
 

@@ -197,7 +197,7 @@ def _e2m1_times_2m14(codes: jax.Array) -> jax.Array:
 _MX_SPLIT = 254 - _F16_TRICK_EXP
 
 
-def _mx_block_multipliers(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+def mx_block_multipliers(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     """E8M0 bytes -> float32 `(2^14 * 2^(min(s, 240) - 127), 2^(max(s, 240) - 240))`, NaN first for 255.
 
     Both are finite powers of two whose product is `2^14 * 2^(s - 127)`; applied one after the other to
@@ -210,7 +210,7 @@ def _mx_block_multipliers(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lax.bitcast_convert_type(lo, jnp.float32), lax.bitcast_convert_type(hi, jnp.float32)
 
 
-def _e4m3_to_f32(b: jax.Array) -> jax.Array:
+def e4m3_to_f32(b: jax.Array) -> jax.Array:
     """float8_e4m3fn bytes -> float32, exactly (normals by bits, subnormals m * 2^-9, 0x7F/0xFF NaN)."""
     b = b.astype(jnp.int32)
     sign = (b >> 7) & 1
@@ -223,7 +223,7 @@ def _e4m3_to_f32(b: jax.Array) -> jax.Array:
     return jnp.where((e == 15) & (m == 7), jnp.float32(jnp.nan), val)
 
 
-def _dequantize_codes(codes: jax.Array, block_mult: jax.Array, second: jax.Array | None, dtype) -> jax.Array:
+def dequantize_codes(codes: jax.Array, block_mult: jax.Array, second: jax.Array | None, dtype) -> jax.Array:
     """Codes -> weights in `dtype`: `((E2M1 * 2^-14) * block_mult) [* second]` in float32, rounded once.
 
     The first product is exact (E2M1 * block scale). `second` is MXFP4's high power of two (exact unless
@@ -307,13 +307,13 @@ def _kernel(st: _Static, group_ref, row_start_ref, row_end_ref, ts_ref, xe_ref, 
             return jnp.broadcast_to(v[:, :, None], (bn, nsb, bps)).reshape(bn, bkp)
 
         if st.fmt == "mxfp4":
-            mult, big = map(per_element, _mx_block_multipliers(scales))
+            mult, big = map(per_element, mx_block_multipliers(scales))
             second = big
         else:
-            mult = per_element(_e4m3_to_f32(scales) * jnp.float32(_F16_TRICK_SCALE))
+            mult = per_element(e4m3_to_f32(scales) * jnp.float32(_F16_TRICK_SCALE))
             second = ts
-        lo = _dequantize_codes(packed & 0xF, mult, second, st.compute_dtype)
-        hi = _dequantize_codes(packed >> 4, mult, second, st.compute_dtype)
+        lo = dequantize_codes(packed & 0xF, mult, second, st.compute_dtype)
+        hi = dequantize_codes(packed >> 4, mult, second, st.compute_dtype)
         xe = xe_ref[rows, pl.ds(kb0, bkp)]
         xo = xo_ref[rows, pl.ds(kb0, bkp)]
         return acc + dot_nt(xe, lo) + dot_nt(xo, hi)

@@ -152,7 +152,7 @@ def test_entries_are_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
     stale = tmp_path / ".dflash-tmp-old"
     stale.write_bytes(b"half")
     os.utime(stale, (1, 1))
-    compile_cache._remove_stale_temporaries(str(tmp_path))
+    compile_cache.remove_stale_temporaries(str(tmp_path))
     assert not stale.exists() and os.path.exists(path)
 
 

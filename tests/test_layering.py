@@ -361,6 +361,22 @@ def test_no_module_uses_another_modules_private_name():
             "PRIVATE_ALLOWED entries that no longer occur (remove them)")
 
 
+def test_tests_and_benchmarks_use_no_private_name_of_the_library():
+    """The tests, benchmarks and examples exercise what the library makes public: a helper a test needs is public
+    in its home module (the same scan as above, over the files outside the packages)."""
+    uses = []
+    for top in ("tests", "benchmarks", "examples"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.relpath(os.path.join(folder, name), ROOT)
+                    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+                        tree = ast.parse(fh.read(), filename=path)
+                    uses += _private_uses(path, path[:-3].replace(os.sep, "."), False, tree)
+    _report([u.where() for u in uses if not u.name.startswith("_planted")],
+            "a test or benchmark reads a private name of the library: make it public in its home module")
+
+
 def test_the_private_name_scan_catches_every_form():
     planted = ("import dflash_jax\n"
                "import dflash_jax.spec.requests as rq\n"

@@ -206,7 +206,7 @@ def live_chunks(q_positions, kv_lengths, *, rows: int, chunk: int, window: int |
     return first, stop
 
 
-def _read_chunk(buf, offset, chunk):
+def read_chunk(buf, offset, chunk):
     """Rows `offset + [0, chunk)` of a [b, S, ...] buffer: the chunked path's only read of a cache."""
     return lax.dynamic_slice_in_dim(buf, offset, chunk, axis=1)
 
@@ -226,8 +226,8 @@ def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, 
         # the last chunk of a buffer that is not a multiple of `chunk` is read from `rows - chunk`; its
         # slots below `base` belong to the previous chunk and are masked here
         offset = jnp.minimum(base, rows - chunk)
-        kc = _read_chunk(k_buf, offset, chunk)
-        vc = _read_chunk(v_buf, offset, chunk)
+        kc = read_chunk(k_buf, offset, chunk)
+        vc = read_chunk(v_buf, offset, chunk)
         slots = offset + jnp.arange(chunk, dtype=jnp.int32)
         live = (slots[None, :] >= base) & (slots[None, :] < lengths)  # [b, C]
         vc = jnp.where(live[:, :, None, None], vc, jnp.zeros((), vc.dtype))  # stale rows past the length

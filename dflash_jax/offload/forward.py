@@ -68,7 +68,7 @@ class NonResidentExpert(AssertionError):
 
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg"))
-def _begin(fam, weights, tokens, cache, num_valid, cfg):
+def begin_forward(fam, weights, tokens, cache, num_valid, cfg):
     return fam.block_context(weights, tokens, cache, num_valid, cfg)
 
 
@@ -83,7 +83,7 @@ def _route_ahead(fam, nxt, x, cfg, width):
 
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg", "kind", "moe", "width"))
-def _attend(fam, layer, x, state, ctx, cfg, kind, moe, nxt=None, width=0):
+def attend_layer(fam, layer, x, state, ctx, cfg, kind, moe, nxt=None, width=0):
     x, state = fam.mixer(layer, x, state, ctx, kind, cfg)
     h = fam.mlp_input(layer, x, cfg)
     routing = route_layer(fam, layer, x, cfg) if moe else None
@@ -91,7 +91,7 @@ def _attend(fam, layer, x, state, ctx, cfg, kind, moe, nxt=None, width=0):
 
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg", "implementation"))
-def _mlp(fam, layer, x, h, routing, cfg, implementation):
+def mlp_layer(fam, layer, x, h, routing, cfg, implementation):
     if routing is None:
         return fam.dense(layer, x, h, cfg, implementation)
     return fam.experts(layer, x, h, routing, cfg, implementation)
@@ -135,7 +135,7 @@ def _chain(first, rest):
 
 
 @functools.partial(jax.jit, static_argnames=("fam", "cfg", "logits"))
-def _finish(fam, weights, x, num_valid, cfg, logits):
+def finish_forward(fam, weights, x, num_valid, cfg, logits):
     return fam.finish(weights, x, num_valid, cfg, logits)
 
 
@@ -153,20 +153,20 @@ class LayerwiseSteps(Steps):
         self.starts: list[float] = []
 
     def begin(self, weights, tokens, cache, num_valid):
-        return _begin(self.fam, weights, tokens, cache, num_valid, self.cfg)
+        return begin_forward(self.fam, weights, tokens, cache, num_valid, self.cfg)
 
     def attend(self, i, layer, x, state, ctx, moe):
         self.starts.append(time.perf_counter())
         target = self.next_moe.get(i) if moe else None
         nxt = None if target is None else self.fam.router_of(self.weights.layers[target])
-        x, h, routing, state, guess = _attend(self.fam, layer, x, state, ctx, self.cfg, self.fam.kind(self.cfg, i),
+        x, h, routing, state, guess = attend_layer(self.fam, layer, x, state, ctx, self.cfg, self.fam.kind(self.cfg, i),
                                               moe, nxt, 0 if target is None else self.width)
         self.guess = None if guess is None else (target, guess)
         return x, h, routing, state
 
     def mlp(self, i, layer, x, h, routing):
         if not isinstance(layer, _Passes):
-            x = _mlp(self.fam, layer, x, h, routing, self.cfg, self.implementation)
+            x = mlp_layer(self.fam, layer, x, h, routing, self.cfg, self.implementation)
             self.dispatched(i, x)
             return x
         passes, covered = layer, []
@@ -193,7 +193,7 @@ class LayerwiseSteps(Steps):
 
     def finish(self, weights, x, num_valid, logits):
         self.starts.append(time.perf_counter())
-        return _finish(self.fam, weights, x, num_valid, self.cfg, logits)
+        return finish_forward(self.fam, weights, x, num_valid, self.cfg, logits)
 
 
 @dataclasses.dataclass

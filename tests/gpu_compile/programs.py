@@ -231,9 +231,9 @@ def offload_pieces(model: str):
     tokens = jax.ShapeDtypeStruct((1, WIDTH), jnp.int32)
     cache = state.target_cache
     num_valid = jax.ShapeDtypeStruct((1,), jnp.int32)
-    x, ctx = jax.eval_shape(lambda w, t, c, n: lw._begin.__wrapped__(fam, w, t, c, n, cfg), target, tokens, cache,
+    x, ctx = jax.eval_shape(lambda w, t, c, n: lw.begin_forward.__wrapped__(fam, w, t, c, n, cfg), target, tokens, cache,
                             num_valid)
-    pieces = {"begin": (lambda w, t, c, n: lw._begin.__wrapped__(fam, w, t, c, n, cfg), (target, tokens, cache,
+    pieces = {"begin": (lambda w, t, c, n: lw.begin_forward.__wrapped__(fam, w, t, c, n, cfg), (target, tokens, cache,
                                                                                         num_valid), {})}
     moe_layers = fam.moe_layer_ids(target)
     seen = set()
@@ -246,12 +246,12 @@ def offload_pieces(model: str):
         moe = i in moe_layers
 
         def attend(layer, x, layer_state, ctx, kind=kind, moe=moe):
-            return lw._attend.__wrapped__(fam, layer, x, layer_state, ctx, cfg, kind, moe)
+            return lw.attend_layer.__wrapped__(fam, layer, x, layer_state, ctx, cfg, kind, moe)
 
         pieces[f"attend[{kind}]"] = (attend, (layer, x, layer_state, ctx), {})
     i = moe_layers[0]
     layer = target.layers[i]
-    h_routing = jax.eval_shape(lambda layer, x, s, c: lw._attend.__wrapped__(fam, layer, x, s, c, cfg,
+    h_routing = jax.eval_shape(lambda layer, x, s, c: lw.attend_layer.__wrapped__(fam, layer, x, s, c, cfg,
                                                                              fam.kind(cfg, i), True)[1:3],
                                layer, x, fam.layer_cache(cache, i, cfg), ctx)
     slots = pool_slots(model)
@@ -261,12 +261,12 @@ def offload_pieces(model: str):
         (cfg.moe.num_experts,), jnp.int32)))
 
     def experts(layer, x, h, routing):
-        return lw._mlp.__wrapped__(fam, layer, x, h, routing, cfg, "auto")
+        return lw.mlp_layer.__wrapped__(fam, layer, x, h, routing, cfg, "auto")
 
     pieces[f"experts[{slots} slots]"] = (experts, (pooled, x, *h_routing), {})
 
     def finish(weights, x, n):
-        return lw._finish.__wrapped__(fam, weights, x, n, cfg, "all")
+        return lw.finish_forward.__wrapped__(fam, weights, x, n, cfg, "all")
 
     pieces["finish"] = (finish, (target, x, num_valid), {})
     return pieces

@@ -316,9 +316,9 @@ def test_in_kernel_decode_is_bit_exact():
     blocks = np.broadcast_to(np.tile(codes[0::2] | (codes[1::2] << 4), 2), (256, 16)).copy()
     want = dequantize_mxfp4_np(blocks, s, np.float32).reshape(256, 32)
     code_grid = np.broadcast_to(np.tile(codes, 2), (256, 32))
-    lo, hi = fgm._mx_block_multipliers(jnp.asarray(s))
+    lo, hi = fgm.mx_block_multipliers(jnp.asarray(s))
     for dtype in (np.float32, ml_dtypes.bfloat16):
-        got = np.asarray(fgm._dequantize_codes(jnp.asarray(code_grid), lo[:, None], hi[:, None], dtype))
+        got = np.asarray(fgm.dequantize_codes(jnp.asarray(code_grid), lo[:, None], hi[:, None], dtype))
         ref = want.astype(dtype)
         domain = s >= 2  # bytes 0, 1: float32 subnormal products, flushed by XLA:CPU and maybe a GPU
         np.testing.assert_array_equal(got[domain].astype(np.float32).view(np.uint32),
@@ -331,8 +331,8 @@ def test_in_kernel_decode_is_bit_exact():
     for ts in (np.float32(1.0), np.float32(3.1e-3), np.float32(0.7)):
         for dtype in (np.float32, ml_dtypes.bfloat16):
             want = dequantize_nvfp4_np(packed, bs[:, None], ts, dtype)
-            mult = fgm._e4m3_to_f32(jnp.asarray(bs.view(np.uint8))) * jnp.float32(2.0**14)
-            got = np.asarray(fgm._dequantize_codes(jnp.asarray(code_grid), mult[:, None], jnp.float32(ts), dtype))
+            mult = fgm.e4m3_to_f32(jnp.asarray(bs.view(np.uint8))) * jnp.float32(2.0**14)
+            got = np.asarray(fgm.dequantize_codes(jnp.asarray(code_grid), mult[:, None], jnp.float32(ts), dtype))
             same = (got == want) | (np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))
             assert same.all(), (ts, dtype, np.argwhere(~same)[:4])
 

@@ -244,7 +244,7 @@ def test_deltanet_layer_is_exact_in_float64(pair):
         ref.torch_chunk_gated_delta_rule = saved
     with jax.enable_x64(True):
         w64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), weights.layers[i].mixer)
-        layer_fn = jax.jit(qwen3_5._gated_deltanet, static_argnames="cfg")
+        layer_fn = jax.jit(qwen3_5.deltanet_mixer, static_argnames="cfg")
         fresh = lambda: qwen3_5.init_cache(cfg, b, 8, jnp.float64).linear[0]  # noqa: E731
         full = lambda t: jnp.full((b,), t, jnp.int32)  # noqa: E731
 

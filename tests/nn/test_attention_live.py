@@ -81,13 +81,13 @@ def test_reads_only_live_chunks(monkeypatch):
     """The chunked path reads exactly the chunks from the first one a window can see to the one holding the
     last live row: a 4096-row buffer with 40 live rows costs 3 chunk reads per buffer, not 256."""
     read = []
-    original = attention._read_chunk
+    original = attention.read_chunk
 
     def recording(buf, offset, chunk):
         jax.debug.callback(lambda o: read.append(int(o)), offset, ordered=True)
         return original(buf, offset, chunk)
 
-    monkeypatch.setattr(attention, "_read_chunk", recording)
+    monkeypatch.setattr(attention, "read_chunk", recording)
     rng = np.random.default_rng(1)
     c = _case(rng, batch_starts=(24, 7), t=16, rows=4096)  # live lengths 40 and 23 -> chunks 0, 1, 2
     _run(c, CHUNKED)

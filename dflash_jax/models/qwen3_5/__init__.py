@@ -257,7 +257,7 @@ def _tree_delta_rule(q, k, v, g, beta, state, paths, depths):
     return jnp.take_along_axis(o, depths[:, :, None, None, None], axis=2)[:, :, 0]
 
 
-def _gated_deltanet(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, steps, num_valid, cfg: Qwen3_5Config,
+def deltanet_mixer(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, steps, num_valid, cfg: Qwen3_5Config,
                     tree=None):
     """One DeltaNet layer on x [b, T, H]; returns (out, new layer cache). `steps` = rows of the kept extension
     that are committed (lengths - linear_lengths). `tree`: (ancestor mask [b, T, T], depths [b, T]) when the
@@ -338,7 +338,7 @@ def mixer_sublayer(
             h, layer.mixer, k_buf, v_buf, ctx.positions, ctx.starts, ctx.cos, ctx.sin, cfg, tree_mask=ctx.tree_mask)
         return x + mixed, (k_buf, v_buf)
     tree = None if ctx.tree_mask is None else (ctx.tree_mask, ctx.positions - ctx.starts[:, None])
-    mixed, lin = _gated_deltanet(h, layer.mixer, state, ctx.steps, ctx.num_valid, cfg, tree=tree)
+    mixed, lin = deltanet_mixer(h, layer.mixer, state, ctx.steps, ctx.num_valid, cfg, tree=tree)
     return x + mixed, lin
 
 
