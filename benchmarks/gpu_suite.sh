@@ -3,14 +3,19 @@
 #
 #   bash benchmarks/gpu_suite.sh [OUT_DIR]          # default OUT_DIR: bench_out/gpu_suite-<UTC time>
 #
-# Runs, each step timed and allowed to fail without stopping the rest:
+# Runs, each step timed, bounded by `timeout` ($STEP_SCALE scales every limit) and allowed to fail without
+# stopping the rest:
 #   1. the kernel test suite on the GPU (tests/kernels: the compiled Triton kernel against XLA and the reference,
 #      the non-finite / scale-edge / per-row-scale cases, the expert policy) -> kernel_tests.xml
 #   2. the kernel benchmark at real shapes (benchmarks/fp4_grouped_matmul.py) -> fp4_grouped_matmul.{json,md}
 #   3. the offload overlap measurement (benchmarks/offload.py --overlap), when that flag exists -> offload.*
-#   4. the tiny-pair benchmark (benchmarks/tiny_pair.py) -> tiny_pair.{json,md}
-# and writes suite.json: per step the command, exit code and seconds, plus the GPU's name (nvidia-smi).
-# Python: $PYTHON, else .venv/bin/python, else python3 (a venv with jax[cuda12] and the test extra).
+#   4. the tiny-pair benchmark (benchmarks/tiny_pair.py: DFlash against plain greedy on the GPU, outputs checked
+#      equal) -> tiny_pair.{json,md}
+#   5. the fast parity tests of the decode loops and two model families on the GPU -> parity_tests.xml
+# and writes suite.json: per step the command, exit code and seconds, plus the GPU's name (nvidia-smi), and packs
+# the folder into OUT_DIR.tar.gz (one file to carry back).
+# Python: $PYTHON, else .venv/bin/python, else python3 (an environment with jax's CUDA plugin; the checkout is put
+# on PYTHONPATH, so the package need not be installed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench_out/gpu_suite-$(date -u +%Y%m%dT%H%M%SZ)}"
@@ -21,15 +26,18 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 PY="$(command -v "$PY")"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SCALE="${STEP_SCALE:-1}"
 STEPS="$OUT/.steps.tsv"
 : > "$STEPS"
 
-step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, record exit code and seconds
-  local name="$1"; shift
-  echo "== $name: $*"
+step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to OUT/NAME.log, record exit code and seconds
+  local name="$1" limit="$2"; shift 2
+  limit=$(awk "BEGIN { print int($limit * $SCALE) }")
+  echo "== $name (limit ${limit} s): $*"
   local t0 t1 rc
   t0=$(date +%s%N)
-  "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
   t1=$(date +%s%N)
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(awk "BEGIN { print ($t1 - $t0) / 1e9 }")" "$*" >> "$STEPS"
@@ -40,14 +48,16 @@ step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, record exit code and
 raise SystemExit(0 if b == 'gpu' else 3)" > "$OUT/backend.log" 2>&1 \
   || echo "warning: jax's default backend is not the GPU (see $OUT/backend.log); the steps below run anyway"
 
-step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$OUT/kernel_tests.xml"
-step fp4_grouped_matmul "$PY" benchmarks/fp4_grouped_matmul.py --out "$OUT"
+step kernel_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$OUT/kernel_tests.xml"
+step fp4_grouped_matmul 120 "$PY" benchmarks/fp4_grouped_matmul.py --formats mxfp4,nvfp4 --widths 1,8,32 --out "$OUT"
 if "$PY" benchmarks/offload.py --help 2>/dev/null | grep -q -- "--overlap"; then
-  step offload_overlap "$PY" benchmarks/offload.py --overlap --out "$OUT"
+  step offload_overlap 60 "$PY" benchmarks/offload.py --overlap --out "$OUT"
 else
   printf 'offload_overlap\tskipped\t0\tbenchmarks/offload.py has no --overlap\n' >> "$STEPS"
 fi
-step tiny_pair "$PY" benchmarks/tiny_pair.py --out "$OUT"
+step tiny_pair 150 "$PY" benchmarks/tiny_pair.py --prompts 6 --max-new 128 --repeats 2 --blocks 1,4,8,16 --out "$OUT"
+step parity_tests 90 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_decode.py \
+  tests/models/test_qwen3_parity.py tests/models/test_draft_parity.py --junitxml="$OUT/parity_tests.xml"
 
 "$PY" - "$OUT" <<'EOF'
 import json, subprocess, sys
@@ -66,3 +76,4 @@ json.dump({"gpu": gpu, "steps": steps, "ok": all(s["skipped"] or s["exit_code"] 
           open(f"{out}/suite.json", "w"), indent=1)
 print(f"wrote {out}/suite.json")
 EOF
+tar czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "packed $OUT.tar.gz"

@@ -1,6 +1,6 @@
 """Test-session settings: the persistent compilation cache stays off (tests never write to the user's cache
 directory; a test that needs the cache points DFLASH_JAX_CACHE_DIR at a temp dir itself); jax runs on the CPU
-on a machine without an NVIDIA GPU."""
+on a machine without an NVIDIA GPU; on a GPU, float32 matrix products run at full float32 precision."""
 
 import glob
 import os
@@ -13,3 +13,8 @@ os.environ["DFLASH_JAX_CACHE_DIR"] = "off"
 # plugin then only serves deviceless compiles for the H200 topology. A GPU machine keeps jax's own choice.
 if "JAX_PLATFORMS" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
     os.environ["JAX_PLATFORMS"] = "cpu"
+# On a GPU, jax multiplies float32 matrices in TF32 by default (10 mantissa bits). The parity tests check float32
+# forwards against float32 references at float32 tolerances, so they ask for full precision, as a user checking
+# parity would (docs/installation.md); a CPU multiplies in full float32 either way.
+elif glob.glob("/dev/nvidia[0-9]*"):
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")

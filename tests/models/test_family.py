@@ -57,7 +57,10 @@ def test_every_family_runs_the_one_loop_resident_and_layerwise(name):
                             provider=lambda layer, experts: ExpertOperands(store.device_tables(layer), None, every))
     for a, b in zip(jax.tree.leaves((want.logits, want.taps, want.cache)),
                     jax.tree.leaves((got.out.logits, got.out.taps, got.out.cache))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:  # a GPU compiles one program and the separate steps into different fusions: float32 rounding apart
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert sorted(got.routed) == list(fam.moe_layer_ids(weights))
 
 

@@ -425,7 +425,8 @@ def test_the_hybrids_routed_experts_take_the_shared_moe_path():
     x = jax.random.normal(jax.random.PRNGKey(0), (40, cfg.hidden_size), jnp.float32)
     h = q35.mlp_input(layer, x, cfg)
     rt = q35.route(layer.mlp, h, cfg)
-    assert moe.routed_path("auto", layer.mlp.gate_up, h.dtype, 40, rt.experts.shape[1]) in ("tiles", "dense")
+    with target.compiling_for("cpu"):
+        assert moe.routed_path("auto", layer.mlp.gate_up, h.dtype, 40, rt.experts.shape[1]) in ("tiles", "dense")
     with target.compiling_for("gpu"):
         assert moe.routed_path("auto", layer.mlp.gate_up, h.dtype, 40, rt.experts.shape[1]) == "xla"
     ours = q35.mlp_sublayer(layer, x, h, cfg)
