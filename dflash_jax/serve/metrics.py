@@ -54,39 +54,55 @@ class Metrics:
         self.round_seconds = Histogram("dflash_round_seconds", "Wall time of an engine round", registry=r)
         self.finished = Counter("dflash_requests_finished", "Requests finished, by finish reason", ["reason"],
                                 registry=r)
-        self._recent = collections.deque()
+        self._recent = collections.deque()  # (time, tokens) of the rounds in the last `window_s`
+        self._recent_tokens = 0  # their sum, kept as rounds come and go (a round costs O(1), not O(window))
         self._window = window_s
+        self._children: dict = {}  # (metric, label) -> its labelled child, looked up once
+
+    def _child(self, metric, **label):
+        key = (id(metric), *label.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**label)
+        return child
 
     def on_round(self, info, *, queue_depth: int, slots_in_use: int) -> None:
+        """Called on the engine's thread after every round: counters that did not move are not touched (each
+        update takes a lock), the labelled children are looked up once, and the tokens/s window is a running sum."""
         for n in info.committed:
             self.acceptance.observe(n)
-        self.tokens.inc(info.tokens)
+        if info.tokens:
+            self.tokens.inc(info.tokens)
         if info.verified:
             self.expert_bytes.observe(info.expert_bytes)
             self.verified.observe(info.verified)
         for how in info.how.values():
-            self.admissions.labels(how=how).inc()
-        self.sat_out.inc(info.live - info.verified)
-        self.compiles.inc(info.compiles)
+            self._child(self.admissions, how=how).inc()
+        if info.live > info.verified:
+            self.sat_out.inc(info.live - info.verified)
+        if info.compiles:
+            self.compiles.inc(info.compiles)
         self.rounds.inc()
         if info.width:
-            self.widths.labels(width=width_label(info.width)).inc()
+            self._child(self.widths, width=width_label(info.width)).inc()
         if getattr(info, "rows", 0):
-            self.rows.labels(rows=str(info.rows)).inc()
-        self.prefill_chunks.inc(getattr(info, "prefill_chunks", 0))
-        self.prefill_tokens.inc(getattr(info, "prefill_tokens", 0))
-        self.compressed_tokens.inc(getattr(info, "compressed_tokens", 0))
-        self.prefix_query.inc(getattr(info, "prefix_query_tokens", 0))
-        self.prefix_hit.inc(getattr(info, "prefix_hit_tokens", 0))
+            self._child(self.rows, rows=str(info.rows)).inc()
+        for counter, name in ((self.prefill_chunks, "prefill_chunks"), (self.prefill_tokens, "prefill_tokens"),
+                              (self.compressed_tokens, "compressed_tokens"), (self.prefix_query, "prefix_query_tokens"),
+                              (self.prefix_hit, "prefix_hit_tokens")):
+            value = getattr(info, name, 0)
+            if value:
+                counter.inc(value)
         self.round_seconds.observe(info.seconds)
         for reason in info.finished:
-            self.finished.labels(reason=reason).inc()
+            self._child(self.finished, reason=reason).inc()
         now = time.monotonic()
         self._recent.append((now, info.tokens))
+        self._recent_tokens += info.tokens
         while self._recent and self._recent[0][0] < now - self._window:
-            self._recent.popleft()
+            self._recent_tokens -= self._recent.popleft()[1]
         span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else None
-        self.tokens_per_second.set(sum(n for _, n in self._recent) / span if span else 0.0)
+        self.tokens_per_second.set(self._recent_tokens / span if span else 0.0)
         self.set_levels(queue_depth=queue_depth, slots_in_use=slots_in_use)
 
     def set_levels(self, *, queue_depth: int, slots_in_use: int) -> None:

@@ -1,0 +1,235 @@
+"""The server's overhead per token at one client: `dflash-serve` against the same engine driven in-process.
+
+  python benchmarks/serve_overhead.py [--blocks 1,4] [--prompts 8] [--max-tokens 128] [--prompt-len 64]
+                                      [--repeats 5] [--quick] [--out DIR | --write-docs]
+
+For each block size (1: plain decoding, no speculation; 4: DFlash, `dflash-serve`'s default) one app is built by
+`dflash-serve`'s own builder (`cli.serve.build_app`, the same flags a user gives: `--block-size B --slots 4
+--max-prompt-len P --max-new-tokens N`) and served by uvicorn on 127.0.0.1 in this process, with the settings
+`dflash-serve` runs it with. Two ways to run the same prompts on that one engine (its thread started by the app's
+lifespan, as when served):
+
+  in-process   `Engine.submit` with an `on_tokens` callback that hands each round's ids to this thread through a
+               queue (what a library user of the engine does); the server's own observers (its Prometheus metrics)
+               are detached for these runs: the engine alone.
+  served       one streaming completion per prompt from a client in another process (httpx, one keep-alive
+               connection, Server-Sent Events parsed line by line, as the `openai` client does), greedy,
+               `ignore_eos`: the tokens of each chunk's `token_ids`.
+
+The modes alternate (`timing.paired_runs`: every mode once per repeat, the order reversed every other repeat), each
+run being every prompt once, one after the other (one client). Measured per run: wall seconds and this process's CPU
+seconds (engine thread, event loop and worker threads: the server's whole work; the client's process is apart, its
+CPU reported beside), over the tokens produced: ms per token. The overhead is the served mode's ms per token minus
+the in-process one's, paired per repeat (median and range). Both modes produce the same tokens (checked).
+Writes
+serve_overhead.{json,md} to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+import harness as h
+
+
+# ---- the client (its own process, as real clients are) ----------------------------------------------------------
+def _client_main(conn) -> None:
+    """Serves jobs from the benchmark: (base URL, [prompts], max_tokens) -> ([ids per prompt], CPU seconds)."""
+    import httpx
+
+    with httpx.Client(timeout=600) as http:
+        while True:
+            job = conn.recv()
+            if job is None:
+                return
+            base, prompts, max_tokens = job
+            c0, out = time.process_time(), []
+            for prompt in prompts:
+                ids: list[int] = []
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                        "stream": True, "ignore_eos": True}
+                with http.stream("POST", base + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                out.append(ids)
+            conn.send((out, time.process_time() - c0))
+
+
+class Client:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_client_main, args=(child,), daemon=True)
+        self.proc.start()
+        self.cpu = 0.0
+
+    def run(self, base, prompts, max_tokens):
+        self.conn.send((base, prompts, max_tokens))
+        out, cpu = self.conn.recv()
+        self.cpu = cpu
+        return out
+
+    def close(self):
+        self.conn.send(None)
+        self.proc.join(30)
+
+
+# ---- the server (this process) ----------------------------------------------------------------------------------
+class Served:
+    """One `dflash-serve` app of block size `block`, built by the CLI's builder and run by uvicorn in a thread."""
+
+    def __init__(self, block: int, args):
+        import uvicorn
+
+        from dflash_jax.cli import serve as cli
+
+        argv = ["--block-size", str(block), "--max-new-tokens", str(args.max_tokens)]
+        if args.slots:  # else dflash-serve's default capacity: slots and prompt length fitted to memory
+            argv += ["--slots", str(args.slots), "--max-prompt-len", str(args.prompt_len)]
+        if args.checkpoint:
+            argv += ["--checkpoint", args.checkpoint]
+        self.flags = " ".join(argv)
+        parsed = cli.build_parser().parse_args(argv)
+        t = time.perf_counter()
+        self.app, self.engine = cli.build_app(parsed)
+        self.warm_s = time.perf_counter() - t
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, lifespan="on", log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def in_process(self, prompts, max_tokens):
+        """Every prompt through `Engine.submit` on the running engine thread, its ids consumed here."""
+        from dflash_jax.spec.sampling import SamplingParams
+
+        observers = list(self.engine.observers)
+        self.engine.observers.clear()  # the engine alone: the server's metrics are its overhead
+        try:
+            out = []
+            for prompt in prompts:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                self.engine.submit(prompt, max_new_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+                                   on_tokens=lambda req, new: q.put(new), on_finish=lambda req: q.put(None))
+                ids: list[int] = []
+                while (new := q.get()) is not None:
+                    ids += new
+                out.append(ids)
+            return out
+        finally:
+            self.engine.observers[:] = observers
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def main(argv=None) -> int:
+    p = h.parser(__doc__, {"--slots": (4, "the engine's slots (--max-prompt-len: --prompt-len); 0: dflash-serve's default capacity "
+                                          "(slots and prompt length fitted to memory)")},
+                 checkpoint=None, blocks="1,4", prompts=8, max_tokens=128, prompt_len=64, repeats=5)
+    args = h.parse(p, argv, quick=dict(prompts=2, max_tokens=16, prompt_len=16, repeats=1))
+    blocks = h.int_list(p, args.blocks, "--blocks")
+
+    from dflash_jax import compile_cache
+
+    compile_cache.ensure_enabled()
+    t_start = time.perf_counter()
+    servers = {b: Served(b, args) for b in blocks}
+    print("built: " + ", ".join(f"B={b} {s.warm_s:.0f}s" for b, s in servers.items()), flush=True)
+    pair = servers[blocks[0]].engine.pair
+    prompts = h.prompts(pair, args.prompts, args.prompt_len)
+    client = Client()
+    outputs: dict = {}
+    modes = {}
+    for b, s in servers.items():
+        modes[f"in-process B={b}"] = (lambda s=s: s.in_process(prompts, args.max_tokens))
+        modes[f"served B={b}"] = (lambda s=s: client.run(s.base, prompts, args.max_tokens))
+    client_cpu: dict = {m: [] for m in modes}
+    for name, fn in modes.items():  # one untimed pass each: first requests, connections, caches
+        outputs[name] = fn()
+
+    def on_run(mode, rep, result):
+        assert result == outputs[mode], f"{mode}: run {rep + 1} produced other tokens than its first pass"
+        client_cpu[mode].append(client.cpu if mode.startswith("served") else 0.0)
+
+    def on_repeat(rep, timings):
+        print(f"run {rep + 1}: " + ", ".join(
+            f"{m} {1e3 * timings.wall[m][-1] / sum(map(len, outputs[m])):.2f}" for m in modes)
+            + f" ms/token; load {timings.loads[-1][0] if timings.loads[-1] else float('nan'):.2f}", flush=True)
+
+    timings = h.paired_runs(modes, args.repeats, on_run=on_run, on_repeat=on_repeat)
+    for b in blocks:  # lossless: the server streams exactly the engine's tokens
+        assert outputs[f"served B={b}"] == outputs[f"in-process B={b}"], f"B={b}: served tokens differ"
+    tokens = {m: sum(map(len, outputs[m])) for m in modes}
+    rows, result_blocks = [], {}
+    for b in blocks:
+        ip, sv = f"in-process B={b}", f"served B={b}"
+        per = {}
+        for clock in ("wall", "cpu"):
+            a = 1e3 * timings.seconds(ip, clock) / tokens[ip]
+            s = 1e3 * timings.seconds(sv, clock) / tokens[sv]
+            d = s - a
+            per[clock] = {"in_process_ms": round(float(np.median(a)), 3), "served_ms": round(float(np.median(s)), 3),
+                          "overhead_ms": round(float(np.median(d)), 3),
+                          "overhead_range_ms": [round(float(d.min()), 3), round(float(d.max()), 3)]}
+        per["client_cpu_ms"] = round(1e3 * float(np.median(client_cpu[sv])) / tokens[sv], 3)
+        per["tokens_per_run"] = tokens[sv]
+        result_blocks[b] = per
+        w, c = per["wall"], per["cpu"]
+        rows.append([f"{b}" + (" (plain)" if b == 1 else " (DFlash)"), f"{w['in_process_ms']:.2f}",
+                     f"{w['served_ms']:.2f}", f"{w['overhead_ms']:.2f} [{w['overhead_range_ms'][0]:.2f} - "
+                     f"{w['overhead_range_ms'][1]:.2f}]", f"{c['in_process_ms']:.2f}", f"{c['served_ms']:.2f}",
+                     f"{c['overhead_ms']:.2f} [{c['overhead_range_ms'][0]:.2f} - {c['overhead_range_ms'][1]:.2f}]",
+                     f"{per['client_cpu_ms']:.2f}"])
+    load = timings.load_summary()
+    mach = h.machine()
+    result = {"benchmark": "serve_overhead", "blocks": result_blocks, "load_avg_1m": load, "repeats": args.repeats,
+              "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "slots": args.slots, "flags": {b: s.flags for b, s in servers.items()},
+              "seconds": {"wall": timings.wall, "cpu": timings.cpu},
+              "machine": {k: mach[k] for k in ("platform", "cpus", "jax", "backend")},
+              "total_s": round(time.perf_counter() - t_start, 1)}
+    lines = [
+        "# Server overhead per token at one client", "",
+        f"`python benchmarks/serve_overhead.py --write-docs` on the shipped pair, {mach['backend']} backend, "
+        f"{mach['machine']}. One engine per block size, built by `dflash-serve`'s own builder (`"
+        + servers[blocks[0]].flags.replace(f"--block-size {blocks[0]}", "--block-size B") + "`) and served by "
+        "uvicorn on 127.0.0.1; the same engine (its thread running) driven in-process through `Engine.submit` with "
+        "the ids handed to the caller's thread by `on_tokens`. One client: "
+        f"{args.prompts} held-out prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens each (greedy, "
+        "`ignore_eos`), one after the other; served: streamed from a client in another process (httpx, SSE). "
+        f"{args.repeats} runs per mode, the modes alternating (order reversed every other run); ms per token: "
+        "the median over runs; the overhead: served minus in-process, paired per run (median [range]). CPU: this "
+        "process's CPU time (engine, event loop, worker threads), the client's process apart. The served tokens "
+        "equal the in-process ones (checked). "
+        f"Load average (1 min) {load['min']:.2f} / {load['median']:.2f} / {load['max']:.2f} (min / median / max) "
+        "on a shared machine.", ""]
+    lines += h.table(["block", "in-process ms/token", "served ms/token", "overhead ms/token [range]",
+                      "in-process CPU ms/token", "served CPU ms/token", "CPU overhead [range]",
+                      "client CPU ms/token"], rows, align="lrrrrrrr")
+    client.close()
+    for s in servers.values():
+        s.close()
+    h.Report(args, "serve_overhead").write(result, lines)
+    print(json.dumps(result_blocks), f"load {load}")
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
