@@ -1,7 +1,7 @@
 """The server's overhead per token at one client: `dflash-serve` against the same engine driven in-process.
 
   python benchmarks/serve_overhead.py [--blocks 1,4] [--prompts 8] [--max-tokens 128] [--prompt-len 64]
-                                      [--repeats 5] [--quick] [--out DIR | --write-docs]
+                                      [--repeats 5] [--slots 4] [--baseline REV] [--quick] [--out DIR | --write-docs]
 
 For each block size (1: plain decoding, no speculation; 4: DFlash, `dflash-serve`'s default) one app is built by
 `dflash-serve`'s own builder (`cli.serve.build_app`, the same flags a user gives: `--block-size B --slots 4
@@ -21,6 +21,9 @@ run being every prompt once, one after the other (one client). Measured per run:
 seconds (engine thread, event loop and worker threads: the server's whole work; the client's process is apart, its
 CPU reported beside), over the tokens produced: ms per token. The overhead is the served mode's ms per token minus
 the in-process one's, paired per repeat (median and range). Both modes produce the same tokens (checked).
+`--baseline REV` serves the same engines a second time with the HTTP layer of git revision REV (its
+serve/server.py and serve/metrics.py, loaded beside today's): a third mode, so a change to the server is measured
+before / after in one paired run.
 Writes
 serve_overhead.{json,md} to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
@@ -86,13 +89,45 @@ class Client:
 
 
 # ---- the server (this process) ----------------------------------------------------------------------------------
+def baseline_server(ref: str):
+    """The HTTP layer of git revision `ref` (its serve/server.py, with its serve/metrics.py), loaded from `git show`
+    as a module beside today's: the same engine served by both gives a paired before / after."""
+    import subprocess
+    import types
+
+    def source(path):
+        return subprocess.check_output(["git", "show", f"{ref}:{path}"], cwd=h.ROOT, text=True)
+
+    metrics = types.ModuleType("baseline_metrics")
+    exec(compile(source("dflash_jax/serve/metrics.py"), f"{ref}:metrics.py", "exec"), metrics.__dict__)
+    text = source("dflash_jax/serve/server.py").replace("from dflash_jax.serve.metrics import Metrics\n", "")
+    server = types.ModuleType("baseline_server")
+    server.Metrics = metrics.Metrics
+    exec(compile(text, f"{ref}:server.py", "exec"), server.__dict__)
+    return server
+
+
+def serve_app(app):
+    """uvicorn serving `app` on a free port of 127.0.0.1 in a thread, as `dflash-serve` runs it."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 class Served:
-    """One `dflash-serve` app of block size `block`, built by the CLI's builder and run by uvicorn in a thread."""
+    """One `dflash-serve` app of block size `block`, built by the CLI's builder and run by uvicorn in a thread; with
+    `baseline` (a module from `baseline_server`) the same engine is also served by that revision's HTTP layer."""
 
-    def __init__(self, block: int, args):
-        import uvicorn
-
+    def __init__(self, block: int, args, baseline=None):
         from dflash_jax.cli import serve as cli
+        from dflash_jax.cli.generate import load_tokenizer
 
         argv = ["--block-size", str(block), "--max-new-tokens", str(args.max_tokens)]
         if args.slots:  # else dflash-serve's default capacity: slots and prompt length fitted to memory
@@ -104,44 +139,60 @@ class Served:
         t = time.perf_counter()
         self.app, self.engine = cli.build_app(parsed)
         self.warm_s = time.perf_counter() - t
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, lifespan="on", log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.observers = {"served": list(self.engine.observers)}  # each app's metrics observe the rounds it serves
+        self.servers = {"served": serve_app(self.app)}
+        if baseline is not None:
+            pair = self.engine.pair
+            eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
+            app = baseline.create_app(self.engine, load_tokenizer(pair), model_name="baseline", eos_ids=eos)
+            self.observers["baseline"] = [o for o in self.engine.observers if o not in self.observers["served"]]
+            self.servers["baseline"] = serve_app(app)
+        self.engine.observers[:] = []
+
+    def base(self, which: str) -> str:
+        return self.servers[which][2]
+
+    def serve(self, which: str, client, prompts, max_tokens):
+        """Every prompt streamed by `client` from the app `which` ("served", "baseline")."""
+        self.engine.observers[:] = self.observers[which]
+        try:
+            return client.run(self.base(which), prompts, max_tokens)
+        finally:
+            self.engine.observers[:] = []
 
     def in_process(self, prompts, max_tokens):
-        """Every prompt through `Engine.submit` on the running engine thread, its ids consumed here."""
+        """Every prompt through `Engine.submit` on the running engine thread, its ids consumed here (no server
+        observes these rounds: the engine alone)."""
         from dflash_jax.spec.sampling import SamplingParams
 
-        observers = list(self.engine.observers)
-        self.engine.observers.clear()  # the engine alone: the server's metrics are its overhead
-        try:
-            out = []
-            for prompt in prompts:
-                q: queue.SimpleQueue = queue.SimpleQueue()
-                self.engine.submit(prompt, max_new_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
-                                   on_tokens=lambda req, new: q.put(new), on_finish=lambda req: q.put(None))
-                ids: list[int] = []
-                while (new := q.get()) is not None:
-                    ids += new
-                out.append(ids)
-            return out
-        finally:
-            self.engine.observers[:] = observers
+        out = []
+        for prompt in prompts:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self.engine.submit(prompt, max_new_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+                               on_tokens=lambda req, new: q.put(new), on_finish=lambda req: q.put(None))
+            ids: list[int] = []
+            while (new := q.get()) is not None:
+                ids += new
+            out.append(ids)
+        return out
 
     def close(self):
-        self.server.should_exit = True
-        self.thread.join(60)
+        for server, thread, _ in self.servers.values():
+            server.should_exit = True
+            thread.join(60)
+
+
+DEFAULTS = {"blocks": "1,4", "prompts": 8, "max_tokens": 128, "prompt_len": 64, "repeats": 5, "slots": 4,
+            "baseline": None}
 
 
 def main(argv=None) -> int:
-    p = h.parser(__doc__, {"--slots": (4, "the engine's slots (--max-prompt-len: --prompt-len); 0: dflash-serve's default capacity "
-                                          "(slots and prompt length fitted to memory)")},
-                 checkpoint=None, blocks="1,4", prompts=8, max_tokens=128, prompt_len=64, repeats=5)
+    p = h.parser(__doc__, {
+        "--slots": (4, "the engine's slots (--max-prompt-len: --prompt-len); 0: dflash-serve's default capacity "
+                       "(slots and prompt length fitted to memory)"),
+        "--baseline": (None, "a git revision: also serve the same engines with that revision's HTTP layer "
+                             "(serve/server.py and serve/metrics.py), a paired before / after")},
+        checkpoint=None, **{k: v for k, v in DEFAULTS.items() if k not in ("slots", "baseline")})
     args = h.parse(p, argv, quick=dict(prompts=2, max_tokens=16, prompt_len=16, repeats=1))
     blocks = h.int_list(p, args.blocks, "--blocks")
 
@@ -149,16 +200,20 @@ def main(argv=None) -> int:
 
     compile_cache.ensure_enabled()
     t_start = time.perf_counter()
-    servers = {b: Served(b, args) for b in blocks}
+    baseline = baseline_server(args.baseline) if args.baseline else None
+    servers = {b: Served(b, args, baseline) for b in blocks}
     print("built: " + ", ".join(f"B={b} {s.warm_s:.0f}s" for b, s in servers.items()), flush=True)
     pair = servers[blocks[0]].engine.pair
     prompts = h.prompts(pair, args.prompts, args.prompt_len)
     client = Client()
+    apps = ["served"] + (["baseline"] if baseline else [])
+    label = {"served": "served", "baseline": f"served ({args.baseline})"}
     outputs: dict = {}
     modes = {}
     for b, s in servers.items():
         modes[f"in-process B={b}"] = (lambda s=s: s.in_process(prompts, args.max_tokens))
-        modes[f"served B={b}"] = (lambda s=s: client.run(s.base, prompts, args.max_tokens))
+        for app in apps:
+            modes[f"{label[app]} B={b}"] = (lambda s=s, app=app: s.serve(app, client, prompts, args.max_tokens))
     client_cpu: dict = {m: [] for m in modes}
     for name, fn in modes.items():  # one untimed pass each: first requests, connections, caches
         outputs[name] = fn()
@@ -173,62 +228,66 @@ def main(argv=None) -> int:
             + f" ms/token; load {timings.loads[-1][0] if timings.loads[-1] else float('nan'):.2f}", flush=True)
 
     timings = h.paired_runs(modes, args.repeats, on_run=on_run, on_repeat=on_repeat)
-    for b in blocks:  # lossless: the server streams exactly the engine's tokens
-        assert outputs[f"served B={b}"] == outputs[f"in-process B={b}"], f"B={b}: served tokens differ"
     tokens = {m: sum(map(len, outputs[m])) for m in modes}
     rows, result_blocks = [], {}
     for b in blocks:
-        ip, sv = f"in-process B={b}", f"served B={b}"
-        per = {}
-        for clock in ("wall", "cpu"):
-            a = 1e3 * timings.seconds(ip, clock) / tokens[ip]
-            s = 1e3 * timings.seconds(sv, clock) / tokens[sv]
-            d = s - a
-            per[clock] = {"in_process_ms": round(float(np.median(a)), 3), "served_ms": round(float(np.median(s)), 3),
-                          "overhead_ms": round(float(np.median(d)), 3),
-                          "overhead_range_ms": [round(float(d.min()), 3), round(float(d.max()), 3)]}
-        per["client_cpu_ms"] = round(1e3 * float(np.median(client_cpu[sv])) / tokens[sv], 3)
-        per["tokens_per_run"] = tokens[sv]
+        ip = f"in-process B={b}"
+        per = {"tokens_per_run": tokens[ip]}
+        for app in apps:
+            sv = f"{label[app]} B={b}"
+            # lossless: the server streams exactly the engine's tokens
+            assert outputs[sv] == outputs[ip], f"{sv}: its tokens differ from the engine's in-process"
+            one = {}
+            for clock in ("wall", "cpu"):
+                x = 1e3 * timings.seconds(ip, clock) / tokens[ip]
+                y = 1e3 * timings.seconds(sv, clock) / tokens[sv]
+                d = y - x
+                one[clock] = {"in_process_ms": round(float(np.median(x)), 3),
+                              "served_ms": round(float(np.median(y)), 3), "overhead_ms": round(float(np.median(d)), 3),
+                              "overhead_range_ms": [round(float(d.min()), 3), round(float(d.max()), 3)]}
+            one["client_cpu_ms"] = round(1e3 * float(np.median(client_cpu[sv])) / tokens[sv], 3)
+            per[app] = one
+            w, c = one["wall"], one["cpu"]
+            rows.append([f"{b}" + (" (plain)" if b == 1 else " (DFlash)"),
+                         "this revision" if app == "served" else f"`{args.baseline}`", f"{w['in_process_ms']:.2f}",
+                         f"{w['served_ms']:.2f}", f"**{w['overhead_ms']:.2f}** [{w['overhead_range_ms'][0]:.2f}, "
+                         f"{w['overhead_range_ms'][1]:.2f}]", f"{c['in_process_ms']:.2f}", f"{c['served_ms']:.2f}",
+                         f"{c['overhead_ms']:.2f} [{c['overhead_range_ms'][0]:.2f}, {c['overhead_range_ms'][1]:.2f}]",
+                         f"{one['client_cpu_ms']:.2f}"])
         result_blocks[b] = per
-        w, c = per["wall"], per["cpu"]
-        rows.append([f"{b}" + (" (plain)" if b == 1 else " (DFlash)"), f"{w['in_process_ms']:.2f}",
-                     f"{w['served_ms']:.2f}", f"{w['overhead_ms']:.2f} [{w['overhead_range_ms'][0]:.2f} - "
-                     f"{w['overhead_range_ms'][1]:.2f}]", f"{c['in_process_ms']:.2f}", f"{c['served_ms']:.2f}",
-                     f"{c['overhead_ms']:.2f} [{c['overhead_range_ms'][0]:.2f} - {c['overhead_range_ms'][1]:.2f}]",
-                     f"{per['client_cpu_ms']:.2f}"])
     load = timings.load_summary()
     mach = h.machine()
-    result = {"benchmark": "serve_overhead", "blocks": result_blocks, "load_avg_1m": load, "repeats": args.repeats,
-              "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-              "slots": args.slots, "flags": {b: s.flags for b, s in servers.items()},
-              "seconds": {"wall": timings.wall, "cpu": timings.cpu},
-              "machine": {k: mach[k] for k in ("platform", "cpus", "jax", "backend")},
+    flags = servers[blocks[0]].flags.replace(f"--block-size {blocks[0]}", "--block-size B")
+    result = {"benchmark": "serve_overhead", "blocks": result_blocks, "baseline": args.baseline, "load_avg_1m": load,
+              "repeats": args.repeats, "prompts": args.prompts, "prompt_len": args.prompt_len,
+              "max_tokens": args.max_tokens, "flags": flags, "seconds": {"wall": timings.wall, "cpu": timings.cpu},
+              "tokens_per_run": tokens, "machine": {k: mach[k] for k in ("platform", "cpus", "jax", "backend")},
               "total_s": round(time.perf_counter() - t_start, 1)}
     lines = [
         "# Server overhead per token at one client", "",
-        f"`python benchmarks/serve_overhead.py --write-docs` on the shipped pair, {mach['backend']} backend, "
-        f"{mach['machine']}. One engine per block size, built by `dflash-serve`'s own builder (`"
-        + servers[blocks[0]].flags.replace(f"--block-size {blocks[0]}", "--block-size B") + "`) and served by "
-        "uvicorn on 127.0.0.1; the same engine (its thread running) driven in-process through `Engine.submit` with "
-        "the ids handed to the caller's thread by `on_tokens`. One client: "
-        f"{args.prompts} held-out prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens each (greedy, "
-        "`ignore_eos`), one after the other; served: streamed from a client in another process (httpx, SSE). "
-        f"{args.repeats} runs per mode, the modes alternating (order reversed every other run); ms per token: "
-        "the median over runs; the overhead: served minus in-process, paired per run (median [range]). CPU: this "
-        "process's CPU time (engine, event loop, worker threads), the client's process apart. The served tokens "
-        "equal the in-process ones (checked). "
-        f"Load average (1 min) {load['min']:.2f} / {load['median']:.2f} / {load['max']:.2f} (min / median / max) "
-        "on a shared machine.", ""]
-    lines += h.table(["block", "in-process ms/token", "served ms/token", "overhead ms/token [range]",
+        f"`{h.command('serve_overhead.py', args, DEFAULTS)}` on the shipped pair, {mach['backend']} backend, "
+        f"{mach['machine']}. One engine per block size, built by `dflash-serve`'s own builder (`{flags}`) and "
+        "served by uvicorn on 127.0.0.1 in the benchmark's process; the same engine (its thread running) driven "
+        "in-process through `Engine.submit`, the ids handed to the caller's thread by `on_tokens`. "
+        + (f"The same engine is also served by the HTTP layer of `{args.baseline}` (its serve/server.py and "
+           "serve/metrics.py), a paired before / after. " if baseline else "")
+        + f"One client: {args.prompts} held-out prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens "
+        "each (greedy, `ignore_eos`), one after the other; served: streamed from a client in another process "
+        f"(httpx, SSE). {args.repeats} runs per mode, the modes alternating (order reversed every other run); ms per "
+        "token: the median over runs; the overhead: served minus in-process, paired per run (median [min, max]). "
+        "CPU: the server process's CPU time (engine, event loop, worker threads), the client's process apart. "
+        "Every served run's tokens equal the in-process ones (checked). Load average (1 min, after each run) "
+        f"{load['min']:.2f} / {load['median']:.2f} / {load['max']:.2f} (min / median / max) on a shared 2-core "
+        "machine.", ""]
+    lines += h.table(["block", "server", "in-process ms/token", "served ms/token", "overhead ms/token [range]",
                       "in-process CPU ms/token", "served CPU ms/token", "CPU overhead [range]",
-                      "client CPU ms/token"], rows, align="lrrrrrrr")
+                      "client CPU ms/token"], [r for r in rows], align="llrrrrrrr")
     client.close()
     for s in servers.values():
         s.close()
     h.Report(args, "serve_overhead").write(result, lines)
     print(json.dumps(result_blocks), f"load {load}")
     return 0
-
 
 
 if __name__ == "__main__":

@@ -145,6 +145,33 @@ class Tokens:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+class StreamText:
+    """The text of a growing list of token ids, decoded incrementally: each call decodes a few tokens (a window
+    from `prefix` on: the tokens before `read` give the context, the new ones the text), not the whole list, so
+    streaming a long generation costs O(new tokens) per chunk rather than O(all tokens). `text` is the text of
+    `ids[:read]`; ids whose text is still an incomplete UTF-8 character (the decoded window ends in U+FFFD) wait
+    for the next tokens. The final text of a request is the whole list decoded (`Tokens.decode`) as before, so a
+    finished stream's text is exactly the non-streamed one's."""
+
+    def __init__(self, tokens: "Tokens"):
+        self.tokenizer = tokens.tokenizer
+        self.text, self.prefix, self.read = "", 0, 0
+
+    def update(self, ids: list[int]) -> str:
+        """The text of `ids` (this list extended since the last call) as far as it is complete."""
+        if self.tokenizer is None:
+            self.read = len(ids)
+            return self.text
+        if len(ids) <= self.read:
+            return self.text
+        before, after = self.tokenizer.decode_batch([ids[self.prefix: self.read], ids[self.prefix:]])
+        if after.startswith(before) and not after.endswith("\ufffd"):  # (tokens without text, e.g. skipped
+            # special ones, advance too)
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        return self.text
+
+
 def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
@@ -163,6 +190,8 @@ def _number(body: dict, name: str, default, kind, low=None, high=None, low_open=
 
 
 LARGE_BODY_BYTES = 1_000_000
+DISCONNECT_POLL_S = 0.25  # how often a waiting stream asks whether its client is still there
+GONE = object()  # put in a choice's queue when its client went away
 
 
 def _malloc_trim() -> None:
@@ -513,37 +542,57 @@ class Server:
         lp["text_offset"] = self._offsets(ids, 0, len(ids))
         return text, lp
 
+    async def _watch(self, http: HttpRequest, req: Request, queue: asyncio.Queue) -> None:
+        """Every `DISCONNECT_POLL_S`: a client gone away cancels its request (the slot frees) and ends its stream."""
+        while not req.done_event.is_set():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await http.is_disconnected():
+                self.engine.cancel(req)
+                queue.put_nowait(GONE)
+                return
+
     async def _choice_stream(self, http: HttpRequest, req: Request, s: dict, queue: asyncio.Queue):
         """Async iterator of (new text, finish_reason or None, new token ids, the first of them's index) as the
         engine produces one choice's tokens. While streaming, text that could still be the start of a stop string
-        is held back (and the tokens it comes from), so nothing past a stop string is ever sent."""
-        sent, sent_ids, checked = "", 0, time.monotonic()
+        is held back (and the tokens it comes from), so nothing past a stop string is ever sent.
+
+        Per round on the event loop, no thread hand-off: the engine's wake-ups (several since the last look are one),
+        the new tokens decoded incrementally (`StreamText`), the stop strings looked for in the new text only. The
+        rare and the last steps take the exact path of the non-streamed response on a worker thread (`_visible`:
+        the whole text decoded, cut at the first stop string): a stop string found, text held back, the end."""
+        sent, sent_ids = "", 0
+        stream = StreamText(self.tokens)
+        stops, stop_ids = s["stop"], s["stop_ids"]
+        longest = max((len(x) for x in stops), default=0)
+        searched = 0  # characters of the stream's text searched for stop strings (none can start before)
+        watcher = asyncio.ensure_future(self._watch(http, req, queue))
         try:
             while True:
-                try:
-                    await asyncio.wait_for(queue.get(), timeout=0.25)
-                    timed_out = False
-                except asyncio.TimeoutError:
-                    timed_out = True
-                if timed_out or time.monotonic() - checked > 0.25:
-                    checked = time.monotonic()
-                    if await http.is_disconnected():  # the client went away: free the slot
-                        self.engine.cancel(req)
-                        return
-                    if timed_out:
-                        continue
-                ids_now, text, stopped = await self._off_loop(self._visible, req, s)
-                if stopped:
-                    self.engine.cancel(req, reason="stop")
-                finished = req.done_event.is_set() or stopped
-                if not finished and text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the rest
-                    continue
-                release = len(ids_now)
-                if not finished and s["stop"]:
-                    held = self._held(text, s["stop"])
+                event = await queue.get()
+                while not queue.empty():  # wake-ups that came meanwhile: one look at the tokens serves them all
+                    event = GONE if queue.get_nowait() is GONE else event
+                if event is GONE:  # the client went away (its request is cancelled)
+                    return
+                finished = req.done_event.is_set()  # read first: once set, every token is in req.tokens
+                ids_now = list(req.tokens)
+                if ids_now and ids_now[-1] in stop_ids:
+                    ids_now.pop()
+                text, stopped = stream.update(ids_now), False
+                if stops and len(text) > searched:
+                    start = max(searched - longest + 1, 0)
+                    searched = len(text)
+                    stopped = any(x in text[start:] for x in stops)
+                if finished or stopped:  # exact: the whole text, cut where the non-streamed response cuts it
+                    ids_now, text, stopped = await self._off_loop(self._visible, req, s)
+                    if stopped:
+                        self.engine.cancel(req, reason="stop")
+                    finished = finished or stopped
+                release = len(ids_now) if finished else min(stream.read, len(ids_now))
+                if not finished and stops:
+                    held = self._held(text, stops)
                     if held:  # the tokens whose text is wholly sent go out; the held characters wait
                         text = text[: len(text) - held]
-                        ends = await self._off_loop(self._offsets, ids_now, sent_ids + 1, len(ids_now) + 1)
+                        ends = await self._off_loop(self._offsets, ids_now, sent_ids + 1, release + 1)
                         release = sent_ids + sum(1 for e in ends if e <= len(text))
                 reason = None
                 if finished:
@@ -559,6 +608,7 @@ class Server:
                 if finished:
                     return
         finally:
+            watcher.cancel()
             if not req.done_event.is_set():
                 self.engine.cancel(req)
 
@@ -763,12 +813,17 @@ class Server:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+        async def single():
+            """The one choice's stream (no merging task and queue per chunk)."""
+            async for item in streams[0]:
+                yield 0, item
+
         async def events():
             started = set()
             include_usage = s["include_usage"]
             chunk_obj = obj + ".chunk" if chat else obj
             try:
-                items = merged()
+                items = merged() if len(streams) > 1 else single()
                 try:
                     async for i, (piece, reason, new_ids, first, shown) in items:
                         req = reqs[i]
