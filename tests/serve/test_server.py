@@ -143,6 +143,27 @@ def test_cancellation_frees_the_slot(client, server, engine):
     assert _cancelled(server) == cancelled + 1
 
 
+def test_a_non_streamed_client_that_goes_away_is_cancelled(server, engine):
+    """A non-streamed request whose client gives up (a read timeout closes the connection) is cancelled while it
+    waits for tokens (the stream's disconnect watcher), and its slot frees."""
+    assert len(engine.requests) == 0
+    cancelled = _cancelled(server)
+    slow = lambda info: time.sleep(0.05)  # noqa: E731
+    engine.observers.append(slow)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server + "/v1/completions", timeout=httpx.Timeout(5.0, read=0.5),
+                       json={"prompt": "def main():", "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+        deadline = time.time() + 30
+        while (httpx.get(server + "/health").json()["slots_in_use"] or _cancelled(server) == cancelled) \
+                and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.observers.remove(slow)
+    assert httpx.get(server + "/health").json()["slots_in_use"] == 0
+    assert _cancelled(server) == cancelled + 1
+
+
 def test_bad_requests(client, server, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10_000)
