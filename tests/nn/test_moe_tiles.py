@@ -101,7 +101,14 @@ def test_tiles_read_fp4_tables_as_stored(fmt):
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
 
 
-def test_the_cpu_chooses_by_work():
+@pytest.fixture
+def traced_for_cpu():
+    """The CPU's choices are asserted whatever the machine's backend (a GPU run of the suite takes XLA's path)."""
+    with target.compiling_for("cpu"):
+        yield
+
+
+def test_the_cpu_chooses_by_work(traced_for_cpu):
     """"auto" on a CPU: every token through every expert only for a small table and few tokens (the shipped
     pair's 8 experts of 128 x 256 at a width-1 or width-16 step), the routed rows' tiles for wider steps and for
     real expert shapes (Qwen3-30B-A3B: 128 experts of 2048 -> 768, top-8) even at one token; XLA's grouped
@@ -117,7 +124,7 @@ def test_the_cpu_chooses_by_work():
         assert moe.routed_path("auto", tiny, jnp.float32, 512, 2) == "xla"
 
 
-def test_the_cpu_path_can_be_forced_by_environment(monkeypatch):
+def test_the_cpu_path_can_be_forced_by_environment(monkeypatch, traced_for_cpu):
     tiny = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32)
     monkeypatch.setenv(moe.CPU_PATH_ENV, "xla")
     assert moe.routed_path("auto", tiny, jnp.float32, 512, 2) == "xla"
