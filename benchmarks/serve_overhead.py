@@ -16,16 +16,18 @@ lifespan, as when served):
                connection, Server-Sent Events parsed line by line, as the `openai` client does), greedy,
                `ignore_eos`: the tokens of each chunk's `token_ids`.
 
-The modes alternate (`timing.paired_runs`: every mode once per repeat, the order reversed every other repeat), each
-run being every prompt once, one after the other (one client). Measured per run: wall seconds and this process's CPU
-seconds (engine thread, event loop and worker threads: the server's whole work; the client's process is apart, its
-CPU reported beside), over the tokens produced: ms per token. The overhead is the served mode's ms per token minus
-the in-process one's, paired per repeat (median and range). Both modes produce the same tokens (checked).
+Paired by request (`timing.paired_runs`): each repeat runs one prompt in every mode back to back, the order
+reversed every other repeat, `--repeats` passes over the prompts, so a busy spell of the shared machine lands on
+both sides of a pair. Measured per run: wall seconds and this process's CPU seconds (the server's whole work; the
+client's process is apart, its CPU reported beside) over the tokens produced: ms per token; the overhead is the
+served run's ms per token less the in-process one's of the same repeat (median and quartiles). On Linux the process's
+CPU time is also split by thread (per-thread CPU clocks): the engine's thread, the HTTP event loop, the text worker
+threads, the caller, and XLA's threads (the rest). Both modes produce the same tokens for every prompt (checked).
 `--baseline REV` serves the same engines a second time with the HTTP layer of git revision REV (its
 serve/server.py and serve/metrics.py, loaded beside today's): a third mode, so a change to the server is measured
-before / after in one paired run.
-Writes
-serve_overhead.{json,md} to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
+before / after in one paired run. `--slots 0` builds `dflash-serve`'s default capacity (slots and prompt length
+fitted to memory; minutes of warm-up). Writes serve_overhead.{json,md} to --out (default bench_out/) or, with
+--write-docs, docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -107,18 +109,53 @@ def baseline_server(ref: str):
     return server
 
 
-def serve_app(app):
-    """uvicorn serving `app` on a free port of 127.0.0.1 in a thread, as `dflash-serve` runs it."""
+def serve_app(app, name: str):
+    """uvicorn serving `app` on a free port of 127.0.0.1 in a thread named `name`, as `dflash-serve` runs it."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=name)
     thread.start()
     while not server.started:
         time.sleep(0.02)
     return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+GROUPS = ("engine thread", "event loop", "text workers", "caller and other Python threads", "XLA's threads")
+
+
+def group_of(name: str) -> str:
+    if name == "dflash-engine":
+        return "engine thread"
+    if name.startswith("http-loop"):
+        return "event loop"
+    return "text workers" if name.startswith("dflash-text") else "caller and other Python threads"
+
+
+def thread_cpu() -> dict:
+    """{thread ident: (group, CPU seconds so far)} of this process's Python threads (Linux: each thread's CPU clock);
+    {} where the platform has no per-thread clocks."""
+    out = {}
+    for t in threading.enumerate():
+        try:
+            out[t.ident] = (group_of(t.name), time.clock_gettime(time.pthread_getcpuclockid(t.ident)))
+        except (AttributeError, OSError, TypeError):
+            return {}
+    return out
+
+
+def cpu_by_group(before: dict, after: dict, total: float) -> dict:
+    """CPU seconds by thread group between two `thread_cpu` readings; "XLA's threads": the process's CPU time
+    `total` less its Python threads' (the threads XLA computes on)."""
+    out = {g: 0.0 for g in GROUPS}
+    if not after:
+        return {}
+    for ident, (group, secs) in after.items():
+        out[group] += secs - before.get(ident, (group, 0.0))[1]
+    out["XLA's threads"] = total - sum(out.values())
+    return out
 
 
 class Served:
@@ -140,13 +177,13 @@ class Served:
         self.app, self.engine = cli.build_app(parsed)
         self.warm_s = time.perf_counter() - t
         self.observers = {"served": list(self.engine.observers)}  # each app's metrics observe the rounds it serves
-        self.servers = {"served": serve_app(self.app)}
+        self.servers = {"served": serve_app(self.app, f"http-loop-served-{block}")}
         if baseline is not None:
             pair = self.engine.pair
             eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
             app = baseline.create_app(self.engine, load_tokenizer(pair), model_name="baseline", eos_ids=eos)
             self.observers["baseline"] = [o for o in self.engine.observers if o not in self.observers["served"]]
-            self.servers["baseline"] = serve_app(app)
+            self.servers["baseline"] = serve_app(app, f"http-loop-baseline-{block}")
         self.engine.observers[:] = []
 
     def base(self, which: str) -> str:
@@ -208,60 +245,91 @@ def main(argv=None) -> int:
     client = Client()
     apps = ["served"] + (["baseline"] if baseline else [])
     label = {"served": "served", "baseline": f"served ({args.baseline})"}
-    outputs: dict = {}
+    current = [0]  # the prompt of this repeat: every mode runs it, then the next repeat takes the next prompt
+
+    def timed_by_thread(fn):
+        def run():
+            before, c0 = thread_cpu(), time.process_time()
+            out = fn([prompts[current[0]]])
+            return out[0], cpu_by_group(before, thread_cpu(), time.process_time() - c0)
+        return run
+
     modes = {}
     for b, s in servers.items():
-        modes[f"in-process B={b}"] = (lambda s=s: s.in_process(prompts, args.max_tokens))
+        modes[f"in-process B={b}"] = timed_by_thread(lambda ps, s=s: s.in_process(ps, args.max_tokens))
         for app in apps:
-            modes[f"{label[app]} B={b}"] = (lambda s=s, app=app: s.serve(app, client, prompts, args.max_tokens))
+            modes[f"{label[app]} B={b}"] = timed_by_thread(
+                lambda ps, s=s, app=app: s.serve(app, client, ps, args.max_tokens))
+    outputs: dict = {m: {} for m in modes}  # mode -> prompt -> ids
+    groups: dict = {m: [] for m in modes}  # mode -> [CPU seconds by thread group] per run
     client_cpu: dict = {m: [] for m in modes}
-    for name, fn in modes.items():  # one untimed pass each: first requests, connections, caches
-        outputs[name] = fn()
+    for i in range(len(prompts)):  # one untimed pass of every prompt and mode: first requests, connections, caches
+        current[0] = i
+        for name, fn in modes.items():
+            outputs[name][i] = fn()[0]
+
+    wrong: dict = {m: [] for m in modes}  # mode -> [(prompt, tokens received, tokens expected)] of runs that differ
 
     def on_run(mode, rep, result):
-        assert result == outputs[mode], f"{mode}: run {rep + 1} produced other tokens than its first pass"
+        ids, by_group = result
+        expected = outputs[f"in-process B={mode.rsplit('=', 1)[1]}"][current[0]]
+        if ids != expected:
+            wrong[mode].append((current[0], len(ids), len(expected)))
+            print(f"{mode}: prompt {current[0]}: {len(ids)} tokens, not the engine's {len(expected)} "
+                  f"({'a prefix' if ids == expected[:len(ids)] else 'different'})", flush=True)
+        groups[mode].append(by_group)
         client_cpu[mode].append(client.cpu if mode.startswith("served") else 0.0)
 
     def on_repeat(rep, timings):
-        print(f"run {rep + 1}: " + ", ".join(
-            f"{m} {1e3 * timings.wall[m][-1] / sum(map(len, outputs[m])):.2f}" for m in modes)
-            + f" ms/token; load {timings.loads[-1][0] if timings.loads[-1] else float('nan'):.2f}", flush=True)
+        current[0] = (rep + 1) % len(prompts)
+        if (rep + 1) % len(prompts) == 0:
+            print(f"pass {(rep + 1) // len(prompts)}: " + ", ".join(
+                f"{m} {1e3 * sum(timings.wall[m][-len(prompts):]) / (len(prompts) * args.max_tokens):.2f}"
+                for m in modes) + f" ms/token; load {h.load_average()[0]:.2f}", flush=True)
 
-    timings = h.paired_runs(modes, args.repeats, on_run=on_run, on_repeat=on_repeat)
-    tokens = {m: sum(map(len, outputs[m])) for m in modes}
-    rows, result_blocks = [], {}
+    # paired by prompt: each repeat runs one prompt in every mode back to back (order reversed every other
+    # repeat), so a busy spell of the shared machine lands on every mode of a pair; `--repeats` passes of all
+    timings = h.paired_runs(modes, args.repeats * len(prompts), on_run=on_run, on_repeat=on_repeat)
+    tokens = {m: [len(outputs[m][i % len(prompts)]) for i in range(args.repeats * len(prompts))] for m in modes}
+    rows, result_blocks, breakdown = [], {}, []
     for b in blocks:
         ip = f"in-process B={b}"
-        per = {"tokens_per_run": tokens[ip]}
+        per = {"tokens_per_request": args.max_tokens}
         for app in apps:
             sv = f"{label[app]} B={b}"
-            # lossless: the server streams exactly the engine's tokens
-            assert outputs[sv] == outputs[ip], f"{sv}: its tokens differ from the engine's in-process"
+            if app == "served":  # lossless: this server streams exactly the engine's tokens, every run
+                assert outputs[sv] == outputs[ip] and not wrong[sv], f"{sv}: tokens differ from the engine's: {wrong[sv]}"
+            per.setdefault("runs_with_other_tokens", {})[app] = wrong[sv]
             one = {}
             for clock in ("wall", "cpu"):
-                x = 1e3 * timings.seconds(ip, clock) / tokens[ip]
-                y = 1e3 * timings.seconds(sv, clock) / tokens[sv]
+                x = 1e3 * timings.seconds(ip, clock) / np.asarray(tokens[ip])
+                y = 1e3 * timings.seconds(sv, clock) / np.asarray(tokens[sv])
                 d = y - x
                 one[clock] = {"in_process_ms": round(float(np.median(x)), 3),
                               "served_ms": round(float(np.median(y)), 3), "overhead_ms": round(float(np.median(d)), 3),
-                              "overhead_range_ms": [round(float(d.min()), 3), round(float(d.max()), 3)]}
-            one["client_cpu_ms"] = round(1e3 * float(np.median(client_cpu[sv])) / tokens[sv], 3)
+                              "overhead_iqr_ms": [round(float(np.percentile(d, 25)), 3),
+                                                  round(float(np.percentile(d, 75)), 3)]}
+            one["client_cpu_ms"] = round(1e3 * float(np.median(np.asarray(client_cpu[sv]) / tokens[sv])), 3)
             per[app] = one
             w, c = one["wall"], one["cpu"]
             rows.append([f"{b}" + (" (plain)" if b == 1 else " (DFlash)"),
                          "this revision" if app == "served" else f"`{args.baseline}`", f"{w['in_process_ms']:.2f}",
-                         f"{w['served_ms']:.2f}", f"**{w['overhead_ms']:.2f}** [{w['overhead_range_ms'][0]:.2f}, "
-                         f"{w['overhead_range_ms'][1]:.2f}]", f"{c['in_process_ms']:.2f}", f"{c['served_ms']:.2f}",
-                         f"{c['overhead_ms']:.2f} [{c['overhead_range_ms'][0]:.2f}, {c['overhead_range_ms'][1]:.2f}]",
+                         f"{w['served_ms']:.2f}", f"**{w['overhead_ms']:.2f}** [{w['overhead_iqr_ms'][0]:.2f}, "
+                         f"{w['overhead_iqr_ms'][1]:.2f}]", f"{c['in_process_ms']:.2f}", f"{c['served_ms']:.2f}",
+                         f"**{c['overhead_ms']:.2f}** [{c['overhead_iqr_ms'][0]:.2f}, {c['overhead_iqr_ms'][1]:.2f}]",
                          f"{one['client_cpu_ms']:.2f}"])
+        for m in [ip] + [f"{label[app]} B={b}" for app in apps]:
+            if groups[m] and groups[m][0]:
+                ms = {g: 1e3 * float(np.median([r[g] / n for r, n in zip(groups[m], tokens[m])])) for g in GROUPS}
+                per.setdefault("cpu_ms_by_thread", {})[m] = {g: round(v, 3) for g, v in ms.items()}
+                breakdown.append([m] + [f"{ms[g]:.3f}" for g in GROUPS])
         result_blocks[b] = per
     load = timings.load_summary()
     mach = h.machine()
     flags = servers[blocks[0]].flags.replace(f"--block-size {blocks[0]}", "--block-size B")
     result = {"benchmark": "serve_overhead", "blocks": result_blocks, "baseline": args.baseline, "load_avg_1m": load,
               "repeats": args.repeats, "prompts": args.prompts, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "flags": flags, "seconds": {"wall": timings.wall, "cpu": timings.cpu},
-              "tokens_per_run": tokens, "machine": {k: mach[k] for k in ("platform", "cpus", "jax", "backend")},
+              "max_tokens": args.max_tokens, "flags": flags, "seconds": {"wall": timings.wall, "cpu": timings.cpu}, "machine": {k: mach[k] for k in ("platform", "cpus", "jax", "backend")},
               "total_s": round(time.perf_counter() - t_start, 1)}
     lines = [
         "# Server overhead per token at one client", "",
@@ -273,15 +341,27 @@ def main(argv=None) -> int:
            "serve/metrics.py), a paired before / after. " if baseline else "")
         + f"One client: {args.prompts} held-out prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens "
         "each (greedy, `ignore_eos`), one after the other; served: streamed from a client in another process "
-        f"(httpx, SSE). {args.repeats} runs per mode, the modes alternating (order reversed every other run); ms per "
-        "token: the median over runs; the overhead: served minus in-process, paired per run (median [min, max]). "
+        f"(httpx, SSE). Paired by request: each run is one prompt in every mode back to back, the order reversed "
+        f"every other run, {args.repeats} passes over the prompts ({args.repeats * args.prompts} runs per mode); ms "
+        "per token: the median over runs; the overhead: served minus in-process in the same run (median [quartiles]). "
         "CPU: the server process's CPU time (engine, event loop, worker threads), the client's process apart. "
-        "Every served run's tokens equal the in-process ones (checked). Load average (1 min, after each run) "
+        "Every run of this revision's server streamed exactly the engine's tokens (checked)"
+        + ("" if not baseline else "; " + (", ".join(
+            f"{len(v)} of {len(timings.wall[m])} runs of {m} did not ({', '.join(f'{n} of {e} tokens' for _, n, e in v[:4])})"
+            for m, v in wrong.items() if v) or f"so did every run of `{args.baseline}`'s"))
+        + ". Load average (1 min, after each run) "
         f"{load['min']:.2f} / {load['median']:.2f} / {load['max']:.2f} (min / median / max) on a shared 2-core "
         "machine.", ""]
-    lines += h.table(["block", "server", "in-process ms/token", "served ms/token", "overhead ms/token [range]",
-                      "in-process CPU ms/token", "served CPU ms/token", "CPU overhead [range]",
-                      "client CPU ms/token"], [r for r in rows], align="llrrrrrrr")
+    lines += h.table(["block", "server", "in-process ms/token", "served ms/token", "overhead ms/token [IQR]",
+                      "in-process CPU ms/token", "served CPU ms/token", "CPU overhead [IQR]",
+                      "client CPU ms/token"], rows, align="llrrrrrrr")
+    if breakdown:
+        lines += ["", "Where the server process's CPU time goes, ms per token by thread (medians over the runs; Linux "
+                  "per-thread CPU clocks): the engine's thread (rounds, emission, the server's metrics observer), "
+                  "the HTTP event loop (request parsing, the stream: detokenizing, SSE framing, socket writes), the "
+                  "text worker threads (tokenizing, the whole-text decodes), the caller (in-process: the thread "
+                  "consuming the ids), XLA's compute threads (the rest of the process's CPU time):", ""]
+        lines += h.table(["mode"] + list(GROUPS), breakdown, align="l" + "r" * len(GROUPS))
     client.close()
     for s in servers.values():
         s.close()
