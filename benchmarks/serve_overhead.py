@@ -289,6 +289,7 @@ def main(argv=None) -> int:
 
     # paired by prompt: each repeat runs one prompt in every mode back to back (order reversed every other
     # repeat), so a busy spell of the shared machine lands on every mode of a pair; `--repeats` passes of all
+    current[0] = 0
     timings = h.paired_runs(modes, args.repeats * len(prompts), on_run=on_run, on_repeat=on_repeat)
     tokens = {m: [len(outputs[m][i % len(prompts)]) for i in range(args.repeats * len(prompts))] for m in modes}
     rows, result_blocks, breakdown = [], {}, []
