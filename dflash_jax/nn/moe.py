@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ops, target
+from pallas_kernels.formats import MXFP4Tensor
 
 
 def softmax_topk_router(
@@ -144,15 +145,15 @@ def swiglu_experts(
     """
     num_slots = ops.weight_dims(gate_up)[0]
     slots = experts if slot_of is None else slot_of[experts]
-    mesh = None if implementation in ("tiles", "dense") else expert_parallel_mesh()
+    mesh = None if implementation in ("tiles", "dense", "stream") else expert_parallel_mesh()
     if mesh is not None and expert_axes(num_slots, mesh):
         return _expert_parallel(x, slots, weights, gate_up, down, mesh, implementation=implementation,
                                 gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
                                 dispatch=dispatch)
-    path = implementation if implementation in ("tiles", "dense") else routed_path(
+    path = implementation if implementation in ("tiles", "dense", "stream") else routed_path(
         implementation, gate_up, x.dtype, x.shape[0], slots.shape[1])
-    if path in ("tiles", "dense"):
-        run = _tiled_experts if path == "tiles" else _dense_experts
+    if path in ("tiles", "dense", "stream"):
+        run = {"tiles": _tiled_experts, "dense": _dense_experts, "stream": _streamed_experts}[path]
         return run(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation or silu_glu)
     y = _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation)
     out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights.astype(jnp.float32))
@@ -167,7 +168,14 @@ TILE_OVERHEAD_MACS = 8_000_000
 # The CPU path "auto" takes, overridden for every layer traced afterwards (benchmarks compare the paths in separate
 # processes: a compiled program keeps the path it was traced with): auto | tiles | dense | xla (`ragged_dot`).
 CPU_PATH_ENV = "DFLASH_MOE_CPU_PATH"
-CPU_PATHS = ("auto", "tiles", "dense", "xla")
+CPU_PATHS = ("auto", "tiles", "dense", "xla", "stream")
+# "stream" (`_streamed_experts`: one (token, choice) row at a time, its expert's table read in place) is taken for
+# FP4 tables from STREAM_MIN_EXPERT_BYTES per expert (real expert shapes) up to STREAM_MAX_ROWS rows: there a
+# routed expert's work is a matrix-vector product per row, bound by reading the table, and decoding the codes as
+# the row reads them beats gathering whole tables first (docs/benchmarks/moe_cpu.md: about 20x at 1 - 16 tokens
+# of Qwen3-30B-A3B and gpt-oss-20b shapes). Small tables stay on the cheaper of "dense" / "tiles".
+STREAM_MAX_ROWS = 128
+STREAM_MIN_EXPERT_BYTES = 1 << 20
 
 
 def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None, top_k: int | None = None) -> str:
@@ -188,6 +196,9 @@ def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None
     if tokens is None or top_k is None:
         return "tiles"
     slots, hidden, two_inter = ops.weight_dims(gate_up)
+    if (ops.is_fp4(gate_up) and tokens * top_k <= STREAM_MAX_ROWS
+            and expert_bytes(gate_up) * 3 // 2 >= STREAM_MIN_EXPERT_BYTES):
+        return "stream"
     per_row = hidden * two_inter * 3 // 2  # gate/up and down multiply-adds of one row
     rows = tokens * top_k
     tile = tile_rows(rows, slots)
@@ -195,6 +206,13 @@ def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None
     if tokens * slots * per_row <= tiles * tile * per_row + TILE_OVERHEAD_MACS:
         return "dense"
     return "tiles"
+
+
+def expert_bytes(w) -> int:
+    """Bytes of one expert of a grouped weight operand as stored (FP4: codes and scales)."""
+    groups = ops.weight_dims(w)[0]
+    leaves = jax.tree.leaves(w)
+    return sum(int(a.size) * jnp.dtype(a.dtype).itemsize // groups for a in leaves if a.ndim and a.shape[0] == groups)
 
 
 def tile_rows(rows: int, num_slots: int) -> int:
@@ -243,6 +261,72 @@ def _tiled_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, do
         y = y + jnp.take(down_bias, tile_slot, axis=0)[:, None, :].astype(jnp.float32)
     y = y.reshape(tiles * tile, -1)[place].reshape(t, k, -1)
     return jnp.einsum("tkh,tk->th", y, weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def _mxfp4_scale(s):
+    """E8M0 bytes -> float32 2^(s - 127) exactly (s = 0: the subnormal 2^-127; s = 255: NaN)."""
+    s = s.astype(jnp.uint32)
+    bits = jnp.where(s == 0, jnp.uint32(0x00400000), jnp.where(s == 255, jnp.uint32(0x7FC00000), s << 23))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _e2m1(c):
+    """E2M1 codes (uint8, 0 - 15) -> float32, by building the float's bits (no table lookup)."""
+    c = c.astype(jnp.uint32)
+    mag = c & 7
+    exponent = jnp.where(mag >= 2, (mag >> 1) + 126, 126)
+    mantissa = jnp.where(mag >= 2, (mag & 1) << 22, 0)
+    bits = jnp.where(mag == 0, 0, (exponent << 23) | mantissa) | ((c & 8) << 28)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _row_product(v, w):
+    """One row `v` [K] (float32) times one expert's weight `w`: a dense [K, N] array, or an FP4 tensor of logical
+    shape [N, K]. MXFP4 is decoded as the product reads it: each code times its block's scale times the row's
+    element, summed per output (one elementwise product and a reduction that XLA fuses with the decode; the same
+    values as `dequantize` then a dot, summed in another order). NVFP4 is dequantized, then multiplied."""
+    if isinstance(w, MXFP4Tensor):
+        n, groups = w.scales.shape
+        vr = v.reshape(groups, 16, 2)
+        scale = _mxfp4_scale(w.scales)[..., None]
+        low = _e2m1(w.blocks & 15) * scale
+        high = _e2m1(w.blocks >> 4) * scale
+        return jnp.sum(vr[None, :, :, 0] * low + vr[None, :, :, 1] * high, axis=(1, 2))
+    return jnp.dot(v, ops.dense_weight(w, jnp.float32), preferred_element_type=jnp.float32)
+
+
+def _streamed_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation):
+    """`swiglu_experts` one (token, choice) row at a time, in a loop over the rows sorted by slot: each row reads
+    its own expert's tables in place (a dynamic slice, no gathered copy), FP4 codes decoded inside the product
+    (`_row_product`). Only the routed experts are read, consecutive rows of one expert find its table in the cache,
+    and every product is a matrix-vector product (XLA's CPU GEMM packs its weights for more than one row)."""
+    t, k = slots.shape
+    rows = t * k
+    flat = slots.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    hidden = x.shape[1]
+    inter = ops.weight_dims(gate_up)[2] // 2
+
+    def expert(w, s):
+        groups = ops.weight_dims(w)[0]
+        return jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, s, keepdims=False) if a.ndim and a.shape[0] == groups else a, w)
+
+    def body(i, ys):
+        r = order[i]
+        s = flat[r]
+        v = jax.lax.dynamic_index_in_dim(x, r // k, keepdims=False).astype(jnp.float32)
+        gu = _row_product(v, expert(gate_up, s))
+        if gate_up_bias is not None:
+            gu = gu + jax.lax.dynamic_index_in_dim(gate_up_bias, s, keepdims=False).astype(jnp.float32)
+        act = activation(gu[:inter], gu[inter:]).astype(x.dtype).astype(jnp.float32)
+        y = _row_product(act, expert(down, s))
+        if down_bias is not None:
+            y = y + jax.lax.dynamic_index_in_dim(down_bias, s, keepdims=False).astype(jnp.float32)
+        return jax.lax.dynamic_update_index_in_dim(ys, y, r, 0)
+
+    ys = jax.lax.fori_loop(0, rows, body, jnp.zeros((rows, hidden), jnp.float32))
+    return jnp.einsum("tkh,tk->th", ys.reshape(t, k, hidden), weights.astype(jnp.float32)).astype(x.dtype)
 
 
 def _routed_rows(x, slots, gate_up, down, num_slots, implementation, gate_up_bias, down_bias, activation):

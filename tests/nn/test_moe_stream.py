@@ -1,0 +1,114 @@
+"""The CPU's streamed MoE path ("stream": one (token, choice) row at a time, its expert's table read in place and FP4
+codes decoded inside the product) against a per-token float64 reference and against the other CPU paths: dense and
+FP4 tables, experts without rows poisoned (they must reach no output), slot pools, gpt-oss biases and clamped
+activation, and edge E8M0 scales (0, 1, 254: subnormal, tiny and overflowing weights; 255: NaN) on routed experts,
+where the non-finite outputs must match the dequantize-then-multiply path's."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.nn import moe
+from dflash_jax.quant.mxfp4 import quantize_mxfp4
+from dflash_jax.quant.nvfp4 import quantize_nvfp4
+from pallas_kernels import target
+from pallas_kernels.formats import MXFP4Tensor
+
+from .test_moe_tiles import per_token, problem
+
+stream = jax.jit(partial(moe.swiglu_experts, implementation="stream"))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_stream_equals_per_token_reference_with_poisoned_experts_and_a_slot_pool(tokens):
+    x, experts, weights, gate_up, down = problem(tokens)
+    ref = per_token(x, experts, weights, gate_up, down)
+    dead = np.ones(8, bool)
+    dead[[1, 5, 6]] = False
+    gu = np.where(dead[:, None, None], np.nan, gate_up).astype(np.float32)
+    dn = np.where(dead[:, None, None], np.inf, down).astype(np.float32)
+    ours = stream(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(gu), jnp.asarray(dn))
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
+    perm = np.random.default_rng(tokens).permutation(8)
+    slot_of = np.argsort(perm).astype(np.int32)
+    pooled = stream(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(gu[perm]),
+                    jnp.asarray(dn[perm]), slot_of=jnp.asarray(slot_of))
+    np.testing.assert_allclose(np.asarray(pooled), ref, atol=1e-5)
+
+
+def test_stream_with_biases_and_clamped_activation():
+    x, experts, weights, gate_up, down = problem(9, k=3, e=6, used=range(6), seed=3)
+    rng = np.random.default_rng(4)
+    gub = rng.standard_normal((6, gate_up.shape[2])).astype(np.float32)
+    db = rng.standard_normal((6, down.shape[2])).astype(np.float32)
+    act = partial(moe.clamped_swiglu, alpha=1.702, limit=1.5)
+    ref = per_token(x, experts, weights, gate_up, down, gub, db,
+                    activation=lambda g, u: np.asarray(act(jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32))))
+    ours = moe.swiglu_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(gate_up),
+                              jnp.asarray(down), implementation="stream", gate_up_bias=jnp.asarray(gub),
+                              down_bias=jnp.asarray(db), activation=act)
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-5)
+
+
+def fp4_problem(fmt, tokens=6):
+    x, experts, weights, gate_up, down = problem(tokens, h=64, inter=32)
+    quantize = quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4
+    gu_q = quantize(jnp.asarray(np.swapaxes(gate_up, 1, 2)))
+    dn_q = quantize(jnp.asarray(np.swapaxes(down, 1, 2)))
+    return x, experts, weights, gu_q, dn_q
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_stream_reads_fp4_tables_as_stored(fmt):
+    x, experts, weights, gu_q, dn_q = fp4_problem(fmt)
+    gu_dense = np.swapaxes(np.asarray(gu_q.dequantize(jnp.float32)), 1, 2)
+    dn_dense = np.swapaxes(np.asarray(dn_q.dequantize(jnp.float32)), 1, 2)
+    ref = per_token(x, experts, weights, gu_dense, dn_dense)
+    if fmt == "mxfp4":  # scale byte 255 is NaN: poison expert 0, which has no rows
+        gu_q = MXFP4Tensor(gu_q.blocks, gu_q.scales.at[0].set(255))
+    ours = stream(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), gu_q, dn_q)
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("edge", [0, 1, 254, 255])
+def test_stream_edge_scales_on_routed_experts_match_dequantized_tables(edge):
+    """E8M0 0 (2^-127: subnormal weights), 1, 254 (weights of 2^127 x 2 and up overflow to inf) and 255 (NaN) in
+    a routed expert's blocks: the outputs, non-finite ones included, match the tiles path (which dequantizes the
+    gathered tables, then multiplies)."""
+    x, experts, weights, gu_q, dn_q = fp4_problem("mxfp4")
+    used = int(experts[0, 0])
+    scales = np.asarray(gu_q.scales).copy()
+    scales[used, :5, 0] = edge
+    scales[used, 7, 1] = edge
+    gu_q = MXFP4Tensor(gu_q.blocks, jnp.asarray(scales))
+    dn_scales = np.asarray(dn_q.scales).copy()
+    dn_scales[used, 3, :] = edge
+    dn_q = MXFP4Tensor(dn_q.blocks, jnp.asarray(dn_scales))
+    args = (jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), gu_q, dn_q)
+    ref = np.asarray(jax.jit(partial(moe.swiglu_experts, implementation="tiles"))(*args))
+    ours = np.asarray(stream(*args))
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(ref))
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_the_cpu_streams_fp4_tables_of_real_shapes_at_small_widths():
+    """"auto" on a CPU: FP4 tables of real expert shapes (Qwen3-30B-A3B: 128 experts of 2048 -> 768, top-8) stream
+    from 1 to 16 tokens; small FP4 tables (the shipped pair's) and dense tables keep the dense / tiles choice."""
+    def fp4(e, out, inp):
+        return MXFP4Tensor(jax.ShapeDtypeStruct((e, out, inp // 32, 16), jnp.uint8),
+                           jax.ShapeDtypeStruct((e, out, inp // 32), jnp.uint8))
+
+    real, tiny = fp4(128, 1536, 2048), fp4(8, 512, 128)
+    with target.compiling_for("cpu"):
+        for tokens in (1, 4, 16):
+            assert moe.routed_path("auto", real, jnp.float32, tokens, 8) == "stream"
+        assert moe.routed_path("auto", real, jnp.float32, 64, 8) == "tiles"
+        assert moe.routed_path("auto", tiny, jnp.float32, 1, 2) == "dense"
+        assert moe.routed_path("auto", jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16), jnp.bfloat16, 1,
+                               8) == "tiles"
+    with target.compiling_for("gpu"):
+        assert moe.routed_path("auto", real, jnp.float32, 1, 8) != "stream"
