@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import ops, target
+from pallas_kernels import cpu_kernels, ops, target
 from pallas_kernels.formats import MXFP4Tensor
 
 
@@ -296,16 +296,32 @@ def _row_product(v, w):
 
 
 def _streamed_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation):
-    """`swiglu_experts` one (token, choice) row at a time, in a loop over the rows sorted by slot: each row reads
-    its own expert's tables in place (a dynamic slice, no gathered copy), FP4 codes decoded inside the product
-    (`_row_product`). Only the routed experts are read, consecutive rows of one expert find its table in the cache,
-    and every product is a matrix-vector product (XLA's CPU GEMM packs its weights for more than one row)."""
+    """`swiglu_experts` with only the routed experts' tables read, each once per run of rows, in place. MXFP4
+    tables on a CPU with the compiled kernel (`pallas_kernels.cpu_kernels.mxfp4_rows`): the rows sorted by slot,
+    each projection one kernel call that streams each routed expert's codes once, decoding them in registers for
+    all of the expert's rows. Otherwise (no kernel, NVFP4, dense tables) one (token, choice) row at a time in a
+    loop over the sorted rows: the row's expert read by a dynamic slice (no gathered copy), FP4 codes decoded
+    inside the product (`_row_product`), every product a matrix-vector product (XLA's CPU GEMM packs its weights
+    for more than one row). Rows are independent: an expert without rows is never read."""
     t, k = slots.shape
     rows = t * k
     flat = slots.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     hidden = x.shape[1]
     inter = ops.weight_dims(gate_up)[2] // 2
+    if (target.platform() == "cpu" and cpu_kernels.supports(gate_up) and cpu_kernels.supports(down)
+            and cpu_kernels.available()):
+        # the compiled kernel: each projection one call over all rows, sorted so that an expert's rows are adjacent
+        sorted_slots = flat[order]
+        gu = cpu_kernels.mxfp4_rows(jnp.take(x, order // k, axis=0), gate_up, sorted_slots)
+        if gate_up_bias is not None:
+            gu = gu + jnp.take(gate_up_bias, sorted_slots, axis=0).astype(jnp.float32)
+        act = activation(gu[:, :inter], gu[:, inter:]).astype(x.dtype)
+        y = cpu_kernels.mxfp4_rows(act, down, sorted_slots)
+        if down_bias is not None:
+            y = y + jnp.take(down_bias, sorted_slots, axis=0).astype(jnp.float32)
+        ys = jnp.zeros_like(y).at[order].set(y)
+        return jnp.einsum("tkh,tk->th", ys.reshape(t, k, hidden), weights.astype(jnp.float32)).astype(x.dtype)
 
     def expert(w, s):
         groups = ops.weight_dims(w)[0]

@@ -14,16 +14,25 @@ import pytest
 from dflash_jax.nn import moe
 from dflash_jax.quant.mxfp4 import quantize_mxfp4
 from dflash_jax.quant.nvfp4 import quantize_nvfp4
-from pallas_kernels import target
+from pallas_kernels import cpu_kernels, target
 from pallas_kernels.formats import MXFP4Tensor
 
 from .test_moe_tiles import per_token, problem
 
-stream = jax.jit(partial(moe.swiglu_experts, implementation="stream"))
+
+@pytest.fixture(params=["kernel", "xla"])
+def stream(request, monkeypatch):
+    """The streamed path, jitted afresh: through the compiled MXFP4 kernel (skipped where it cannot be built) or,
+    with the kernels turned off, through XLA alone."""
+    if request.param == "xla":
+        monkeypatch.setenv(cpu_kernels.ENV, "0")
+    elif jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the compiled CPU kernel is not available here")
+    return lambda *args, **kw: jax.jit(partial(moe.swiglu_experts, implementation="stream", **kw))(*args)
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16])
-def test_stream_equals_per_token_reference_with_poisoned_experts_and_a_slot_pool(tokens):
+def test_stream_equals_per_token_reference_with_poisoned_experts_and_a_slot_pool(tokens, stream):
     x, experts, weights, gate_up, down = problem(tokens)
     ref = per_token(x, experts, weights, gate_up, down)
     dead = np.ones(8, bool)
@@ -39,7 +48,7 @@ def test_stream_equals_per_token_reference_with_poisoned_experts_and_a_slot_pool
     np.testing.assert_allclose(np.asarray(pooled), ref, atol=1e-5)
 
 
-def test_stream_with_biases_and_clamped_activation():
+def test_stream_with_biases_and_clamped_activation(stream):
     x, experts, weights, gate_up, down = problem(9, k=3, e=6, used=range(6), seed=3)
     rng = np.random.default_rng(4)
     gub = rng.standard_normal((6, gate_up.shape[2])).astype(np.float32)
@@ -47,9 +56,8 @@ def test_stream_with_biases_and_clamped_activation():
     act = partial(moe.clamped_swiglu, alpha=1.702, limit=1.5)
     ref = per_token(x, experts, weights, gate_up, down, gub, db,
                     activation=lambda g, u: np.asarray(act(jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32))))
-    ours = moe.swiglu_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(gate_up),
-                              jnp.asarray(down), implementation="stream", gate_up_bias=jnp.asarray(gub),
-                              down_bias=jnp.asarray(db), activation=act)
+    ours = stream(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(gate_up),
+                  jnp.asarray(down), gate_up_bias=jnp.asarray(gub), down_bias=jnp.asarray(db), activation=act)
     np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-5)
 
 
@@ -62,7 +70,7 @@ def fp4_problem(fmt, tokens=6):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_stream_reads_fp4_tables_as_stored(fmt):
+def test_stream_reads_fp4_tables_as_stored(fmt, stream):
     x, experts, weights, gu_q, dn_q = fp4_problem(fmt)
     gu_dense = np.swapaxes(np.asarray(gu_q.dequantize(jnp.float32)), 1, 2)
     dn_dense = np.swapaxes(np.asarray(dn_q.dequantize(jnp.float32)), 1, 2)
@@ -74,11 +82,11 @@ def test_stream_reads_fp4_tables_as_stored(fmt):
 
 
 @pytest.mark.parametrize("edge", [0, 1, 254, 255])
-def test_stream_edge_scales_on_routed_experts_match_dequantized_tables(edge):
+def test_stream_edge_scales_on_routed_experts_match_dequantized_tables(edge, stream):
     """E8M0 0 (2^-127: subnormal weights), 1, 254 (weights of 2^127 x 2 and up overflow to inf) and 255 (NaN) in
     a routed expert's blocks: the outputs, non-finite ones included, match the tiles path (which dequantizes the
     gathered tables, then multiplies)."""
-    x, experts, weights, gu_q, dn_q = fp4_problem("mxfp4")
+    x, experts, weights, gu_q, dn_q = fp4_problem("mxfp4", tokens=16)
     used = int(experts[0, 0])
     scales = np.asarray(gu_q.scales).copy()
     scales[used, :5, 0] = edge
@@ -112,3 +120,15 @@ def test_the_cpu_streams_fp4_tables_of_real_shapes_at_small_widths():
                                8) == "tiles"
     with target.compiling_for("gpu"):
         assert moe.routed_path("auto", real, jnp.float32, 1, 8) != "stream"
+
+
+def test_the_compiled_kernel_reads_mxfp4_codes_in_one_call_per_projection():
+    """With the kernel, the streamed layer's program holds one kernel call per projection and no float table of
+    an expert (nothing is dequantized outside the kernel)."""
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the compiled CPU kernel is not available here")
+    x, experts, weights, gu_q, dn_q = fp4_problem("mxfp4")
+    text = jax.jit(partial(moe.swiglu_experts, implementation="stream")).lower(
+        jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), gu_q, dn_q).compile().as_text()
+    assert text.count(f'custom_call_target="{cpu_kernels.TARGET}"') == 2
+    assert "f32[8,64,64]" not in text and "f32[64,64]" not in text and "f32[8,32,64]" not in text

@@ -1,0 +1,184 @@
+// Rows times their own expert's MXFP4 matrix on a CPU, read as stored: one pass over each routed expert's codes.
+//
+//   y[r, o] = sum_i x[r, i] * E2M1(code[e_r, o, i]) * 2^(scale[e_r, o, i / 32] - 127),   e_r = expert[r]
+//
+// Operands: x f32 [R, K]; blocks u8 [E, N, K/32, 16] (two codes a byte, the even element in the low nibble);
+// scales u8 [E, N, K/32] (E8M0: 255 is NaN); expert s32 [R] (rows of one expert adjacent, e.g. sorted); result f32
+// [R, N]. Each weight is the float product E2M1(code) * 2^(s - 127), exactly as the dequantized table holds it
+// (subnormal scales, overflow to inf and NaN included); rows are independent, so an expert without rows is never
+// read. A run of rows with the same expert decodes each block once for all of them. The work is split by output
+// rows over XLA's CPU thread pool when it gives one.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlock = 32;
+constexpr int kHalf = 16;
+constexpr int kRowsAtOnce = 4;
+
+inline float ScaleOf(uint8_t s) {
+  uint32_t bits = s == 0 ? 0x00400000u : (s == 255 ? 0x7FC00000u : uint32_t(s) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct Problem {
+  const float* x;        // [R, K]
+  const uint8_t* blocks; // [E, N, K/32, 16]
+  const uint8_t* scales; // [E, N, K/32]
+  const int32_t* expert; // [R]
+  float* y;              // [R, N]
+  int64_t rows, experts, n, k;
+  std::vector<float> even, odd;  // x split by element parity: [R, K/2] each
+  std::vector<int64_t> runs;     // starts of the runs of equal experts, then rows
+};
+
+constexpr float kE2m1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// Output rows [o0, o1) of one run of rows [r0, r1) sharing expert e.
+void RunOutputs(const Problem& p, int64_t e, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
+  const int64_t groups = p.k / kBlock, half = p.k / 2;
+#ifdef __AVX512F__
+  const __m512 table = _mm512_loadu_ps(kE2m1);
+  const __m512i nibble = _mm512_set1_epi32(15);
+#endif
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* codes = p.blocks + ((e * p.n + o) * groups) * kHalf;
+    const uint8_t* sc = p.scales + (e * p.n + o) * groups;
+    for (int64_t r = r0; r < r1; r += kRowsAtOnce) {
+      const int64_t m = std::min<int64_t>(kRowsAtOnce, r1 - r);
+#ifdef __AVX512F__
+      __m512 acc_e[kRowsAtOnce], acc_o[kRowsAtOnce];
+      for (int q = 0; q < kRowsAtOnce; ++q) acc_e[q] = acc_o[q] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        // the block's 16 weights values: E2M1 value x 2^(s - 127), one float product each
+        const __m512 values = _mm512_mul_ps(table, _mm512_set1_ps(ScaleOf(sc[g])));
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * kHalf)));
+        const __m512 w_e = _mm512_permutexvar_ps(_mm512_and_si512(b, nibble), values);
+        const __m512 w_o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
+        for (int64_t q = 0; q < m; ++q) {
+          const float* xe = p.even.data() + (r + q) * half + g * kHalf;
+          const float* xo = p.odd.data() + (r + q) * half + g * kHalf;
+          acc_e[q] = _mm512_fmadd_ps(_mm512_loadu_ps(xe), w_e, acc_e[q]);
+          acc_o[q] = _mm512_fmadd_ps(_mm512_loadu_ps(xo), w_o, acc_o[q]);
+        }
+      }
+      for (int64_t q = 0; q < m; ++q) p.y[(r + q) * p.n + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc_e[q], acc_o[q]));
+#else
+      float acc_e[kRowsAtOnce][kHalf] = {};
+      float acc_o[kRowsAtOnce][kHalf] = {};
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = ScaleOf(sc[g]);
+        float values[16], w_e[kHalf], w_o[kHalf];
+        for (int j = 0; j < 16; ++j) values[j] = kE2m1[j] * s;
+        const uint8_t* b = codes + g * kHalf;
+        for (int j = 0; j < kHalf; ++j) {
+          w_e[j] = values[b[j] & 15u];
+          w_o[j] = values[b[j] >> 4];
+        }
+        for (int64_t q = 0; q < m; ++q) {
+          const float* xe = p.even.data() + (r + q) * half + g * kHalf;
+          const float* xo = p.odd.data() + (r + q) * half + g * kHalf;
+          for (int j = 0; j < kHalf; ++j) {
+            acc_e[q][j] += xe[j] * w_e[j];
+            acc_o[q][j] += xo[j] * w_o[j];
+          }
+        }
+      }
+      for (int64_t q = 0; q < m; ++q) {
+        float total = 0.f;
+        for (int j = 0; j < kHalf; ++j) total += acc_e[q][j] + acc_o[q][j];
+        p.y[(r + q) * p.n + o] = total;
+      }
+#endif
+    }
+  }
+}
+
+// Work item w of `items`: every run, output rows split into `chunks` equal parts.
+void RunItem(const Problem& p, int64_t item, int64_t chunks) {
+  const int64_t run = item / chunks, part = item % chunks;
+  const int64_t r0 = p.runs[run], r1 = p.runs[run + 1];
+  const int64_t e = p.expert[r0];
+  const int64_t o0 = p.n * part / chunks, o1 = p.n * (part + 1) / chunks;
+  if (e < 0 || e >= p.experts) {  // an out-of-range expert: NaN rows, never a stray read
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t o = o0; o < o1; ++o) p.y[r * p.n + o] = __builtin_nanf("");
+    return;
+  }
+  RunOutputs(p, e, r0, r1, o0, o1);
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
+                ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), bd = blocks.dimensions();
+  if (xd.size() != 2 || bd.size() != 4 || bd[3] != kHalf || xd[1] != bd[2] * kBlock)
+    return ffi::Error::InvalidArgument("mxfp4_rows: x [R, K], blocks [E, N, K/32, 16]");
+  Problem p;
+  p.x = x.typed_data();
+  p.blocks = blocks.typed_data();
+  p.scales = scales.typed_data();
+  p.expert = expert.typed_data();
+  p.y = y->typed_data();
+  p.rows = xd[0];
+  p.k = xd[1];
+  p.experts = bd[0];
+  p.n = bd[1];
+  const int64_t half = p.k / 2;
+  p.even.resize(p.rows * half);
+  p.odd.resize(p.rows * half);
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t i = 0; i < half; ++i) {
+      p.even[r * half + i] = p.x[r * p.k + 2 * i];
+      p.odd[r * half + i] = p.x[r * p.k + 2 * i + 1];
+    }
+  for (int64_t r = 0; r < p.rows; ++r)
+    if (r == 0 || p.expert[r] != p.expert[r - 1]) p.runs.push_back(r);
+  const int64_t nruns = int64_t(p.runs.size());
+  p.runs.push_back(p.rows);
+  if (nruns == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(p.n / 64, (2 * threads + nruns - 1) / nruns));
+  const int64_t items = nruns * chunks;
+  if (threads <= 1 || items <= 1) {
+    for (int64_t i = 0; i < items; ++i) RunItem(p, i, chunks);
+    return ffi::Error::Success();
+  }
+  std::atomic<int64_t> next{0}, done{0};
+  auto worker = [&]() {
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      RunItem(p, i, chunks);
+      done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([&worker]() { worker(); });
+  worker();
+  while (done.load() < items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,117 @@
+"""CPU kernels compiled on first use and called from jitted code through XLA's FFI (`jax.ffi`).
+
+`mxfp4_rows(x, w, expert)`: rows times their own expert's MXFP4 matrix, the codes read once as stored and decoded in
+registers (`cpu_fp4_rows.cc`): y[r] = W[expert[r]] @ x[r] for W an `MXFP4Tensor` of logical shape [E, N, K]. XLA
+cannot express this as one pass on a CPU: it materializes the decoded table (16x the bytes of the codes) before
+reducing it, or packs it for a GEMM (docs/benchmarks/moe_cpu.md).
+
+The source is compiled once per machine with the system C++ compiler (`CXX`, else `c++`) against the FFI headers
+jaxlib ships (`jax.ffi.include_dir()`), `-O3 -march=native`, into a cache directory (DFLASH_KERNEL_CACHE, else
+~/.cache/dflash_jax/kernels), keyed by the source, the flags, jaxlib's version and the CPU. Where that fails (no
+compiler, no source, another platform) `available()` is False and callers take their XLA path; DFLASH_CPU_KERNELS=0
+turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.formats import MXFP4Tensor
+
+ENV = "DFLASH_CPU_KERNELS"
+CACHE_ENV = "DFLASH_KERNEL_CACHE"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fp4_rows.cc")
+TARGET = "dflash_mxfp4_rows"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> str | None:
+    """The path of the compiled library (built now if missing), or None where it cannot be built."""
+    if not os.path.exists(SOURCE) or platform.system() != "Linux":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        return None
+    with open(SOURCE, "rb") as fh:
+        source = fh.read()
+    import jaxlib
+
+    key = hashlib.sha256(source + repr((FLAGS, compiler, jaxlib.__version__, platform.machine(),
+                                         _cpu_id())).encode()).hexdigest()[:16]
+    cache = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "dflash_jax", "kernels")
+    path = os.path.join(cache, f"cpu_fp4_rows-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(cache, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=300)
+    except (OSError, subprocess.SubprocessError):
+        done = None
+    if done is None or done.returncode != 0:
+        os.unlink(tmp)
+        return None
+    os.replace(tmp, path)  # atomic: concurrent builders each write their own file
+    return path
+
+
+def available() -> bool:
+    """Whether the compiled CPU kernels can be called (built and registered with XLA on first call)."""
+    if os.environ.get(ENV, "1") in ("0", "false", "no", "off"):
+        return False
+    with _lock:
+        if "ok" not in _state:
+            ok = False
+            try:
+                path = _build()
+                if path is not None:
+                    lib = ctypes.cdll.LoadLibrary(path)
+                    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.DflashMxfp4Rows), platform="cpu")
+                    _state["lib"] = lib
+                    ok = True
+            except Exception:  # noqa: BLE001 - any failure means: take the XLA path
+                ok = False
+            _state["ok"] = ok
+        return _state["ok"]
+
+
+def supports(w) -> bool:
+    """Whether `mxfp4_rows` takes the weight `w` (an MXFP4 tensor of logical shape [E, N, K])."""
+    return isinstance(w, MXFP4Tensor) and w.blocks.ndim == 4 and w.blocks.shape[-1] == 16
+
+
+def mxfp4_rows(x: jax.Array, w: MXFP4Tensor, expert: jax.Array) -> jax.Array:
+    """x [R, K] float32, w an MXFP4 tensor of logical shape [E, N, K], expert [R] int32 (rows of one expert
+    adjacent: each run of equal experts decodes its blocks once) -> [R, N] float32, y[r] = W[expert[r]] @ x[r].
+    Each weight is E2M1(code) x 2^(s - 127) as `dequantize` gives it (NaN for s = 255, inf on overflow); an
+    expert no row names is never read; an expert id out of range gives a NaN row. Call `available()` first."""
+    rows = x.shape[0]
+    n = w.blocks.shape[1]
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+        x.astype(jnp.float32), w.blocks, w.scales, expert.astype(jnp.int32))
