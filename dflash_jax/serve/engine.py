@@ -714,11 +714,16 @@ class Engine:
             self.runner.release(idle)
             self.runner.move_row(self.slots - 1, self.slots - 1)  # a no-op
             scored = np.ones(self.slots, bool) if self.runner.token_logprobs else None
-            for rows in self.row_buckets:
-                for w in self.widths:
-                    self._round(w, idle, rows, logprobs=scored)
-                    if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
-                        self._round(w, idle, rows, defer=False, logprobs=scored)
+            for length in self.runner.length_buckets:  # a round's cache rows (its live lengths'); pinned in turn
+                self.runner.pin_length = length
+                try:
+                    for rows in self.row_buckets:
+                        for w in self.widths:
+                            self._round(w, idle, rows, logprobs=scored)
+                            if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
+                                self._round(w, idle, rows, defer=False, logprobs=scored)
+                finally:
+                    self.runner.pin_length = None
         self.runner.sync()
         if self.round_seconds is None and not self.cost_table:
             self.cost_table = self.measure_rounds()

@@ -45,6 +45,7 @@ import numpy as np
 
 from dflash_jax.cache import KVCache
 from dflash_jax.models.family import family_of
+from dflash_jax.nn.attention import get_attention_tuning
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import check_proposer, commit, propose, verify_forward
 from dflash_jax.spec.sampling import next_token_rows
@@ -87,6 +88,7 @@ class Drafted:
     proposal: Any
     lengths: Any  # the draft cache's lengths after the draft
     demand: Any  # [rows, L, E] bool: each row's projected experts
+    length: int | None = None  # the cache rows the round computes over (a length bucket; None: all of them)
 
 
 @dataclasses.dataclass
@@ -106,6 +108,10 @@ class RoundRunner:
     methods below; the flags say what its rounds can do."""
 
     chunked_prefill = False  # long prompts prefilled one chunk per round
+    # the cache rows a round may compute over (`ResidentRunner`: each round the smallest holding its rows' live
+    # lengths; None: the whole cache); the engine's warm-up compiles its rounds once per entry, each pinned in turn
+    length_buckets: tuple = (None,)
+    pin_length = None  # the length bucket every round takes while set (warm-up); None: chosen per round
     deferred_context = False  # width-1 rounds may leave the draft's context append to the next drafting round
     overlapped_verify = False  # the verify may be dispatched before the scheduler runs (every live row verifies)
     forks = False  # `fork`: n samples of one prompt share its prefill
@@ -370,17 +376,38 @@ def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold
     return state, logits.astype(jnp.float32)
 
 
-def head_rows(tree, rows: int):
-    """The first `rows` rows of every leaf (a static slice; the identity when that is all of them)."""
-    return _rowwise(lambda x: x if x.shape[0] == rows else x[:rows], tree)
+def head_rows(tree, rows: int, length: int | None = None):
+    """The first `rows` rows of every leaf (a static slice; the identity when that is all of them). length: also
+    every KV cache buffer (a `KVCache`'s keys and values, [b, S, ...]) cut to its first `length` slots (`cut_slots`)."""
+    head = _rowwise(lambda x: x if x.shape[0] == rows else x[:rows], tree)
+    if length is None:
+        return head
+
+    def node(n):
+        if isinstance(n, KVCache):
+            return n.replace(keys=cut_slots(n.keys, length), values=cut_slots(n.values, length))
+        return n
+
+    return jax.tree.map(node, head, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def cut_slots(buffers, length: int | None):
+    """KV buffers [b, S, ...] (any tree of them) cut to their first `length` slots (None, or S <= length: as they
+    are). A round whose rows' live lengths (and the block it writes) fit in `length` slots computes the same over the
+    cut buffers: slots past a row's length are never read, and the chunked attention reads the same chunks of a cut
+    holding whole chunks (`ResidentRunner.length_buckets`)."""
+    if length is None:
+        return buffers
+    return jax.tree.map(lambda x: x if x.shape[1] <= length else x[:, :length], buffers)
 
 
 def put_head_rows(full, head):
-    """`full` with its first rows replaced by `head` (a dynamic-update-slice: in place when `full` is donated)."""
+    """`full` with its leading block replaced by `head` (its first rows, and for KV buffers cut by `head_rows` their
+    first slots): a dynamic-update-slice, in place when `full` is donated."""
     def put(f, h):
-        if f.shape[0] == h.shape[0]:
+        if f.shape == h.shape:
             return h.astype(f.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(f, h.astype(f.dtype), 0, axis=0)
+        return jax.lax.dynamic_update_slice(f, h.astype(f.dtype), (0,) * f.ndim)
     return _rowwise(put, full, head)
 
 
@@ -419,9 +446,10 @@ def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows"), donate_argnames=("draft_buffers",))
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows", "length"),
+                   donate_argnames=("draft_buffers",))
 def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: SpecConfig, proposer,
-           rows: int | None = None):
+           rows: int | None = None, length: int | None = None):
     """The proposal of `proposer` (`spec.round.propose`: a chain of any width up to the state's block
     `spec.block_size`, or a tree) and each row's projected expert set (every MoE layer's router on the draft's
     hidden states of the verified rows; the anchor's embedding when nothing is drafted).
@@ -432,11 +460,16 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: Sp
 
     rows: compute only the first `rows` rows of the state (a row bucket >= the live rows, which the engine keeps
     in the lowest slots); the proposal, the lengths and the demand have `rows` rows, the buffers all of them (the
-    first `rows` written in place)."""
+    first `rows` written in place).
+
+    length: the draft cache's buffers cut to their first `length` slots for the draft (a length bucket holding every
+    computed row's context and the rows the draft writes; `cut_slots`), written back in place: a round then copies
+    the live slots, not the whole cache."""
     full_buffers = draft_buffers
-    if rows is not None:
+    if rows is not None or length is not None:
+        rows = state.done.shape[0] if rows is None else rows
         state = head_rows(state, rows)
-        draft_buffers = None if draft_buffers is None else head_rows(draft_buffers, rows)
+        draft_buffers = None if draft_buffers is None else cut_slots(head_rows(draft_buffers, rows), length)
     if draft_buffers is not None:
         state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
     proposal = propose(proposer, target_w, draft_w, state, spec)
@@ -452,12 +485,14 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: Sp
     return proposal, buffers, cache.lengths, demand
 
 
-def verify_rows(state: SpecState, proposal, draft_lengths, active, rows: int | None):
-    """The state a round verifies: its first `rows` rows, the draft cache holding the buffers `_draft` wrote and
-    the lengths after it, and every row where `active` [b] is unset counted done (nothing committed). Returns
-    (the run state, the proposal with its cache, active cut to the rows)."""
-    if rows is not None:
-        state, active = head_rows(state, rows), active[:rows]
+def verify_rows(state: SpecState, proposal, draft_lengths, active, rows: int | None, length: int | None = None):
+    """The state a round verifies: its first `rows` rows (and with `length`, its KV buffers' first `length` slots),
+    the draft cache holding the buffers `_draft` wrote and the lengths after it, and every row where `active` [b] is
+    unset counted done (nothing committed). Returns (the run state, the proposal with its cache, active cut to the
+    rows)."""
+    if rows is not None or length is not None:
+        rows = state.done.shape[0] if rows is None else rows
+        state, active = head_rows(state, rows, length), active[:rows]
     if state.draft_cache is not None:
         proposal = proposal.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
     return state.replace(done=state.done | ~active), proposal, active
@@ -471,9 +506,9 @@ def settle_rows(full: SpecState, old: SpecState, new: SpecState, active, rows: i
     return new if rows is None else put_head_rows(full, new)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
 def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: SpecConfig, proposer,
-            rows: int | None = None) -> SpecState:
+            rows: int | None = None, length: int | None = None) -> SpecState:
     """The verify of `proposal` for the rows where `active` [b] is set (`spec.round.verify_forward` + `commit`);
     every other row keeps its old state (`keep_rows`). The state keeps the layout of its block `spec.block_size`.
     `state.draft_cache` holds the buffers `_draft` wrote and the lengths before it; `draft_lengths` are the
@@ -481,9 +516,15 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
 
     rows: only the first `rows` rows are computed (the proposal has `rows` rows); the others are returned as they
     were, and the first `rows` are written back in place (the state is donated). Returns (the state, the verify's
-    logits [rows, W, V]: read only when a request asked for log-probs)."""
+    logits [rows, W, V]: read only when a request asked for log-probs).
+
+    length: every KV buffer cut to its first `length` slots for the round (a length bucket holding every computed
+    row's cache and the block the verify writes; `cut_slots`) and written back in place, so a round's copies follow
+    the live lengths, not the cache's capacity; the same result (`ResidentRunner.length_buckets`)."""
+    if length is not None and rows is None:
+        rows = state.done.shape[0]
     old = head_rows(state, rows) if rows is not None else state
-    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows)
+    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows, length)
     out = verify_forward(target_w, run, proposal, spec)
     new, _ = commit(run, proposal, out, spec, proposer)
     return settle_rows(state, old, new, active, rows), out.logits
@@ -521,6 +562,29 @@ def _broadcast_rows(row: SpecState, slots: int) -> SpecState:
     """`slots` copies of a one-row state, every row done (free)."""
     rows = jax.tree.map(lambda x: jnp.concatenate([x] * slots, axis=0), row)
     return rows.replace(done=jnp.ones((slots,), bool))
+
+
+LENGTH_BUCKET_STEP = 4  # each length bucket this many times the one before (a few compiled shapes)
+
+
+def length_buckets(max_len: int, block_rows: int) -> tuple:
+    """The cache lengths a resident round is compiled for: whole chunks of the chunked attention
+    (`nn.attention.AttentionTuning`, read now), the smallest the fewest that still takes the chunked path for a block
+    of `block_rows` rows, then `LENGTH_BUCKET_STEP` times larger, up to `max_len` (the whole cache: nothing cut).
+    A cut of whole chunks holding every live row reads the chunks the whole cache reads, in the same order: the same
+    attention bit for bit. A cache that takes the dense path (small, at most `dense_max_rows`) is never cut (a dense
+    softmax over fewer slots may round differently): (max_len,)."""
+    tuning = get_attention_tuning()
+    if not tuning.use_chunked(max_len, block_rows):
+        return (max_len,)
+    length = tuning.chunk
+    while length < max_len and not tuning.use_chunked(length, block_rows):
+        length += tuning.chunk
+    out = []
+    while length < max_len:
+        out.append(length)
+        length *= LENGTH_BUCKET_STEP
+    return tuple(out) + (max_len,)
 
 
 def expert_byte_table(pair, layers, num_experts) -> np.ndarray:
@@ -575,6 +639,8 @@ class ResidentRunner(RoundRunner):
         self.top_logprobs = min(TOP_LOGPROBS, int(tcfg.vocab_size))
         self.last_logits = None  # [k, V] the last prefill's (or fork's) last logits
         self._round_logprobs = None  # the last verify's committed log-probs (device), when its plan asked
+        self.length_buckets = length_buckets(self.spec.max_len, layout.widest + self.spec.block_size)
+        self._length_bound = None  # (each slot's cache length bound [slots], the state it holds for)
 
     def _widen(self, rows: SpecState) -> SpecState:
         """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block)."""
@@ -691,25 +757,49 @@ class ResidentRunner(RoundRunner):
 
     # -- the round -------------------------------------------------------------------------------------
 
+    def length_bucket(self, rows: int) -> int:
+        """The smallest length bucket holding the first `rows` rows' caches (every KV cache's length, the widest
+        verify and a draft block after it); the last bucket is the whole cache. `pin_length` overrides it (warm-up).
+        The lengths are read from the device (a few int32 per cache) only when the state changed outside the rounds
+        (a reset, insert, move): after that each round adds the widest verify to every row's bound (a round grows a
+        cache by at most that), so the bucket is never too small and seldom larger than needed."""
+        if self.pin_length is not None:
+            return self.pin_length
+        if len(self.length_buckets) == 1:
+            return self.length_buckets[0]
+        if self._length_bound is None or self._length_bound[1] is not self.state:
+            lengths = [n.lengths for n in jax.tree.leaves(self.state, is_leaf=lambda x: isinstance(x, KVCache))
+                       if isinstance(n, KVCache)]
+            bound = np.max(np.stack([np.asarray(x) for x in jax.device_get(lengths)]), axis=0)
+        else:
+            bound = self._length_bound[0] + self.layout.widest
+        self._length_bound = (bound, None)  # the state it bounds: set after the round's verify (`verify`)
+        need = int(np.max(bound[:rows])) + self.layout.widest + self.spec.block_size
+        return next((b for b in self.length_buckets if b >= need), self.length_buckets[-1])
+
     @_on_mesh
     def draft(self, proposer, rows: int) -> Drafted:
-        """The draft of the first `rows` rows. The state's draft-cache buffers are donated to the draft, and the
-        state takes the buffers it returns (with the old lengths until the verify)."""
+        """The draft of the first `rows` rows over the round's length bucket (`length_bucket`). The state's
+        draft-cache buffers are donated to the draft, and the state takes the buffers it returns (with the old
+        lengths until the verify)."""
+        length = self.length_bucket(rows)
         cache = self.state.draft_cache
         state, buffers = self.state, None
         if cache is not None:
             state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
         proposal, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._routers,
-                                                    self.spec, proposer, rows)
+                                                    self.spec, proposer, rows, length)
         if cache is not None:
             self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
-        return Drafted(proposer=proposer, rows=rows, proposal=proposal, lengths=lengths, demand=demand)
+        return Drafted(proposer=proposer, rows=rows, proposal=proposal, lengths=lengths, demand=demand, length=length)
 
     @_on_mesh
     def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
         start = self._verify_start(plan)
         self.state, logits = _verify(self.pair.target, self.state, drafted.proposal, drafted.lengths, plan.active,
-                                     self.spec, drafted.proposer, drafted.rows)
+                                     self.spec, drafted.proposer, drafted.rows, drafted.length)
+        if self._length_bound is not None and drafted.length is not None:
+            self._length_bound = (self._length_bound[0], self.state)  # the bound holds for the state this verify made
         self._after_verify(start, logits, drafted.proposal.tree)
 
     def fetch(self):
@@ -920,6 +1010,6 @@ class FakeRunner(RoundRunner):
 
 
 __all__ = ["kv_buffers", "with_kv_buffers", "Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
-           "TOP_LOGPROBS", "TokenLogprobs", "committed_logprobs", "expert_byte_table", "fake_pair", "fork_rows",
+           "TOP_LOGPROBS", "TokenLogprobs", "committed_logprobs", "expert_byte_table", "fake_pair", "length_buckets", "cut_slots", "fork_rows",
            "log_softmax_top", "prompt_logprobs_of", "tree_committed_logprobs", "tree_path_logits", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
            "verify_rows"]

@@ -1,0 +1,59 @@
+"""Length buckets: a resident round computes over the smallest of a few cache lengths holding its rows' live
+lengths (`serve.runner.length_buckets`), not the whole cache. Under a small attention chunk (so that a short cache
+has several buckets) requests whose caches grow across bucket boundaries produce the tokens of the same engine with
+the whole cache every round, and of each request run alone; warm-up compiles every bucket (no compile while
+serving)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_jax.compile_cache import CompileCounter
+from dflash_jax.nn.attention import attention_tuning
+from dflash_jax.serve.engine import Engine, generate as serve_generate
+from dflash_jax.serve.runner import cut_slots, length_buckets
+from dflash_jax.spec import SamplingParams
+from dflash_jax.spec import generate as spec_generate
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(40, 56))]
+BUDGETS = [60, 40, 64]
+
+
+def test_length_buckets_shape():
+    with attention_tuning(chunk=16, dense_max_rows=32):
+        assert length_buckets(256, 8) == (48, 192, 256)
+        assert length_buckets(32, 8) == (32,)  # a dense cache is never cut
+    assert length_buckets(4096, 5) == (768, 3072, 4096)
+    assert length_buckets(256, 5) == (256,)
+
+
+def test_cut_slots():
+    import jax.numpy as jnp
+
+    x = jnp.zeros((2, 64, 1, 4))
+    assert cut_slots((x, x), 16)[0].shape == (2, 16, 1, 4)
+    assert cut_slots(x, 64) is x and cut_slots(x, None) is x
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_length_buckets_lossless_and_warm(pair, block_size):
+    with attention_tuning(chunk=16, dense_max_rows=32):
+        eng = Engine(pair, slots=2, block_size=block_size, max_prompt_len=16, max_new_tokens=64,
+                     prefix_cache_bytes=0)
+        buckets = eng.runner.length_buckets
+        assert len(buckets) > 1 and buckets[-1] == eng.spec.max_len
+        eng.warmup([16])
+        used = []
+        choose = eng.runner.length_bucket
+        eng.runner.length_bucket = lambda rows: used.append(choose(rows)) or used[-1]
+        with CompileCounter() as counter:
+            reqs = serve_generate(eng, PROMPTS, max_new_tokens=BUDGETS, sampling=SamplingParams(), seed=0)
+        assert counter.compiles == 0
+        assert set(used) >= set(buckets[:2])  # the caches grew across a bucket boundary
+        assert used == sorted(used) or len(set(used)) > 1
+        eng.runner.length_bucket = lambda rows: buckets[-1]  # the whole cache every round
+        whole = serve_generate(eng, PROMPTS, max_new_tokens=BUDGETS, sampling=SamplingParams(), seed=0)
+        for i, (r, w) in enumerate(zip(reqs, whole)):
+            assert r.tokens == w.tokens, i
+            alone = spec_generate(pair, [PROMPTS[i]], max_new_tokens=BUDGETS[i], sampling=SamplingParams(), seed=0)
+            assert r.tokens == alone.tokens[0], i
