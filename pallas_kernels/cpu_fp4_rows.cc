@@ -6,13 +6,11 @@
 // scales u8 [E, N, K/32] (E8M0: 255 is NaN); expert s32 [R] (rows of one expert adjacent, e.g. sorted); result f32
 // [R, N]. Each weight is the float product E2M1(code) * 2^(s - 127), exactly as the dequantized table holds it
 // (subnormal scales, overflow to inf and NaN included); rows are independent, so an expert without rows is never
-// read. A run of rows with the same expert decodes each block once for all of them. The work is split by output
-// rows over XLA's CPU thread pool when it gives one.
+// read. A run of rows with the same expert decodes each block once for all of them. One thread: split over threads
+// it measured slower on a shared CPU (a descheduled helper holds up the call).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -109,7 +107,7 @@ void RunOutputs(const Problem& p, int64_t e, int64_t r0, int64_t r1, int64_t o0,
   }
 }
 
-// Work item w of `items`: every run, output rows split into `chunks` equal parts.
+// Work item `item`: every run, output rows split into `chunks` equal parts.
 void RunItem(const Problem& p, int64_t item, int64_t chunks) {
   const int64_t run = item / chunks, part = item % chunks;
   const int64_t r0 = p.runs[run], r1 = p.runs[run + 1];
@@ -123,11 +121,12 @@ void RunItem(const Problem& p, int64_t item, int64_t chunks) {
   RunOutputs(p, e, r0, r1, o0, o1);
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
+ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
                 ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), bd = blocks.dimensions();
-  if (xd.size() != 2 || bd.size() != 4 || bd[3] != kHalf || xd[1] != bd[2] * kBlock)
-    return ffi::Error::InvalidArgument("mxfp4_rows: x [R, K], blocks [E, N, K/32, 16]");
+  auto xd = x.dimensions(), bd = blocks.dimensions(), sd = scales.dimensions(), ed = expert.dimensions();
+  if (xd.size() != 2 || bd.size() != 4 || bd[3] != kHalf || xd[1] != bd[2] * kBlock || sd.size() != 3 ||
+      sd[0] != bd[0] || sd[1] != bd[1] || sd[2] != bd[2] || ed.size() != 1 || ed[0] != xd[0])
+    return ffi::Error::InvalidArgument("mxfp4_rows: x [R, K], blocks [E, N, K/32, 16], scales [E, N, K/32], expert [R]");
   Problem p;
   p.x = x.typed_data();
   p.blocks = blocks.typed_data();
@@ -151,24 +150,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const int64_t nruns = int64_t(p.runs.size());
   p.runs.push_back(p.rows);
   if (nruns == 0) return ffi::Error::Success();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(p.n / 64, (2 * threads + nruns - 1) / nruns));
-  const int64_t items = nruns * chunks;
-  if (threads <= 1 || items <= 1) {
-    for (int64_t i = 0; i < items; ++i) RunItem(p, i, chunks);
-    return ffi::Error::Success();
-  }
-  std::atomic<int64_t> next{0}, done{0};
-  auto worker = [&]() {
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      RunItem(p, i, chunks);
-      done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(threads, items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([&worker]() { worker(); });
-  worker();
-  while (done.load() < items) std::this_thread::yield();
+  for (int64_t i = 0; i < nruns; ++i) RunItem(p, i, 1);
   return ffi::Error::Success();
 }
 
@@ -176,7 +158,6 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
