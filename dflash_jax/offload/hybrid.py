@@ -11,7 +11,11 @@ computed on the device. Both give the same numbers (the same jitted pass on the 
 
 `HostCompute.measure()` fills the figures from this machine (the link by `bandwidth`; the host's rates from the
 library's own host pass timed at the pair's expert shape, `for_pair` / `measure_host_pass`, or numpy's matmul
-and copy rates without one); `for_link()` lets a caller state them (what `study.cost_model` assumes for an H200 + PCIe
+and copy rates without one). The host pass is `nn.moe.swiglu_experts` on the CPU device as the offloaded layer
+runs it: at real expert shapes with MXFP4 tables and up to `nn.moe.STREAM_MAX_ROWS` rows that is the streamed
+path (the compiled kernel reading each routed expert's codes once as stored, about 0.4 - 0.8x this machine's
+copy bandwidth in docs/benchmarks/moe_cpu.md, where the gathering path made 0.01 - 0.02x), so the measured
+`host_bytes_per_s` is that rate and the placement sends more cold experts to the host; `for_link()` lets a caller state them (what `study.cost_model` assumes for an H200 + PCIe
 5 host: the link ~58 GB/s, a host socket ~2 TFLOP/s and ~200 GB/s (assumed): a cold expert of Qwen3-30B (~2.5 MB
 MXFP4, 6HI = 9.4 MFLOP per row) copies in ~43 us and computes on the host in ~12.5 us + 4.7 us per row, so it is
 worth computing there while it has up to ~6 rows this round).
@@ -104,7 +108,8 @@ class HostCompute:
 def measure_host_pass(hidden: int, intermediate: int, *, expert_format: str = "mxfp4", experts: int = 8,
                       rows: int = 16, repeats: int = 3) -> tuple[float, float]:
     """(FLOP/s, expert bytes read per s) of the host pass at one expert shape, fitted from two timed calls of
-    `swiglu_experts` on the CPU device (random tables of `experts` experts; 1 and `rows` rows per expert)."""
+    `swiglu_experts` on the CPU device (random tables of `experts` experts; 1 and `rows` rows per expert), on the
+    path the layer takes there (`host_path`)."""
     import jax
     import jax.numpy as jnp
 
@@ -148,6 +153,27 @@ def measure_host_pass(hidden: int, intermediate: int, *, expert_format: str = "m
     compute_one = experts * flops_per_row(hidden, intermediate) / flops
     rate = experts * expert_bytes / max(one - compute_one, 1e-9)
     return float(flops), float(rate)
+
+
+def host_path(hidden: int, intermediate: int, *, expert_format: str = "mxfp4", experts: int = 8,
+              rows: int = 16) -> str:
+    """The CPU path (`nn.moe.routed_path`) the host pass takes at this expert shape and format for `rows` rows per
+    expert over `experts` experts: what `measure_host_pass` times, and what the offloaded layer runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.nn.moe import routed_path
+    from pallas_kernels import target
+    from pallas_kernels.formats import MXFP4Tensor
+
+    if expert_format == "mxfp4":
+        gate_up = MXFP4Tensor(jax.ShapeDtypeStruct((experts, 2 * intermediate, hidden // 32, 16), jnp.uint8),
+                              jax.ShapeDtypeStruct((experts, 2 * intermediate, hidden // 32), jnp.uint8))
+    else:
+        dtype = jnp.float32 if expert_format == "float32" else jnp.bfloat16
+        gate_up = jax.ShapeDtypeStruct((experts, hidden, 2 * intermediate), dtype)
+    with target.compiling_for("cpu"):
+        return routed_path("auto", gate_up, jnp.float32, experts * rows, 1)
 
 
 def flops_per_row(hidden: int, intermediate: int) -> float:

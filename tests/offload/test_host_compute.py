@@ -33,3 +33,15 @@ def test_for_pair_times_the_pairs_tables_and_keeps_the_link():
     fast_link = dataclasses.replace(figures, link_bytes_per_s=1e18)
     assert list(slow_link.choose(np.array([1]), rows, flops_per_row=per_row, expert_bytes=10**6)) == [1]
     assert list(fast_link.choose(np.array([1]), rows, flops_per_row=per_row, expert_bytes=10**6)) == []
+
+
+def test_host_pass_at_a_real_fp4_expert_shape_streams_the_codes():
+    """At Qwen3-30B-A3B's expert shape (2048 -> 768) with MXFP4 tables the host pass takes the streamed path (the
+    rate it measures is the compiled kernel's, or XLA's per-row loop where the kernel cannot be built); small
+    tables and dense ones keep the other CPU paths."""
+    assert hybrid.host_path(2048, 768, expert_format="mxfp4", experts=8, rows=1) == "stream"
+    assert hybrid.host_path(2048, 768, expert_format="mxfp4", experts=8, rows=16) == "stream"
+    assert hybrid.host_path(128, 256, expert_format="mxfp4") != "stream"
+    assert hybrid.host_path(2048, 768, expert_format="bf16") != "stream"
+    flops, rate = hybrid.measure_host_pass(2048, 768, expert_format="mxfp4", experts=2, rows=2, repeats=1)
+    assert math.isfinite(flops) and flops > 0 and math.isfinite(rate) and rate > 0
