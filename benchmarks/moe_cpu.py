@@ -16,7 +16,11 @@ Three parts, one report (docs/benchmarks/moe_cpu.{json,md,png}):
   host        one MoE layer's routed experts at the real shapes of Qwen3-30B-A3B (128 experts, top-8,
               2048 -> 768) and gpt-oss-20b (32 experts, top-4, 2880 -> 2880), bf16 and MXFP4 tables (random),
               1 / 4 / 16 tokens: bytes of routed experts (as stored) read per second, against this machine's
-              measured copy bandwidth (`np.copyto` of 256 MiB).
+              measured copy bandwidth (`np.copyto` of 256 MiB), paired runs of the CPU paths in one process:
+              "tiles" (each tile's expert gathered, then dequantized and multiplied) and "stream" (MXFP4: the
+              compiled kernel of `pallas_kernels.cpu_kernels`, codes read once as stored; dense tables: XLA's loop
+              over rows, a matrix-vector product each), and the one "auto" takes.
+--parts host --write-docs keeps the other parts' tables from the tracked report (their own run and load).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import numpy as np
 import harness as H
 
 PATHS = ("xla", "dense", "tiles", "auto")
+HOST_PATHS = ("tiles", "stream")
 LAYER_TOKENS = (1, 4, 16, 64, 256, 1024)
 REAL_SHAPES = {"Qwen3-30B-A3B": (128, 8, 2048, 768), "gpt-oss-20b": (32, 4, 2880, 2880)}
 
@@ -109,22 +114,34 @@ def host_part(args, log) -> dict:
                                        jnp.asarray(rng.integers(118, 124, (e, n, kk // 32), dtype=np.uint8)))
                 gu, dn = table(2 * inter, h), table(h, inter)
             expert_bytes = sum(a.nbytes for a in jax.tree.leaves((gu, dn))) // e
-            fn = jax.jit(lambda x, ex, w, gu, dn: moe.swiglu_experts(x, ex, w, gu, dn))
+            fns = {p: jax.jit(lambda x, ex, w, gu, dn, p=p: moe.swiglu_experts(x, ex, w, gu, dn, implementation=p))
+                   for p in HOST_PATHS}
             for t in args.host_tokens:
                 x = jnp.asarray(rng.standard_normal((t, h), np.float32))
                 experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
                 w = jnp.full((t, k), 1.0 / k, jnp.float32)
-                jax.block_until_ready(fn(x, experts, w, gu, dn))
-                timings = H.paired_runs({"layer": lambda: jax.block_until_ready(fn(x, experts, w, gu, dn))},
-                                        args.host_repeats)
-                seconds = timings.stat("layer", "wall", "median")
+                outs = {p: np.asarray(f(x, experts, w, gu, dn)) for p, f in fns.items()}  # compiles
+                diff = float(np.max(np.abs(outs["stream"] - outs["tiles"])))
+                scale = float(np.max(np.abs(outs["tiles"])))
+                timings = H.paired_runs({p: (lambda f=f: jax.block_until_ready(f(x, experts, w, gu, dn)))
+                                         for p, f in fns.items()}, args.host_repeats)
                 routed = len(np.unique(np.asarray(experts)))
-                rate = routed * expert_bytes / seconds
-                rows.append({"model": model, "table": fmt, "tokens": t, "routed_experts": routed,
-                             "expert_bytes": expert_bytes, "ms": seconds * 1e3, "bytes_per_s": rate,
-                             "of_copy_bandwidth": rate / bandwidth, "load": timings.load_summary()})
-                log(f"host {model} {fmt} T={t}: {routed} experts, {seconds * 1e3:.1f} ms, {rate / 1e9:.2f} GB/s "
-                    f"= {rate / bandwidth:.2f} x copy")
+                auto = moe.routed_path("auto", gu, jnp.float32, t, k)
+                row = {"model": model, "table": fmt, "tokens": t, "routed_experts": routed,
+                       "expert_bytes": expert_bytes, "auto_path": auto, "max_abs_diff": diff, "max_abs_out": scale,
+                       "load": timings.load_summary(), "paths": {}}
+                for p in HOST_PATHS:
+                    seconds = timings.stat(p, "wall", "median")
+                    rate = routed * expert_bytes / seconds
+                    row["paths"][p] = {"ms": seconds * 1e3, "cpu_ms": timings.stat(p, "cpu", "median") * 1e3,
+                                       "bytes_per_s": rate, "of_copy_bandwidth": rate / bandwidth}
+                taken = row["paths"].get(auto, row["paths"]["tiles"])
+                row.update(ms=taken["ms"], bytes_per_s=taken["bytes_per_s"], of_copy_bandwidth=taken["of_copy_bandwidth"])
+                rows.append(row)
+                log(f"host {model} {fmt} T={t}: {routed} experts, " + ", ".join(
+                    f"{p} {r['ms']:.1f} ms {r['bytes_per_s'] / 1e9:.2f} GB/s = {r['of_copy_bandwidth']:.2f} x copy"
+                    for p, r in row["paths"].items()) + f"; auto = {auto}; max |stream - tiles| {diff:.2e} "
+                    f"(outputs up to {scale:.2e})")
             del gu, dn
     return {"copy_bytes_per_s": bandwidth, "rows": rows}
 
@@ -193,7 +210,9 @@ def markdown(args, result) -> list[str]:
     lines = ["# MoE experts on a CPU: routed tiles, grouped matmul and all experts", "",
              f"`{args.command}` - {result['machine']['machine']}, jax {result['machine']['jax']}. "
              "Method and parts: the script's docstring. Load average (1 min) over the run: "
-             f"{result['load_before']} before, {result['load_after']} after.", ""]
+             f"{result['load_before']} before, {result['load_after']} after." + "".join(
+                 f" The {part.replace('_', ' ')} part is from an earlier run (load {old['load_before']} before, "
+                 f"{old['load_after']} after)." for part, old in result.get("carried", {}).items()), ""]
     if result.get("layer"):
         lines += ["## One layer (the shipped pair's shape: 8 experts, top-2, 128 -> 256, fp32)", "",
                   "Process CPU ms per call, paired runs (median); auto = the path `routed_path` takes.", ""]
@@ -222,10 +241,18 @@ def markdown(args, result) -> list[str]:
         host = result["host"]
         lines += ["## Host expert compute at real shapes", "",
                   f"Copy bandwidth (np.copyto, 256 MiB): {host['copy_bytes_per_s'] / 1e9:.2f} GB/s. Bytes of the routed "
-                  "experts as stored over the layer's wall time (median).", ""]
-        lines += H.table(["model", "table", "tokens", "routed experts", "ms", "GB/s", "of copy bandwidth"],
-                         [[r["model"], r["table"], r["tokens"], r["routed_experts"], f"{r['ms']:.1f}",
-                           f"{r['bytes_per_s'] / 1e9:.2f}", f"{r['of_copy_bandwidth']:.2f}"] for r in host["rows"]])
+                  "experts as stored over the layer's wall time (median of paired runs, both paths in one process): "
+                  "tiles = the path before (each tile's expert gathered, dequantized, multiplied), stream = "
+                  "`_streamed_experts` (MXFP4: the compiled kernel; bf16: XLA's loop over rows); auto = the path "
+                  "`routed_path` takes; load = the 1-minute load average over the point's runs.", ""]
+        lines += H.table(["model", "table", "tokens", "routed experts", "tiles ms", "tiles GB/s", "tiles of copy",
+                          "stream ms", "stream GB/s", "stream of copy", "auto takes", "max abs diff", "load"],
+                         [[r["model"], r["table"], r["tokens"], r["routed_experts"],
+                           *(x for p in HOST_PATHS for x in (f"{r['paths'][p]['ms']:.1f}",
+                                                             f"{r['paths'][p]['bytes_per_s'] / 1e9:.2f}",
+                                                             f"{r['paths'][p]['of_copy_bandwidth']:.0%}")),
+                           r["auto_path"], f"{r['max_abs_diff']:.1e}", f"{r['load']['median']:.1f}"]
+                          for r in host["rows"]])
     return lines
 
 
@@ -285,6 +312,16 @@ def main(argv=None) -> int:
     if "host" in parts:
         result["host"] = host_part(args, log)
     result["load_after"] = H.load_average()
+    if args.write_docs:  # parts not run now keep their tables from the tracked report
+        tracked = os.path.join(H.DOCS, "moe_cpu.json")
+        if os.path.exists(tracked):
+            with open(tracked) as fh:
+                old = json.load(fh)
+            for part in ("layer", "end_to_end", "host"):
+                if part not in parts and part in old:
+                    result[part] = old[part]
+                    result.setdefault("carried", {})[part] = {"load_before": old.get("load_before"),
+                                                              "load_after": old.get("load_after")}
     report = H.Report(args, "moe_cpu")
     report.write(result, markdown(args, result),
                  draw=draw(result) if result.get("layer") and result.get("end_to_end") else None,
