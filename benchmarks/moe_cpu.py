@@ -287,7 +287,8 @@ def main(argv=None) -> int:
                  repeats=DEFAULTS["repeats"])
     args = H.parse(p, argv, quick={"batches": "1,4", "max_new": 16, "parts": "layer,end_to_end",
                                    "host_formats": "bf16"})
-    args.command = H.command("moe_cpu.py", args, DEFAULTS)
+    args.command = H.command("moe_cpu.py", args, DEFAULTS,
+                             "" if args.parts == "layer,end_to_end,host" else f" --parts {args.parts}")
     args.batches = H.int_list(p, args.batches, "--batches")
     args.blocks = H.int_list(p, args.blocks, "--blocks", minimum=2)
     args.host_formats = [f for f in args.host_formats.split(",") if f]
