@@ -392,24 +392,38 @@ def median(xs):
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2 if xs else float("nan")
 
 
+def build_parser():
+    import harness as h
+
+    return h.parser(__doc__, {"--peers-venv": (DEFAULT_VENV, "the vLLM venv (created when missing)"),
+                              "--torch-wheel": (None, "a CPU torch wheel (file or requirement) to install first"),
+                              "--extra-index-url": (None, "an extra pip index for the CPU torch"),
+                              "--batches": ("1,4,16,32", "offline batch sizes"),
+                              "--clients": ("1,4,16,32", "concurrent streaming clients"),
+                              "--serve-blocks": ("4,8", "served block sizes (vLLM: k = block - 1)"),
+                              "--parts": ("torch,offline,served", "what to run"),
+                              "--processes": (2, "alternating processes per offline configuration"),
+                              "--requests-per-client": (2, "streaming completions per client per point"),
+                              "--render": (None, "rewrite the report from a peers.json (no runs)")},
+                    blocks="4,8,16", **DEFAULTS)
+
+
 def main(argv=None) -> int:
     import harness as h
 
-    p = h.parser(__doc__, {"--peers-venv": (DEFAULT_VENV, "the vLLM venv (created when missing)"),
-                           "--torch-wheel": (None, "a CPU torch wheel (file or requirement) to install first"),
-                           "--extra-index-url": (None, "an extra pip index for the CPU torch"),
-                           "--batches": ("1,4,16,32", "offline batch sizes"),
-                           "--clients": ("1,4,16,32", "concurrent streaming clients"),
-                           "--serve-blocks": ("4,8", "served block sizes (vLLM: k = block - 1)"),
-                           "--parts": ("torch,offline,served", "what to run"),
-                           "--processes": (2, "alternating processes per offline configuration"),
-                           "--requests-per-client": (2, "streaming completions per client per point")},
-                 blocks="4,8,16", **DEFAULTS)
+    p = build_parser()
     args = h.parse(p, argv, quick=QUICK)
     log = h.logger("peers")
     batches, blocks, clients = (h.int_list(p, args.batches, "--batches"), h.int_list(p, args.blocks, "--blocks", 2),
                                 h.int_list(p, args.clients, "--clients"))
     parts = set(args.parts.split(","))
+    if set(parts) - {"torch", "offline", "served"}:
+        p.error("--parts takes torch, offline, served")
+    if args.render:
+        with open(args.render) as fh:
+            result = json.load(fh)
+        write(h, args, result, batches, blocks, clients)
+        return 0
     import dflash_jax
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
@@ -525,7 +539,7 @@ def main(argv=None) -> int:
 def write(h, args, result, batches, blocks, clients) -> None:
     s = result["setup"]
     lines = ["# dflash_jax beside vLLM, z-lab's loop and transformers", "",
-             f"Written by `{h.command('peers.py', args, dict(DEFAULTS))}` (not in CI). The shipped Qwen3-MoE pair, "
+             f"Written by `{h.command('peers.py', args, dict(DEFAULTS, processes=2, requests_per_client=2))}` (not in CI). The shipped Qwen3-MoE pair, "
              f"fp32, greedy, {s['prompts']} held-out code prompts of {s['prompt_len']} tokens, {s['max_new']} new "
              f"tokens; {s['vllm']} in its own venv over CPU torch 2.13.0. Machine: {s['machine']['machine']}; "
              f"load average at start {s['load_at_start'][0]:.1f}, at end {s['load_at_end'][0]:.1f}. Offline: "
