@@ -570,7 +570,9 @@ LENGTH_BUCKET_STEP = 4  # each length bucket this many times the one before (a f
 def length_buckets(max_len: int, block_rows: int) -> tuple:
     """The cache lengths a resident round is compiled for: whole chunks of the chunked attention
     (`nn.attention.AttentionTuning`, read now), the smallest the fewest that still takes the chunked path for a block
-    of `block_rows` rows, then `LENGTH_BUCKET_STEP` times larger, up to `max_len` (the whole cache: nothing cut).
+    of `block_rows` rows, then `LENGTH_BUCKET_STEP` times larger while at most half the cache, and `max_len` (the
+    whole cache: nothing cut). Each bucket is one more compile of every round program at warm-up (a bucket near the
+    whole cache would save little for it).
     A cut of whole chunks holding every live row reads the chunks the whole cache reads, in the same order: the same
     attention bit for bit. A cache that takes the dense path (small, at most `dense_max_rows`) is never cut (a dense
     softmax over fewer slots may round differently): (max_len,)."""
@@ -581,7 +583,7 @@ def length_buckets(max_len: int, block_rows: int) -> tuple:
     while length < max_len and not tuning.use_chunked(length, block_rows):
         length += tuning.chunk
     out = []
-    while length < max_len:
+    while 2 * length <= max_len:
         out.append(length)
         length *= LENGTH_BUCKET_STEP
     return tuple(out) + (max_len,)

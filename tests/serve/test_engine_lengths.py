@@ -21,9 +21,11 @@ BUDGETS = [60, 40, 64]
 
 def test_length_buckets_shape():
     with attention_tuning(chunk=16, dense_max_rows=32):
-        assert length_buckets(256, 8) == (48, 192, 256)
+        assert length_buckets(256, 8) == (48, 256)
+        assert length_buckets(1024, 8) == (48, 192, 1024)
         assert length_buckets(32, 8) == (32,)  # a dense cache is never cut
-    assert length_buckets(4096, 5) == (768, 3072, 4096)
+    assert length_buckets(4096, 5) == (768, 4096)
+    assert length_buckets(16384, 5) == (768, 3072, 16384)
     assert length_buckets(256, 5) == (256,)
 
 
