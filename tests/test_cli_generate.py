@@ -183,3 +183,20 @@ def test_sampling_params_ranges():
                       (dict(temperature=float("inf")), "temperature must be >= 0 and finite")]:
         with pytest.raises(ValueError, match=says.replace("^", r"\^")):
             SamplingParams(**bad)
+
+
+def test_default_measures_plain_decoding_against_the_chain(checkpoint, capsys):
+    """With no proposer named, the run measures plain decoding against the chain on the prompt and runs the faster
+    (`stats.measured_default`); its tokens are plain greedy's. `--no-measure` runs the chain as is."""
+    args = ["--checkpoint", checkpoint, "--prompt-ids", PROMPT, "--max-new-tokens", 24, "--json", "--ignore-eos"]
+    code, out, _ = _run(capsys, *args)
+    result = json.loads(out)
+    measured = result["stats"]["measured_default"]
+    assert code == 0 and set(measured) == {"plain", "chain B=8", "chosen"} and measured["chosen"] in measured
+    assert measured["plain"]["tokens_per_round"] == 1.0 and measured["chain B=8"]["ms_per_round"] > 0
+    code, out, _ = _run(capsys, *args, "--block-size", 1)
+    assert code == 0 and json.loads(out)["tokens"] == result["tokens"]
+    assert "measured_default" not in json.loads(out)["stats"]
+    code, out, _ = _run(capsys, *args, "--no-measure")
+    chain = json.loads(out)
+    assert chain["tokens"] == result["tokens"] and chain["stats"]["proposer"] == "chain"

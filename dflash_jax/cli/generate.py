@@ -9,7 +9,10 @@
 `proposal` (the B-1 draft tokens), `accepted` and `bonus`.
 
 `--proposer chain|head-chain|selector|tree|adaptive` picks what the draft proposes each round (default: the
-selector chain for a DFlash 2 draft, else the chain; `--tree-budget N`, `--tree-branch K` shape the tree), `--experts device|offload` where the target's experts live, `--loop jit|python`
+selector chain for a DFlash 2 draft, else the measured choice: plain decoding (width 1, no draft forward) and the
+chain of the block each timed on the prompt at warm-up (`spec.calibrate.measured_policy`, `stats.measured_default`),
+the chain kept only where it measures faster; `--no-measure` or `--proposer chain` run the chain as is;
+`--tree-budget N`, `--tree-branch K` shape the tree), `--experts device|offload` where the target's experts live, `--loop jit|python`
 the driver; every combination runs except offloaded experts in the jitted loop (`dflash_jax.api.CAPABILITIES`).
 The older spellings `--head-chain`, `--adaptive`, `--offload` and `--tree-budget N` alone still work for this
 release.
@@ -153,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "shape (chain B = 4/8/16 or tree N = 8/16/32) chosen from the acceptance so far and each "
                            "shape's cost")
     prop.add_argument("--block-size", type=int, default=None, help="verify width B (default: the draft's trained size)")
+    prop.add_argument("--no-measure", action="store_true",
+                      help="with no --proposer named: run the draft's chain as is, without first measuring it against "
+                           "plain decoding on the prompt (by default the run decodes plain where the chain measures "
+                           "no faster)")
     prop.add_argument("--tree-budget", type=int, default=None,
                       help="nodes per tree verify, the anchor included (--proposer tree; default 16; alone it implies "
                            "--proposer tree)")
@@ -211,6 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--trace", action="store_true", help="include per-round proposal / accepted / bonus")
     return p
+
+
+MEASURE_TOKENS = 16  # tokens per calibration run of the default's choice (plain decoding or the chain)
+
+
+def shape_name(shape) -> str:
+    """"plain" for a width-1 shape, else "chain B=N"."""
+    return "plain" if shape.budget == 1 else f"chain B={shape.budget}"
+
+
+def measure_default(args, proposer_name: str, offload: bool, driver: str) -> bool:
+    """Whether the run's proposer is the measured default (`spec.calibrate.measured_policy`, greedy figures at any
+    temperature): no proposer named, the pair's default is the argmax chain, resident experts, the jitted loop,
+    no PFlash prefill, a block of at least 2 (block 1 is plain decoding already), and `--no-measure` not given.
+    A named `--proposer chain` runs the fixed chain."""
+    return (named_no_proposer(args) and proposer_name == "chain" and not offload and driver == "jit"
+            and args.pflash_keep is None and not args.no_measure and (args.block_size is None or args.block_size > 1))
 
 
 def named_no_proposer(args) -> bool:
@@ -360,6 +384,17 @@ def run(args) -> dict:
 
     proposer = make_proposer(pair, proposer_name, tree_budget=args.tree_budget or 16, tree_branch=args.tree_branch,
                              branch_head=not args.no_branch_head)
+    measured = None
+    if measure_default(args, proposer_name, offload, driver):  # plain decoding unless the chain measures faster
+        from dflash_jax.spec.calibrate import measured_policy
+
+        with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")):
+            proposer = measured_policy(pair, [prompt], block_size=args.block_size,
+                                       max_new_tokens=min(MEASURE_TOKENS, args.max_new_tokens),
+                                       buckets=shape_buckets(args))
+        measured = {shape_name(s): {"ms_per_round": round(t * 1e3, 3), "tokens_per_round": tau}
+                    for s, t, tau in zip(proposer.shapes, proposer.seconds(), proposer.tokens_per_round())}
+        measured["chosen"] = shape_name(proposer.shapes[proposer.reachable()[0]])
     kept = None
     if args.pflash_keep is not None:  # a prefill strategy: every proposer, driver and placement runs after it
         from dflash_jax import pflash
@@ -367,7 +402,8 @@ def run(args) -> dict:
         scorer = (pflash.load_scorer(args.pflash_scorer) if args.pflash_scorer is not None
                   else pflash.Scorer.from_pair(pair))
         kept = [pflash.compress(scorer, prompt, keep_ratio=args.pflash_keep)]
-    kwargs = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
+    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling,
+                  block_size=None if measured is not None else args.block_size,  # measured: the chosen chain's
                   stop_ids=stops, seed=args.seed, warmup=True, buckets=shape_buckets(args), kept=kept)
     on_mesh = contextlib.nullcontext() if mesh is None else jax_set_mesh(mesh)
     with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")), on_mesh:
@@ -402,6 +438,8 @@ def run(args) -> dict:
         "stats": dict(result.stats, prompt_tokens=len(prompt), checkpoint=os.path.abspath(directory),
                       expert_format=pair.expert_format),
     }
+    if measured is not None:
+        out["stats"]["measured_default"] = measured
     if mesh is not None:
         from dflash_jax.sharding import describe
 

@@ -5,6 +5,9 @@ repeat).
 
   measure_round_seconds   each shape's round (`spec.round`) on one prefilled state: a `VerifyCost`
   calibrate_policy        each shape's fixed loop on calibration prompts: an `AdaptivePolicy`
+  measured_policy         plain decoding (`PLAIN`: width 1, no draft forward) against the chain of the block,
+                          measured on the request's own prompts: the default that is never slower than plain by
+                          more than the measurement's error
 
 The tree build's acceptance model is fitted offline by research code (`study.tree_calibration`).
 """
@@ -49,16 +52,19 @@ def measure_round_seconds(pair, prompts, shapes: Sequence[TreeShape], *, max_new
 
 def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_tokens: int = 64, repeats: int = 3,
                      calibration_range: tuple[float, float] | None = (0.5, 2.0), decay: float = 0.9,
-                     clock: str = "wall", statistic: str = "min", margin: float = 0.0, log=None) -> AdaptivePolicy:
+                     clock: str = "wall", statistic: str = "min", margin: float = 0.0, log=None,
+                     buckets=None) -> AdaptivePolicy:
     """An `AdaptivePolicy` whose figures are measured on calibration prompts in the mode it will run in (the
     resident jitted loops): each shape's fixed loop (a chain: `spec.loop.generate` at block B; a tree:
     `generate_tree`) runs `prompts`, compiled first, then `repeats` times interleaved (`timing.paired_runs`); its
     seconds per round are the fastest run's seconds over its rounds, its tokens per round the run's mean. With the prompts' own
     figures and c = 1 the policy picks the fastest fixed shape there; `calibration_range` bounds how far a
     sequence's acceptance may move it (and so which shapes it provisions). clock: "wall" (seconds of the run)
-    or "cpu" (this process's CPU seconds over the call, prefill included: the work, which other jobs on a
-    shared machine do not inflate). statistic: "min" (the fastest repeat) or "median" (of the repeats: robust to
-    one lucky or loaded run). margin: the policy's prior toward the cheapest shape (`AdaptivePolicy.margin`)."""
+    or "cpu" (this process's CPU seconds: the work, which other jobs on a shared machine do not inflate); both
+    over the rounds only (the run's time after its prefill and first token, the same for every shape).
+    statistic: "min" (the fastest repeat) or "median" (of the repeats: robust to one lucky or loaded run). margin: the policy's prior toward the cheapest shape (`AdaptivePolicy.margin`).
+    A shape of budget 1 (`PLAIN`) runs the loop at block 1: plain greedy decoding, no draft forward. buckets: the
+    loops' shape buckets (those of the run to come, so the calibration compiles the programs the run reuses)."""
     if clock not in CLOCKS:
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     if statistic not in ("min", "median"):
@@ -66,9 +72,11 @@ def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_toke
 
     def run(s):
         if s.is_chain:
-            return generate(pair, prompts, max_new_tokens=max_new_tokens, block_size=s.budget)
+            # the chain as the run names it (`Chain(B)`), so a run of the chosen shape reuses this compiled loop
+            return generate(pair, prompts, max_new_tokens=max_new_tokens, proposer=as_proposer(s),
+                            block_size=s.budget, buckets=buckets)
         return generate_tree(pair, prompts, max_new_tokens=max_new_tokens, tree_budget=s.budget, branch=s.branch,
-                             temperature=s.temperature, calibration=s.calibration)
+                             temperature=s.temperature, calibration=s.calibration, buckets=buckets)
 
     taus, rounds = [], []
     for s in shapes:  # compiled, and each shape's tokens per round (the loops are deterministic)
@@ -82,9 +90,37 @@ def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_toke
                 f"{s.label()} {timings.stat(i, clock, statistic) / n * 1e3:.1f} ms/round"
                 for i, (s, n) in enumerate(zip(shapes, rounds))))
 
+    def decode_seconds(res):  # the rounds alone (wall, CPU): the prefill, the same for every shape, left out
+        st = res.stats
+        return st["seconds"] - st["prefill_s"], st["cpu_s"] - st["prefill_cpu_s"]
+
     timings = paired_runs({i: functools.partial(run, s) for i, s in enumerate(shapes)}, repeats,
-                          on_repeat=progress, seconds_of=lambda res: res.stats["seconds"])
+                          on_repeat=progress, seconds_of=decode_seconds)
     seconds = [timings.stat(i, clock, statistic) / n for i, n in enumerate(rounds)]
     return AdaptivePolicy(tuple(shapes), VerifyCost(tuple(seconds)),
                           taus=tuple(round(t, 4) for t in taus), decay=decay, calibration_range=calibration_range,
                           margin=margin)
+
+
+PLAIN = TreeShape(1, 1)  # plain decoding: a width-1 verify, no draft forward (the loop at block 1)
+
+
+def measured_policy(pair, prompts, *, block_size: int | None = None, max_new_tokens: int = 16, repeats: int = 2,
+                    clock: str = "cpu", statistic: str = "median", margin: float = 0.05, adaptive: bool = False,
+                    buckets=None, log=None) -> AdaptivePolicy:
+    """The default generation's choice, from figures measured now, in the mode the run goes on in: plain decoding
+    (`PLAIN`) against the draft's chain of `block_size` (default: the draft's trained block), each run as its own
+    jitted loop on `prompts` (`calibrate_policy`: compiled first, then `repeats` interleaved, `max_new_tokens`
+    each; the same programs the run reuses when `buckets` are the run's). The chain is kept only where its
+    measured tokens per second beat plain decoding's by more than `margin` (the measurement's error), so the
+    default is never slower than plain by more than that error, and keeps speculation where it pays.
+
+    adaptive=False (the default, least cold start): the policy reaches one shape, which then runs as that fixed
+    shape (no extra program). adaptive=True: each sequence's acceptance may move the choice within (0.5, 2)
+    times the measured one (both shapes compiled in one `lax.switch` loop when both are reachable)."""
+    block = pair.draft_cfg.block_size if block_size is None else int(block_size)
+    if block <= 1:
+        return AdaptivePolicy((PLAIN,), VerifyCost((1.0,)), taus=(1.0,))
+    return calibrate_policy(pair, prompts, (PLAIN, TreeShape(block, 1)), max_new_tokens=max_new_tokens,
+                            repeats=repeats, calibration_range=(0.5, 2.0) if adaptive else (1.0, 1.0), clock=clock,
+                            statistic=statistic, margin=margin, log=log, buckets=buckets)

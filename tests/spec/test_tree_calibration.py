@@ -292,3 +292,48 @@ def test_policy_figures_are_measured_by_the_paired_timing():
     assert len(cost.seconds) == 2 and all(s > 0 for s in cost.seconds)
     with pytest.raises(ValueError, match="clock"):
         calibrate_policy(pair, prompts, shapes, clock="gpu")
+
+
+def test_plain_decoding_is_a_shape_the_policy_chooses_from_its_figures():
+    """`spec.calibrate.PLAIN` (width 1, no draft forward) is chosen where the chain's measured tokens per second do
+    not beat it by the margin, the chain where they do; with the calibration range pinned at 1 one shape is
+    reachable, and the run plan runs it as that fixed shape (plain: the chain of width 1)."""
+    from dflash_jax.spec.calibrate import PLAIN
+    from dflash_jax.spec.loop import plan_run
+    from dflash_jax.spec.round import Chain
+
+    shapes = (PLAIN, TreeShape(8, 1))
+    cost = VerifyCost((0.002, 0.006))  # a width-8 round costs 3 width-1 rounds
+    for tau, want in ((2.9, 0), (3.1, 0), (3.3, 1)):  # 3.1 is within the 5% margin
+        policy = AdaptivePolicy(shapes, cost, taus=(1.0, tau), calibration_range=(1.0, 1.0), margin=0.05)
+        assert policy.reachable() == (want,)
+        plan = plan_run(None, policy)
+        assert plan.policy is None and plan.proposer == (Chain(1) if want == 0 else Chain(8))
+    both = AdaptivePolicy(shapes, cost, taus=(1.0, 3.3), calibration_range=(0.5, 2.0), margin=0.05)
+    assert both.reachable() == (0, 1)  # a sequence accepting half as much falls back to plain decoding
+    zero, live = np.zeros(1, np.float32), np.ones(1, bool)
+    assert int(choose_shape(both, zero, zero, live)) == 1
+    assert int(choose_shape(both, zero, np.full(1, 20.0, np.float32), live)) == 0
+
+
+@pytest.mark.slow  # compiles plain and chain loops of the shipped pair, and their adaptive loop
+def test_measured_policy_runs_lossless_whatever_it_chooses():
+    """`measured_policy` measures plain decoding against the chain on the run's prompts; the loop under the
+    measured policy, and under an adaptive policy switching between the two, emits plain greedy's tokens."""
+    import dflash_jax
+    from dflash_jax.spec import generate
+    from dflash_jax.spec.calibrate import PLAIN, measured_policy
+    from dflash_jax.train.data import file_windows
+
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
+    prompts = file_windows(pair, "train", 2, 32, 5)
+    plain = generate(pair, prompts, max_new_tokens=24, block_size=1)
+    policy = measured_policy(pair, prompts, block_size=8, max_new_tokens=8)
+    assert policy.shapes == (PLAIN, TreeShape(8, 1)) and len(policy.reachable()) == 1
+    assert all(s > 0 for s in policy.seconds()) and policy.tokens_per_round()[0] == 1.0
+    assert generate(pair, prompts, max_new_tokens=24, proposer=policy).tokens == plain.tokens
+    # both reachable: a sequence's acceptance moves it between plain rounds and chain rounds in one loop
+    both = AdaptivePolicy(policy.shapes, VerifyCost((0.002, 0.006)), taus=(1.0, 3.3), calibration_range=(0.5, 2.0),
+                          margin=0.05)
+    res = generate(pair, prompts, max_new_tokens=24, proposer=both)
+    assert res.tokens == plain.tokens and sum(res.stats["adaptive_rounds"].values()) == res.stats["rounds"]
