@@ -246,8 +246,8 @@ def export_pair(directory: str) -> tuple[str, str]:
     return target, draft
 
 
-def run_worker(py, kind, spec, work, env=None, log=print) -> dict:
-    sp, rp = os.path.join(work, f"{kind}.spec.json"), os.path.join(work, f"{kind}.result.json")
+def run_worker(py, kind, spec, work, env=None, log=print, tag="") -> dict:
+    sp, rp = os.path.join(work, f"{kind}{tag}.spec.json"), os.path.join(work, f"{kind}{tag}.result.json")
     with open(sp, "w") as fh:
         json.dump(spec, fh)
     if os.path.exists(rp):
@@ -401,6 +401,7 @@ def build_parser():
                               "--batches": ("1,4,16,32", "offline batch sizes"),
                               "--clients": ("1,4,16,32", "concurrent streaming clients"),
                               "--serve-blocks": ("4,8", "served block sizes (vLLM: k = block - 1)"),
+                              "--torch-blocks": ("8,16", "z-lab dflash_generate block sizes (batch 1)"),
                               "--parts": ("torch,offline,served", "what to run"),
                               "--processes": (2, "alternating processes per offline configuration"),
                               "--requests-per-client": (2, "streaming completions per client per point"),
@@ -450,12 +451,16 @@ def main(argv=None) -> int:
             result["mismatches"].append(msg)
         return bad
 
+    def partial():  # the report so far, rewritten after each part (a long run stopped early keeps its numbers)
+        result["setup"]["load_at_end"] = os.getloadavg()
+        write(h, args, result, batches, blocks, clients)
+
     with h.workdir(args, "peers_") as work:
         target, draft = export_pair(work)
         base = {"prompts": prompts, "max_new": n, "repeats": args.repeats, "target": target, "draft": draft,
                 "max_model_len": args.prompt_len + n + 64}
         log("torch: transformers generate (the reference) and z-lab dflash_generate, batch 1")
-        t = run_worker(sys.executable, "torch", dict(base, blocks=blocks, repeats=1), work, log=log)
+        t = run_worker(sys.executable, "torch", dict(base, blocks=h.int_list(p, args.torch_blocks, "--torch-blocks", 2), repeats=1), work, log=log)
         if "error" in t:
             raise SystemExit("the reference (transformers greedy) failed")
         ref = {tuple(pr): toks for pr, toks in zip(prompts, t["transformers"]["tokens"])}
@@ -466,6 +471,7 @@ def main(argv=None) -> int:
                                          "tokens_per_cpu_s": len(prompts) * n / median([x[1] for x in r["runs"]]),
                                          "load": median([x[2] for x in r["runs"]]),
                                          "mismatches": check(name, prompts, r["tokens"])}
+        partial()
         if "offline" in parts:
             configs = [("ours", 1, "ours plain")] + [("ours", b, f"ours B={b}") for b in blocks]
             configs += [("vllm", 0, "vLLM plain")] + [("vllm", b - 1, f"vLLM k={b - 1}") for b in blocks]
@@ -476,7 +482,7 @@ def main(argv=None) -> int:
                     log(f"offline: process {i + 1}/{args.processes}, {name}")
                     spec = dict(base, batches=batches, block=x, k=x)
                     r = run_worker(sys.executable if kind == "ours" else vpy, kind, spec, work,
-                                   env=None if kind == "ours" else venv, log=log)
+                                   env=None if kind == "ours" else venv, log=log, tag=f"_{x}_{i}")
                     runs[name].append(r)
             for name, rs in runs.items():
                 rs = [r for r in rs if "error" not in r]
@@ -494,6 +500,7 @@ def main(argv=None) -> int:
                 if not rs:
                     cell["error"] = runs[name][0].get("error") if runs[name] else "not run"
                 result["offline"][name] = cell
+            partial()
         if "served" in parts:
             sblocks = h.int_list(p, args.serve_blocks, "--serve-blocks", 2)
             modes = [("ours", 1, "dflash-serve plain")] + [("ours", b, f"dflash-serve B={b}") for b in sblocks]
@@ -529,6 +536,7 @@ def main(argv=None) -> int:
                 finally:
                     stop_server(proc)
                 result["served"][name] = cell
+                partial()
     result["setup"]["load_at_end"] = os.getloadavg()
     write(h, args, result, batches, blocks, clients)
     if result["mismatches"]:
