@@ -133,8 +133,10 @@ def swiglu_experts(
     implementation "dense": every token through every slot's expert, combined by the routing weights (the
     same sum; k-sparse FLOPs traded for dense einsums: for training small many-expert models on CPU, where
     `ragged_dot`'s cost grows with the number of groups). "tiles": only the routed rows' work, each expert's
-    rows in whole tiles multiplied by that expert's gathered weights (`_tiled_experts`). "auto" off a mesh
-    takes one of those two on a CPU (`routed_path`: "dense" only for small tables and few tokens). Otherwise
+    rows in whole tiles multiplied by that expert's gathered weights (`_tiled_experts`). "stream": only the
+    routed experts' tables, read in place (`_streamed_experts`; MXFP4 through the compiled CPU kernel). "auto" off
+    a mesh takes one of those three on a CPU (`routed_path`: "dense" only for small tables and few tokens,
+    "stream" for FP4 tables of real expert shapes at small widths). Otherwise
     sorted dispatch + `ops.grouped_matmul`,
     and under a context mesh with an `expert` axis (`jax.set_mesh`, see `expert_parallel_mesh`) the same
     dispatch per expert shard under `shard_map` (a slot pool is split along its slots the same way: each
@@ -180,7 +182,8 @@ STREAM_MIN_EXPERT_BYTES = 1 << 20
 
 def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None, top_k: int | None = None) -> str:
     """How `swiglu_experts` runs its rows off a mesh, for `tokens` x `top_k` rows (static): where "auto"
-    resolves to XLA on a CPU, "tiles" (`_tiled_experts`: only the routed rows' work) or, where every token
+    resolves to XLA on a CPU, "stream" (`_streamed_experts`) for FP4 tables of real expert shapes at up to
+    `STREAM_MAX_ROWS` rows, else "tiles" (`_tiled_experts`: only the routed rows' work) or, where every token
     through every expert costs less than the tiles' work plus their bookkeeping (`TILE_OVERHEAD_MACS`),
     "dense"; otherwise the grouped matmuls of `implementation` ("xla": `ragged_dot`, "pallas": the FP4 kernel).
     XLA's CPU `ragged_dot` runs every row through every group (a 0/1 mask per group), so its cost grows with
