@@ -772,6 +772,8 @@ class ResidentRunner(RoundRunner):
         if self._length_bound is None or self._length_bound[1] is not self.state:
             lengths = [n.lengths for n in jax.tree.leaves(self.state, is_leaf=lambda x: isinstance(x, KVCache))
                        if isinstance(n, KVCache)]
+            if not lengths:  # no KV cache to cut
+                return self.length_buckets[-1]
             bound = np.max(np.stack([np.asarray(x) for x in jax.device_get(lengths)]), axis=0)
         else:
             bound = self._length_bound[0] + self.layout.widest
