@@ -229,12 +229,13 @@ def shape_name(shape) -> str:
 
 
 def measure_default(args, proposer_name: str, offload: bool, driver: str) -> bool:
-    """Whether the run's proposer is the measured default (`spec.calibrate.measured_policy`, greedy figures at any
-    temperature): no proposer named, the pair's default is the argmax chain, resident experts, the jitted loop,
+    """Whether the run's proposer is the measured default (`spec.calibrate.measured_policy`): greedy decoding, no
+    proposer named, the pair's default is the argmax chain, resident experts, the jitted loop,
     no PFlash prefill, a block of at least 2 (block 1 is plain decoding already), and `--no-measure` not given.
     A named `--proposer chain` runs the fixed chain."""
     return (named_no_proposer(args) and proposer_name == "chain" and not offload and driver == "jit"
-            and args.pflash_keep is None and not args.no_measure and (args.block_size is None or args.block_size > 1))
+            and args.pflash_keep is None and not args.no_measure and (args.block_size is None or args.block_size > 1)
+            and args.temperature == 0)
 
 
 def named_no_proposer(args) -> bool:
@@ -428,6 +429,10 @@ def run(args) -> dict:
                 result = gen.generate([prompt], trace=args.trace, **request)
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
+        elif measured is not None:  # the measured choice, plain decoding by the fastest plain loop
+            from dflash_jax.spec.calibrate import generate_default
+
+            result = generate_default(pair, [prompt], proposer, **kwargs)
         elif driver == "jit":
             result = generate(pair, [prompt], proposer=proposer, **kwargs)
         else:

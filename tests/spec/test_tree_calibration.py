@@ -322,7 +322,7 @@ def test_measured_policy_runs_lossless_whatever_it_chooses():
     measured policy, and under an adaptive policy switching between the two, emits plain greedy's tokens."""
     import dflash_jax
     from dflash_jax.spec import generate
-    from dflash_jax.spec.calibrate import PLAIN, measured_policy
+    from dflash_jax.spec.calibrate import PLAIN, generate_default, measured_policy
     from dflash_jax.train.data import file_windows
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
@@ -332,6 +332,10 @@ def test_measured_policy_runs_lossless_whatever_it_chooses():
     assert policy.shapes == (PLAIN, TreeShape(8, 1)) and len(policy.reachable()) == 1
     assert all(s > 0 for s in policy.seconds()) and policy.tokens_per_round()[0] == 1.0
     assert generate(pair, prompts, max_new_tokens=24, proposer=policy).tokens == plain.tokens
+    for chosen in policy.shapes:  # the run of either choice (plain: the fastest plain loop)
+        pinned = AdaptivePolicy((chosen,), VerifyCost((1.0,)), taus=(1.0,))
+        res = generate_default(pair, prompts, pinned, max_new_tokens=24)
+        assert res.tokens == plain.tokens and res.stats["block_size"] == chosen.budget
     # both reachable: a sequence's acceptance moves it between plain rounds and chain rounds in one loop
     both = AdaptivePolicy(policy.shapes, VerifyCost((0.002, 0.006)), taus=(1.0, 3.3), calibration_range=(0.5, 2.0),
                           margin=0.05)
