@@ -8,8 +8,8 @@ The pair's experts are loaded as dflash-generate loads them (`dequantize_experts
 are dequantized once at load), for every mode alike. Per batch size, on that many held-out prompts:
   - plain: `decode.greedy_generate`, the batched plain greedy loop (no draft);
   - chain: the jitted DFlash loop at the draft's block;
-  - default: the loop under `measured_policy` (plain decoding and the chain each timed on the same prompts first,
-    the chain kept only where it measures faster by the margin); the calibration's seconds are reported (the
+  - default: `generate_default` under `measured_policy` (plain decoding and the chain each timed on the same
+    prompts first, the chain kept only where it measures faster by the margin); the calibration's seconds are reported (the
     cold start it adds).
 Paired, interleaved runs (`timing.paired_runs`: every mode once per repeat, back to back, order reversed every
 other repeat), wall and process CPU seconds, medians; the load average is recorded. Every output is checked equal
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate
-    from dflash_jax.spec.calibrate import measured_policy
+    from dflash_jax.spec.calibrate import generate_default, measured_policy
 
     pair = h.load_pair(args, dequantize_experts="auto")
     name = args.pair or "tiny_pair"
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         modes = {
             "plain": lambda: greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=n, stop_ids=[]),
             "chain": lambda: generate(pair, prompts, max_new_tokens=n, block_size=block).tokens,
-            "default": functools.partial(lambda pol: generate(pair, prompts, max_new_tokens=n, proposer=pol).tokens,
+            "default": functools.partial(lambda pol: generate_default(pair, prompts, pol, max_new_tokens=n).tokens,
                                          policy),
         }
         outputs = {m: fn() for m, fn in modes.items()}  # compiled before any timing
