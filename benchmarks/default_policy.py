@@ -9,8 +9,8 @@ are dequantized once at load), for every mode alike. Per batch size, on that man
   - plain: `decode.greedy_generate`, the batched plain greedy loop (no draft);
   - chain: the jitted DFlash loop at the draft's block;
   - default: `generate_default` under `measured_policy` (plain decoding and the chain each timed on the same
-    prompts first, the chain kept only where it measures faster by the margin); the calibration's seconds are reported (the
-    cold start it adds).
+    prompts first, the chain kept only where it measures faster by the margin); the calibration's seconds are
+    reported (the cold start it adds).
 Paired, interleaved runs (`timing.paired_runs`: every mode once per repeat, back to back, order reversed every
 other repeat), wall and process CPU seconds, medians; the load average is recorded. Every output is checked equal
 to plain greedy's. Writes default_policy_<pair>.{json,md} to --out (default bench_out/) or docs/benchmarks/.
