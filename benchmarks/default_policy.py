@@ -1,4 +1,4 @@
-"""Benchmark: the measured default (`spec.calibrate.measured_policy`, what dflash-generate runs when no proposer is
+"""Benchmark: the measured default (`decode.measured_policy`, what dflash-generate runs when no proposer is
 named) and the draft's chain against the fastest plain path, at batch 1 / 4 / 16 / 32.
 
   python benchmarks/default_policy.py [--pair NAME] [--batches 1,4,16,32] [--prompt-len 64] [--max-new 64]
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate
-    from dflash_jax.spec.calibrate import generate_default, measured_policy
+    from dflash_jax.decode import generate_default, measured_policy
 
     pair = h.load_pair(args, dequantize_experts="auto")
     name = args.pair or "tiny_pair"
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
           f"{mach['machine']}, backend {mach['backend']}; XLA threads: {args.threads}; expert tables as "
           "dflash-generate loads them (dequantized once at load on a CPU), the same for every mode. plain = "
           "`decode.greedy_generate` (the fastest plain path); chain = the DFlash loop at the draft's block "
-          f"{block}; default = the loop under `spec.calibrate.measured_policy` (plain decoding and the chain "
+          f"{block}; default = the loop under `decode.measured_policy` (plain decoding and the chain "
           "timed on the same prompts first; the chain kept only where it measures > 5% faster). Paired, "
           f"interleaved runs, {args.repeats} repeats, medians, end to end (prefill included). Load average (1 min) "
           f"over the run: {min(loads, default=0):.1f} - {max(loads, default=0):.1f}.", ""]

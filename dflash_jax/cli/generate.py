@@ -10,7 +10,7 @@
 
 `--proposer chain|head-chain|selector|tree|adaptive` picks what the draft proposes each round (default: the
 selector chain for a DFlash 2 draft, else the measured choice: plain decoding (width 1, no draft forward) and the
-chain of the block each timed on the prompt at warm-up (`spec.calibrate.measured_policy`, `stats.measured_default`),
+chain of the block each timed on the prompt at warm-up (`decode.measured_policy`, `stats.measured_default`),
 the chain kept only where it measures faster; `--no-measure` or `--proposer chain` run the chain as is;
 `--tree-budget N`, `--tree-branch K` shape the tree), `--experts device|offload` where the target's experts live, `--loop jit|python`
 the driver; every combination runs except offloaded experts in the jitted loop (`dflash_jax.api.CAPABILITIES`).
@@ -229,7 +229,7 @@ def shape_name(shape) -> str:
 
 
 def measure_default(args, proposer_name: str, offload: bool, driver: str) -> bool:
-    """Whether the run's proposer is the measured default (`spec.calibrate.measured_policy`): greedy decoding, no
+    """Whether the run's proposer is the measured default (`decode.measured_policy`): greedy decoding, no
     proposer named, the pair's default is the argmax chain, resident experts, the jitted loop,
     no PFlash prefill, a block of at least 2 (block 1 is plain decoding already), and `--no-measure` not given.
     A named `--proposer chain` runs the fixed chain."""
@@ -387,7 +387,7 @@ def run(args) -> dict:
                              branch_head=not args.no_branch_head)
     measured = None
     if measure_default(args, proposer_name, offload, driver):  # plain decoding unless the chain measures faster
-        from dflash_jax.spec.calibrate import measured_policy
+        from dflash_jax.decode import measured_policy
 
         with compile_cache.compile_notice(compile_cache.print_notice("dflash-generate")):
             proposer = measured_policy(pair, [prompt], block_size=args.block_size,
@@ -430,7 +430,7 @@ def run(args) -> dict:
             except PoolTooSmall as e:
                 raise UsageError(str(e).replace("expert budget", "--expert-budget-mb")) from None
         elif measured is not None:  # the measured choice, plain decoding by the fastest plain loop
-            from dflash_jax.spec.calibrate import generate_default
+            from dflash_jax.decode import generate_default
 
             result = generate_default(pair, [prompt], proposer, **kwargs)
         elif driver == "jit":

@@ -5,9 +5,9 @@ repeat).
 
   measure_round_seconds   each shape's round (`spec.round`) on one prefilled state: a `VerifyCost`
   calibrate_policy        each shape's fixed loop on calibration prompts: an `AdaptivePolicy`
-  measured_policy         plain decoding (`PLAIN`: width 1, no draft forward, the fastest plain loop) against the
+  (`decode.measured_policy`: plain decoding (`PLAIN`: width 1, no draft forward, the fastest plain loop) against the
                           chain of the block, measured on the request's own prompts; `generate_default` runs the
-                          choice: the default that is never slower than plain by more than the measurement's error
+                          choice: the default that is never slower than plain by more than the measurement's error)
 
 The tree build's acceptance model is fitted offline by research code (`study.tree_calibration`).
 """
@@ -103,77 +103,3 @@ def calibrate_policy(pair, prompts, shapes: Sequence[TreeShape], *, max_new_toke
 
 
 PLAIN = TreeShape(1, 1)  # plain decoding: a width-1 verify, no draft forward (the loop at block 1)
-
-
-def measured_policy(pair, prompts, *, block_size: int | None = None, max_new_tokens: int = 16, repeats: int = 2,
-                    clock: str = "cpu", statistic: str = "median", margin: float = 0.05, buckets=None,
-                    log=None) -> AdaptivePolicy:
-    """The default generation's choice, from figures measured now on the run's own prompts: plain decoding
-    (`PLAIN`, run by the fastest plain loop, `decode.greedy_generate`) against the draft's chain of `block_size`
-    (default: the draft's trained block, the jitted DFlash loop), each compiled first, then `repeats` interleaved
-    runs of `max_new_tokens` (`timing.paired_runs`, whole calls, prefill included for both). A shape's seconds per
-    round are its run's seconds over its rounds, its tokens per round the run's mean. The chain is kept only where
-    its measured tokens per second beat plain decoding's by more than `margin` (the measurement's error), so the
-    default is never slower than plain by more than that error. One shape is reachable (the calibration range is
-    pinned at 1): run it with `generate_default`."""
-    from dflash_jax.decode import greedy_generate
-
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
-    block = pair.draft_cfg.block_size if block_size is None else int(block_size)
-    if block <= 1:
-        return AdaptivePolicy((PLAIN,), VerifyCost((1.0,)), taus=(1.0,))
-    chain = TreeShape(block, 1)
-    extra = {} if buckets is None else {"buckets": buckets}
-    runs = {"plain": lambda: greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=max_new_tokens,
-                                             stop_ids=[], **extra),
-            # the block's chain as the loop runs it with no proposer named (one compiled program for both)
-            "chain": lambda: generate(pair, prompts, max_new_tokens=max_new_tokens, block_size=block, buckets=buckets)}
-    first = {m: fn() for m, fn in runs.items()}  # compiled before any timing
-    res = first["chain"]
-    tau = float(np.mean([a for seq in res.acceptance_lengths for a in seq]))
-    rounds = {"plain": max(1, max_new_tokens), "chain": max(1, int(res.stats["rounds"]))}
-    timings = paired_runs(runs, repeats)
-    secs = tuple(timings.stat(m, clock, statistic) / rounds[m] for m in ("plain", "chain"))
-    if log:
-        log(f"measured: plain {secs[0] * 1e3:.2f} ms/token, chain B={block} {secs[1] * 1e3:.2f} ms/round at "
-            f"{tau:.2f} tokens/round")
-    return AdaptivePolicy((PLAIN, chain), VerifyCost(secs), taus=(1.0, round(tau, 4)), calibration_range=(1.0, 1.0),
-                          margin=margin)
-
-
-def generate_default(pair, prompts, policy: AdaptivePolicy, *, max_new_tokens, sampling=None, stop_ids=(),
-                     buckets=None, warmup: bool = False, **kwargs):
-    """The run under `policy` (`measured_policy`'s): where plain decoding is its only reachable shape and the
-    decoding is greedy with one stop list, the fastest plain loop (`decode.greedy_generate`, as the measurement
-    ran it), wrapped as a `spec.loop.GenerationResult` (every round one token); else `spec.loop.generate`."""
-    import time
-
-    from dflash_jax.decode import greedy_generate
-    from dflash_jax.spec.loop import GenerationResult
-    from dflash_jax.spec.sampling import SamplingParams
-
-    sampling = SamplingParams() if sampling is None else sampling
-    one_stop_list = not stop_ids or not isinstance(stop_ids[0], (list, tuple))
-    reach = policy.reachable()
-    if len(reach) == 1 and policy.shapes[reach[0]].budget > 1 and policy.shapes[reach[0]].is_chain:
-        kwargs["block_size"] = policy.shapes[reach[0]].budget  # the chain of the block, as `measured_policy` ran it
-        return generate(pair, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                        buckets=buckets, warmup=warmup, **kwargs)
-    if not (len(reach) == 1 and policy.shapes[reach[0]].budget == 1 and getattr(sampling, "greedy", False)
-            and one_stop_list and not kwargs.get("kept")):
-        return generate(pair, prompts, max_new_tokens=max_new_tokens, proposer=policy, sampling=sampling,
-                        stop_ids=stop_ids, buckets=buckets, warmup=warmup, **kwargs)
-    extra = {} if buckets is None else {"buckets": buckets}
-    run = functools.partial(greedy_generate, pair.target, pair.target_cfg, prompts, max_new_tokens=max_new_tokens,
-                            stop_ids=list(stop_ids), **extra)
-    if warmup:
-        run()
-    t0, c0 = time.perf_counter(), time.process_time()
-    tokens = run()
-    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    generated = sum(len(t) for t in tokens)
-    stats = {"block_size": 1, "proposer": "plain (decode.greedy_generate)", "loop": "jit", "seconds": seconds,
-             "cpu_s": cpu_s, "rounds": max((len(t) - 1 for t in tokens), default=0), "generated_tokens": generated,
-             "mean_acceptance": 1.0, "tokens_per_second": generated / seconds if seconds else 0.0}
-    return GenerationResult(tokens=tokens, acceptance_lengths=[[1] * (len(t) - 1) for t in tokens], stats=stats)

@@ -322,7 +322,8 @@ def test_measured_policy_runs_lossless_whatever_it_chooses():
     measured policy, and under an adaptive policy switching between the two, emits plain greedy's tokens."""
     import dflash_jax
     from dflash_jax.spec import generate
-    from dflash_jax.spec.calibrate import PLAIN, generate_default, measured_policy
+    from dflash_jax.decode import generate_default, measured_policy
+    from dflash_jax.spec.calibrate import PLAIN
     from dflash_jax.train.data import file_windows
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
