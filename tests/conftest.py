@@ -1,13 +1,18 @@
-"""Test-session settings: the persistent compilation cache stays off (tests never write to the user's cache
-directory; a test that needs the cache points DFLASH_JAX_CACHE_DIR at a temp dir itself); jax runs on the CPU
-on a machine without an NVIDIA GPU; on a GPU, float32 matrix products run at full float32 precision."""
+"""Test-session settings: the persistent compilation cache stays off and the CPU kernels build in a temp folder
+(tests never write to the user's cache directory; a test that needs the cache points DFLASH_JAX_CACHE_DIR at a temp
+dir itself); jax runs on the CPU on a machine without an NVIDIA GPU; on a GPU, float32 matrix products run at full float32 precision."""
 
 import glob
 import os
+import tempfile
 
 pytest_plugins = ["tests.crash_rerun"]  # a test whose xdist worker crashed runs once more (see the module)
 
 os.environ["DFLASH_JAX_CACHE_DIR"] = "off"
+# The CPU kernels (pallas_kernels/cpu_kernels.py) are compiled once into a folder of the system's temp dir shared by
+# the test processes (the build is atomic and keyed by the source), never into the user's cache.
+os.environ.setdefault("DFLASH_KERNEL_CACHE",
+                      os.path.join(tempfile.gettempdir(), f"dflash_jax-test-kernels-{os.getuid()}"))
 # Without an NVIDIA device the tests run on the CPU. Saying so up front also keeps an installed CUDA plugin (the
 # `gpu-compile` extra, tests/gpu_compile) from failing jax's backend start-up on missing CUDA libraries; the
 # plugin then only serves deviceless compiles for the H200 topology. A GPU machine keeps jax's own choice.
