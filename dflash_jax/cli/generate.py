@@ -11,7 +11,8 @@
 `--proposer chain|head-chain|selector|tree|adaptive` picks what the draft proposes each round (default: the
 selector chain for a DFlash 2 draft, else the measured choice: plain decoding (width 1, no draft forward) and the
 chain of the block each timed on the prompt at warm-up (`decode.measured_policy`, `stats.measured_default`),
-the chain kept only where it measures faster; `--no-measure` or `--proposer chain` run the chain as is;
+the chain kept only where it measures faster; `--no-measure`, `--proposer chain`, a named `--block-size` or named
+compiled shapes run the chain as is;
 `--tree-budget N`, `--tree-branch K` shape the tree), `--experts device|offload` where the target's experts live, `--loop jit|python`
 the driver; every combination runs except offloaded experts in the jitted loop (`dflash_jax.api.CAPABILITIES`).
 The older spellings `--head-chain`, `--adaptive`, `--offload` and `--tree-budget N` alone still work for this
@@ -158,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     prop.add_argument("--block-size", type=int, default=None, help="verify width B (default: the draft's trained size)")
     prop.add_argument("--no-measure", action="store_true",
                       help="with no --proposer named: run the draft's chain as is, without first measuring it against "
-                           "plain decoding on the prompt (by default the run decodes plain where the chain measures "
-                           "no faster)")
+                           "plain decoding on the prompt (by default, with no --block-size, --capacity or --bucketed named, "
+                           "the run decodes plain where the chain measures no faster)")
     prop.add_argument("--tree-budget", type=int, default=None,
                       help="nodes per tree verify, the anchor included (--proposer tree; default 16; alone it implies "
                            "--proposer tree)")
@@ -231,10 +232,12 @@ def shape_name(shape) -> str:
 def measure_default(args, proposer_name: str, offload: bool, driver: str) -> bool:
     """Whether the run's proposer is the measured default (`decode.measured_policy`): greedy decoding, no
     proposer named, the pair's default is the argmax chain, resident experts, the jitted loop,
-    no PFlash prefill, a block of at least 2 (block 1 is plain decoding already), and `--no-measure` not given.
-    A named `--proposer chain` runs the fixed chain."""
+    no PFlash prefill, no verify width named (`--block-size B` asks for the chain at B) and no compiled shapes
+    named (`--capacity`, `--bucketed`: the chain's loop), and `--no-measure` not given. A named `--proposer chain`
+    runs the fixed chain."""
     return (named_no_proposer(args) and proposer_name == "chain" and not offload and driver == "jit"
-            and args.pflash_keep is None and not args.no_measure and (args.block_size is None or args.block_size > 1)
+            and args.pflash_keep is None and not args.no_measure and args.block_size is None
+            and getattr(args, "capacity", None) is None and not getattr(args, "bucketed", False)
             and args.temperature == 0)
 
 
