@@ -37,7 +37,7 @@ def test_cut_slots():
     assert cut_slots(x, 64) is x and cut_slots(x, None) is x
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("block_size", [1, pytest.param(4, marks=pytest.mark.slow)])  # 4: the draft side too (50 s)
 def test_length_buckets_lossless_and_warm(pair, block_size):
     with attention_tuning(chunk=16, dense_max_rows=32):
         eng = Engine(pair, slots=2, block_size=block_size, max_prompt_len=16, max_new_tokens=64,
