@@ -49,7 +49,9 @@ from dflash_jax.nn.attention import get_attention_tuning
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import check_proposer, commit, propose, verify_forward
 from dflash_jax.spec.sampling import next_token_rows
-from dflash_jax.spec.session import RowParams, SpecConfig, SpecState, init_target_cache, prefill_rows, split_rows
+from dflash_jax.spec.session import (
+    RowParams, SpecConfig, SpecState, init_target_cache, map_rows, prefill_rows, split_rows,
+)
 from dflash_jax.spec.tree import TreeShape, widen_for_tree
 
 
@@ -331,7 +333,7 @@ def fork_rows(rows: SpecState, logits, src, key_data, key_fold):
     """Row i of the result is prefilled row `src[i]` with its own key (`fold_in(key_data[i], key_fold[i])`, as a
     prefill keys a row) and its first token drawn again from that row's prefill logits: exactly the row a prefill
     of the same prompt with that key makes, at the cost of a gather. Returns (rows, their logits)."""
-    state = _rowwise(lambda x: x[src], rows)
+    state = map_rows(lambda x: x[src], rows)
     logits = logits[src]
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
     key, k_first = split_rows(keys)
@@ -344,29 +346,18 @@ def fork_rows(rows: SpecState, logits, src, key_data, key_fold):
 # the resident runner's programs (each compiled once per engine shape; the prefill once per prompt bucket)
 # ----------------------------------------------------------------------------------------------------------
 
-def _rowwise(fn, *trees):
-    """tree_map over state leaves with a leading batch axis; PRNG key arrays go through their data."""
-    def one(*xs):
-        if jnp.issubdtype(xs[0].dtype, jax.dtypes.prng_key):
-            impl = jax.random.key_impl(xs[0])
-            out = fn(*(jax.random.key_data(x) for x in xs))
-            return jax.random.wrap_key_data(out, impl=impl)
-        return fn(*xs)
-    return jax.tree.map(one, *trees)
-
-
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
     """Writes row i of the k-row state `rows` into row `slots[i]` (traced [k] int32) of the batched state;
     a slot index past the last slot drops the row (the padding rows of a prefill group)."""
-    return _rowwise(lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), state, rows)
+    return map_rows(lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), state, rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _move_row(state: SpecState, src, dst) -> SpecState:
     """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
     compaction that keeps live requests in the lowest slots. In place (the state is donated)."""
-    return _rowwise(lambda x: x.at[dst].set(x[src]), state)
+    return map_rows(lambda x: x.at[dst].set(x[src]), state)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -379,7 +370,7 @@ def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold
 def head_rows(tree, rows: int, length: int | None = None):
     """The first `rows` rows of every leaf (a static slice; the identity when that is all of them). length: also
     every KV cache buffer (a `KVCache`'s keys and values, [b, S, ...]) cut to its first `length` slots (`cut_slots`)."""
-    head = _rowwise(lambda x: x if x.shape[0] == rows else x[:rows], tree)
+    head = map_rows(lambda x: x if x.shape[0] == rows else x[:rows], tree)
     if length is None:
         return head
 
@@ -408,7 +399,7 @@ def put_head_rows(full, head):
         if f.shape == h.shape:
             return h.astype(f.dtype)
         return jax.lax.dynamic_update_slice(f, h.astype(f.dtype), (0,) * f.ndim)
-    return _rowwise(put, full, head)
+    return map_rows(put, full, head)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -441,7 +432,7 @@ def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
         if isinstance(n, KVCache):
             offset = None if n.position_offset is None else sel(n.position_offset, o.position_offset)
             return n.replace(lengths=sel(n.lengths, o.lengths), position_offset=offset)
-        return _rowwise(sel, n, o)
+        return map_rows(sel, n, o)
 
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 

@@ -28,7 +28,7 @@ from dflash_jax.spec.round import (
     verify_commit_jit, verify_width,
 )
 from dflash_jax.spec.sampling import SamplingParams
-from dflash_jax.spec.session import Prepared, SpecConfig, SpecState, begin_prepared, prepare
+from dflash_jax.spec.session import Prepared, SpecConfig, SpecState, begin_prepared, map_rows, prepare
 from dflash_jax.spec.tree import (
     DEFAULT_BRANCH, DEFAULT_TEMPERATURE, TreeCalibration, TreeShape, widen_for_tree,
 )
@@ -54,17 +54,123 @@ class GenerationResult:
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "proposer"), donate_argnames=("state",))
-def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()) -> SpecState:
-    """Rounds of `proposer` until every sequence is done (each round emits >= 1 token per live sequence)."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain(),
+             min_live=0) -> SpecState:
+    """Rounds of `proposer` until every sequence is done (each round emits >= 1 token per live sequence), or
+    until at most `min_live` (traced: one program for any value) are live."""
+    return jax.lax.while_loop(lambda s: jnp.sum(~s.done) > min_live,
                               lambda s: round_step(target_w, draft_w, s, spec, proposer)[0], state)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "policy"), donate_argnames=("astate",))
-def run_adaptive_loop(target_w, draft_w, astate, spec: SpecConfig, policy: AdaptivePolicy):
-    """Adaptive rounds (`spec.round.adaptive_round`) until every sequence is done."""
-    return jax.lax.while_loop(lambda a: ~jnp.all(a.spec_state.done),
+def run_adaptive_loop(target_w, draft_w, astate, spec: SpecConfig, policy: AdaptivePolicy, min_live=0):
+    """Adaptive rounds (`spec.round.adaptive_round`) until every sequence is done (or at most `min_live` live)."""
+    return jax.lax.while_loop(lambda a: jnp.sum(~a.spec_state.done) > min_live,
                               lambda a: adaptive_round(target_w, draft_w, a, spec, policy), astate)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compaction: a static batch whose rows finish at different rounds continues on the live rows only
+# ----------------------------------------------------------------------------------------------------------
+
+# The jitted loop's batch is static, so a finished row keeps costing its share of every round until the last row
+# finishes; with speculation the rows finish many rounds apart (one row's acceptance is not another's). Compaction
+# stops the loop when the live rows fit the batch bucket of half the rows, gathers them into a state of that
+# bucket (the finished rows' results kept on the host) and continues there: one more compiled loop per bucket.
+COMPACT_MIN_BATCH = 8  # `compact="auto"` compacts batches of at least this many rows (below, a round's cost
+#                        hardly falls with its rows on a CPU, and each smaller bucket is one more compile)
+
+
+@dataclasses.dataclass
+class RowResults:
+    """Every sequence's results on the host, by the sequence's index in the request."""
+
+    output: np.ndarray  # [n, N] int32
+    num_generated: np.ndarray  # [n]
+    acceptance: np.ndarray  # [n, N]
+    rounds: np.ndarray  # [n]
+
+    @classmethod
+    def empty(cls, n: int, columns: int) -> "RowResults":
+        return cls(output=np.full((n, columns), -1, np.int32), num_generated=np.zeros((n,), np.int32),
+                   acceptance=np.zeros((n, columns), np.int32), rounds=np.zeros((n,), np.int32))
+
+    @classmethod
+    def of(cls, state: SpecState) -> "RowResults":
+        return cls(output=_host(state.output), num_generated=_host(state.num_generated),
+                   acceptance=_host(state.acceptance), rounds=_host(state.rounds))
+
+    def put(self, state: SpecState, rows: np.ndarray, index: np.ndarray) -> None:
+        """Rows `rows` of the state are sequences `index[rows]` of the request."""
+        if rows.size == 0:
+            return
+        got = RowResults.of(state)
+        for name in ("output", "num_generated", "acceptance", "rounds"):
+            getattr(self, name)[index[rows]] = getattr(got, name)[rows]
+
+
+@jax.jit
+def take_rows(tree, rows):
+    """The rows `rows` (traced [k] int32) of a pytree whose leaves all lead with the batch axis."""
+    return map_rows(lambda x: x[rows], tree)
+
+
+def compaction_target(batch: int, buckets: Buckets, compact) -> int:
+    """The live rows at which a loop over `batch` rows stops to compact: the largest batch bucket at most half
+    the rows (0: run to the end). compact: True, False, or "auto" (batches of at least `COMPACT_MIN_BATCH`)."""
+    if compact is False or batch < 2 or not buckets.pad_batch:
+        return 0
+    if compact == "auto" and batch < COMPACT_MIN_BATCH:
+        return 0
+    half = batch // 2
+    while half > 0 and buckets.batch_size(half) > batch // 2:
+        half -= 1
+    return half if half > 0 and buckets.batch_size(half) == half else 0
+
+
+def _single_device(state: SpecState) -> bool:
+    sharding = getattr(state.anchor, "sharding", None)
+    return sharding is not None and len(sharding.device_set) == 1
+
+
+def run_compacting(run, state: SpecState, extra, num_rows: int, buckets: Buckets, compact="auto"):
+    """Drives `run(state, extra, min_live) -> (state, extra)` (a jitted loop; `extra`: None, or the
+    `spec.round.AdaptiveState` an adaptive loop carries, whose per-row sums are compacted with the state) to the end, compacting the live rows into smaller
+    batch buckets on the way (`compaction_target`). Rows past `num_rows` are padding. Returns
+    (final state, extra, RowResults of the `num_rows` sequences, compactions run)."""
+    index = np.arange(state.anchor.shape[0])
+    index[num_rows:] = -1
+    if not _single_device(state):
+        compact = False  # a state laid out over a mesh keeps its batch (the mesh divides it)
+    results, compactions = None, 0
+    while True:
+        batch = state.anchor.shape[0]
+        target = compaction_target(batch, buckets, compact)
+        state, extra = run(state, extra, target)
+        if target == 0:
+            break
+        done = _host(state.done)
+        live = np.flatnonzero(~done)
+        if live.size == 0:
+            break
+        if results is None:
+            results = RowResults.empty(num_rows, state.output.shape[1])
+        results.put(state, np.flatnonzero(done & (index >= 0)), index)
+        size = buckets.batch_size(live.size)
+        pad = np.full((size - live.size,), np.flatnonzero(done)[0])  # copies of a finished row: done, inert
+        rows = np.concatenate([live, pad]).astype(np.int32)
+        state = take_rows(state, rows)
+        if extra is not None:  # an adaptive policy's per-row sums (its shape counts are the batch's)
+            extra = extra.replace(spec_state=state, accepted_sum=take_rows(extra.accepted_sum, rows),
+                                  expected_sum=take_rows(extra.expected_sum, rows))
+        index = np.concatenate([index[live], np.full((pad.size,), -1)])
+        compactions += 1
+    if results is None:
+        results = RowResults.of(state)
+        results = RowResults(*(getattr(results, f.name)[:num_rows] for f in dataclasses.fields(RowResults)))
+    else:
+        results.put(state, np.flatnonzero(index >= 0), index)
+    return state, extra, results, compactions
 
 
 def _host(x) -> np.ndarray:
@@ -76,10 +182,12 @@ def _host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def generation_result(state: SpecState, stats: dict, trace=None, rows: int | None = None) -> GenerationResult:
-    """The first `rows` sequences (default: all) of a finished state."""
-    out, num = _host(state.output), _host(state.num_generated)
-    acc, rounds = _host(state.acceptance), _host(state.rounds)
+def generation_result(state: SpecState, stats: dict, trace=None, rows: int | None = None,
+                      results: RowResults | None = None) -> GenerationResult:
+    """The first `rows` sequences (default: all) of a finished state (or of `results`, the rows collected by a
+    compacting run)."""
+    r = RowResults.of(state) if results is None else results
+    out, num, acc, rounds = r.output, r.num_generated, r.acceptance, r.rounds
     rows = out.shape[0] if rows is None else rows
     out, num, acc, rounds = out[:rows], num[:rows], acc[:rows], rounds[:rows]
     tokens = [list(map(int, out[i, : num[i]])) for i in range(rows)]
@@ -223,12 +331,13 @@ def _begin(pair, prep: Prepared, plan: RunPlan, widest: int) -> SpecState:
     return begin_tree(pair, prep, widest) if plan.trees else begin_prepared(pair, prep)
 
 
-def _plan_stats(plan: RunPlan, state: SpecState, chosen=None) -> dict:
-    """The proposer's name, and an adaptive run's rounds per shape (every shape of the policy as given)."""
+def _plan_stats(plan: RunPlan, state: SpecState, chosen=None, rounds=None) -> dict:
+    """The proposer's name, and an adaptive run's rounds per shape (every shape of the policy as given).
+    rounds: the sequences' rounds (default: the state's)."""
     if plan.full_policy is None:
         return {"proposer": shape_label(plan.proposer)}
     if plan.policy is None:  # one reachable shape ran every round
-        counts = {plan.proposer: int(np.max(_host(state.rounds)))}
+        counts = {plan.proposer: int(np.max(_host(state.rounds) if rounds is None else rounds))}
     else:
         counts = {as_proposer(s): int(n) for s, n in zip(plan.policy.shapes, np.asarray(chosen))}
     return {"proposer": "adaptive",
@@ -237,8 +346,9 @@ def _plan_stats(plan: RunPlan, state: SpecState, chosen=None) -> dict:
 
 def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer=None, block_size: int | None = None,
              sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
-             buckets: Buckets | None = None, branch_head: bool = False, kept=None) -> GenerationResult:
-    """DFlash generation in one jitted while_loop.
+             buckets: Buckets | None = None, branch_head: bool = False, kept=None,
+             compact="auto") -> GenerationResult:
+    """DFlash generation in one jitted while_loop (a few, with compaction).
 
     proposer: what each round proposes (`spec.round`): None = the draft's argmax chain of the block (the branch
     head's chain with `branch_head=True`; the pair's draft must carry one), a `Chain`, a `TreeShape` (a token
@@ -250,31 +360,43 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
     inside one bucket) reuse one compiled program. `warmup=True` compiles first (without running a round) so
     `stats.seconds` times only the run (prefill + decode; `prefill_s` the prefill and first token alone, and the
     process CPU seconds `cpu_s` / `prefill_cpu_s`). kept: a compressed prefill (PFlash: one index list per prompt,
-    `dflash_jax.pflash.compress`), any proposer (`session.prepare(kept=)`; `stats.pflash` counts the tokens)."""
+    `dflash_jax.pflash.compress`), any proposer (`session.prepare(kept=)`; `stats.pflash` counts the tokens).
+    compact: when the live rows of a batch of at least `COMPACT_MIN_BATCH` fit the batch bucket of half its rows,
+    continue on them alone ("auto"; True: any batch of 2 or more; False: never): the finished rows stop costing a
+    share of every round, for one more compiled loop per bucket (`run_compacting`; `stats.compactions`). Every
+    sequence's tokens are the same either way (its rows, its key)."""
     plan = plan_run(pair, proposer, branch_head=branch_head)
+    if compact not in (True, False, "auto"):
+        raise ValueError(f"compact must be True, False or 'auto', got {compact!r}")
     request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed, kept=kept)
     prep, widest = _prepare_plan(pair, prompts, plan, block_size, buckets, request)
     spec = prep.spec
+    loop_buckets = LOOP_BUCKETS if buckets is None else buckets
 
-    def run(state):
+    def run(state, sums, min_live):
         if plan.policy is None:
-            return run_loop(pair.target, pair.draft, state, spec, plan.proposer), None
-        astate = run_adaptive_loop(pair.target, pair.draft, adaptive_start(state, plan.policy), spec, plan.policy)
-        return astate.spec_state, astate.chosen
+            return run_loop(pair.target, pair.draft, state, spec, plan.proposer, min_live), None
+        if sums is None:
+            sums = adaptive_start(state, plan.policy)
+        else:
+            sums = sums.replace(spec_state=state)
+        sums = run_adaptive_loop(pair.target, pair.draft, sums, spec, plan.policy, min_live)
+        return sums.spec_state, sums
 
     if warmup:  # compile the prefill and the loop: a state with every sequence done runs no round
         state = _begin(pair, prep, plan, widest)
-        jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)))[0].output)
+        jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)), None, 0)[0].output)
     t0, c0 = time.perf_counter(), time.process_time()
     state = _begin(pair, prep, plan, widest)
     jax.block_until_ready(state.anchor)
     prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    state, chosen = run(state)
-    jax.block_until_ready(state.output)
+    state, sums, results, compactions = run_compacting(run, state, None, prep.num_prompts, loop_buckets, compact)
     seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    chosen = None if sums is None else sums.chosen
     stats = dict(shape_stats(prep), loop="jit", seconds=seconds, cpu_s=cpu_s, prefill_s=prefill_s,
-                 prefill_cpu_s=prefill_cpu_s, **_plan_stats(plan, state, chosen), **compression_stats(prep))
-    return generation_result(state, stats, rows=prep.num_prompts)
+                 prefill_cpu_s=prefill_cpu_s, compactions=compactions,
+                 **_plan_stats(plan, state, chosen, results.rounds), **compression_stats(prep))
+    return generation_result(state, stats, rows=prep.num_prompts, results=results)
 
 
 def compression_stats(prep: Prepared) -> dict:

@@ -140,6 +140,18 @@ class SpecState:
         return self.params.stop_ids
 
 
+def map_rows(fn, *trees):
+    """`jax.tree.map` of `fn` over pytrees whose every leaf has a leading batch axis (a `SpecState`, its rows);
+    PRNG key arrays go through their data (`fn` sees uint32 arrays), so `fn` may index, gather or scatter rows."""
+    def one(*xs):
+        if jnp.issubdtype(xs[0].dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(xs[0])
+            out = fn(*(jax.random.key_data(x) for x in xs))
+            return jax.random.wrap_key_data(out, impl=impl)
+        return fn(*xs)
+    return jax.tree.map(one, *trees)
+
+
 @struct.dataclass
 class RoundOutcome:
     """What one round did, per sequence: proposals accepted, the verify's distinct experts per MoE layer (mean
