@@ -128,6 +128,15 @@ def compaction_target(batch: int, buckets: Buckets, compact) -> int:
     return half if half > 0 and buckets.batch_size(half) == half else 0
 
 
+def compaction_sizes(batch: int, buckets: Buckets, compact) -> list[int]:
+    """The batch sizes a compacting run over `batch` rows may continue at, largest first (each one more
+    compiled loop)."""
+    sizes = []
+    while (batch := compaction_target(batch, buckets, compact)) > 0:
+        sizes.append(batch)
+    return sizes
+
+
 def _single_device(state: SpecState) -> bool:
     sharding = getattr(state.anchor, "sharding", None)
     return sharding is not None and len(sharding.device_set) == 1
@@ -156,7 +165,7 @@ def run_compacting(run, state: SpecState, extra, num_rows: int, buckets: Buckets
         if results is None:
             results = RowResults.empty(num_rows, state.output.shape[1])
         results.put(state, np.flatnonzero(done & (index >= 0)), index)
-        size = buckets.batch_size(live.size)
+        size = target  # always the next bucket down (a few known programs, which `warmup` compiles)
         pad = np.full((size - live.size,), np.flatnonzero(done)[0])  # copies of a finished row: done, inert
         rows = np.concatenate([live, pad]).astype(np.int32)
         state = take_rows(state, rows)
@@ -383,9 +392,17 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
         sums = run_adaptive_loop(pair.target, pair.draft, sums, spec, plan.policy, min_live)
         return sums.spec_state, sums
 
-    if warmup:  # compile the prefill and the loop: a state with every sequence done runs no round
+    if warmup:  # compile the prefill and the loops: a state with every sequence done runs no round
         state = _begin(pair, prep, plan, widest)
-        jax.block_until_ready(run(state.replace(done=jnp.ones_like(state.done)), None, 0)[0].output)
+        state = state.replace(done=jnp.ones_like(state.done))
+        sizes = compaction_sizes(state.anchor.shape[0], loop_buckets, compact) if _single_device(state) else []
+        states = [state]
+        for size in sizes:  # each compaction's gather, from the bucket before it
+            states.append(take_rows(states[-1], np.zeros((size,), np.int32)))
+            if plan.policy is not None:  # the adaptive sums' gather
+                take_rows(jnp.zeros((states[-2].anchor.shape[0],), jnp.float32), np.zeros((size,), np.int32))
+        for rows in states:
+            jax.block_until_ready(run(rows, None, 0)[0].output)
     t0, c0 = time.perf_counter(), time.process_time()
     state = _begin(pair, prep, plan, widest)
     jax.block_until_ready(state.anchor)

@@ -81,3 +81,27 @@ def test_compacted_adaptive_policy_equals_the_uncompacted_run(pair, prompts):
     assert runs[1].stats["compactions"] >= 1
     assert runs[1].tokens == runs[0].tokens
     assert sum(runs[1].stats["adaptive_rounds"].values()) >= runs[1].stats["rounds"]
+
+
+def test_compaction_sizes_halve_to_the_smallest_bucket():
+    from dflash_jax.spec.loop import compaction_sizes
+
+    fine = Buckets(pad_batch=True)
+    assert compaction_sizes(32, fine, "auto") == [16, 8, 4]
+    assert compaction_sizes(4, fine, True) == [2, 1]
+    assert compaction_sizes(4, fine, "auto") == []
+
+
+def test_warmup_compiles_every_compacted_bucket(pair, prompts):
+    """A run whose rows end at once (no compaction) but warmed up: the later run that compacts compiles nothing."""
+    import jax.monitoring
+
+    other = file_windows(pair, "held_out", len(BUDGETS), 40, 5)  # not the prompts the other tests compiled for
+    generate(pair, other, max_new_tokens=1, block_size=8, compact=True, warmup=True)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    res = generate(pair, other, max_new_tokens=BUDGETS, block_size=8, compact=True)
+    assert res.stats["compactions"] == 2
+    assert compiles == []
