@@ -455,6 +455,11 @@ class Engine:
         return self.runner.mesh
 
     @property
+    def running(self) -> bool:
+        """Whether rounds run on the engine's background thread (`start()` until `stop()`)."""
+        return self._thread is not None
+
+    @property
     def chunked_prefill(self) -> bool:
         return self.runner.chunked_prefill
 
@@ -820,7 +825,7 @@ class Engine:
         self._explored = width if explored else None
         return width
 
-    def _learn_cost(self, info: RoundInfo) -> None:
+    def learn_cost(self, info: RoundInfo) -> None:
         """Updates the round's bucket entry from its device time (draft + verify + fetch) and counts an explored
         round."""
         if info.explored:
@@ -898,7 +903,7 @@ class Engine:
             self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
             self._host_samples += 1
         if info.width:
-            self._learn_cost(info)
+            self.learn_cost(info)
         self.rounds += 1
         for obs in self.observers:
             obs(info)

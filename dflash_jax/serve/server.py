@@ -412,7 +412,7 @@ class Server:
             raise BadRequest("the prompt is empty: give at least one token", "prompt")
         return ids
 
-    def _chat_ids(self, messages) -> list[int]:
+    def chat_ids(self, messages) -> list[int]:
         """The ids of a chat's `messages` through the chat template. Runs on a worker thread."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("`messages` must be a non-empty list of {role, content} objects", "messages")
@@ -725,7 +725,7 @@ class Server:
             if "messages" not in body:
                 raise BadRequest("`messages` is required", "messages")
             s = self._settings(body, default_max_tokens=self.engine.max_new_tokens, chat=True)
-            ids = await self._off_loop(self._chat_ids, body["messages"])
+            ids = await self._off_loop(self.chat_ids, body["messages"])
             return await self._respond(http, [(ids, s)], s, chat=True)
 
         return app

@@ -142,19 +142,19 @@ def test_the_engine_learns_by_default_and_counts_exploration(pair):
     assert eng.learn_costs
     eng.cost_table = {1: {1: 0.01, 2: 0.05, 4: 0.09}, 2: {1: 0.02, 2: 0.06, 4: 0.1}}
     eng._device_seconds = 0.02
-    eng._learn_cost(RoundInfo(width=2, rows=1, seconds=0.03))  # a chosen round: the load is 0.4 of the warm-up's
+    eng.learn_cost(RoundInfo(width=2, rows=1, seconds=0.03))  # a chosen round: the load is 0.4 of the warm-up's
     assert eng.seconds_table(1) == pytest.approx({1: 0.004, 2: 0.02, 4: 0.036})
     assert eng.cost_table[1] == pytest.approx(eng.seconds_table(1))
     assert eng.seconds_table(2) == {1: 0.02, 2: 0.06, 4: 0.1}  # other buckets untouched
-    eng._learn_cost(RoundInfo(width=4, rows=1, seconds=0.05, explored=True))  # measured: 0.02 s
+    eng.learn_cost(RoundInfo(width=4, rows=1, seconds=0.05, explored=True))  # measured: 0.02 s
     assert eng.explore_rounds[4] == 1 and eng.explore_seconds == pytest.approx(0.05)
     assert eng.bucket_costs(1).load == pytest.approx(0.4)  # halfway from the warm-up's 0.036 s at this load
     assert eng.seconds_table(1)[4] == pytest.approx((0.02 * 0.036) ** 0.5)
-    eng._learn_cost(RoundInfo(width=2, rows=1, seconds=0.03, compiles=1))  # a compiling round teaches nothing
+    eng.learn_cost(RoundInfo(width=2, rows=1, seconds=0.03, compiles=1))  # a compiling round teaches nothing
     assert eng.bucket_costs(1).rounds == 2
     fixed = Engine(pair, slots=2, block_size=4, widths=[4])
     fixed._device_seconds = 0.5
-    fixed._learn_cost(RoundInfo(width=4, rows=1, seconds=0.5))
+    fixed.learn_cost(RoundInfo(width=4, rows=1, seconds=0.5))
     assert fixed.bucket_costs(1).rounds == 0  # one width: nothing to choose, nothing learned
 
 

@@ -26,7 +26,7 @@ def server(engine, pair):
     app = create_app(engine, load_tokenizer(pair), model_name="tiny", eos_ids=eos, grace_s=5.0)
     with serve_in_thread(app) as url:
         yield url
-    assert engine._thread is None  # the lifespan stopped the engine
+    assert not engine.running  # the lifespan stopped the engine
 
 
 @pytest.fixture(scope="module")
@@ -360,7 +360,7 @@ def test_chat_templates_render_sandboxed(tmp_path, engine):
 
     server = Server(engine, Tokens(load_tokenizer(engine.pair), chat_template(str(tmp_path / "ckpt1"))),
                     model_name="tiny")
-    assert server._chat_ids([{"role": "user", "content": "hi"}])
+    assert server.chat_ids([{"role": "user", "content": "hi"}])
     with pytest.raises(BadRequest, match="no tools here") as e:
-        server._chat_ids([{"role": "tool", "content": "{}"}])
+        server.chat_ids([{"role": "tool", "content": "{}"}])
     assert e.value.param == "messages" and e.value.status == 400
