@@ -1,7 +1,7 @@
 """Benchmark: the jitted DFlash loop with and without compaction (`spec.loop.run_compacting`: the live rows of a
 batch continue in the batch bucket of half its rows once they fit it), against plain decoding, by batch size.
 
-  python benchmarks/compaction.py [--pair NAME] [--batches 8,16,32] [--blocks 4,8,16] [--prompt-len 64]
+  python benchmarks/compaction.py [--pair NAME] [--batches 1,4,8,16,32] [--blocks 4,8,16] [--prompt-len 64]
                                   [--max-new 64] [--repeats 3] [--threads one|all] [--quick] [--out DIR | --write-docs]
 
 A static batch runs until its slowest row finishes; with speculation the rows finish many rounds apart (each
@@ -27,7 +27,7 @@ DEFAULTS = dict(prompts=32, prompt_len=64, max_new=64, repeats=3, threads="one")
 
 
 def main(argv=None) -> int:
-    p = h.parser(__doc__, {"--batches": "8,16,32", "--blocks": "4,8,16"}, checkpoint=None, pair=None, **DEFAULTS)
+    p = h.parser(__doc__, {"--batches": "1,4,8,16,32", "--blocks": "4,8,16"}, checkpoint=None, pair=None, **DEFAULTS)
     args = h.parse(p, argv, quick=dict(prompts=4, prompt_len=16, max_new=8, repeats=1, batches="4", blocks="4"))
     batches = h.int_list(p, args.batches, "--batches")
     blocks = h.int_list(p, args.blocks, "--blocks", minimum=2)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     result = {"pair": name, "blocks": blocks, "prompt_len": args.prompt_len, "max_new_tokens": n,
               "repeats": args.repeats, "threads": args.threads, "machine": mach["machine"], "backend": mach["backend"],
               "load_before": load_before, "by_batch": rows}
-    cmd = h.command("compaction.py", args, dict(batches="8,16,32", blocks="4,8,16", **DEFAULTS),
+    cmd = h.command("compaction.py", args, dict(batches="1,4,8,16,32", blocks="4,8,16", **DEFAULTS),
                     f" --pair {name}" if args.pair else "")
     loads = [r["load_1min"] for r in rows if r["load_1min"] is not None]
     md = [f"# `{name}`: the DFlash loop with and without compaction, against plain decoding (CPU)", "",
