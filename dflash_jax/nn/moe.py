@@ -179,9 +179,11 @@ def swiglu_experts(
 
 # The CPU's choice between every token through every expert ("dense") and the routed rows only ("tiles"), in
 # multiply-adds: the tiles' bookkeeping (a count, a scatter, gathers of rows and of each tile's weights) costs
-# about TILE_OVERHEAD_MACS, measured on a 2-core x86 CPU (docs/benchmarks/moe_cpu.md); the dense path wins only
-# where all experts' work for every token is below the tiles' work plus that, i.e. for small tables and few tokens.
-TILE_OVERHEAD_MACS = 8_000_000
+# about TILE_OVERHEAD_MACS, measured on a 2-core x86 CPU in the decode loop (the shipped pair's plain greedy
+# steps, process CPU ms per step, all experts batched over the experts: at 8 tokens dense 3.4 vs tiles 4.1, at 16
+# tokens dense 4.8 - 5.3 vs tiles 4.5 - 4.6); the dense path wins only where all experts' work for every token is
+# below the tiles' work plus that, i.e. for small tables and few tokens.
+TILE_OVERHEAD_MACS = 5_000_000
 # The CPU path "auto" takes, overridden for every layer traced afterwards (benchmarks compare the paths in separate
 # processes: a compiled program keeps the path it was traced with): auto | tiles | dense | xla (`ragged_dot`).
 CPU_PATH_ENV = "DFLASH_MOE_CPU_PATH"

@@ -110,13 +110,14 @@ def traced_for_cpu():
 
 def test_the_cpu_chooses_by_work(traced_for_cpu):
     """"auto" on a CPU: every token through every expert only for a small table and few tokens (the shipped
-    pair's 8 experts of 128 x 256 at a width-1 or width-16 step), the routed rows' tiles for wider steps and for
+    pair's 8 experts of 128 x 256 at a width-1 or width-8 step), the routed rows' tiles for wider steps and for
     real expert shapes (Qwen3-30B-A3B: 128 experts of 2048 -> 768, top-8) even at one token; XLA's grouped
     matmul on a GPU."""
     tiny = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32)
     real = jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16)
     assert moe.routed_path("auto", tiny, jnp.float32, 1, 2) == "dense"
-    assert moe.routed_path("auto", tiny, jnp.float32, 16, 2) == "dense"
+    assert moe.routed_path("auto", tiny, jnp.float32, 8, 2) == "dense"
+    assert moe.routed_path("auto", tiny, jnp.float32, 16, 2) == "tiles"
     assert moe.routed_path("auto", tiny, jnp.float32, 512, 2) == "tiles"
     assert moe.routed_path("auto", real, jnp.bfloat16, 1, 8) == "tiles"
     assert moe.routed_path("xla", tiny, jnp.float32, 512, 2) == "xla"
