@@ -97,7 +97,7 @@ def _name(proposer) -> str:
 def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "device", driver: str | None = None,
              block_size: int | None = None, sampling=None, stop_ids=(), seed=0, tree_budget: int = 16,
              tree_branch: int | None = None, expert_budget_mb: float | None = None, buckets=None,
-             warmup: bool = False, trace: bool = False, kept=None, **offload_options):
+             warmup: bool = False, trace: bool = False, kept=None, compact="auto", **offload_options):
     """Lossless speculative generation of `prompts` (token id lists) on `pair` (`dflash_jax.load`); returns a
     `spec.loop.GenerationResult` (tokens, acceptance lengths, stats).
 
@@ -109,10 +109,14 @@ def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "de
     driver: "jit" or "stepping" (default: jit on the device, stepping when offloaded). max_new_tokens, sampling
     (`spec.SamplingParams`), stop_ids, seed: one value for every prompt or one per prompt. kept: a compressed
     prefill (PFlash, lossy: one kept-index list per prompt, `pflash.compress`), with any proposer, driver and
-    placement."""
+    placement. compact: the jitted driver's compaction of finished rows (`spec.loop.generate`: "auto", True or
+    False); the stepping drivers run every row to the end (only "auto" or False)."""
     from dflash_jax.spec.sampling import SamplingParams
 
     driver = driver or ("jit" if experts == "device" else "stepping")
+    if compact is True and driver != "jit":
+        raise ValueError("compact=True compacts the jitted driver's batch; the stepping drivers run every row to the "
+                         "end: use driver='jit' (device experts) or leave compact at 'auto'")
     proposer = default_proposer(pair) if proposer is None else proposer
     check_combination(_name(proposer), experts, driver)
     prop = make_proposer(pair, proposer, tree_budget=tree_budget, tree_branch=tree_branch)
@@ -134,7 +138,7 @@ def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "de
         if trace:
             raise ValueError("a per-round trace needs the stepping driver (driver='stepping')")
         return jit_generate(pair, prompts, proposer=prop, block_size=block_size, warmup=warmup, buckets=buckets,
-                            **request)
+                            compact=compact, **request)
     return generate_stepping(pair, prompts, proposer=prop, block_size=block_size, warmup=warmup, buckets=buckets,
                              trace=trace, **request)
 

@@ -76,3 +76,8 @@ def test_every_refused_cell_says_why():
         check_combination("forest", "device", "jit")
     with pytest.raises(ValueError, match="expert_budget_mb"):
         dflash_jax.generate(None, PROMPTS, max_new_tokens=4, experts="offload")
+
+
+def test_compaction_is_the_jitted_drivers():
+    with pytest.raises(ValueError, match="compact=True compacts the jitted driver"):
+        dflash_jax.generate(None, PROMPTS, max_new_tokens=4, driver="stepping", compact=True)
