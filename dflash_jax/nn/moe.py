@@ -98,20 +98,10 @@ def _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, do
     routed = jnp.any(onehot > 0, axis=1)  # [T, S]
     gate_up, down = read_after(slots, gate_up, down)
     wide = jnp.promote_types(x.dtype, jnp.float32)  # float32 products (XLA's CPU lacks bf16 x bf16 -> f32 dots)
-    if x.shape[0] == 1:  # one token: matrix-vector products, the tables read in place
-        gu = jnp.einsum("th,shn->tsn", x.astype(wide), ops.dense_weight(gate_up, wide))
-        if gate_up_bias is not None:
-            gu = gu + gate_up_bias.astype(jnp.float32)
-        inter = gu.shape[-1] // 2
-        act = activation(gu[..., :inter], gu[..., inter:]).astype(x.dtype)
-        y = jnp.einsum("tsi,sih->tsh", act.astype(wide), ops.dense_weight(down, wide))
-        if down_bias is not None:
-            y = y + down_bias.astype(jnp.float32)
-        y = jnp.where(routed[..., None], y, jnp.zeros((), y.dtype))
-        return jnp.einsum("tsh,ts->th", y, combine).astype(x.dtype)
-    # several tokens: both products batched over the slots, [S, T, .] x [S, K, N] (the tokens broadcast to every
-    # slot). The token-major form makes XLA's CPU relayout the whole table, or multiply the transposed product
-    # outside its fast GEMM, on every call (docs/benchmarks/moe_cpu.md)
+    # both products batched over the slots, [S, T, .] x [S, K, N] (the tokens broadcast to every slot): the
+    # token-major form (`th,shn->tsn`) made XLA's CPU relayout the whole table into [H, S * N] on every call (never
+    # hoisted out of the decode loop) and run the second product transposed, outside its fast GEMM: a plain step
+    # of the shipped pair cost 1.6x more (docs/benchmarks/tiny_pair_dense.md)
     xs = jnp.broadcast_to(x.astype(wide)[None], (num_slots,) + x.shape)
     gu = jnp.einsum("sth,shn->stn", xs, ops.dense_weight(gate_up, wide))
     if gate_up_bias is not None:
