@@ -21,6 +21,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import cpu_kernels, ops, target
 from pallas_kernels.formats import MXFP4Tensor
@@ -88,11 +89,43 @@ def read_after(token: jax.Array, *tables):
     return tuple(jax.tree.map(tie, t) if ops.is_fp4(t) else t for t in tables)
 
 
+def _expert(w, e):
+    """Expert `e` (a traced int32 scalar) of a weight operand, as a one-group operand: a dynamic slice of each
+    expert-leading part (an NVFP4 tensor scale shared by all experts kept as is), read in place by the product."""
+    groups = ops.weight_dims(w)[0]
+    return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, e, 1, axis=0) if a.ndim and a.shape[0] == groups
+                        else a, w)
+
+
+def _one_token_experts(x, slots, weights, gate_up, down, gate_up_bias, down_bias, activation):
+    """`_dense_experts` for one token: only its k routed experts, each read by a dynamic slice and multiplied as a
+    matrix-vector product (a plain decode step: about 1.5x faster than all experts, which read E / k times the
+    bytes). Unrouted experts are never read."""
+    gate_up, down = read_after(slots, gate_up, down)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    v = x[0].astype(wide)
+    out = jnp.zeros(x.shape[1:], jnp.float32)
+    for j in range(slots.shape[1]):
+        e = slots[0, j]
+        gu = v @ ops.dense_weight(_expert(gate_up, e), wide)[0]
+        if gate_up_bias is not None:
+            gu = gu + lax.dynamic_index_in_dim(gate_up_bias, e, keepdims=False).astype(jnp.float32)
+        inter = gu.shape[-1] // 2
+        act = activation(gu[:inter], gu[inter:]).astype(x.dtype)
+        y = act.astype(wide) @ ops.dense_weight(_expert(down, e), wide)[0]
+        if down_bias is not None:
+            y = y + lax.dynamic_index_in_dim(down_bias, e, keepdims=False).astype(jnp.float32)
+        out = out + weights[0, j].astype(jnp.float32) * y
+    return out[None].astype(x.dtype)
+
+
 def _dense_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias, down_bias, activation):
     """Every token through every slot's expert, combined by the routing weights. A slot's outputs for tokens not
     routed to it are selected away (not multiplied by a zero weight): a NaN / inf slot without rows (a poisoned or
     never-written pool slot) reaches no output. FP4 tables are dequantized after this layer's routing
     (`read_after`)."""
+    if x.shape[0] == 1:
+        return _one_token_experts(x, slots, weights, gate_up, down, gate_up_bias, down_bias, activation)
     onehot = jax.nn.one_hot(slots, num_slots, dtype=jnp.float32)  # [T, k, S]
     combine = jnp.einsum("tk,tks->ts", weights.astype(jnp.float32), onehot)  # [T, S] routing weights
     routed = jnp.any(onehot > 0, axis=1)  # [T, S]

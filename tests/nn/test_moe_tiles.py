@@ -146,3 +146,33 @@ def test_a_poisoned_slot_without_rows_reaches_no_output(implementation):
     out = moe.swiglu_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), jnp.asarray(gate_up),
                              jnp.asarray(down), implementation=implementation)
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4", "nvfp4"])
+def test_all_experts_path_with_biases_fp4_and_poisoned_slots(tokens, fmt):
+    """The all-experts path (one token: only its routed experts, sliced in place; more: every expert batched over
+    the experts) equals the per-token reference with gpt-oss biases and clamped activation, for dense and FP4
+    tables, and an unrouted expert holding NaN / inf reaches no output."""
+    x, experts, weights, gate_up, down = problem(tokens, k=2, e=8, h=64, inter=32, used=(2, 3, 5), seed=11)
+    rng = np.random.default_rng(5)
+    gub = rng.standard_normal((8, gate_up.shape[2])).astype(np.float32)
+    db = rng.standard_normal((8, down.shape[2])).astype(np.float32)
+    act = partial(moe.clamped_swiglu, alpha=1.702, limit=1.5)
+    np_act = lambda g, u: np.asarray(act(jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32)))  # noqa: E731
+    if fmt == "dense":
+        gate_up[0], down[7] = np.nan, np.inf  # experts 0 and 7 have no rows
+        gu_w, dn_w = jnp.asarray(gate_up), jnp.asarray(down)
+        ref = per_token(x, experts, weights, np.nan_to_num(gate_up), np.nan_to_num(down, posinf=0), gub, db, np_act)
+    else:
+        quantize = quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4
+        gu_w = quantize(jnp.asarray(np.swapaxes(gate_up, 1, 2)))
+        dn_w = quantize(jnp.asarray(np.swapaxes(down, 1, 2)))
+        ref = per_token(x, experts, weights, np.swapaxes(np.asarray(gu_w.dequantize(jnp.float32)), 1, 2),
+                        np.swapaxes(np.asarray(dn_w.dequantize(jnp.float32)), 1, 2), gub, db, np_act)
+        if fmt == "mxfp4":  # scale byte 255 is NaN: poison expert 0, which has no rows
+            gu_w = MXFP4Tensor(gu_w.blocks, gu_w.scales.at[0].set(255))
+    ours = jax.jit(partial(moe.swiglu_experts, implementation="dense", activation=act))(
+        jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), gu_w, dn_w, gate_up_bias=jnp.asarray(gub),
+        down_bias=jnp.asarray(db))
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
