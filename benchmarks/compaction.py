@@ -78,7 +78,6 @@ def main(argv=None) -> int:
               "load_before": load_before, "by_batch": rows}
     cmd = h.command("compaction.py", args, dict(batches="1,4,8,16,32", blocks="4,8,16", **DEFAULTS),
                     f" --pair {name}" if args.pair else "")
-    loads = [r["load_1min"] for r in rows if r["load_1min"] is not None]
     md = [f"# `{name}`: the DFlash loop with and without compaction, against plain decoding (CPU)", "",
           f"`{cmd}` - held-out stdlib prompts of {args.prompt_len} tokens, {n} new tokens each, greedy; "
           f"{mach['machine']}, backend {mach['backend']}; XLA threads: {args.threads}; expert tables as "
@@ -86,7 +85,7 @@ def main(argv=None) -> int:
           "compacted = `spec.generate(compact=True)` (the live rows continue in the batch bucket of half the rows "
           "once they fit it). Paired, interleaved runs, "
           f"{args.repeats} repeats, medians, end to end (prefill included). Load average (1 min) over the run: "
-          f"{min(loads, default=0):.1f} - {max(loads, default=0):.1f}.", ""]
+          f"{h.load_span(rows)}.", ""]
     header = ["batch", "block", "tau", "rounds: slowest row / mean", "compactions", "whole / plain (CPU)",
               "compacted / plain (CPU)", "compacted / whole (CPU)", "compacted / whole (wall)", "outputs == plain"]
     table = []

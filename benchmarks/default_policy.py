@@ -76,7 +76,6 @@ def main(argv=None) -> int:
               "machine": mach["machine"], "backend": mach["backend"], "load_before": load_before, "by_batch": rows}
     cmd = h.command("default_policy.py", args, dict(batches="1,4,16,32", **DEFAULTS),
                     f" --pair {name}" if args.pair else "")
-    loads = [r["load_1min"] for r in rows if r["load_1min"] is not None]
     md = [f"# `{name}`: the measured default and the chain against plain decoding, by batch size (CPU)", "",
           f"`{cmd}` - held-out stdlib prompts of {args.prompt_len} tokens, {n} new tokens each, greedy; "
           f"{mach['machine']}, backend {mach['backend']}; XLA threads: {args.threads}; expert tables as "
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
           f"{block}; default = the loop under `decode.measured_policy` (plain decoding and the chain "
           "timed on the same prompts first; the chain kept only where it measures > 5% faster). Paired, "
           f"interleaved runs, {args.repeats} repeats, medians, end to end (prefill included). Load average (1 min) "
-          f"over the run: {min(loads, default=0):.1f} - {max(loads, default=0):.1f}.", ""]
+          f"over the run: {h.load_span(rows)}.", ""]
     md += h.table(["batch", "plain tok/s (CPU-s)", "chain / plain (CPU)", "default / plain (CPU)",
                    "chain / plain (wall)", "default / plain (wall)", "default chose", "calibration s (wall)",
                    "outputs == plain greedy"],

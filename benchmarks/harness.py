@@ -43,8 +43,8 @@ if ROOT not in sys.path:  # the research package `study` is run from the checkou
 from dflash_jax.timing import Timings, load_average, paired_runs, timed  # noqa: E402
 
 __all__ = ["DOCS", "DEFAULT_OUT", "ONE_THREAD", "READING_MARK", "ROOT", "Outputs", "Report", "Timings",
-           "add_output_args", "command", "int_list", "load_average", "load_pair", "logger", "machine", "output_dir",
-           "paired_items", "paired_runs", "parse", "parser", "prompt_sets", "prompts", "rate", "save_figure", "table",
+           "add_output_args", "command", "int_list", "load_average", "load_pair", "load_span", "logger", "machine",
+           "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompt_sets", "prompts", "rate", "save_figure", "table",
            "timed", "workdir"]
 
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
@@ -343,6 +343,12 @@ class Report:
         if lines is not None:
             self.markdown(lines, image)
         print(f"wrote {os.path.join(self.dir, self.stem)}.*", flush=True)
+
+
+def load_span(rows, key: str = "load_1min") -> str:
+    """"lo - hi" of the 1-minute load averages recorded in `rows` (dicts; missing or None entries skipped)."""
+    loads = [r[key] for r in rows if r.get(key) is not None]
+    return f"{min(loads, default=0):.1f} - {max(loads, default=0):.1f}"
 
 
 def percentile(values, q) -> float:
