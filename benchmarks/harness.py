@@ -44,8 +44,8 @@ from dflash_jax.timing import Timings, load_average, paired_runs, timed  # noqa:
 
 __all__ = ["DOCS", "DEFAULT_OUT", "ONE_THREAD", "READING_MARK", "ROOT", "Outputs", "Report", "Timings",
            "add_output_args", "command", "int_list", "load_average", "load_pair", "load_span", "logger", "machine",
-           "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompt_sets", "prompts", "rate", "save_figure", "table",
-           "timed", "workdir"]
+           "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompt_sets", "prompts", "rate",
+           "save_figure", "table", "timed", "workdir"]
 
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
 DEFAULT_OUT = os.path.join(ROOT, "bench_out")
