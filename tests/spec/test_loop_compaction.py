@@ -100,9 +100,15 @@ def test_warmup_compiles_every_compacted_bucket(pair, prompts):
     two = prompts[:2]
     generate(pair, two, max_new_tokens=1, block_size=4, compact=True, warmup=True)
     compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
-    res = generate(pair, two, max_new_tokens=BUDGETS[:2], block_size=4, compact=True)
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        res = generate(pair, two, max_new_tokens=BUDGETS[:2], block_size=4, compact=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
     assert res.stats["compactions"] == 1  # 2 rows -> 1
     assert compiles == []
