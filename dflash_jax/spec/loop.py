@@ -144,9 +144,9 @@ def _single_device(state: SpecState) -> bool:
 
 def run_compacting(run, state: SpecState, extra, num_rows: int, buckets: Buckets, compact="auto"):
     """Drives `run(state, extra, min_live) -> (state, extra)` (a jitted loop; `extra`: None, or the
-    `spec.round.AdaptiveState` an adaptive loop carries, whose per-row sums are compacted with the state) to the end, compacting the live rows into smaller
-    batch buckets on the way (`compaction_target`). Rows past `num_rows` are padding. Returns
-    (final state, extra, RowResults of the `num_rows` sequences, compactions run)."""
+    `spec.round.AdaptiveState` an adaptive loop carries, whose per-row sums are compacted with the state) to the
+    end, compacting the live rows into smaller batch buckets on the way (`compaction_target`). Rows past
+    `num_rows` are padding. Returns (final state, extra, RowResults of the `num_rows` sequences, compactions)."""
     index = np.arange(state.anchor.shape[0])
     index[num_rows:] = -1
     if not _single_device(state):
