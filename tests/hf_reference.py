@@ -175,10 +175,21 @@ def hf_greedy(hf, prompt, n):
     cache = DynamicCache(config=hf.config)
     ids, out = torch.tensor([list(prompt)]), []
     for _ in range(n):
-        logits = hf(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        logits = hf(input_ids=ids, use_cache=True, **{cache_keyword(hf): cache}).logits[0, -1]
+        # a cache passed under a name the installed transformers does not know is silently dropped, and every
+        # step after the first would then see one token without its context
+        assert cache.get_seq_length() == len(prompt) + len(out), "the reference model ignored its KV cache"
         out.append(int(logits.argmax()))
         ids = torch.tensor([[out[-1]]])
     return out
+
+
+def cache_keyword(hf) -> str:
+    """The keyword the installed transformers' `forward` takes its KV cache by: `cache` from 5.2x on, before that
+    `past_key_values` (which the newer versions still accept, deprecated)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
 
 def reference_with_experts(hf_target, pair):
