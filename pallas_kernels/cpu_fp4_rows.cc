@@ -1,4 +1,6 @@
-// Rows times their own expert's MXFP4 matrix on a CPU, read as stored: one pass over each routed expert's codes.
+// Rows times their own expert's matrix on a CPU, only the routed experts read. Two handlers:
+//
+// DflashMxfp4Rows: an MXFP4 matrix read as stored, one pass over each routed expert's codes.
 //
 //   y[r, o] = sum_i x[r, i] * E2M1(code[e_r, o, i]) * 2^(scale[e_r, o, i / 32] - 127),   e_r = expert[r]
 //
@@ -202,6 +204,97 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
   return ffi::Error::Success();
 }
 
+// ---- DflashDenseRows: y[r] = x[r] @ W[expert[r]] for a float32 table W [E, K, N] (row-major [K, N] per expert) ----
+//
+// Each run of rows sharing an expert is multiplied by that expert's matrix in blocks of up to kDenseRows rows and
+// kDenseCols output columns held in registers, the k loop innermost: every row's sum runs over k in order, one
+// fused multiply-add per element, whatever the other rows of its run (a row's result does not depend on its batch).
+
+constexpr int kDenseRows = 4;
+constexpr int kDenseVecs = 4;  // 16-float vectors per column block: 64 columns
+
+#ifdef __AVX512F__
+template <int M>
+void DenseBlock(const float* x, int64_t k, const float* w, int64_t n, int64_t o, float* y) {
+  const int64_t left = n - o;
+  __mmask16 mask[kDenseVecs];
+  for (int c = 0; c < kDenseVecs; ++c) {
+    const int64_t have = left - 16 * c;
+    mask[c] = have >= 16 ? __mmask16(0xFFFF) : (have <= 0 ? __mmask16(0) : __mmask16((1u << have) - 1));
+  }
+  __m512 acc[M][kDenseVecs];
+  for (int q = 0; q < M; ++q)
+    for (int c = 0; c < kDenseVecs; ++c) acc[q][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const float* wr = w + i * n + o;
+    __m512 wv[kDenseVecs];
+    for (int c = 0; c < kDenseVecs; ++c) wv[c] = _mm512_maskz_loadu_ps(mask[c], wr + 16 * c);
+    for (int q = 0; q < M; ++q) {
+      const __m512 xb = _mm512_set1_ps(x[q * k + i]);
+      for (int c = 0; c < kDenseVecs; ++c) acc[q][c] = _mm512_fmadd_ps(xb, wv[c], acc[q][c]);
+    }
+  }
+  for (int q = 0; q < M; ++q)
+    for (int c = 0; c < kDenseVecs; ++c) _mm512_mask_storeu_ps(y + q * n + o + 16 * c, mask[c], acc[q][c]);
+}
+#else
+template <int M>
+void DenseBlock(const float* x, int64_t k, const float* w, int64_t n, int64_t o, float* y) {
+  const int64_t cols = std::min<int64_t>(16 * kDenseVecs, n - o);
+  float acc[M][16 * kDenseVecs] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    const float* wr = w + i * n + o;
+    for (int q = 0; q < M; ++q) {
+      const float xv = x[q * k + i];
+      for (int64_t j = 0; j < cols; ++j) acc[q][j] = __builtin_fmaf(xv, wr[j], acc[q][j]);
+    }
+  }
+  for (int q = 0; q < M; ++q)
+    for (int64_t j = 0; j < cols; ++j) y[q * n + o + j] = acc[q][j];
+}
+#endif
+
+// Rows [r0, r1) (one expert's run) times that expert's matrix w [K, N].
+void DenseRun(const float* x, const float* w, float* y, int64_t r0, int64_t r1, int64_t k, int64_t n) {
+  for (int64_t o = 0; o < n; o += 16 * kDenseVecs) {  // a column block stays in cache for every row block
+    for (int64_t r = r0; r < r1; r += kDenseRows) {
+      const float* xr = x + r * k;
+      float* yr = y + r * n;
+      switch (std::min<int64_t>(kDenseRows, r1 - r)) {
+        case 4: DenseBlock<4>(xr, k, w, n, o, yr); break;
+        case 3: DenseBlock<3>(xr, k, w, n, o, yr); break;
+        case 2: DenseBlock<2>(xr, k, w, n, o, yr); break;
+        default: DenseBlock<1>(xr, k, w, n, o, yr); break;
+      }
+    }
+  }
+}
+
+ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> expert,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), ed = expert.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || ed.size() != 1 || ed[0] != xd[0])
+    return ffi::Error::InvalidArgument("dense_rows: x [R, K], w [E, K, N], expert [R]");
+  const int64_t rows = xd[0], k = xd[1], experts = wd[0], n = wd[2];
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  const int32_t* ep = expert.typed_data();
+  float* yp = y->typed_data();
+  int64_t r0 = 0;
+  while (r0 < rows) {
+    int64_t r1 = r0 + 1;
+    while (r1 < rows && ep[r1] == ep[r0]) ++r1;
+    const int64_t e = ep[r0];
+    if (e < 0 || e >= experts) {  // an out-of-range expert: NaN rows, never a stray read
+      for (int64_t i = r0 * n; i < r1 * n; ++i) yp[i] = __builtin_nanf("");
+    } else {
+      DenseRun(xp, wp + e * k * n, yp, r0, r1, k, n);
+    }
+    r0 = r1;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
@@ -209,5 +302,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashDenseRows, DenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -5,6 +5,11 @@ registers (`cpu_fp4_rows.cc`): y[r] = W[expert[r]] @ x[r] for W an `MXFP4Tensor`
 cannot express this as one pass on a CPU: it materializes the decoded table (16x the bytes of the codes) before
 reducing it, or packs it for a GEMM (docs/benchmarks/moe_cpu.md).
 
+`dense_rows(x, w, expert)`: the same for a float32 table [E, K, N] (y[r] = x[r] @ W[expert[r]]): only the routed
+experts read, in place, each run of rows of one expert multiplied in register blocks. XLA's CPU has no form of this
+that stays cheap inside a decode loop: a batched product over all experts does E / k times the routed work, and a
+gather of the routed tables is materialized on every call (docs/benchmarks/moe_cpu.md).
+
 The source is compiled once per machine with the system C++ compiler (`CXX`, else `c++`) against the FFI headers
 jaxlib ships (`jax.ffi.include_dir()`), `-O3 -march=native`, into a cache directory (DFLASH_KERNEL_CACHE, else
 ~/.cache/dflash_jax/kernels), keyed by the source, the flags, jaxlib's version and the CPU. Where that fails (no
@@ -26,12 +31,13 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.formats import MXFP4Tensor
+from pallas_kernels.formats import MXFP4Tensor, NVFP4Tensor
 
 ENV = "DFLASH_CPU_KERNELS"
 CACHE_ENV = "DFLASH_KERNEL_CACHE"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fp4_rows.cc")
 TARGET = "dflash_mxfp4_rows"
+DENSE_TARGET = "dflash_dense_rows"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _lock = threading.Lock()
@@ -93,6 +99,7 @@ def available() -> bool:
                 if path is not None:
                     lib = ctypes.cdll.LoadLibrary(path)
                     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.DflashMxfp4Rows), platform="cpu")
+                    jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.DflashDenseRows), platform="cpu")
                     _state["lib"] = lib
                     ok = True
             except Exception:  # noqa: BLE001 - any failure means: take the XLA path
@@ -115,3 +122,19 @@ def mxfp4_rows(x: jax.Array, w: MXFP4Tensor, expert: jax.Array) -> jax.Array:
     n = w.blocks.shape[1]
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))(
         x.astype(jnp.float32), w.blocks, w.scales, expert.astype(jnp.int32))
+
+
+def supports_dense(w) -> bool:
+    """Whether `dense_rows` takes the weight `w` (a float32 array [E, K, N])."""
+    return (not isinstance(w, (MXFP4Tensor, NVFP4Tensor)) and getattr(w, "ndim", 0) == 3
+            and getattr(w, "dtype", None) == jnp.float32)
+
+
+def dense_rows(x: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
+    """x [R, K] float32, w float32 [E, K, N], expert [R] int32 (rows of one expert adjacent: each run reads its
+    expert's matrix once per block of columns) -> [R, N] float32, y[r] = x[r] @ W[expert[r]], each element summed over
+    k in order with fused multiply-adds (a row's result does not depend on the other rows). An expert no row names is
+    never read; an expert id out of range gives a NaN row. Call `available()` first."""
+    rows = x.shape[0]
+    return jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((rows, w.shape[2]), jnp.float32))(
+        x.astype(jnp.float32), w, expert.astype(jnp.int32))

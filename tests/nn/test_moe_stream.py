@@ -132,3 +132,48 @@ def test_the_compiled_kernel_reads_mxfp4_codes_in_one_call_per_projection():
         jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), gu_q, dn_q).compile().as_text()
     assert text.count(f'custom_call_target="{cpu_kernels.TARGET}"') == 2
     assert "f32[8,64,64]" not in text and "f32[64,64]" not in text and "f32[8,32,64]" not in text
+
+
+def test_the_dense_kernel_multiplies_each_row_by_its_own_expert_alone():
+    """`cpu_kernels.dense_rows` against float64 products: odd shapes (columns not a multiple of the register block,
+    runs of 1 - 7 rows), experts with no rows poisoned with NaN (never read), an out-of-range expert id (a NaN row),
+    and every row's result bit-identical to the same row multiplied alone (a row does not depend on its batch)."""
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the compiled CPU kernel is not available here")
+    rng = np.random.default_rng(7)
+    e, k, n = 6, 37, 83
+    w = rng.standard_normal((e, k, n)).astype(np.float32)
+    w[[0, 4]] = np.nan  # no row names them
+    expert = np.array([1, 1, 1, 1, 1, 1, 1, 2, 3, 3, 5, 5, 5, 6], np.int32)  # 6: out of range
+    x = rng.standard_normal((len(expert), k)).astype(np.float32)
+    run = jax.jit(cpu_kernels.dense_rows)
+    y = np.asarray(run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(expert)))
+    ok = expert < e
+    ref = np.stack([x[r].astype(np.float64) @ w[expert[r]].astype(np.float64) for r in np.flatnonzero(ok)])
+    np.testing.assert_allclose(y[ok], ref, rtol=1e-5, atol=1e-5)
+    assert np.isnan(y[~ok]).all() and np.isfinite(y[ok]).all()
+    for r in np.flatnonzero(ok):
+        alone = np.asarray(run(jnp.asarray(x[r:r + 1]), jnp.asarray(w), jnp.asarray(expert[r:r + 1])))
+        np.testing.assert_array_equal(alone[0], y[r])
+
+
+def test_the_cpu_streams_float32_tables_through_the_kernel_at_small_widths(monkeypatch):
+    """"auto" on a CPU with the compiled kernels: float32 tables take the kernel ("stream") up to
+    `DENSE_STREAM_MAX_ROWS` rows, in one kernel call per projection; wider blocks, bf16 tables and a machine without
+    the kernels keep the dense / tiles choice."""
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the compiled CPU kernel is not available here")
+    table = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32)
+    with target.compiling_for("cpu"):
+        for tokens in (1, 8, moe.DENSE_STREAM_MAX_ROWS // 2):
+            assert moe.routed_path("auto", table, jnp.float32, tokens, 2) == "stream"
+        assert moe.routed_path("auto", table, jnp.float32, moe.DENSE_STREAM_MAX_ROWS // 2 + 1, 2) == "tiles"
+        assert moe.routed_path("auto", jax.ShapeDtypeStruct((8, 128, 512), jnp.bfloat16), jnp.bfloat16, 1,
+                               2) == "dense"
+        monkeypatch.setenv(cpu_kernels.ENV, "0")
+        assert moe.routed_path("auto", table, jnp.float32, 1, 2) == "dense"
+        monkeypatch.delenv(cpu_kernels.ENV)
+    x, experts, weights, gate_up, down = problem(8)
+    text = jax.jit(moe.swiglu_experts).lower(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights),
+                                              jnp.asarray(gate_up), jnp.asarray(down)).compile().as_text()
+    assert text.count(f'custom_call_target="{cpu_kernels.DENSE_TARGET}"') == 2

@@ -15,7 +15,7 @@ import pytest
 from dflash_jax.nn import moe
 from dflash_jax.quant.mxfp4 import quantize_mxfp4
 from dflash_jax.quant.nvfp4 import quantize_nvfp4
-from pallas_kernels import target
+from pallas_kernels import cpu_kernels, target
 from pallas_kernels.formats import MXFP4Tensor
 
 
@@ -108,11 +108,13 @@ def traced_for_cpu():
         yield
 
 
-def test_the_cpu_chooses_by_work(traced_for_cpu):
-    """"auto" on a CPU: every token through every expert only for a small table and few tokens (the shipped
-    pair's 8 experts of 128 x 256 at a width-1 or width-8 step), the routed rows' tiles for wider steps and for
-    real expert shapes (Qwen3-30B-A3B: 128 experts of 2048 -> 768, top-8) even at one token; XLA's grouped
+def test_the_cpu_chooses_by_work(traced_for_cpu, monkeypatch):
+    """"auto" on a CPU without the compiled kernels (with them, float32 tables stream through the kernel at small
+    widths: test_moe_stream.py): every token through every expert only for a small table and few tokens (the
+    shipped pair's 8 experts of 128 x 256 at a width-1 or width-8 step), the routed rows' tiles for wider steps and
+    for real expert shapes (Qwen3-30B-A3B: 128 experts of 2048 -> 768, top-8) even at one token; XLA's grouped
     matmul on a GPU."""
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
     tiny = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32)
     real = jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16)
     assert moe.routed_path("auto", tiny, jnp.float32, 1, 2) == "dense"
