@@ -7,7 +7,8 @@ Three parts, one report (docs/benchmarks/moe_cpu.{json,md,png}):
   layer       one MoE layer of the shipped pair's shape (8 experts, top-2, 128 -> 256, fp32) at 1 .. 1024 tokens,
               each path of `nn.moe.swiglu_experts` on a CPU: "xla" (`ragged_dot`: every row through every
               expert behind a 0/1 mask), "dense" (every token through every expert), "tiles" (the routed rows
-              only) and "auto" (the library's choice, `nn.moe.routed_path`); process CPU ms per call, paired runs.
+              only), "stream" (the routed rows through the compiled kernel, `cpu_kernels.dense_rows`) and "auto"
+              (the library's choice, `nn.moe.routed_path`); process CPU ms per call, paired runs.
   end to end  the shipped pair (experts dequantized at load, as `dflash-generate` runs on a CPU), plain greedy
               decoding and DFlash chains at blocks 8 and 16, batches of held-out prompts (26 windows, repeated to fill a
               batch of 32), in separate processes
@@ -17,9 +18,9 @@ Three parts, one report (docs/benchmarks/moe_cpu.{json,md,png}):
               2048 -> 768) and gpt-oss-20b (32 experts, top-4, 2880 -> 2880), bf16 and MXFP4 tables (random),
               1 / 4 / 16 tokens: bytes of routed experts (as stored) read per second, against this machine's
               measured copy bandwidth (`np.copyto` of 256 MiB), paired runs of the CPU paths in one process:
-              "tiles" (each tile's expert gathered, then dequantized and multiplied) and "stream" (MXFP4: the
-              compiled kernel of `pallas_kernels.cpu_kernels`, codes read once as stored; dense tables: XLA's loop
-              over rows, a matrix-vector product each), and the one "auto" takes.
+              "tiles" (each tile's expert gathered, then dequantized and multiplied) and "stream" (the compiled
+              kernels of `pallas_kernels.cpu_kernels`: MXFP4 codes read once as stored, bf16 tables read in place),
+              and the one "auto" takes.
 --parts host --write-docs keeps the other parts' tables from the tracked report (their own run and load).
 """
 
@@ -36,7 +37,7 @@ import numpy as np
 
 import harness as H
 
-PATHS = ("xla", "dense", "tiles", "auto")
+PATHS = ("xla", "dense", "tiles", "stream", "auto")
 HOST_PATHS = ("tiles", "stream")
 LAYER_TOKENS = (1, 4, 16, 64, 256, 1024)
 REAL_SHAPES = {"Qwen3-30B-A3B": (128, 8, 2048, 768), "gpt-oss-20b": (32, 4, 2880, 2880)}
@@ -57,16 +58,18 @@ def layer_part(args, log) -> list[dict]:
         x = jnp.asarray(rng.standard_normal((t, h), np.float32))
         weights, experts = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((t, e), np.float32))), k)
         calls = max(1, 256 // t)
-        fns = {p: jax.jit(lambda x, ex, w, p=p: moe.swiglu_experts(x, ex, w, gu, dn, implementation=p))
+        # the tables are arguments, as in a forward (constants would let XLA prepare them once at compile time)
+        fns = {p: jax.jit(lambda x, ex, w, gu, dn, p=p: moe.swiglu_experts(x, ex, w, gu, dn, implementation=p))
                for p in PATHS if p != "auto"}
-        fns["auto"] = jax.jit(lambda x, ex, w: moe.swiglu_experts(x, ex, w, gu, dn))
-        ref = np.asarray(fns["xla"](x, experts.astype(jnp.int32), weights))
-        err = {p: float(np.max(np.abs(np.asarray(f(x, experts.astype(jnp.int32), weights)) - ref))) for p, f in fns.items()}
+        fns["auto"] = jax.jit(lambda x, ex, w, gu, dn: moe.swiglu_experts(x, ex, w, gu, dn))
+        ref = np.asarray(fns["xla"](x, experts.astype(jnp.int32), weights, gu, dn))
+        err = {p: float(np.max(np.abs(np.asarray(f(x, experts.astype(jnp.int32), weights, gu, dn)) - ref)))
+               for p, f in fns.items()}
 
         def mode(f):
             def run():
                 for _ in range(calls):
-                    out = f(x, experts.astype(jnp.int32), weights)
+                    out = f(x, experts.astype(jnp.int32), weights, gu, dn)
                 return jax.block_until_ready(out)
             return run
 
@@ -207,7 +210,7 @@ def end_to_end_part(args, log) -> dict:
 
 
 def markdown(args, result) -> list[str]:
-    lines = ["# MoE experts on a CPU: routed tiles, grouped matmul and all experts", "",
+    lines = ["# MoE experts on a CPU: the compiled kernels, routed tiles, grouped matmul and all experts", "",
              f"`{args.command}` - {result['machine']['machine']}, jax {result['machine']['jax']}. "
              "Method and parts: the script's docstring. Load average (1 min) over the run: "
              f"{result['load_before']} before, {result['load_after']} after." + "".join(
@@ -243,7 +246,8 @@ def markdown(args, result) -> list[str]:
                   f"Copy bandwidth (np.copyto, 256 MiB): {host['copy_bytes_per_s'] / 1e9:.2f} GB/s. Bytes of the routed "
                   "experts as stored over the layer's wall time (median of paired runs, both paths in one process): "
                   "tiles = the path before (each tile's expert gathered, dequantized, multiplied), stream = "
-                  "`_streamed_experts` (MXFP4: the compiled kernel; bf16: XLA's loop over rows); auto = the path "
+                  "`_streamed_experts` (the compiled kernels: MXFP4 codes decoded in registers, bf16 read in place); "
+                  "auto = the path "
                   "`routed_path` takes; load = the 1-minute load average over the point's runs.", ""]
         lines += H.table(["model", "table", "tokens", "routed experts", "tiles ms", "tiles GB/s", "tiles of copy",
                           "stream ms", "stream GB/s", "stream of copy", "auto takes", "max abs diff", "load"],

@@ -204,31 +204,49 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
   return ffi::Error::Success();
 }
 
-// ---- DflashDenseRows: y[r] = x[r] @ W[expert[r]] for a float32 table W [E, K, N] (row-major [K, N] per expert) ----
+// ---- DflashDenseRows / DflashDenseRowsBf16: y[r] = x[r] @ W[expert[r]] for a float32 or bfloat16 table W [E, K, N]
+// (row-major [K, N] per expert) ----
 //
-// Each run of rows sharing an expert is multiplied by that expert's matrix in blocks of up to kDenseRows rows and
-// kDenseCols output columns held in registers, the k loop innermost: every row's sum runs over k in order, one
-// fused multiply-add per element, whatever the other rows of its run (a row's result does not depend on its batch).
+// Every output element is summed over k in order, one fused multiply-add per term starting from zero, whatever the
+// other rows of its run and whichever loop order below runs it: a row's result does not depend on its batch.
+// Small matrices (the shipped pairs') run in register blocks of up to kDenseRows rows x 64 columns, the k loop
+// innermost. Large ones (real expert shapes, read from memory) stream the matrix once per block of rows in its
+// storage order, k outermost, the rows' sums held in the output (in cache).
 
 constexpr int kDenseRows = 4;
-constexpr int kDenseVecs = 4;  // 16-float vectors per column block: 64 columns
+constexpr int kDenseVecs = 4;                     // 16-float vectors per column block: 64 columns
+constexpr int64_t kStreamBytes = int64_t(1) << 20;  // matrices from this size stream
 
-#ifdef __AVX512F__
-template <int M>
-void DenseBlock(const float* x, int64_t k, const float* w, int64_t n, int64_t o, float* y) {
-  const int64_t left = n - o;
+inline float ToFloat(float v) { return v; }
+inline float ToFloat(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DFLASH_DENSE_AVX512 1
+inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load16(const uint16_t* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __mmask16 Mask(int64_t have) {
+  return have >= 16 ? __mmask16(0xFFFF) : (have <= 0 ? __mmask16(0) : __mmask16((1u << have) - 1));
+}
+
+template <typename T, int M>
+void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, float* y) {
   __mmask16 mask[kDenseVecs];
-  for (int c = 0; c < kDenseVecs; ++c) {
-    const int64_t have = left - 16 * c;
-    mask[c] = have >= 16 ? __mmask16(0xFFFF) : (have <= 0 ? __mmask16(0) : __mmask16((1u << have) - 1));
-  }
+  for (int c = 0; c < kDenseVecs; ++c) mask[c] = Mask(n - o - 16 * c);
   __m512 acc[M][kDenseVecs];
   for (int q = 0; q < M; ++q)
     for (int c = 0; c < kDenseVecs; ++c) acc[q][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
-    const float* wr = w + i * n + o;
+    const T* wr = w + i * n + o;
     __m512 wv[kDenseVecs];
-    for (int c = 0; c < kDenseVecs; ++c) wv[c] = _mm512_maskz_loadu_ps(mask[c], wr + 16 * c);
+    for (int c = 0; c < kDenseVecs; ++c) wv[c] = Load16(wr + 16 * c, mask[c]);
     for (int q = 0; q < M; ++q) {
       const __m512 xb = _mm512_set1_ps(x[q * k + i]);
       for (int c = 0; c < kDenseVecs; ++c) acc[q][c] = _mm512_fmadd_ps(xb, wv[c], acc[q][c]);
@@ -237,49 +255,87 @@ void DenseBlock(const float* x, int64_t k, const float* w, int64_t n, int64_t o,
   for (int q = 0; q < M; ++q)
     for (int c = 0; c < kDenseVecs; ++c) _mm512_mask_storeu_ps(y + q * n + o + 16 * c, mask[c], acc[q][c]);
 }
+
+template <typename T, int M>
+void DenseStream(const float* x, int64_t k, const T* w, int64_t n, float* y) {
+  for (int q = 0; q < M; ++q) std::fill(y + q * n, y + (q + 1) * n, 0.f);
+  for (int64_t i = 0; i < k; ++i) {
+    const T* wr = w + i * n;
+    __m512 xb[M];
+    for (int q = 0; q < M; ++q) xb[q] = _mm512_set1_ps(x[q * k + i]);
+    for (int64_t o = 0; o < n; o += 16) {
+      const __mmask16 m = Mask(n - o);
+      const __m512 wv = Load16(wr + o, m);
+      for (int q = 0; q < M; ++q) {
+        float* yq = y + q * n + o;
+        _mm512_mask_storeu_ps(yq, m, _mm512_fmadd_ps(xb[q], wv, _mm512_maskz_loadu_ps(m, yq)));
+      }
+    }
+  }
+}
 #else
-template <int M>
-void DenseBlock(const float* x, int64_t k, const float* w, int64_t n, int64_t o, float* y) {
+template <typename T, int M>
+void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, float* y) {
   const int64_t cols = std::min<int64_t>(16 * kDenseVecs, n - o);
   float acc[M][16 * kDenseVecs] = {};
   for (int64_t i = 0; i < k; ++i) {
-    const float* wr = w + i * n + o;
+    const T* wr = w + i * n + o;
     for (int q = 0; q < M; ++q) {
       const float xv = x[q * k + i];
-      for (int64_t j = 0; j < cols; ++j) acc[q][j] = __builtin_fmaf(xv, wr[j], acc[q][j]);
+      for (int64_t j = 0; j < cols; ++j) acc[q][j] = __builtin_fmaf(xv, ToFloat(wr[j]), acc[q][j]);
     }
   }
   for (int q = 0; q < M; ++q)
     for (int64_t j = 0; j < cols; ++j) y[q * n + o + j] = acc[q][j];
 }
+
+template <typename T, int M>
+void DenseStream(const float* x, int64_t k, const T* w, int64_t n, float* y) {
+  for (int q = 0; q < M; ++q) std::fill(y + q * n, y + (q + 1) * n, 0.f);
+  for (int64_t i = 0; i < k; ++i) {
+    const T* wr = w + i * n;
+    for (int q = 0; q < M; ++q) {
+      const float xv = x[q * k + i];
+      float* yq = y + q * n;
+      for (int64_t j = 0; j < n; ++j) yq[j] = __builtin_fmaf(xv, ToFloat(wr[j]), yq[j]);
+    }
+  }
+}
 #endif
 
 // Rows [r0, r1) (one expert's run) times that expert's matrix w [K, N].
-void DenseRun(const float* x, const float* w, float* y, int64_t r0, int64_t r1, int64_t k, int64_t n) {
+template <typename T>
+void DenseRun(const float* x, const T* w, float* y, int64_t r0, int64_t r1, int64_t k, int64_t n) {
+  if (k * n * int64_t(sizeof(T)) >= kStreamBytes) {
+    for (int64_t r = r0; r < r1; r += kDenseRows) {
+      const float* xr = x + r * k;
+      float* yr = y + r * n;
+      switch (std::min<int64_t>(kDenseRows, r1 - r)) {
+        case 4: DenseStream<T, 4>(xr, k, w, n, yr); break;
+        case 3: DenseStream<T, 3>(xr, k, w, n, yr); break;
+        case 2: DenseStream<T, 2>(xr, k, w, n, yr); break;
+        default: DenseStream<T, 1>(xr, k, w, n, yr); break;
+      }
+    }
+    return;
+  }
   for (int64_t o = 0; o < n; o += 16 * kDenseVecs) {  // a column block stays in cache for every row block
     for (int64_t r = r0; r < r1; r += kDenseRows) {
       const float* xr = x + r * k;
       float* yr = y + r * n;
       switch (std::min<int64_t>(kDenseRows, r1 - r)) {
-        case 4: DenseBlock<4>(xr, k, w, n, o, yr); break;
-        case 3: DenseBlock<3>(xr, k, w, n, o, yr); break;
-        case 2: DenseBlock<2>(xr, k, w, n, o, yr); break;
-        default: DenseBlock<1>(xr, k, w, n, o, yr); break;
+        case 4: DenseBlock<T, 4>(xr, k, w, n, o, yr); break;
+        case 3: DenseBlock<T, 3>(xr, k, w, n, o, yr); break;
+        case 2: DenseBlock<T, 2>(xr, k, w, n, o, yr); break;
+        default: DenseBlock<T, 1>(xr, k, w, n, o, yr); break;
       }
     }
   }
 }
 
-ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> expert,
-                     ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), ed = expert.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || ed.size() != 1 || ed[0] != xd[0])
-    return ffi::Error::InvalidArgument("dense_rows: x [R, K], w [E, K, N], expert [R]");
-  const int64_t rows = xd[0], k = xd[1], experts = wd[0], n = wd[2];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  const int32_t* ep = expert.typed_data();
-  float* yp = y->typed_data();
+template <typename T>
+ffi::Error DenseRows(const float* xp, const T* wp, const int32_t* ep, float* yp, int64_t rows, int64_t k,
+                     int64_t experts, int64_t n) {
   int64_t r0 = 0;
   while (r0 < rows) {
     int64_t r1 = r0 + 1;
@@ -288,11 +344,20 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buff
     if (e < 0 || e >= experts) {  // an out-of-range expert: NaN rows, never a stray read
       for (int64_t i = r0 * n; i < r1 * n; ++i) yp[i] = __builtin_nanf("");
     } else {
-      DenseRun(xp, wp + e * k * n, yp, r0, r1, k, n);
+      DenseRun<T>(xp, wp + e * k * n, yp, r0, r1, k, n);
     }
     r0 = r1;
   }
   return ffi::Error::Success();
+}
+
+template <ffi::DataType D>
+ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> expert,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), ed = expert.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || ed.size() != 1 || ed[0] != xd[0])
+    return ffi::Error::InvalidArgument("dense_rows: x [R, K], w [E, K, N], expert [R]");
+  return DenseRows(x.typed_data(), w.typed_data(), expert.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], wd[2]);
 }
 
 }  // namespace
@@ -305,9 +370,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashDenseRows, DenseImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashDenseRows, DenseImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashDenseRowsBf16, DenseImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

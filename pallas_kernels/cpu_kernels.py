@@ -5,8 +5,8 @@ registers (`cpu_fp4_rows.cc`): y[r] = W[expert[r]] @ x[r] for W an `MXFP4Tensor`
 cannot express this as one pass on a CPU: it materializes the decoded table (16x the bytes of the codes) before
 reducing it, or packs it for a GEMM (docs/benchmarks/moe_cpu.md).
 
-`dense_rows(x, w, expert)`: the same for a float32 table [E, K, N] (y[r] = x[r] @ W[expert[r]]): only the routed
-experts read, in place, each run of rows of one expert multiplied in register blocks. XLA's CPU has no form of this
+`dense_rows(x, w, expert)`: the same for a float32 or bfloat16 table [E, K, N] (y[r] = x[r] @ W[expert[r]]): only the
+routed experts read, in place, each run of rows of one expert multiplied in register blocks. XLA's CPU has no form of this
 that stays cheap inside a decode loop: a batched product over all experts does E / k times the routed work, and a
 gather of the routed tables is materialized on every call (docs/benchmarks/moe_cpu.md).
 
@@ -38,6 +38,7 @@ CACHE_ENV = "DFLASH_KERNEL_CACHE"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fp4_rows.cc")
 TARGET = "dflash_mxfp4_rows"
 DENSE_TARGET = "dflash_dense_rows"
+DENSE_BF16_TARGET = "dflash_dense_rows_bf16"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _lock = threading.Lock()
@@ -100,6 +101,8 @@ def available() -> bool:
                     lib = ctypes.cdll.LoadLibrary(path)
                     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.DflashMxfp4Rows), platform="cpu")
                     jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.DflashDenseRows), platform="cpu")
+                    jax.ffi.register_ffi_target(DENSE_BF16_TARGET, jax.ffi.pycapsule(lib.DflashDenseRowsBf16),
+                                                platform="cpu")
                     _state["lib"] = lib
                     ok = True
             except Exception:  # noqa: BLE001 - any failure means: take the XLA path
@@ -125,16 +128,18 @@ def mxfp4_rows(x: jax.Array, w: MXFP4Tensor, expert: jax.Array) -> jax.Array:
 
 
 def supports_dense(w) -> bool:
-    """Whether `dense_rows` takes the weight `w` (a float32 array [E, K, N])."""
+    """Whether `dense_rows` takes the weight `w` (a float32 or bfloat16 array [E, K, N])."""
     return (not isinstance(w, (MXFP4Tensor, NVFP4Tensor)) and getattr(w, "ndim", 0) == 3
-            and getattr(w, "dtype", None) == jnp.float32)
+            and getattr(w, "dtype", None) in (jnp.float32, jnp.bfloat16))
 
 
 def dense_rows(x: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
-    """x [R, K] float32, w float32 [E, K, N], expert [R] int32 (rows of one expert adjacent: each run reads its
-    expert's matrix once per block of columns) -> [R, N] float32, y[r] = x[r] @ W[expert[r]], each element summed over
-    k in order with fused multiply-adds (a row's result does not depend on the other rows). An expert no row names is
-    never read; an expert id out of range gives a NaN row. Call `available()` first."""
+    """x [R, K] (read as float32), w float32 or bfloat16 [E, K, N], expert [R] int32 (rows of one expert adjacent:
+    each run reads its expert's matrix once per block of rows) -> [R, N] float32, y[r] = x[r] @ W[expert[r]], each
+    element summed over k in order with float32 fused multiply-adds (bf16 weights widened exactly; a row's result
+    does not depend on the other rows). An expert no row names is never read; an expert id out of range gives a NaN
+    row. Call `available()` first."""
     rows = x.shape[0]
-    return jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((rows, w.shape[2]), jnp.float32))(
+    name = DENSE_BF16_TARGET if w.dtype == jnp.bfloat16 else DENSE_TARGET
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, w.shape[2]), jnp.float32))(
         x.astype(jnp.float32), w, expert.astype(jnp.int32))

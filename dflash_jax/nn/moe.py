@@ -173,7 +173,7 @@ def swiglu_experts(
     `ragged_dot`'s cost grows with the number of groups). "tiles": only the routed rows' work, each expert's
     rows in whole tiles multiplied by that expert's gathered weights (`_tiled_experts`). "stream": only the
     routed experts' tables, read in place (`_streamed_experts`; MXFP4 through the compiled CPU kernel). "auto" off
-    a mesh takes one of those three on a CPU (`routed_path`: "stream" for float32 tables and for FP4 tables of
+    a mesh takes one of those three on a CPU (`routed_path`: "stream" for float32 / bf16 tables and FP4 tables of
     real expert shapes at small widths where the compiled CPU kernels are available, "dense" for other small tables
     and few tokens). Otherwise
     sorted dispatch + `ops.grouped_matmul`,
@@ -219,23 +219,23 @@ CPU_PATHS = ("auto", "tiles", "dense", "xla", "stream")
 # of Qwen3-30B-A3B and gpt-oss-20b shapes). Small tables stay on the cheaper of "dense" / "tiles".
 STREAM_MAX_ROWS = 128
 STREAM_MIN_EXPERT_BYTES = 1 << 20
-# float32 tables go through the compiled kernel (`cpu_kernels.dense_rows`: only the routed experts, read in place)
-# up to this many rows. On the shipped pairs' tables (2-core x86, process CPU, paired runs) plain greedy decoding
+# float32 / bf16 tables go through the compiled kernel (`cpu_kernels.dense_rows`: only the routed experts, read in
+# place) up to this many rows. On the shipped pairs' tables (2-core x86, process CPU, paired runs) plain greedy decoding
 # ran 1.7-2x faster at batch 1 - 4 than on the dense / tiles paths, and level with the tiles at 32 - 64 rows; wider
 # blocks (prefill) stay on the tiles, whose GEMMs reuse each expert's weights over many rows.
 DENSE_STREAM_MAX_ROWS = 128
 
 
 def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None, top_k: int | None = None) -> str:
-    """How `swiglu_experts` runs its rows off a mesh, for `tokens` x `top_k` rows (static): where "auto"
-    resolves to XLA on a CPU, "stream" (`_streamed_experts`) for FP4 tables of real expert shapes at up to
-    `STREAM_MAX_ROWS` rows and, with the compiled kernels, for float32 tables at up to `DENSE_STREAM_MAX_ROWS` rows
-    (only the routed experts read, in place: a plain decode step of the shipped pairs 1.7-2x faster than every
-    expert batched), else "tiles" (`_tiled_experts`: only the routed rows' work) or, where every token
-    through every expert costs less than the tiles' work plus their bookkeeping (`TILE_OVERHEAD_MACS`),
-    "dense"; otherwise the grouped matmuls of `implementation` ("xla": `ragged_dot`, "pallas": the FP4 kernel).
-    XLA's CPU `ragged_dot` runs every row through every group (a 0/1 mask per group), so its cost grows with
-    the number of experts; on a GPU it does not, and the FP4 kernel reads only the routed experts."""
+    """How `swiglu_experts` runs its rows off a mesh, for `tokens` x `top_k` rows (static). Where "auto" resolves
+    to XLA on a CPU: "stream" (`_streamed_experts`) for FP4 tables of real expert shapes at up to `STREAM_MAX_ROWS`
+    rows and, with the compiled kernels, for float32 / bf16 tables at up to `DENSE_STREAM_MAX_ROWS` rows (only the
+    routed experts read, in place: a plain decode step of the shipped pairs 1.7-2x faster than every expert
+    batched); else "tiles" (`_tiled_experts`: only the routed rows' work) or, where every token through every
+    expert costs less than the tiles' work plus their bookkeeping (`TILE_OVERHEAD_MACS`), "dense". Otherwise the
+    grouped matmuls of `implementation` ("xla": `ragged_dot`, "pallas": the FP4 kernel). XLA's CPU `ragged_dot`
+    runs every row through every group (a 0/1 mask per group), so its cost grows with the number of experts; on a
+    GPU it does not, and the FP4 kernel reads only the routed experts."""
     impl = ops.resolve_implementation(implementation, gate_up, x_dtype)
     if implementation != "auto" or impl != "xla" or target.platform() != "cpu":
         return impl
@@ -250,8 +250,7 @@ def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None
     if (ops.is_fp4(gate_up) and tokens * top_k <= STREAM_MAX_ROWS
             and expert_bytes(gate_up) * 3 // 2 >= STREAM_MIN_EXPERT_BYTES):
         return "stream"
-    if (tokens * top_k <= DENSE_STREAM_MAX_ROWS and x_dtype == jnp.float32 and cpu_kernels.supports_dense(gate_up)
-            and cpu_kernels.available()):
+    if tokens * top_k <= DENSE_STREAM_MAX_ROWS and cpu_kernels.supports_dense(gate_up) and cpu_kernels.available():
         return "stream"
     per_row = hidden * two_inter * 3 // 2  # gate/up and down multiply-adds of one row
     rows = tokens * top_k
@@ -365,8 +364,9 @@ def _streamed_experts(x, slots, weights, gate_up, down, num_slots, gate_up_bias,
     """`swiglu_experts` with only the routed experts' tables read, each once per run of rows, in place. MXFP4
     tables on a CPU with the compiled kernel (`pallas_kernels.cpu_kernels.mxfp4_rows`): the rows sorted by slot,
     each projection one kernel call that streams each routed expert's codes once, decoding them in registers for
-    all of the expert's rows; float32 tables the same way through `cpu_kernels.dense_rows`. Otherwise (no kernel, NVFP4, dense tables) one (token, choice) row at a time in a
-    loop over the sorted rows: the row's expert read by a dynamic slice (no gathered copy), FP4 codes decoded
+    all of the expert's rows; float32 / bf16 tables the same way through `cpu_kernels.dense_rows`. Otherwise (no
+    kernel, NVFP4, other dtypes) one (token, choice) row at a time in a loop over the sorted rows: the row's
+    expert read by a dynamic slice (no gathered copy), FP4 codes decoded
     inside the product (`_row_product`), every product a matrix-vector product (XLA's CPU GEMM packs its weights
     for more than one row). Rows are independent: an expert without rows is never read."""
     t, k = slots.shape
