@@ -325,8 +325,9 @@ def main(argv=None) -> int:
             for part in ("layer", "end_to_end", "host"):
                 if part not in parts and part in old:
                     result[part] = old[part]
-                    result.setdefault("carried", {})[part] = {"load_before": old.get("load_before"),
-                                                              "load_after": old.get("load_after")}
+                    # the part's own run: carried along again if the tracked report carried it already
+                    result.setdefault("carried", {})[part] = old.get("carried", {}).get(part) or {
+                        "load_before": old.get("load_before"), "load_after": old.get("load_after")}
     report = H.Report(args, "moe_cpu")
     report.write(result, markdown(args, result),
                  draw=draw(result) if result.get("layer") and result.get("end_to_end") else None,
