@@ -370,16 +370,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashDenseRows, DenseImpl<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// one handler per table dtype: x f32 [R, K], w [E, K, N], expert s32 [R] -> y f32 [R, N]
+#define DFLASH_DENSE_ROWS_HANDLER(name, dtype)                                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, DenseImpl<dtype>,                                               \
+                                ffi::Ffi::Bind()                                                      \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                     \
+                                    .Arg<ffi::Buffer<dtype>>()                                        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                     \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashDenseRowsBf16, DenseImpl<ffi::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+DFLASH_DENSE_ROWS_HANDLER(DflashDenseRows, ffi::F32)
+DFLASH_DENSE_ROWS_HANDLER(DflashDenseRowsBf16, ffi::BF16)
