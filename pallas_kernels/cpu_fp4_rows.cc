@@ -11,8 +11,12 @@
 // read. A run of rows with the same expert decodes each block once for all of them. One thread: split over threads
 // it measured slower on a shared CPU (a descheduled helper holds up the call).
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -237,9 +241,9 @@ inline __mmask16 Mask(int64_t have) {
 }
 
 template <typename T, int M>
-void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, float* y) {
+void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, int64_t o1, float* y) {
   __mmask16 mask[kDenseVecs];
-  for (int c = 0; c < kDenseVecs; ++c) mask[c] = Mask(n - o - 16 * c);
+  for (int c = 0; c < kDenseVecs; ++c) mask[c] = Mask(o1 - o - 16 * c);
   __m512 acc[M][kDenseVecs];
   for (int q = 0; q < M; ++q)
     for (int c = 0; c < kDenseVecs; ++c) acc[q][c] = _mm512_setzero_ps();
@@ -257,14 +261,14 @@ void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, flo
 }
 
 template <typename T, int M>
-void DenseStream(const float* x, int64_t k, const T* w, int64_t n, float* y) {
-  for (int q = 0; q < M; ++q) std::fill(y + q * n, y + (q + 1) * n, 0.f);
+void DenseStream(const float* x, int64_t k, const T* w, int64_t n, int64_t o0, int64_t o1, float* y) {
+  for (int q = 0; q < M; ++q) std::fill(y + q * n + o0, y + q * n + o1, 0.f);
   for (int64_t i = 0; i < k; ++i) {
     const T* wr = w + i * n;
     __m512 xb[M];
     for (int q = 0; q < M; ++q) xb[q] = _mm512_set1_ps(x[q * k + i]);
-    for (int64_t o = 0; o < n; o += 16) {
-      const __mmask16 m = Mask(n - o);
+    for (int64_t o = o0; o < o1; o += 16) {
+      const __mmask16 m = Mask(o1 - o);
       const __m512 wv = Load16(wr + o, m);
       for (int q = 0; q < M; ++q) {
         float* yq = y + q * n + o;
@@ -275,8 +279,8 @@ void DenseStream(const float* x, int64_t k, const T* w, int64_t n, float* y) {
 }
 #else
 template <typename T, int M>
-void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, float* y) {
-  const int64_t cols = std::min<int64_t>(16 * kDenseVecs, n - o);
+void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, int64_t o1, float* y) {
+  const int64_t cols = std::min<int64_t>(16 * kDenseVecs, o1 - o);
   float acc[M][16 * kDenseVecs] = {};
   for (int64_t i = 0; i < k; ++i) {
     const T* wr = w + i * n + o;
@@ -290,74 +294,124 @@ void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, flo
 }
 
 template <typename T, int M>
-void DenseStream(const float* x, int64_t k, const T* w, int64_t n, float* y) {
-  for (int q = 0; q < M; ++q) std::fill(y + q * n, y + (q + 1) * n, 0.f);
+void DenseStream(const float* x, int64_t k, const T* w, int64_t n, int64_t o0, int64_t o1, float* y) {
+  for (int q = 0; q < M; ++q) std::fill(y + q * n + o0, y + q * n + o1, 0.f);
   for (int64_t i = 0; i < k; ++i) {
     const T* wr = w + i * n;
     for (int q = 0; q < M; ++q) {
       const float xv = x[q * k + i];
       float* yq = y + q * n;
-      for (int64_t j = 0; j < n; ++j) yq[j] = __builtin_fmaf(xv, ToFloat(wr[j]), yq[j]);
+      for (int64_t j = o0; j < o1; ++j) yq[j] = __builtin_fmaf(xv, ToFloat(wr[j]), yq[j]);
     }
   }
 }
 #endif
 
-// Rows [r0, r1) (one expert's run) times that expert's matrix w [K, N].
+// Rows [r0, r1) (one expert's run) times columns [o0, o1) of that expert's matrix w [K, N].
 template <typename T>
-void DenseRun(const float* x, const T* w, float* y, int64_t r0, int64_t r1, int64_t k, int64_t n) {
+void DenseRun(const float* x, const T* w, float* y, int64_t r0, int64_t r1, int64_t k, int64_t n, int64_t o0,
+              int64_t o1) {
   if (k * n * int64_t(sizeof(T)) >= kStreamBytes) {
     for (int64_t r = r0; r < r1; r += kDenseRows) {
       const float* xr = x + r * k;
       float* yr = y + r * n;
       switch (std::min<int64_t>(kDenseRows, r1 - r)) {
-        case 4: DenseStream<T, 4>(xr, k, w, n, yr); break;
-        case 3: DenseStream<T, 3>(xr, k, w, n, yr); break;
-        case 2: DenseStream<T, 2>(xr, k, w, n, yr); break;
-        default: DenseStream<T, 1>(xr, k, w, n, yr); break;
+        case 4: DenseStream<T, 4>(xr, k, w, n, o0, o1, yr); break;
+        case 3: DenseStream<T, 3>(xr, k, w, n, o0, o1, yr); break;
+        case 2: DenseStream<T, 2>(xr, k, w, n, o0, o1, yr); break;
+        default: DenseStream<T, 1>(xr, k, w, n, o0, o1, yr); break;
       }
     }
     return;
   }
-  for (int64_t o = 0; o < n; o += 16 * kDenseVecs) {  // a column block stays in cache for every row block
+  for (int64_t o = o0; o < o1; o += 16 * kDenseVecs) {  // a column block stays in cache for every row block
     for (int64_t r = r0; r < r1; r += kDenseRows) {
       const float* xr = x + r * k;
       float* yr = y + r * n;
       switch (std::min<int64_t>(kDenseRows, r1 - r)) {
-        case 4: DenseBlock<T, 4>(xr, k, w, n, o, yr); break;
-        case 3: DenseBlock<T, 3>(xr, k, w, n, o, yr); break;
-        case 2: DenseBlock<T, 2>(xr, k, w, n, o, yr); break;
-        default: DenseBlock<T, 1>(xr, k, w, n, o, yr); break;
+        case 4: DenseBlock<T, 4>(xr, k, w, n, o, o1, yr); break;
+        case 3: DenseBlock<T, 3>(xr, k, w, n, o, o1, yr); break;
+        case 2: DenseBlock<T, 2>(xr, k, w, n, o, o1, yr); break;
+        default: DenseBlock<T, 1>(xr, k, w, n, o, o1, yr); break;
       }
     }
   }
 }
 
+// A call's work in items (a run of rows of one expert times a range of output columns, a multiple of 64 wide),
+// spread over XLA's intra-op thread pool when the call is large enough to pay for it. Every output element is
+// computed by exactly one item, the same sums whatever the split. Each worker (the calling thread included) claims
+// items from a shared counter, so the caller never waits on an item that no running thread holds, and a helper
+// scheduled after the items ran out does nothing.
+struct DenseItem {
+  int64_t r0, r1, e, o0, o1;
+};
+constexpr int64_t kParallelMacs = int64_t(1) << 21;  // calls from about 2M multiply-adds use the pool
+
+template <typename T>
+void DenseItemRun(const DenseItem& it, const float* xp, const T* wp, float* yp, int64_t k, int64_t experts,
+                  int64_t n) {
+  if (it.e < 0 || it.e >= experts) {  // an out-of-range expert: NaN rows, never a stray read
+    for (int64_t r = it.r0; r < it.r1; ++r)
+      for (int64_t o = it.o0; o < it.o1; ++o) yp[r * n + o] = __builtin_nanf("");
+    return;
+  }
+  DenseRun<T>(xp, wp + it.e * k * n, yp, it.r0, it.r1, k, n, it.o0, it.o1);
+}
+
 template <typename T>
 ffi::Error DenseRows(const float* xp, const T* wp, const int32_t* ep, float* yp, int64_t rows, int64_t k,
-                     int64_t experts, int64_t n) {
+                     int64_t experts, int64_t n, ffi::ThreadPool& pool) {
+  const int64_t threads = rows * k * n >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  const int64_t blocks = (n + 16 * kDenseVecs - 1) / (16 * kDenseVecs);
+  const int64_t parts = std::min(threads, blocks);
+  auto items = std::make_shared<std::vector<DenseItem>>();
   int64_t r0 = 0;
   while (r0 < rows) {
     int64_t r1 = r0 + 1;
     while (r1 < rows && ep[r1] == ep[r0]) ++r1;
-    const int64_t e = ep[r0];
-    if (e < 0 || e >= experts) {  // an out-of-range expert: NaN rows, never a stray read
-      for (int64_t i = r0 * n; i < r1 * n; ++i) yp[i] = __builtin_nanf("");
-    } else {
-      DenseRun<T>(xp, wp + e * k * n, yp, r0, r1, k, n);
-    }
+    for (int64_t p = 0; p < parts; ++p)
+      items->push_back({r0, r1, ep[r0], std::min(n, blocks * p / parts * 16 * kDenseVecs),
+                        std::min(n, blocks * (p + 1) / parts * 16 * kDenseVecs)});
     r0 = r1;
   }
+  const int64_t total = int64_t(items->size());
+  if (threads <= 1 || total <= 1) {
+    for (const DenseItem& it : *items) DenseItemRun<T>(it, xp, wp, yp, k, experts, n);
+    return ffi::Error::Success();
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, items, total, xp, wp, yp, k, experts, n]() {
+    int64_t finished = 0;
+    for (int64_t i = shared->next.fetch_add(1); i < total; i = shared->next.fetch_add(1)) {
+      DenseItemRun<T>((*items)[i], xp, wp, yp, k, experts, n);
+      ++finished;
+    }
+    if (finished && shared->done.fetch_add(finished) + finished == total) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->cv.notify_all();
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work]() { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == total; });
   return ffi::Error::Success();
 }
 
 template <ffi::DataType D>
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> expert,
-                     ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
   auto xd = x.dimensions(), wd = w.dimensions(), ed = expert.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || ed.size() != 1 || ed[0] != xd[0])
     return ffi::Error::InvalidArgument("dense_rows: x [R, K], w [E, K, N], expert [R]");
-  return DenseRows(x.typed_data(), w.typed_data(), expert.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], wd[2]);
+  return DenseRows(x.typed_data(), w.typed_data(), expert.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], wd[2],
+                   pool);
 }
 
 }  // namespace
@@ -377,7 +431,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
                                     .Arg<ffi::Buffer<ffi::F32>>()                                     \
                                     .Arg<ffi::Buffer<dtype>>()                                        \
                                     .Arg<ffi::Buffer<ffi::S32>>()                                     \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Ret<ffi::Buffer<ffi::F32>>()                                     \
+                                    .Ctx<ffi::ThreadPool>());
 
 DFLASH_DENSE_ROWS_HANDLER(DflashDenseRows, ffi::F32)
 DFLASH_DENSE_ROWS_HANDLER(DflashDenseRowsBf16, ffi::BF16)

@@ -139,7 +139,8 @@ def test_the_compiled_kernel_reads_mxfp4_codes_in_one_call_per_projection():
 def test_the_dense_kernel_multiplies_each_row_by_its_own_expert_alone():
     """`cpu_kernels.dense_rows` against float64 products: odd shapes (columns not a multiple of the register block,
     runs of 1 - 7 rows), experts with no rows poisoned with NaN (never read), an out-of-range expert id (a NaN row),
-    and every row's result bit-identical to the same row multiplied alone (a row does not depend on its batch)."""
+    a bf16 table in a call split over XLA's thread pool, and every row's result bit-identical to the same row
+    multiplied alone (a row does not depend on its batch or on the split)."""
     if jax.default_backend() != "cpu" or not cpu_kernels.available():
         pytest.skip("the compiled CPU kernel is not available here")
     rng = np.random.default_rng(7)
@@ -156,6 +157,17 @@ def test_the_dense_kernel_multiplies_each_row_by_its_own_expert_alone():
     assert np.isnan(y[~ok]).all() and np.isfinite(y[ok]).all()
     for r in np.flatnonzero(ok):
         alone = np.asarray(run(jnp.asarray(x[r:r + 1]), jnp.asarray(w), jnp.asarray(expert[r:r + 1])))
+        np.testing.assert_array_equal(alone[0], y[r])
+    # a call large enough to be split over XLA's thread pool (runs x column ranges) gives the same sums, and a bf16
+    # table the products of its exact float32 widening
+    big_w = jnp.asarray(rng.standard_normal((3, 256, 650)), jnp.bfloat16)
+    big_e = np.repeat(np.arange(3, dtype=np.int32), [5, 30, 29])
+    big_x = rng.standard_normal((64, 256)).astype(np.float32)
+    y = np.asarray(run(jnp.asarray(big_x), big_w, jnp.asarray(big_e)))
+    wide = np.asarray(big_w.astype(jnp.float32)).astype(np.float64)
+    np.testing.assert_allclose(y, np.einsum("rk,rkn->rn", big_x, wide[big_e]), rtol=1e-5, atol=1e-4)
+    for r in (0, 5, 40, 63):
+        alone = np.asarray(run(jnp.asarray(big_x[r:r + 1]), big_w, jnp.asarray(big_e[r:r + 1])))
         np.testing.assert_array_equal(alone[0], y[r])
 
 
