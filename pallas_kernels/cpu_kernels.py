@@ -139,8 +139,33 @@ def dense_rows(x: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
     each run reads its expert's matrix once per block of rows) -> [R, N] float32, y[r] = x[r] @ W[expert[r]], each
     element summed over k in order with float32 fused multiply-adds (bf16 weights widened exactly; a row's result
     does not depend on the other rows). An expert no row names is never read; an expert id out of range gives a NaN
-    row. Call `available()` first."""
-    rows = x.shape[0]
+    row. Differentiable in x and w (the backward pass is XLA's: every expert's product, each row's selected; the
+    table's gradient one product over the rows). Call `available()` first."""
+    return _dense_rows(x, w, expert.astype(jnp.int32))
+
+
+def _dense_rows_call(x, w, expert):
     name = DENSE_BF16_TARGET if w.dtype == jnp.bfloat16 else DENSE_TARGET
-    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, w.shape[2]), jnp.float32))(
-        x.astype(jnp.float32), w, expert.astype(jnp.int32))
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))(
+        x.astype(jnp.float32), w, expert)
+
+
+@jax.custom_vjp
+def _dense_rows(x, w, expert):
+    return _dense_rows_call(x, w, expert)
+
+
+def _dense_rows_fwd(x, w, expert):
+    return _dense_rows_call(x, w, expert), (x, w, expert)
+
+
+def _dense_rows_bwd(res, g):
+    x, w, expert = res
+    onehot = jax.nn.one_hot(expert, w.shape[0], dtype=jnp.float32)  # [R, E]; an out-of-range id: a zero row
+    wide = w.astype(jnp.float32)
+    dx = jnp.einsum("rn,ekn,re->rk", g, wide, onehot)
+    dw = jnp.einsum("re,rk,rn->ekn", onehot, x.astype(jnp.float32), g)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_dense_rows.defvjp(_dense_rows_fwd, _dense_rows_bwd)
