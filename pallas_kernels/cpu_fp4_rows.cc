@@ -8,8 +8,9 @@
 // scales u8 [E, N, K/32] (E8M0: 255 is NaN); expert s32 [R] (rows of one expert adjacent, e.g. sorted); result f32
 // [R, N]. Each weight is the float product E2M1(code) * 2^(s - 127), exactly as the dequantized table holds it
 // (subnormal scales, overflow to inf and NaN included); rows are independent, so an expert without rows is never
-// read. A run of rows with the same expert decodes each block once for all of them. One thread: split over threads
-// it measured slower on a shared CPU (a descheduled helper holds up the call).
+// read. A run of rows with the same expert decodes each block once for all of them. Calls of about 2M multiply-adds
+// or more are split over XLA's intra-op thread pool (`ParallelItems`: workers claim items, so a descheduled helper
+// holds up only the item it claimed).
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -175,8 +176,44 @@ void RunItem(const Problem& p, int64_t item, int64_t chunks) {
   RunOutputPairs(p, e, r0, r1, o0, o1);
 }
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
-                ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
+// Runs run_item(i) for every i in [0, total) over `threads` workers of XLA's intra-op pool, the calling thread
+// included. Each worker claims items from a shared counter, so the caller never waits on an item that no running
+// thread holds, and a helper the pool starts after the items ran out touches nothing but the counter (which it
+// shares by ownership: the call may have returned by then).
+template <typename F>
+void ParallelItems(ffi::ThreadPool& pool, int64_t threads, int64_t total, F run_item) {
+  if (threads <= 1 || total <= 1) {
+    for (int64_t i = 0; i < total; ++i) run_item(i);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, total, run_item]() {
+    int64_t finished = 0;
+    for (int64_t i = shared->next.fetch_add(1); i < total; i = shared->next.fetch_add(1)) {
+      run_item(i);
+      ++finished;
+    }
+    if (finished && shared->done.fetch_add(finished) + finished == total) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->cv.notify_all();
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work]() { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == total; });
+}
+
+// Calls from about this many multiply-adds are split over the pool.
+constexpr int64_t kParallelMacs = int64_t(1) << 21;
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::U8> scales,
+                ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
   auto xd = x.dimensions(), bd = blocks.dimensions(), sd = scales.dimensions(), ed = expert.dimensions();
   if (xd.size() != 2 || bd.size() != 4 || bd[3] != kHalf || xd[1] != bd[2] * kBlock || sd.size() != 3 ||
       sd[0] != bd[0] || sd[1] != bd[1] || sd[2] != bd[2] || ed.size() != 1 || ed[0] != xd[0])
@@ -204,7 +241,11 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
   const int64_t nruns = int64_t(p.runs.size());
   p.runs.push_back(p.rows);
   if (nruns == 0) return ffi::Error::Success();
-  for (int64_t i = 0; i < nruns; ++i) RunItem(p, i, 1);
+  // each run's output rows split into `chunks` parts, one work item each (the same sums whatever the split)
+  const int64_t threads = p.rows * p.n * p.k >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  const int64_t chunks = std::min<int64_t>(threads, std::max<int64_t>(1, p.n / 2));
+  const Problem* problem = &p;
+  ParallelItems(pool, threads, nruns * chunks, [problem, chunks](int64_t i) { RunItem(*problem, i, chunks); });
   return ffi::Error::Success();
 }
 
@@ -338,15 +379,12 @@ void DenseRun(const float* x, const T* w, float* y, int64_t r0, int64_t r1, int6
   }
 }
 
-// A call's work in items (a run of rows of one expert times a range of output columns, a multiple of 64 wide),
-// spread over XLA's intra-op thread pool when the call is large enough to pay for it. Every output element is
-// computed by exactly one item, the same sums whatever the split. Each worker (the calling thread included) claims
-// items from a shared counter, so the caller never waits on an item that no running thread holds, and a helper
-// scheduled after the items ran out does nothing.
+// A call's work in items: a run of rows of one expert times a range of output columns (a multiple of 64 wide),
+// spread over XLA's intra-op thread pool when the call is large enough to pay for it (`ParallelItems`). Every output
+// element is computed by exactly one item: the same sums whatever the split.
 struct DenseItem {
   int64_t r0, r1, e, o0, o1;
 };
-constexpr int64_t kParallelMacs = int64_t(1) << 21;  // calls from about 2M multiply-adds use the pool
 
 template <typename T>
 void DenseItemRun(const DenseItem& it, const float* xp, const T* wp, float* yp, int64_t k, int64_t experts,
@@ -365,7 +403,7 @@ ffi::Error DenseRows(const float* xp, const T* wp, const int32_t* ep, float* yp,
   const int64_t threads = rows * k * n >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
   const int64_t blocks = (n + 16 * kDenseVecs - 1) / (16 * kDenseVecs);
   const int64_t parts = std::min(threads, blocks);
-  auto items = std::make_shared<std::vector<DenseItem>>();
+  auto items = std::make_unique<std::vector<DenseItem>>();
   int64_t r0 = 0;
   while (r0 < rows) {
     int64_t r1 = r0 + 1;
@@ -375,32 +413,10 @@ ffi::Error DenseRows(const float* xp, const T* wp, const int32_t* ep, float* yp,
                         std::min(n, blocks * (p + 1) / parts * 16 * kDenseVecs)});
     r0 = r1;
   }
-  const int64_t total = int64_t(items->size());
-  if (threads <= 1 || total <= 1) {
-    for (const DenseItem& it : *items) DenseItemRun<T>(it, xp, wp, yp, k, experts, n);
-    return ffi::Error::Success();
-  }
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, items, total, xp, wp, yp, k, experts, n]() {
-    int64_t finished = 0;
-    for (int64_t i = shared->next.fetch_add(1); i < total; i = shared->next.fetch_add(1)) {
-      DenseItemRun<T>((*items)[i], xp, wp, yp, k, experts, n);
-      ++finished;
-    }
-    if (finished && shared->done.fetch_add(finished) + finished == total) {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      shared->cv.notify_all();
-    }
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work]() { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == total; });
+  const std::vector<DenseItem>* list = items.get();
+  ParallelItems(pool, threads, int64_t(items->size()), [list, xp, wp, yp, k, experts, n](int64_t i) {
+    DenseItemRun<T>((*list)[i], xp, wp, yp, k, experts, n);
+  });
   return ffi::Error::Success();
 }
 
@@ -422,7 +438,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ctx<ffi::ThreadPool>());
 
 // one handler per table dtype: x f32 [R, K], w [E, K, N], expert s32 [R] -> y f32 [R, N]
 #define DFLASH_DENSE_ROWS_HANDLER(name, dtype)                                                        \

@@ -210,3 +210,21 @@ def test_the_dense_kernel_is_differentiable():
     ref = jax.grad(loss(lambda x, w: jnp.einsum("rk,rkn->rn", x, w[expert])), argnums=(0, 1))(x, w)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_mxfp4_kernel_splits_a_large_call_with_the_same_sums():
+    """A call large enough to be split over XLA's thread pool (each run's output rows in parts): every row equals
+    the same row multiplied alone, bit for bit, and the dequantized table's products up to summation order."""
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        pytest.skip("the compiled CPU kernel is not available here")
+    rng = np.random.default_rng(5)
+    table = quantize_mxfp4(jnp.asarray(rng.standard_normal((4, 515, 256)), jnp.float32))  # [E, N, K], N odd
+    expert = np.repeat(np.arange(4, dtype=np.int32), [3, 9, 0, 12])
+    x = rng.standard_normal((len(expert), 256)).astype(np.float32)
+    run = jax.jit(cpu_kernels.mxfp4_rows)
+    y = np.asarray(run(jnp.asarray(x), table, jnp.asarray(expert)))
+    dense = np.asarray(table.dequantize(jnp.float32)).astype(np.float64)  # [E, N, K]
+    np.testing.assert_allclose(y, np.einsum("rk,rnk->rn", x, dense[expert]), rtol=1e-5, atol=1e-4)
+    for r in (0, 3, 11, 23):
+        alone = np.asarray(run(jnp.asarray(x[r:r + 1]), table, jnp.asarray(expert[r:r + 1])))
+        np.testing.assert_array_equal(alone[0], y[r])
