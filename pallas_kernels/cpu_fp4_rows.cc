@@ -401,18 +401,20 @@ template <typename T>
 ffi::Error DenseRows(const float* xp, const T* wp, const int32_t* ep, float* yp, int64_t rows, int64_t k,
                      int64_t experts, int64_t n, ffi::ThreadPool& pool) {
   const int64_t threads = rows * k * n >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  std::vector<int64_t> starts;  // the runs of rows of one expert
+  for (int64_t r = 0; r < rows; ++r)
+    if (r == 0 || ep[r] != ep[r - 1]) starts.push_back(r);
+  const int64_t runs = int64_t(starts.size());
+  starts.push_back(rows);
+  // whole runs per item where there are enough of them (each worker streams whole matrices in storage order);
+  // column ranges only for fewer runs than twice the workers
   const int64_t blocks = (n + 16 * kDenseVecs - 1) / (16 * kDenseVecs);
-  const int64_t parts = std::min(threads, blocks);
+  const int64_t parts = runs >= 2 * threads ? 1 : std::min(threads, blocks);
   auto items = std::make_unique<std::vector<DenseItem>>();
-  int64_t r0 = 0;
-  while (r0 < rows) {
-    int64_t r1 = r0 + 1;
-    while (r1 < rows && ep[r1] == ep[r0]) ++r1;
+  for (int64_t i = 0; i < runs; ++i)
     for (int64_t p = 0; p < parts; ++p)
-      items->push_back({r0, r1, ep[r0], std::min(n, blocks * p / parts * 16 * kDenseVecs),
+      items->push_back({starts[i], starts[i + 1], ep[starts[i]], std::min(n, blocks * p / parts * 16 * kDenseVecs),
                         std::min(n, blocks * (p + 1) / parts * 16 * kDenseVecs)});
-    r0 = r1;
-  }
   const std::vector<DenseItem>* list = items.get();
   ParallelItems(pool, threads, int64_t(items->size()), [list, xp, wp, yp, k, experts, n](int64_t i) {
     DenseItemRun<T>((*list)[i], xp, wp, yp, k, experts, n);
