@@ -7,7 +7,8 @@ reducing it, or packs it for a GEMM (docs/benchmarks/moe_cpu.md).
 
 `dense_rows(x, w, expert)`: the same for a float32 or bfloat16 table [E, K, N] (y[r] = x[r] @ W[expert[r]]): only the
 routed experts read, in place, each run of rows of one expert multiplied in register blocks; a call of about 2M
-multiply-adds or more is split over XLA's intra-op thread pool (runs x column ranges, the same sums). XLA's CPU has
+multiply-adds or more is split over XLA's intra-op thread pool (whole runs; column ranges where there are few
+runs; the same sums). XLA's CPU has
 no form of this that stays cheap inside a decode loop: a batched product over all experts does E / k times the
 routed work, and a gather of the routed tables is materialized on every call (docs/benchmarks/moe_cpu.md).
 
