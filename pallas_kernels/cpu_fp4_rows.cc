@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -348,35 +349,34 @@ void DenseStream(const float* x, int64_t k, const T* w, int64_t n, int64_t o0, i
 }
 #endif
 
+// call(M, r) for the blocks of up to kDenseRows rows of [r0, r1): M the block's rows (a compile-time constant), r its
+// first row.
+template <typename F>
+void RowBlocks(int64_t r0, int64_t r1, F&& call) {
+  for (int64_t r = r0; r < r1; r += kDenseRows) {
+    switch (std::min<int64_t>(kDenseRows, r1 - r)) {
+      case 4: call(std::integral_constant<int, 4>(), r); break;
+      case 3: call(std::integral_constant<int, 3>(), r); break;
+      case 2: call(std::integral_constant<int, 2>(), r); break;
+      default: call(std::integral_constant<int, 1>(), r); break;
+    }
+  }
+}
+
 // Rows [r0, r1) (one expert's run) times columns [o0, o1) of that expert's matrix w [K, N].
 template <typename T>
 void DenseRun(const float* x, const T* w, float* y, int64_t r0, int64_t r1, int64_t k, int64_t n, int64_t o0,
               int64_t o1) {
   if (k * n * int64_t(sizeof(T)) >= kStreamBytes) {
-    for (int64_t r = r0; r < r1; r += kDenseRows) {
-      const float* xr = x + r * k;
-      float* yr = y + r * n;
-      switch (std::min<int64_t>(kDenseRows, r1 - r)) {
-        case 4: DenseStream<T, 4>(xr, k, w, n, o0, o1, yr); break;
-        case 3: DenseStream<T, 3>(xr, k, w, n, o0, o1, yr); break;
-        case 2: DenseStream<T, 2>(xr, k, w, n, o0, o1, yr); break;
-        default: DenseStream<T, 1>(xr, k, w, n, o0, o1, yr); break;
-      }
-    }
+    RowBlocks(r0, r1, [&](auto m, int64_t r) {
+      DenseStream<T, decltype(m)::value>(x + r * k, k, w, n, o0, o1, y + r * n);
+    });
     return;
   }
-  for (int64_t o = o0; o < o1; o += 16 * kDenseVecs) {  // a column block stays in cache for every row block
-    for (int64_t r = r0; r < r1; r += kDenseRows) {
-      const float* xr = x + r * k;
-      float* yr = y + r * n;
-      switch (std::min<int64_t>(kDenseRows, r1 - r)) {
-        case 4: DenseBlock<T, 4>(xr, k, w, n, o, o1, yr); break;
-        case 3: DenseBlock<T, 3>(xr, k, w, n, o, o1, yr); break;
-        case 2: DenseBlock<T, 2>(xr, k, w, n, o, o1, yr); break;
-        default: DenseBlock<T, 1>(xr, k, w, n, o, o1, yr); break;
-      }
-    }
-  }
+  for (int64_t o = o0; o < o1; o += 16 * kDenseVecs)  // a column block stays in cache for every row block
+    RowBlocks(r0, r1, [&](auto m, int64_t r) {
+      DenseBlock<T, decltype(m)::value>(x + r * k, k, w, n, o, o1, y + r * n);
+    });
 }
 
 // A call's work in items: a run of rows of one expert times a range of output columns (a multiple of 64 wide),
