@@ -97,7 +97,7 @@ def _name(proposer) -> str:
 def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "device", driver: str | None = None,
              block_size: int | None = None, sampling=None, stop_ids=(), seed=0, tree_budget: int = 16,
              tree_branch: int | None = None, expert_budget_mb: float | None = None, buckets=None,
-             warmup: bool = False, trace: bool = False, kept=None, compact="auto", **offload_options):
+             warmup: bool = False, trace: bool = False, kept=None, compact="auto", lanes="auto", **offload_options):
     """Lossless speculative generation of `prompts` (token id lists) on `pair` (`dflash_jax.load`); returns a
     `spec.loop.GenerationResult` (tokens, acceptance lengths, stats).
 
@@ -110,13 +110,18 @@ def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "de
     (`spec.SamplingParams`), stop_ids, seed: one value for every prompt or one per prompt. kept: a compressed
     prefill (PFlash, lossy: one kept-index list per prompt, `pflash.compress`), with any proposer, driver and
     placement. compact: the jitted driver's compaction of finished rows (`spec.loop.generate`: "auto", True or
-    False); the stepping drivers run every row to the end (only "auto" or False)."""
+    False); the stepping drivers run every row to the end (only "auto" or False). lanes: the jitted driver's split of
+    the rows over a CPU's cores (`spec.lanes`: "auto", or a positive integer); the other drivers run one batch (only
+    "auto" or 1)."""
     from dflash_jax.spec.sampling import SamplingParams
 
     driver = driver or ("jit" if experts == "device" else "stepping")
     if compact is True and driver != "jit":
         raise ValueError("compact=True compacts the jitted driver's batch; the stepping drivers run every row to the "
                          "end: use driver='jit' (device experts) or leave compact at 'auto'")
+    if lanes not in ("auto", 1) and driver != "jit":
+        raise ValueError(f"lanes={lanes!r} splits the jitted driver's batch over a CPU's cores; the {driver} driver "
+                         "runs one batch: use driver='jit' (device experts) or leave lanes at 'auto'")
     proposer = default_proposer(pair) if proposer is None else proposer
     check_combination(_name(proposer), experts, driver)
     prop = make_proposer(pair, proposer, tree_budget=tree_budget, tree_branch=tree_branch)
@@ -138,7 +143,7 @@ def generate(pair, prompts, *, max_new_tokens, proposer=None, experts: str = "de
         if trace:
             raise ValueError("a per-round trace needs the stepping driver (driver='stepping')")
         return jit_generate(pair, prompts, proposer=prop, block_size=block_size, warmup=warmup, buckets=buckets,
-                            compact=compact, **request)
+                            compact=compact, lanes=lanes, **request)
     return generate_stepping(pair, prompts, proposer=prop, block_size=block_size, warmup=warmup, buckets=buckets,
                              trace=trace, **request)
 

@@ -94,12 +94,15 @@ def greedy_generate(
     stop_ids: Sequence[int] = (),
     implementation: str = "auto",
     buckets: rq.Buckets | None = None,
+    lanes="auto",
 ) -> list[list[int]]:
     """Greedy continuation of each prompt (stop tokens included in the output, then generation stops).
     max_new_tokens: one budget or one per prompt (traced). `implementation`: the MoE experts' (see
     `nn.moe.swiglu_experts`). buckets: the compiled shapes (default: `spec.requests.Buckets` with the
-    batch padded)."""
+    batch padded). lanes: "auto" (on a CPU, the rows split over the usable cores, each group's loop on its own
+    thread, one compiled program: `spec.lanes`) or a positive integer (1: one loop)."""
     from dflash_jax import compile_cache
+    from dflash_jax.spec.lanes import check_lanes, choose_lanes, lane_slices, run_lanes
 
     buckets = rq.Buckets(pad_batch=True) if buckets is None else buckets
     checked = rq.check_prompts(prompts, cfg.vocab_size)
@@ -111,19 +114,25 @@ def greedy_generate(
     if need > cfg.max_position_embeddings:
         raise ValueError(f"prompt + max_new_tokens ({need}) exceeds the target's {cfg.max_position_embeddings} "
                          "positions")
-    batch = buckets.batch_size(n)
+    check_lanes(lanes)
+    groups = lane_slices(n, choose_lanes(n, lanes, weights))
+    batch = buckets.batch_size(max(len(g) for g in groups))  # every lane the same shapes: one program
     output_len = buckets.output_len(int(budgets.max()))
     prompt_len = buckets.prompt_len(int(lengths_real.max()))
     max_len = min(buckets.cache_len(prompt_len + output_len), cfg.max_position_embeddings)
-    tokens, lengths = rq.pad_prompts(checked, min(prompt_len, max_len), batch)
-    budgets = np.concatenate([budgets, np.ones(batch - n, np.int32)])
     stop_arr = np.full((buckets.stops_len(len(stops)),), -1, np.int32)
     stop_arr[: len(stops)] = stops
     compile_cache.ensure_enabled()
-    first, cache = prefill_cache(weights, tokens, lengths, cfg, max_len, implementation)
-    out, num, _ = decode_loop(weights, first, cache, stop_arr, budgets, cfg, output_len, implementation)
-    out, num = np.asarray(out), np.asarray(num)
-    return [list(map(int, out[i, : num[i]])) for i in range(n)]
+
+    def lane(rows):
+        tokens, lengths = rq.pad_prompts([checked[i] for i in rows], min(prompt_len, max_len), batch)
+        lane_budgets = np.concatenate([budgets[rows], np.ones(batch - len(rows), np.int32)])
+        first, cache = prefill_cache(weights, tokens, lengths, cfg, max_len, implementation)
+        out, num, _ = decode_loop(weights, first, cache, stop_arr, lane_budgets, cfg, output_len, implementation)
+        out, num = np.asarray(out), np.asarray(num)
+        return [list(map(int, out[i, : num[i]])) for i in range(len(rows))]
+
+    return [seq for part in run_lanes(lane, groups) for seq in part]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from typing import Sequence
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from dflash_jax import compile_cache
 from dflash_jax.spec.calibration_file import pair_calibration
+from dflash_jax.spec.lanes import check_lanes, choose_lanes, run_lanes, split_prepared
 from dflash_jax.spec.policy import AdaptivePolicy, choose_shape, update_calibration
 from dflash_jax.spec.requests import DEFAULT_CAPACITY, Buckets, capacity_error
 from dflash_jax.spec.round import (
@@ -94,6 +96,18 @@ class RowResults:
     def empty(cls, n: int, columns: int) -> "RowResults":
         return cls(output=np.full((n, columns), -1, np.int32), num_generated=np.zeros((n,), np.int32),
                    acceptance=np.zeros((n, columns), np.int32), rounds=np.zeros((n,), np.int32))
+
+    @classmethod
+    def concat(cls, parts: Sequence["RowResults"]) -> "RowResults":
+        """The rows of `parts` one after the other (lanes' results, in the request's order)."""
+        if len(parts) == 1:
+            return parts[0]
+        cols = max(p.output.shape[1] for p in parts)
+        pad = lambda x, fill: np.pad(x, ((0, 0), (0, cols - x.shape[1])), constant_values=fill)  # noqa: E731
+        return cls(output=np.concatenate([pad(p.output, -1) for p in parts]),
+                   num_generated=np.concatenate([p.num_generated for p in parts]),
+                   acceptance=np.concatenate([pad(p.acceptance, 0) for p in parts]),
+                   rounds=np.concatenate([p.rounds for p in parts]))
 
     @classmethod
     def of(cls, state: SpecState) -> "RowResults":
@@ -356,8 +370,8 @@ def _plan_stats(plan: RunPlan, state: SpecState, chosen=None, rounds=None) -> di
 def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer=None, block_size: int | None = None,
              sampling=SamplingParams(), stop_ids=(), seed=0, warmup: bool = False,
              buckets: Buckets | None = None, branch_head: bool = False, kept=None,
-             compact="auto") -> GenerationResult:
-    """DFlash generation in one jitted while_loop (a few, with compaction).
+             compact="auto", lanes="auto") -> GenerationResult:
+    """DFlash generation in one jitted while_loop (a few, with compaction; one per lane, side by side).
 
     proposer: what each round proposes (`spec.round`): None = the draft's argmax chain of the block (the branch
     head's chain with `branch_head=True`; the pair's draft must carry one), a `Chain`, a `TreeShape` (a token
@@ -373,8 +387,11 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
     compact: when the live rows of a batch of at least `COMPACT_MIN_BATCH` fit the batch bucket of half its rows,
     continue on them alone ("auto"; True: any batch of 2 or more; False: never): the finished rows stop costing a
     share of every round, for one more compiled loop per bucket (`run_compacting`; `stats.compactions`). Every
-    sequence's tokens are the same either way (its rows, its key)."""
+    sequence's tokens are the same either way (its rows, its key). lanes: "auto" (on a CPU, the rows split over
+    the usable cores, each group's loop on its own thread: `spec.lanes`) or a positive integer (1: one loop);
+    `stats.lanes` says how many ran."""
     plan = plan_run(pair, proposer, branch_head=branch_head)
+    check_lanes(lanes)
     if compact not in (True, False, "auto"):
         raise ValueError(f"compact must be True, False or 'auto', got {compact!r}")
     request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed, kept=kept)
@@ -392,8 +409,11 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
         sums = run_adaptive_loop(pair.target, pair.draft, sums, spec, plan.policy, min_live)
         return sums.spec_state, sums
 
+    num_lanes = choose_lanes(prep.num_prompts, lanes, pair.target)
+    parts = [prep] if num_lanes == 1 else split_prepared(prep, num_lanes, loop_buckets)
+
     if warmup:  # compile the prefill and the loops: a state with every sequence done runs no round
-        state = _begin(pair, prep, plan, widest)
+        state = _begin(pair, parts[0], plan, widest)
         state = state.replace(done=jnp.ones_like(state.done))
         sizes = compaction_sizes(state.anchor.shape[0], loop_buckets, compact) if _single_device(state) else []
         states = [state]
@@ -404,15 +424,31 @@ def generate(pair, prompts: Sequence[Sequence[int]], *, max_new_tokens, proposer
         for rows in states:
             jax.block_until_ready(run(rows, None, 0)[0].output)
     t0, c0 = time.perf_counter(), time.process_time()
-    state = _begin(pair, prep, plan, widest)
-    jax.block_until_ready(state.anchor)
-    prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    state, sums, results, compactions = run_compacting(run, state, None, prep.num_prompts, loop_buckets, compact)
+    prefilled = {}
+    barrier = threading.Barrier(len(parts), action=lambda: prefilled.update(
+        wall=time.perf_counter() - t0, cpu=time.process_time() - c0))
+
+    def lane(part):  # every lane's prefill, then (once all are done: the prefill's time) every lane's loop
+        try:
+            state = _begin(pair, part, plan, widest)
+            jax.block_until_ready(state.anchor)
+            barrier.wait()
+        except BaseException:
+            barrier.abort()  # the other lanes stop waiting (BrokenBarrierError); this error is the one raised
+            raise
+        state, sums, results, compactions = run_compacting(run, state, None, part.num_prompts, loop_buckets, compact)
+        return state, (None if sums is None else np.asarray(sums.chosen)), results, compactions
+
+    ran = run_lanes(lane, parts)
     seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    chosen = None if sums is None else sums.chosen
-    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, cpu_s=cpu_s, prefill_s=prefill_s,
-                 prefill_cpu_s=prefill_cpu_s, compactions=compactions,
+    state = ran[0][0]
+    chosen = None if ran[0][1] is None else sum(r[1] for r in ran)
+    results = RowResults.concat([r[2] for r in ran])
+    stats = dict(shape_stats(prep), loop="jit", seconds=seconds, cpu_s=cpu_s, prefill_s=prefilled["wall"],
+                 prefill_cpu_s=prefilled["cpu"], compactions=sum(r[3] for r in ran), lanes=num_lanes,
                  **_plan_stats(plan, state, chosen, results.rounds), **compression_stats(prep))
+    if num_lanes > 1:
+        stats["shapes"]["batch"] = int(parts[0].tokens.shape[0])
     return generation_result(state, stats, rows=prep.num_prompts, results=results)
 
 

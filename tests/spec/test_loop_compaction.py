@@ -53,8 +53,8 @@ def test_bad_compact_value_is_refused(pair, prompts):
 
 def test_compacted_chain_equals_the_uncompacted_run_and_plain_greedy(pair, prompts):
     plain = greedy_generate(pair.target, pair.target_cfg, prompts, max_new_tokens=BUDGETS, stop_ids=[])
-    whole = generate(pair, prompts, max_new_tokens=BUDGETS, block_size=8, compact=False)
-    packed = generate(pair, prompts, max_new_tokens=BUDGETS, block_size=8, compact=True)
+    whole = generate(pair, prompts, max_new_tokens=BUDGETS, block_size=8, compact=False, lanes=1)
+    packed = generate(pair, prompts, max_new_tokens=BUDGETS, block_size=8, compact=True, lanes=1)
     assert whole.stats["compactions"] == 0
     assert packed.stats["compactions"] == 2  # 4 rows -> 2 -> 1
     assert packed.tokens == whole.tokens == plain
@@ -66,7 +66,7 @@ def test_compacted_chain_equals_the_uncompacted_run_and_plain_greedy(pair, promp
 
 def test_compacted_sampling_keeps_each_rows_draws(pair, prompts):
     sampling = SamplingParams(temperature=0.8, top_p=0.95)
-    runs = [generate(pair, prompts, max_new_tokens=BUDGETS, block_size=8, sampling=sampling, seed=7, compact=c)
+    runs = [generate(pair, prompts, max_new_tokens=BUDGETS, block_size=8, sampling=sampling, seed=7, compact=c, lanes=1)
             for c in (False, True)]
     assert runs[1].stats["compactions"] >= 1
     assert runs[1].tokens == runs[0].tokens
@@ -76,7 +76,7 @@ def test_compacted_sampling_keeps_each_rows_draws(pair, prompts):
 @pytest.mark.slow  # its own programs at 4, 2 and 1 rows (about 30 s)
 def test_compacted_adaptive_policy_equals_the_uncompacted_run(pair, prompts):
     policy = AdaptivePolicy((TreeShape(4, 1), TreeShape(8, 1)), VerifyCost((1.0, 1.6)))
-    runs = [generate(pair, prompts, max_new_tokens=BUDGETS, proposer=policy, block_size=8, compact=c)
+    runs = [generate(pair, prompts, max_new_tokens=BUDGETS, proposer=policy, block_size=8, compact=c, lanes=1)
             for c in (False, True)]
     assert runs[1].stats["compactions"] >= 1
     assert runs[1].tokens == runs[0].tokens
@@ -98,7 +98,7 @@ def test_warmup_compiles_every_compacted_bucket(pair, prompts):
     import jax.monitoring
 
     two = prompts[:2]
-    generate(pair, two, max_new_tokens=1, block_size=4, compact=True, warmup=True)
+    generate(pair, two, max_new_tokens=1, block_size=4, compact=True, warmup=True, lanes=1)
     compiles = []
 
     def listen(event, secs, **kw):
@@ -107,7 +107,7 @@ def test_warmup_compiles_every_compacted_bucket(pair, prompts):
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        res = generate(pair, two, max_new_tokens=BUDGETS[:2], block_size=4, compact=True)
+        res = generate(pair, two, max_new_tokens=BUDGETS[:2], block_size=4, compact=True, lanes=1)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert res.stats["compactions"] == 1  # 2 rows -> 1
