@@ -17,10 +17,14 @@ Three parts, one report (docs/benchmarks/moe_cpu.{json,md,png}):
   host        one MoE layer's routed experts at the real shapes of Qwen3-30B-A3B (128 experts, top-8,
               2048 -> 768) and gpt-oss-20b (32 experts, top-4, 2880 -> 2880), bf16 and MXFP4 tables (random),
               1 / 4 / 16 tokens: bytes of routed experts (as stored) read per second, against this machine's
-              measured copy bandwidth (`np.copyto` of 256 MiB), paired runs of the CPU paths in one process:
-              "tiles" (each tile's expert gathered, then dequantized and multiplied) and "stream" (the compiled
-              kernels of `pallas_kernels.cpu_kernels`: MXFP4 codes read once as stored, bf16 tables read in place),
-              and the one "auto" takes.
+              measured copy bandwidth (`np.copyto` of 256 MiB), the CPU paths in one process: "tiles" (each
+              tile's expert gathered, then dequantized and multiplied) and "stream" (the compiled kernels of
+              `pallas_kernels.cpu_kernels`: MXFP4 codes read once as stored, bf16 tables read in place), and the one
+              "auto" takes. Each call routes the tokens afresh (`--host-routings` routings: as in decoding, each
+              layer and step reads its own experts, not ones a previous call left in cache); each path runs its own
+              calls back to back, the medians of the per-call rates reported. The paths are not interleaved: a
+              tiles call allocates and fills GBs of dequantized temporaries, and a stream call right after one
+              measured about half its rate back to back (an earlier protocol, interleaved: MXFP4 27% - 38% of copy).
 --parts host --write-docs keeps the other parts' tables from the tracked report (their own run and load).
 """
 
@@ -121,27 +125,42 @@ def host_part(args, log) -> dict:
                    for p in HOST_PATHS}
             for t in args.host_tokens:
                 x = jnp.asarray(rng.standard_normal((t, h), np.float32))
-                experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+                routings = [jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+                            for _ in range(args.host_routings)]
                 w = jnp.full((t, k), 1.0 / k, jnp.float32)
-                outs = {p: np.asarray(f(x, experts, w, gu, dn)) for p, f in fns.items()}  # compiles
+                outs = {p: np.asarray(f(x, routings[0], w, gu, dn)) for p, f in fns.items()}  # compiles
                 diff = float(np.max(np.abs(outs["stream"] - outs["tiles"])))
                 scale = float(np.max(np.abs(outs["tiles"])))
-                timings = H.paired_runs({p: (lambda f=f: jax.block_until_ready(f(x, experts, w, gu, dn)))
-                                         for p, f in fns.items()}, args.host_repeats)
-                routed = len(np.unique(np.asarray(experts)))
                 auto = moe.routed_path("auto", gu, jnp.float32, t, k)
-                row = {"model": model, "table": fmt, "tokens": t, "routed_experts": routed,
-                       "expert_bytes": expert_bytes, "auto_path": auto, "max_abs_diff": diff, "max_abs_out": scale,
-                       "load": timings.load_summary(), "paths": {}}
-                for p in HOST_PATHS:
-                    seconds = timings.stat(p, "wall", "median")
-                    rate = routed * expert_bytes / seconds
-                    row["paths"][p] = {"ms": seconds * 1e3, "cpu_ms": timings.stat(p, "cpu", "median") * 1e3,
-                                       "bytes_per_s": rate, "of_copy_bandwidth": rate / bandwidth}
+                row = {"model": model, "table": fmt, "tokens": t, "expert_bytes": expert_bytes, "auto_path": auto,
+                       "max_abs_diff": diff, "max_abs_out": scale, "paths": {}}
+                loads = []
+                for p in sorted(fns, key=lambda p: p != "stream"):  # each path's calls apart (module docstring)
+                    f = fns[p]
+                    calls = args.host_routings if p == "stream" else args.host_repeats
+                    jax.block_until_ready(f(x, routings[-1], w, gu, dn))  # after the other path's calls
+                    rates, walls, cpus, routed = [], [], [], []
+                    for i in range(calls):
+                        ex = routings[i % len(routings)]
+                        n_routed = len(np.unique(np.asarray(ex)))
+                        w0, c0 = time.perf_counter(), time.process_time()
+                        jax.block_until_ready(f(x, ex, w, gu, dn))
+                        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+                        rates.append(n_routed * expert_bytes / wall)
+                        walls.append(wall)
+                        cpus.append(cpu)
+                        routed.append(n_routed)
+                    loads.append(os.getloadavg()[0])
+                    rate = float(np.median(rates))
+                    row["paths"][p] = {"ms": float(np.median(walls)) * 1e3, "cpu_ms": float(np.median(cpus)) * 1e3,
+                                       "bytes_per_s": rate, "of_copy_bandwidth": rate / bandwidth, "calls": calls,
+                                       "routed_experts": float(np.median(routed))}
+                row["routed_experts"] = row["paths"]["stream"]["routed_experts"]
+                row["load"] = {"median": float(np.median(loads)), "min": min(loads), "max": max(loads)}
                 taken = row["paths"].get(auto, row["paths"]["tiles"])
                 row.update(ms=taken["ms"], bytes_per_s=taken["bytes_per_s"], of_copy_bandwidth=taken["of_copy_bandwidth"])
                 rows.append(row)
-                log(f"host {model} {fmt} T={t}: {routed} experts, " + ", ".join(
+                log(f"host {model} {fmt} T={t}: {row['routed_experts']:.0f} experts, " + ", ".join(
                     f"{p} {r['ms']:.1f} ms {r['bytes_per_s'] / 1e9:.2f} GB/s = {r['of_copy_bandwidth']:.2f} x copy"
                     for p, r in row["paths"].items()) + f"; auto = {auto}; max |stream - tiles| {diff:.2e} "
                     f"(outputs up to {scale:.2e})")
@@ -244,7 +263,8 @@ def markdown(args, result) -> list[str]:
         host = result["host"]
         lines += ["## Host expert compute at real shapes", "",
                   f"Copy bandwidth (np.copyto, 256 MiB): {host['copy_bytes_per_s'] / 1e9:.2f} GB/s. Bytes of the routed "
-                  "experts as stored over the layer's wall time (median of paired runs, both paths in one process): "
+                  "experts as stored over the layer's wall time (median over calls, each call a fresh routing, each "
+                  "path's calls back to back, both paths in one process; routed experts: the median over the calls): "
                   "tiles = the path before (each tile's expert gathered, dequantized, multiplied), stream = "
                   "`_streamed_experts` (the compiled kernels: MXFP4 codes decoded in registers, bf16 read in place); "
                   "auto = the path "
@@ -307,6 +327,7 @@ def main(argv=None) -> int:
     args.layer_tokens = LAYER_TOKENS[:3] if args.quick else LAYER_TOKENS
     args.layer_repeats = 3 if args.quick else 7
     args.host_tokens, args.host_repeats = ((1,) if args.quick else (1, 4, 16)), (2 if args.quick else 3)
+    args.host_routings = 2 if args.quick else 12  # stream calls per point, each a fresh routing
     log = H.logger("moe_cpu")
     result = {"machine": H.machine(), "load_before": H.load_average(), "args": {k: v for k, v in vars(args).items()
                                                                                if k not in ("out_dir",)}}
