@@ -35,12 +35,8 @@ def main(argv=None) -> int:
     from dflash_jax.decode import greedy_generate
     from dflash_jax.spec import generate
 
-    pair = h.load_pair(args, dequantize_experts="auto")
-    name = args.pair or "tiny_pair"
-    pool = h.prompts(pair, max(args.prompts, max(batches)), args.prompt_len)
+    pair, name, pool, log, load_before = h.batched_workload(args, batches, "compaction")
     n = args.max_new
-    log = h.logger("compaction")
-    load_before = h.load_average()
     rows = []
     for b in batches:
         prompts = pool[:b]
@@ -51,12 +47,9 @@ def main(argv=None) -> int:
                 modes[f"B={block} {'compacted' if compact else 'whole'}"] = (
                     lambda block=block, compact=compact: generate(pair, prompts, max_new_tokens=n, block_size=block,
                                                                   compact=compact))
-        log(f"batch {b}: compiling {len(modes)} modes")
-        outputs = {m: fn() for m, fn in modes.items()}  # compiled before any timing
+        outputs, t, row = h.measure_modes(modes, b, args.repeats, log)
         plain = outputs["plain"]
-        t = h.paired_runs(modes, args.repeats)
         tokens = b * n
-        row = {"batch": b, "load_1min": t.loads[-1][0] if t.loads and t.loads[-1] else None, "modes": {}}
         for m, out in outputs.items():
             toks = out if m == "plain" else out.tokens
             entry = {"lossless": toks == plain}

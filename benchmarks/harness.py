@@ -43,8 +43,8 @@ if ROOT not in sys.path:  # the research package `study` is run from the checkou
 from dflash_jax.timing import Timings, load_average, paired_runs, timed  # noqa: E402
 
 __all__ = ["DOCS", "DEFAULT_OUT", "ONE_THREAD", "READING_MARK", "ROOT", "Outputs", "Report", "Timings",
-           "add_output_args", "command", "int_list", "load_average", "load_pair", "load_span", "logger", "machine",
-           "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompt_sets", "prompts", "rate",
+           "add_output_args", "batched_workload", "command", "int_list", "load_average", "load_pair", "load_span",
+           "logger", "machine", "measure_modes", "output_dir", "paired_items", "paired_runs", "parse", "parser", "prompt_sets", "prompts", "rate",
            "save_figure", "table", "timed", "workdir"]
 
 DOCS = os.path.join(ROOT, "docs", "benchmarks")
@@ -174,6 +174,24 @@ def prompts(pair, n: int, length: int, seed: int | None = None, split: str = "he
         return file_windows(pair, split, n, length) if seed is None else file_windows(pair, split, n, length, seed)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(str(e))
+
+
+def batched_workload(args: argparse.Namespace, batches: Sequence[int], tag: str):
+    """The by-batch benchmarks' start: (pair with tables as dflash-generate loads them, its name, a pool of
+    max(--prompts, largest batch) held-out prompts of --prompt-len, a logger, the load average now)."""
+    pair = load_pair(args, dequantize_experts="auto")
+    pool = prompts(pair, max(args.prompts, max(batches)), args.prompt_len)
+    return pair, args.pair or "tiny_pair", pool, logger(tag), load_average()
+
+
+def measure_modes(modes: Mapping[str, Callable[[], Any]], batch: int, repeats: int, log):
+    """Every mode run once (compiled before any timing), then `repeats` paired, interleaved runs: (the first run's
+    outputs by mode, the `Timings`, a row {"batch", "load_1min", "modes": {}} for the script to fill)."""
+    log(f"batch {batch}: compiling {len(modes)} modes")
+    outputs = {m: fn() for m, fn in modes.items()}
+    t = paired_runs(modes, repeats)
+    row = {"batch": batch, "load_1min": t.loads[-1][0] if t.loads and t.loads[-1] else None, "modes": {}}
+    return outputs, t, row
 
 
 def prompt_sets(pair, spec: str, n: int, length: int) -> list[tuple[str, list[list[int]]]]:

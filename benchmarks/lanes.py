@@ -36,12 +36,8 @@ def main(argv=None) -> int:
     from dflash_jax.spec import generate
     from dflash_jax.spec.lanes import usable_cores
 
-    pair = h.load_pair(args, dequantize_experts="auto")
-    name = args.pair or "tiny_pair"
-    pool = h.prompts(pair, max(args.prompts, max(batches)), args.prompt_len)
+    pair, name, pool, log, load_before = h.batched_workload(args, batches, "lanes")
     n = args.max_new
-    log = h.logger("lanes")
-    load_before = h.load_average()
     rows = []
     for b in batches:
         prompts = pool[:b]
@@ -53,12 +49,9 @@ def main(argv=None) -> int:
             for block in blocks:
                 modes[f"B={block}, {k} lane{'s' if k > 1 else ''}"] = (
                     lambda k=k, block=block: generate(pair, prompts, max_new_tokens=n, block_size=block, lanes=k))
-        log(f"batch {b}: compiling {len(modes)} modes")
-        outputs = {m: fn() for m, fn in modes.items()}  # compiled before any timing
+        outputs, t, row = h.measure_modes(modes, b, args.repeats, log)
         plain = outputs["plain, 1 lane"]
-        t = h.paired_runs(modes, args.repeats)
         tokens = b * n
-        row = {"batch": b, "load_1min": t.loads[-1][0] if t.loads and t.loads[-1] else None, "modes": {}}
         for m, out in outputs.items():
             toks = out if m.startswith("plain") else out.tokens
             entry = {"lossless": toks == plain}

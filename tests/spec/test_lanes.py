@@ -19,19 +19,8 @@ from dflash_jax.spec.loop import LOOP_BUCKETS
 from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
 from dflash_jax.spec.session import prepare
 from dflash_jax.spec.tree import TreeShape
-from dflash_jax.train.data import file_windows
 
 BUDGETS = [12, 30, 5, 21, 17]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return dflash_jax.load(dflash_jax.SHIPPED_PAIR)
-
-
-@pytest.fixture(scope="module")
-def prompts(pair):
-    return file_windows(pair, "held_out", len(BUDGETS), 40)
 
 
 @pytest.fixture(scope="module")

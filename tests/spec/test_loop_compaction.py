@@ -7,26 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-import dflash_jax
 from dflash_jax.decode import greedy_generate
 from dflash_jax.spec import Buckets, SamplingParams, generate
 from dflash_jax.spec.loop import COMPACT_MIN_BATCH, compaction_target
 from dflash_jax.spec.policy import AdaptivePolicy, VerifyCost
 from dflash_jax.spec.tree import TreeShape
-from dflash_jax.train.data import file_windows
 
 # budgets far apart, so that rows finish many rounds apart and the loop compacts 4 -> 2 -> 1
 BUDGETS = [3, 40, 9, 22]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return dflash_jax.load(dflash_jax.SHIPPED_PAIR)
-
-
-@pytest.fixture(scope="module")
-def prompts(pair):
-    return file_windows(pair, "held_out", len(BUDGETS), 40)
 
 
 def test_compaction_targets_follow_the_batch_buckets():
