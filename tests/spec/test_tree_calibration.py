@@ -324,6 +324,7 @@ def test_measured_policy_runs_lossless_whatever_it_chooses():
     from dflash_jax.spec import generate
     from dflash_jax.decode import generate_default, measured_policy
     from dflash_jax.spec.calibrate import PLAIN
+    from dflash_jax.spec.lanes import lane_slices
     from dflash_jax.train.data import file_windows
 
     pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
