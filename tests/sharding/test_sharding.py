@@ -260,8 +260,8 @@ def test_cli_mesh_equals_one_device(tmp_path):
     for name, extra in {"single": [], "mesh": ["--mesh", "expert=4,tensor=2"], "offload": offload,
                         "offload_mesh": [*offload, "--mesh", "expert=4,tensor=2"]}.items():
         proc = subprocess.run([sys.executable, "-m", "dflash_jax.cli.generate", "--prompt-ids", "5,6,7,8",
-                               "--max-new-tokens", "24", "--json", "--no-compile-cache", *extra], env=_env(8),
-                              capture_output=True, text=True, timeout=900, cwd=ROOT)
+                               "--max-new-tokens", "24", "--json", "--no-compile-cache", "--no-measure", *extra],
+                              env=_env(8), capture_output=True, text=True, timeout=900, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = json.loads(proc.stdout)
     assert runs["mesh"]["stats"]["mesh"] == "data=1,expert=4,tensor=2"
