@@ -28,20 +28,41 @@ def cache_dir(tmp_path_factory):
 def _start(cache_dir: str, *extra: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = dict(os.environ, DFLASH_JAX_CACHE_DIR=cache_dir, PYTHONFAULTHANDLER="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), *ARGS, *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # A child inherits an ignored SIGINT (which dflash-serve keeps ignored, as under nohup) and a blocked signal
+    # mask: whatever a test runner's process holds, the server starts with both signals at their defaults.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), *ARGS, *extra],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, previous)
+    proc.inherited = {"sigint": previous, "blocked": sorted(blocked)}  # reported if the server ignores a signal
     return proc, port
 
 
+def _drain(stream) -> tuple[threading.Thread, list]:
+    """Reads `stream` to its end on a thread (a child writing to a full pipe nobody reads would block)."""
+    got: list = []
+    t = threading.Thread(target=lambda: got.extend(iter(stream.readline, "")), daemon=True)
+    t.start()
+    return t, got
+
+
 def _signal_and_wait(proc: subprocess.Popen, sig: int, limit: float) -> tuple[int, float, str]:
+    reader, got = _drain(proc.stderr)
     t = time.monotonic()
     proc.send_signal(sig)
     try:
         code = proc.wait(limit + 30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return code, time.monotonic() - t, proc.stderr.read()
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        reader.join(5)
+        raise AssertionError(f"no exit {limit + 30:.0f} s after {signal.Signals(sig).name} (the test process held "
+                             f"{getattr(proc, 'inherited', None)}); stderr: {''.join(got)}")
+    reader.join(5)
+    return code, time.monotonic() - t, "".join(got)
 
 
 def _clean(err: str) -> None:
