@@ -10,7 +10,7 @@ batch gives it (the same sums; only the batch shape of the program changes).
 
 `choose_lanes` decides: on a CPU backend, outside a mesh, one lane per usable core up to one per row; anywhere
 else (a GPU runs one program at a time; a mesh lays the batch out itself) one lane. `DFLASH_LANES` overrides
-"auto" (a positive integer; 1 turns lanes off). benchmarks/lanes.py measures the split.
+"auto" where lanes apply (a positive integer; 1 turns lanes off). benchmarks/lanes.py measures the split.
 """
 
 from __future__ import annotations
@@ -57,21 +57,18 @@ def check_lanes(lanes) -> None:
 
 def choose_lanes(rows: int, lanes="auto", weights=None) -> int:
     """How many lanes a batch of `rows` real rows runs in. lanes: "auto" (one per usable core, at most one per row,
-    on a CPU outside a mesh; `DFLASH_LANES` overrides it) or a positive integer (at most one per row; on a GPU or a
+    on a CPU outside a mesh, where `DFLASH_LANES` overrides it) or a positive integer (at most one per row; on a GPU or a
     mesh, anything above 1 is refused: those run the batch in one program)."""
     check_lanes(lanes)
     meshed = not jax.sharding.get_abstract_mesh().empty
     cpu = _on_one_cpu_device(weights) and not meshed
-    if lanes == "auto":
+    if lanes == "auto":  # the environment's choice applies where lanes do (a GPU or a mesh: one lane)
         env = os.environ.get(LANES_ENV, "").strip()
-        if env:
-            if not env.isdigit() or int(env) < 1:
-                raise ValueError(f"{LANES_ENV}={env!r}: set a positive integer (1: no lanes) or unset it")
-            lanes = int(env)
-        elif not cpu:
+        if env and (not env.isdigit() or int(env) < 1):
+            raise ValueError(f"{LANES_ENV}={env!r}: set a positive integer (1: no lanes) or unset it")
+        if not cpu:
             return 1
-        else:
-            lanes = usable_cores()
+        lanes = int(env) if env else usable_cores()
     lanes = int(lanes)
     if lanes > 1 and not cpu:
         raise ValueError(f"lanes={lanes}: lanes split a batch over a CPU's cores; on a GPU or a mesh the batch runs "
