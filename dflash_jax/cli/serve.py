@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explore-every", type=int, default=8,
                    help="at most one round in N of a row bucket runs a neighbouring width whose cost entry is stale, "
                         "to re-measure it (default 8; 0: never explore)")
+    p.add_argument("--rounds-per-call", default="auto",
+                   help="rounds one device call may run while every live request verifies every round and the host "
+                        "has nothing to do between them: 'auto' (the default: as many as fit in --call-ms by the "
+                        "rounds' measured time, at most 16) or a number 1..16 (1: the host looks after every round). "
+                        "Streams then get a call's tokens at once; outputs never change")
+    p.add_argument("--call-ms", type=float, default=50.0,
+                   help="the device time one call of several rounds aims at (--rounds-per-call auto; default 50): "
+                        "how often a stream gets tokens at least, and how long a new request may wait for a call "
+                        "to end")
     prop = p.add_argument_group("proposer (what the draft proposes each round; every choice is lossless)")
     prop.add_argument("--proposer", choices=["chain", "head-chain", "selector", "tree", "adaptive"], default=None,
                       help="chain: the draft's argmax chain at --block-size (--widths chooses among widths; the "
@@ -158,6 +167,16 @@ def check_args(args) -> None:
                 from None
         if not widths or min(widths) < 1:
             raise UsageError(f"--widths must be positive integers, got {args.widths!r}")
+    rpc = getattr(args, "rounds_per_call", "auto")
+    if rpc != "auto":
+        try:
+            args.rounds_per_call = int(rpc)
+        except ValueError:
+            raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..16, got {rpc!r}") from None
+        if not 1 <= args.rounds_per_call <= 16:
+            raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..16, got {rpc!r}")
+    if not 0.1 <= getattr(args, "call_ms", 50.0) <= 10000:
+        raise UsageError(f"--call-ms must be in 0.1..10000 milliseconds, got {args.call_ms:g}")
     if getattr(args, "explore_every", 0) < 0:
         raise UsageError(f"--explore-every must be >= 0 (0: never explore), got {args.explore_every}")
     if not 0 <= args.grace_seconds <= 86400:
@@ -380,7 +399,8 @@ def build_app(args):
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer,
-                      prefix_cache_bytes=prefix_bytes)
+                      prefix_cache_bytes=prefix_bytes, rounds_per_call=getattr(args, "rounds_per_call", "auto"),
+                      call_seconds=getattr(args, "call_ms", 50.0) / 1e3)
         if getattr(args, "pflash_keep", None) is not None:
             from dflash_jax import pflash
 

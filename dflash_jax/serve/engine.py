@@ -46,6 +46,12 @@ One round (`step`):
   6. one host fetch (counts, done flags, output buffer); new tokens go to each request's callback; finished or
      cancelled requests free their slots, and the live rows are compacted.
 
+Several rounds per device call (`rounds_per_call`, a runner with `bursts`): while every live row verifies every
+round and the host has nothing to do between rounds (no log-probs asked, no chunked prefill running, no width
+explored), steps 3-6 run as one device call of up to `MAX_BURST` rounds at the chosen width (`RoundRunner.burst`),
+sized to `call_seconds` by the rounds' measured time, and the host fetches and emits once after it. Each of its
+rounds is the round above with every live row verifying, so the outputs are the same.
+
 `Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
 rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
 """
@@ -65,7 +71,7 @@ from dflash_jax import compile_cache
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.serve.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_keys
 from dflash_jax.serve.runner import (
-    TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
+    MAX_BURST, TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
 )
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, choose_width, decide_width, default_widths, observe_cost, shape_order, shape_rows,
@@ -80,6 +86,10 @@ from dflash_jax.spec.tree import TreeShape
 
 PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests (larger groups delay first tokens)
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
+# the device time one call of several rounds aims at (`rounds_per_call="auto"`): a stream gets its tokens at
+# least this often, a request that arrives meanwhile waits at most this long, and the host's per-call work is
+# paid once per this much compute
+DEFAULT_CALL_SECONDS = 0.05
 
 
 class RequestError(ValueError):
@@ -168,7 +178,7 @@ class RoundInfo:
     tokens: int = 0  # tokens emitted (first tokens of new requests included)
     committed: list = dataclasses.field(default_factory=list)  # tokens committed per verified sequence
     verify_tokens: int = 0
-    expert_bytes: float = 0.0  # bytes of the union of the verified rows' projected experts
+    expert_bytes: float | None = 0.0  # bytes of the union of the verified rows' projected experts (None: a burst)
     finished: list = dataclasses.field(default_factory=list)  # finish reasons of the requests that ended
     how: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
@@ -182,6 +192,8 @@ class RoundInfo:
     prefix_query_tokens: int = 0  # prompt tokens of the chunked prefills that looked up the prefix cache
     prefix_hit_tokens: int = 0  # of those, the tokens a cached prefix covered (not prefilled again)
     offload: object = None  # what an offloaded runner moved (`serve.offload_runner.OffloadRound`); None: resident
+    rounds: int = 1  # the verify rounds the step's device call ran (several: `Engine.rounds_per_call`)
+    burst: bool = False  # the step's rounds ran as one call (`RoundRunner.burst`; no scheduler, no projection)
 
 
 _DUMMY = Request(id=-1, prompt=[0], max_new_tokens=1, sampling=SamplingParams(), stop_ids=[], seed=0)
@@ -243,7 +255,14 @@ class Engine:
     whose layer-wise prefill fetches each prompt's experts whole) always prefills whole prompts.
     prefix_cache_bytes: the prefix cache's budget (`serve.prefix_cache`; 0 or None: off): a prompt that joins by
     chunks starts from the longest cached snapshot of its first k chunks (the caches of a cold prefill at that
-    boundary, bit for bit) and feeds the cache at each boundary it passes; least recently used evicted first."""
+    boundary, bit for bit) and feeds the cache at each boundary it passes; least recently used evicted first.
+    rounds_per_call: the rounds one device call may run (`RoundRunner.burst`, a runner with `bursts`), while every
+    live row verifies every round (unlimited scheduler budgets), no row asks for log-probs, no long prompt is being
+    prefilled by chunks and the chooser explores no width: the host then looks (emission, admissions, cancels,
+    the next width) once per call instead of once per round. A request that arrives meanwhile waits for the call
+    to end (a call of a full engine ends as soon as a row finishes); a stream gets the call's tokens at once.
+    "auto" (the default): as many rounds as fit in `call_seconds` by the rounds' measured time (at most
+    `runner.MAX_BURST`); 1: a round per call. Outputs never depend on it."""
 
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
@@ -255,6 +274,7 @@ class Engine:
                  cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256,
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+                 rounds_per_call: int | str = "auto", call_seconds: float = DEFAULT_CALL_SECONDS,
                  **runner_options):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if runner is None:
@@ -301,6 +321,11 @@ class Engine:
             raise ValueError(f"width_margin must be >= 0, got {width_margin}")
         if not 0.0 <= acceptance_prior < 1.0:
             raise ValueError(f"acceptance_prior must be in [0, 1), got {acceptance_prior}")
+        if rounds_per_call != "auto":
+            rq.check_int(rounds_per_call, "rounds_per_call", low=1, high=MAX_BURST + 1,
+                         what=f"'auto' or a number of rounds between 1 and {MAX_BURST}")
+        if not (isinstance(call_seconds, (int, float)) and 0.0 < call_seconds < 60.0):
+            raise ValueError(f"call_seconds must be a positive number of seconds below 60, got {call_seconds!r}")
         rq.check_int(max_prompt_len, "max_prompt_len", low=1, what="a positive integer")
         if prefill_chunk is not None:
             rq.check_int(prefill_chunk, "prefill_chunk", low=1, what="a positive number of tokens (or None)")
@@ -379,6 +404,11 @@ class Engine:
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
         self.width_rounds = collections.Counter()
         self.rows_rounds = collections.Counter()  # rounds by the row bucket computed
+        self.rounds_per_call = rounds_per_call if rounds_per_call == "auto" else int(rounds_per_call)
+        self.call_seconds = float(call_seconds)
+        self.burst_calls = 0  # device calls that ran several rounds (`rounds_per_call`)
+        self.burst_rounds = 0  # the rounds they ran
+        self._round_time: dict = {}  # (rows, width) -> a served round's device seconds (decayed mean)
         self.moves = 0  # rows moved down to keep live requests in the lowest slots
         self.host_seconds = 0.0  # per served round, beyond its cost-table entry (host work, serving): decayed mean
         self._host_samples = 0
@@ -727,6 +757,8 @@ class Engine:
                             self._round(w, idle, rows, logprobs=scored)
                             if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
                                 self._round(w, idle, rows, defer=False, logprobs=scored)
+                            if self.runner.bursts and self.rounds_per_call != 1:  # its calls of several rounds
+                                self.runner.burst(self._proposer(w, w == 1 and self.defer_context), idle, rows, 1)
                 finally:
                     self.runner.pin_length = None
         self.runner.sync()
@@ -833,8 +865,8 @@ class Engine:
             self.explore_seconds += info.seconds
         if not self.learn_costs or len(self.widths) < 2 or info.compiles or info.width not in self.proposers:
             return
-        costs = observe_cost(self.bucket_costs(info.rows), info.width, self._device_seconds, self.cost_rule,
-                             info.explored)
+        costs = observe_cost(self.bucket_costs(info.rows), info.width, self._device_seconds / info.rounds,
+                             self.cost_rule, info.explored)
         self._costs[info.rows] = costs
         if self.round_seconds is None:
             self.cost_table[info.rows] = costs.seconds
@@ -899,12 +931,16 @@ class Engine:
             # what a served round takes beyond its table entry: the host's work (choice, scheduling, emission,
             # callbacks) and what serving adds to the compute (an HTTP loop and clients sharing the cores). The
             # same at every width, so it favours the wider verifies, which need fewer rounds per token.
-            over = max(info.seconds - self.seconds_table(info.rows)[info.width], 0.0)
+            over = max(info.seconds / info.rounds - self.seconds_table(info.rows)[info.width], 0.0)
             self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
             self._host_samples += 1
         if info.width:
             self.learn_cost(info)
-        self.rounds += 1
+            if not info.compiles:  # what a round of this bucket and width takes (sizes the calls of several)
+                seconds, key = self._device_seconds / info.rounds, (info.rows, info.width)
+                old = self._round_time.get(key)
+                self._round_time[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.rounds += info.rounds
         for obs in self.observers:
             obs(info)
         return info
@@ -1127,15 +1163,18 @@ class Engine:
         info.width = width
         self.width_rounds[width] += 1
         self.rows_rounds[rows] += 1
+        scored = np.zeros(self.slots, bool)  # the rows whose committed tokens' log-probs are computed
+        scored[[s for s in live if self.requests[s].logprobs is not None]] = True
+        scored = scored if scored.any() else None
+        count = self._burst_count(rows, width, scored)
+        if count > 1:
+            return self._burst_step(info, live, rows, width, count)
         defer = self._defers(width, live)
         self.deferred_rounds += defer
         proposer = self._proposer(width, defer)
         t_device = time.perf_counter()
         drafted = self.runner.draft(proposer, rows)
         overlap = self.runner.overlapped_verify and self._unlimited()
-        scored = np.zeros(self.slots, bool)  # the rows whose committed tokens' log-probs are computed
-        scored[[s for s in live if self.requests[s].logprobs is not None]] = True
-        scored = scored if scored.any() else None
         if overlap:  # every live row verifies: start the verify now, schedule (stats) while it runs
             active = np.zeros(self.slots, bool)
             active[live] = True
@@ -1176,11 +1215,63 @@ class Engine:
             if done[s]:
                 self._finish(req, self._reason(req), info)
         if shape_rows(width) < 2:  # the engine-wide estimate fades toward the prior in rounds that propose nothing
-            d, prior = ACCEPTANCE_DECAY, self._prior
-            self._hits = d * self._hits + (1 - d) * 2.0 * prior
-            self._misses = d * self._misses + (1 - d) * 2.0 * (1.0 - prior)
+            self._fade_prior()
         self._compact()
         return bool(active.any())
+
+    def _burst_count(self, rows: int, width, scored) -> int:
+        """The rounds this step's device call runs (`rounds_per_call`; 1: a round of its own, the host looking at
+        its draft, schedule and verify)."""
+        if (self.rounds_per_call == 1 or not self.runner.bursts or scored is not None or not self._unlimited()
+                or self._prefilling is not None or self._explored is not None):
+            return 1
+        if self.rounds_per_call != "auto":
+            return self.rounds_per_call
+        seconds = self._round_time.get((rows, width))
+        if seconds is None:  # this bucket and width not timed yet: one round first
+            return 1
+        return max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6))))
+
+    def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
+        """Up to `count` rounds of every live row at `width` in one device call (`RoundRunner.burst`), then one
+        fetch and emission. The call ends early when every row is done, or, with requests waiting for a slot,
+        when one finishes. A width-1 burst defers the draft's context append round by round while there is room
+        (the runner applies `_defers`' rule each round)."""
+        active = np.zeros(self.slots, bool)
+        active[live] = True
+        proposer = self._proposer(width, width == 1 and self.defer_context)
+        t_device = time.perf_counter()
+        burst = self.runner.burst(proposer, active, rows, count, until_finish=bool(self.queue))
+        after, done, output = self.runner.fetch()
+        self._device_seconds = time.perf_counter() - t_device
+        ran = max(burst.rounds, 1)
+        info.rounds, info.verified, info.burst, info.expert_bytes = ran, len(live), True, None
+        info.verify_tokens = shape_rows(width) * int(np.count_nonzero(burst.committed[:, live]))
+        self.burst_calls += 1
+        self.burst_rounds += burst.rounds
+        self.width_rounds[width] += ran - 1  # the step counted one
+        self.rows_rounds[rows] += ran - 1
+        for s in live:
+            req = self.requests[s]
+            counts = [int(c) for c in burst.committed[:, s] if c > 0]
+            for i, c in enumerate(counts):
+                req.acceptance.append(c)
+                info.committed.append(c)
+                self._observe_acceptance(req, width, c, bool(done[s]) and i == len(counts) - 1)
+            self._emit(req, output[s, len(req.tokens): after[s]].tolist(), info)
+            if done[s]:
+                self._finish(req, self._reason(req), info)
+        if shape_rows(width) < 2:
+            for _ in range(ran):
+                self._fade_prior()
+        self._compact()
+        return True
+
+    def _fade_prior(self) -> None:
+        """The engine-wide acceptance estimate fades toward the prior (a round that proposes nothing)."""
+        d, prior = ACCEPTANCE_DECAY, self._prior
+        self._hits = d * self._hits + (1 - d) * 2.0 * prior
+        self._misses = d * self._misses + (1 - d) * 2.0 * (1.0 - prior)
 
     # -- loops -----------------------------------------------------------------------------------------
 

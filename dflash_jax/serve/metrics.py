@@ -36,6 +36,9 @@ class Metrics:
                                registry=r)
         self.compiles = Counter("dflash_compile_events", "XLA compiles during serving rounds", registry=r)
         self.rounds = Counter("dflash_rounds", "Engine rounds run", registry=r)
+        self.burst_verifies = Counter("dflash_burst_verifies", "Verifies run in device calls of several rounds "
+                                      "(every live sequence, no scheduler decision; --rounds-per-call)", registry=r)
+        self.burst_calls = Counter("dflash_burst_calls", "Device calls that ran several rounds", registry=r)
         self.widths = Counter("dflash_round_width", "Rounds that verified at each width (the engine's choice)",
                               ["width"], registry=r)
         self.rows = Counter("dflash_round_rows", "Rounds by the row bucket computed (the live requests are kept in "
@@ -74,19 +77,24 @@ class Metrics:
         if info.tokens:
             self.tokens.inc(info.tokens)
         if info.verified:
-            self.expert_bytes.observe(info.expert_bytes)
+            if info.expert_bytes is not None:  # a call of several rounds projects no experts
+                self.expert_bytes.observe(info.expert_bytes)
             self.verified.observe(info.verified)
+        if getattr(info, "burst", False):
+            self.burst_calls.inc()
+            self.burst_verifies.inc(len(info.committed))
         for how in info.how.values():
             self._child(self.admissions, how=how).inc()
         if info.live > info.verified:
             self.sat_out.inc(info.live - info.verified)
         if info.compiles:
             self.compiles.inc(info.compiles)
-        self.rounds.inc()
+        rounds = getattr(info, "rounds", 1)  # a device call of several rounds counts each
+        self.rounds.inc(rounds)
         if info.width:
-            self._child(self.widths, width=width_label(info.width)).inc()
+            self._child(self.widths, width=width_label(info.width)).inc(rounds)
         if getattr(info, "rows", 0):
-            self._child(self.rows, rows=str(info.rows)).inc()
+            self._child(self.rows, rows=str(info.rows)).inc(rounds)
         for counter, name in ((self.prefill_chunks, "prefill_chunks"), (self.prefill_tokens, "prefill_tokens"),
                               (self.compressed_tokens, "compressed_tokens"), (self.prefix_query, "prefix_query_tokens"),
                               (self.prefix_hit, "prefix_hit_tokens")):

@@ -20,12 +20,16 @@ What the engine calls, in host terms (numpy in, numpy out; device arrays stay op
   byte_costs(table)                the scheduler's per-(layer, expert) byte cost of a round
   verify(drafted, plan, info)      the verify of the rows `plan.active` selects; the others stay as they were
   fetch()                          (num_generated, done, output) of every row (host)
+  burst(proposer, active, rows, n, until_finish)
+                                   up to n rounds of one proposer in one device call, every row `active` selects
+                                   verifying each round (`bursts` runners) -> `Burst` (host: per-round commits)
   begin_round / end_round          per-round bookkeeping around the engine's `step` (stats into its RoundInfo)
   warm_extra()                     what the runner compiles beyond the engine's warm-up rounds
 
 Capability flags say what a runner's rounds can do; the engine reads them instead of asking what type it is:
 `chunked_prefill`, `deferred_context`, `overlapped_verify` (the verify may be dispatched before the scheduler runs,
-when every live row verifies).
+when every live row verifies), `bursts` (several rounds per device call, when every live row verifies and the host
+needs to look only after them).
 
 Runners here: `ResidentRunner` (the target's experts on the device; every round one jitted draft and one jitted
 verify over the round's row bucket; optionally on a mesh) and `FakeRunner` (numpy only, no model: deterministic
@@ -47,7 +51,7 @@ from dflash_jax.cache import KVCache
 from dflash_jax.models.family import family_of
 from dflash_jax.nn.attention import get_attention_tuning
 from dflash_jax.spec import prefill as chunked
-from dflash_jax.spec.round import check_proposer, commit, propose, verify_forward
+from dflash_jax.spec.round import Chain, check_proposer, commit, propose, round_step, verify_forward
 from dflash_jax.spec.sampling import next_token_rows
 from dflash_jax.spec.session import (
     RowParams, SpecConfig, SpecState, init_target_cache, map_rows, prefill_rows, split_rows,
@@ -94,6 +98,15 @@ class Drafted:
 
 
 @dataclasses.dataclass
+class Burst:
+    """What a burst of rounds did (`RoundRunner.burst`), on the host."""
+
+    rounds: int  # the rounds it ran (at most the count asked; fewer once every row is done, or one finished)
+    committed: np.ndarray  # [rounds, rows] int: the tokens each row committed in each round (0: done or left out)
+    length: int | None = None  # the cache rows its rounds computed over (a length bucket; None: all of them)
+
+
+@dataclasses.dataclass
 class RoundPlan:
     """The host's decision for a round's verify, for a runner that acts on it (prefetch) or records it."""
 
@@ -116,6 +129,7 @@ class RoundRunner:
     pin_length = None  # the length bucket every round takes while set (warm-up); None: chosen per round
     deferred_context = False  # width-1 rounds may leave the draft's context append to the next drafting round
     overlapped_verify = False  # the verify may be dispatched before the scheduler runs (every live row verifies)
+    bursts = False  # `burst`: several rounds of every live row in one device call
     forks = False  # `fork`: n samples of one prompt share its prefill
     token_logprobs = False  # `first_logprobs` / `round_logprobs` (every proposer: a tree's committed path found again)
     prompt_scores = False  # `prompt_logprobs`
@@ -216,6 +230,13 @@ class RoundRunner:
 
     def sync(self) -> None:
         """Waits until every dispatched program has run (timing)."""
+
+    def burst(self, proposer, active: np.ndarray, rows: int, count: int, until_finish: bool = False) -> Burst:
+        """Up to `count` rounds (at most `MAX_BURST`) of `proposer` in one device call: every row where `active` is set
+        drafts and verifies each round until it is done; the other rows keep their state. Stops early once every
+        active row is done, or (`until_finish`) once one of them finished. A round of it is the round `draft` +
+        `verify` run with the same proposer and every active row verifying: the same tokens."""
+        raise NotImplementedError(f"{type(self).__name__} runs one round per call (bursts is off)")
 
     def round(self, proposer, active: np.ndarray, rows: int, logprobs: np.ndarray | None = None) -> None:
         """One round of the rows where `active` is set, for warm-up and cost measurement: draft, the host fetch
@@ -521,6 +542,55 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
     return settle_rows(state, old, new, active, rows), out.logits
 
 
+MAX_BURST = 16  # the most rounds one burst runs (`RoundRunner.burst`)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
+def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spec: SpecConfig, proposer,
+           rows: int | None = None, length: int | None = None):
+    """Up to `count` rounds (`spec.round.round_step`) of the rows where `active` [b] is set, in one `while_loop`,
+    the others kept as they were (`settle_rows`). Cut to the first `rows` rows and every KV buffer to its first
+    `length` slots once for the whole burst, written back once (`_verify`'s `rows` and `length`).
+
+    A deferring width-1 chain (`Chain(1, defer_context=True)`) defers each round only while every active row's
+    pending context rows leave room (the engine's rule per round, `Engine._defers`); else that round appends them.
+
+    Stops after `count` rounds, once every active row is done, or with `until_finish` once one of them finished.
+    Returns (the state, the tokens each row committed in each round [MAX_BURST, rows] int32, the rounds run)."""
+    rows = state.done.shape[0] if rows is None else rows
+    old = head_rows(state, rows)
+    run = head_rows(state, rows, length)
+    active = active[:rows]
+    run = run.replace(done=run.done | ~active)
+    done_before = run.done
+
+    def one(s, p):
+        return round_step(target_w, draft_w, s, spec, p)[0]
+
+    if isinstance(proposer, Chain) and proposer.defer_context:
+        eager = Chain(1)
+
+        def step(s):
+            room = jnp.max(jnp.where(active, s.num_context, 0)) < spec.block_size
+            return jax.lax.cond(room, lambda x: one(x, proposer), lambda x: one(x, eager), s)
+    else:
+        def step(s):
+            return one(s, proposer)
+
+    def body(carry):
+        i, s, committed = carry
+        new = step(s)
+        return i + 1, new, committed.at[i].set(new.num_generated - s.num_generated)
+
+    def cond(carry):
+        i, s, _ = carry
+        finished = jnp.any(s.done & ~done_before)
+        return (i < count) & jnp.any(~s.done) & ~(until_finish & finished)
+
+    ran, new, committed = jax.lax.while_loop(cond, body, (jnp.int32(0), run, jnp.zeros((MAX_BURST, rows), jnp.int32)))
+    return settle_rows(state, old, new, active, rows), committed, ran
+
+
 def kv_buffers(pre) -> tuple:
     """((target keys, target values), (draft keys, draft values) or None) of a partial prefill (`spec.prefill.Prefill`):
     the per-layer [b, rows, heads, dim] buffers of its caches (slot = position)."""
@@ -612,6 +682,7 @@ class ResidentRunner(RoundRunner):
     chunked_prefill = True
     deferred_context = True
     overlapped_verify = True
+    bursts = True
     forks = token_logprobs = prompt_scores = True
 
     def __init__(self, pair, layout: Layout, *, mesh=None):
@@ -750,9 +821,10 @@ class ResidentRunner(RoundRunner):
 
     # -- the round -------------------------------------------------------------------------------------
 
-    def length_bucket(self, rows: int) -> int:
-        """The smallest length bucket holding the first `rows` rows' caches (every KV cache's length, the widest
-        verify and a draft block after it); the last bucket is the whole cache. `pin_length` overrides it (warm-up).
+    def length_bucket(self, rows: int, rounds: int = 1) -> int:
+        """The smallest length bucket holding the first `rows` rows' caches through `rounds` rounds (every KV cache's
+        length, the widest verify of each round and a draft block after the last); the last bucket is the whole cache.
+        `pin_length` overrides it (warm-up).
         The lengths are read from the device (a few int32 per cache) only when the state changed outside the rounds
         (a reset, insert, move): after that each round adds the widest verify to every row's bound (a round grows a
         cache by at most that), so the bucket is never too small and seldom larger than needed."""
@@ -760,17 +832,38 @@ class ResidentRunner(RoundRunner):
             return self.pin_length
         if len(self.length_buckets) == 1:
             return self.length_buckets[0]
+        bound = self._bound()
+        if bound is None:  # no KV cache to cut
+            return self.length_buckets[-1]
+        self._length_bound = (bound + (rounds - 1) * self.layout.widest, None)  # set to the state after the round
+        need = int(np.max(bound[:rows])) + rounds * self.layout.widest + self.spec.block_size
+        return next((b for b in self.length_buckets if b >= need), self.length_buckets[-1])
+
+    def _bound(self) -> np.ndarray | None:
+        """Each slot's cache length bound before the next round (`length_bucket`); None: the state has no KV cache."""
         if self._length_bound is None or self._length_bound[1] is not self.state:
             lengths = [n.lengths for n in jax.tree.leaves(self.state, is_leaf=lambda x: isinstance(x, KVCache))
                        if isinstance(n, KVCache)]
-            if not lengths:  # no KV cache to cut
-                return self.length_buckets[-1]
+            if not lengths:
+                return None
             bound = np.max(np.stack([np.asarray(x) for x in jax.device_get(lengths)]), axis=0)
-        else:
-            bound = self._length_bound[0] + self.layout.widest
-        self._length_bound = (bound, None)  # the state it bounds: set after the round's verify (`verify`)
-        need = int(np.max(bound[:rows])) + self.layout.widest + self.spec.block_size
-        return next((b for b in self.length_buckets if b >= need), self.length_buckets[-1])
+            self._length_bound = (bound - self.layout.widest, self.state)  # read once per state
+        return self._length_bound[0] + self.layout.widest
+
+    def burst_rounds(self, rows: int, count: int) -> int:
+        """At most `count` rounds (and `MAX_BURST`), fewer when more would need a longer length bucket than one round
+        does (a longer cut costs every round of the burst more)."""
+        count = max(1, min(int(count), MAX_BURST))
+        if self.pin_length is not None or len(self.length_buckets) == 1 or count == 1:
+            return count
+        bound = self._bound()
+        if bound is None:
+            return count
+        top, last = int(np.max(bound[:rows])), self.length_buckets[-1]
+        one = next((b for b in self.length_buckets if b >= top + self.layout.widest + self.spec.block_size), last)
+        if one == last:  # the whole cache: nothing cut, nothing to outgrow
+            return count
+        return max(1, min(count, (one - top - self.spec.block_size) // self.layout.widest))
 
     @_on_mesh
     def draft(self, proposer, rows: int) -> Drafted:
@@ -796,6 +889,17 @@ class ResidentRunner(RoundRunner):
         if self._length_bound is not None and drafted.length is not None:
             self._length_bound = (self._length_bound[0], self.state)  # the bound holds for the state this verify made
         self._after_verify(start, logits, drafted.proposal.tree)
+
+    @_on_mesh
+    def burst(self, proposer, active, rows, count, until_finish=False) -> Burst:
+        count = self.burst_rounds(rows, count)
+        length = self.length_bucket(rows, count)
+        self.state, committed, ran = _burst(self.pair.target, self.pair.draft, self.state, np.asarray(active, bool),
+                                            np.int32(count), np.bool_(until_finish), self.spec, proposer, rows, length)
+        if self._length_bound is not None and length is not None:
+            self._length_bound = (self._length_bound[0], self.state)
+        ran, committed = jax.device_get((ran, committed))
+        return Burst(rounds=int(ran), committed=np.asarray(committed)[: int(ran)], length=length)
 
     def fetch(self):
         return jax.device_get((self.state.num_generated, self.state.done, self.state.output))
@@ -832,6 +936,7 @@ class FakeRunner(RoundRunner):
 
     chunked_prefill = True
     overlapped_verify = True
+    bursts = True
     forks = token_logprobs = prompt_scores = True
 
     def __init__(self, pair, layout: Layout, *, mesh=None, num_layers: int = 2, num_experts: int = 8):
@@ -840,7 +945,7 @@ class FakeRunner(RoundRunner):
         self.expert_bytes = np.full((num_layers, num_experts), 1000.0)
         self.vocab = int(layout.spec.target.vocab_size)
         self.calls = {k: 0 for k in ("prefill", "insert", "release", "move_row", "draft", "verify", "chunk", "fork",
-                                     "prompt_logprobs")}
+                                     "prompt_logprobs", "burst")}
         self.verified_rows: list[np.ndarray] = []  # per verify: the rows it committed for
         self._round_logprobs = None
 
@@ -999,12 +1104,28 @@ class FakeRunner(RoundRunner):
             tokens = np.maximum(np.take_along_axis(s["output"][: drafted.rows], pos, axis=1), 0)
             self._round_logprobs = self._logprobs(tokens, pos)
 
+    def burst(self, proposer, active, rows, count, until_finish=False) -> Burst:
+        """`verify` up to `count` times (the runner's draft each round), as one call."""
+        self.calls["burst"] += 1
+        active = np.asarray(active, bool)
+        before_done = self.state["done"][:rows].copy()
+        committed = []
+        for _ in range(max(1, min(int(count), MAX_BURST))):
+            if not np.any(active[:rows] & ~self.state["done"][:rows]):
+                break
+            start = self.state["num_generated"][:rows].copy()
+            self.verify(self.draft(proposer, rows), RoundPlan(active=active))
+            committed.append(self.state["num_generated"][:rows] - start)
+            if until_finish and np.any(self.state["done"][:rows] & active[:rows] & ~before_done):
+                break
+        return Burst(rounds=len(committed), committed=np.asarray(committed, np.int64).reshape(-1, rows))
+
     def fetch(self):
         s = self.state
         return s["num_generated"].copy(), s["done"].copy(), s["output"].copy()
 
 
-__all__ = ["kv_buffers", "with_kv_buffers", "Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
+__all__ = ["Burst", "MAX_BURST", "kv_buffers", "with_kv_buffers", "Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
            "TOP_LOGPROBS", "TokenLogprobs", "committed_logprobs", "expert_byte_table", "fake_pair", "length_buckets", "cut_slots", "fork_rows",
            "log_softmax_top", "prompt_logprobs_of", "tree_committed_logprobs", "tree_path_logits", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
            "verify_rows"]

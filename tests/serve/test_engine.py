@@ -56,7 +56,16 @@ def test_lossless_with_scheduling_queueing_and_no_compiles(engine, pair):
     assert np.mean([np.mean(r.acceptance) for r in reqs if not SAMPLING[reqs.index(r)].temperature]) > 1.3
 
 
-def test_cancel_frees_the_slot(engine):
+@pytest.fixture
+def round_per_call(engine):
+    """The engine stepping one round per call (these tests cancel between rounds)."""
+    engine.rounds_per_call = 1
+    yield engine
+    engine.rounds_per_call = "auto"
+
+
+def test_cancel_frees_the_slot(round_per_call):
+    engine = round_per_call
     keep = engine.submit([5, 6, 7], max_new_tokens=40, stop_ids=[])
     drop = engine.submit([8, 9, 10], max_new_tokens=40, stop_ids=[])
     engine.step()
@@ -73,7 +82,8 @@ def test_cancel_frees_the_slot(engine):
     assert queued.finish_reason == "cancelled" and queued.tokens == []
 
 
-def test_background_thread_and_graceful_stop(engine):
+def test_background_thread_and_graceful_stop(round_per_call):
+    engine = round_per_call
     engine.start()
     try:
         reqs = [engine.submit([3, 4, 5 + i], max_new_tokens=30, stop_ids=[]) for i in range(3)]

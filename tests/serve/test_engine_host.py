@@ -99,7 +99,7 @@ def test_cancel_frees_the_slot_and_a_queued_cancel_never_takes_one():
 
 
 def test_compaction_keeps_live_rows_lowest_and_rows_move_with_their_state():
-    eng = make(slots=4, row_buckets="auto")
+    eng = make(slots=4, row_buckets="auto", rounds_per_call=1)  # a step per round: every bucket it passes through
     assert eng.row_buckets == (1, 2, 4)
     jobs = [([1, 2], 6), ([3, 4, 5], 40), ([6], 9), ([7, 8, 9, 10], 25), ([11, 12], 3), ([13], 30)]
     reqs, moves, rows = [], eng.moves, set()

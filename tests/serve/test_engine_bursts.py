@@ -1,0 +1,178 @@
+"""Several rounds per device call (`Engine(rounds_per_call=...)`, `RoundRunner.burst`): the same tokens as a round
+per call, fewer host steps, and the host conditions that keep a call to one round (log-probs asked, a long prompt
+prefilled by chunks, scheduler budgets, a width explored), on `FakeRunner` (seconds); the resident runner's
+program (`serve.runner._burst`) on the shipped pair: equal to a round per call and to each request run alone,
+proposals accepted, nothing compiled while serving."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_jax.compile_cache import CompileCounter
+from dflash_jax.serve.engine import Engine, generate
+from dflash_jax.serve.runner import MAX_BURST, FakeRunner, fake_pair
+from dflash_jax.spec import SamplingParams
+from dflash_jax.spec import generate as spec_generate
+
+VOCAB = 256
+PROMPTS = [[1, 2, 3], [5], [7, 8], [9, 10, 11, 12]]
+BUDGETS = [30, 25, 40, 12]
+
+
+def make(**kw) -> Engine:
+    args = dict(slots=4, max_prompt_len=64, max_new_tokens=40, max_queue=8, prefill_chunk=None, widths=[4],
+                round_seconds={4: 1.0})
+    args.update(kw)
+    eng = Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, **args)
+    eng.warmup([16])
+    return eng
+
+
+def alone(prompt, budget):
+    return FakeRunner.alone(prompt, budget, VOCAB)
+
+
+def run(eng, prompts=PROMPTS, budgets=BUDGETS):
+    infos = []
+    eng.observers.append(infos.append)
+    reqs = generate(eng, prompts, max_new_tokens=budgets, stop_ids=[])
+    eng.observers.remove(infos.append)
+    return reqs, infos
+
+
+def test_bursts_give_the_tokens_of_a_round_per_call_in_fewer_steps():
+    one, _ = run(make(rounds_per_call=1))
+    eng = make(rounds_per_call=4)
+    calls = dict(eng.runner.calls)  # the warm-up's
+    reqs, infos = run(eng)
+    assert [r.tokens for r in reqs] == [r.tokens for r in one] == [alone(p, m) for p, m in zip(PROMPTS, BUDGETS)]
+    assert eng.burst_calls > 0 and eng.runner.calls["burst"] - calls["burst"] == eng.burst_calls
+    assert max(i.rounds for i in infos) == 4 and all(1 <= i.rounds <= 4 for i in infos)
+    verify_steps = [i for i in infos if i.width]
+    verifies = eng.runner.calls["verify"] - calls["verify"]
+    assert sum(i.rounds for i in verify_steps) == verifies > len(verify_steps)  # several verifies per step
+    # each verify's commits recorded, in order, per request
+    for r in reqs:
+        assert sum(r.acceptance) == len(r.tokens) - 1 and all(c >= 1 for c in r.acceptance)
+    assert sum(len(i.committed) for i in infos) == sum(len(r.acceptance) for r in reqs)
+
+
+def test_auto_sizes_calls_by_the_measured_round_time():
+    eng = make()  # rounds_per_call="auto", call_seconds 0.05
+    reqs, infos = run(eng)
+    assert [r.tokens for r in reqs] == [alone(p, m) for p, m in zip(PROMPTS, BUDGETS)]
+    first = next(i for i in infos if i.width)
+    assert first.rounds == 1  # nothing timed yet at this row bucket and width
+    assert max(i.rounds for i in infos) > 1  # a fake round takes microseconds: many fit in 50 ms
+    assert max(i.rounds for i in infos) <= MAX_BURST
+    slow = make(call_seconds=1e-9)  # no room for a second round
+    run(slow)
+    assert slow.burst_calls == 0
+
+
+def test_a_full_engine_ends_the_call_when_a_row_finishes():
+    eng = make(slots=2, rounds_per_call=MAX_BURST)
+    prompts, budgets = [[1], [2, 2], [3, 3, 3]], [6, 40, 20]
+    reqs, infos = run(eng, prompts, budgets)
+    assert [r.tokens for r in reqs] == [alone(p, m) for p, m in zip(prompts, budgets)]
+    # the third request waited for a slot: the call in which the first finished ended there, and it joined next
+    finished = next(k for k, i in enumerate(infos) if i.finished)
+    assert infos[finished + 1].admitted == 1
+    assert reqs[2].first_token_at is not None and reqs[2].first_token_at < reqs[1].finished_at
+
+
+def test_conditions_that_keep_a_round_per_call():
+    # log-probs asked: a round per call (the verify's logits are read after each)
+    eng = make(rounds_per_call=4)
+    req = eng.submit([1, 2, 3], max_new_tokens=20, stop_ids=[], logprobs=2)
+    eng.run_until_idle()
+    assert eng.burst_calls == 0 and req.tokens == alone([1, 2, 3], 20)
+    # a scheduler budget: every round decides who verifies
+    eng = make(rounds_per_call=4, token_budget=4)
+    reqs, _ = run(eng)
+    assert eng.burst_calls == 0 and [r.tokens for r in reqs] == [alone(p, m) for p, m in zip(PROMPTS, BUDGETS)]
+    # a long prompt prefilled by chunks: one chunk per round, so a round per call until it joined
+    eng = make(rounds_per_call=4, prefill_chunk=16, prefix_cache_bytes=0)
+    long_prompt = list(np.random.default_rng(0).integers(3, VOCAB, 50))
+    short = eng.submit([1, 2, 3], max_new_tokens=30, stop_ids=[])
+    eng.step()
+    long_req = eng.submit([int(t) for t in long_prompt], max_new_tokens=10, stop_ids=[])
+    chunked = 0
+    while not long_req.tokens:
+        info = eng.step()
+        chunked += info.prefill_chunks
+        assert info.rounds == 1 or eng._prefilling is None  # the step its last chunk joined in may run several
+    assert chunked == 4
+    eng.run_until_idle()
+    assert eng.burst_calls > 0  # once it joined
+    assert short.tokens == alone([1, 2, 3], 30) and long_req.tokens == alone([int(t) for t in long_prompt], 10)
+
+
+def test_bursts_of_mixed_widths_and_cancel_between_calls():
+    eng = make(widths=[1, 2, 4], round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, rounds_per_call=3)
+    cycle = iter([4, 1, 2] * 100)
+    eng.choose_width = lambda live: next(cycle)
+    keep = eng.submit([5, 6, 7], max_new_tokens=40, stop_ids=[])
+    drop = eng.submit([8, 9], max_new_tokens=40, stop_ids=[])
+    eng.step()
+    eng.step()
+    eng.cancel(drop)
+    eng.run_until_idle()
+    assert keep.tokens == alone([5, 6, 7], 40)
+    assert drop.finish_reason == "cancelled" and drop.tokens == alone([8, 9], 40)[: len(drop.tokens)]
+    assert len(drop.tokens) < 40 and eng.burst_calls > 0
+
+
+def test_bad_rounds_per_call_named():
+    for bad in (0, MAX_BURST + 1, "many", 2.5):
+        with pytest.raises((TypeError, ValueError), match="rounds_per_call"):
+            Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, rounds_per_call=bad)
+    for bad in (0, -1.0, "1"):
+        with pytest.raises(ValueError, match="call_seconds"):
+            Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, call_seconds=bad)
+
+
+# -- the resident runner on the shipped pair -------------------------------------------------------------------
+
+
+def test_resident_bursts_equal_rounds_and_alone(pair, engine):
+    """The session engine (4 slots, block 4, rounds_per_call "auto") runs its calls of several rounds once a round
+    of the row bucket is timed; greedy and seeded sampled requests equal the library run alone, and the engine
+    with a round per call, with proposals accepted and nothing compiled."""
+    assert engine.rounds_per_call == "auto"
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(40, 52)), [17, 3]]
+    budgets = [48, 30, 40, 24]
+    sampling = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(), SamplingParams()]
+    calls = engine.burst_calls
+    with CompileCounter() as counter:
+        reqs = generate(engine, prompts, max_new_tokens=budgets, sampling=sampling, seed=3)
+    assert counter.compiles == 0
+    assert engine.burst_calls > calls
+    for i, r in enumerate(reqs):
+        lib = spec_generate(pair, [prompts[i]], max_new_tokens=budgets[i], sampling=sampling[i], seed=3)
+        assert r.tokens == lib.tokens[0], i
+    assert np.mean([np.mean(r.acceptance) for r in reqs]) > 1.5  # proposals accepted
+    engine.rounds_per_call = 1
+    try:
+        calls = engine.burst_calls
+        again = generate(engine, prompts, max_new_tokens=budgets, sampling=sampling, seed=3)
+        assert engine.burst_calls == calls
+    finally:
+        engine.rounds_per_call = "auto"
+    assert [r.tokens for r in again] == [r.tokens for r in reqs]
+
+
+def test_serve_cli_flags_checked():
+    from dflash_jax.errors import UsageError
+    from dflash_jax.cli.serve import build_parser, check_args
+
+    for flags, message in ((["--rounds-per-call", "0"], "--rounds-per-call must be"),
+                           (["--rounds-per-call", "17"], "--rounds-per-call must be"),
+                           (["--rounds-per-call", "some"], "--rounds-per-call must be"),
+                           (["--call-ms", "0"], "--call-ms must be")):
+        with pytest.raises(UsageError, match=message):
+            check_args(build_parser().parse_args(flags))
+    args = build_parser().parse_args(["--rounds-per-call", "3"])
+    check_args(args)
+    assert args.rounds_per_call == 3
