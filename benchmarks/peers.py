@@ -26,7 +26,9 @@ Not run in CI (it installs vLLM and takes an hour or more on 2 cores). What it d
            time, the CPU seconds of the process and its children, the load average.
   served   `dflash-serve` (plain = block 1, and each block) against vLLM's OpenAI server (plain, and DFlash k)
            at each number of concurrent streaming clients, the same client code (httpx, in its own process)
-           for both; tokens/s over the run, the server's process-tree CPU seconds, TTFT.
+           for both; tokens/s over the run, the server's process-tree CPU seconds, TTFT. Both hold the same
+           context: vLLM's --max-model-len (prompt + new tokens + 64), ours --max-prompt-len (that less the new
+           tokens) and --max-new-tokens.
 
 Every output's tokens are checked against transformers' greedy; a mismatch is printed loudly and recorded
 (`mismatches` in the JSON, a column in the tables). Writes peers.{json,md,png} to --out (default bench_out/) or,
@@ -513,8 +515,10 @@ def main(argv=None) -> int:
             for kind, x, name in modes:
                 port = free_port()
                 if kind == "ours":
+                    # the context vLLM is given (--max-model-len): prompts up to its room beyond the new tokens
                     cmd = [os.path.join(os.path.dirname(sys.executable), "dflash-serve"), "--port", str(port),
                            "--model-name", "tiny", "--block-size", str(x), "--slots", str(max(clients)),
+                           "--max-prompt-len", str(base["max_model_len"] - n), "--max-new-tokens", str(n),
                            "--log-level", "warning"]
                     env, extra = None, {}
                 else:

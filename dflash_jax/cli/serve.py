@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the device time one call of several rounds aims at (--rounds-per-call auto; default 50): "
                         "how often a stream gets tokens at least, and how long a new request may wait for a call "
                         "to end")
+    p.add_argument("--lanes", default="auto",
+                   help="the slots split over this many runners whose rounds run side by side on their own threads: "
+                        "'auto' (the default: one per core on a CPU with the experts on the device, at most what "
+                        "divides --slots; 1 elsewhere; DFLASH_LANES overrides it) or a number (1: one runner)")
     prop = p.add_argument_group("proposer (what the draft proposes each round; every choice is lossless)")
     prop.add_argument("--proposer", choices=["chain", "head-chain", "selector", "tree", "adaptive"], default=None,
                       help="chain: the draft's argmax chain at --block-size (--widths chooses among widths; the "
@@ -175,6 +179,11 @@ def check_args(args) -> None:
             raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..16, got {rpc!r}") from None
         if not 1 <= args.rounds_per_call <= 16:
             raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..16, got {rpc!r}")
+    lanes = getattr(args, "lanes", "auto")
+    if lanes != "auto":
+        if not str(lanes).isdigit() or int(lanes) < 1:
+            raise UsageError(f"--lanes must be 'auto' or a positive number of lanes, got {lanes!r}")
+        args.lanes = int(lanes)
     if not 0.1 <= getattr(args, "call_ms", 50.0) <= 10000:
         raise UsageError(f"--call-ms must be in 0.1..10000 milliseconds, got {args.call_ms:g}")
     if getattr(args, "explore_every", 0) < 0:
@@ -400,7 +409,7 @@ def build_app(args):
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer,
                       prefix_cache_bytes=prefix_bytes, rounds_per_call=getattr(args, "rounds_per_call", "auto"),
-                      call_seconds=getattr(args, "call_ms", 50.0) / 1e3)
+                      call_seconds=getattr(args, "call_ms", 50.0) / 1e3, lanes=getattr(args, "lanes", "auto"))
         if getattr(args, "pflash_keep", None) is not None:
             from dflash_jax import pflash
 

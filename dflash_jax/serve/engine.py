@@ -262,7 +262,11 @@ class Engine:
     the next width) once per call instead of once per round. A request that arrives meanwhile waits for the call
     to end (a call of a full engine ends as soon as a row finishes); a stream gets the call's tokens at once.
     "auto" (the default): as many rounds as fit in `call_seconds` by the rounds' measured time (at most
-    `runner.MAX_BURST`); 1: a round per call. Outputs never depend on it."""
+    `runner.MAX_BURST`); 1: a round per call. Outputs never depend on it.
+    lanes: the slots split over this many resident runners whose calls run side by side on their own threads
+    (`serve.lanes.LanedRunner`: slot s in lane s % lanes); "auto" (the default): one per usable core on a CPU
+    outside a mesh with resident experts (`DFLASH_LANES` overrides it), at most what divides `slots`; 1 elsewhere.
+    Outputs never depend on it."""
 
     def __init__(self, pair, *, slots: int = 4, block_size: int | None = None, max_prompt_len: int = 256,
                  max_new_tokens: int = 256, method: str = "exact_match", token_budget: int | None = None,
@@ -275,10 +279,18 @@ class Engine:
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
                  rounds_per_call: int | str = "auto", call_seconds: float = DEFAULT_CALL_SECONDS,
-                 **runner_options):
+                 lanes: int | str = "auto", **runner_options):
         tcfg, dcfg = pair.target_cfg, pair.draft_cfg
         if runner is None:
             runner = self._runner_of(experts, runner_options)
+            self.lanes = self._lanes_of(lanes, slots, runner, mesh, pair)
+            if self.lanes > 1:
+                from dflash_jax.serve.lanes import LanedRunner
+                runner, runner_options = LanedRunner, dict(runner_options, lanes=self.lanes)
+        else:
+            if lanes not in ("auto", 1):
+                raise ValueError("lanes apply to the engine's own resident runner, not to a runner= given")
+            self.lanes = 1
         tree = self._tree_of(proposer, pair)
         head = self._head_of(proposer)
         if widths is not None and not isinstance(widths, str) and any(isinstance(w, TreeShape) for w in widths):
@@ -466,6 +478,26 @@ class Engine:
             from dflash_jax.serve.offload_runner import OffloadedRunner
             return OffloadedRunner
         raise ValueError(f"experts must be 'device' or 'offload', got {experts!r}")
+
+    @staticmethod
+    def _lanes_of(lanes, slots, runner, mesh, pair) -> int:
+        """The lanes the slots split into (`serve.lanes`): "auto" on a CPU outside a mesh with resident experts, one
+        per usable core (`spec.lanes.choose_lanes`, `DFLASH_LANES` overriding it), at most what divides `slots`
+        evenly; 1 elsewhere. An explicit count > 1 where lanes do not apply is refused."""
+        from dflash_jax.spec import lanes as spec_lanes
+
+        spec_lanes.check_lanes(lanes)
+        if lanes != "auto" and int(lanes) > 1 and (runner is not ResidentRunner or mesh is not None):
+            raise ValueError(f"lanes={lanes}: lanes split the slots of resident experts over a CPU's cores; with "
+                             "experts='offload' or a mesh the engine runs one program: use lanes=1 or 'auto'")
+        if runner is not ResidentRunner or mesh is not None or not isinstance(slots, int) or slots < 2:
+            return 1
+        n = spec_lanes.choose_lanes(slots, lanes, weights=pair.target)
+        if lanes != "auto" and slots % n:
+            raise ValueError(f"lanes={lanes} does not divide slots {slots} evenly: give slots a multiple of it")
+        while slots % n:
+            n -= 1
+        return n
 
     @staticmethod
     def _head_of(proposer) -> bool:

@@ -41,7 +41,7 @@ def test_cut_slots():
 def test_length_buckets_lossless_and_warm(pair, block_size):
     with attention_tuning(chunk=16, dense_max_rows=32):
         eng = Engine(pair, slots=2, block_size=block_size, max_prompt_len=16, max_new_tokens=64,
-                     prefix_cache_bytes=0)
+                     prefix_cache_bytes=0, lanes=1)  # one runner: its length buckets are watched
         buckets = eng.runner.length_buckets
         assert len(buckets) > 1 and buckets[-1] == eng.spec.max_len
         eng.warmup([16])

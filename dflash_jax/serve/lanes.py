@@ -1,0 +1,242 @@
+"""Serving in lanes: the engine's slots spread over several resident runners, each with its own batched state, whose
+calls of several rounds run side by side on their own threads (`Engine(lanes=...)`, `dflash-serve --lanes`).
+
+One XLA:CPU program keeps about 1.2 - 1.5 of a machine's cores busy at the shipped pairs' sizes; calls from
+different threads run concurrently (`spec.lanes`, the library's form of the same idea). `LanedRunner` gives the
+engine the runner it expects, over `n` `ResidentRunner`s of `slots / n` rows each:
+
+  slot s  ->  lane s % n, row s // n
+
+The engine keeps its live requests in the lowest slots, so the live rows interleave over the lanes and stay
+balanced (a row bucket of R slots is ceil((R - l) / n) rows of lane l). Whole-batch work runs in every lane
+(reset, release, fetch, the round); a prefill (and its chunks, fork and first-token log-probs) runs in lane 0,
+whose rows `insert` then scatters: each lane writes the rows bound for it and drops the others. A compaction move
+within a lane is that lane's `move_row`; across lanes, the row is taken from one state and inserted into the other
+(every leaf). Every lane runs the same compiled programs (the same shapes), so lanes compile nothing more than
+one runner of `slots / n` rows.
+
+A call of several rounds (`burst`) runs each lane's burst on its own thread; a round of its own (`draft` + `verify`:
+log-probs, a scheduler budget, a width explored) dispatches the lanes one after the other. A row's rounds are the
+rounds it runs in any lane: the outputs are the single runner's (`tests/serve/test_engine_lanes.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from dflash_jax.serve.runner import (
+    Burst, Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs, _insert_rows,
+)
+from dflash_jax.spec import lanes as spec_lanes
+from dflash_jax.spec.session import SpecState, map_rows
+
+
+@jax.jit
+def _take_row(state: SpecState, row) -> SpecState:
+    """Row `row` (traced int32) of a batched state as a one-row state."""
+    return map_rows(lambda x: jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=True), state)
+
+
+def lane_rows(rows: int, lane: int, lanes: int) -> int:
+    """The rows of lane `lane` among the first `rows` slots (slot s in lane s % lanes)."""
+    return max(0, -(-(rows - lane) // lanes))
+
+
+def interleave(parts, rows: int, lanes: int):
+    """Per-lane arrays (axis 0: the lane's first rows; None: a lane with none) as one array of `rows` slots."""
+    first = next(p for p in parts if p is not None)
+    out = np.zeros((rows,) + first.shape[1:], first.dtype)
+    for lane, part in enumerate(parts):
+        if part is not None:
+            out[lane:rows:lanes] = part[: lane_rows(rows, lane, lanes)]
+    return out
+
+
+class LanedRunner(RoundRunner):
+    """`n` resident runners of `slots / n` rows behind one runner (module docstring)."""
+
+    chunked_prefill = True
+    deferred_context = True
+    overlapped_verify = True
+    bursts = True
+    forks = token_logprobs = prompt_scores = True
+
+    def __init__(self, pair, layout: Layout, *, mesh=None, lanes: int = 2):
+        if mesh is not None:
+            raise ValueError("lanes split the slots over a CPU's cores; a mesh runs them in one program: lanes=1")
+        if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 2:
+            raise ValueError(f"a laned runner needs at least 2 lanes, got {lanes!r}")
+        if layout.slots % lanes:
+            raise ValueError(f"slots {layout.slots} do not split evenly into {lanes} lanes: give slots a multiple "
+                             f"of {lanes}, or lanes=1")
+        super().__init__(pair, layout)
+        self.n = int(lanes)
+        per = layout.slots // self.n
+        buckets = sorted({lane_rows(r, lane, self.n) for r in layout.row_buckets for lane in range(self.n)} - {0})
+        self.lane_layout = Layout(spec=layout.spec, slots=per, row_buckets=tuple(buckets),
+                                  proposers=layout.proposers, widest=layout.widest)
+        self.lanes = [ResidentRunner(pair, self.lane_layout) for _ in range(self.n)]
+        first = self.lanes[0]
+        self.moe_layers, self.expert_bytes = first.moe_layers, first.expert_bytes
+        self.length_buckets = first.length_buckets
+        self._logprob_rows = 0  # the rows of the last verify (its log-probs, interleaved)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return all(lane.ready for lane in self.lanes)
+
+    def drop(self) -> None:
+        for lane in self.lanes:
+            lane.drop()
+
+    @property
+    def pin_length(self):
+        return self.lanes[0].pin_length if hasattr(self, "lanes") else None
+
+    @pin_length.setter
+    def pin_length(self, value) -> None:
+        for lane in getattr(self, "lanes", ()):
+            lane.pin_length = value
+
+    def _split(self, rows: int) -> list[int]:
+        return [lane_rows(rows, lane, self.n) for lane in range(self.n)]
+
+    def _each(self, fn, items=None) -> list:
+        """fn(lane, item) for every lane with an item (None: skipped), each on its own thread."""
+        items = [()] * self.n if items is None else items
+        work = [(lane, item) for lane, item in zip(self.lanes, items) if item is not None]
+        return spec_lanes.run_lanes(lambda pair: fn(*pair), work)
+
+    # -- rows in and out (whole batch: every lane; a prefill: lane 0) ------------------------------------------
+
+    def reset(self, dummy: PrefillBatch) -> None:
+        for lane in self.lanes:
+            lane.reset(dummy)
+
+    def prefill(self, batch: PrefillBatch):
+        return self.lanes[0].prefill(batch)
+
+    def first_tokens(self, rows):
+        return self.lanes[0].first_tokens(rows)
+
+    def fork(self, rows, src, key_data, key_fold):
+        return self.lanes[0].fork(rows, src, key_data, key_fold)
+
+    def first_logprobs(self, rows) -> TokenLogprobs:
+        return self.lanes[0].first_logprobs(rows)
+
+    def prompt_logprobs(self, tokens: np.ndarray) -> TokenLogprobs:
+        return self.lanes[0].prompt_logprobs(tokens)
+
+    def insert(self, rows, index: np.ndarray) -> None:
+        index = np.asarray(index, np.int64)
+        per = self.lane_layout.slots
+        for lane, runner in enumerate(self.lanes):
+            mine = (index < self.slots) & (index % self.n == lane)
+            if mine.any():  # the other rows dropped (an index past the lane's last slot)
+                runner.insert(rows, np.where(mine, index // self.n, per).astype(np.int32))
+
+    def release(self, free: np.ndarray) -> None:
+        free = np.asarray(free, bool)
+        for lane, runner in enumerate(self.lanes):
+            if free[lane::self.n].any():
+                runner.release(free[lane::self.n])
+
+    def move_row(self, src: int, dst: int) -> None:
+        a, b = self.lanes[src % self.n], self.lanes[dst % self.n]
+        if a is b:
+            a.move_row(src // self.n, dst // self.n)
+            return
+        b.insert(_take_row(a.state, np.int32(src // self.n)), np.array([dst // self.n], np.int32))
+
+    def prefill_start(self, tokens, valid, positions=None):
+        return self.lanes[0].prefill_start(tokens, valid, positions)
+
+    def prefill_chunk(self, pre, tokens, valid, wait: bool = True, positions=None):
+        return self.lanes[0].prefill_chunk(pre, tokens, valid, wait=wait, positions=positions)
+
+    def prefill_copy(self, pre):
+        return self.lanes[0].prefill_copy(pre)
+
+    def prefill_snapshot(self, pre, length: int):
+        return self.lanes[0].prefill_snapshot(pre, length)
+
+    def prefill_restore(self, snapshot):
+        return self.lanes[0].prefill_restore(snapshot)
+
+    def snapshot_rows(self, length: int) -> int:
+        return self.lanes[0].snapshot_rows(length)
+
+    @staticmethod
+    def prefill_nbytes(pre) -> int:
+        return ResidentRunner.prefill_nbytes(pre)
+
+    def prefill_finish(self, pre, batch: PrefillBatch):
+        return self.lanes[0].prefill_finish(pre, batch)
+
+    def pending_context(self) -> np.ndarray:
+        return interleave([lane.pending_context() for lane in self.lanes], self.slots, self.n)
+
+    # -- the round -------------------------------------------------------------------------------------
+
+    def draft(self, proposer, rows: int) -> Drafted:
+        parts = [lane.draft(proposer, r) if r else None for lane, r in zip(self.lanes, self._split(rows))]
+        return Drafted(proposer=proposer, rows=rows, proposal=parts, lengths=None, demand=None)
+
+    def demand(self, drafted: Drafted) -> np.ndarray:
+        return interleave([None if d is None else np.asarray(d.demand) for d in drafted.proposal], drafted.rows,
+                          self.n)
+
+    def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
+        def part(x):
+            return None if x is None else [np.asarray(x)[lane::self.n] for lane in range(self.n)]
+        active, logprobs = part(plan.active), part(plan.logprobs)
+        for lane, (runner, d) in enumerate(zip(self.lanes, drafted.proposal)):
+            if d is not None:
+                runner.verify(d, RoundPlan(active=active[lane], logprobs=None if logprobs is None else logprobs[lane]))
+        self._logprob_rows = drafted.rows
+
+    def round_logprobs(self) -> TokenLogprobs | None:
+        parts = [lane.round_logprobs() if r else None
+                 for lane, r in zip(self.lanes, self._split(self._logprob_rows))]
+        if all(p is None for p in parts):
+            return None
+        return TokenLogprobs(*(interleave([None if p is None else np.asarray(getattr(p, f.name)) for p in parts],
+                                          self._logprob_rows, self.n)
+                               for f in dataclasses.fields(TokenLogprobs)))
+
+    def burst(self, proposer, active, rows, count, until_finish=False) -> Burst:
+        active = np.asarray(active, bool)
+        split = self._split(rows)
+        items = [(active[lane::self.n], r) if r else None for lane, r in enumerate(split)]
+        done = self._each(lambda runner, item: runner.burst(proposer, item[0], item[1], count, until_finish), items)
+        results = iter(done)
+        parts = [next(results) if item is not None else None for item in items]
+        ran = max(p.rounds for p in parts if p is not None)
+        committed = np.zeros((ran, rows), np.int64)
+        for lane, p in enumerate(parts):
+            if p is not None and p.rounds:
+                committed[: p.rounds, lane:rows:self.n] = p.committed[:, : split[lane]]
+        return Burst(rounds=ran, committed=committed)
+
+    def fetch(self):
+        got = [lane.fetch() for lane in self.lanes]
+        return tuple(interleave([g[i] for g in got], self.slots, self.n) for i in range(3))
+
+    def sync(self) -> None:
+        for lane in self.lanes:
+            lane.sync()
+
+    def warm_extra(self) -> None:
+        """Each lane's, and a move across lanes (a row taken from one lane's state, inserted into another's)."""
+        for lane in self.lanes:
+            lane.warm_extra()
+        row = _take_row(self.lanes[1].state, np.int32(0))
+        self.lanes[0].insert(row, np.array([self.lane_layout.slots], np.int32))  # past the last slot: dropped
+
+
+__all__ = ["LanedRunner", "interleave", "lane_rows"]
