@@ -1262,7 +1262,8 @@ class Engine:
         seconds = self._round_time.get((rows, width))
         if seconds is None:  # this bucket and width not timed yet: one round first
             return 1
-        return max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6))))
+        # rounded to the nearest count (a round timed alone pays what a call of several spreads over its rounds)
+        return max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
 
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
         """Up to `count` rounds of every live row at `width` in one device call (`RoundRunner.burst`), then one

@@ -15,8 +15,8 @@ within a lane is that lane's `move_row`; across lanes, the row is taken from one
 (every leaf). Every lane runs the same compiled programs (the same shapes), so lanes compile nothing more than
 one runner of `slots / n` rows.
 
-A call of several rounds (`burst`) runs each lane's burst on its own thread; a round of its own (`draft` + `verify`:
-log-probs, a scheduler budget, a width explored) dispatches the lanes one after the other. A row's rounds are the
+A call of several rounds (`burst`) runs each lane's burst on its own thread, and so do a round's `draft` and `verify`
+(a round of its own: log-probs, a width explored, the first round of a row bucket). A row's rounds are the
 rounds it runs in any lane: the outputs are the single runner's (`tests/serve/test_engine_lanes.py`)."""
 
 from __future__ import annotations
@@ -184,7 +184,9 @@ class LanedRunner(RoundRunner):
     # -- the round -------------------------------------------------------------------------------------
 
     def draft(self, proposer, rows: int) -> Drafted:
-        parts = [lane.draft(proposer, r) if r else None for lane, r in zip(self.lanes, self._split(rows))]
+        split = [r or None for r in self._split(rows)]
+        done = iter(self._each(lambda runner, r: runner.draft(proposer, r), split))
+        parts = [next(done) if r else None for r in split]
         return Drafted(proposer=proposer, rows=rows, proposal=parts, lengths=None, demand=None)
 
     def demand(self, drafted: Drafted) -> np.ndarray:
@@ -195,9 +197,10 @@ class LanedRunner(RoundRunner):
         def part(x):
             return None if x is None else [np.asarray(x)[lane::self.n] for lane in range(self.n)]
         active, logprobs = part(plan.active), part(plan.logprobs)
-        for lane, (runner, d) in enumerate(zip(self.lanes, drafted.proposal)):
-            if d is not None:
-                runner.verify(d, RoundPlan(active=active[lane], logprobs=None if logprobs is None else logprobs[lane]))
+        items = [None if d is None else (d, RoundPlan(active=active[lane],
+                                                      logprobs=None if logprobs is None else logprobs[lane]))
+                 for lane, d in enumerate(drafted.proposal)]
+        self._each(lambda runner, item: runner.verify(*item), items)
         self._logprob_rows = drafted.rows
 
     def round_logprobs(self) -> TokenLogprobs | None:
