@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from dflash_jax.serve.runner import (
-    Burst, Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs, _insert_rows,
+    Burst, Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
 )
 from dflash_jax.spec import lanes as spec_lanes
 from dflash_jax.spec.session import SpecState, map_rows
