@@ -42,7 +42,8 @@ def _run(engine):
 
 @pytest.mark.slow
 def test_deferred_context_append_is_exact(pair):
-    deferred = _engine(pair, True)
+    # a round per step and one runner: each forced width is one round, and the state is read below
+    deferred = _engine(pair, True, rounds_per_call=1, lanes=1)
     assert deferred.defer_context
     reqs, rounds = _run(deferred)
     assert {r.width for r in rounds if r.width} == {1, 2, 4}
@@ -50,7 +51,7 @@ def test_deferred_context_append_is_exact(pair):
     assert deferred.width_rounds[1] > deferred.deferred_rounds  # some width-1 rounds found the pending rows full
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
-    plain = _engine(pair, False)
+    plain = _engine(pair, False, rounds_per_call=1, lanes=1)
     assert plain.deferred_rounds == 0
     ref, _ = _run(plain)
     assert plain.deferred_rounds == 0
@@ -74,6 +75,20 @@ def test_offloaded_deferred_context_append_is_exact(pair):
                   bandwidth=1e9)
     reqs, rounds = _run(eng)
     assert eng.deferred_rounds > 0 and {r.width for r in rounds if r.width} == {1, 2, 4}
+    for p, r in zip(PROMPTS, reqs):
+        assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
+    assert max(max(r.acceptance) for r in reqs) >= 3
+
+
+@pytest.mark.slow
+def test_deferred_context_append_in_calls_of_several_rounds(pair):
+    """Calls of several width-1 rounds defer the append round by round while the pending rows leave room (in the
+    burst's loop), then append: each request's tokens equal it alone, with calls of several rounds at width 1 and 4,
+    and nothing compiled."""
+    eng = _engine(pair, True, rounds_per_call=6)
+    reqs, rounds = _run(eng)
+    assert {1, 4} <= {r.width for r in rounds if r.burst}
+    assert max(r.rounds for r in rounds if r.width == 1) > eng.block_size  # past the pending rows' room
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
     assert max(max(r.acceptance) for r in reqs) >= 3
