@@ -1,6 +1,7 @@
 """Grouped-query attention over a KV cache, with causal, sliding-window and learned-sink variants.
 
-Two implementations of the same attention over a `[b, S, Hkv, d]` cache buffer, chosen statically:
+Two implementations of the same attention over a `[b, Hkv, S, d]` cache buffer (`cache.SLOT_AXIS`), chosen
+statically:
 - dense: one softmax over all S slots under a position mask (`gqa_attention`). Cost follows the buffer.
   Reverse-differentiable; used for small buffers and whenever the block fills the buffer (training,
   full-sequence prefill), where nothing could be skipped anyway.
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.cache import write_rows
+from dflash_jax.cache import SLOT_AXIS, write_rows
 
 _NEG_INF = -1e30
 
@@ -72,11 +73,22 @@ def gqa_attention(
     (gpt-oss): `p = softmax([s_1..s_S, sink])[:S]`.
     A query row with nothing visible returns zeros rather than NaN.
     """
+    return _attend(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, scale=scale, sinks=sinks)
+
+
+def _heads_major(x: jax.Array) -> jax.Array:
+    """Block rows [b, T, Hkv, d] in a cache buffer's order [b, Hkv, T, d]."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _attend(q, k, v, mask, *, scale, sinks):
+    """`gqa_attention` over keys and values in a cache buffer's order [b, Hkv, S, d]: both products then read each
+    (row, head)'s keys as one contiguous [S, d] matrix (no copy of the buffer into another order)."""
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
     if sinks is not None:
         sink_col = jnp.broadcast_to(
@@ -87,8 +99,10 @@ def gqa_attention(
     if sinks is not None:
         probs = probs[..., :-1]
     probs = jnp.where(mask[:, None, None], probs, 0.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    # [b, Hkv, G, T, d] first, then the small output reordered: asked for [b, T, Hkv, G, d] directly, XLA:CPU
+    # multiplies V^T by P^T, a product with the contraction on V's major axis that its fast matmul does not take
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,15 +189,15 @@ def _online_init(b, t, hkv, g, d, sinks) -> _Online:
 
 
 def _online_step(state: _Online, qg, k, v, mask, scale) -> _Online:
-    """Folds keys k, v [b, C, Hkv, d] under mask [b, T, C] into the running softmax. Masked keys add exactly
+    """Folds keys k, v [b, Hkv, C, d] under mask [b, T, C] into the running softmax. Masked keys add exactly
     nothing; their values must be finite (the caller zeroes rows that may hold garbage)."""
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     visible = mask[:, None, None]
     scores = jnp.where(visible, scores, _NEG_INF)
     m_new = jnp.maximum(state.m, jnp.max(scores, axis=-1))
     p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
     alpha = jnp.exp(state.m - m_new)
-    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return _Online(m=m_new, l=state.l * alpha + jnp.sum(p, axis=-1), acc=state.acc * alpha[..., None] + pv)
 
 
@@ -207,13 +221,13 @@ def live_chunks(q_positions, kv_lengths, *, rows: int, chunk: int, window: int |
 
 
 def read_chunk(buf, offset, chunk):
-    """Rows `offset + [0, chunk)` of a [b, S, ...] buffer: the chunked path's only read of a cache."""
-    return lax.dynamic_slice_in_dim(buf, offset, chunk, axis=1)
+    """Slots `offset + [0, chunk)` of a [b, Hkv, S, d] buffer: the chunked path's only read of a cache."""
+    return lax.dynamic_slice_in_dim(buf, offset, chunk, axis=SLOT_AXIS)
 
 
 def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, window, scale, chunk):
     b, t, hq, d = q.shape
-    rows, hkv = k_buf.shape[1], k_buf.shape[2]
+    hkv, rows = k_buf.shape[1], k_buf.shape[SLOT_AXIS]
     g = hq // hkv
     chunk = min(chunk, rows)
     qg = q.reshape(b, t, hkv, g, d)
@@ -230,7 +244,7 @@ def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, 
         vc = read_chunk(v_buf, offset, chunk)
         slots = offset + jnp.arange(chunk, dtype=jnp.int32)
         live = (slots[None, :] >= base) & (slots[None, :] < lengths)  # [b, C]
-        vc = jnp.where(live[:, :, None, None], vc, jnp.zeros((), vc.dtype))  # stale rows past the length
+        vc = jnp.where(live[:, None, :, None], vc, jnp.zeros((), vc.dtype))  # stale rows past the length
         k_positions = jnp.broadcast_to(slots, (b, chunk))
         mask = live[:, None, :] & _visible(q_positions, k_positions, None, causal=causal, window=window)
         return _online_step(state, qg, kc, vc, mask, scale)
@@ -238,21 +252,22 @@ def _chunked(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, 
     state = lax.fori_loop(first, stop, body, state)
     if extra is not None:
         k_x, v_x, mask_x = extra
-        state = _online_step(state, qg, k_x.astype(k_buf.dtype), v_x.astype(v_buf.dtype), mask_x, scale)
+        state = _online_step(state, qg, _heads_major(k_x.astype(k_buf.dtype)), _heads_major(v_x.astype(v_buf.dtype)),
+                             mask_x, scale)
     return _online_finish(state, q.dtype)
 
 
 def _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, window, scale):
-    b, rows = k_buf.shape[:2]
+    b, rows = k_buf.shape[0], k_buf.shape[SLOT_AXIS]
     slots = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (b, rows))
     mask = _visible(q_positions, slots, kv_lengths, causal=causal, window=window)
     keys, values = k_buf, v_buf
     if extra is not None:
         k_x, v_x, mask_x = extra
-        keys = jnp.concatenate([k_buf, k_x.astype(k_buf.dtype)], axis=1)
-        values = jnp.concatenate([v_buf, v_x.astype(v_buf.dtype)], axis=1)
+        keys = jnp.concatenate([k_buf, _heads_major(k_x.astype(k_buf.dtype))], axis=SLOT_AXIS)
+        values = jnp.concatenate([v_buf, _heads_major(v_x.astype(v_buf.dtype))], axis=SLOT_AXIS)
         mask = jnp.concatenate([mask, mask_x], axis=2)
-    return gqa_attention(q, keys, values, mask, scale=scale, sinks=sinks)
+    return _attend(q, keys, values, mask, scale=scale, sinks=sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
@@ -297,7 +312,7 @@ def kv_cache_attention(
 ) -> jax.Array:
     """Attention of queries over the live rows of a slot = position cache buffer.
 
-    q: [b, T, Hq, d] at `q_positions` [b, T]; k_buf, v_buf: [b, S, Hkv, d], slot p holding position p;
+    q: [b, T, Hq, d] at `q_positions` [b, T]; k_buf, v_buf: [b, Hkv, S, d], slot p holding position p;
     kv_lengths [b]: slots `>= kv_lengths[b]` are not live (never seen, and in the chunked path chunks past
     `max(kv_lengths)` are never read). A live slot p is visible to query q under `causal` (p <= q) and
     `window` W (q - p < W; without causality also p - q < W). extra: optional (k [b, X, Hkv, d], v, mask
@@ -307,7 +322,7 @@ def kv_cache_attention(
     """
     tuning = tuning or _TUNING
     block_rows = q.shape[1]
-    if not tuning.use_chunked(k_buf.shape[1], block_rows):
+    if not tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows):
         return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
                       scale=scale)
     return _chunked_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window,
@@ -331,7 +346,7 @@ def cached_causal_attention(
     """Causal (optionally sliding-window) attention of a block over a slot = position KV cache.
 
     q: [b, T, Hq, d]; k, v: [b, T, Hkv, d] for the tokens at `positions` [b, T] (consecutive, starting at
-    each sequence's cache length); k_buf, v_buf: [b, S, Hkv, d]. The block's keys/values are written at
+    each sequence's cache length); k_buf, v_buf: [b, Hkv, S, d]. The block's keys/values are written at
     slots `positions[:, 0] + [0, T)`, then every query attends to the slots `p` with `p <= q` (and
     `q - p < window`); slots at or past the length hold stale rows that causality never shows, and that the
     chunked path never reads beyond the chunk holding the last live row (`kv_cache_attention`).

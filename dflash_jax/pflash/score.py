@@ -64,14 +64,14 @@ def load_scorer(directory: str) -> Scorer:
 
 def _window_attention(q, k_buf, n, window: int):
     """[P] the attention mass of the window queries (the last `window` of the first n rows of q [1, P, Hq, d])
-    on every key slot of k_buf [1, S, Hkv, d] (S >= P), averaged over heads and window queries."""
+    on every key slot of k_buf [1, Hkv, S, d] (S >= P, `cache.kv_shape`), averaged over heads and window queries."""
     b, p, hq, d = q.shape
-    hkv = k_buf.shape[2]
+    hkv = k_buf.shape[1]
     g = hq // hkv
     start = jnp.maximum(n - window, 0)
     qw = lax.dynamic_slice_in_dim(q, start, window, axis=1).reshape(b, window, hkv, g, d)
-    keys = k_buf[:, :p]
-    scores = jnp.einsum("bwkgd,bskd->bkgws", qw, keys, preferred_element_type=jnp.float32) * d**-0.5
+    keys = k_buf[:, :, :p]
+    scores = jnp.einsum("bwkgd,bksd->bkgws", qw, keys, preferred_element_type=jnp.float32) * d**-0.5
     q_slot = start + jnp.arange(window, dtype=jnp.int32)
     k_slot = jnp.arange(p, dtype=jnp.int32)
     mask = (k_slot[None, :] <= q_slot[:, None]) & (k_slot[None, :] < n) & (q_slot[:, None] < n)  # [W, P]

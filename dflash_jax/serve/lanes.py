@@ -238,6 +238,7 @@ class LanedRunner(RoundRunner):
         """Each lane's, and a move across lanes (a row taken from one lane's state, inserted into another's)."""
         for lane in self.lanes:
             lane.warm_extra()
+            lane.release(np.zeros(self.lane_layout.slots, bool))  # a cancel (the engine's warm-up frees no lane's row)
         row = _take_row(self.lanes[1].state, np.int32(0))
         self.lanes[0].insert(row, np.array([self.lane_layout.slots], np.int32))  # past the last slot: dropped
 

@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.cache import KVCache
+from dflash_jax import cache as cache_slots
+from dflash_jax.cache import SLOT_AXIS, KVCache
 from dflash_jax.models.family import family_of
 from dflash_jax.nn.attention import get_attention_tuning
 from dflash_jax.spec import prefill as chunked
@@ -390,7 +391,7 @@ def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold
 
 def head_rows(tree, rows: int, length: int | None = None):
     """The first `rows` rows of every leaf (a static slice; the identity when that is all of them). length: also
-    every KV cache buffer (a `KVCache`'s keys and values, [b, S, ...]) cut to its first `length` slots (`cut_slots`)."""
+    every KV cache buffer (a `KVCache`'s keys and values) cut to its first `length` slots (`cut_slots`)."""
     head = map_rows(lambda x: x if x.shape[0] == rows else x[:rows], tree)
     if length is None:
         return head
@@ -404,13 +405,13 @@ def head_rows(tree, rows: int, length: int | None = None):
 
 
 def cut_slots(buffers, length: int | None):
-    """KV buffers [b, S, ...] (any tree of them) cut to their first `length` slots (None, or S <= length: as they
+    """KV buffers (any tree of them, `cache.kv_shape`) cut to their first `length` slots (None, or S <= length: as they
     are). A round whose rows' live lengths (and the block it writes) fit in `length` slots computes the same over the
     cut buffers: slots past a row's length are never read, and the chunked attention reads the same chunks of a cut
     holding whole chunks (`ResidentRunner.length_buckets`)."""
     if length is None:
         return buffers
-    return jax.tree.map(lambda x: x if x.shape[1] <= length else x[:, :length], buffers)
+    return jax.tree.map(lambda x: x if x.shape[SLOT_AXIS] <= length else cache_slots.cut_slots(x, length), buffers)
 
 
 def put_head_rows(full, head):
@@ -610,13 +611,12 @@ def with_kv_buffers(pre, buffers):
 
 @functools.partial(jax.jit, static_argnames=("rows",))
 def _cut_rows(buffers, rows: int):
-    return jax.tree.map(lambda x: x[:, :rows], buffers)
+    return jax.tree.map(lambda x: cache_slots.cut_slots(x, rows), buffers)
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
 def _grow_rows(buffers, rows: int):
-    return jax.tree.map(lambda x: jnp.zeros((x.shape[0], rows) + x.shape[2:], x.dtype).at[:, : x.shape[1]].set(x),
-                        buffers)
+    return jax.tree.map(lambda x: cache_slots.grow_slots(x, rows), buffers)
 
 
 def _broadcast_rows(row: SpecState, slots: int) -> SpecState:

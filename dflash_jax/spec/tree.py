@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dflash_jax.cache import move_slots
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
@@ -355,16 +356,11 @@ def commit_path(cache, start: jax.Array, path: jax.Array):
     """Moves the accepted path's K/V rows into place: slot start + depth gets the row of the path's node at
     that depth (written at slot start + node index by the tree verify). `path` [b, W] node indices (the
     rows past the accepted depth are copied too, harmlessly: they lie past the length set next). Works on
-    any cache whose `keys` / `values` are per-layer slot = position buffers [b, S, ...]."""
-    b = path.shape[0]
-    rows = jnp.arange(b)[:, None]
+    any cache whose `keys` / `values` are per-layer slot = position buffers (`cache.move_slots`)."""
     src = start[:, None] + path
     dst = start[:, None] + jnp.arange(path.shape[1], dtype=start.dtype)[None]
-
-    def move(buf):
-        return buf.at[rows, dst].set(buf[rows, src], mode="drop")
-
-    return cache.replace(keys=tuple(move(k) for k in cache.keys), values=tuple(move(v) for v in cache.values))
+    return cache.replace(keys=tuple(move_slots(k, src, dst) for k in cache.keys),
+                         values=tuple(move_slots(v, src, dst) for v in cache.values))
 
 
 @struct.dataclass

@@ -206,7 +206,7 @@ def test_cache_rows_and_rollback():
     cache = init_kv_cache(num_layers=1, batch=2, max_len=6, num_kv_heads=1, head_dim=1, dtype=jnp.float32)
     rows = jnp.arange(1, 9, dtype=jnp.float32).reshape(2, 4, 1, 1)
     buf = write_rows(cache.keys[0], rows, jnp.array([0, 3]))
-    np.testing.assert_array_equal(np.asarray(buf)[:, :, 0, 0], [[1, 2, 3, 4, 0, 0], [0, 0, 0, 5, 6, 7]])
+    np.testing.assert_array_equal(np.asarray(buf)[:, 0, :, 0], [[1, 2, 3, 4, 0, 0], [0, 0, 0, 5, 6, 7]])
     cache = cache.replace(lengths=jnp.array([4, 6]))
     rolled = rollback(cache, jnp.array([2, 9]))
     np.testing.assert_array_equal(np.asarray(rolled.lengths), [2, 6])  # never past what was written

@@ -171,11 +171,11 @@ def test_the_draft_context_is_the_kept_rows_at_their_positions(shipped):
                                      num_context=jnp.array([m]), positions=jnp.asarray(kept)[None],
                                      cache=draft_model.init_draft_cache(spec.draft, 1, spec.max_len, jnp.float32))
     for got, want in zip(dc.keys, ref.keys):
-        np.testing.assert_allclose(np.asarray(got)[0, :m], np.asarray(want)[0, :m], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(got)[0, :, :m], np.asarray(want)[0, :, :m], rtol=1e-4, atol=1e-4)
     at_slots = draft_model.append_context(
         pair.draft, spec.draft, context_features=draft_model.context_features(out.taps), num_context=jnp.array([m]),
         cache=draft_model.init_draft_cache(spec.draft, 1, spec.max_len, jnp.float32))
-    assert not np.allclose(np.asarray(dc.keys[0])[0, 4:m], np.asarray(at_slots.keys[0])[0, 4:m], atol=1e-3)
+    assert not np.allclose(np.asarray(dc.keys[0])[0, :, 4:m], np.asarray(at_slots.keys[0])[0, :, 4:m], atol=1e-3)
 
 
 @pytest.mark.slow

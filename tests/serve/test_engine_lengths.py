@@ -32,8 +32,10 @@ def test_length_buckets_shape():
 def test_cut_slots():
     import jax.numpy as jnp
 
-    x = jnp.zeros((2, 64, 1, 4))
-    assert cut_slots((x, x), 16)[0].shape == (2, 16, 1, 4)
+    from dflash_jax.cache import kv_shape
+
+    x = jnp.zeros(kv_shape(2, 64, 1, 4))
+    assert cut_slots((x, x), 16)[0].shape == kv_shape(2, 16, 1, 4)
     assert cut_slots(x, 64) is x and cut_slots(x, None) is x
 
 

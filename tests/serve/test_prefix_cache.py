@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dflash_jax.cache import SLOT_AXIS
 from dflash_jax.serve.engine import Engine, generate
 from dflash_jax.serve.prefix_cache import PrefixCache, prefix_keys
 from dflash_jax.serve.runner import FakeRunner, fake_pair, kv_buffers
@@ -151,8 +152,8 @@ def test_a_snapshot_keeps_the_live_rows_and_restores_bit_for_bit(pair):
     pre = runner.prefill_start(tokens, np.array([64], np.int32))
     snap = runner.prefill_snapshot(pre, 64)
     (keys, _), draft = jax.tree.map(lambda x: x.shape, kv_buffers(snap), is_leaf=lambda x: hasattr(x, "shape"))
-    assert runner.snapshot_rows(64) == 64 < eng.spec.max_len and all(k[1] == 64 for k in keys)
-    assert all(k[1] == 64 for k in draft[0])
+    assert runner.snapshot_rows(64) == 64 < eng.spec.max_len and all(k[SLOT_AXIS] == 64 for k in keys)
+    assert all(k[SLOT_AXIS] == 64 for k in draft[0])
     assert runner.prefill_nbytes(snap) < runner.prefill_nbytes(pre) / 2
     back = runner.prefill_restore(snap)
     assert jax.tree.structure(back) == jax.tree.structure(pre)

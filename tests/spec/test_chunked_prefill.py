@@ -43,7 +43,7 @@ def states(request):
 
 
 def _rows(buf, lengths):
-    return [np.asarray(buf[i, :n]) for i, n in enumerate(lengths)]
+    return [np.asarray(buf[i, :, :n]) for i, n in enumerate(lengths)]  # [b, Hkv, S, d]: row i's first n slots
 
 
 def _same_kv(a: KVCache, b: KVCache, lengths, what: str):

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dflash_jax.cache import SLOT_AXIS, kv_shape, move_slots
 from dflash_jax.config import FULL_ATTENTION
 from dflash_jax.models import decoder
 from dflash_jax.models.decoder import BlockContext, ForwardOutput, LogitsMode, RouterWeights, Routing, lm_head_logits
@@ -144,7 +145,7 @@ class Qwen3_5Weights:
 
 @struct.dataclass
 class Qwen3_5Cache:
-    """keys/values: one `[b, max_len, Hkv, d]` buffer per full-attention layer (in layer order).
+    """keys/values: one `[b, Hkv, max_len, d]` buffer per full-attention layer (in layer order; `cache.kv_shape`).
     linear: one `GatedDeltaNetCache` per DeltaNet layer (in layer order), valid at `linear_lengths`.
     lengths: [b] committed tokens per sequence; `linear_lengths <= lengths <= linear_lengths + W`."""
 
@@ -161,7 +162,7 @@ class Qwen3_5Cache:
 
     @property
     def max_len(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[SLOT_AXIS]
 
     @property
     def rollback_width(self) -> int:
@@ -176,7 +177,7 @@ def init_cache(
     Set W >= the verify width: a verify wider than W commits, and rolling it back is then clamped (`rollback`)
     or, through a bare move of `lengths`, leaves the DeltaNet states ahead of the KV cache.
     """
-    kv_shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = kv_shape(batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     num_full = len(cfg.full_layers)
     linear = tuple(
         gdn.init_gated_deltanet_cache(
@@ -188,8 +189,8 @@ def init_cache(
     )
     zeros = jnp.zeros((batch,), jnp.int32)
     return Qwen3_5Cache(
-        keys=tuple(jnp.zeros(kv_shape, dtype) for _ in range(num_full)),
-        values=tuple(jnp.zeros(kv_shape, dtype) for _ in range(num_full)),
+        keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_full)),
+        values=tuple(jnp.zeros(shape, dtype) for _ in range(num_full)),
         linear=linear,
         lengths=zeros,
         linear_lengths=zeros,
@@ -518,8 +519,9 @@ def commit_tree_path(cache: Qwen3_5Cache, start: jax.Array, path: jax.Array) -> 
     def move(buf, src, dst):
         return buf.at[rows, dst].set(buf[rows, src], mode="drop")
 
-    keys = tuple(move(k, start[:, None] + path, start[:, None] + depth) for k in cache.keys)
-    values = tuple(move(v, start[:, None] + path, start[:, None] + depth) for v in cache.values)
+    src, dst = start[:, None] + path, start[:, None] + depth
+    keys = tuple(move_slots(k, src, dst) for k in cache.keys)
+    values = tuple(move_slots(v, src, dst) for v in cache.values)
     linear = []
     for lin in cache.linear:
         off = lin.kernel_size - 1
