@@ -2,10 +2,12 @@
 
   python benchmarks/compile.py [--checkpoint DIR] [--pairs 3] [--repeats 15] [--quick] [--out DIR | --write-docs]
 
-Capacity mode (`Buckets(capacity=N)`, `spec.loop.LOOP_BUCKETS`): cache rows, output buffer and prompt buffer are
-fixed by the capacity (2048 here, capped at the target's positions) and the prefill runs in chunks inside one
-program, so every prompt and budget that fit run the same two compiled programs (prefill, loop). The bucketed
-shapes (`Buckets(pad_batch=True)`) compile a prefill and a loop per prompt / budget bucket.
+Capacity mode (`Buckets(capacity=N)`): cache rows, output buffer and prompt buffer are fixed by the capacity (2048
+here, capped at the target's positions) and the prefill runs in chunks inside one program, so every prompt and
+budget that fit run the same two compiled programs (prefill, loop). The loops' default (`spec.loop.LOOP_BUCKETS`)
+adds tiers below the capacity (`Buckets.floor`: 256, 512, 1024, 2048 rows), a pair of programs per tier; (a)
+measures the single capacity (the tiers' bound), (b) the CLI's default. The bucketed shapes (`Buckets(pad_batch=True)`) compile a
+prefill and a loop per prompt / budget bucket.
 
 (a) One process, persistent compilation cache off (every compile is a real one): a first `generate` call, then
     requests with prompts of 9 to 1000 tokens and budgets of 17 to 300 (greedy and sampled), in capacity mode and,
@@ -58,7 +60,7 @@ def in_process(pair, prompts) -> dict:
     from dflash_jax.compile_cache import CompileCounter
     from dflash_jax.spec import Buckets, SamplingParams, generate
 
-    modes = {"capacity": None, "bucketed": Buckets(pad_batch=True)}  # None: the loops' default (capacity 2048)
+    modes = {"capacity": Buckets(capacity=2048, pad_batch=True, grow=True), "bucketed": Buckets(pad_batch=True)}
     out = {}
     for mode, buckets in modes.items():
         rows = []

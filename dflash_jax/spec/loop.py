@@ -39,8 +39,11 @@ from dflash_jax.spec.tree import (
 # the prefill in chunks inside one program), so any prompt and budget that fit run one compiled prefill and one
 # compiled loop per batch bucket. The batch is padded to its bucket (the padding is sliced off the result). The
 # bucketed shapes stay behind `buckets=Buckets(...)` (no capacity). A request past the capacity grows it to the next
-# power of two that holds it (one more program) instead of being refused.
-LOOP_BUCKETS = Buckets(capacity=DEFAULT_CAPACITY, pad_batch=True, grow=True)
+# power of two that holds it (one more program) instead of being refused. A request that needs fewer rows runs at
+# the smallest tier of LOOP_FLOOR * 2^k that holds it (`Buckets.floor`): at most four programs per batch bucket up
+# to the default capacity, and a short generation's rounds read a cache of its own size.
+LOOP_FLOOR = 256
+LOOP_BUCKETS = Buckets(capacity=DEFAULT_CAPACITY, pad_batch=True, grow=True, floor=LOOP_FLOOR)
 
 
 @dataclasses.dataclass

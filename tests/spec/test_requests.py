@@ -38,6 +38,18 @@ def test_bucket_sizes():
         Buckets(prompt=0)
 
 
+def test_capacity_tiers():
+    """A capacity with a floor runs each request at the smallest power-of-two tier >= the floor that holds it; past
+    the capacity, `grow` takes the next power of two; without a floor, always the capacity."""
+    tiers = Buckets(capacity=2048, floor=256, grow=True)
+    assert [tiers.capacity_rows(4096, n) for n in (1, 200, 256, 257, 600, 2048, 2049)] == [
+        256, 256, 256, 512, 1024, 2048, 4096]
+    assert tiers.capacity_rows(1024, 600) == 1024 and tiers.capacity_rows(300, 200) == 256
+    assert Buckets(capacity=2048).capacity_rows(4096, 200) == 2048
+    with pytest.raises(ValueError, match="Buckets.floor must be a positive integer"):
+        Buckets(capacity=2048, floor=0)
+
+
 def test_no_recompile_across_requests_of_one_bucket(pair):
     """After one request, others with other prompt lengths (same bucket), budgets, temperatures, top-p /
     top-k, stop ids and seeds compile nothing, in the jitted loop, the stepping loop and plain decoding."""
@@ -45,7 +57,8 @@ def test_no_recompile_across_requests_of_one_bucket(pair):
     first = generate(pair, [_prompt(20, 0)], max_new_tokens=40)
     generate_stepping(pair, [_prompt(20, 0)], max_new_tokens=40)
     greedy_generate(pair.target, pair.target_cfg, [_prompt(20, 0)], max_new_tokens=40)
-    assert first.stats["shapes"] == {"batch": 1, "prompt": 24, "output": 2048, "cache": 2048}  # capacity mode
+    # capacity mode, at the capacity's smallest tier that holds the request (`Buckets.floor`)
+    assert first.stats["shapes"] == {"batch": 1, "prompt": 24, "output": 256, "cache": 256}
     requests = [
         dict(prompts=[_prompt(17, 1)], max_new_tokens=64),
         dict(prompts=[_prompt(23, 2)], max_new_tokens=np.int64(9), sampling=SamplingParams(temperature=0.7)),
