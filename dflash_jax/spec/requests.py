@@ -58,8 +58,8 @@ class Buckets:
             = min(N, the target's max_position_embeddings) whatever the request, so one compiled program
             serves every prompt length and budget with prompt + budget + verify width <= those rows
             (`prompt`, `output` and `cache` are then unused; the batch and stop-id buckets stay).
-    chunk:  capacity mode: prefill tokens per chunk (the prefill runs ceil(prompt / chunk) chunks inside one
-            program).
+    chunk:  capacity mode: prefill tokens per chunk, at most a quarter of the cache rows (the prefill runs
+            ceil(prompt / chunk) chunks inside one program).
     grow:   capacity mode: a request past the capacity runs at the next power of two of rows that holds it (one
             more program, up to the target's positions) instead of being refused (the loops' default; an explicit
             capacity, `dflash-generate --capacity N`, refuses).
@@ -112,8 +112,10 @@ class Buckets:
         return -(-rows // chunk) * chunk
 
     def chunk_len(self, rows: int) -> int:
-        """Capacity mode: prefill tokens per chunk for `rows` cache rows."""
-        return min(int(self.chunk), rows)
+        """Capacity mode: prefill tokens per chunk for `rows` cache rows: `chunk`, at most a quarter of the rows. A
+        chunk computes all its columns, so a small tier's prompts (short, or they would not fit it) take narrower
+        chunks: a 64-token prompt in the 256-row tier prefills one chunk of 64, not one of 128 half padding."""
+        return max(1, min(int(self.chunk), rows // 4))
 
     def batch_size(self, n: int) -> int:
         return bucket(n, 1, self.fine) if self.pad_batch else n
