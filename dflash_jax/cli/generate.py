@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     shapes = run_g.add_mutually_exclusive_group()
     shapes.add_argument("--capacity", type=int, default=None, metavar="N",
                         help="cache rows of the compiled programs: any prompt + --max-new-tokens + block size up to N "
-                             "runs on the same programs (default: 2048, at most the target's positions)")
+                             "runs on the same programs (default: the smallest of 256 / 512 / 1024 / 2048 rows that "
+                             "holds the request, at most the target's positions)")
     shapes.add_argument("--bucketed", action="store_true",
                         help="size the programs by the request's prompt / budget buckets instead (a new bucket "
                              "compiles again)")
