@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dflash_jax.cache import cut_slots
 from dflash_jax.models.decoder import Steps, run_layers
 from dflash_jax.models.family import family_of
 from dflash_jax.spec import requests as rq
@@ -70,7 +71,7 @@ def _window_attention(q, k_buf, n, window: int):
     g = hq // hkv
     start = jnp.maximum(n - window, 0)
     qw = lax.dynamic_slice_in_dim(q, start, window, axis=1).reshape(b, window, hkv, g, d)
-    keys = k_buf[:, :, :p]
+    keys = cut_slots(k_buf, p)
     scores = jnp.einsum("bwkgd,bksd->bkgws", qw, keys, preferred_element_type=jnp.float32) * d**-0.5
     q_slot = start + jnp.arange(window, dtype=jnp.int32)
     k_slot = jnp.arange(p, dtype=jnp.int32)
