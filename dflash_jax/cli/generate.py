@@ -111,6 +111,27 @@ def sampling_params(args):
         raise UsageError(message) from None
 
 
+def add_dequantize_flag(group) -> None:
+    """`--dequantize-experts`, shared by dflash-generate and dflash-serve (read by `load_pair`)."""
+    group.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
+                       help="dequantize FP4 experts once at load (auto: where no FP4 kernel runs, i.e. the CPU, and "
+                            "they take at most 25%% of memory; never with --experts offload, which moves FP4 bytes)")
+
+
+def load_pair(directory: str, args, *, offload: bool, mesh=None, branch_head: bool):
+    """The pair as both CLIs load it: offloaded experts as stored in pinned host memory (FP4 bytes are what moves);
+    else on the device (or `mesh`), the FP4 expert tables dequantized once per `--dequantize-experts` ("auto": where
+    no FP4 kernel runs and memory allows, and not across a mesh's shards)."""
+    import dflash_jax
+
+    dequantize = {"auto": "auto", "yes": True, "no": False}[args.dequantize_experts]
+    if offload and dequantize is True:
+        raise UsageError("--dequantize-experts yes does not combine with --experts offload (it moves the FP4 bytes)")
+    return dflash_jax.load(directory, expert_memory="pinned_host" if offload else "device",
+                           dequantize_experts=False if offload or (mesh is not None and dequantize == "auto")
+                           else dequantize, mesh=None if offload else mesh, branch_head=branch_head)
+
+
 def load_tokenizer(pair):
     path = pair.tokenizer_path
     if path is None:
@@ -131,9 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                            f"tiny_pair, the Qwen3-MoE pair; tiny_pair_qwen3_5 is the hybrid Qwen3.5-MoE one; "
                            "tiny_pair_dflash2 a DFlash 2 draft of tiny_pair's target, tiny_pair_qwen3_5_dflash2 one of "
                            "the hybrid's)")
-    ckpt.add_argument("--dequantize-experts", choices=["auto", "yes", "no"], default="auto",
-                      help="dequantize FP4 experts once at load (auto: where no FP4 kernel runs, i.e. the CPU, and "
-                           "they take at most 25%% of memory; never with --experts offload, which moves FP4 bytes)")
+    add_dequantize_flag(ckpt)
     req = p.add_argument_group("request")
     src = req.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json and `tokenizers`)")
@@ -350,13 +369,8 @@ def run(args) -> dict:
         compile_cache.disable()
     else:
         compile_cache.ensure_enabled()
-    dequantize = {"auto": "auto", "yes": True, "no": False}[args.dequantize_experts]
-    if offload and dequantize is True:
-        raise UsageError("--dequantize-experts yes does not combine with --experts offload (it moves the FP4 bytes)")
-    pair = dflash_jax.load(directory, expert_memory="pinned_host" if offload else "device",
-                           dequantize_experts=False if offload or (mesh is not None and dequantize == "auto")
-                           else dequantize, mesh=None if offload else mesh,  # offload: shards placed below
-                           branch_head=(tree and not args.no_branch_head) or proposer_name == "head-chain")
+    pair = load_pair(directory, args, offload=offload, mesh=mesh,  # offload: shards placed below
+                     branch_head=(tree and not args.no_branch_head) or proposer_name == "head-chain")
     if named_no_proposer(args) and args.pflash_keep is None:  # the pair's default (DFlash 2: its selector chain)
         from dflash_jax.api import default_proposer
 
