@@ -78,6 +78,7 @@ class LanedRunner(RoundRunner):
         self.lane_layout = Layout(spec=layout.spec, slots=per, row_buckets=tuple(buckets),
                                   proposers=layout.proposers, widest=layout.widest)
         self.lanes = [ResidentRunner(pair, self.lane_layout) for _ in range(self.n)]
+        self._pool = spec_lanes.lane_pool(self.n)  # the lanes' threads, kept across calls (one call every round)
         first = self.lanes[0]
         self.moe_layers, self.expert_bytes = first.moe_layers, first.expert_bytes
         self.length_buckets = first.length_buckets
@@ -109,7 +110,7 @@ class LanedRunner(RoundRunner):
         """fn(lane, item) for every lane with an item (None: skipped), each on its own thread."""
         items = [()] * self.n if items is None else items
         work = [(lane, item) for lane, item in zip(self.lanes, items) if item is not None]
-        return spec_lanes.run_lanes(lambda pair: fn(*pair), work)
+        return spec_lanes.run_lanes(lambda pair: fn(*pair), work, self._pool)
 
     # -- rows in and out (whole batch: every lane; a prefill: lane 0) ------------------------------------------
 

@@ -136,26 +136,35 @@ def _in_contexts(fn: Callable, contexts) -> Callable:
     return run
 
 
-def run_lanes(fn: Callable, items: Sequence) -> list:
+def lane_pool(lanes: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The worker threads of `lanes` lanes (the first runs on the caller's thread): for a caller that runs lanes
+    often (the serving engine, every round), so no call starts and joins threads of its own."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(lanes - 1, 1), thread_name_prefix="dflash-lane")
+
+
+def run_lanes(fn: Callable, items: Sequence, pool: concurrent.futures.ThreadPoolExecutor | None = None) -> list:
     """`fn(item)` for every item, each on its own thread (the first on the caller's, the others in the caller's JAX
-    configuration contexts), results in order; once every lane has stopped, the first lane error is raised."""
+    configuration contexts), results in order; once every lane has stopped, the first lane error is raised.
+    `pool`: a `lane_pool` of at least `len(items)` lanes to run them on (None: threads of this call's own)."""
     if len(items) == 1:
         return [fn(items[0])]
+    if pool is None:
+        with lane_pool(len(items)) as own:
+            return run_lanes(fn, items, own)
     worker = _in_contexts(fn, _caller_contexts())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(items) - 1, thread_name_prefix="dflash-lane") as pool:
-        futures = [pool.submit(worker, item) for item in items[1:]]
-        first, error = None, None
+    futures = [pool.submit(worker, item) for item in items[1:]]
+    first, error = None, None
+    try:
+        first = fn(items[0])
+    except BaseException as e:  # noqa: BLE001 - re-raised once the other lanes stop
+        error = e
+    results = []
+    for f in futures:
         try:
-            first = fn(items[0])
-        except BaseException as e:  # noqa: BLE001 - re-raised once the other lanes stop
-            error = e
-        results = []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as e:  # noqa: BLE001
-                if error is None or isinstance(error, threading.BrokenBarrierError):
-                    error = e  # a lane's own error, over another lane's broken wait for it
-        if error is not None:
-            raise error
+            results.append(f.result())
+        except BaseException as e:  # noqa: BLE001
+            if error is None or isinstance(error, threading.BrokenBarrierError):
+                error = e  # a lane's own error, over another lane's broken wait for it
+    if error is not None:
+        raise error
     return [first] + results
