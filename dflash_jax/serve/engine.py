@@ -1268,8 +1268,7 @@ class Engine:
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
         """Up to `count` rounds of every live row at `width` in one device call (`RoundRunner.burst`), then one
         fetch and emission. The call ends early when every row is done, or, with requests waiting for a slot,
-        when one finishes. A width-1 burst defers the draft's context append round by round while there is room
-        (the runner applies `_defers`' rule each round)."""
+        when one finishes. A width-1 burst appends the draft's context every round (`ResidentRunner.burst`)."""
         active = np.zeros(self.slots, bool)
         active[live] = True
         proposer = self._proposer(width, width == 1 and self.defer_context)
