@@ -810,14 +810,26 @@ class Engine:
         from dflash_jax.timing import paired_runs
 
         idle = np.zeros(self.slots, bool)
+        bursts = self.runner.bursts and self.rounds_per_call != 1
         table = {}
         for rows in (self.row_buckets if row_buckets is None else row_buckets):
             def one_round(w, rows=rows):
                 self._round(w, idle, rows)
                 self.runner.sync()
 
-            runs = paired_runs({w: (lambda w=w: one_round(w)) for w in self.widths}, repeats)
-            table[rows] = {w: runs.paired_seconds(w, self.widths[0]) for w in self.widths}
+            def empty_call(rows=rows):  # a call of no round (every row idle): the host work of a call
+                self.runner.burst(self._proposer(self.widths[0]), idle, rows, 1)
+                self.runner.fetch()
+
+            fns = {w: (lambda w=w: one_round(w)) for w in self.widths}
+            if bursts:
+                fns["call"] = empty_call
+            runs = paired_runs(fns, repeats)
+            row = {w: runs.paired_seconds(w, self.widths[0]) for w in self.widths}
+            if bursts:  # served rounds run in calls of several: a round costs its time less the call's host work
+                call = min(runs.paired_seconds("call", self.widths[0]), 0.5 * min(row.values()))
+                row = {w: t - call for w, t in row.items()}
+            table[rows] = row
         return table
 
     def row_bucket(self, live: Sequence[int]) -> int:
@@ -1255,10 +1267,12 @@ class Engine:
         """The rounds this step's device call runs (`rounds_per_call`; 1: a round of its own, the host looking at
         its draft, schedule and verify)."""
         if (self.rounds_per_call == 1 or not self.runner.bursts or scored is not None or not self._unlimited()
-                or self._prefilling is not None or self._explored is not None):
+                or self._prefilling is not None):
             return 1
         if self.rounds_per_call != "auto":
             return self.rounds_per_call
+        # an explored width runs a call of several rounds too: its learned cost per round is then what a chosen
+        # round of it costs (a round alone also pays the whole call's host work, which favours the wider widths)
         seconds = self._round_time.get((rows, width))
         if seconds is None:  # this bucket and width not timed yet: one round first
             return 1

@@ -1,6 +1,6 @@
 """Several rounds per device call (`Engine(rounds_per_call=...)`, `RoundRunner.burst`): the same tokens as a round
 per call, fewer host steps, and the host conditions that keep a call to one round (log-probs asked, a long prompt
-prefilled by chunks, scheduler budgets, a width explored), on `FakeRunner` (seconds); the resident runner's
+prefilled by chunks, scheduler budgets; an explored width runs calls of several rounds too), on `FakeRunner` (seconds); the resident runner's
 program (`serve.runner._burst`) on the shipped pair: equal to a round per call and to each request run alone,
 proposals accepted, nothing compiled while serving."""
 
@@ -122,6 +122,23 @@ def test_bursts_of_mixed_widths_and_cancel_between_calls():
     assert keep.tokens == alone([5, 6, 7], 40)
     assert drop.finish_reason == "cancelled" and drop.tokens == alone([8, 9], 40)[: len(drop.tokens)]
     assert len(drop.tokens) < 40 and eng.burst_calls > 0
+
+
+def test_an_explored_width_runs_a_call_of_several_rounds():
+    """An explored width runs as a chosen one would (a call of several rounds), so its learned cost per round is
+    what a chosen round of it costs: a round alone would also pay the whole call's host work."""
+    eng = make(widths=[1, 2, 4], round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, rounds_per_call=3)
+
+    def explore(live):
+        eng._explored = 2
+        return 2
+
+    eng.choose_width = explore
+    reqs, infos = run(eng)
+    assert [r.tokens for r in reqs] == [alone(p, m) for p, m in zip(PROMPTS, BUDGETS)]
+    explored = [i for i in infos if i.explored]
+    assert explored and all(i.width == 2 for i in explored) and max(i.rounds for i in explored) == 3
+    assert eng.explore_rounds[2] > 0
 
 
 def test_bad_rounds_per_call_named():
