@@ -24,9 +24,8 @@ from dflash_jax.cli.errors import run_cli
 from dflash_jax.cli.generate import add_dequantize_flag
 from dflash_jax.errors import UsageError
 
-# the verify block of `--widths fixed` when --block-size is not given: on the shipped pair (CPU, 1-32 clients)
-# DFlash at a fixed block 4 was never below no speculation in five paired runs, where the chooser of `--widths
-# auto` dipped below at 16-32 clients (docs/benchmarks/serve.md)
+# the verify block of `--widths fixed` when --block-size is not given (docs/serving.md, "Which default"; with the
+# experts dense at load the shipped pair on a CPU serves 4 - 32 clients faster at --block-size 1)
 DEFAULT_FIXED_BLOCK = 4
 
 
@@ -44,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "warm-up). Default: as many as the device's free memory holds (on the CPU: half the available "
                         "RAM, at most 8 per core) at --max-prompt-len, at most 256; the numbers are printed at start")
     p.add_argument("--block-size", type=int, default=None,
-                   help="the verify block B, the widest with --widths auto (default: 4 with --widths fixed, the "
-                        "setting measured never below no speculation at 1-32 clients on the shipped pair; the "
+                   help="the verify block B, the widest with --widths auto (default: 4 with --widths fixed; the "
                         "draft's trained size with --widths auto or a list; the default is at most the draft's size; "
                         "1 = no speculation)")
     p.add_argument("--widths", default="fixed",
