@@ -645,7 +645,9 @@ class Engine:
         every prompt right-padded to the largest prompt bucket among them."""
         reqs = [_DUMMY if r is None else r for r in reqs]
         rows = len(reqs) if rows is None else rows
-        width = max(self.buckets.prompt_len(len(r.prefill_ids)) for r in reqs)
+        cap = self._prompt_cap()  # a prompt prefilled whole; a longer one (its chunks done) up to max_prompt_len
+        width = max(self.prompt_bucket(n, cap if n <= cap else self.max_prompt_len)
+                    for n in (len(r.prefill_ids) for r in reqs))
         tokens, lengths = rq.pad_prompts([np.asarray(r.prefill_ids, np.int32) for r in reqs], width, rows)
         positions = None
         if self.compress is not None:  # every row at explicit positions: one state layout for all of them
@@ -730,7 +732,7 @@ class Engine:
         if not req.prompt_logprobs or req.prompt_scores is not None:
             return
         n = len(req.prompt)
-        tokens = np.zeros((1, self.buckets.prompt_len(n)), np.int32)
+        tokens = np.zeros((1, self.prompt_bucket(n, self.max_prompt_len)), np.int32)
         tokens[0, :n] = req.prompt
         s = self.runner.prompt_logprobs(tokens)
         req.prompt_scores = TokenLogprobs(s.logprob[0, : n - 1], s.top_logprob[0, : n - 1], s.top_id[0, : n - 1])
@@ -758,13 +760,12 @@ class Engine:
         if prompt_buckets is None:
             sizes, n = [], 1
             while True:
-                b = self.buckets.prompt_len(n)
-                if b > min(self.max_prompt_len, self.prefill_chunk or self.max_prompt_len):
+                sizes.append(self.prompt_bucket(n))
+                if sizes[-1] >= self._prompt_cap():
                     break
-                sizes.append(b)
-                n = b + 1
+                n = sizes[-1] + 1
         else:
-            sizes = sorted({self.buckets.prompt_len(n) for n in prompt_buckets})
+            sizes = sorted({self.prompt_bucket(n) for n in prompt_buckets})
         if self.compress is not None:  # the scorer of every prompt length it may compress
             self.compress.warm(self.max_prompt_len)
         idle = np.zeros(self.slots, bool)
@@ -1046,6 +1047,15 @@ class Engine:
             self._joining = []
             self._compact()  # a request that ended at its first token
 
+    def prompt_bucket(self, n: int, cap: int | None = None) -> int:
+        """The padded length of an `n`-token prefill: `buckets.prompt` times a power of two, without the fine 1.5x
+        steps the loops take (half the prefill programs to compile at start, at most 2x padding), capped at `cap`
+        (default: the longest prompt prefilled whole, `max_prompt_len` or the chunk)."""
+        return min(rq.bucket(int(n), self.buckets.prompt), self._prompt_cap() if cap is None else int(cap))
+
+    def _prompt_cap(self) -> int:
+        return min(self.max_prompt_len, self.prefill_chunk or self.max_prompt_len)
+
     def _room(self) -> int:
         """Free slots not reserved for the request in chunked prefill (and its samples)."""
         reserved = 0 if self._prefilling is None else len(self._prefilling.req.samples)
@@ -1070,11 +1080,10 @@ class Engine:
         bucket), the chunk the widest."""
         out, n = [], 1
         while self.prefill_chunk is not None:
-            b = self.buckets.prompt_len(n)
-            if b > self.prefill_chunk:
+            out.append(self.prompt_bucket(n, self.prefill_chunk))
+            if out[-1] >= self.prefill_chunk:
                 break
-            out.append(b)
-            n = b + 1
+            n = out[-1] + 1
         return out
 
     def _chunk_inputs(self, req: Request, start: int):
@@ -1082,7 +1091,7 @@ class Engine:
         [1, bucket] int32 positions or None when the engine does not compress)."""
         ids = req.prefill_ids
         n = min(self.prefill_chunk, len(ids) - start)
-        width = self.buckets.prompt_len(n)
+        width = self.prompt_bucket(n, self.prefill_chunk)
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = ids[start: start + n]
         positions = None

@@ -122,3 +122,19 @@ def test_validation(engine):
         engine.max_queue = saved
     engine.run_until_idle()
     assert first.finish_reason in ("stop", "length")
+
+
+def test_prefill_buckets_are_powers_of_two_capped():
+    """The engine pads a prefill to `buckets.prompt` times a power of two (no fine 1.5x steps: half the prefill
+    programs to compile at start), capped at the longest prompt prefilled whole; the chunk widths likewise, the
+    chunk the widest."""
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=384, max_new_tokens=16,
+                 prefill_chunk=None, widths=[4], round_seconds={4: 1.0})
+    assert [eng.prompt_bucket(n) for n in (1, 16, 17, 33, 65, 200, 300, 384)] == [16, 16, 32, 64, 128, 256, 384, 384]
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=384, max_new_tokens=16,
+                 prefill_chunk=96, prefix_cache_bytes=0, widths=[4], round_seconds={4: 1.0})
+    assert eng.chunk_widths() == [16, 32, 64, 96] and eng.prompt_bucket(90) == 96
+    assert eng._batch([None]).tokens.shape[1] == 16
