@@ -409,7 +409,7 @@ class Engine:
         self.explore_seconds = 0.0  # their wall time
         # width-1 rounds leave the draft's context append to the next drafting round (`spec.round.Chain`)
         self.defer_context = bool(defer_context) and bool(self.spec.taps) and self.runner.deferred_context
-        self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append
+        self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append (alone or in a call)
         self.width_margin = float(width_margin)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
@@ -1291,7 +1291,8 @@ class Engine:
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
         """Up to `count` rounds of every live row at `width` in one device call (`RoundRunner.burst`), then one
         fetch and emission. The call ends early when every row is done, or, with requests waiting for a slot,
-        when one finishes. A width-1 burst appends the draft's context every round (`ResidentRunner.burst`)."""
+        when one finishes. A width-1 call defers the draft's context append round by round and appends once at its
+        end (`runner._burst`)."""
         active = np.zeros(self.slots, bool)
         active[live] = True
         proposer = self._proposer(width, width == 1 and self.defer_context)
@@ -1304,6 +1305,8 @@ class Engine:
         info.verify_tokens = shape_rows(width) * int(np.count_nonzero(burst.committed[:, live]))
         self.burst_calls += 1
         self.burst_rounds += burst.rounds
+        if width == 1 and self.defer_context:  # the call's rounds deferred, then appended once
+            self.deferred_rounds += burst.rounds
         self.width_rounds[width] += ran - 1  # the step counted one
         self.rows_rounds[rows] += ran - 1
         for s in live:

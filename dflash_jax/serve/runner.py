@@ -52,12 +52,12 @@ from dflash_jax.cache import SLOT_AXIS, KVCache
 from dflash_jax.models.family import family_of
 from dflash_jax.nn.attention import get_attention_tuning
 from dflash_jax.spec import prefill as chunked
-from dflash_jax.spec.round import Chain, check_proposer, commit, propose, round_step, verify_forward
+from dflash_jax.spec.round import Chain, check_proposer, commit, flush_context, propose, round_step, verify_forward
 from dflash_jax.spec.sampling import next_token_rows
 from dflash_jax.spec.session import (
     RowParams, SpecConfig, SpecState, init_target_cache, map_rows, prefill_rows, split_rows,
 )
-from dflash_jax.spec.tree import TreeShape, widen_for_tree
+from dflash_jax.spec.tree import TreeShape, pad_cols, widen_for_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,11 +553,22 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
     the others kept as they were (`settle_rows`). Cut to the first `rows` rows and every KV buffer to its first
     `length` slots once for the whole burst, written back once (`_verify`'s `rows` and `length`).
 
-    A deferring width-1 chain is not taken (`ResidentRunner.burst` runs it as the appending one).
+    A deferring width-1 chain (`Chain(1, defer_context=True)`) defers every round: the context rows are widened to
+    hold one row per round besides the pending ones, and one append after the loop (`spec.round.flush_context`, on
+    every slot) feeds the draft all of them, instead of an append per round (a choice per round whether to append
+    would be a `lax.cond` over the whole state, which XLA:CPU runs by copying its KV caches every round). The
+    draft's cache stays out of the loop, so the cut rows copied in and out are the target's alone: such a call
+    costs what a block-1 engine's does, plus the one append.
 
     Stops after `count` rounds, once every active row is done, or with `until_finish` once one of them finished.
     Returns (the state, the tokens each row committed in each round [MAX_BURST, rows] int32, the rounds run)."""
     rows = state.done.shape[0] if rows is None else rows
+    deferring = isinstance(proposer, Chain) and proposer.defer_context and bool(spec.taps)
+    if deferring:
+        # the rounds never read the draft's cache: it stays out of the loop (and out of the cut rows' copies);
+        # the context rows get room for a row per round after the pending ones (at most B: a drafting commit)
+        draft_cache, width = state.draft_cache, state.context.shape[1]
+        state = state.replace(draft_cache=None, context=pad_cols(state.context, width + MAX_BURST))
     old = head_rows(state, rows)
     run = head_rows(state, rows, length)
     active = active[:rows]
@@ -581,7 +592,10 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
         return (i < count) & jnp.any(~s.done) & ~(until_finish & finished)
 
     ran, new, committed = jax.lax.while_loop(cond, body, (jnp.int32(0), run, jnp.zeros((MAX_BURST, rows), jnp.int32)))
-    return settle_rows(state, old, new, active, rows), committed, ran
+    state = settle_rows(state, old, new, active, rows)
+    if deferring:  # every slot's pending rows, an idle one's too (what its next drafting round would append first)
+        state = flush_context(draft_w, state.replace(draft_cache=draft_cache), spec, width=width)
+    return state, committed, ran
 
 
 def kv_buffers(pre) -> tuple:
@@ -884,12 +898,6 @@ class ResidentRunner(RoundRunner):
 
     @_on_mesh
     def burst(self, proposer, active, rows, count, until_finish=False) -> Burst:
-        if isinstance(proposer, Chain) and proposer.defer_context:
-            # a burst of width-1 rounds appends the draft's context every round: deferring only while there is room
-            # is a choice per round, a `lax.cond` over the whole state inside the loop, which XLA:CPU runs by copying
-            # the state (its KV caches) every round: 2.2x a width-1 round's time at 32 rows on the shipped pair,
-            # where the append it skips costs a few per cent
-            proposer = Chain(1)
         count = self.burst_rounds(rows, count)
         length = self.length_bucket(rows, count)
         self.state, committed, ran = _burst(self.pair.target, self.pair.draft, self.state, np.asarray(active, bool),

@@ -188,6 +188,20 @@ def commit(state: SpecState, proposal: Proposal, out, spec: SpecConfig, proposer
     return new, outcome
 
 
+def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None = None) -> SpecState:
+    """The state with every pending context row appended to the draft's context cache now (what the next drafting
+    round would append first, so the draft sees the same context), none left pending, and the context rows `width`
+    columns wide (None: as wide as they are). A run of deferring width-1 rounds (`Chain(1, defer_context=True)`)
+    over context rows widened to hold one row per round ends with this: one append for the whole run."""
+    width = state.context.shape[1] if width is None else width
+    if not spec.taps:
+        return state
+    cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context,
+                                       num_context=state.num_context, cache=state.draft_cache)
+    return state.replace(draft_cache=cache, context=jnp.zeros_like(pad_cols(state.context, width)),
+                         num_context=jnp.zeros_like(state.num_context))
+
+
 def round_step(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()):
     """One resident round of any proposer: propose, verify, commit. Returns (state, RoundOutcome)."""
     proposal = propose(proposer, target_w, draft_w, state, spec)
@@ -244,5 +258,5 @@ def verify_commit_jit(target_w, state: SpecState, proposal: Proposal, spec: Spec
 round = round_step  # noqa: A001  (the round's public name; modules that need the builtin import round_step)
 
 __all__ = ["AdaptiveState", "Chain", "Proposal", "Proposer", "adaptive_round", "adaptive_start", "as_proposer",
-           "check_proposer", "commit", "commit_jit", "propose", "propose_jit", "round", "round_jit", "round_step",
+           "check_proposer", "commit", "commit_jit", "flush_context", "propose", "propose_jit", "round", "round_jit", "round_step",
            "spec_round", "verify_commit_jit", "verify_forward", "verify_width"]

@@ -82,13 +82,22 @@ def test_offloaded_deferred_context_append_is_exact(pair):
 
 @pytest.mark.slow
 def test_deferred_context_append_in_calls_of_several_rounds(pair):
-    """Calls of several width-1 rounds defer the append round by round while the pending rows leave room (in the
-    burst's loop), then append: each request's tokens equal it alone, with calls of several rounds at width 1 and 4,
-    and nothing compiled."""
+    """Calls of several width-1 rounds defer the append every round (the call's context rows hold a row per round,
+    past the block's room) and append once at the call's end: each request's tokens equal it alone, its accepted
+    tokens per verify equal an engine's that appends every round (the draft saw the same context), with calls of
+    several rounds at width 1 and 4, and nothing compiled."""
     eng = _engine(pair, True, rounds_per_call=6)
     reqs, rounds = _run(eng)
     assert {1, 4} <= {r.width for r in rounds if r.burst}
     assert max(r.rounds for r in rounds if r.width == 1) > eng.block_size  # past the pending rows' room
+    calls = sum(r.rounds for r in rounds if r.burst and r.width == 1)
+    assert eng.deferred_rounds >= calls > 0  # every width-1 round of a call deferred
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
+    appending = _engine(pair, False, rounds_per_call=6)
+    ref, _ = _run(appending)
+    assert appending.deferred_rounds == 0
+    for a, b in zip(reqs, ref):
+        assert a.tokens == b.tokens
+        assert a.acceptance == b.acceptance
     assert max(max(r.acceptance) for r in reqs) >= 3
