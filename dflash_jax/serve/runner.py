@@ -555,7 +555,7 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
 
     A deferring width-1 chain (`Chain(1, defer_context=True)`) defers every round: the context rows are widened to
     hold one row per round besides the pending ones, and one append after the loop (`spec.round.flush_context`, on
-    every slot) feeds the draft all of them, instead of an append per round (a choice per round whether to append
+    the call's rows) feeds the draft all of them, instead of an append per round (a choice per round whether to append
     would be a `lax.cond` over the whole state, which XLA:CPU runs by copying its KV caches every round). The
     draft's cache stays out of the loop, so the cut rows copied in and out are the target's alone: such a call
     costs what a block-1 engine's does, plus the one append.
@@ -593,8 +593,8 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
 
     ran, new, committed = jax.lax.while_loop(cond, body, (jnp.int32(0), run, jnp.zeros((MAX_BURST, rows), jnp.int32)))
     state = settle_rows(state, old, new, active, rows)
-    if deferring:  # every slot's pending rows, an idle one's too (what its next drafting round would append first)
-        state = flush_context(draft_w, state.replace(draft_cache=draft_cache), spec, width=width)
+    if deferring:  # the rows' pending rows, an idle one's too (what its next drafting round would append first)
+        state = flush_context(draft_w, state.replace(draft_cache=draft_cache), spec, width=width, rows=rows)
     return state, committed, ran
 
 

@@ -188,18 +188,29 @@ def commit(state: SpecState, proposal: Proposal, out, spec: SpecConfig, proposer
     return new, outcome
 
 
-def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None = None) -> SpecState:
+def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None = None,
+                  rows: int | None = None) -> SpecState:
     """The state with every pending context row appended to the draft's context cache now (what the next drafting
     round would append first, so the draft sees the same context), none left pending, and the context rows `width`
     columns wide (None: as wide as they are). A run of deferring width-1 rounds (`Chain(1, defer_context=True)`)
-    over context rows widened to hold one row per round ends with this: one append for the whole run."""
+    over context rows widened to hold one row per round ends with this: one append for the whole run.
+    rows (static): only the first `rows` rows append, in place in the full buffers; the others keep their pending
+    rows (which must fit in `width` columns)."""
     width = state.context.shape[1] if width is None else width
     if not spec.taps:
         return state
-    cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context,
-                                       num_context=state.num_context, cache=state.draft_cache)
-    return state.replace(draft_cache=cache, context=jnp.zeros_like(pad_cols(state.context, width)),
-                         num_context=jnp.zeros_like(state.num_context))
+    b = state.num_context.shape[0]
+    rows = b if rows is None else rows
+    full = state.draft_cache
+    head = full.replace(lengths=full.lengths[:rows],
+                        position_offset=None if full.position_offset is None else full.position_offset[:rows])
+    cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context[:rows],
+                                       num_context=state.num_context[:rows], cache=head)
+    if rows < b:  # the head rows' lengths (and offsets) back into the full ones; the buffers are the full ones
+        cache = cache.replace(lengths=full.lengths.at[:rows].set(cache.lengths), position_offset=(
+            None if full.position_offset is None else full.position_offset.at[:rows].set(cache.position_offset)))
+    context = pad_cols(state.context, width).at[:rows].set(0)
+    return state.replace(draft_cache=cache, context=context, num_context=state.num_context.at[:rows].set(0))
 
 
 def round_step(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()):
