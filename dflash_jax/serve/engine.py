@@ -90,6 +90,9 @@ ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request'
 # least this often, a request that arrives meanwhile waits at most this long, and the host's per-call work is
 # paid once per this much compute
 DEFAULT_CALL_SECONDS = 0.05
+# the rounds of a call that explores a width the chooser did not pick: enough to price a round of it net of the
+# call's host work (`call_overhead`), few enough that exploring a width that does not pay costs little
+EXPLORE_CALL_ROUNDS = 3
 
 
 class RequestError(ValueError):
@@ -421,6 +424,9 @@ class Engine:
         self.burst_calls = 0  # device calls that ran several rounds (`rounds_per_call`)
         self.burst_rounds = 0  # the rounds they ran
         self._round_time: dict = {}  # (rows, width) -> a served round's device seconds (decayed mean)
+        # rows -> a call's host work (an empty call: dispatch, the rows cut and put back, the fetch), timed at
+        # warm-up; a learned round's cost in a call of several is its share of the call's time less this
+        self.call_overhead: dict = {}
         self.moves = 0  # rows moved down to keep live requests in the lowest slots
         self.host_seconds = 0.0  # per served round, beyond its cost-table entry (host work, serving): decayed mean
         self._host_samples = 0
@@ -790,8 +796,9 @@ class Engine:
                             self._round(w, idle, rows, logprobs=scored)
                             if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
                                 self._round(w, idle, rows, defer=False, logprobs=scored)
-                            if self.runner.bursts and self.rounds_per_call != 1:  # its calls of several rounds
-                                self.runner.burst(self._proposer(w, w == 1 and self.defer_context), idle, rows, 1)
+                            if self.runner.bursts and self.rounds_per_call != 1:  # its calls of several rounds,
+                                # with a round run (a program's first run sets up its kernels: 20 - 70 ms on a CPU)
+                                self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows)
                 finally:
                     self.runner.pin_length = None
         self.runner.sync()
@@ -830,6 +837,7 @@ class Engine:
             if bursts:  # served rounds run in calls of several: a round costs its time less the call's host work
                 call = min(runs.paired_seconds("call", self.widths[0]), 0.5 * min(row.values()))
                 row = {w: t - call for w, t in row.items()}
+                self.call_overhead[rows] = call
             table[rows] = row
         return table
 
@@ -910,11 +918,20 @@ class Engine:
             self.explore_seconds += info.seconds
         if not self.learn_costs or len(self.widths) < 2 or info.compiles or info.width not in self.proposers:
             return
-        costs = observe_cost(self.bucket_costs(info.rows), info.width, self._device_seconds / info.rounds,
+        costs = observe_cost(self.bucket_costs(info.rows), info.width, self._round_seconds(info),
                              self.cost_rule, info.explored)
         self._costs[info.rows] = costs
         if self.round_seconds is None:
             self.cost_table[info.rows] = costs.seconds
+
+    def _round_seconds(self, info: RoundInfo) -> float:
+        """A served round's cost as the table prices it: a round alone, its device time; a round of a call of
+        several, its share of the call's time less the call's host work (`call_overhead`, at most half of it), so a
+        short call (an explored width) and a long one (the chosen width) price their rounds alike."""
+        seconds = self._device_seconds
+        if info.burst:
+            seconds -= min(self.call_overhead.get(info.rows, 0.0), 0.5 * seconds)
+        return seconds / info.rounds
 
     def _observe_acceptance(self, req: Request, width: int, committed: int, finished: bool) -> None:
         """Updates the acceptance estimates from one verify: `committed - 1` proposals accepted of `width - 1`,
@@ -1279,14 +1296,16 @@ class Engine:
                 or self._prefilling is not None):
             return 1
         if self.rounds_per_call != "auto":
-            return self.rounds_per_call
-        # an explored width runs a call of several rounds too: its learned cost per round is then what a chosen
-        # round of it costs (a round alone also pays the whole call's host work, which favours the wider widths)
-        seconds = self._round_time.get((rows, width))
-        if seconds is None:  # this bucket and width not timed yet: one round first
-            return 1
-        # rounded to the nearest count (a round timed alone pays what a call of several spreads over its rounds)
-        return max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
+            count = self.rounds_per_call
+        else:
+            seconds = self._round_time.get((rows, width))
+            if seconds is None:  # this bucket and width not timed yet: one round first
+                return 1
+            # rounded to the nearest count (a round timed alone pays what a call of several spreads over its rounds)
+            count = max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
+        if self._explored == width:  # a short call, priced net of the call's host work (`_round_seconds`): a width
+            return min(count, EXPLORE_CALL_ROUNDS)  # that does not pay costs a few rounds, not a whole call
+        return count
 
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
         """Up to `count` rounds of every live row at `width` in one device call (`RoundRunner.burst`), then one

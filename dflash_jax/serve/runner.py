@@ -239,6 +239,10 @@ class RoundRunner:
         `verify` run with the same proposer and every active row verifying: the same tokens."""
         raise NotImplementedError(f"{type(self).__name__} runs one round per call (bursts is off)")
 
+    def warm_burst(self, proposer, rows: int) -> None:
+        """Runs the `burst` program of `proposer` over the first `rows` rows once with a round in it, every row idle
+        (nothing changes): warm-up, so that serving finds it compiled and run."""
+
     def round(self, proposer, active: np.ndarray, rows: int, logprobs: np.ndarray | None = None) -> None:
         """One round of the rows where `active` is set, for warm-up and cost measurement: draft, the host fetch
         of the demand, verify (and the log-probs of the rows `logprobs` selects)."""
@@ -548,7 +552,7 @@ MAX_BURST = 16  # the most rounds one burst runs (`RoundRunner.burst`)
 
 @functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
 def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spec: SpecConfig, proposer,
-           rows: int | None = None, length: int | None = None):
+           rows: int | None = None, length: int | None = None, min_rounds=0):
     """Up to `count` rounds (`spec.round.round_step`) of the rows where `active` [b] is set, in one `while_loop`,
     the others kept as they were (`settle_rows`). Cut to the first `rows` rows and every KV buffer to its first
     `length` slots once for the whole burst, written back once (`_verify`'s `rows` and `length`).
@@ -560,7 +564,9 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
     draft's cache stays out of the loop, so the cut rows copied in and out are the target's alone: such a call
     costs what a block-1 engine's does, plus the one append.
 
-    Stops after `count` rounds, once every active row is done, or with `until_finish` once one of them finished.
+    Stops after `count` rounds, once every active row is done, or with `until_finish` once one of them finished;
+    runs at least `min_rounds` (traced) rounds even so (warm-up: rounds of rows that are all idle change nothing, and
+    a program's loop runs once before serving: XLA:CPU sets up a program's kernels on their first run, 20 - 70 ms).
     Returns (the state, the tokens each row committed in each round [MAX_BURST, rows] int32, the rounds run)."""
     rows = state.done.shape[0] if rows is None else rows
     deferring = isinstance(proposer, Chain) and proposer.defer_context and bool(spec.taps)
@@ -589,7 +595,7 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
     def cond(carry):
         i, s, _ = carry
         finished = jnp.any(s.done & ~done_before)
-        return (i < count) & jnp.any(~s.done) & ~(until_finish & finished)
+        return ((i < count) & jnp.any(~s.done) & ~(until_finish & finished)) | (i < min_rounds)
 
     ran, new, committed = jax.lax.while_loop(cond, body, (jnp.int32(0), run, jnp.zeros((MAX_BURST, rows), jnp.int32)))
     state = settle_rows(state, old, new, active, rows)
@@ -901,11 +907,19 @@ class ResidentRunner(RoundRunner):
         count = self.burst_rounds(rows, count)
         length = self.length_bucket(rows, count)
         self.state, committed, ran = _burst(self.pair.target, self.pair.draft, self.state, np.asarray(active, bool),
-                                            np.int32(count), np.bool_(until_finish), self.spec, proposer, rows, length)
+                                            np.int32(count), np.bool_(until_finish), self.spec, proposer, rows, length,
+                                            np.int32(0))
         if self._length_bound is not None and length is not None:
             self._length_bound = (self._length_bound[0], self.state)
         ran, committed = jax.device_get((ran, committed))
         return Burst(rounds=int(ran), committed=np.asarray(committed)[: int(ran)], length=length)
+
+    @_on_mesh
+    def warm_burst(self, proposer, rows) -> None:
+        length = self.length_bucket(rows, 1)
+        self.state, _, ran = _burst(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool),
+                                    np.int32(1), np.bool_(False), self.spec, proposer, rows, length, np.int32(1))
+        jax.block_until_ready(ran)
 
     def fetch(self):
         return jax.device_get((self.state.num_generated, self.state.done, self.state.output))

@@ -1,6 +1,6 @@
 """Several rounds per device call (`Engine(rounds_per_call=...)`, `RoundRunner.burst`): the same tokens as a round
 per call, fewer host steps, and the host conditions that keep a call to one round (log-probs asked, a long prompt
-prefilled by chunks, scheduler budgets; an explored width runs calls of several rounds too), on `FakeRunner` (seconds); the resident runner's
+prefilled by chunks, scheduler budgets; an explored width runs a short call), on `FakeRunner` (seconds); the resident runner's
 program (`serve.runner._burst`) on the shipped pair: equal to a round per call and to each request run alone,
 proposals accepted, nothing compiled while serving."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.compile_cache import CompileCounter
-from dflash_jax.serve.engine import Engine, generate
+from dflash_jax.serve.engine import EXPLORE_CALL_ROUNDS, Engine, RoundInfo, generate
 from dflash_jax.serve.runner import MAX_BURST, FakeRunner, fake_pair
 from dflash_jax.spec import SamplingParams
 from dflash_jax.spec import generate as spec_generate
@@ -125,8 +125,8 @@ def test_bursts_of_mixed_widths_and_cancel_between_calls():
 
 
 def test_an_explored_width_runs_a_call_of_several_rounds():
-    """An explored width runs as a chosen one would (a call of several rounds), so its learned cost per round is
-    what a chosen round of it costs: a round alone would also pay the whole call's host work."""
+    """An explored width runs a call of several rounds too (here the fixed 3 per call), so its learned cost per
+    round is what a chosen round of it costs: a round alone would also pay the whole call's host work."""
     eng = make(widths=[1, 2, 4], round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, rounds_per_call=3)
 
     def explore(live):
@@ -139,6 +139,35 @@ def test_an_explored_width_runs_a_call_of_several_rounds():
     explored = [i for i in infos if i.explored]
     assert explored and all(i.width == 2 for i in explored) and max(i.rounds for i in explored) == 3
     assert eng.explore_rounds[2] > 0
+
+
+def test_an_explored_width_runs_a_short_call_priced_net_of_the_call():
+    """With calls sized by time, a chosen width's calls run up to `MAX_BURST` rounds, an explored width's only
+    `EXPLORE_CALL_ROUNDS` (a width that does not pay costs a few rounds), and a round of a call is priced at its share
+    of the call's time less the call's host work timed at warm-up, so short and long calls price rounds alike."""
+    eng = make(widths=[1, 2, 4], round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, rounds_per_call="auto",
+               max_new_tokens=200)
+    steps = iter(range(10**6))
+
+    def choose(live):  # every other step explores width 2
+        eng._explored = 2 if next(steps) % 2 else None
+        return eng._explored or 4
+
+    eng.choose_width = choose
+    budgets = [200, 150, 180, 120]
+    reqs, infos = run(eng, budgets=budgets)
+    assert [r.tokens for r in reqs] == [alone(p, m) for p, m in zip(PROMPTS, budgets)]
+    explored = [i for i in infos if i.explored]
+    chosen = [i for i in infos if i.width and not i.explored]
+    assert explored and all(i.burst and i.width == 2 for i in explored if i.rounds > 1)
+    assert max(i.rounds for i in explored) == EXPLORE_CALL_ROUNDS < max(i.rounds for i in chosen)
+
+    eng.call_overhead[4] = 0.2
+    eng._device_seconds = 1.1
+    assert eng._round_seconds(RoundInfo(rows=4, rounds=3, burst=True)) == pytest.approx(0.3)
+    assert eng._round_seconds(RoundInfo(rows=4, rounds=1)) == pytest.approx(1.1)  # a round alone: its time
+    eng.call_overhead[4] = 0.9  # at most half the call's time is the call's own
+    assert eng._round_seconds(RoundInfo(rows=4, rounds=3, burst=True)) == pytest.approx(0.55 / 3)
 
 
 def test_bad_rounds_per_call_named():
