@@ -93,7 +93,6 @@ DEFAULT_CALL_SECONDS = 0.05
 # the rounds of a call that explores a width the chooser did not pick: enough to price a round of it net of the
 # call's host work (`call_overhead`), few enough that exploring a width that does not pay costs little
 EXPLORE_CALL_ROUNDS = 3
-MEASURE_CALL_ROUNDS = 4  # the rounds of each call `measure_rounds` times (calls of several rounds)
 
 
 class RequestError(ValueError):
@@ -830,23 +829,15 @@ class Engine:
                 self.runner.burst(self._proposer(self.widths[0]), idle, rows, 1)
                 self.runner.fetch()
 
-            def call(w, rows=rows):  # a call of MEASURE_CALL_ROUNDS rounds of the idle rows, as served
-                self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows, MEASURE_CALL_ROUNDS)
-                self.runner.fetch()
-
-            if bursts:  # served rounds run in calls of several: a round costs its share of a call less the call's
-                # host work (a round alone runs other programs: the draft's call with the expert projection, then
-                # the verify's, which price a width-1 round at over half a width-4 one where in calls it is a third)
-                fns = {w: (lambda w=w: call(w)) for w in self.widths}
+            fns = {w: (lambda w=w: one_round(w)) for w in self.widths}
+            if bursts:
                 fns["call"] = empty_call
-            else:
-                fns = {w: (lambda w=w: one_round(w)) for w in self.widths}
             runs = paired_runs(fns, repeats)
             row = {w: runs.paired_seconds(w, self.widths[0]) for w in self.widths}
-            if bursts:
-                overhead = min(runs.paired_seconds("call", self.widths[0]), 0.5 * min(row.values()))
-                row = {w: (t - overhead) / MEASURE_CALL_ROUNDS for w, t in row.items()}
-                self.call_overhead[rows] = overhead
+            if bursts:  # served rounds run in calls of several: a round costs its time less the call's host work
+                call = min(runs.paired_seconds("call", self.widths[0]), 0.5 * min(row.values()))
+                row = {w: t - call for w, t in row.items()}
+                self.call_overhead[rows] = call
             table[rows] = row
         return table
 

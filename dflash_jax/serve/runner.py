@@ -239,10 +239,9 @@ class RoundRunner:
         `verify` run with the same proposer and every active row verifying: the same tokens."""
         raise NotImplementedError(f"{type(self).__name__} runs one round per call (bursts is off)")
 
-    def warm_burst(self, proposer, rows: int, rounds: int = 1) -> None:
-        """Runs the `burst` program of `proposer` over the first `rows` rows with `rounds` rounds in it, every row
-        idle (nothing changes): warm-up, so that serving finds it compiled and run, and the timing of a call of
-        several rounds (`Engine.measure_rounds`)."""
+    def warm_burst(self, proposer, rows: int) -> None:
+        """Runs the `burst` program of `proposer` over the first `rows` rows once with a round in it, every row idle
+        (nothing changes): warm-up, so that serving finds it compiled and run."""
 
     def round(self, proposer, active: np.ndarray, rows: int, logprobs: np.ndarray | None = None) -> None:
         """One round of the rows where `active` is set, for warm-up and cost measurement: draft, the host fetch
@@ -916,12 +915,10 @@ class ResidentRunner(RoundRunner):
         return Burst(rounds=int(ran), committed=np.asarray(committed)[: int(ran)], length=length)
 
     @_on_mesh
-    def warm_burst(self, proposer, rows, rounds: int = 1) -> None:
-        rounds = max(1, min(int(rounds), MAX_BURST))
-        length = self.length_bucket(rows, rounds)
+    def warm_burst(self, proposer, rows) -> None:
+        length = self.length_bucket(rows, 1)
         self.state, _, ran = _burst(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool),
-                                    np.int32(rounds), np.bool_(False), self.spec, proposer, rows, length,
-                                    np.int32(rounds))
+                                    np.int32(1), np.bool_(False), self.spec, proposer, rows, length, np.int32(1))
         jax.block_until_ready(ran)
 
     def fetch(self):
