@@ -47,10 +47,12 @@ One round (`step`):
      cancelled requests free their slots, and the live rows are compacted.
 
 Several rounds per device call (`rounds_per_call`, a runner with `bursts`): while every live row verifies every
-round and the host has nothing to do between rounds (no log-probs asked, no chunked prefill running, no width
-explored), steps 3-6 run as one device call of up to `MAX_BURST` rounds at the chosen width (`RoundRunner.burst`),
-sized to `call_seconds` by the rounds' measured time, and the host fetches and emits once after it. Each of its
-rounds is the round above with every live row verifying, so the outputs are the same.
+round and the host has nothing to do between rounds (no log-probs asked, no chunked prefill running), steps 3-6
+run as one device call of up to `MAX_BURST` rounds at the chosen width (`RoundRunner.burst`), sized to
+`call_seconds` by the rounds' measured time (an explored width: `EXPLORE_CALL_ROUNDS`), and the host fetches and
+emits once after it. Each of its rounds is the round above with every live row verifying, so the outputs are the
+same. A width-1 call defers the draft's context append round by round and appends once at its end, so it costs
+what a block-1 engine's call does.
 
 `Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
 rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
