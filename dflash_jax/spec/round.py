@@ -196,9 +196,9 @@ def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None
     over context rows widened to hold one row per round ends with this: one append for the whole run.
     rows (static): only the first `rows` rows append, in place in the full buffers; the others keep their pending
     rows (which must fit in `width` columns)."""
-    width = state.context.shape[1] if width is None else width
     if not spec.taps:
         return state
+    width = state.context.shape[1] if width is None else width
     b = state.num_context.shape[0]
     rows = b if rows is None else rows
     full = state.draft_cache

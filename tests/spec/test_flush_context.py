@@ -1,0 +1,62 @@
+"""`spec.round.flush_context`: the pending context rows of deferring width-1 rounds appended at once give the draft
+the context an engine that appends every round gives it, and with `rows` only the first rows append (in place in
+the full buffers) while the others keep their pending rows."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from dflash_jax.spec.round import Chain, flush_context, round_step
+from dflash_jax.spec.session import begin
+
+PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(100, 121)), [9, 8, 7, 6, 5, 4, 3, 2]]
+ROUNDS = 3
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "proposer"))
+def _round(tw, dw, state, spec, proposer):
+    return round_step(tw, dw, state, spec, proposer)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "width", "rows"))
+def _flush(dw, state, spec, width, rows):
+    return flush_context(dw, state, spec, width=width, rows=rows)
+
+
+def _valid_slots(cache, row):
+    n = int(cache.lengths[row])
+    return [np.asarray(k[row, :, :n]) for k in cache.keys + cache.values]
+
+
+def test_deferred_rows_flushed_equal_appending_every_round(pair):
+    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=16, stop_ids=[])
+    tw, dw = pair.target, pair.draft
+    deferred, appended = start, start
+    for _ in range(ROUNDS):
+        deferred = _round(tw, dw, deferred, spec, Chain(1, defer_context=True))
+        appended = _round(tw, dw, appended, spec, Chain(1))
+    np.testing.assert_array_equal(deferred.output, appended.output)  # the same tokens either way
+    assert np.all(np.asarray(deferred.num_context) == ROUNDS)  # every round's row pending
+    assert np.all(np.asarray(appended.num_context) == 1)  # the last round's row pending
+    width = spec.block_size
+    flushed = _flush(dw, deferred, spec, width, len(PROMPTS))
+    reference = _flush(dw, appended, spec, width, len(PROMPTS))
+    assert np.all(np.asarray(flushed.num_context) == 0) and flushed.context.shape == deferred.context.shape
+    np.testing.assert_array_equal(flushed.draft_cache.lengths, reference.draft_cache.lengths)
+    np.testing.assert_array_equal(flushed.draft_cache.lengths, np.asarray(start.draft_cache.lengths) + ROUNDS)
+    for row in range(len(PROMPTS)):
+        for got, want in zip(_valid_slots(flushed.draft_cache, row), _valid_slots(reference.draft_cache, row)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    # only the first two rows: theirs as the whole flush, the others' pending rows and lengths as they were
+    head = _flush(dw, deferred, spec, width, 2)
+    np.testing.assert_array_equal(head.num_context, [0, 0, ROUNDS, ROUNDS])
+    np.testing.assert_array_equal(head.draft_cache.lengths[:2], flushed.draft_cache.lengths[:2])
+    np.testing.assert_array_equal(head.draft_cache.lengths[2:], deferred.draft_cache.lengths[2:])
+    np.testing.assert_array_equal(head.context[2:, :ROUNDS], deferred.context[2:, :ROUNDS])
+    for row in range(2):
+        for got, want in zip(_valid_slots(head.draft_cache, row), _valid_slots(flushed.draft_cache, row)):
+            np.testing.assert_array_equal(got, want)
