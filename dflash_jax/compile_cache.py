@@ -381,6 +381,20 @@ def ensure_enabled() -> str | None:
     return enable()
 
 
+def program_directory() -> str | None:
+    """Where `stored` keeps programs: the directory this module put JAX's cache in, while JAX still uses it (None
+    when the cache is off, not enabled yet, or a directory the user configured in JAX itself)."""
+    directory = _state.get("dir")
+    if not directory or directory not in _guarded_dirs or jax.config.jax_compilation_cache_dir != directory:
+        return None
+    return directory
+
+
+def entry_name(key: str) -> str:
+    """The file name of `key`'s entry in a cache directory."""
+    return _entry_name(key)
+
+
 def active_dir() -> str | None:
     """The cache directory JAX uses now (None: no persistent cache)."""
     return jax.config.jax_compilation_cache_dir or None

@@ -19,6 +19,7 @@ from flax import struct
 
 from dflash_jax.models.qwen3.config import Qwen3Config
 from dflash_jax.spec import requests as rq
+from dflash_jax.stored import stored_jit
 
 
 @struct.dataclass
@@ -37,7 +38,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
     return rq.pad_prompts(checked, max(len(p) for p in checked), len(checked))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "implementation"))
+@stored_jit(static_argnames=("cfg", "max_len", "implementation"))
 def prefill_cache(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, implementation: str = "auto"):
     """A fresh target cache of `max_len` rows holding the right-padded prompts, and each row's first token."""
     from dflash_jax.spec.session import init_target_cache, target_family
@@ -48,7 +49,7 @@ def prefill_cache(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, impl
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "output_len", "implementation"), donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "output_len", "implementation"), donate_argnames=("cache",))
 def decode_loop(weights, first, cache, stop_ids, budgets, cfg: Qwen3Config, output_len: int,
                  implementation: str = "auto"):
     """stop_ids [S] (-1 = unused), budgets [b] (tokens per sequence, the first included, <= output_len).

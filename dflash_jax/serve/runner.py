@@ -58,6 +58,7 @@ from dflash_jax.spec.session import (
     RowParams, SpecConfig, SpecState, init_target_cache, map_rows, prefill_rows, split_rows,
 )
 from dflash_jax.spec.tree import TreeShape, pad_cols, widen_for_tree
+from dflash_jax.stored import stored_jit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +305,7 @@ def log_softmax_top(logits, tokens, k: int):
 _first_logprobs = jax.jit(log_softmax_top, static_argnames=("k",))
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+@stored_jit(static_argnames=("k",))
 def committed_logprobs(logits, output, start, k: int):
     """The log-probs of a chain verify's committed tokens: `logits` [rows, W, V] of the verify block, `output`
     [>= rows, N] after the commit, `start` [>= rows] each row's tokens before it. Block row j's logits score the j-th
@@ -354,7 +355,7 @@ def prompt_logprobs_of(target_w, tokens, spec: SpecConfig, k: int):
     return log_softmax_top(out.logits[:, :-1], tokens[:, 1:], k)
 
 
-@jax.jit
+@stored_jit
 def fork_rows(rows: SpecState, logits, src, key_data, key_fold):
     """Row i of the result is prefilled row `src[i]` with its own key (`fold_in(key_data[i], key_fold[i])`, as a
     prefill keys a row) and its first token drawn again from that row's prefill logits: exactly the row a prefill
@@ -372,7 +373,7 @@ def fork_rows(rows: SpecState, logits, src, key_data, key_fold):
 # the resident runner's programs (each compiled once per engine shape; the prefill once per prompt bucket)
 # ----------------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@stored_jit(donate_argnames=("state",))
 def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
     """Writes row i of the k-row state `rows` into row `slots[i]` (traced [k] int32) of the batched state;
     a slot index past the last slot drops the row (the padding rows of a prefill group)."""
@@ -386,7 +387,7 @@ def _move_row(state: SpecState, src, dst) -> SpecState:
     return map_rows(lambda x: x.at[dst].set(x[src]), state)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+@stored_jit(static_argnames=("spec",))
 def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None):
     """`session.prefill_rows`: the prefilled rows and their last logits in fp32 (lossless; what sampling reads)."""
     state, logits = prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec, positions)
@@ -463,7 +464,7 @@ def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
     return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows", "length"),
+@stored_jit(static_argnames=("spec", "proposer", "rows", "length"),
                    donate_argnames=("draft_buffers",))
 def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: SpecConfig, proposer,
            rows: int | None = None, length: int | None = None):
@@ -523,7 +524,7 @@ def settle_rows(full: SpecState, old: SpecState, new: SpecState, active, rows: i
     return new if rows is None else put_head_rows(full, new)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
+@stored_jit(static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
 def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: SpecConfig, proposer,
             rows: int | None = None, length: int | None = None) -> SpecState:
     """The verify of `proposal` for the rows where `active` [b] is set (`spec.round.verify_forward` + `commit`);
@@ -550,7 +551,7 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
 MAX_BURST = 16  # the most rounds one burst runs (`RoundRunner.burst`)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
+@stored_jit(static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
 def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spec: SpecConfig, proposer,
            rows: int | None = None, length: int | None = None, min_rounds=0):
     """Up to `count` rounds (`spec.round.round_step`) of the rows where `active` [b] is set, in one `while_loop`,

@@ -34,6 +34,7 @@ from dflash_jax.spec.session import Prepared, SpecConfig, SpecState, begin_prepa
 from dflash_jax.spec.tree import (
     DEFAULT_BRANCH, DEFAULT_TEMPERATURE, TreeCalibration, TreeShape, widen_for_tree,
 )
+from dflash_jax.stored import stored_jit
 
 # The loops' shapes: capacity mode (cache rows = output columns = min(DEFAULT_CAPACITY, the target's positions);
 # the prefill in chunks inside one program), so any prompt and budget that fit run one compiled prefill and one
@@ -58,7 +59,7 @@ class GenerationResult:
         return float(np.mean(acc)) if acc else 0.0
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer"), donate_argnames=("state",))
+@stored_jit(static_argnames=("spec", "proposer"), donate_argnames=("state",))
 def run_loop(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain(),
              min_live=0) -> SpecState:
     """Rounds of `proposer` until every sequence is done (each round emits >= 1 token per live sequence), or

@@ -41,6 +41,7 @@ from dflash_jax.spec import requests as rq
 from dflash_jax.spec.session import (
     Prepared, RowParams, SpecConfig, SpecState, init_target_cache, start_state, target_family,
 )
+from dflash_jax.stored import stored_jit
 
 
 @struct.dataclass
@@ -189,13 +190,13 @@ class CapacityPrepared(Prepared):
 
 
 # jitted forms (spec and chunk static); the engine's per-round pieces donate the prefill they extend
-chunked_begin_jit = jax.jit(chunked_begin, static_argnames=("spec", "chunk"))
-capacity_begin_jit = jax.jit(capacity_begin, static_argnames=("spec", "chunk"))
-prefill_start_jit = jax.jit(prefill_start, static_argnames=("spec",))
-prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("spec",), donate_argnames=("pre",))
-prefill_absorb_jit = jax.jit(prefill_absorb, static_argnames=("spec",), donate_argnames=("pre",))
-prefill_init_jit = jax.jit(prefill_init, static_argnames=("batch", "spec"))
-prefill_finish_jit = jax.jit(prefill_finish, static_argnames=("spec",), donate_argnames=("pre",))
+chunked_begin_jit = stored_jit(chunked_begin, static_argnames=("spec", "chunk"))
+capacity_begin_jit = stored_jit(capacity_begin, static_argnames=("spec", "chunk"))
+prefill_start_jit = stored_jit(prefill_start, static_argnames=("spec",))
+prefill_chunk_jit = stored_jit(prefill_chunk, static_argnames=("spec",), donate_argnames=("pre",))
+prefill_absorb_jit = stored_jit(prefill_absorb, static_argnames=("spec",), donate_argnames=("pre",))
+prefill_init_jit = stored_jit(prefill_init, static_argnames=("batch", "spec"))
+prefill_finish_jit = stored_jit(prefill_finish, static_argnames=("spec",), donate_argnames=("pre",))
 
 __all__ = ["CapacityPrepared", "Prefill", "prefill_absorb", "prefill_absorb_jit", "prefill_init_jit", "capacity_begin", "capacity_begin_jit", "chunked_begin", "chunked_begin_jit",
            "prefill_chunk", "prefill_chunk_jit", "prefill_finish", "prefill_finish_jit", "prefill_init", "prefill_start",
