@@ -49,6 +49,14 @@ _source_hash: list = []
 counts = {"stored": 0, "loaded": 0, "unstorable": 0}  # this process's programs, by where they came from
 
 
+def forget() -> None:
+    """Forgets this process's programs and notes (the next trace of each reads the directory again, as a new
+    process would); the stored programs stay."""
+    with _lock:
+        _memo.clear()
+        _noted.clear()
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -135,13 +143,18 @@ def _aux_value(data):
 
 
 def describe_tree(tree) -> object:
-    """A JSON description of a tree structure (`rebuild_tree` turns it back), or `_NO` where a node is not one of
+    """A JSON description of a tree structure (`rebuild_tree` turns it back), or None where a node is not one of
     Python's containers or a node type of this package with plain aux data."""
+    desc = _describe(tree)
+    return None if desc is _NO else desc
+
+
+def _describe(tree) -> object:
     data = tree.node_data()
     if data is None:
         return "*"
     cls, aux = data
-    children = [describe_tree(c) for c in tree.children()]
+    children = [_describe(c) for c in tree.children()]
     if any(c is _NO for c in children):
         return _NO
     if cls in (tuple, list, type(None), dict):
@@ -299,7 +312,7 @@ def _lookup(name, key, flat, xs):
             exported = jax.export.export(jax.jit(flat), platforms=[jax.default_backend()],
                                          disabled_checks=_custom_call_checks())(*specs)
             desc = describe_tree(flat.out_tree)
-            if desc is _NO or rebuild_tree(desc) != flat.out_tree:
+            if desc is None or rebuild_tree(desc) != flat.out_tree:
                 raise ValueError(f"its results' tree {flat.out_tree} has a node that cannot be written as data")
             compile_cache.write_entry(path, key, _pack(desc, exported.serialize()))
             entry = (exported, flat.out_tree)

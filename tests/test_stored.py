@@ -52,8 +52,7 @@ with_a_callback_stored = stored.stored_jit(with_a_callback)
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """The compilation cache (and so the stored programs) in a temp dir for this test, off again after it."""
-    monkeypatch.setattr(stored, "_memo", {})
-    monkeypatch.setattr(stored, "_noted", set())
+    stored.forget()
     monkeypatch.setattr(stored, "counts", {"stored": 0, "loaded": 0, "unstorable": 0})
     where = compile_cache.enable(str(tmp_path / "cache"))
     assert where == str(tmp_path / "cache")
@@ -66,7 +65,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 def _new_process():
     """What a new process starts from: no program traced or memoized (the directory stays)."""
-    stored._memo.clear()
+    stored.forget()
     jax.clear_caches()
 
 
@@ -145,7 +144,8 @@ def test_what_cannot_be_stored_is_traced_as_jit_traces_it(cache_dir, capsys):
 
 
 def test_nothing_is_stored_when_the_cache_is_off_or_stored_programs_are(tmp_path, monkeypatch):
-    monkeypatch.setattr(stored, "_memo", {})
+    stored.forget()
+    monkeypatch.setattr(stored, "counts", {"stored": 0, "loaded": 0, "unstorable": 0})
     assert compile_cache.program_directory() is None  # the tests' cache is off
     out, _ = scaled_cache_stored(_cache(), 1.5, times=2)
     assert np.array_equal(out.keys[1], np.ones((1, 2, 3)) * 3)
@@ -154,7 +154,7 @@ def test_nothing_is_stored_when_the_cache_is_off_or_stored_programs_are(tmp_path
     try:
         jax.clear_caches()
         scaled_cache_stored(_cache(), 1.5, times=2)
-        assert not _programs(tmp_path / "cache") and not stored._memo
+        assert not _programs(tmp_path / "cache") and stored.counts == {"stored": 0, "loaded": 0, "unstorable": 0}
     finally:
         compile_cache.disable()
         jax.clear_caches()
@@ -166,7 +166,7 @@ def test_tree_descriptions_are_json_and_rebuild_the_same_structure():
     desc = stored.describe_tree(tree)
     assert stored.rebuild_tree(json.loads(json.dumps(desc))) == tree
     Point = collections.namedtuple("Point", "x y")  # a node type of another package: not written
-    assert stored.describe_tree(jax.tree.structure(Point(1, 2))) is stored._NO
+    assert stored.describe_tree(jax.tree.structure(Point(1, 2))) is None
     with pytest.raises(ValueError, match="not loaded"):
         stored.rebuild_tree({"n": "dflash_jax.not_a_module:Thing", "a": None, "c": []})
 
