@@ -31,9 +31,10 @@ from dflash_jax.serve.runner import (
 )
 from dflash_jax.spec import lanes as spec_lanes
 from dflash_jax.spec.session import SpecState, map_rows
+from dflash_jax.stored import stored_jit
 
 
-@jax.jit
+@stored_jit
 def _take_row(state: SpecState, row) -> SpecState:
     """Row `row` (traced int32) of a batched state as a one-row state."""
     return map_rows(lambda x: jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=True), state)

@@ -56,6 +56,7 @@ from dflash_jax.serve.runner import (
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import commit, verify_width
 from dflash_jax.spec.session import SpecConfig, SpecState, init_target_cache
+from dflash_jax.stored import stored_jit
 
 PREDICTORS = ("draft_router", "none")  # what drives the prefetch: the scheduler's demand, or nothing (on demand)
 
@@ -107,7 +108,7 @@ _TOTALS = ("prefetched_bytes", "on_demand_bytes", "prefill_bytes", "hits", "miss
            "covered", "prefetched", "passes")
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer"))
+@stored_jit(static_argnames=("spec", "proposer"))
 def _commit(state: SpecState, proposal, draft_lengths, out, active, spec: SpecConfig, proposer) -> SpecState:
     """`runner._verify` after its target forward: acceptance and commit (`spec.round.commit`) for the rows where
     `active` is set, every other row kept as it was; `out` is the layer-wise forward of `proposal.tokens`."""

@@ -302,7 +302,7 @@ def log_softmax_top(logits, tokens, k: int):
     return lp, top_lp, top_id.astype(jnp.int32)
 
 
-_first_logprobs = jax.jit(log_softmax_top, static_argnames=("k",))
+_first_logprobs = stored_jit(log_softmax_top, static_argnames=("k",))
 
 
 @stored_jit(static_argnames=("k",))
@@ -333,7 +333,7 @@ def tree_path_logits(logits, tree, tokens):
     return jnp.take_along_axis(logits, path[..., None], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+@stored_jit(static_argnames=("k",))
 def tree_committed_logprobs(logits, tree, output, start, k: int):
     """`committed_logprobs` of a tree verify: the log-probs of the tokens the round committed, each scored by the
     logits of its parent node on the committed path (`tree_path_logits`)."""
@@ -345,7 +345,7 @@ def tree_committed_logprobs(logits, tree, output, start, k: int):
     return log_softmax_top(path_logits, jnp.maximum(tokens, 0), k)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "k"))
+@stored_jit(static_argnames=("spec", "k"))
 def prompt_logprobs_of(target_w, tokens, spec: SpecConfig, k: int):
     """The log-prob of each prompt token after the first given the ones before it (one target forward over
     `tokens` [1, P], right-padded: padding never changes the rows before it), and the top-k at each position."""
@@ -380,7 +380,7 @@ def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
     return map_rows(lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), state, rows)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@stored_jit(donate_argnames=("state",))
 def _move_row(state: SpecState, src, dst) -> SpecState:
     """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
     compaction that keeps live requests in the lowest slots. In place (the state is donated)."""
@@ -429,7 +429,7 @@ def put_head_rows(full, head):
     return map_rows(put, full, head)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@stored_jit(donate_argnames=("state",))
 def release_rows(state: SpecState, free) -> SpecState:
     """Marks the rows where `free` [b] bool is set as done (a cancelled request stops at once)."""
     return state.replace(done=state.done | free)

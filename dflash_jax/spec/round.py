@@ -41,6 +41,7 @@ from dflash_jax.spec.session import (
     Draft, RoundOutcome, SpecConfig, SpecState, check_state, commit_verify, draft_round,
 )
 from dflash_jax.spec.tree import Tree, TreeShape, commit_tree, expert_union, pad_cols, round_tree, tree_draft
+from dflash_jax.stored import stored_jit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,12 +256,12 @@ def adaptive_round(target_w, draft_w, astate: AdaptiveState, spec: SpecConfig, p
                          chosen=astate.chosen.at[choice].add(1))
 
 
-round_jit = jax.jit(round_step, static_argnames=("spec", "proposer"), donate_argnames=("state",))
-propose_jit = jax.jit(propose, static_argnames=("proposer", "spec"))
-commit_jit = jax.jit(commit, static_argnames=("spec", "proposer"))
+round_jit = stored_jit(round_step, static_argnames=("spec", "proposer"), donate_argnames=("state",))
+propose_jit = stored_jit(propose, static_argnames=("proposer", "spec"))
+commit_jit = stored_jit(commit, static_argnames=("spec", "proposer"))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "proposer"), donate_argnames=("state",))
+@stored_jit(static_argnames=("spec", "proposer"), donate_argnames=("state",))
 def verify_commit_jit(target_w, state: SpecState, proposal: Proposal, spec: SpecConfig, proposer: Proposer = Chain()):
     """The resident verify and the commit of a proposal, one program (the stepping driver's second half)."""
     return commit(state, proposal, verify_forward(target_w, state, proposal, spec), spec, proposer)

@@ -49,6 +49,7 @@ from dflash_jax.spec.sampling import (
     AcceptanceMode, RowSampling, SamplingParams, next_token_rows, processed_scores, sample_probs_rows,
     sampling_probs, seed_key_data,
 )
+from dflash_jax.stored import stored_jit
 
 
 def target_family(cfg):
@@ -373,7 +374,7 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stops, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+@stored_jit(static_argnames=("spec",))
 def begin_arrays(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig,
                  positions=None) -> SpecState:
     """The prefill of a batch from `prepare`'s arrays (right-padded tokens [b, T], lengths [b], per-row settings,
@@ -587,8 +588,8 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
     )
 
 
-draft_round_jit = jax.jit(draft_round, static_argnames=("spec",))
-verify_round_jit = jax.jit(verify_round, static_argnames=("spec",), donate_argnames=("state",))
+draft_round_jit = stored_jit(draft_round, static_argnames=("spec",))
+verify_round_jit = stored_jit(verify_round, static_argnames=("spec",), donate_argnames=("state",))
 
 
 def _concrete(x) -> bool:
