@@ -232,7 +232,7 @@ class CostRule:
     the machine's load, which scales every entry; each width's rounds its cost relative to that load; medians of
     the last `window` rounds, so one slow round on a shared machine moves nothing). A
     width the chooser does not pick is measured by exploration (`explore_width`): in one round of every
-    `explore_every` rounds of a bucket, a width adjacent to the chosen one runs instead when its entry is
+    `explore_every` rounds of a bucket, a width adjacent to the chosen one (or the narrowest) runs instead when its entry is
     unconfirmed (fewer than `confirm` served times: a warm-up figure) or stale (no served time in `stale_after`
     rounds of the bucket). So at most 1 / `explore_every` of a bucket's rounds explore, an exploring round still
     commits tokens (any width is lossless), and a mispriced entry is re-measured within tens of rounds.
@@ -321,9 +321,11 @@ def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule 
 def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) -> int | None:
     """The width to run instead of `chosen` to re-measure its cost, or None (pure, deterministic): only in the
     bucket's rounds numbered explore_every - 1, 2 * explore_every - 1, .. (at most 1 / explore_every of them),
-    only a width adjacent to `chosen` in the bucket's widths, and only if its entry is stale or unconfirmed
-    (`BucketCosts.stale`); of two such neighbours an unconfirmed one first, then the older entry, then the wider.
-    Never with a single width."""
+    only a width adjacent to `chosen` in the bucket's widths or the narrowest one (width 1: no speculation, which
+    every other width must beat; a price of it that stays too high, learned from short calls, would otherwise keep a
+    wide width chosen, since exploration never reached it from there), and only if its entry is stale or
+    unconfirmed (`BucketCosts.stale`); of several such widths an unconfirmed one first, then the older entry, then
+    the wider. Never with a single width."""
     widths = sorted(costs.cost, key=shape_order)
     if len(widths) < 2 or rule.explore_every <= 0 or chosen not in costs.cost:
         return None
@@ -331,6 +333,8 @@ def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) 
         return None
     i = widths.index(chosen)
     near = [widths[j] for j in (i + 1, i - 1) if 0 <= j < len(widths)]
+    if i > 1:  # and the narrowest, which every other width must beat (a stale price there steers every choice)
+        near.append(widths[0])
     near = [w for w in near if costs.stale(w, rule)]
     if not near:
         return None

@@ -70,7 +70,7 @@ def test_the_table_follows_the_load_and_keeps_its_ratios():
         assert ratios[w] == pytest.approx(TRUE[w] / TRUE[best], rel=0.15), ratios  # 5% noise, 3x spikes, the wave
 
 
-def test_exploration_is_bounded_deterministic_and_adjacent():
+def test_exploration_is_bounded_deterministic_and_adjacent_or_the_narrowest():
     rule = CostRule(explore_every=4, stale_after=8, confirm=2)
     costs = BucketCosts.fresh(WARMUP, rule)
     a, picks_a = simulate(costs, TRUE, 100, rule)
@@ -79,16 +79,35 @@ def test_exploration_is_bounded_deterministic_and_adjacent():
     for r, (w, explored) in enumerate(picks_a):
         if explored:
             assert r % rule.explore_every == rule.explore_every - 1  # only in its slots
-    # a round explores only a neighbour of the width the table would have chosen
+    # a round explores only a neighbour of the width the table would have chosen, or the narrowest width
     widths = sorted(WARMUP)
     c = BucketCosts.fresh(WARMUP, rule)
     for r in range(60):
         chosen = choose_width(ALPHAS, {w: t + HOST for w, t in c.seconds.items()}, MARGIN)
         other = explore_width(c, chosen, rule)
         if other is not None:
-            assert abs(widths.index(other) - widths.index(chosen)) == 1
+            assert abs(widths.index(other) - widths.index(chosen)) == 1 or other == widths[0]
             assert c.stale(other, rule)
         c = observe_cost(c, other or chosen, TRUE[other or chosen], rule)
+
+
+def test_a_wide_choice_re_measures_a_stale_narrowest_width():
+    """Width 1 priced too high (as short calls can price it) keeps width 4 chosen when only the chosen width's
+    neighbours are explored; exploring the narrowest too re-measures it, and the choice comes back to width 1."""
+    true = {1: 1.0, 2: 2.6, 4: 3.0}  # a compute-bound CPU: width 1 pays best at this acceptance
+    rule = CostRule(explore_every=4, stale_after=16, confirm=2)
+    c = BucketCosts.fresh({1: 6.0, 2: 2.6, 4: 3.0}, rule)
+    alphas = [0.6] * 4
+    assert choose_width(alphas, c.seconds, 0.1) == 4
+    assert explore_width(c, 4, rule) is None  # not an exploration slot yet
+    picks = []
+    for _ in range(60):
+        w, explored = decide_width(alphas, c, 0.0, 0.1, rule)
+        picks.append((w, explored))
+        c = observe_cost(c, w, true[w], rule, explored)
+    assert (1, True) in picks[:8]  # width 1 re-measured in the first exploration slots
+    assert [w for w, explored in picks[-20:] if not explored] == [1] * len([x for x in picks[-20:] if not x[1]])
+    assert c.seconds[1] == pytest.approx(1.0, rel=0.01)
 
 
 def test_no_exploration_with_one_width_or_when_off():
