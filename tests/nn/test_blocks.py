@@ -213,6 +213,40 @@ def test_cache_rows_and_rollback():
     jax.jit(rollback)(cache, jnp.array([1, 1]))
 
 
+def test_one_slot_writes_drop_past_the_end_and_stay_in_place():
+    """A write of a single row (one row, one slot) drops a slot past the end like a wider write, and the forward
+    of one token over the first row of a batched cache, written back (the serving engine's round at one row),
+    updates the donated cache in place: XLA rewrote a one-element scatter into a select against the old value,
+    and the program then copied every KV buffer of the cache (whole, twice) on every round."""
+    import functools
+    import re
+
+    from dflash_jax.models.family import family_of
+    from dflash_jax.serve.runner import head_rows, put_head_rows
+    from dflash_jax.testing import random_pair
+
+    buf = jnp.zeros((2, 1, 4, 1))
+    one = jnp.ones((1, 1, 1, 1))
+    np.testing.assert_array_equal(np.asarray(write_rows(buf[:1], one, jnp.array([2])))[0, 0, :, 0], [0, 0, 1, 0])
+    np.testing.assert_array_equal(np.asarray(write_rows(buf[:1], one, jnp.array([4]))), np.zeros((1, 1, 4, 1)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(write_rows)(buf[:1], one, jnp.array([4]))), np.zeros((1, 1, 4, 1)))
+
+    pair = random_pair(seed=0)
+    cfg = pair.target_cfg
+    fam = family_of(cfg)
+    cache = fam.init_cache(cfg, 8, 64, jnp.float32)
+    shape = "f32[%s]" % ",".join(map(str, cache.keys[0].shape))
+    for rows, width in ((1, 1),):
+        @functools.partial(jax.jit, donate_argnames=("cache",))
+        def round_of(w, tokens, cache, rows=rows):
+            out = fam.forward(w, tokens, head_rows(cache, rows), cfg, logits="all")
+            return put_head_rows(cache, out.cache), out.logits
+
+        hlo = round_of.lower(pair.target, jnp.zeros((rows, width), jnp.int32), cache).compile().as_text()
+        copies = [line for line in hlo.splitlines() if re.search(re.escape(shape) + r"\{[0-9,]*\} copy\(", line)]
+        assert not copies, (rows, width, copies[:2])
+
+
 def test_dense_experts_equal_grouped_with_biases_and_clamped_activation():
     from functools import partial
 
