@@ -77,7 +77,8 @@ def source_hash() -> str:
         return _source_hash[0]
     import pallas_kernels
     digest = hashlib.sha256()
-    for package in (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(pallas_kernels.__file__))):
+    packages = (os.path.abspath(__file__), os.path.abspath(pallas_kernels.__file__))
+    for package in map(os.path.dirname, packages):
         base = os.path.dirname(package)
         for root, dirs, files in os.walk(package):
             dirs.sort()
@@ -101,7 +102,8 @@ def trace_context() -> str:
     from dflash_jax.nn.attention import get_attention_tuning
     from pallas_kernels import cpu_kernels
     parts = [f"{name}={getattr(jax.config, name, None)!r}" for name in _CONFIG]
-    parts += [f"{k}={v!r}" for k, v in sorted(os.environ.items()) if k.startswith("DFLASH_") and k not in _NOT_TRACED_ENVS]
+    parts += [f"{k}={v!r}" for k, v in sorted(os.environ.items())
+              if k.startswith("DFLASH_") and k not in _NOT_TRACED_ENVS]
     parts.append(repr(get_attention_tuning()))
     parts.append(f"cpu_kernels={cpu_kernels.available() if jax.default_backend() == 'cpu' else None}")
     return ";".join(parts)
@@ -262,7 +264,8 @@ def stored_jit(fun: Callable | None = None, *, static_argnames=(), donate_argnam
         if " at 0x" in described or "..." in described:
             _note(name, "a static argument or tree node whose repr is not its value (an address, or elided)")
             return fun(*args, **kwargs)
-        text = "\n".join([name, source_hash(), jax.__version__, _jaxlib_version(), jax.default_backend(), trace_context(), described,
+        text = "\n".join([name, source_hash(), jax.__version__, _jaxlib_version(), jax.default_backend(),
+                          trace_context(), described,
                           ",".join(_aval_key(leaves[i]) for i in traced_at)])
         key = "program-" + hashlib.sha256(text.encode()).hexdigest()
 

@@ -232,7 +232,7 @@ print(json.dumps({"tokens": [r.tokens for r in reqs], "accepted": sum(sum(r.acce
 
 @pytest.mark.slow
 def test_a_second_serving_process_serves_the_same_tokens_from_stored_programs(tmp_path):
-    """The serving engine (two lanes, widths 1 / 2 / 4 chosen by a fixed cost table, its row buckets, donated state) in three
-    processes: the cache off, one storing its programs, one calling them untraced: the same tokens."""
+    """The serving engine (two lanes, widths 1 / 2 / 4 chosen by a fixed cost table, its row buckets, donated
+    state) in three processes: the cache off, one storing its programs, one calling them untraced: the same tokens."""
     plain, first, second = _three_processes(_SERVE, tmp_path, min_stored=10)
     assert plain["accepted"] > 0 and len(plain["widths"]) >= 2  # proposals accepted, several widths served
