@@ -244,12 +244,28 @@ def _fp4_expert_tables(pair: Pair) -> list:
             for t in fam.expert_tables(layer.mlp) if is_fp4(t)]
 
 
+def dense_table_dtype(table, compute_dtype):
+    """The dtype an FP4 expert table is kept in once dequantized: bfloat16 for an MXFP4 table of a float32 target,
+    else the compute dtype. Every MXFP4 value is a 1-bit-mantissa code times a power of two, so bfloat16 holds the
+    float32 values exactly in half the bytes; the CPU kernels and the XLA path multiply a bfloat16 table in float32
+    (`nn.moe`), so the products and sums are the float32 table's, bit for bit (tested), and a round reads half the
+    expert bytes. `with_dense_experts` checks the values still (an NVFP4 table's per-tensor scale is any float32)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.formats import MXFP4Tensor
+
+    if jnp.dtype(compute_dtype) == jnp.float32 and isinstance(table, MXFP4Tensor):
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(compute_dtype)
+
+
 def dense_expert_bytes(pair: Pair) -> int:
-    """Bytes the FP4 expert tables take once dequantized to the target's compute dtype."""
+    """Bytes the FP4 expert tables take once dequantized (`dense_table_dtype`: bfloat16 for MXFP4 tables of a
+    float32 target, else the target's compute dtype)."""
     import numpy as np
 
-    itemsize = np.dtype(pair.target.embed.dtype).itemsize
-    return sum(int(np.prod(t.shape)) * itemsize for t in _fp4_expert_tables(pair))
+    dtype = pair.target.embed.dtype
+    return sum(int(np.prod(t.shape)) * dense_table_dtype(t, dtype).itemsize for t in _fp4_expert_tables(pair))
 
 
 def _memory_bytes() -> int | None:
@@ -294,20 +310,36 @@ def dense_experts_wanted(pair: Pair, option: str | bool, *, expert_memory: str =
 
 
 def with_dense_experts(pair: Pair) -> Pair:
-    """The pair with every FP4 expert table dequantized to the target's compute dtype (`[E, in, out]`, the
-    dense layout), each table once; the FP4 arrays are released when the caller drops the old pair."""
-    from pallas_kernels.ops import dense_weight, is_fp4
+    """The pair with every FP4 expert table dequantized (`[E, in, out]`, the dense layout), each table once, to
+    `dense_table_dtype` when that holds every value exactly (checked here), else to the target's compute dtype;
+    the FP4 arrays are released when the caller drops the old pair."""
+    from pallas_kernels.ops import is_fp4
 
     fam = family_of(pair.target_cfg)
     dtype = pair.target.embed.dtype
     layers = []
     for layer in pair.target.layers:
         if fam.is_moe(layer):
-            tables = tuple(dense_weight(t, dtype) if is_fp4(t) else t for t in fam.expert_tables(layer.mlp))
+            tables = tuple(dense_table(t, dtype) if is_fp4(t) else t for t in fam.expert_tables(layer.mlp))
             layer = layer.replace(mlp=fam.with_expert_pool(layer.mlp, tables, layer.mlp.slot_of))
         layers.append(layer)
     target = pair.target.replace(layers=tuple(layers))
     return dataclasses.replace(pair, target=target, experts_dequantized=True)
+
+
+def dense_table(table, compute_dtype):
+    """One FP4 table dequantized: in `dense_table_dtype` where the round trip through it is exact, else in the
+    compute dtype."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.ops import dense_weight
+
+    dense = dense_weight(table, compute_dtype)
+    narrow = dense_table_dtype(table, compute_dtype)
+    if narrow == dense.dtype:
+        return dense
+    kept = dense.astype(narrow)
+    return kept if bool(jnp.array_equal(kept.astype(dense.dtype), dense, equal_nan=True)) else dense
 
 
 def __getattr__(name):

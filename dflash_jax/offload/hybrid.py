@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from dflash_jax.models.family import family_of
+
 
 @dataclasses.dataclass(frozen=True)
 class HostCompute:
@@ -99,6 +101,10 @@ class HostCompute:
         cfg = pair.target_cfg
         if pair.expert_format in ("mxfp4", "nvfp4") and not pair.experts_dequantized:
             fmt = "mxfp4"  # FP4 tables as stored (NVFP4 reads and decodes alike, per 16 instead of 32 codes)
+        elif pair.experts_dequantized:  # the dense tables' own dtype (bfloat16 for MXFP4: `dense_table_dtype`)
+            fam = family_of(cfg)
+            table = next(fam.expert_tables(layer.mlp)[0] for layer in pair.target.layers if fam.is_moe(layer))
+            fmt = "float32" if table.dtype == np.float32 else "bf16"
         else:
             fmt = "float32" if pair.manifest.get("dtype") == "float32" else "bf16"
         return cls.measure(link_bytes_per_s, hidden=cfg.hidden_size, intermediate=cfg.moe.intermediate_size,

@@ -3,6 +3,7 @@ the kernel runs; exact (the same values the XLA path dequantizes on every call).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -54,8 +55,9 @@ def test_load_applies_the_policy():
     moe = [layer for layer in auto.target.layers if fam.is_moe(layer)]
     assert not kept.experts_dequantized
     assert auto.experts_dequantized == (not ops.kernel_available())
-    if auto.experts_dequantized:
-        assert all(isinstance(layer.mlp.gate_up, jax.Array) and layer.mlp.gate_up.dtype == auto.target.embed.dtype
+    if auto.experts_dequantized:  # MXFP4 tables of a float32 target: bfloat16 holds their values
+        assert auto.target.embed.dtype == jnp.float32
+        assert all(isinstance(layer.mlp.gate_up, jax.Array) and layer.mlp.gate_up.dtype == jnp.bfloat16
                    for layer in moe)
     forced = dflash_jax.load(dequantize_experts=True)
     assert forced.experts_dequantized and not ops.is_fp4(forced.target.layers[0].mlp.gate_up)
@@ -76,18 +78,54 @@ def test_dense_tables_equal_the_per_call_dequantization():
                 np.testing.assert_array_equal(np.asarray(t_dense, np.float32), want)
 
 
+def _logits(pair, implementation: str, tokens=PROMPT):
+    cfg = pair.target_cfg
+    fam = family_of(cfg)
+    cache = fam.init_cache(cfg, 1, 32, pair.target.embed.dtype)
+    fn = jax.jit(lambda w, t, c: fam.forward(w, t, c, cfg, logits="all", implementation=implementation).logits)
+    return np.asarray(fn(pair.target, jnp.asarray([tokens], jnp.int32), cache))
+
+
 def test_the_target_forward_is_unchanged_by_dequantizing_at_load():
     """Bit-identical logits of a prompt through the XLA path: FP4 tables dequantized per call vs once at load."""
     fp4, dense = pairs()
-    cfg = fp4.target_cfg
-    fam = family_of(cfg)
-    tokens = jnp.asarray([PROMPT], jnp.int32)
-
-    def logits(weights):
-        cache = fam.init_cache(cfg, 1, 32, weights.embed.dtype)
-        fn = jax.jit(lambda w, t, c: fam.forward(w, t, c, cfg, logits="all", implementation="xla").logits)
-        return np.asarray(fn(weights, tokens, cache))
-
-    a, b = logits(fp4.target), logits(dense.target)
+    a, b = _logits(fp4, "xla"), _logits(dense, "xla")
     assert np.isfinite(a).all()
     np.testing.assert_array_equal(a, b)
+
+
+def _with_tables(pair, convert):
+    fam = family_of(pair.target_cfg)
+    layers = tuple(layer.replace(mlp=fam.with_expert_pool(layer.mlp, tuple(convert(t) for t in fam.expert_tables(
+        layer.mlp)), layer.mlp.slot_of)) if fam.is_moe(layer) else layer for layer in pair.target.layers)
+    return dataclasses.replace(pair, target=pair.target.replace(layers=layers))
+
+
+@pytest.mark.parametrize("implementation", ["auto", "xla"])
+def test_bfloat16_tables_multiply_as_their_float32_values(implementation):
+    """MXFP4 tables of a float32 target are kept in bfloat16 (half the bytes a round reads): every value the same
+    as the float32 dequantization, and the forward's logits bit-identical to float32 tables', through the compiled
+    CPU kernels (auto, where they build) and through XLA."""
+    fp4, dense = pairs()
+    fam = family_of(fp4.target_cfg)
+    tables = [t for layer in dense.target.layers if fam.is_moe(layer) for t in fam.expert_tables(layer.mlp)]
+    assert tables and all(t.dtype == jnp.bfloat16 for t in tables)
+    assert pair_mod.dense_expert_bytes(fp4) == sum(int(t.nbytes) for t in tables)
+    wide = _with_tables(dense, lambda t: t.astype(jnp.float32))
+    prompt = PROMPT * 4  # 48 tokens: every expert gets rows
+    a, b = _logits(dense, implementation, prompt), _logits(wide, implementation, prompt)
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_table_the_narrow_dtype_cannot_hold_stays_in_the_compute_dtype(monkeypatch):
+    """The narrow dtype is checked against the values: a table it would round keeps the compute dtype."""
+    from dflash_jax.quant.mxfp4 import quantize_mxfp4
+
+    big = quantize_mxfp4(jnp.full((2, 8, 32), 1e6, jnp.float32))  # 2^20-scale values: beyond float16
+    small = quantize_mxfp4(jnp.full((2, 8, 32), 0.75, jnp.float32))
+    monkeypatch.setattr(pair_mod, "dense_table_dtype", lambda table, dtype: jnp.dtype(jnp.float16))
+    assert pair_mod.dense_table(big, jnp.float32).dtype == jnp.float32
+    assert pair_mod.dense_table(small, jnp.float32).dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(pair_mod.dense_table(big, jnp.float32)),
+                                  np.asarray(ops.dense_weight(big, jnp.float32)))
