@@ -834,12 +834,12 @@ class ResidentRunner(RoundRunner):
 
     # -- the round -------------------------------------------------------------------------------------
 
-    def length_bucket(self, rows: int, rounds: int = 1) -> int:
-        """The smallest length bucket holding the first `rows` rows' caches through `rounds` rounds (every KV cache's
-        length, the widest verify of each round and a draft block after the last); the last bucket is the whole cache.
-        `pin_length` overrides it (warm-up).
+    def length_bucket(self, rows: int, rounds: int = 1, proposer=None) -> int:
+        """The smallest length bucket holding the first `rows` rows' caches through `rounds` rounds of `proposer`
+        (every KV cache's length, what each round may add and the slots written past the last one: `growth`); the
+        last bucket is the whole cache. `pin_length` overrides it (warm-up).
         The lengths are read from the device (a few int32 per cache) only when the state changed outside the rounds
-        (a reset, insert, move): after that each round adds the widest verify to every row's bound (a round grows a
+        (a reset, insert, move): after that each round adds its growth to every row's bound (a round grows a
         cache by at most that), so the bucket is never too small and seldom larger than needed."""
         if self.pin_length is not None:
             return self.pin_length
@@ -848,9 +848,21 @@ class ResidentRunner(RoundRunner):
         bound = self._bound()
         if bound is None:  # no KV cache to cut
             return self.length_buckets[-1]
-        self._length_bound = (bound + (rounds - 1) * self.layout.widest, None)  # set to the state after the round
-        need = int(np.max(bound[:rows])) + rounds * self.layout.widest + self.spec.block_size
+        grow, past = self.growth(proposer)
+        self._length_bound = (bound + rounds * grow - self.layout.widest, None)  # set to the state after the rounds
+        need = int(np.max(bound[:rows])) + rounds * grow + past
         return next((b for b in self.length_buckets if b >= need), self.length_buckets[-1])
+
+    def growth(self, proposer=None) -> tuple[int, int]:
+        """(the slots a round of `proposer` may add to a row's caches, the slots it writes past the last round's
+        lengths): a deferring width-1 chain verifies one row and leaves the draft's cache alone (1, 0); a chain of
+        width w commits at most w and drafts a block after (w, B); anything else (None: any round) the widest
+        verify and a block."""
+        if isinstance(proposer, Chain) and proposer.width is not None:
+            if proposer.defer_context and bool(self.spec.taps):
+                return 1, 0
+            return int(proposer.width), self.spec.block_size
+        return self.layout.widest, self.spec.block_size
 
     def _bound(self) -> np.ndarray | None:
         """Each slot's cache length bound before the next round (`length_bucket`); None: the state has no KV cache."""
@@ -863,27 +875,28 @@ class ResidentRunner(RoundRunner):
             self._length_bound = (bound - self.layout.widest, self.state)  # read once per state
         return self._length_bound[0] + self.layout.widest
 
-    def burst_rounds(self, rows: int, count: int) -> int:
-        """At most `count` rounds (and `MAX_BURST`), fewer when more would need a longer length bucket than one round
-        does (a longer cut costs every round of the burst more)."""
+    def burst_rounds(self, rows: int, count: int, proposer=None) -> int:
+        """At most `count` rounds (and `MAX_BURST`) of `proposer`, fewer when more would need a longer length bucket
+        than one round does (a longer cut costs every round of the burst more)."""
         count = max(1, min(int(count), MAX_BURST))
         if self.pin_length is not None or len(self.length_buckets) == 1 or count == 1:
             return count
         bound = self._bound()
         if bound is None:
             return count
+        grow, past = self.growth(proposer)
         top, last = int(np.max(bound[:rows])), self.length_buckets[-1]
-        one = next((b for b in self.length_buckets if b >= top + self.layout.widest + self.spec.block_size), last)
+        one = next((b for b in self.length_buckets if b >= top + grow + past), last)
         if one == last:  # the whole cache: nothing cut, nothing to outgrow
             return count
-        return max(1, min(count, (one - top - self.spec.block_size) // self.layout.widest))
+        return max(1, min(count, (one - top - past) // grow))
 
     @_on_mesh
     def draft(self, proposer, rows: int) -> Drafted:
         """The draft of the first `rows` rows over the round's length bucket (`length_bucket`). The state's
         draft-cache buffers are donated to the draft, and the state takes the buffers it returns (with the old
         lengths until the verify)."""
-        length = self.length_bucket(rows)
+        length = self.length_bucket(rows, 1, proposer)
         cache = self.state.draft_cache
         state, buffers = self.state, None
         if cache is not None:
@@ -905,8 +918,8 @@ class ResidentRunner(RoundRunner):
 
     @_on_mesh
     def burst(self, proposer, active, rows, count, until_finish=False) -> Burst:
-        count = self.burst_rounds(rows, count)
-        length = self.length_bucket(rows, count)
+        count = self.burst_rounds(rows, count, proposer)
+        length = self.length_bucket(rows, count, proposer)
         self.state, committed, ran = _burst(self.pair.target, self.pair.draft, self.state, np.asarray(active, bool),
                                             np.int32(count), np.bool_(until_finish), self.spec, proposer, rows, length,
                                             np.int32(0))
@@ -917,7 +930,7 @@ class ResidentRunner(RoundRunner):
 
     @_on_mesh
     def warm_burst(self, proposer, rows) -> None:
-        length = self.length_bucket(rows, 1)
+        length = self.length_bucket(rows, 1, proposer)
         self.state, _, ran = _burst(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool),
                                     np.int32(1), np.bool_(False), self.spec, proposer, rows, length, np.int32(1))
         jax.block_until_ready(ran)
