@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     from dflash_jax.cli.generate import load_tokenizer
 
     compile_cache.ensure_enabled()
-    pair = h.load_pair(args)
+    pair = h.load_pair(args, dequantize_experts="auto")  # the experts as `dflash-serve` loads them
     tokenizer = load_tokenizer(pair)
     prompts = h.prompts(pair, max(levels) * args.requests_per_client, args.prompt_len)
     dmodes = [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "1"]
@@ -307,7 +307,9 @@ def main(argv=None) -> int:
     lines = [
         "# Serving benchmark (dflash-serve, loopback)", "",
         f"`python benchmarks/serve.py --write-docs` on the shipped pair, {mach['backend']} backend, "
-        f"{mach['machine']}; the server (HTTP loop and engine threads) in one process, "
+        f"{mach['machine']}; the expert tables as `dflash-serve` loads them (`--dequantize-experts auto`: "
+        f"{'dense' if pair.experts_dequantized else 'as stored'}); the server (HTTP loop and engine threads) in one "
+        "process, "
         "the clients (asyncio + httpx) in another, over 127.0.0.1. "
         f"Each client sends {args.requests_per_client} streaming greedy completions back to back (at least 8 requests "
         "per point) "
