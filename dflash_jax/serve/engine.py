@@ -223,8 +223,7 @@ class Engine:
     None: block_size only (a fixed width). "auto": `default_widths(block_size)`. One draft and one verify are
     compiled per width at warm-up; the state has the layout of the widest, so any width serves any round.
     round_seconds: {width: seconds of one round}, a fixed cost table for every row bucket; None: `cost_table`
-    {rows: {width: seconds}} measured by `warmup()` (`measure_rounds`: paired, medians of ratios; not for a single
-    width, which prices nothing).
+    {rows: {width: seconds}} measured by `warmup()` (`measure_rounds`: paired, medians of ratios).
     learn_costs: keep the table current from the rounds served, per row bucket (`observe_cost`), with a bounded
     exploration of the widths next to the chosen one whose entries are stale (`explore_width`, by `cost_rule`;
     `explore_rounds` / `explore_seconds` count it). Default (None): on, unless `round_seconds` fixes the table.
@@ -805,7 +804,7 @@ class Engine:
                 finally:
                     self.runner.pin_length = None
         self.runner.sync()
-        if self.round_seconds is None and not self.cost_table and len(self.widths) > 1:  # one width: no choice to price
+        if self.round_seconds is None and not self.cost_table:
             self.cost_table = self.measure_rounds()
         self.runner.warm_extra()
         self.warm = True
@@ -1442,7 +1441,7 @@ def attach_cost_metrics(engine: Engine) -> int:
             table = GaugeMetricFamily("dflash_cost_table_seconds", "The width chooser's round time by row bucket and "
                                       "width (measured at warm-up, then learned from served rounds)",
                                       labels=["rows", "width"])
-            for rows in engine.row_buckets if len(engine.widths) > 1 else ():  # one width: nothing is priced
+            for rows in engine.row_buckets:
                 for w, t in sorted(engine.seconds_table(rows).items(), key=lambda kv: shape_order(kv[0])):
                     table.add_metric([str(rows), width_label(w)], float(t))
             yield table
