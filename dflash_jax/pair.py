@@ -249,7 +249,8 @@ def dense_table_dtype(table, compute_dtype):
     else the compute dtype. Every MXFP4 value is a 1-bit-mantissa code times a power of two, so bfloat16 holds the
     float32 values exactly in half the bytes; the CPU kernels and the XLA path multiply a bfloat16 table in float32
     (`nn.moe`), so the products and sums are the float32 table's, bit for bit (tested), and a round reads half the
-    expert bytes. `with_dense_experts` checks the values still (an NVFP4 table's per-tensor scale is any float32)."""
+    expert bytes. `dense_table` checks the round trip anyway. NVFP4 tables keep the compute dtype: their per-tensor
+    scale is any float32, so their values need not fit bfloat16."""
     import jax.numpy as jnp
 
     from pallas_kernels.formats import MXFP4Tensor
