@@ -214,7 +214,7 @@ def test_a_second_process_generates_the_same_tokens_from_stored_programs(tmp_pat
 _SERVE = """
 import json
 import dflash_jax
-from dflash_jax import compile_cache, stored
+from dflash_jax import compile_cache, prefetch, stored
 from dflash_jax.serve.engine import Engine
 from dflash_jax.train.data import file_windows
 compile_cache.ensure_enabled()
@@ -226,13 +226,17 @@ engine.warmup()
 reqs = [engine.submit(p[:20 + 4 * i], max_new_tokens=48, stop_ids=[]) for i, p in enumerate(prompts)]
 engine.run_until_idle()
 print(json.dumps({"tokens": [r.tokens for r in reqs], "accepted": sum(sum(r.acceptance) - len(r.acceptance)
-                  for r in reqs), "widths": sorted(engine.width_rounds), "counts": stored.counts}))
+                  for r in reqs), "widths": sorted(engine.width_rounds), "counts": stored.counts,
+                  "prefetch": prefetch.counts}))
 """
 
 
 @pytest.mark.slow
 def test_a_second_serving_process_serves_the_same_tokens_from_stored_programs(tmp_path):
     """The serving engine (two lanes, widths 1 / 2 / 4 chosen by a fixed cost table, its row buckets, donated
-    state) in three processes: the cache off, one storing its programs, one calling them untraced: the same tokens."""
+    state) in three processes: the cache off, one storing its programs, one calling them untraced: the same tokens.
+    The third's warm-up is also handed its programs by the prefetch worker (`dflash_jax.prefetch`)."""
     plain, first, second = _three_processes(_SERVE, tmp_path, min_stored=10)
     assert plain["accepted"] > 0 and len(plain["widths"]) >= 2  # proposals accepted, several widths served
+    assert plain["prefetch"]["prefetched"] == first["prefetch"]["prefetched"] == 0
+    assert second["prefetch"]["prefetched"] >= 10

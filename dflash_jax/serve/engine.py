@@ -69,7 +69,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dflash_jax import compile_cache
+from dflash_jax import compile_cache, prefetch
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.serve.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_keys
 from dflash_jax.serve.runner import (
@@ -763,6 +763,13 @@ class Engine:
         the seconds it took."""
         t0 = time.perf_counter()
         compile_cache.ensure_enabled()
+        label = (f"Engine.warmup {type(self.runner).__name__} slots={self.slots} widths={self.widths} "
+                 f"rows={self.row_buckets} prompts={prompt_buckets} max_prompt={self.max_prompt_len}")
+        with prefetch.prefetching(label):  # a warm start loads its programs ahead, on a second core
+            self._warmup(prompt_buckets)
+        return time.perf_counter() - t0
+
+    def _warmup(self, prompt_buckets: Sequence[int] | None) -> None:
         if not self.runner.ready:
             self._reset()
         if prompt_buckets is None:
@@ -808,7 +815,6 @@ class Engine:
             self.cost_table = self.measure_rounds()
         self.runner.warm_extra()
         self.warm = True
-        return time.perf_counter() - t0
 
     def measure_rounds(self, repeats: int = 5, row_buckets: Sequence[int] | None = None) -> dict:
         """{rows: {width: seconds}} of one round computing `rows` rows (draft + host transfer of the demand +
