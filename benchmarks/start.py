@@ -10,12 +10,13 @@ starts once, in turn, the order reversed every other round: a busy spell of the 
 Modes:
 
   block 4                    `dflash-serve`'s default (`--block-size 4`)
-  block 4, no prefetch       the same with DFLASH_PREFETCH_PROGRAMS=0: the warm-up reads every program on its
-                             own thread (`dflash_jax.prefetch`)
+  block 4, no prefetch       the same with DFLASH_PREFETCH_PROGRAMS=0: the warm-up's main thread reads every
+                             compiled program itself (`dflash_jax.prefetch`)
   block 4, no stored         the same with DFLASH_STORED_PROGRAMS=0: every program traced and lowered again
                              (`dflash_jax.stored`)
   plain                      `--block-size 1`
-  widths auto                `--block-size 4 --widths auto` (twice the programs, and their timing)
+  widths auto                `--block-size 4 --widths auto`: widths 1, 2, 4 chosen per round (twice the
+                             programs, and their timing)
   vLLM k = 3                 vLLM's OpenAI server, the exported pair, DFlash with 3 speculative tokens (the venv
                              `benchmarks/peers.py` makes; skipped with --no-vllm)
 
@@ -40,7 +41,7 @@ OURS = {
     "block 4, no prefetch": ([], {"DFLASH_PREFETCH_PROGRAMS": "0"}),
     "block 4, no stored": ([], {"DFLASH_STORED_PROGRAMS": "0"}),
     "plain": (["--block-size", "1"], {}),
-    "widths auto": (["--widths", "auto"], {}),
+    "widths auto": (["--block-size", "4", "--widths", "auto"], {}),
 }
 VLLM_MODE = "vLLM k = 3"
 DEFAULTS = dict(rounds=3, slots=32, prompt_len=128, max_new=128)

@@ -37,8 +37,9 @@ PACKAGES = ("dflash_jax", "pallas_kernels", "convert", "study")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "config", "compile_cache", "quant", "timing"),  # leaves: user errors, configs, jit cache, FP4
     # formats, the paired timing method
-    ("cache", "nn", "stored"),  # KV caches; family-independent building blocks (norms, rope, attention, moe,
-    # DeltaNet); programs stored as StableHLO (`stored_jit`, which reads the attention tuning)
+    ("cache", "nn", "stored", "prefetch"),  # KV caches; family-independent building blocks (norms, rope, attention,
+    # moe, DeltaNet); programs stored as StableHLO (`stored_jit`, which reads the attention tuning); compiled
+    # programs loaded ahead of a warm start
     ("models",),  # the families, their registry, the decoder loop, the draft
     ("checkpoint", "pair", "testing", "sharding"),  # the pair, its checkpoints, random tiny weights, mesh placement
     ("spec",),  # the speculative round (begin / draft_round / verify_round) and its jitted loop
