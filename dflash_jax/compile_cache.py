@@ -271,7 +271,12 @@ def _install_guard(directory: str) -> bool:
     return True
 
 
-def _jax_store():
+def jax_cache_module():
+    """JAX's persistent-cache module (`jax._src.compilation_cache`), or None in a JAX layout without it."""
+    return _jax_cc
+
+
+def jax_store():
     """The store JAX's persistent cache uses now (None: not built yet)."""
     store = getattr(_jax_cc, "_cache", None) if _jax_cc is not None else None
     return getattr(store, "_base_cache", store)
@@ -349,7 +354,7 @@ def enable(path: str | None = None) -> str | None:
             _note("unusable", f"compilation cache off: {why}; programs are compiled anew in every run: {_FIX}")
             return None
         guarded = _install_guard(target)
-        store = _jax_store()
+        store = jax_store()
         if store is not None and not (guarded and isinstance(store, GuardedCache) and store.directory == target):
             _reset_jax_cache()  # JAX built its store for another directory (or its own kind): build it anew
         elif configured and configured != target:
@@ -369,7 +374,7 @@ def disable(reason: str = "turned off for this run") -> None:
     with _lock:
         if _state["dir"] and jax.config.jax_compilation_cache_dir == _state["dir"]:
             jax.config.update("jax_compilation_cache_dir", None)
-            if isinstance(_jax_store(), GuardedCache):
+            if isinstance(jax_store(), GuardedCache):
                 _reset_jax_cache()  # JAX keeps a built store whatever the setting says
         _state.update(resolved=True, dir=None, reason=f"compilation cache off: {reason}")
 

@@ -34,7 +34,7 @@ from dflash_jax import compile_cache
 
 ENV = "DFLASH_PREFETCH_PROGRAMS"
 _FORMAT = 1
-_PREFIX = "prefetch-manifest-"
+MANIFEST_PREFIX = "prefetch-manifest-"
 _NEEDS = ("get_executable_and_time", "decompress_executable", "extract_executable_and_time")
 _install_lock = threading.Lock()
 _active: list = []  # the live Prefetch (at most one)
@@ -46,7 +46,7 @@ def enabled() -> bool:
 
 
 def _jax_cc():
-    cc = compile_cache._jax_cc
+    cc = compile_cache.jax_cache_module()
     if cc is None or not all(hasattr(cc, name) for name in _NEEDS):
         return None
     return cc
@@ -74,17 +74,17 @@ def _install() -> bool:
 
 
 def manifest_key(label: str, first_key: str) -> str:
-    return _PREFIX + hashlib.sha256(f"{label}\x00{first_key}".encode()).hexdigest()
+    return MANIFEST_PREFIX + hashlib.sha256(f"{label}\x00{first_key}".encode()).hexdigest()
 
 
-def _encode(programs: list) -> bytes:
+def encode_manifest(programs: list) -> bytes:
     options: dict[bytes, int] = {}
     rows = [[key, options.setdefault(opts, len(options))] for key, opts in programs]
     table = [base64.b64encode(o).decode("ascii") for o in options]
     return json.dumps({"format": _FORMAT, "options": table, "programs": rows}).encode()
 
 
-def _decode(data: bytes) -> list | None:
+def decode_manifest(data: bytes) -> list | None:
     """[(key, options bytes)] of a manifest, or None when it is not one this module wrote."""
     try:
         doc = json.loads(data.decode())
@@ -119,7 +119,7 @@ class Prefetch:
         """Reads the manifest of (label, first key) and starts its worker."""
         key = manifest_key(self.label, first_key)
         data = compile_cache.read_entry(self._path(key), key)
-        self.manifest = _decode(data) if data is not None else None
+        self.manifest = decode_manifest(data) if data is not None else None
         if not self.manifest:
             return
         self.backend, self.devices, self.options_type = backend, devices, options_type
@@ -129,7 +129,7 @@ class Prefetch:
                 self.futures[program] = self.pool.submit(self._load, program, options)
 
     def _load(self, key: str, options: bytes):
-        store = compile_cache._jax_store()
+        store = compile_cache.jax_store()
         if not isinstance(store, compile_cache.GuardedCache) or store.directory != self.directory:
             return None
         data = store.get(key)
@@ -174,7 +174,7 @@ class Prefetch:
         if self.first is None or self.manifest == self.read_keys:
             return
         key = manifest_key(self.label, self.first)
-        compile_cache.write_entry(self._path(key), key, _encode(self.read_keys))
+        compile_cache.write_entry(self._path(key), key, encode_manifest(self.read_keys))
 
 
 @contextlib.contextmanager

@@ -83,7 +83,7 @@ where = compile_cache.ensure_enabled()
 with CompileCounter() as c:
     a = jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(5.0))
     b = jax.jit(lambda x: (x @ x.T).sum(0))(jnp.ones((3, 4), jnp.int32))
-    print(float(a.sum()), b.tolist(), type(compile_cache._jax_store()).__name__, c.compiles, c.cache_hits)
+    print(float(a.sum()), b.tolist(), type(compile_cache.jax_store()).__name__, c.compiles, c.cache_hits)
 """
 
 

@@ -41,7 +41,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _manifests(directory):
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith(prefetch._PREFIX))
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(prefetch.MANIFEST_PREFIX))
 
 
 def _process(label, programs):
@@ -85,7 +85,7 @@ def test_a_prefetched_program_whose_options_differ_is_not_used(cache_dir):
     key = prefetch.manifest_key("test", first.read_keys[0][0])
     path = cache_dir / compile_cache.entry_name(key)
     other = first.read_keys[1][1]  # the second program's options given to every program
-    compile_cache.write_entry(str(path), key, prefetch._encode([(k, other) for k, _ in first.read_keys]))
+    compile_cache.write_entry(str(path), key, prefetch.encode_manifest([(k, other) for k, _ in first.read_keys]))
     live, out = _process("test", programs)
     assert live.prefetched == 1  # only the second program's options match
     for a, b in zip(out, expect):
@@ -108,13 +108,13 @@ def test_a_damaged_manifest_is_ignored_and_written_again(cache_dir, capsys, monk
 
 def test_manifest_contents_are_data_and_bad_documents_are_refused():
     programs = [("a", b"\x00\x01options"), ("b", b"other"), ("c", b"\x00\x01options")]
-    data = prefetch._encode(programs)
-    assert prefetch._decode(data) == programs
+    data = prefetch.encode_manifest(programs)
+    assert prefetch.decode_manifest(data) == programs
     assert b"__" not in data and data.startswith(b"{")
     for bad in (b"not json", b"[]", b'{"format": 2, "options": [], "programs": []}',
                 b'{"format": 1, "options": ["AA=="], "programs": [["a", 5]]}',
                 b'{"format": 1, "options": ["!!"], "programs": []}'):
-        assert prefetch._decode(bad) is None
+        assert prefetch.decode_manifest(bad) is None
 
 
 def test_off_by_environment_when_nested_or_without_the_cache(cache_dir, monkeypatch):
