@@ -74,6 +74,7 @@ from dflash_jax.serve import scheduler as sched
 from dflash_jax.serve.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_keys
 from dflash_jax.serve.runner import (
     MAX_BURST, TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
+    array_types,
 )
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, choose_width, decide_width, default_widths, observe_cost, shape_order, shape_rows,
@@ -760,7 +761,9 @@ class Engine:
     def warmup(self, prompt_buckets: Sequence[int] | None = None) -> float:
         """Compiles the prefill for every prompt bucket up to max_prompt_len (or the given lengths), the
         insert, the draft and the verify (and what else the runner compiles, `RoundRunner.warm_extra`). Returns
-        the seconds it took."""
+        the seconds it took. Every program is called twice over, the second time on the state the first pass left,
+        unless that state has the types the first pass started from (`RoundRunner.carried`, `array_types`): then
+        the second pass would call the same programs. A warm start loads the programs ahead (`prefetch`)."""
         t0 = time.perf_counter()
         compile_cache.ensure_enabled()
         label = (f"Engine.warmup {type(self.runner).__name__} slots={self.slots} widths={self.widths} "
@@ -784,7 +787,8 @@ class Engine:
         if self.compress is not None:  # the scorer of every prompt length it may compress
             self.compress.warm(self.max_prompt_len)
         idle = np.zeros(self.slots, bool)
-        for _ in range(2):  # the second pass runs on states that are outputs of the first (same cache keys)
+        for second in (False, True):  # the second pass runs on states that are outputs of the first
+            before = None if second else array_types(self.runner.carried())
             for width in sizes:
                 for group in self.prefill_groups:
                     reqs = [Request(id=-1, prompt=[0] * width, max_new_tokens=1, sampling=SamplingParams(),
@@ -810,6 +814,8 @@ class Engine:
                                 self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows)
                 finally:
                     self.runner.pin_length = None
+            if before is not None and before == array_types(self.runner.carried()):
+                break  # the first pass's outputs have its inputs' types: a second would call the same programs
         self.runner.sync()
         if self.round_seconds is None and not self.cost_table:
             self.cost_table = self.measure_rounds()

@@ -104,6 +104,10 @@ class LanedRunner(RoundRunner):
         for lane in getattr(self, "lanes", ()):
             lane.pin_length = value
 
+    def carried(self):
+        parts = [lane.carried() for lane in self.lanes]
+        return None if any(p is None for p in parts) else parts
+
     def _split(self, rows: int) -> list[int]:
         return [lane_rows(rows, lane, self.n) for lane in range(self.n)]
 

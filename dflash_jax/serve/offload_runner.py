@@ -149,6 +149,10 @@ class OffloadedRunner(ResidentRunner):
     prompt_scores = False  # echo's prompt log-probs would need a whole-prompt forward with every table streamed
     default_byte_budget = "cache"  # a round moves at most the cache's bytes
 
+    def carried(self):
+        """Not known: the expert cache and its tables are carried too (the warm-up runs both passes)."""
+        return None
+
     def __init__(self, pair, layout: Layout, *, budget_bytes: int, predictor: str = "draft_router", pin=False,
                  byte_cost: str = "missing", hybrid=None, transfer: str = "device_put", crf_lambda: float = 0.5,
                  store=None, bandwidth: float | None = None, poison: bool = False, mesh=None):

@@ -61,6 +61,17 @@ from dflash_jax.spec.tree import TreeShape, pad_cols, widen_for_tree
 from dflash_jax.stored import stored_jit
 
 
+def array_types(tree) -> tuple | None:
+    """What jit's dispatch keys on in `tree`'s arrays: the tree's structure and each leaf's type, shape, dtype,
+    weak type, sharding and whether it is committed (None for None)."""
+    if tree is None:
+        return None
+    leaves, treedef = jax.tree.flatten(tree)
+    return (str(treedef),) + tuple(
+        (type(x).__name__, getattr(x, "shape", None), str(getattr(x, "dtype", None)), getattr(x, "weak_type", None),
+         repr(getattr(x, "sharding", None)), getattr(x, "committed", None)) for x in leaves)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What the host engine fixes for its runner: the compiled shapes and the proposers of its widths."""
@@ -152,6 +163,12 @@ class RoundRunner:
     def drop(self) -> None:
         """Forgets the state (after a failed round); the next `reset` makes a fresh one."""
         self.state = None
+
+    def carried(self):
+        """Every array this runner's programs take from one call of it to the next (a pytree), so that the warm-up
+        can tell whether its second pass would meet a type its first did not (`Engine.warmup`); None where that is
+        not known (the warm-up then always runs its second pass)."""
+        return None
 
     @property
     def cache_bytes(self) -> int | None:
@@ -632,8 +649,10 @@ def _grow_rows(buffers, rows: int):
     return jax.tree.map(lambda x: cache_slots.grow_slots(x, rows), buffers)
 
 
+@stored_jit(static_argnames=("slots",))
 def _broadcast_rows(row: SpecState, slots: int) -> SpecState:
-    """`slots` copies of a one-row state, every row done (free)."""
+    """`slots` copies of a one-row state, every row done (free). One program: its outputs are committed to the
+    device as every round's are, so the rounds meet the state they will serve (`Engine.warmup`)."""
     rows = jax.tree.map(lambda x: jnp.concatenate([x] * slots, axis=0), row)
     return rows.replace(done=jnp.ones((slots,), bool))
 
@@ -718,6 +737,12 @@ class ResidentRunner(RoundRunner):
         self._round_logprobs = None  # the last verify's committed log-probs (device), when its plan asked
         self.length_buckets = length_buckets(self.spec.max_len, layout.widest + self.spec.block_size)
         self._length_bound = None  # (each slot's cache length bound [slots], the state it holds for)
+
+    def carried(self):
+        """The state: what a program reads that an earlier call wrote (the pair and the routers are constants; the
+        last prefill's logits are written by every admission before its programs read them; the verify's log-probs
+        and the length bound are read on the host)."""
+        return self.state
 
     def _widen(self, rows: SpecState) -> SpecState:
         """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block)."""
