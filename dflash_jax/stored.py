@@ -16,9 +16,9 @@ The key: the function's module and name; the source of this package and of `pall
 the other arguments' tree structure, shapes, dtypes and weak types (and the value of an argument that is not
 traced, a Python scalar); and what else a trace reads (`trace_context`: the JAX configuration the library's lanes
 carry across threads, the attention tuning, the CPU kernels' availability and every DFLASH_ environment variable
-but the cache directories and the two switches of stored and prefetched programs). Traced as `jax.jit` traces it, not stored: a static argument or tree node whose repr
-holds an address or is elided, a mesh in context, a process with several devices (an exported program is for one
-device), a result tree with a node of another package, or a program `jax.export` refuses (host callbacks); each
+but the cache directories and the switches of stored and prefetched programs). Traced as `jax.jit` traces it, not
+stored: a static argument or tree node whose repr holds an address or is elided, a mesh in context, a process
+with several devices (an exported program is for one device), a result tree with a node of another package, or a program `jax.export` refuses (host callbacks); each
 such function is noted once on stderr.
 
 Where: the compilation cache's directory (`compile_cache.program_directory()`), entries with the same checked
