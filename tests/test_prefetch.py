@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import compile_cache, prefetch, stored
+from dflash_jax import compile_cache, prefetch
+from tests.compile_cache_dir import temp_compile_cache
 
 
 def _programs():
@@ -29,15 +30,8 @@ def _run(programs):
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.delenv(prefetch.ENV, raising=False)
-    stored.forget()
-    jax.clear_caches()
-    where = compile_cache.enable(str(tmp_path / "cache"))
-    assert where == str(tmp_path / "cache")
-    try:
-        yield tmp_path / "cache"
-    finally:
-        compile_cache.disable()
-        jax.clear_caches()
+    with temp_compile_cache(tmp_path / "cache") as directory:
+        yield directory
 
 
 def _manifests(directory):

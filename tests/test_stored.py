@@ -17,6 +17,7 @@ import pytest
 from dflash_jax import compile_cache, stored
 from dflash_jax.cache import KVCache
 from dflash_jax.nn.attention import attention_tuning, get_attention_tuning
+from tests.compile_cache_dir import temp_compile_cache
 
 
 TRACES: list = []  # one entry per trace of `scaled_cache` (a Python side effect runs only while tracing)
@@ -52,15 +53,9 @@ with_a_callback_stored = stored.stored_jit(with_a_callback)
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """The compilation cache (and so the stored programs) in a temp dir for this test, off again after it."""
-    stored.forget()
     monkeypatch.setattr(stored, "counts", {"stored": 0, "loaded": 0, "unstorable": 0})
-    where = compile_cache.enable(str(tmp_path / "cache"))
-    assert where == str(tmp_path / "cache")
-    try:
-        yield tmp_path / "cache"
-    finally:
-        compile_cache.disable()
-        jax.clear_caches()
+    with temp_compile_cache(tmp_path / "cache") as directory:
+        yield directory
 
 
 def _new_process():
