@@ -53,7 +53,7 @@ def _jax_cc():
 
 
 def _install() -> bool:
-    """Routes JAX's cache reads through `_read` (once per process)."""
+    """Routes JAX's cache reads through the live context's `Prefetch.read` (installed once per process)."""
     cc = _jax_cc()
     if cc is None:
         return False
@@ -161,7 +161,8 @@ class Prefetch:
                     self.prefetched += 1
                     counts["prefetched"] += 1
                 return got[0], got[1]
-        counts["read"] += 1
+        with self.lock:
+            counts["read"] += 1
         return original(key, compile_options, backend, devices)
 
     def close(self) -> None:
@@ -184,11 +185,16 @@ def prefetching(label: str) -> Iterator[Prefetch | None]:
     DFLASH_PREFETCH_PROGRAMS=0, no cache directory of this library's, another JAX layout, or a prefetching
     context already live (the inner one does nothing)."""
     directory = compile_cache.program_directory()
-    if not enabled() or directory is None or _active or not _install():
+    if not enabled() or directory is None or not _install():
         yield None
         return
-    live = Prefetch(label, directory)
-    _active.append(live)
+    with _install_lock:
+        live = None if _active else Prefetch(label, directory)
+        if live is not None:
+            _active.append(live)
+    if live is None:
+        yield None
+        return
     try:
         yield live
     finally:
