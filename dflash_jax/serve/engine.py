@@ -51,8 +51,11 @@ round and the host has nothing to do between rounds (no log-probs asked, no chun
 run as one device call of up to `MAX_BURST` rounds at the chosen width (`RoundRunner.burst`), sized to
 `call_seconds` by the rounds' measured time (an explored width: `EXPLORE_CALL_ROUNDS`), and the host fetches and
 emits once after it. Each of its rounds is the round above with every live row verifying, so the outputs are the
-same. A width-1 call defers the draft's context append round by round and appends once at its end, so it costs
-what a block-1 engine's call does.
+same.
+
+Width-1 rounds hold the draft's context (`defer_context`): the committed row's target taps wait in the row's state,
+and only a drafting round (or a full hold) appends them to the draft's cache, all at once. A width-1 round, alone or
+in a call, then costs what a block-1 engine's does, and a request that never drafts again never pays the draft.
 
 `Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
 rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
@@ -96,6 +99,9 @@ DEFAULT_CALL_SECONDS = 0.05
 # the rounds of a call that explores a width the chooser did not pick: enough to price a round of it net of the
 # call's host work (`call_overhead`), few enough that exploring a width that does not pay costs little
 EXPLORE_CALL_ROUNDS = 3
+# the most device bytes the held draft context of every slot takes (`defer_context="auto"`): on the shipped pairs a
+# whole request's rows; a model of wide taps holds fewer, and pays the draft's context once the hold fills
+HOLD_BYTES = 64 << 20
 
 
 class RequestError(ValueError):
@@ -229,9 +235,13 @@ class Engine:
     exploration of the widths next to the chosen one whose entries are stale (`explore_width`, by `cost_rule`;
     `explore_rounds` / `explore_seconds` count it). Default (None): on, unless `round_seconds` fixes the table.
     defer_context: a width-1 round skips the draft's context append (the target taps of the committed row) and
-    keeps the row pending, up to the widest block's rows; the next drafting round appends them at once (the same
-    draft context, so the same proposals; outputs never depend on it). A width-1 round then costs what a round
-    of a block-1 engine does.
+    holds the row pending in the row's state (`context_rows` of them: "auto" with True, or a number of rows); a
+    drafting round first appends every pending row of its rows at once (`RoundRunner.flush_context`), as does a call
+    whose rounds would overflow the hold (the same draft context, so the same proposals; outputs never depend on
+    it). A width-1 round then costs what a round of a block-1 engine does, and a request that finishes while held
+    at width 1 never pays the draft's context. "auto": every committed row of a request (its output buffer and a
+    verify), within `HOLD_BYTES` of held rows over all slots, at least a block and a call's rounds. While a live row
+    holds more than a block, the chooser explores no drafting width (it would flush the hold to re-price a width).
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
     cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
     no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
@@ -281,7 +291,8 @@ class Engine:
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
-                 cost_rule: CostRule | None = None, defer_context: bool = True, prefill_chunk: int | None = 256,
+                 cost_rule: CostRule | None = None, defer_context: bool | int = True,
+                 prefill_chunk: int | None = 256,
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
                  rounds_per_call: int | str = "auto", call_seconds: float = DEFAULT_CALL_SECONDS,
@@ -386,6 +397,10 @@ class Engine:
         self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
                                output_len=self.output_len, method=method)
         self.widths = widths
+        # width-1 rounds hold the draft's context (`defer_context`): the runner's state holds `context_rows` rows
+        self.defer_context = (not isinstance(defer_context, bool) or defer_context) and bool(self.spec.taps) \
+            and runner.deferred_context and 1 in widths
+        self.context_rows = self._context_rows(defer_context, pair) if self.defer_context else self.block_size
         self.row_buckets = row_buckets
         # the proposer of each width the chooser picks from (`spec.round`): chains of the width, or the one tree
         self.proposers = {w: w if isinstance(w, TreeShape) else Chain(w, head=head and w > 1) for w in widths}
@@ -393,7 +408,8 @@ class Engine:
             check_proposer(p, self.spec)  # the runner checks them against the draft's weights too
         # the device side: the batched state and every program on it
         self.runner = runner(pair, Layout(spec=self.spec, slots=self.slots, row_buckets=row_buckets,
-                                          proposers=self.proposers, widest=widest), mesh=mesh, **runner_options)
+                                          proposers=self.proposers, widest=widest, context_rows=self.context_rows),
+                             mesh=mesh, **runner_options)
         self.prefill_chunk = (None if prefill_chunk is None or not self.runner.chunked_prefill
                               else self.buckets.prompt_len(int(prefill_chunk)))
         if prefix_cache_bytes is not None:
@@ -413,9 +429,8 @@ class Engine:
         self._explored = None  # the width this round explores (None: the chosen one runs)
         self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
         self.explore_seconds = 0.0  # their wall time
-        # width-1 rounds leave the draft's context append to the next drafting round (`spec.round.Chain`)
-        self.defer_context = bool(defer_context) and bool(self.spec.taps) and self.runner.deferred_context
         self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append (alone or in a call)
+        self.context_flushes = 0  # calls that appended the held context (before a drafting round, or a full hold)
         self.width_margin = float(width_margin)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
@@ -455,6 +470,18 @@ class Engine:
         self.observers: list[Callable[[RoundInfo], None]] = []
         self.rounds = 0
         self.warm = False
+
+    def _context_rows(self, defer_context, pair) -> int:
+        """The draft context rows a row's state holds (`defer_context`): at least a block and a call's rounds."""
+        least = self.block_size + MAX_BURST
+        if not isinstance(defer_context, bool):
+            rq.check_int(defer_context, "defer_context", low=least,
+                         what=f"True, False or the context rows held, at least {least} (a block and a call's rounds)")
+            return int(defer_context)
+        features = len(self.spec.taps) * int(pair.target_cfg.hidden_size)
+        per_row = features * np.dtype(pair.target.embed.dtype).itemsize * self.slots
+        fits = HOLD_BYTES // max(per_row, 1)
+        return int(max(least, min(self.output_len + self.widest, fits)))
 
     @staticmethod
     def _tree_of(proposer, pair) -> TreeShape | None:
@@ -807,8 +834,8 @@ class Engine:
                     for rows in self.row_buckets:
                         for w in self.widths:
                             self._round(w, idle, rows, logprobs=scored)
-                            if w == 1 and self.defer_context:  # the width-1 round that appends (pending rows full)
-                                self._round(w, idle, rows, defer=False, logprobs=scored)
+                            if w == 1 and self.defer_context:  # the append of held rows (`_flush_held`)
+                                self.runner.flush_context(rows)
                             if self.runner.bursts and self.rounds_per_call != 1:  # its calls of several rounds,
                                 # with a round run (a program's first run sets up its kernels: 20 - 70 ms on a CPU)
                                 self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows)
@@ -863,8 +890,8 @@ class Engine:
     def _round(self, width: int, active: np.ndarray, rows: int | None = None, defer: bool | None = None,
                logprobs: np.ndarray | None = None) -> None:
         """One round of the rows where `active` is set (warm-up, `measure_rounds`); defer None: as served (a
-        width-1 round defers the draft's context append when the engine does; rows that do not verify keep
-        their state, so there is always room). logprobs: the rows whose log-probs the round computes."""
+        width-1 round holds the draft's context when the engine does; rows that do not verify keep their state, so
+        there is always room). logprobs: the rows whose log-probs the round computes."""
         rows = self.slots if rows is None else rows
         defer = (width == 1 and self.defer_context) if defer is None else defer
         self.runner.round(self._proposer(width, defer), active, rows, logprobs=logprobs)
@@ -880,14 +907,22 @@ class Engine:
             if self.runner.token_logprobs:
                 self.runner.first_logprobs(rows)
 
-    def _defers(self, width: int, live: Sequence[int]) -> bool:
-        """Whether this width-1 round defers the draft's context append: while every live row's pending context
-        rows (`num_context`: committed rows the draft has not seen) leave room for one more in the widest block's
-        rows; else the round appends them (and the draft cache is current again)."""
-        if width != 1 or not self.defer_context or not len(live):
-            return False
-        pending = self.runner.pending_context()[np.asarray(live)]
-        return int(pending.max()) < self.block_size
+    def _held_top(self, live: Sequence[int]) -> int:
+        """The most pending context rows a live row holds (0 when the engine holds none)."""
+        if not self.defer_context or not len(live):
+            return 0
+        return int(self.runner.pending_context()[np.asarray(live)].max())
+
+    def _flush_held(self, width, live: Sequence[int], rows: int, count: int) -> None:
+        """Appends the held context of the round's rows first when this step needs it (`defer_context`): a
+        drafting round reads at most a block of pending rows, and a width-1 call of `count` rounds holds a row more
+        each round."""
+        if not self.defer_context:
+            return
+        limit = self.context_rows - count if shape_rows(width) < 2 else self.block_size
+        if self._held_top(live) > limit:
+            self.runner.flush_context(rows)
+            self.context_flushes += 1
 
     def row_acceptance(self, req: Request) -> float:
         """The estimated probability that a proposal of `req` is accepted given the ones before it: its decayed
@@ -918,9 +953,13 @@ class Engine:
             return self.widths[0]
         # every round also pays the host's work around the draft and the verify (the same at every width, so it
         # favours the wider verifies, which need fewer rounds)
-        width, explored = decide_width([self.row_acceptance(self.requests[s]) for s in live],
-                                       self.bucket_costs(self.row_bucket(live)), self.host_seconds,
-                                       self.width_margin, self.cost_rule if self.learn_costs else None)
+        alphas, costs = [self.row_acceptance(self.requests[s]) for s in live], self.bucket_costs(self.row_bucket(live))
+        width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin,
+                                       self.cost_rule if self.learn_costs else None)
+        if explored and shape_rows(width) > 1 and self._held_top(live) > self.block_size:
+            # re-pricing a drafting width would append the held context first: not while a live row holds more
+            # than a block (the table keeps its entry, scaled by the load the chosen width's rounds show)
+            width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin, None)
         self._explored = width if explored else None
         return width
 
@@ -1251,9 +1290,10 @@ class Engine:
         scored[[s for s in live if self.requests[s].logprobs is not None]] = True
         scored = scored if scored.any() else None
         count = self._burst_count(rows, width, scored)
+        self._flush_held(width, live, rows, count)
         if count > 1:
             return self._burst_step(info, live, rows, width, count)
-        defer = self._defers(width, live)
+        defer = width == 1 and self.defer_context
         self.deferred_rounds += defer
         proposer = self._proposer(width, defer)
         t_device = time.perf_counter()
@@ -1324,8 +1364,7 @@ class Engine:
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
         """Up to `count` rounds of every live row at `width` in one device call (`RoundRunner.burst`), then one
         fetch and emission. The call ends early when every row is done, or, with requests waiting for a slot,
-        when one finishes. A width-1 call defers the draft's context append round by round and appends once at its
-        end (`runner._burst`)."""
+        when one finishes. A width-1 call holds the draft's context round by round (`defer_context`)."""
         active = np.zeros(self.slots, bool)
         active[live] = True
         proposer = self._proposer(width, width == 1 and self.defer_context)
@@ -1338,7 +1377,7 @@ class Engine:
         info.verify_tokens = shape_rows(width) * int(np.count_nonzero(burst.committed[:, live]))
         self.burst_calls += 1
         self.burst_rounds += burst.rounds
-        if width == 1 and self.defer_context:  # the call's rounds deferred, then appended once
+        if width == 1 and self.defer_context:  # the call's rounds held the draft's context
             self.deferred_rounds += burst.rounds
         self.width_rounds[width] += ran - 1  # the step counted one
         self.rows_rounds[rows] += ran - 1

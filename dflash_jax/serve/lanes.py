@@ -77,7 +77,7 @@ class LanedRunner(RoundRunner):
         per = layout.slots // self.n
         buckets = sorted({lane_rows(r, lane, self.n) for r in layout.row_buckets for lane in range(self.n)} - {0})
         self.lane_layout = Layout(spec=layout.spec, slots=per, row_buckets=tuple(buckets),
-                                  proposers=layout.proposers, widest=layout.widest)
+                                  proposers=layout.proposers, widest=layout.widest, context_rows=layout.context_rows)
         self.lanes = [ResidentRunner(pair, self.lane_layout) for _ in range(self.n)]
         self._pool = spec_lanes.lane_pool(self.n)  # the lanes' threads, kept across calls (one call every round)
         first = self.lanes[0]
@@ -186,6 +186,10 @@ class LanedRunner(RoundRunner):
 
     def pending_context(self) -> np.ndarray:
         return interleave([lane.pending_context() for lane in self.lanes], self.slots, self.n)
+
+    def flush_context(self, rows: int) -> None:
+        split = self._split(rows)
+        self._each(lambda runner, r: runner.flush_context(r), [r if r else None for r in split])
 
     # -- the round -------------------------------------------------------------------------------------
 

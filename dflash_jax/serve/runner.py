@@ -15,6 +15,7 @@ What the engine calls, in host terms (numpy in, numpy out; device arrays stay op
   release(free) / move_row(s, d)   rows marked done (a cancel); one row copied over another (compaction)
   prefill_start / _chunk / _finish a long prompt prefilled one chunk per round (`chunked_prefill` runners)
   pending_context()                each row's committed rows the draft has not seen (`deferred_context` runners)
+  flush_context(rows)              the first `rows` rows' pending context appended to the draft's cache (same)
   draft(proposer, rows)            the proposal of the first `rows` rows -> `Drafted` (device, dispatched)
   demand(drafted)                  each computed row's projected experts [rows, L, E] (host)
   byte_costs(table)                the scheduler's per-(layer, expert) byte cost of a round
@@ -81,6 +82,14 @@ class Layout:
     row_buckets: tuple[int, ...]  # the row counts a round is computed for
     proposers: dict = dataclasses.field(hash=False)  # {verify width: proposer} the engine chooses from
     widest: int  # the widest verify (a tree may be wider than the block)
+    # the draft's context rows each row's state holds (None: the block's): wider, width-1 rounds leave the draft's
+    # context pending there, and the engine flushes it before a drafting round or when full (`flush_context`)
+    context_rows: int | None = None
+
+    @property
+    def held(self) -> int:
+        """The context columns of the state (`context_rows`, else the block)."""
+        return self.spec.block_size if self.context_rows is None else int(self.context_rows)
 
 
 @dataclasses.dataclass
@@ -229,6 +238,9 @@ class RoundRunner:
         raise NotImplementedError(f"{type(self).__name__} prefills whole prompts (chunked_prefill is off)")
 
     def pending_context(self) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} does not defer the draft's context")
+
+    def flush_context(self, rows: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not defer the draft's context")
 
     def draft(self, proposer, rows: int) -> Drafted:
@@ -575,12 +587,10 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
     the others kept as they were (`settle_rows`). Cut to the first `rows` rows and every KV buffer to its first
     `length` slots once for the whole burst, written back once (`_verify`'s `rows` and `length`).
 
-    A deferring width-1 chain (`Chain(1, defer_context=True)`) defers every round: the context rows are widened to
-    hold one row per round besides the pending ones, and one append after the loop (`spec.round.flush_context`, on
-    the call's rows) feeds the draft all of them, instead of an append per round (a choice per round whether to append
-    would be a `lax.cond` over the whole state, which XLA:CPU runs by copying its KV caches every round). The
-    draft's cache stays out of the loop, so the cut rows copied in and out are the target's alone: such a call
-    costs what a block-1 engine's does, plus the one append.
+    A deferring width-1 chain (`Chain(1, defer_context=True)`) defers every round: each round's context row joins
+    the row's pending ones (held context rows, `Layout.context_rows`: the engine leaves room for the call's rounds,
+    flushing first when a row's would not fit, `flush_context`). The rounds never read the draft's cache, so it
+    stays out of the loop and out of the cut rows' copies: such a call costs what a block-1 engine's does.
 
     Stops after `count` rounds, once every active row is done, or with `until_finish` once one of them finished;
     runs at least `min_rounds` (traced) rounds even so (warm-up: rounds of rows that are all idle change nothing, and
@@ -588,11 +598,9 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
     Returns (the state, the tokens each row committed in each round [MAX_BURST, rows] int32, the rounds run)."""
     rows = state.done.shape[0] if rows is None else rows
     deferring = isinstance(proposer, Chain) and proposer.defer_context and bool(spec.taps)
-    if deferring:
-        # the rounds never read the draft's cache: it stays out of the loop (and out of the cut rows' copies);
-        # the context rows get room for a row per round after the pending ones (at most B: a drafting commit)
-        draft_cache, width = state.draft_cache, state.context.shape[1]
-        state = state.replace(draft_cache=None, context=pad_cols(state.context, width + MAX_BURST))
+    if deferring:  # the rounds never read the draft's cache: it stays out of the loop (and out of the cut rows' copies)
+        draft_cache = state.draft_cache
+        state = state.replace(draft_cache=None)
     old = head_rows(state, rows)
     run = head_rows(state, rows, length)
     active = active[:rows]
@@ -617,9 +625,18 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
 
     ran, new, committed = jax.lax.while_loop(cond, body, (jnp.int32(0), run, jnp.zeros((MAX_BURST, rows), jnp.int32)))
     state = settle_rows(state, old, new, active, rows)
-    if deferring:  # the rows' pending rows, an idle one's too (what its next drafting round would append first)
-        state = flush_context(draft_w, state.replace(draft_cache=draft_cache), spec, width=width, rows=rows)
+    if deferring:
+        state = state.replace(draft_cache=draft_cache)
     return state, committed, ran
+
+
+FLUSH_CHUNK = 64  # the context columns one step of a flush appends (`flush_context`'s chunk)
+
+
+@stored_jit(static_argnames=("spec", "rows", "chunk"), donate_argnames=("state",))
+def _flush(draft_w, state: SpecState, spec: SpecConfig, rows: int, chunk: int):
+    """`spec.round.flush_context` of the first `rows` rows, `chunk` columns a step (the state's context width kept)."""
+    return flush_context(draft_w, state, spec, rows=rows, chunk=chunk)
 
 
 def kv_buffers(pre) -> tuple:
@@ -745,7 +762,10 @@ class ResidentRunner(RoundRunner):
         return self.state
 
     def _widen(self, rows: SpecState) -> SpecState:
-        """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block)."""
+        """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block), and the
+        draft's context rows as many as the layout holds (`Layout.context_rows`)."""
+        if rows.context.shape[1] < self.layout.held:
+            rows = rows.replace(context=pad_cols(rows.context, self.layout.held))
         if self.tree is None:
             return rows
         return rows.replace(target_cache=widen_for_tree(self.spec.target, rows.target_cache, self.layout.widest))
@@ -856,6 +876,10 @@ class ResidentRunner(RoundRunner):
 
     def pending_context(self) -> np.ndarray:
         return np.asarray(self.state.num_context)
+
+    @_on_mesh
+    def flush_context(self, rows: int) -> None:
+        self.state = _flush(self.pair.draft, self.state, self.spec, rows, min(FLUSH_CHUNK, self.layout.held))
 
     # -- the round -------------------------------------------------------------------------------------
 

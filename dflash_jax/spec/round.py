@@ -129,6 +129,10 @@ class Proposal:
 def propose(proposer: Proposer, target_w, draft_w, state: SpecState, spec: SpecConfig) -> Proposal:
     """The proposer's verify block from one draft forward over [anchor, MASK x (B'-1)] (none at width 1)."""
     proposer = as_proposer(proposer)
+    if state.context.shape[1] > spec.block_size:
+        # held context rows (`flush_context`): the caller leaves every row at most a block pending, so the draft
+        # reads the block's columns (the commit keeps the state's width)
+        state = state.replace(context=state.context[:, : spec.block_size])
     anchor = state.anchor[:, None]
     if isinstance(proposer, Chain):
         width = verify_width(proposer, spec)
@@ -190,13 +194,20 @@ def commit(state: SpecState, proposal: Proposal, out, spec: SpecConfig, proposer
 
 
 def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None = None,
-                  rows: int | None = None) -> SpecState:
+                  rows: int | None = None, chunk: int | None = None) -> SpecState:
     """The state with every pending context row appended to the draft's context cache now (what the next drafting
     round would append first, so the draft sees the same context), none left pending, and the context rows `width`
-    columns wide (None: as wide as they are). A run of deferring width-1 rounds (`Chain(1, defer_context=True)`)
-    over context rows widened to hold one row per round ends with this: one append for the whole run.
+    columns wide (None: as wide as they are).
+
+    A state may hold more pending rows than a block: the serving engine's width-1 rounds leave the draft's context
+    pending in columns past the block (`Chain(1, defer_context=True)`, up to the state's context width), and flush
+    them only when a drafting round comes (which reads a block's columns: `propose`) or the columns fill, so a
+    request that never drafts again never pays the draft's context.
     rows (static): only the first `rows` rows append, in place in the full buffers; the others keep their pending
-    rows (which must fit in `width` columns)."""
+    rows (which must fit in `width` columns).
+    chunk (static): append `chunk` columns at a time, as many times as the longest pending run among the rows needs
+    (a `while_loop`: the cost follows the rows pending, not the context's width); None: every column at once.
+    Each context row's K/V depends on that row alone, so chunks append exactly what one append would."""
     if not spec.taps:
         return state
     width = state.context.shape[1] if width is None else width
@@ -205,8 +216,22 @@ def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None
     full = state.draft_cache
     head = full.replace(lengths=full.lengths[:rows],
                         position_offset=None if full.position_offset is None else full.position_offset[:rows])
-    cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context[:rows],
-                                       num_context=state.num_context[:rows], cache=head)
+    features, pending = state.context[:rows], state.num_context[:rows]
+    if chunk is None or chunk >= features.shape[1]:
+        cache = draft_model.append_context(draft_w, spec.draft, context_features=features, num_context=pending,
+                                           cache=head)
+    else:
+        features = pad_cols(features, -(-features.shape[1] // chunk) * chunk)
+        trips = (jnp.max(pending) + chunk - 1) // chunk
+
+        def body(carry):
+            k, c = carry
+            part = jax.lax.dynamic_slice_in_dim(features, k * chunk, chunk, axis=1)
+            num = jnp.clip(pending - k * chunk, 0, chunk)
+            return k + 1, draft_model.append_context(draft_w, spec.draft, context_features=part, num_context=num,
+                                                     cache=c)
+
+        _, cache = jax.lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), head))
     if rows < b:  # the head rows' lengths (and offsets) back into the full ones; the buffers are the full ones
         cache = cache.replace(lengths=full.lengths.at[:rows].set(cache.lengths), position_offset=(
             None if full.position_offset is None else full.position_offset.at[:rows].set(cache.position_offset)))

@@ -432,7 +432,7 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
     new = new.replace(
         target_cache=fam.rollback(cache, start + produced),
         draft_cache=draft_cache,
-        context=context.astype(state.context.dtype),
+        context=pad_cols(context.astype(state.context.dtype), state.context.shape[1]),  # a held width kept
         num_context=produced,
         last_accepted=accepted,
         last_bonus=bonus,

@@ -1,9 +1,9 @@
-"""Width-1 rounds that defer the draft's context append (`Engine(defer_context=True)`, the default): the committed
-rows wait in the state's context rows and the next drafting round appends them at once. Outputs are unchanged
-(greedy: the tokens of each request alone, whatever mix of widths), the draft sees the same context (the same
-proposals, so the same tokens per verify as an engine that appends every round), a run of width-1 rounds longer
-than the pending rows' room appends in the round that fills them, and nothing compiles after warm-up. Compiles
-two engines: slow."""
+"""Width-1 rounds that hold the draft's context (`Engine(defer_context=True)`, the default): the committed rows wait
+in the state's held context rows, and a drafting round (or a full hold) appends them at once first
+(`flush_context`). Outputs are unchanged (greedy: the tokens of each request alone, whatever mix of widths), the
+draft sees the same context (the same proposals, so the same tokens per verify as an engine that appends every
+round), a run of width-1 rounds longer than the hold appends when it fills, the chooser re-prices no drafting width
+while a row holds more than a block, and nothing compiles after warm-up. Compiles several engines: slow."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from dflash_jax.spec import generate as spec_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(40, 56))]
 BUDGET = 40
-# long runs of width 1 (past the 4 pending rows: the round that fills them appends), drafting rounds between
+# runs of width 1 (past a block of pending rows: the drafting round after them flushes first), drafting rounds between
 CYCLE = [4, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1, 4, 1, 4, 4, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1]
+# a run of width 1 longer than the least hold (a block and a call's rounds: 20 rows), so the hold fills
+LONG = [4] + [1] * 26 + [2, 4]
 
 
 def _engine(pair, defer, **offload):
@@ -29,8 +31,8 @@ def _engine(pair, defer, **offload):
     return eng
 
 
-def _run(engine):
-    cycle = itertools.cycle(CYCLE)
+def _run(engine, pattern=CYCLE):
+    cycle = itertools.cycle(pattern)
     engine.choose_width = lambda live: next(cycle)
     rounds = []
     engine.observers.append(rounds.append)
@@ -44,22 +46,61 @@ def _run(engine):
 def test_deferred_context_append_is_exact(pair):
     # a round per step and one runner: each forced width is one round, and the state is read below
     deferred = _engine(pair, True, rounds_per_call=1, lanes=1)
-    assert deferred.defer_context
+    assert deferred.defer_context and deferred.context_rows >= deferred.output_len
+    assert deferred.runner.state.context.shape[1] == deferred.context_rows
     reqs, rounds = _run(deferred)
     assert {r.width for r in rounds if r.width} == {1, 2, 4}
-    assert deferred.deferred_rounds > 0
-    assert deferred.width_rounds[1] > deferred.deferred_rounds  # some width-1 rounds found the pending rows full
+    assert deferred.deferred_rounds == deferred.width_rounds[1] > 0  # every width-1 round held the context
+    assert deferred.context_flushes > 0  # drafting rounds after runs of more than a block appended them first
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
     plain = _engine(pair, False, rounds_per_call=1, lanes=1)
-    assert plain.deferred_rounds == 0
+    assert not plain.defer_context and plain.context_rows == plain.block_size
     ref, _ = _run(plain)
-    assert plain.deferred_rounds == 0
+    assert plain.deferred_rounds == 0 and plain.context_flushes == 0
     for a, b in zip(reqs, ref):
         assert a.tokens == b.tokens
         assert a.acceptance == b.acceptance  # the drafts saw the same context: the same proposals accepted
     assert max(max(r.acceptance) for r in reqs) >= 3  # wide rounds really accepted proposals
-    assert np.asarray(deferred.runner.state.num_context).max() <= deferred.block_size
+
+
+@pytest.mark.slow
+def test_a_full_hold_appends_and_the_draft_sees_the_same_context(pair):
+    """The least hold (20 rows) under a run of 26 width-1 rounds: it fills, is appended, holds again; a round per
+    step and calls of several alike. The drafts after it accept as an appending engine's do."""
+    for per_call in (1, 6):
+        ref, _ = _run(_engine(pair, False, rounds_per_call=per_call), LONG)
+        held = _engine(pair, 20, rounds_per_call=per_call)
+        assert held.context_rows == 20
+        reqs, rounds = _run(held, LONG)
+        widths = [r.width for r in rounds if r.width]
+        assert held.context_flushes >= 2  # one when the hold filled, one before the drafting round after the run
+        assert held.deferred_rounds == held.width_rounds[1] >= 26 and 4 in widths
+        for a, b in zip(reqs, ref):
+            assert a.tokens == b.tokens
+            assert a.acceptance == b.acceptance
+        assert np.asarray(held.runner.pending_context()).max() <= held.context_rows
+
+
+@pytest.mark.slow
+def test_no_drafting_width_is_explored_while_a_row_holds_more_than_a_block(pair):
+    """Width 1 priced far below width 4, exploration every 8th round: by then the engine that holds the draft's
+    context holds more than a block in every row, and re-prices no drafting width; the appending engine does."""
+    from dflash_jax.spec.policy import CostRule
+
+    rule = CostRule(explore_every=8, stale_after=1, confirm=1)
+    counts = {}
+    for defer in (True, False):
+        eng = Engine(pair, slots=3, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=BUDGET,
+                     round_seconds={1: 1.0, 4: 50.0}, learn_costs=True, cost_rule=rule, row_buckets=None,
+                     defer_context=defer, rounds_per_call=1, lanes=1)
+        eng.warmup([16])
+        reqs = serve_generate(eng, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
+        for p, r in zip(PROMPTS, reqs):
+            assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
+        counts[defer] = eng.explore_rounds[4]
+    assert counts[False] >= 2
+    assert counts[True] == 0
 
 
 @pytest.mark.slow
@@ -74,7 +115,7 @@ def test_offloaded_deferred_context_append_is_exact(pair):
     eng = _engine(offloaded, True, experts="offload", budget_bytes=min_budget_bytes(store), store=store,
                   bandwidth=1e9)
     reqs, rounds = _run(eng)
-    assert eng.deferred_rounds > 0 and {r.width for r in rounds if r.width} == {1, 2, 4}
+    assert eng.deferred_rounds > 0 and eng.context_flushes > 0 and {r.width for r in rounds if r.width} == {1, 2, 4}
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
     assert max(max(r.acceptance) for r in reqs) >= 3
@@ -82,10 +123,9 @@ def test_offloaded_deferred_context_append_is_exact(pair):
 
 @pytest.mark.slow
 def test_deferred_context_append_in_calls_of_several_rounds(pair):
-    """Calls of several width-1 rounds defer the append every round (the call's context rows hold a row per round,
-    past the block's room) and append once at the call's end: each request's tokens equal it alone, its accepted
-    tokens per verify equal an engine's that appends every round (the draft saw the same context), with calls of
-    several rounds at width 1 and 4, and nothing compiled."""
+    """Calls of several width-1 rounds hold the draft's context every round (past a block of rows): each request's
+    tokens equal it alone, its accepted tokens per verify equal an engine's that appends every round (the draft saw
+    the same context), with calls of several rounds at width 1 and 4, and nothing compiled."""
     eng = _engine(pair, True, rounds_per_call=6)
     reqs, rounds = _run(eng)
     assert {1, 4} <= {r.width for r in rounds if r.burst}

@@ -37,10 +37,11 @@ def served(pair):
                     max_new_tokens=64, store=store, bandwidth=1e9, round_seconds={BLOCK: 1.0},
                     row_buckets=(1, 3), prefill_chunk=8, defer_context=True)
     assert isinstance(engine.runner, OffloadedRunner)
-    # the offloaded runner prefills long prompts by chunks (layer by layer, one chunk per round) and defers the
-    # draft's context append in width-1 rounds, as the resident one does
+    # the offloaded runner prefills long prompts by chunks (layer by layer, one chunk per round) and can hold the
+    # draft's context in width-1 rounds, as the resident one does (this engine has no width 1: nothing to hold)
     assert engine.chunked_prefill and engine.prefill_chunk is not None
-    assert engine.deferred_context and engine.defer_context
+    assert engine.deferred_context and not engine.defer_context
+    assert engine.context_rows == BLOCK and engine.runner.state.context.shape[1] == BLOCK
     engine.warmup([16])
     registry = CollectorRegistry()
     attach_metrics(engine, registry)
