@@ -41,8 +41,8 @@ def served(pair):
     # draft's context in width-1 rounds, as the resident one does (this engine has no width 1: nothing to hold)
     assert engine.chunked_prefill and engine.prefill_chunk is not None
     assert engine.deferred_context and not engine.defer_context
-    assert engine.context_rows == BLOCK and engine.runner.state.context.shape[1] == BLOCK
     engine.warmup([16])
+    assert engine.context_rows == BLOCK and engine.runner.state.context.shape[1] == BLOCK
     registry = CollectorRegistry()
     attach_metrics(engine, registry)
     infos = []

@@ -60,3 +60,44 @@ def test_deferred_rows_flushed_equal_appending_every_round(pair):
     for row in range(2):
         for got, want in zip(_valid_slots(head.draft_cache, row), _valid_slots(flushed.draft_cache, row)):
             np.testing.assert_array_equal(got, want)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
+def _flush_chunks(dw, state, spec, chunk):
+    return flush_context(dw, state, spec, chunk=chunk)
+
+
+def test_held_context_flushed_by_chunks_then_drafted_equals_appending(pair):
+    """A state holding more pending rows than a block (context columns past it, as the serving engine's width-1
+    rounds hold them): flushed `chunk` columns at a time (several steps, the last one partial) it gives the draft's
+    cache an appending state's, and the drafting round after it (which reads the block's columns) proposes and
+    commits what the appending state's does, keeping the held width."""
+    from dflash_jax.spec.tree import pad_cols
+
+    held_rounds, held_width = 7, 12
+    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=24, stop_ids=[])
+    tw, dw = pair.target, pair.draft
+    held = start.replace(context=pad_cols(start.context, held_width))
+    appended = start
+    for _ in range(held_rounds):
+        held = _round(tw, dw, held, spec, Chain(1, defer_context=True))
+        appended = _round(tw, dw, appended, spec, Chain(1))
+    assert held.context.shape[1] == held_width
+    assert np.all(np.asarray(held.num_context) == held_rounds) and held_rounds > spec.block_size
+    whole = _flush_chunks(dw, held, spec, None)
+    flushed = _flush_chunks(dw, held, spec, 3)  # 3 steps: 3 + 3 + 1 rows
+    reference = _flush_chunks(dw, appended, spec, None)
+    assert flushed.context.shape == held.context.shape and np.all(np.asarray(flushed.num_context) == 0)
+    np.testing.assert_array_equal(flushed.draft_cache.lengths, reference.draft_cache.lengths)
+    for row in range(len(PROMPTS)):
+        for got, one, want in zip(_valid_slots(flushed.draft_cache, row), _valid_slots(whole.draft_cache, row),
+                                  _valid_slots(reference.draft_cache, row)):
+            np.testing.assert_allclose(got, one, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a drafting round on the flushed held state: the same tokens committed as on the appending state
+    drafted = _round(tw, dw, flushed, spec, Chain(4))
+    ref = _round(tw, dw, reference, spec, Chain(4))
+    np.testing.assert_array_equal(drafted.output, ref.output)
+    np.testing.assert_array_equal(drafted.last_accepted, ref.last_accepted)
+    assert int(np.max(np.asarray(ref.last_accepted))) >= 1  # proposals were accepted
+    assert drafted.context.shape[1] == held_width
