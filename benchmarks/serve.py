@@ -5,7 +5,8 @@ speculation (block size 1), at concurrency 1, 4, 16, 32.
                              [--prompt-len 64] [--modes auto8,4,tree16] [--repeats 4] [--slots 32]
                              [--quick] [--out DIR | --write-docs]
 
-For each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by its cost model; `treeN`:
+For each mode (`autoN`: the engine picks each round's verify width from 1, 2, 4 .. N by its cost model; `1+N`: from
+widths 1 and N; `treeN`:
 a token tree of N nodes, branch 4, every round; a fixed
 block size N; and B=1) one engine of `--slots` slots (default: the largest concurrency; 0: an engine per
 concurrency with as many slots as clients) is built and warmed up (compiles excluded) behind the
@@ -126,10 +127,12 @@ class Point:
             from dflash_jax.spec import TreeShape
 
             proposer = TreeShape(int(mode[4:]), 4)
-        self.block_size = pair.draft_cfg.block_size if tree else int(mode[4:] if adaptive else mode)
+        listed = "+" in mode  # "1+4": the verify width chosen per round from these
+        widths = sorted(int(w) for w in mode.split("+")) if listed else "auto" if adaptive else None
+        self.block_size = (pair.draft_cfg.block_size if tree else max(widths) if listed
+                           else int(mode[4:] if adaptive else mode))
         self.engine = Engine(pair, slots=slots, block_size=self.block_size, max_prompt_len=prompt_len,
-                             max_new_tokens=max_tokens, max_queue=4 * slots,
-                             widths="auto" if adaptive else None, proposer=proposer)
+                             max_new_tokens=max_tokens, max_queue=4 * slots, widths=widths, proposer=proposer)
         t = time.perf_counter()
         self.engine.warmup([prompt_len])
         self.warm_s = time.perf_counter() - t
@@ -209,6 +212,8 @@ def mode_label(mode: str) -> str:
         return f"DFlash tree N={mode[4:]} (branch 4)"
     if mode.startswith("auto"):
         return f"DFlash, width by load (<= {mode[4:]})"
+    if "+" in mode:
+        return f"DFlash, width by load from {mode.replace('+', ', ')}"
     return f"DFlash B={mode}" if mode != "1" else "no speculation (B=1)"
 
 
@@ -216,7 +221,8 @@ def main(argv=None) -> int:
     p = h.parser(__doc__, {
         "--concurrency": "1,4,16,32", "--requests-per-client": 2,
         "--modes": ("auto8,4", "DFlash modes besides B=1: `autoN` (the verify width chosen per round by the engine's "
-                               "cost model from 1, 2, 4, .. N) or a fixed block size N (default auto8,4)"),
+                               "cost model from 1, 2, 4, .. N), `A+B+..` (chosen from the widths A, B, ..; the "
+                               "block the widest) or a fixed block size N (default auto8,4)"),
         "--slots": (None, "the engine's slots, one engine per mode for every concurrency (default: the largest "
                           "concurrency); 0: an engine per concurrency with as many slots as clients")},
         checkpoint=None, max_tokens=64, prompt_len=64, repeats=4)

@@ -553,6 +553,40 @@ def settle_rows(full: SpecState, old: SpecState, new: SpecState, active, rows: i
     return new if rows is None else put_head_rows(full, new)
 
 
+def _deferring(proposer, spec: SpecConfig) -> bool:
+    return isinstance(proposer, Chain) and proposer.defer_context and bool(spec.taps)
+
+
+def lift_context(state: SpecState, proposer, spec: SpecConfig, rounds: int):
+    """A round's state with the held context rows lifted out (`Layout.context_rows`, wider than the block), so the
+    rows a round cuts, keeps and writes back carry a few columns of it, not the whole hold: a deferring width-1
+    round gets `rounds` empty columns to write its own rows into (a call's rounds), a drafting round the block's
+    columns (it appends every pending row: at most a block). Returns (that state, what `lower_context` puts back;
+    None when the state holds only the block's columns)."""
+    held, pending = state.context, state.num_context
+    if held.shape[1] <= spec.block_size:
+        return state, None
+    if _deferring(proposer, spec):
+        narrow = jnp.zeros((held.shape[0], rounds, held.shape[2]), held.dtype)
+        return state.replace(context=narrow, num_context=jnp.zeros_like(pending)), (held, pending, True)
+    return state.replace(context=held[:, : spec.block_size]), (held, pending, False)
+
+
+def lower_context(state: SpecState, lifted) -> SpecState:
+    """The held context back into the state after the round (`lift_context`): a deferring round's new rows written
+    after each row's pending ones (its count added to theirs), a drafting round's next rows into the first columns
+    (in place in the hold: the state is donated)."""
+    if lifted is None:
+        return state
+    held, pending, deferring = lifted
+    if deferring:
+        b, width = state.context.shape[:2]
+        cols = pending[:, None] + jnp.arange(width, dtype=pending.dtype)[None]
+        held = held.at[jnp.arange(b)[:, None], cols].set(state.context, mode="drop")
+        return state.replace(context=held, num_context=pending + state.num_context)
+    return state.replace(context=jax.lax.dynamic_update_slice_in_dim(held, state.context, 0, axis=1))
+
+
 @stored_jit(static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
 def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: SpecConfig, proposer,
             rows: int | None = None, length: int | None = None) -> SpecState:
@@ -570,11 +604,12 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
     the live lengths, not the cache's capacity; the same result (`ResidentRunner.length_buckets`)."""
     if length is not None and rows is None:
         rows = state.done.shape[0]
+    state, lifted = lift_context(state, proposer, spec, 1)
     old = head_rows(state, rows) if rows is not None else state
     run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows, length)
     out = verify_forward(target_w, run, proposal, spec)
     new, _ = commit(run, proposal, out, spec, proposer)
-    return settle_rows(state, old, new, active, rows), out.logits
+    return lower_context(settle_rows(state, old, new, active, rows), lifted), out.logits
 
 
 MAX_BURST = 16  # the most rounds one burst runs (`RoundRunner.burst`)
@@ -589,18 +624,20 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
 
     A deferring width-1 chain (`Chain(1, defer_context=True)`) defers every round: each round's context row joins
     the row's pending ones (held context rows, `Layout.context_rows`: the engine leaves room for the call's rounds,
-    flushing first when a row's would not fit, `flush_context`). The rounds never read the draft's cache, so it
-    stays out of the loop and out of the cut rows' copies: such a call costs what a block-1 engine's does.
+    flushing first when a row's would not fit, `flush_context`). The rounds never read the draft's cache, and write
+    their rows into `MAX_BURST` columns of their own (`lift_context`), so neither the draft's cache nor the hold is in
+    the loop or the cut rows' copies: such a call costs what a block-1 engine's does.
 
     Stops after `count` rounds, once every active row is done, or with `until_finish` once one of them finished;
     runs at least `min_rounds` (traced) rounds even so (warm-up: rounds of rows that are all idle change nothing, and
     a program's loop runs once before serving: XLA:CPU sets up a program's kernels on their first run, 20 - 70 ms).
     Returns (the state, the tokens each row committed in each round [MAX_BURST, rows] int32, the rounds run)."""
     rows = state.done.shape[0] if rows is None else rows
-    deferring = isinstance(proposer, Chain) and proposer.defer_context and bool(spec.taps)
+    deferring = _deferring(proposer, spec)
     if deferring:  # the rounds never read the draft's cache: it stays out of the loop (and out of the cut rows' copies)
         draft_cache = state.draft_cache
         state = state.replace(draft_cache=None)
+    state, lifted = lift_context(state, proposer, spec, MAX_BURST)
     old = head_rows(state, rows)
     run = head_rows(state, rows, length)
     active = active[:rows]
@@ -624,7 +661,7 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
         return ((i < count) & jnp.any(~s.done) & ~(until_finish & finished)) | (i < min_rounds)
 
     ran, new, committed = jax.lax.while_loop(cond, body, (jnp.int32(0), run, jnp.zeros((MAX_BURST, rows), jnp.int32)))
-    state = settle_rows(state, old, new, active, rows)
+    state = lower_context(settle_rows(state, old, new, active, rows), lifted)
     if deferring:
         state = state.replace(draft_cache=draft_cache)
     return state, committed, ran
@@ -908,7 +945,7 @@ class ResidentRunner(RoundRunner):
         width w commits at most w and drafts a block after (w, B); anything else (None: any round) the widest
         verify and a block."""
         if isinstance(proposer, Chain) and proposer.width is not None:
-            if proposer.defer_context and bool(self.spec.taps):
+            if _deferring(proposer, self.spec):
                 return 1, 0
             return int(proposer.width), self.spec.block_size
         return self.layout.widest, self.spec.block_size
