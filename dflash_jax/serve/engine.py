@@ -235,13 +235,14 @@ class Engine:
     exploration of the widths next to the chosen one whose entries are stale (`explore_width`, by `cost_rule`;
     `explore_rounds` / `explore_seconds` count it). Default (None): on, unless `round_seconds` fixes the table.
     defer_context: a width-1 round skips the draft's context append (the target taps of the committed row) and
-    holds the row pending in the row's state (`context_rows` of them: "auto" with True, or a number of rows); a
-    drafting round first appends every pending row of its rows at once (`RoundRunner.flush_context`), as does a call
-    whose rounds would overflow the hold (the same draft context, so the same proposals; outputs never depend on
-    it). A width-1 round then costs what a round of a block-1 engine does, and a request that finishes while held
-    at width 1 never pays the draft's context. "auto": every committed row of a request (its output buffer and a
-    verify), within `HOLD_BYTES` of held rows over all slots, at least a block and a call's rounds. While a live row
-    holds more than a block, the chooser explores no drafting width (it would flush the hold to re-price a width).
+    holds the row pending in the row's state (`context_rows` of them: "auto" with True, or a number of rows), as a
+    prefill holds its prompt's rows (a prompt prefilled whole that fits, at its slot positions); a drafting round
+    first appends every pending row of its rows at once (`RoundRunner.flush_context`), as does a call whose rounds
+    would overflow the hold (the same draft context, so the same proposals; outputs never depend on it). A width-1
+    round then costs what a round of a block-1 engine does, and a request that finishes while held at width 1 never
+    pays the draft. "auto": a whole request's rows (its prompt, output buffer and a verify) within `HOLD_BYTES` of
+    held rows over all slots, at least a block and a call's rounds. While a live row holds more than a block, the
+    chooser explores no drafting width (it would flush the hold to re-price a width).
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
     cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
     no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
@@ -400,7 +401,9 @@ class Engine:
         # width-1 rounds hold the draft's context (`defer_context`): the runner's state holds `context_rows` rows
         self.defer_context = (not isinstance(defer_context, bool) or defer_context) and bool(self.spec.taps) \
             and runner.deferred_context and 1 in widths
-        self.context_rows = self._context_rows(defer_context, pair) if self.defer_context else self.block_size
+        whole = self.max_prompt_len if prefill_chunk is None else min(self.max_prompt_len,
+                                                                       self.buckets.prompt_len(int(prefill_chunk)))
+        self.context_rows = self._context_rows(defer_context, pair, whole) if self.defer_context else self.block_size
         self.row_buckets = row_buckets
         # the proposer of each width the chooser picks from (`spec.round`): chains of the width, or the one tree
         self.proposers = {w: w if isinstance(w, TreeShape) else Chain(w, head=head and w > 1) for w in widths}
@@ -471,8 +474,10 @@ class Engine:
         self.rounds = 0
         self.warm = False
 
-    def _context_rows(self, defer_context, pair) -> int:
-        """The draft context rows a row's state holds (`defer_context`): at least a block and a call's rounds."""
+    def _context_rows(self, defer_context, pair, prompt: int) -> int:
+        """The draft context rows a row's state holds (`defer_context`): at least a block and a call's rounds; "auto"
+        a request's rows (a prompt prefilled whole, at most `prompt` rows, its output and a verify) where they fit in
+        `HOLD_BYTES` over the slots."""
         least = self.block_size + MAX_BURST
         if not isinstance(defer_context, bool):
             rq.check_int(defer_context, "defer_context", low=least,
@@ -481,7 +486,7 @@ class Engine:
         features = len(self.spec.taps) * int(pair.target_cfg.hidden_size)
         per_row = features * np.dtype(pair.target.embed.dtype).itemsize * self.slots
         fits = HOLD_BYTES // max(per_row, 1)
-        return int(max(least, min(self.output_len + self.widest, fits)))
+        return int(max(least, min(prompt + self.output_len + self.widest, fits)))
 
     @staticmethod
     def _tree_of(proposer, pair) -> TreeShape | None:

@@ -416,10 +416,13 @@ def _move_row(state: SpecState, src, dst) -> SpecState:
     return map_rows(lambda x: x.at[dst].set(x[src]), state)
 
 
-@stored_jit(static_argnames=("spec",))
-def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None):
-    """`session.prefill_rows`: the prefilled rows and their last logits in fp32 (lossless; what sampling reads)."""
-    state, logits = prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec, positions)
+@stored_jit(static_argnames=("spec", "hold"))
+def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None,
+                  hold: int | None = None):
+    """`session.prefill_rows`: the prefilled rows and their last logits in fp32 (lossless; what sampling reads); with
+    `hold`, the prompt's draft context held pending (`session.start_state`)."""
+    state, logits = prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec, positions,
+                                 hold)
     return state, logits.astype(jnp.float32)
 
 
@@ -817,8 +820,16 @@ class ResidentRunner(RoundRunner):
     def prefill(self, batch: PrefillBatch) -> SpecState:
         state, self.last_logits = _prefill_rows(self.pair.target, self.pair.draft, batch.tokens, batch.lengths,
                                                 batch.params, batch.key_data, batch.key_fold, self.spec,
-                                                batch.positions)
+                                                batch.positions, self._prompt_hold(batch))
         return self._widen(state)
+
+    def _prompt_hold(self, batch: PrefillBatch) -> int | None:
+        """The held context columns a prefill puts the prompt's draft context in (`Layout.context_rows`), where the
+        state holds more than a block, the prompt fits, and its rows sit at slot positions; else None (appended)."""
+        held = self.layout.held
+        if held <= self.spec.block_size or batch.positions is not None or batch.tokens.shape[1] > held:
+            return None
+        return held
 
     @_on_mesh
     def fork(self, rows: SpecState, src, key_data, key_fold) -> SpecState:

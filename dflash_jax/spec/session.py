@@ -384,22 +384,23 @@ def begin_arrays(target_w, draft_w, tokens, lengths, params, key_data, key_fold,
     return prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec, positions)[0]
 
 
-def prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None):
+def prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None,
+                 hold: int | None = None):
     """`begin_arrays` (not jitted) that also returns the prefill's last logits [b, V] (the distribution the first
-    token was drawn from: the server's logprobs and its `n` samples of one prompt read them)."""
+    token was drawn from: the server's logprobs and its `n` samples of one prompt read them). hold: `start_state`'s."""
     fam = target_family(spec.target)
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
     cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
                               verify_width=spec.block_size)
     out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last",
                       positions=positions)
-    return (start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions),
-            out.logits)
+    return (start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions,
+                        hold=hold), out.logits)
 
 
 def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig,
                 params: RowParams | None = None, context_positions: jax.Array | None = None,
-                draft_cache: KVCache | None = None) -> SpecState:
+                draft_cache: KVCache | None = None, hold: int | None = None) -> SpecState:
     """The state after a prefill `out` (a ForwardOutput with "last" logits and the draft taps): the first
     token, the draft's context cache fed with the prompt taps. `target_w` is read for `embed.dtype` only.
 
@@ -407,7 +408,10 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
     stop ids `stop_ids` [S] (the `make_spec` form). key: one key (sequence i draws from fold_in(key, i))
     or one key per sequence [b]. context_positions: [b, T] the prompt rows' RoPE positions when the prefill
     ran at explicit positions (`dflash_jax.pflash`), None = slot positions. draft_cache: the draft's context
-    cache already fed with every prompt row (a chunked prefill, `spec.prefill`); `out.taps` are then not read."""
+    cache already fed with every prompt row (a chunked prefill, `spec.prefill`); `out.taps` are then not read.
+    hold (static): the prompt rows' taps held as the state's pending context rows, `hold` columns of them, instead of
+    appended to the draft's cache now (the serving engine's held context, which a drafting round appends first:
+    a request that never drafts never pays the draft); only at slot positions, a prompt of at most `hold` rows."""
     b = lengths.shape[0]
     if params is None:
         if spec.static_request is None:
@@ -418,7 +422,15 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
     key, k_first = split_rows(key)
     first = next_token_rows(k_first, out.logits, params.sampling)
     feat = spec.draft.num_taps * spec.target.hidden_size
-    if spec.block_size > 1 and draft_cache is None:
+    context, pending = jnp.zeros((b, spec.block_size, feat), target_w.embed.dtype), jnp.zeros((b,), jnp.int32)
+    if hold is not None and spec.block_size > 1 and draft_cache is None and spec.taps:
+        taps = draft_model.context_features(out.taps).astype(target_w.embed.dtype)
+        if context_positions is not None or taps.shape[1] > hold:
+            raise ValueError(f"a held prompt needs slot positions and at most {hold} rows, got {taps.shape[1]}")
+        draft_cache = draft_model.init_draft_cache(spec.draft, b, spec.max_len, draft_w.fc.dtype)
+        context = jnp.pad(taps, [(0, 0), (0, hold - taps.shape[1]), (0, 0)])
+        pending = jnp.asarray(lengths, jnp.int32)
+    elif spec.block_size > 1 and draft_cache is None:
         draft_cache = draft_model.init_draft_cache(spec.draft, b, spec.max_len, draft_w.fc.dtype)
         draft_cache = draft_model.append_context(
             draft_w, spec.draft, context_features=draft_model.context_features(out.taps), num_context=lengths,
@@ -431,8 +443,8 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
         target_cache=out.cache,
         draft_cache=draft_cache,
         anchor=first,
-        context=jnp.zeros((b, spec.block_size, feat), target_w.embed.dtype),
-        num_context=jnp.zeros((b,), jnp.int32),
+        context=context,
+        num_context=pending,
         output=jnp.full((b, n), -1, jnp.int32).at[:, 0].set(first),
         num_generated=jnp.ones((b,), jnp.int32),
         done=done,

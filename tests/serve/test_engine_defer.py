@@ -141,3 +141,28 @@ def test_deferred_context_append_in_calls_of_several_rounds(pair):
         assert a.tokens == b.tokens
         assert a.acceptance == b.acceptance
     assert max(max(r.acceptance) for r in reqs) >= 3
+
+
+@pytest.mark.slow
+def test_a_prefill_holds_the_prompt_until_the_first_drafting_round(pair):
+    """A whole prompt's draft context is held too: after its prefill and width-1 rounds the row's draft cache is
+    empty and its prompt rows and rounds' rows pending; the first drafting round appends them (one flush) and
+    proposes what an appending engine proposes."""
+    widths = iter([1, 1, 1] + [4] * 40)
+    eng = _engine(pair, True, rounds_per_call=1, lanes=1)
+    eng.choose_width = lambda live: next(widths)
+    prompt = PROMPTS[2]
+    req = eng.submit(prompt, max_new_tokens=BUDGET, stop_ids=[])
+    for _ in range(3):
+        eng.step()
+    slot = req.slot
+    assert eng.runner.pending_context()[slot] == len(prompt) + 3 and eng.context_flushes == 0
+    assert int(np.asarray(eng.runner.state.draft_cache.lengths)[slot]) == 0  # the draft has seen nothing yet
+    eng.run_until_idle()
+    assert eng.context_flushes == 1
+    assert req.tokens == spec_generate(pair, [prompt], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
+    ref = _engine(pair, False, rounds_per_call=1, lanes=1)
+    widths = iter([1, 1, 1] + [4] * 40)
+    ref.choose_width = lambda live: next(widths)
+    (want,) = serve_generate(ref, [prompt], max_new_tokens=BUDGET, stop_ids=[])
+    assert req.acceptance == want.acceptance and max(req.acceptance) >= 3
