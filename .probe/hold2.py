@@ -13,7 +13,8 @@ N = int(os.environ.get("N", "128"))
 PER = int(os.environ.get("PER", "4"))
 SLOTS = int(os.environ.get("SLOTS", "32"))
 pair = dflash_jax.load(None, dequantize_experts="auto")
-pool = h.prompts(pair, max(CLIENTS) * PER, 64)
+base = h.prompts(pair, 64, 64)
+pool = [base[i % len(base)] for i in range(max(CLIENTS) * PER)]
 MODES = eval(os.environ.get("MODES", "{'plain': dict(block_size=1), 'b4': dict(block_size=4), "
                                      "'w14': dict(block_size=4, widths=(1, 4))}"))
 engines = {}
