@@ -17,6 +17,7 @@ Modes:
   plain                      `--block-size 1`
   widths auto                `--block-size 4 --widths auto`: widths 1, 2, 4 chosen per round (twice the
                              programs, and their timing)
+  widths 1,4                 `--block-size 4 --widths 1,4`: width 1 or 4 chosen per round
   vLLM k = 3                 vLLM's OpenAI server, the exported pair, DFlash with 3 speculative tokens (the venv
                              `benchmarks/peers.py` makes; skipped with --no-vllm)
 
@@ -42,6 +43,7 @@ OURS = {
     "block 4, no stored": ([], {"DFLASH_STORED_PROGRAMS": "0"}),
     "plain": (["--block-size", "1"], {}),
     "widths auto": (["--block-size", "4", "--widths", "auto"], {}),
+    "widths 1,4": (["--block-size", "4", "--widths", "1,4"], {}),
 }
 VLLM_MODE = "vLLM k = 3"
 DEFAULTS = dict(rounds=3, slots=32, prompt_len=128, max_new=128)
