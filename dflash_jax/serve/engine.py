@@ -399,6 +399,10 @@ class Engine:
                                output_len=self.output_len, method=method)
         self.widths = widths
         # width-1 rounds hold the draft's context (`defer_context`): the runner's state holds `context_rows` rows
+        if not isinstance(defer_context, bool):
+            least = self.block_size + MAX_BURST
+            rq.check_int(defer_context, "defer_context", low=least,
+                         what=f"True, False or the context rows held, at least {least} (a block and a call's rounds)")
         self.defer_context = (not isinstance(defer_context, bool) or defer_context) and bool(self.spec.taps) \
             and runner.deferred_context and 1 in widths
         whole = self.max_prompt_len if prefill_chunk is None else min(self.max_prompt_len,
@@ -479,9 +483,7 @@ class Engine:
         a request's rows (a prompt prefilled whole, at most `prompt` rows, its output and a verify) where they fit in
         `HOLD_BYTES` over the slots."""
         least = self.block_size + MAX_BURST
-        if not isinstance(defer_context, bool):
-            rq.check_int(defer_context, "defer_context", low=least,
-                         what=f"True, False or the context rows held, at least {least} (a block and a call's rounds)")
+        if not isinstance(defer_context, bool):  # checked above
             return int(defer_context)
         features = len(self.spec.taps) * int(pair.target_cfg.hidden_size)
         per_row = features * np.dtype(pair.target.embed.dtype).itemsize * self.slots

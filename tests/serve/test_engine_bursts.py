@@ -177,6 +177,12 @@ def test_bad_rounds_per_call_named():
     for bad in (0, -1.0, "1"):
         with pytest.raises(ValueError, match="call_seconds"):
             Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, call_seconds=bad)
+    # the held context rows: at least a block (4) and a call's rounds
+    for bad in (MAX_BURST + 3, 0, -5, "auto", 30.5):
+        with pytest.raises((TypeError, ValueError), match="defer_context"):
+            Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, block_size=4, defer_context=bad)
+    for fine in (True, False, MAX_BURST + 4, 500):
+        Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, block_size=4, defer_context=fine)
 
 
 # -- the resident runner on the shipped pair -------------------------------------------------------------------
