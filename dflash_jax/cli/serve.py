@@ -444,8 +444,10 @@ def build_app(args):
     if not args.no_warmup:
         print(f"dflash-serve: compiling {engine.slots} slots, prompts up to {engine.max_prompt_len} tokens ...",
               file=sys.stderr, flush=True)
-        seconds = engine.warmup()
-        print(f"dflash-serve: ready in {seconds:.1f}s", file=sys.stderr, flush=True)
+        seconds = engine.warmup(later_widths=True)  # the narrower widths warm while the server waits for work
+        later = engine.widths_warming
+        later = f" (then widths {', '.join(map(str, later))}, warmed while idle)" if later else ""
+        print(f"dflash-serve: ready in {seconds:.1f}s{later}", file=sys.stderr, flush=True)
     name = args.model_name or os.path.basename(os.path.normpath(directory))
     eos = tuple(t for t in pair.target_cfg.eos_token_ids if 0 <= t < pair.target_cfg.vocab_size)
     app = create_app(engine, load_tokenizer(pair), model_name=name, chat_template=template,

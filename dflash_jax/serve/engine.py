@@ -57,6 +57,10 @@ Width-1 rounds hold the draft's context (`defer_context`): the committed row's t
 and only a drafting round (or a full hold) appends them to the draft's cache, all at once. A width-1 round, alone or
 in a call, then costs what a block-1 engine's does, and a request that never drafts again never pays the draft.
 
+A server's warm-up may leave the narrower widths for later (`warmup(later_widths=True)`): it compiles, runs and
+times the widest width only, and the engine warms the others while it has nothing to serve (`warm_later`), or, while
+busy, a row bucket's at a time every `BUSY_WARM_EVERY` steps. The chooser picks among a row bucket's warm widths.
+
 `Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
 rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
 """
@@ -80,8 +84,8 @@ from dflash_jax.serve.runner import (
     array_types,
 )
 from dflash_jax.spec.policy import (
-    BucketCosts, CostRule, choose_width, decide_width, default_widths, observe_cost, shape_order, shape_rows,
-    width_label,
+    BucketCosts, CostRule, choose_width, decide_width, default_widths, join_widths, observe_cost, shape_order,
+    shape_rows, width_label,
 )
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
@@ -102,6 +106,9 @@ EXPLORE_CALL_ROUNDS = 3
 # the most device bytes the held draft context of every slot takes (`defer_context="auto"`): on the shipped pairs a
 # whole request's rows; a model of wide taps holds fewer, and pays the draft's context once the hold fills
 HOLD_BYTES = 64 << 20
+# a busy engine with widths still to warm (`warmup(later_widths=True)`) warms the round's row bucket after every this
+# many steps (its programs first, then their timing: each a few rounds' time, once per row bucket)
+BUSY_WARM_EVERY = 8
 
 
 class RequestError(ValueError):
@@ -477,6 +484,11 @@ class Engine:
         self.observers: list[Callable[[RoundInfo], None]] = []
         self.rounds = 0
         self.warm = False
+        self._ready: dict = {}  # rows -> the widths warm there (`warmup(later_widths=True)`); absent: every width
+        self._later: collections.deque = collections.deque()  # warm-up left for later: (kind, rows, length)
+        self._busy_warm: dict = {}  # rows -> what a busy engine has warmed of the bucket ("programs")
+        self._later_widths: tuple = ()  # the widths left for later
+        self._steps = 0
 
     def _context_rows(self, defer_context, pair, prompt: int) -> int:
         """The draft context rows a row's state holds (`defer_context`): at least a block and a call's rounds; "auto"
@@ -792,21 +804,125 @@ class Engine:
         for ids, lps in zip(scores.top_id[row, :count, :k].tolist(), scores.top_logprob[row, :count, :k].tolist()):
             req.top_logprobs.append(list(zip(ids, lps)))
 
-    def warmup(self, prompt_buckets: Sequence[int] | None = None) -> float:
+    def warmup(self, prompt_buckets: Sequence[int] | None = None, *, later_widths: bool = False) -> float:
         """Compiles the prefill for every prompt bucket up to max_prompt_len (or the given lengths), the
         insert, the draft and the verify (and what else the runner compiles, `RoundRunner.warm_extra`). Returns
         the seconds it took. Every program is called twice over, the second time on the state the first pass left,
         unless that state has the types the first pass started from (`RoundRunner.carried`, `array_types`): then
-        the second pass would call the same programs. A warm start loads the programs ahead (`prefetch`)."""
+        the second pass would call the same programs. A warm start loads the programs ahead (`prefetch`).
+
+        later_widths: of several widths, only the widest is compiled, run and timed now (a server answers
+        `/health` as soon as it can serve the block); the others join each row bucket's choice once the engine
+        has warmed and timed them there (`warm_later`: while idle, or a bucket at a time while busy)."""
         t0 = time.perf_counter()
         compile_cache.ensure_enabled()
-        label = (f"Engine.warmup {type(self.runner).__name__} slots={self.slots} widths={self.widths} "
+        now = self.widths
+        if later_widths and len(self.widths) > 1:
+            now = (max(self.widths, key=shape_order),)
+        label = (f"Engine.warmup {type(self.runner).__name__} slots={self.slots} widths={now} "
                  f"rows={self.row_buckets} prompts={prompt_buckets} max_prompt={self.max_prompt_len}")
         with prefetch.prefetching(label):  # a warm start loads its programs ahead, on a second core
-            self._warmup(prompt_buckets)
+            self._warmup(prompt_buckets, now)
+        self._ready = {} if now == self.widths else {rows: now for rows in self.row_buckets}
+        self._later_widths = tuple(w for w in self.widths if w not in now)
+        self._busy_warm = {}
+        self._later = collections.deque()
+        if now != self.widths:  # each bucket's programs of every length (the longest first), then their timing
+            for rows in self.row_buckets:
+                self._later.extend(("programs", rows, n) for n in sorted(self.runner.length_buckets, reverse=True))
+                self._later.append(("timed", rows, None))
         return time.perf_counter() - t0
 
-    def _warmup(self, prompt_buckets: Sequence[int] | None) -> None:
+    @property
+    def warming(self) -> int:
+        """Warm-up steps left for later (`warmup(later_widths=True)`): 0 once every width is warm everywhere."""
+        return len(self._later)
+
+    @property
+    def widths_warming(self) -> tuple:
+        """The widths some row bucket does not choose yet (`warmup(later_widths=True)`)."""
+        return tuple(w for w in self._later_widths if any(w not in ws for ws in self._ready.values()))
+
+    def ready_widths(self, rows: int) -> tuple:
+        """The widths the chooser picks among in the row bucket: every width, unless some are still to warm."""
+        return self._ready.get(rows, self.widths)
+
+    def warm_later(self, busy: bool = False) -> bool:
+        """One step of the warm-up left for later (`warmup(later_widths=True)`); returns whether one ran. Idle (no
+        request queued or live): the next of every bucket's programs of each length, pinned, then the bucket's
+        paired timing (`measure_rounds`), after which its widths join the choice. Busy (`busy`): the current row
+        bucket's programs at the lengths the live rows need (an idle round and call of each width, as the rounds a
+        row sits out), then its timing at those lengths; a length no busy or idle step warmed yet is loaded by the
+        first round that needs it."""
+        if not self._later:
+            return False
+        try:
+            if busy:
+                rows = self.row_bucket(sorted(self.requests))
+                if rows not in self._ready:
+                    return False
+                done = self._busy_warm.get(rows)
+                if done is None:
+                    self._warm_widths(rows, None)
+                    self._busy_warm[rows] = "programs"
+                else:
+                    self._join(rows)
+                return True
+            item = kind, rows, length = self._later[0]
+            if kind == "programs":
+                self._warm_widths(rows, length)
+            elif rows in self._ready:
+                self._join(rows)
+            if self._later and self._later[0] == item:  # taken off once done: `warming` counts it while it runs
+                self._later.popleft()
+            return True
+        except Exception as e:  # the widths already warm go on serving; the others stay out of the choice
+            import sys
+
+            self._later.clear()
+            print(f"dflash_jax: the later warm-up stopped ({type(e).__name__}: {e}); the widths "
+                  f"{sorted({w for ws in self._ready.values() for w in ws}, key=shape_order)} serve", file=sys.stderr)
+            return False
+
+    def finish_warmup(self) -> int:
+        """Runs what `warmup(later_widths=True)` left, now (the engine idle); returns the steps it ran."""
+        if self.queue or self.requests:
+            raise RuntimeError("finish_warmup runs on an idle engine (no request queued or live)")
+        n = 0
+        while self.warm_later():
+            n += 1
+        return n
+
+    def _warm_widths(self, rows: int, length: int | None) -> None:
+        """An idle round and call (no row active: every row keeps its state) of every width the bucket does not
+        choose yet, with the round's length pinned (idle) or as the live rows need (None)."""
+        idle = np.zeros(self.slots, bool)
+        scored = np.ones(self.slots, bool) if self.runner.token_logprobs else None
+        self.runner.pin_length = length
+        try:
+            for w in self._later_widths:
+                self._round(w, idle, rows, logprobs=None if self.requests else scored)
+                if self.runner.bursts and self.rounds_per_call != 1:
+                    self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows)
+        finally:
+            self.runner.pin_length = None
+        self.runner.sync()
+
+    def _join(self, rows: int) -> None:
+        """Times every width of the bucket (paired) and lets the chooser pick among them all there: a learned
+        table gains the new widths at the load it shows now (`join_widths`)."""
+        if self.round_seconds is None:
+            measured = self.measure_rounds(row_buckets=[rows])[rows]
+            if rows in self._costs:
+                self._costs[rows] = join_widths(self._costs[rows], measured, self.cost_rule)
+                self.cost_table[rows] = self._costs[rows].seconds
+            else:
+                self.cost_table[rows] = measured
+        del self._ready[rows]
+        self._busy_warm.pop(rows, None)
+        self._later = collections.deque(item for item in self._later if not (item[0] == "timed" and item[1] == rows))
+
+    def _warmup(self, prompt_buckets: Sequence[int] | None, widths: tuple) -> None:
         if not self.runner.ready:
             self._reset()
         if prompt_buckets is None:
@@ -839,32 +955,35 @@ class Engine:
                 self.runner.pin_length = length
                 try:
                     for rows in self.row_buckets:
-                        for w in self.widths:
+                        for w in widths:
                             self._round(w, idle, rows, logprobs=scored)
-                            if w == 1 and self.defer_context:  # the append of held rows (`_flush_held`)
-                                self.runner.flush_context(rows)
                             if self.runner.bursts and self.rounds_per_call != 1:  # its calls of several rounds,
                                 # with a round run (a program's first run sets up its kernels: 20 - 70 ms on a CPU)
                                 self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows)
                 finally:
                     self.runner.pin_length = None
+            if self.defer_context:  # the append of held rows (`_flush_held`): held prompts need it at any width
+                for rows in self.row_buckets:
+                    self.runner.flush_context(rows)
             if before is not None and before == array_types(self.runner.carried()):
                 break  # the first pass's outputs have its inputs' types: a second would call the same programs
         self.runner.sync()
         if self.round_seconds is None and not self.cost_table:
-            self.cost_table = self.measure_rounds()
+            self.cost_table = self.measure_rounds(widths=widths)
         self.runner.warm_extra()
         self.warm = True
 
-    def measure_rounds(self, repeats: int = 5, row_buckets: Sequence[int] | None = None) -> dict:
+    def measure_rounds(self, repeats: int = 5, row_buckets: Sequence[int] | None = None,
+                       widths: Sequence | None = None) -> dict:
         """{rows: {width: seconds}} of one round computing `rows` rows (draft + host transfer of the demand +
         verify; compute does not depend on which of those rows are live) for every row bucket and width.
         Paired, so that a busy spell of a shared machine cancels out: each repeat times every width of a row
         bucket back to back (the order reversed every other repeat), and a width's entry is the median over
         repeats of its time over the narrowest width's time in the same repeat, times the narrowest width's
-        median. Needs the programs compiled (`warmup`)."""
+        median. Needs the programs compiled (`warmup`). widths: these only (default: every width)."""
         from dflash_jax.timing import paired_runs
 
+        widths = self.widths if widths is None else tuple(widths)
         idle = np.zeros(self.slots, bool)
         bursts = self.runner.bursts and self.rounds_per_call != 1
         table = {}
@@ -874,16 +993,16 @@ class Engine:
                 self.runner.sync()
 
             def empty_call(rows=rows):  # a call of no round (every row idle): the host work of a call
-                self.runner.burst(self._proposer(self.widths[0]), idle, rows, 1)
+                self.runner.burst(self._proposer(widths[0]), idle, rows, 1)
                 self.runner.fetch()
 
-            fns = {w: (lambda w=w: one_round(w)) for w in self.widths}
+            fns = {w: (lambda w=w: one_round(w)) for w in widths}
             if bursts:
                 fns["call"] = empty_call
             runs = paired_runs(fns, repeats)
-            row = {w: runs.paired_seconds(w, self.widths[0]) for w in self.widths}
+            row = {w: runs.paired_seconds(w, widths[0]) for w in widths}
             if bursts:  # served rounds run in calls of several: a round costs its time less the call's host work
-                call = min(runs.paired_seconds("call", self.widths[0]), 0.5 * min(row.values()))
+                call = min(runs.paired_seconds("call", widths[0]), 0.5 * min(row.values()))
                 row = {w: t - call for w, t in row.items()}
                 self.call_overhead[rows] = call
             table[rows] = row
@@ -942,9 +1061,10 @@ class Engine:
         of that row bucket (a rough default before warm-up); learned from served rounds once it has any."""
         if rows in self._costs:
             return self._costs[rows].seconds
+        ready = self.ready_widths(rows)
         if self.round_seconds is not None:
-            return self.round_seconds
-        return self.cost_table.get(rows) or {w: 1.0 + shape_rows(w) / 16.0 for w in self.widths}
+            return {w: self.round_seconds[w] for w in ready}
+        return self.cost_table.get(rows) or {w: 1.0 + shape_rows(w) / 16.0 for w in ready}
 
     def bucket_costs(self, rows: int) -> BucketCosts:
         """The row bucket's learned costs (from its warm-up or given table until a round of it is served)."""
@@ -1065,6 +1185,9 @@ class Engine:
         self.rounds += info.rounds
         for obs in self.observers:
             obs(info)
+        self._steps += 1
+        if self._later and self.requests and self._steps % BUSY_WARM_EVERY == 0:
+            self.warm_later(busy=True)  # after the step's observers: its figures are the round's alone
         return info
 
     def _admissions(self, info: RoundInfo) -> None:
@@ -1433,10 +1556,14 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.queue and not self.requests:
+                while not self._stopping and not self.queue and not self.requests and not self._later:
                     self._wake.wait(0.5)
                 if self._stopping and not self.requests and not self.queue:
                     return
+                idle = not self.queue and not self.requests
+            if idle:  # nothing to serve: a step of the warm-up left for later (`warmup(later_widths=True)`)
+                self.warm_later()
+                continue
             try:
                 self.step()
             except Exception as e:  # a failed round fails its requests, never the server

@@ -689,7 +689,7 @@ class Server:
         @app.get("/health")
         async def health():
             return {"status": "ok", "slots": self.engine.slots, "slots_in_use": self.engine.slots_in_use,
-                    "queue_depth": self.engine.queue_depth}
+                    "queue_depth": self.engine.queue_depth, "warming": getattr(self.engine, "warming", 0)}
 
         @app.get("/v1/models")
         async def models():

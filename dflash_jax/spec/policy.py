@@ -323,6 +323,25 @@ def observe_cost(costs: BucketCosts, width: int, seconds: float, rule: CostRule 
                        prior=costs.prior)
 
 
+def join_widths(costs: BucketCosts, measured: dict, rule: CostRule = CostRule()) -> BucketCosts:
+    """The bucket's costs with the widths of `measured` ({width: seconds}, one paired measurement of every width,
+    `Engine.measure_rounds`) that it lacks (a width warmed after the bucket began serving). A new width's cost is
+    its measured time over the machine's load at the measurement: the geometric median, over the widths both hold,
+    of a measured time over its learned cost. It starts unconfirmed and stale (`explore_width` re-measures it from
+    served rounds) with that cost as its prior. Pure; the widths already held keep their entries."""
+    common = [w for w in measured if w in costs.cost]
+    if not common:
+        held = sorted(costs.cost, key=shape_order)
+        raise ValueError(f"join_widths: the measurement shares no width with the bucket's {held}")
+    load = _geomedian([max(float(measured[w]), 1e-9) / costs.cost[w] for w in common])
+    new = {w: max(float(t), 1e-9) / load for w, t in measured.items() if w not in costs.cost}
+    if not new:
+        return costs
+    return dataclasses.replace(costs, cost={**costs.cost, **new}, recent={**costs.recent, **{w: () for w in new}},
+                               age={**costs.age, **{w: int(rule.stale_after) for w in new}},
+                               prior={**costs.prior, **new})
+
+
 def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) -> int | None:
     """The width to run instead of `chosen` to re-measure its cost, or None (pure, deterministic): only in the
     bucket's rounds numbered explore_every - 1, 2 * explore_every - 1, .. (at most 1 / explore_every of them),

@@ -1,0 +1,101 @@
+"""Widths warmed after start (`Engine.warmup(later_widths=True)`, what `dflash-serve` does): the warm-up compiles,
+runs and times the widest width only; the others join a row bucket's choice once the engine has warmed and timed them
+there, a bucket at a time while it serves, and all of them while it waits. A learned table gains the new widths at
+the load it shows (`join_widths`, pure: fast). The engine test compiles two widths' programs: slow."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from dflash_jax.compile_cache import CompileCounter
+from dflash_jax.serve import engine as engine_mod
+from dflash_jax.serve.engine import Engine, generate as serve_generate
+from dflash_jax.spec import generate as spec_generate
+from dflash_jax.spec.policy import BucketCosts, CostRule, join_widths, observe_cost
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(40, 56))]
+BUDGET = 40
+
+
+def test_join_widths_prices_a_new_width_at_the_load_it_was_timed_under():
+    rule = CostRule(confirm=2, stale_after=10)
+    costs = BucketCosts.fresh({4: 2.0}, rule)
+    for t in (4.0, 4.0, 4.0):  # served at twice the warm-up's time: the load is 2
+        costs = observe_cost(costs, 4, t, rule)
+    assert costs.load == pytest.approx(2.0)
+    joined = join_widths(costs, {1: 1.5, 4: 6.0}, rule)  # timed now at a load of 3 (6.0 for a cost of 2.0)
+    assert joined.cost[4] == costs.cost[4] and joined.recent[4] == costs.recent[4]  # the learned width kept
+    assert joined.cost[1] == pytest.approx(0.5)  # 1.5 s at a load of 3
+    assert joined.seconds[1] == pytest.approx(1.0)  # priced at the load the table follows (2)
+    assert joined.stale(1, rule) and joined.prior[1] == pytest.approx(0.5) and joined.recent[1] == ()
+    assert joined.age[1] == rule.stale_after and joined.load == costs.load and joined.rounds == costs.rounds
+    assert join_widths(joined, {1: 9.0, 4: 9.0}, rule) is joined  # nothing new: unchanged
+    with pytest.raises(ValueError, match="shares no width"):
+        join_widths(costs, {1: 1.0, 2: 2.0}, rule)
+
+
+def _serve(engine, choose=None):
+    rounds = []
+    engine.observers.append(rounds.append)
+    saved = engine.choose_width
+    if choose is not None:
+        engine.choose_width = choose
+    try:
+        with CompileCounter() as counter:
+            reqs = serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
+    finally:
+        engine.choose_width = saved
+        engine.observers.remove(rounds.append)
+    return reqs, rounds, counter.compiles
+
+
+@pytest.mark.slow
+def test_later_widths_join_while_busy_and_while_idle(pair, monkeypatch):
+    eng = Engine(pair, slots=3, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=BUDGET)
+    eng.warmup([16], later_widths=True)
+    buckets, lengths = eng.row_buckets, eng.runner.length_buckets
+    assert eng.widths_warming == (1,) and eng.warming == len(buckets) * (len(lengths) + 1)
+    assert all(eng.ready_widths(r) == (4,) and set(eng.seconds_table(r)) == {4} for r in buckets)
+    reference = [spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0] for p in PROMPTS]
+
+    # busy: the round's bucket is warmed after a step, timed after the next, and then chosen from
+    monkeypatch.setattr(engine_mod, "BUSY_WARM_EVERY", 1)
+    reqs, rounds, _ = _serve(eng)
+    assert [r.tokens for r in reqs] == reference
+    assert max(max(r.acceptance) for r in reqs) >= 2  # width-4 rounds accepted proposals
+    joined = [r for r in buckets if eng.ready_widths(r) == (1, 4)]
+    assert joined and set(eng.seconds_table(joined[0])) == {1, 4}
+    first = next(i for i, r in enumerate(rounds) if r.rows in joined)  # no width 1 before its bucket joined
+    assert all(r.width == 4 for r in rounds[: first + 2] if r.width)
+    assert set(joined) <= {r.rows for r in rounds}  # only buckets the rounds computed
+    assert eng.warming > 0  # their other lengths' programs (and any bucket not served) wait for an idle engine
+
+    # idle: the serving loop warms the rest by itself
+    eng.start()
+    try:
+        deadline = time.monotonic() + 300
+        while eng.warming and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        eng.stop()
+    assert eng.warming == 0 and eng.widths_warming == ()
+    assert all(set(eng.seconds_table(r)) == {1, 4} and eng.seconds_table(r)[1] > 0 for r in buckets)
+
+    # every width's programs at every length are warm: rounds of either width, alone and in calls, compile nothing
+    cycle = itertools.cycle([1, 1, 4, 1, 4, 4, 1, 1, 1])
+    reqs, rounds, compiles = _serve(eng, lambda live: next(cycle))
+    assert compiles == 0 and {r.width for r in rounds if r.width} == {1, 4}
+    assert [r.tokens for r in reqs] == reference
+
+
+def test_finish_warmup_needs_an_idle_engine():
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(), runner=FakeRunner, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16,
+                 max_new_tokens=8)
+    eng.submit([1, 2, 3], max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.finish_warmup()
