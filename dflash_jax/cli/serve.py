@@ -24,9 +24,27 @@ from dflash_jax.cli.errors import run_cli
 from dflash_jax.cli.generate import add_dequantize_flag
 from dflash_jax.errors import UsageError
 
-# the verify block of `--widths fixed` when --block-size is not given (docs/serving.md, "Which default"; with the
-# experts dense at load the shipped pair on a CPU serves 4 - 32 clients faster at --block-size 1)
+# the verify block B when --block-size is not given, with the default widths (1,B) or --widths fixed (docs/serving.md,
+# "Which default": with the experts dense at load the shipped pair on a CPU serves 4 - 32 clients no faster than plain
+# at a fixed block of 4; width 1 or 4 chosen per round follows the load)
 DEFAULT_FIXED_BLOCK = 4
+DEFAULT_WIDTHS = "1,B"  # the default --widths of a chain proposer: no speculation or the block, chosen per round
+
+
+def parse_widths(text: str, block_size: int | None = None):
+    """--widths as the engine takes it: None ('fixed'), 'auto', or a list of ints, where B stands for the block size
+    (`block_size`; None: checked only). One UsageError naming the forms otherwise."""
+    if text in ("fixed", "auto"):
+        return None if text == "fixed" else "auto"
+    items = [w.strip() for w in text.split(",")]
+    try:
+        widths = [(block_size or 1) if w in ("B", "b") else int(w) for w in items]
+    except ValueError:
+        raise UsageError(f"--widths must be 'auto', 'fixed' or a comma list of integers (B: the block size), got "
+                         f"{text!r}") from None
+    if not widths or min(widths) < 1:
+        raise UsageError(f"--widths must be positive integers, got {text!r}")
+    return widths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,13 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "warm-up). Default: as many as the device's free memory holds (on the CPU: half the available "
                         "RAM, at most 8 per core) at --max-prompt-len, at most 256; the numbers are printed at start")
     p.add_argument("--block-size", type=int, default=None,
-                   help="the verify block B, the widest with --widths auto (default: 4 with --widths fixed; the "
-                        "draft's trained size with --widths auto or a list; the default is at most the draft's size; "
-                        "1 = no speculation)")
-    p.add_argument("--widths", default="fixed",
-                   help="'fixed' (the default: every round verifies B), 'auto' (the engine chooses each round's "
-                        "width from 1, 2, 4, .. B by its cost model, learned while serving), or a comma list to "
-                        "choose from (e.g. 1,4,8)")
+                   help="the verify block B, the widest with --widths auto (default: 4 with the default widths, "
+                        "--widths fixed or a list naming B; the draft's trained size with --widths auto or a list of "
+                        "numbers; the default is at most the draft's size; 1 = no speculation)")
+    p.add_argument("--widths", default=None,
+                   help="the verify widths the engine chooses each round's from, by its cost model (learned while "
+                        "serving): a comma list, B standing for the block size (e.g. 1,4,8 or 1,B); 'auto' (1, 2, "
+                        "4, .. B); or 'fixed' (every round verifies B). Default: 1,B (no speculation or the block; "
+                        "the narrower width is warmed after start), fixed with a tree proposer")
     p.add_argument("--no-learn-costs", action="store_true",
                    help="keep the width chooser's warm-up cost table as measured (default: learn it from the rounds "
                         "served, per row bucket, exploring a stale neighbouring width now and then)")
@@ -163,14 +182,8 @@ def check_args(args) -> None:
         raise UsageError(f"--token-budget must be >= 1, got {args.token_budget}")
     if args.round_expert_mb is not None and not args.round_expert_mb > 0:
         raise UsageError(f"--round-expert-mb must be > 0, got {args.round_expert_mb}")
-    if args.widths not in ("auto", "fixed"):
-        try:
-            widths = [int(w) for w in args.widths.split(",")]
-        except ValueError:
-            raise UsageError(f"--widths must be 'auto', 'fixed' or a comma list of integers, got {args.widths!r}") \
-                from None
-        if not widths or min(widths) < 1:
-            raise UsageError(f"--widths must be positive integers, got {args.widths!r}")
+    if args.widths is not None:
+        parse_widths(args.widths)
     rpc = getattr(args, "rounds_per_call", "auto")
     if rpc != "auto":
         try:
@@ -205,7 +218,7 @@ def check_args(args) -> None:
     if getattr(args, "tree_branch", 4) < 2 and proposer in ("tree", "adaptive"):
         raise UsageError(f"--tree-branch must be >= 2 for a tree (1 is the chain: --proposer chain), got "
                          f"{args.tree_branch}")
-    if proposer in ("tree", "adaptive") and args.widths not in ("fixed", "auto"):
+    if proposer in ("tree", "adaptive") and args.widths not in (None, "fixed", "auto"):
         raise UsageError(f"--widths {args.widths} chooses chain widths: drop it with --proposer {proposer}")
     if getattr(args, "prefix_cache_mb", 1.0) < 0:
         raise UsageError(f"--prefix-cache-mb must be >= 0 (0: off, as --no-prefix-cache), got {args.prefix_cache_mb:g}")
@@ -380,9 +393,11 @@ def build_app(args):
     pair = load_pair(directory, args, offload=offload, mesh=mesh, branch_head=head)
     template = chat_template(directory, pair.side_file)  # verified, checked (or refused) before the long warm-up
     try:
-        widths = (None if args.widths == "fixed" else "auto" if args.widths == "auto"
-                  else [int(w) for w in args.widths.split(",")])
+        text = DEFAULT_WIDTHS if args.widths is None else args.widths
         block_size = args.block_size
+        if block_size is None and text not in ("fixed", "auto") and "B" in text.upper().split(","):
+            block_size = min(DEFAULT_FIXED_BLOCK, pair.draft_cfg.block_size)  # B: the block of --widths fixed
+        widths = parse_widths(text, block_size)
         proposer = None
         if proposer_name is None:  # the pair's default: a DFlash 2 draft's selector chain, else the chain
             from dflash_jax.api import default_proposer

@@ -21,6 +21,8 @@ from tests.serve.server_process import free_port, stop, wait_ready
     (["--token-budget", "0"], "--token-budget must be >= 1"),
     (["--widths", "1,x"], "--widths must be 'auto', 'fixed' or a comma list"),
     (["--widths", "0,4"], "--widths must be positive integers"),
+    (["--widths", "1,C"], "B: the block size"),
+    (["--proposer", "tree", "--widths", "1,B"], "chooses chain widths"),
 ])
 def test_flag_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -59,20 +61,27 @@ def test_process_serves_and_stops_on_sigterm(tmp_path):
     assert "ready in" in err and "stopped (SIGTERM)" in err and "Traceback" not in err
 
 
-def test_default_is_a_fixed_block_4_and_auto_chooses_up_to_the_drafts_block():
-    """`dflash-serve` with no width flags verifies a fixed block of 4 every round (the setting measured never below
-    no speculation at 1-32 clients, docs/benchmarks/serve.md); `--widths auto` chooses from 1, 2, 4, .. up to the
-    draft's trained block; an explicit --block-size wins."""
+def test_default_chooses_width_1_or_a_block_of_4_and_auto_chooses_up_to_the_drafts_block():
+    """`dflash-serve` with no width flags chooses each round between no speculation and a block of 4 (width 1 or 4,
+    docs/serving.md "Which default"); `--widths fixed` verifies the block every round; `--widths auto` chooses from
+    1, 2, 4, .. up to the draft's trained block; an explicit --block-size wins, and B in a list stands for it."""
     from dflash_jax.cli.serve import DEFAULT_FIXED_BLOCK, build_app, build_parser
 
     parse = build_parser().parse_args
-    _, engine = build_app(parse(["--no-warmup", "--slots", "1", "--max-prompt-len", "16"]))
-    assert engine.widths == (DEFAULT_FIXED_BLOCK,) == (4,) and engine.spec.block_size == 4
+    base = ["--no-warmup", "--slots", "1", "--max-prompt-len", "16"]
+    _, engine = build_app(parse(base))
+    assert engine.widths == (1, DEFAULT_FIXED_BLOCK) == (1, 4) and engine.spec.block_size == 4
+    _, engine = build_app(parse(base + ["--widths", "fixed"]))
+    assert engine.widths == (4,) and engine.spec.block_size == 4
     block = engine.pair.draft_cfg.block_size
-    _, engine = build_app(parse(["--no-warmup", "--slots", "1", "--max-prompt-len", "16", "--widths", "auto"]))
+    _, engine = build_app(parse(base + ["--widths", "auto"]))
     assert engine.widths[0] == 1 and engine.widths[-1] == block > 4
-    _, engine = build_app(parse(["--no-warmup", "--slots", "1", "--max-prompt-len", "16", "--block-size", "8"]))
-    assert engine.widths == (8,)
+    _, engine = build_app(parse(base + ["--block-size", "8"]))
+    assert engine.widths == (1, 8) and engine.spec.block_size == 8
+    _, engine = build_app(parse(base + ["--block-size", "8", "--widths", "2,B"]))
+    assert engine.widths == (2, 8)
+    _, engine = build_app(parse(base + ["--block-size", "1"]))
+    assert engine.widths == (1,) and not engine.defer_context  # no speculation: one width, nothing held
 
 
 def test_experts_load_as_dflash_generate_loads_them():
