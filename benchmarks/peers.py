@@ -511,13 +511,15 @@ def main(argv=None) -> int:
         if "served" in parts:
             sblocks = h.int_list(p, args.serve_blocks, "--serve-blocks", 2)
             modes = [("ours", 1, "dflash-serve plain")] + [("ours", b, f"dflash-serve B={b}") for b in sblocks]
+            modes += [("ours", 0, "dflash-serve default (widths 1,4)")]  # no width flags: 1 or 4 chosen per round
             modes += [("vllm", 0, "vLLM plain")] + [("vllm", b - 1, f"vLLM k={b - 1}") for b in sblocks]
             for kind, x, name in modes:
                 port = free_port()
                 if kind == "ours":
                     # the context vLLM is given (--max-model-len): prompts up to its room beyond the new tokens
+                    widths = ["--block-size", str(x), "--widths", "fixed"] if x else []  # B=x: every round x
                     cmd = [os.path.join(os.path.dirname(sys.executable), "dflash-serve"), "--port", str(port),
-                           "--model-name", "tiny", "--block-size", str(x), "--slots", str(max(clients)),
+                           "--model-name", "tiny", *widths, "--slots", str(max(clients)),
                            "--max-prompt-len", str(base["max_model_len"] - n), "--max-new-tokens", str(n),
                            "--log-level", "warning"]
                     env, extra = None, {}

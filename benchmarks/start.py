@@ -9,21 +9,22 @@ and the stored programs where a change of the library emptied them), then `--rou
 starts once, in turn, the order reversed every other round: a busy spell of the shared machine lands on every mode.
 Modes:
 
-  block 4                    `dflash-serve`'s default (`--block-size 4`)
-  block 4, no prefetch       the same with DFLASH_PREFETCH_PROGRAMS=0: the warm-up's main thread reads every
+  default                    `dflash-serve`'s default: widths 1 and 4 chosen per round (`--widths 1,B`, block 4);
+                             the warm-up compiles, runs and times width 4, and width 1 is warmed after `/health`
+  default, no prefetch       the same with DFLASH_PREFETCH_PROGRAMS=0: the warm-up's main thread reads every
                              compiled program itself (`dflash_jax.prefetch`)
-  block 4, no stored         the same with DFLASH_STORED_PROGRAMS=0: every program traced and lowered again
+  default, no stored         the same with DFLASH_STORED_PROGRAMS=0: every program traced and lowered again
                              (`dflash_jax.stored`)
+  block 4                    `--widths fixed`: every round verifies 4 (the default before widths 1,4)
   plain                      `--block-size 1`
-  widths auto                `--block-size 4 --widths auto`: widths 1, 2, 4 chosen per round (twice the
-                             programs, and their timing)
-  widths 1,4                 `--block-size 4 --widths 1,4`: width 1 or 4 chosen per round
+  widths auto                `--block-size 4 --widths auto`: widths 1, 2, 4 chosen per round (width 4 warmed before
+                             `/health`, 1 and 2 after)
   vLLM k = 3                 vLLM's OpenAI server, the exported pair, DFlash with 3 speculative tokens (the venv
                              `benchmarks/peers.py` makes; skipped with --no-vllm)
 
 Also timed, in fresh processes: `import jax` alone (its dtype extension, `ml_dtypes`, is a tenth of a start at some
 versions). Every server holds the same slots and context. Writes start.{json,md,png} to --out (default bench_out/)
-or, with --write-docs, docs/benchmarks/. --quick: plain and block 4 only, one round, 4 slots, no vLLM.
+or, with --write-docs, docs/benchmarks/. --quick: plain and the default only, one round, 4 slots, no vLLM.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ import harness as h
 import peers
 
 OURS = {
-    "block 4": ([], {}),
-    "block 4, no prefetch": ([], {"DFLASH_PREFETCH_PROGRAMS": "0"}),
-    "block 4, no stored": ([], {"DFLASH_STORED_PROGRAMS": "0"}),
+    "default": ([], {}),
+    "default, no prefetch": ([], {"DFLASH_PREFETCH_PROGRAMS": "0"}),
+    "default, no stored": ([], {"DFLASH_STORED_PROGRAMS": "0"}),
+    "block 4": (["--widths", "fixed"], {}),
     "plain": (["--block-size", "1"], {}),
     "widths auto": (["--block-size", "4", "--widths", "auto"], {}),
-    "widths 1,4": (["--block-size", "4", "--widths", "1,4"], {}),
 }
 VLLM_MODE = "vLLM k = 3"
 DEFAULTS = dict(rounds=3, slots=32, prompt_len=128, max_new=128)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     p = build_parser()
     args = h.parse(p, argv, quick=QUICK)
     log = h.logger("start")
-    modes = dict(OURS) if not args.quick else {k: OURS[k] for k in ("block 4", "plain")}
+    modes = dict(OURS) if not args.quick else {k: OURS[k] for k in ("default", "plain")}
     serve = os.path.join(os.path.dirname(sys.executable), "dflash-serve")
     base = [serve, "--model-name", "tiny", "--slots", str(args.slots), "--max-prompt-len", str(args.prompt_len),
             "--max-new-tokens", str(args.max_new), "--log-level", "warning"]
