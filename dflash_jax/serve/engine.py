@@ -488,6 +488,8 @@ class Engine:
         self._later: collections.deque = collections.deque()  # warm-up left for later: (kind, rows, length)
         self._busy_warm: dict = {}  # rows -> what a busy engine has warmed of the bucket ("programs")
         self._later_widths: tuple = ()  # the widths left for later
+        # whether a busy engine warms the later widths (`warm_later`): not after a warm-up that compiled afresh
+        self.busy_warm = True
         self._steps = 0
 
     def _context_rows(self, defer_context, pair, prompt: int) -> int:
@@ -821,8 +823,11 @@ class Engine:
             now = (max(self.widths, key=shape_order),)
         label = (f"Engine.warmup {type(self.runner).__name__} slots={self.slots} widths={now} "
                  f"rows={self.row_buckets} prompts={prompt_buckets} max_prompt={self.max_prompt_len}")
-        with prefetch.prefetching(label):  # a warm start loads its programs ahead, on a second core
-            self._warmup(prompt_buckets, now)
+        with prefetch.prefetching(label), compile_cache.CompileCounter() as counter:  # a warm start loads its
+            self._warmup(prompt_buckets, now)  # programs ahead, on a second core
+        # programs compiled afresh (a cold compilation cache): the later widths' would compile too, seconds each, so a
+        # busy engine leaves them to its idle time rather than hold its live streams that long
+        self.busy_warm = counter.compiles <= counter.cache_hits
         self._ready = {} if now == self.widths else {rows: now for rows in self.row_buckets}
         self._later_widths = tuple(w for w in self.widths if w not in now)
         self._busy_warm = {}
@@ -853,8 +858,9 @@ class Engine:
         paired timing (`measure_rounds`), after which its widths join the choice. Busy (`busy`): the current row
         bucket's programs at the lengths the live rows need (an idle round and call of each width, as the rounds a
         row sits out), then its timing at those lengths; a length no busy or idle step warmed yet is loaded by the
-        first round that needs it."""
-        if not self._later:
+        first round that needs it. Not while busy after a warm-up that compiled afresh (a cold compilation cache:
+        each step would compile for seconds while the live streams wait)."""
+        if not self._later or (busy and not self.busy_warm):
             return False
         try:
             if busy:
@@ -1186,7 +1192,7 @@ class Engine:
         for obs in self.observers:
             obs(info)
         self._steps += 1
-        if self._later and self.requests and self._steps % BUSY_WARM_EVERY == 0:
+        if self._later and self.requests and self._steps % BUSY_WARM_EVERY == 0 and not self._stopping:
             self.warm_later(busy=True)  # after the step's observers: its figures are the round's alone
         return info
 

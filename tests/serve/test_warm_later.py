@@ -61,8 +61,10 @@ def test_later_widths_join_while_busy_and_while_idle(pair, monkeypatch):
     assert all(eng.ready_widths(r) == (4,) and set(eng.seconds_table(r)) == {4} for r in buckets)
     reference = [spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0] for p in PROMPTS]
 
-    # busy: the round's bucket is warmed after a step, timed after the next, and then chosen from
+    # busy: the round's bucket is warmed after a step, timed after the next, and then chosen from (as after a warm-up
+    # that loaded its programs from the cache: one that compiled them afresh leaves them to idle time)
     monkeypatch.setattr(engine_mod, "BUSY_WARM_EVERY", 1)
+    eng.busy_warm = True
     reqs, rounds, _ = _serve(eng)
     assert [r.tokens for r in reqs] == reference
     assert max(max(r.acceptance) for r in reqs) >= 2  # width-4 rounds accepted proposals
@@ -89,6 +91,33 @@ def test_later_widths_join_while_busy_and_while_idle(pair, monkeypatch):
     reqs, rounds, compiles = _serve(eng, lambda live: next(cycle))
     assert compiles == 0 and {r.width for r in rounds if r.width} == {1, 4}
     assert [r.tokens for r in reqs] == reference
+
+
+def test_no_busy_warming_after_a_cold_warm_up_or_while_stopping():
+    """A warm-up that compiled afresh (a cold cache) leaves the later widths to idle time; a stopping engine warms
+    nothing while its last requests finish."""
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(), runner=FakeRunner, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16,
+                 max_new_tokens=64, rounds_per_call=1)
+    eng.warmup([16], later_widths=True)
+    assert eng.warming and eng.ready_widths(1) == (4,)
+    eng.submit([1, 2, 3], max_new_tokens=64)
+    eng.step()
+    left = eng.warming
+    eng.busy_warm = False
+    assert not eng.warm_later(busy=True) and eng.warming == left
+    eng.busy_warm, eng._stopping = True, True
+    engine_mod.BUSY_WARM_EVERY, saved = 1, engine_mod.BUSY_WARM_EVERY
+    try:
+        eng.step()
+    finally:
+        engine_mod.BUSY_WARM_EVERY = saved
+        eng._stopping = False
+    assert eng.requests and eng.warming == left  # a busy step ran, no warming after it
+    assert eng.warm_later(busy=True)  # and a busy engine does warm otherwise
+    eng.run_until_idle()
+    assert eng.finish_warmup() > 0 and eng.warming == 0 and eng.widths_warming == ()
 
 
 def test_finish_warmup_needs_an_idle_engine():
