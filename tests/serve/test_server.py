@@ -46,6 +46,7 @@ def test_models_health(client, server):
     assert [m.id for m in models.data] == ["tiny"]
     health = httpx.get(server + "/health").json()
     assert health["status"] == "ok" and health["slots"] == 4
+    assert health["warming"] == 0  # warmed whole (`Engine.warmup()`): no width left for after start
 
 
 def test_completion_equals_dflash_generate(client, capsys, pair):
