@@ -806,7 +806,7 @@ class Engine:
         for ids, lps in zip(scores.top_id[row, :count, :k].tolist(), scores.top_logprob[row, :count, :k].tolist()):
             req.top_logprobs.append(list(zip(ids, lps)))
 
-    def warmup(self, prompt_buckets: Sequence[int] | None = None, *, later_widths: bool = False) -> float:
+    def warmup(self, prompt_buckets: Sequence[int] | None = None, *, later_widths: bool | str = False) -> float:
         """Compiles the prefill for every prompt bucket up to max_prompt_len (or the given lengths), the
         insert, the draft and the verify (and what else the runner compiles, `RoundRunner.warm_extra`). Returns
         the seconds it took. Every program is called twice over, the second time on the state the first pass left,
@@ -815,12 +815,16 @@ class Engine:
 
         later_widths: of several widths, only the widest is compiled, run and timed now (a server answers
         `/health` as soon as it can serve the block); the others join each row bucket's choice once the engine
-        has warmed and timed them there (`warm_later`: while idle, or a bucket at a time while busy)."""
+        has warmed and timed them there (`warm_later`: while idle, or a bucket at a time while busy). True: only
+        where an earlier whole warm-up of this configuration left a marker in the compilation cache (the later
+        programs then load in tens of ms; compiled afresh, each would hold a request arriving meanwhile for
+        seconds), else every width now, and the marker is written; "always": whatever the cache holds."""
         t0 = time.perf_counter()
         compile_cache.ensure_enabled()
         now = self.widths
-        if later_widths and len(self.widths) > 1:
-            now = (max(self.widths, key=shape_order),)
+        marker = self._warm_marker(prompt_buckets) if later_widths and len(self.widths) > 1 else None
+        if later_widths == "always" or (marker is not None and compile_cache.read_entry(*marker) is not None):
+            now = (max(self.widths, key=shape_order),) if len(self.widths) > 1 else now
         label = (f"Engine.warmup {type(self.runner).__name__} slots={self.slots} widths={now} "
                  f"rows={self.row_buckets} prompts={prompt_buckets} max_prompt={self.max_prompt_len}")
         with prefetch.prefetching(label), compile_cache.CompileCounter() as counter:  # a warm start loads its
@@ -828,6 +832,8 @@ class Engine:
         # programs compiled afresh (a cold compilation cache): the later widths' would compile too, seconds each, so a
         # busy engine leaves them to its idle time rather than hold its live streams that long
         self.busy_warm = counter.compiles <= counter.cache_hits
+        if marker is not None and now == self.widths:  # warmed whole: a later start may leave widths for later
+            compile_cache.write_entry(*marker, b"warmed whole")
         self._ready = {} if now == self.widths else {rows: now for rows in self.row_buckets}
         self._later_widths = tuple(w for w in self.widths if w not in now)
         self._busy_warm = {}
@@ -837,6 +843,27 @@ class Engine:
                 self._later.extend(("programs", rows, n) for n in sorted(self.runner.length_buckets, reverse=True))
                 self._later.append(("timed", rows, None))
         return time.perf_counter() - t0
+
+    def _warm_marker(self, prompt_buckets) -> tuple[str, str] | None:
+        """(path, key) of the cache entry saying this configuration was warmed whole here (the engine's programs,
+        the library's sources, what tracing reads); None without a persistent cache."""
+        import hashlib
+        import os
+
+        import jax
+
+        from dflash_jax import stored
+
+        directory = compile_cache.active_dir()
+        if directory is None:
+            return None
+        what = (f"{type(self.runner).__name__} slots={self.slots} widths={self.widths} rows={self.row_buckets} "
+                f"prompts={prompt_buckets} max_prompt={self.max_prompt_len} output={self.output_len} "
+                f"block={self.block_size} held={self.context_rows} chunk={self.prefill_chunk} "
+                f"calls={self.rounds_per_call} lanes={getattr(self.runner, 'n', 1)}")
+        key = hashlib.sha256("\0".join([what, stored.source_hash(), stored.trace_context(), jax.__version__])
+                             .encode()).hexdigest()
+        return os.path.join(directory, f"dflash-warmed-{key}"), key
 
     @property
     def warming(self) -> int:

@@ -55,7 +55,7 @@ def _serve(engine, choose=None):
 @pytest.mark.slow
 def test_later_widths_join_while_busy_and_while_idle(pair, monkeypatch):
     eng = Engine(pair, slots=3, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=BUDGET)
-    eng.warmup([16], later_widths=True)
+    eng.warmup([16], later_widths="always")  # whatever the cache holds (True: after one whole warm-up here)
     buckets, lengths = eng.row_buckets, eng.runner.length_buckets
     assert eng.widths_warming == (1,) and eng.warming == len(buckets) * (len(lengths) + 1)
     assert all(eng.ready_widths(r) == (4,) and set(eng.seconds_table(r)) == {4} for r in buckets)
@@ -100,7 +100,7 @@ def test_no_busy_warming_after_a_cold_warm_up_or_while_stopping():
 
     eng = Engine(fake_pair(), runner=FakeRunner, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16,
                  max_new_tokens=64, rounds_per_call=1)
-    eng.warmup([16], later_widths=True)
+    eng.warmup([16], later_widths="always")
     assert eng.warming and eng.ready_widths(1) == (4,)
     eng.submit([1, 2, 3], max_new_tokens=64)
     eng.step()
@@ -118,6 +118,39 @@ def test_no_busy_warming_after_a_cold_warm_up_or_while_stopping():
     assert eng.warm_later(busy=True)  # and a busy engine does warm otherwise
     eng.run_until_idle()
     assert eng.finish_warmup() > 0 and eng.warming == 0 and eng.widths_warming == ()
+
+
+def test_later_only_after_a_whole_warm_up_of_the_configuration(tmp_path):
+    """`later_widths=True` warms every width at the first start of a configuration (the later widths' programs would
+    compile afresh while requests wait) and leaves a marker in the compilation cache; the next start of the same
+    configuration leaves them for later; another configuration warms whole again. No cache: whole."""
+    from dflash_jax import compile_cache
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    def engine(slots=2):
+        return Engine(fake_pair(), runner=FakeRunner, slots=slots, block_size=4, widths=[1, 4], max_prompt_len=16,
+                      max_new_tokens=8)
+
+    saved = compile_cache.active_dir()
+    compile_cache.enable(str(tmp_path / "cache"))
+    try:
+        first = engine()
+        first.warmup([16], later_widths=True)
+        assert first.warming == 0 and first.ready_widths(1) == (1, 4)
+        assert any(p.name.startswith("dflash-warmed-") for p in (tmp_path / "cache").iterdir())
+        second = engine()
+        second.warmup([16], later_widths=True)
+        assert second.warming > 0 and second.ready_widths(1) == (4,)
+        other = engine(slots=3)
+        other.warmup([16], later_widths=True)
+        assert other.warming == 0
+        compile_cache.disable()
+        bare = engine()
+        bare.warmup([16], later_widths=True)
+        assert compile_cache.active_dir() is None and bare.warming == 0
+    finally:
+        compile_cache.enable(saved) if saved else compile_cache.disable()
+    assert compile_cache.active_dir() == saved
 
 
 def test_finish_warmup_needs_an_idle_engine():
