@@ -848,9 +848,8 @@ class Engine:
         """(path, key) of the cache entry saying this configuration was warmed whole here (the engine's programs,
         the library's sources, what tracing reads); None without a persistent cache."""
         import hashlib
+        import importlib.metadata
         import os
-
-        import jax
 
         from dflash_jax import stored
 
@@ -861,8 +860,8 @@ class Engine:
                 f"prompts={prompt_buckets} max_prompt={self.max_prompt_len} output={self.output_len} "
                 f"block={self.block_size} held={self.context_rows} chunk={self.prefill_chunk} "
                 f"calls={self.rounds_per_call} lanes={getattr(self.runner, 'n', 1)}")
-        key = hashlib.sha256("\0".join([what, stored.source_hash(), stored.trace_context(), jax.__version__])
-                             .encode()).hexdigest()
+        parts = [what, stored.source_hash(), stored.trace_context(), importlib.metadata.version("jax")]
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         return os.path.join(directory, f"dflash-warmed-{key}"), key
 
     @property
