@@ -84,8 +84,8 @@ from dflash_jax.serve.runner import (
     array_types,
 )
 from dflash_jax.spec.policy import (
-    BucketCosts, CostRule, choose_width, decide_width, default_widths, join_widths, observe_cost, shape_order,
-    shape_rows, width_label,
+    BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, default_widths, explore_acceptance,
+    join_widths, observe_cost, shape_order, shape_rows, width_label,
 )
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
@@ -95,6 +95,7 @@ from dflash_jax.spec.tree import TreeShape
 
 
 PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests (larger groups delay first tokens)
+MEASURE_CALL_ROUNDS = 4  # the rounds of each timed call of `measure_rounds` (served rounds run in calls of several)
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
 # the device time one call of several rounds aims at (`rounds_per_call="auto"`): a stream gets its tokens at
 # least this often, a request that arrives meanwhile waits at most this long, and the host's per-call work is
@@ -446,6 +447,7 @@ class Engine:
         self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append (alone or in a call)
         self.context_flushes = 0  # calls that appended the held context (before a drafting round, or a full hold)
         self.width_margin = float(width_margin)
+        self.acceptance_explores = 0  # calls of a wider width run to measure the draft's acceptance
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
@@ -1012,30 +1014,36 @@ class Engine:
         Paired, so that a busy spell of a shared machine cancels out: each repeat times every width of a row
         bucket back to back (the order reversed every other repeat), and a width's entry is the median over
         repeats of its time over the narrowest width's time in the same repeat, times the narrowest width's
-        median. Needs the programs compiled (`warmup`). widths: these only (default: every width)."""
+        median. A runner of calls of several rounds (`bursts`) is timed as it serves: a call of
+        `MEASURE_CALL_ROUNDS` rounds, less an empty call's time (`call_overhead`, at most half the narrowest), over the
+        rounds. Needs the programs compiled (`warmup`). widths: these only (default: every width)."""
         from dflash_jax.timing import paired_runs
 
         widths = self.widths if widths is None else tuple(widths)
         idle = np.zeros(self.slots, bool)
         bursts = self.runner.bursts and self.rounds_per_call != 1
+        n = MEASURE_CALL_ROUNDS if bursts else 1
         table = {}
         for rows in (self.row_buckets if row_buckets is None else row_buckets):
-            def one_round(w, rows=rows):
-                self._round(w, idle, rows)
-                self.runner.sync()
+            def rounds(w, rows=rows):
+                if bursts:  # as served: a call of several rounds (a width-1 call holding the draft's context)
+                    self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows, n)
+                else:
+                    self._round(w, idle, rows)
+                    self.runner.sync()
 
             def empty_call(rows=rows):  # a call of no round (every row idle): the host work of a call
                 self.runner.burst(self._proposer(widths[0]), idle, rows, 1)
                 self.runner.fetch()
 
-            fns = {w: (lambda w=w: one_round(w)) for w in widths}
+            fns = {w: (lambda w=w: rounds(w)) for w in widths}
             if bursts:
                 fns["call"] = empty_call
             runs = paired_runs(fns, repeats)
             row = {w: runs.paired_seconds(w, widths[0]) for w in widths}
-            if bursts:  # served rounds run in calls of several: a round costs its time less the call's host work
+            if bursts:  # a round costs its share of the call less the call's host work
                 call = min(runs.paired_seconds("call", widths[0]), 0.5 * min(row.values()))
-                row = {w: t - call for w, t in row.items()}
+                row = {w: (t - call) / n for w, t in row.items()}
                 self.call_overhead[rows] = call
             table[rows] = row
         return table
@@ -1113,12 +1121,22 @@ class Engine:
         # every round also pays the host's work around the draft and the verify (the same at every width, so it
         # favours the wider verifies, which need fewer rounds)
         alphas, costs = [self.row_acceptance(self.requests[s]) for s in live], self.bucket_costs(self.row_bucket(live))
-        width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin,
-                                       self.cost_rule if self.learn_costs else None)
+        rule = self.cost_rule if self.learn_costs else None
+        width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin, rule)
         if explored and shape_rows(width) > 1 and self._held_top(live) > self.block_size:
             # re-pricing a drafting width would append the held context first: not while a live row holds more
             # than a block (the table keeps its entry, scaled by the load the chosen width's rounds show)
             width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin, None)
+        if not explored and rule is not None:
+            # what the draft accepts, measured where an optimistic estimate says a wider width could win (held rows'
+            # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
+            # held context appended first
+            evidence = [self.requests[s].accept_hits + self.requests[s].accept_misses + 2.0 for s in live]
+            hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, self.host_seconds,
+                                      self.width_margin, rule)
+            if hope is not None:
+                width, explored = hope, True
+                self.acceptance_explores += 1
         self._explored = width if explored else None
         return width
 
@@ -1202,10 +1220,12 @@ class Engine:
         info.seconds = time.perf_counter() - t0
         info.explored = bool(info.width) and self._explored == info.width
         if info.width and not info.admitted and not info.compiles and not info.prefill_chunks:
-            # what a served round takes beyond its table entry: the host's work (choice, scheduling, emission,
-            # callbacks) and what serving adds to the compute (an HTTP loop and clients sharing the cores). The
-            # same at every width, so it favours the wider verifies, which need fewer rounds per token.
-            over = max(info.seconds / info.rounds - self.seconds_table(info.rows)[info.width], 0.0)
+            # what a served round takes beyond its own device time (as the table prices it, `_round_seconds`): the
+            # host's work (choice, scheduling, emission, callbacks, a call's share). The same at every width, so it
+            # favours the wider verifies, which need fewer rounds per token. What the compute itself takes beyond
+            # its table entry (live rows' longer caches, a loaded machine) is the cost table's to learn
+            # (`learn_cost`), not this: it grows with the width.
+            over = max(info.seconds / info.rounds - self._round_seconds(info), 0.0)
             self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
             self._host_samples += 1
         if info.width:
@@ -1453,6 +1473,9 @@ class Engine:
         scored = scored if scored.any() else None
         count = self._burst_count(rows, width, scored)
         self._flush_held(width, live, rows, count)
+        # the step's admissions, moves and flush run first, so the round's device time (which prices the width,
+        # `learn_cost`) is the round's alone (they run before it either way: it reads their output)
+        self.runner.sync()
         if count > 1:
             return self._burst_step(info, live, rows, width, count)
         defer = width == 1 and self.defer_context
@@ -1515,8 +1538,11 @@ class Engine:
             count = self.rounds_per_call
         else:
             seconds = self._round_time.get((rows, width))
-            if seconds is None:  # this bucket and width not timed yet: one round first
-                return 1
+            if seconds is None:  # not served yet: the table's price (a round net of a call's host work, plus it)
+                table = self.seconds_table(rows)
+                if width not in table:
+                    return 1
+                seconds = table[width] + self.call_overhead.get(rows, 0.0) / MAX_BURST
             # rounded to the nearest count (a round timed alone pays what a call of several spreads over its rounds)
             count = max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
         if self._explored == width:  # a short call, priced net of the call's host work (`_round_seconds`): a width

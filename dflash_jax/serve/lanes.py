@@ -222,9 +222,9 @@ class LanedRunner(RoundRunner):
                                           self._logprob_rows, self.n)
                                for f in dataclasses.fields(TokenLogprobs)))
 
-    def warm_burst(self, proposer, rows) -> None:
+    def warm_burst(self, proposer, rows, rounds=1) -> None:
         split = self._split(rows)
-        self._each(lambda runner, r: runner.warm_burst(proposer, r), [r if r else None for r in split])
+        self._each(lambda runner, r: runner.warm_burst(proposer, r, rounds), [r if r else None for r in split])
 
     def burst(self, proposer, active, rows, count, until_finish=False) -> Burst:
         active = np.asarray(active, bool)

@@ -269,9 +269,10 @@ class RoundRunner:
         `verify` run with the same proposer and every active row verifying: the same tokens."""
         raise NotImplementedError(f"{type(self).__name__} runs one round per call (bursts is off)")
 
-    def warm_burst(self, proposer, rows: int) -> None:
-        """Runs the `burst` program of `proposer` over the first `rows` rows once with a round in it, every row idle
-        (nothing changes): warm-up, so that serving finds it compiled and run."""
+    def warm_burst(self, proposer, rows: int, rounds: int = 1) -> None:
+        """Runs the `burst` program of `proposer` over the first `rows` rows once with `rounds` rounds in it, every row
+        idle (nothing changes), and waits for it: warm-up, so that serving finds it compiled and run, and the cost
+        table's timing of rounds as they are served (`Engine.measure_rounds`). A runner without `bursts`: nothing."""
 
     def round(self, proposer, active: np.ndarray, rows: int, logprobs: np.ndarray | None = None) -> None:
         """One round of the rows where `active` is set, for warm-up and cost measurement: draft, the host fetch
@@ -1026,10 +1027,12 @@ class ResidentRunner(RoundRunner):
         return Burst(rounds=int(ran), committed=np.asarray(committed)[: int(ran)], length=length)
 
     @_on_mesh
-    def warm_burst(self, proposer, rows) -> None:
-        length = self.length_bucket(rows, 1, proposer)
+    def warm_burst(self, proposer, rows, rounds=1) -> None:
+        rounds = max(1, min(int(rounds), MAX_BURST))
+        length = self.length_bucket(rows, rounds, proposer)
         self.state, _, ran = _burst(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool),
-                                    np.int32(1), np.bool_(False), self.spec, proposer, rows, length, np.int32(1))
+                                    np.int32(rounds), np.bool_(False), self.spec, proposer, rows, length,
+                                    np.int32(rounds))
         jax.block_until_ready(ran)
 
     def fetch(self):
@@ -1234,6 +1237,12 @@ class FakeRunner(RoundRunner):
             pos = np.minimum(start[:, None] + np.arange(int(drafted.proposal))[None], s["output"].shape[1] - 1)
             tokens = np.maximum(np.take_along_axis(s["output"][: drafted.rows], pos, axis=1), 0)
             self._round_logprobs = self._logprobs(tokens, pos)
+
+    def warm_burst(self, proposer, rows, rounds=1) -> None:
+        """`rounds` rounds of every row idle (nothing changes)."""
+        idle = np.zeros(self.slots, bool)
+        for _ in range(max(1, min(int(rounds), MAX_BURST))):
+            self.round(proposer, idle, rows)
 
     def burst(self, proposer, active, rows, count, until_finish=False) -> Burst:
         """`verify` up to `count` times (the runner's draft each round), as one call."""

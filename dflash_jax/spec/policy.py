@@ -365,6 +365,32 @@ def explore_width(costs: BucketCosts, chosen: int, rule: CostRule = CostRule()) 
     return max(near, key=lambda w: (len(costs.recent[w]) < rule.confirm, costs.age[w], shape_order(w)))
 
 
+def acceptance_upper(alpha, evidence):
+    """An optimistic acceptance: `alpha` plus one standard deviation of a proportion estimated from `evidence`
+    verified proposals (decayed counts; the prior's weight included), capped below 1. Little evidence (a row held at
+    width 1, whose evidence fades) gives a wide margin; a row that verified a long run, a narrow one."""
+    alpha = np.asarray(alpha, np.float64)
+    spread = np.sqrt(alpha * (1.0 - alpha) / (np.asarray(evidence, np.float64) + 1.0))
+    return np.minimum(alpha + spread, 0.98)
+
+
+def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 0.0, margin: float = 0.0,
+                       rule: CostRule = CostRule()):
+    """A drafting shape to run instead of `chosen` to measure what the draft accepts, or None (pure,
+    deterministic): the shape `choose_width` picks at the optimistic acceptances `upper` (`acceptance_upper` of each
+    live row), when it verifies more rows than `chosen` and has not run in this bucket for `rule.stale_after`
+    rounds. A narrow width chosen on a pessimistic estimate (the prior, or evidence faded while held at width 1)
+    would otherwise never show the draft's real acceptance; a shape that cannot win even then is never tried, and
+    one found wanting waits `stale_after` rounds of the bucket before it is tried again."""
+    if rule.explore_every <= 0 or len(costs.cost) < 2:
+        return None
+    seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
+    hope = choose_width(upper, seconds, margin)
+    if shape_rows(hope) <= shape_rows(chosen) or costs.age[hope] < rule.stale_after:
+        return None
+    return hope
+
+
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
                  rule: CostRule | None = CostRule()) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host

@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from dflash_jax.serve.engine import Engine, RoundInfo
-from dflash_jax.spec.policy import BucketCosts, CostRule, choose_width, decide_width, explore_width, observe_cost
+from dflash_jax.spec.policy import (
+    BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, explore_acceptance, explore_width,
+    observe_cost,
+)
 
 # a 32-row bucket as the serving benchmark met it: the warm-up table, measured while the machine was busy,
 # prices wide rounds far above what served rounds cost
@@ -110,6 +113,38 @@ def test_a_wide_choice_re_measures_a_stale_narrowest_width():
     assert c.seconds[1] == pytest.approx(1.0, rel=0.01)
 
 
+def test_acceptance_upper_is_wide_with_little_evidence_and_narrow_with_much():
+    assert acceptance_upper(0.7, 2.0) == pytest.approx(0.7 + (0.21 / 3) ** 0.5)
+    assert acceptance_upper(0.7, 100.0) == pytest.approx(0.7 + (0.21 / 101) ** 0.5)
+    assert acceptance_upper(0.99, 0.0) == pytest.approx(0.98)  # capped below 1
+    np.testing.assert_allclose(acceptance_upper([0.5, 0.5], [2.0, 8.0]),
+                               [0.5 + (0.25 / 3) ** 0.5, 0.5 + (0.25 / 9) ** 0.5])
+
+
+def test_a_narrow_choice_on_a_pessimistic_acceptance_tries_the_wider_width_now_and_then():
+    """Width 1 held on the prior (0.7: width 4 does not win by the margin) while the draft really accepts 0.9:
+    the optimistic estimate of a row with little evidence says width 4 could win, so a fresh (stale) width 4 runs
+    at once; once it ran, not again for `stale_after` rounds; a width that cannot win even at the optimistic
+    acceptance (a wide bucket of a compute-bound CPU) is never tried."""
+    rule = CostRule(stale_after=16)
+    c = BucketCosts.fresh({1: 1.0, 4: 2.6}, rule)
+    assert choose_width([0.7], c.seconds, 0.1) == 1  # 2.53 tokens for 2.6x the time
+    assert choose_width([0.9], c.seconds, 0.1) == 4  # 3.44 tokens
+    upper = acceptance_upper([0.7], [2.0])
+    assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) == 4  # fresh: stale at once
+    assert explore_acceptance(acceptance_upper([0.7], [200.0]), c, 1, 0.0, 0.1, rule) is None  # sure it loses
+    c = observe_cost(c, 4, 2.6, rule, explored=True)
+    for r in range(rule.stale_after):
+        assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) is None, r  # it ran: not before stale_after rounds
+        c = observe_cost(c, 1, 1.0, rule)
+    assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) == 4
+    assert explore_acceptance(upper, c, 4, 0.0, 0.1, rule) is None  # nothing wider than the choice
+    hopeless = BucketCosts.fresh({1: 1.0, 4: 4.5}, rule)  # 4 rows' worth of compute: 4 tokens cannot pay
+    assert explore_acceptance(acceptance_upper([0.7] * 8, [2.0] * 8), hopeless, 1, 0.0, 0.1, rule) is None
+    assert explore_acceptance(upper, c, 1, 0.0, 0.1, CostRule(explore_every=0)) is None  # exploration off
+    assert explore_acceptance(upper, BucketCosts.fresh({4: 1.0}), 4) is None  # one width
+
+
 def test_no_exploration_with_one_width_or_when_off():
     one = BucketCosts.fresh({4: 1.0})
     for _ in range(50):
@@ -186,3 +221,25 @@ def test_serve_flags(capsys):
     args = build_parser().parse_args([])
     assert not args.no_learn_costs and args.explore_every == 8  # learning on by default
     assert build_parser().parse_args(["--no-learn-costs"]).no_learn_costs
+
+
+def test_the_engine_tries_a_drafting_width_its_prior_undersells():
+    """Widths 1 and 4, a table where width 4 wins only if the draft accepts more than the prior says: the engine
+    runs a short call of width 4 at once (the acceptance evidence, counted in `acceptance_explores`), then goes by
+    what it measured; the tokens are the request's own whatever the widths."""
+    from dflash_jax.serve.engine import generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
+    eng.warmup([16])
+    eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
+    eng.call_overhead = {}
+    infos = []
+    eng.observers.append(infos.append)
+    [req] = generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
+    assert req.tokens == FakeRunner.alone([1, 2, 3], 60, 256, ())
+    assert eng.acceptance_explores == 1  # the fresh width 4, once: it is not stale again within the request
+    explored = [i for i in infos if i.explored]
+    assert len(explored) == 1 and explored[0].width == 4 and 1 <= explored[0].rounds <= 3
+    assert infos[0].explored  # at the first round: no evidence yet, an optimistic estimate says it may win
