@@ -95,7 +95,7 @@ from dflash_jax.spec.tree import TreeShape
 
 
 PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests (larger groups delay first tokens)
-MEASURE_CALL_ROUNDS = 4  # the rounds of each timed call of `measure_rounds` (served rounds run in calls of several)
+MEASURE_CALL_ROUNDS = 8  # the rounds of each timed call of `measure_rounds` (served rounds run in calls of several)
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
 # the device time one call of several rounds aims at (`rounds_per_call="auto"`): a stream gets its tokens at
 # least this often, a request that arrives meanwhile waits at most this long, and the host's per-call work is
@@ -104,6 +104,8 @@ DEFAULT_CALL_SECONDS = 0.05
 # the rounds of a call that explores a width the chooser did not pick: enough to price a round of it net of the
 # call's host work (`call_overhead`), few enough that exploring a width that does not pay costs little
 EXPLORE_CALL_ROUNDS = 3
+ACCEPTANCE_CALL_ROUNDS = 8  # the rounds of a call run to measure the draft's acceptance (`explore_acceptance`)
+LONG_RUN_DECAY = 0.99  # per drafting verify: the engine's long-run acceptance, what held estimates fade toward
 # the most device bytes the held draft context of every slot takes (`defer_context="auto"`): on the shipped pairs a
 # whole request's rows; a model of wide taps holds fewer, and pays the draft's context once the hold fills
 HOLD_BYTES = 64 << 20
@@ -442,15 +444,18 @@ class Engine:
             raise ValueError(f"cost_rule must be a CostRule, got {type(cost_rule).__name__}")
         self._costs: dict[int, BucketCosts] = {}  # rows -> the bucket's learned costs (while serving)
         self._explored = None  # the width this round explores (None: the chosen one runs)
+        self._accept_explore = False  # it explores to measure the acceptance (a longer call)
         self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
         self.explore_seconds = 0.0  # their wall time
         self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append (alone or in a call)
         self.context_flushes = 0  # calls that appended the held context (before a drafting round, or a full hold)
         self.width_margin = float(width_margin)
         self.acceptance_explores = 0  # calls of a wider width run to measure the draft's acceptance
+        self.acceptance_exploration = True  # False: a width the acceptance estimate rules out is never tried
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
+        self._long_hits = self._long_misses = 0.0  # every drafting verify's evidence, decayed by LONG_RUN_DECAY
         self.width_rounds = collections.Counter()
         self.rows_rounds = collections.Counter()  # rounds by the row bucket computed
         self.rounds_per_call = rounds_per_call if rounds_per_call == "auto" else int(rounds_per_call)
@@ -1127,7 +1132,7 @@ class Engine:
             # re-pricing a drafting width would append the held context first: not while a live row holds more
             # than a block (the table keeps its entry, scaled by the load the chosen width's rounds show)
             width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin, None)
-        if not explored and rule is not None:
+        if not explored and rule is not None and self.acceptance_exploration:
             # what the draft accepts, measured where an optimistic estimate says a wider width could win (held rows'
             # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
             # held context appended first
@@ -1137,6 +1142,7 @@ class Engine:
             if hope is not None:
                 width, explored = hope, True
                 self.acceptance_explores += 1
+                self._accept_explore = True
         self._explored = width if explored else None
         return width
 
@@ -1182,6 +1188,8 @@ class Engine:
         misses = 1.0 if committed < width else 0.0
         req.accept_hits, req.accept_misses = d * req.accept_hits + hits, d * req.accept_misses + misses
         self._hits, self._misses = d * self._hits + hits, d * self._misses + misses
+        d = LONG_RUN_DECAY
+        self._long_hits, self._long_misses = d * self._long_hits + hits, d * self._long_misses + misses
 
     # -- one round -------------------------------------------------------------------------------------
 
@@ -1213,7 +1221,7 @@ class Engine:
         """One round: admissions, draft, schedule, verify, emission. Returns what it did."""
         info = RoundInfo()
         t0 = time.perf_counter()
-        self._explored = None
+        self._explored, self._accept_explore = None, False
         with compile_cache.CompileCounter() as counter:
             self._step(info)
         info.compiles = counter.compiles
@@ -1546,7 +1554,8 @@ class Engine:
             # rounded to the nearest count (a round timed alone pays what a call of several spreads over its rounds)
             count = max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
         if self._explored == width:  # a short call, priced net of the call's host work (`_round_seconds`): a width
-            return min(count, EXPLORE_CALL_ROUNDS)  # that does not pay costs a few rounds, not a whole call
+            # that does not pay costs a few rounds, not a whole call; enough rounds to show the draft's acceptance
+            return min(count, ACCEPTANCE_CALL_ROUNDS if self._accept_explore else EXPLORE_CALL_ROUNDS)
         return count
 
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
@@ -1585,9 +1594,16 @@ class Engine:
         self._compact()
         return True
 
+    @property
+    def long_run_acceptance(self) -> float:
+        """What the draft accepted over the engine's drafting verifies (decayed by `LONG_RUN_DECAY` per verify, so
+        the last few hundred count), with `acceptance_prior` as a prior of weight 2."""
+        return (self._long_hits + 2.0 * self._prior) / (self._long_hits + self._long_misses + 2.0)
+
     def _fade_prior(self) -> None:
-        """The engine-wide acceptance estimate fades toward the prior (a round that proposes nothing)."""
-        d, prior = ACCEPTANCE_DECAY, self._prior
+        """The engine-wide acceptance estimate fades toward the long-run one (a round that proposes nothing): held
+        at width 1, the engine keeps what its drafting rounds showed, not the constructor's prior alone."""
+        d, prior = ACCEPTANCE_DECAY, self.long_run_acceptance
         self._hits = d * self._hits + (1 - d) * 2.0 * prior
         self._misses = d * self._misses + (1 - d) * 2.0 * (1.0 - prior)
 

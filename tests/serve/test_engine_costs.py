@@ -227,7 +227,7 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
     """Widths 1 and 4, a table where width 4 wins only if the draft accepts more than the prior says: the engine
     runs a short call of width 4 at once (the acceptance evidence, counted in `acceptance_explores`), then goes by
     what it measured; the tokens are the request's own whatever the widths."""
-    from dflash_jax.serve.engine import generate
+    from dflash_jax.serve.engine import ACCEPTANCE_CALL_ROUNDS, generate
     from dflash_jax.serve.runner import FakeRunner, fake_pair
 
     eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
@@ -241,5 +241,26 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
     assert req.tokens == FakeRunner.alone([1, 2, 3], 60, 256, ())
     assert eng.acceptance_explores == 1  # the fresh width 4, once: it is not stale again within the request
     explored = [i for i in infos if i.explored]
-    assert len(explored) == 1 and explored[0].width == 4 and 1 <= explored[0].rounds <= 3
+    assert len(explored) == 1 and explored[0].width == 4 and 1 <= explored[0].rounds <= ACCEPTANCE_CALL_ROUNDS
     assert infos[0].explored  # at the first round: no evidence yet, an optimistic estimate says it may win
+
+
+def test_held_rows_fade_toward_what_the_draft_accepted_not_the_prior(pair):
+    """Width-1 rounds propose nothing: the engine-wide estimate fades toward the long-run acceptance of the drafting
+    verifies (`long_run_acceptance`), so an engine that saw its draft accept 0.9 does not forget it while held; with
+    no drafting verify yet, toward `acceptance_prior`; `acceptance_exploration=False` never runs the wider width."""
+    from dflash_jax.serve.engine import Request, SamplingParams
+
+    eng = Engine(pair, slots=2, block_size=4, widths=(1, 4), acceptance_prior=0.6)
+    assert eng.long_run_acceptance == pytest.approx(0.6)
+    req = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0)
+    for _ in range(40):  # 4 tokens a verify: 3 of 3 proposals accepted
+        eng._observe_acceptance(req, 4, 4, False)
+    for _ in range(10):  # one in ten rejected
+        eng._observe_acceptance(req, 4, 3, False)
+    assert 0.85 < eng.long_run_acceptance < 0.97
+    for _ in range(200):
+        eng._fade_prior()
+    g = eng._hits / (eng._hits + eng._misses)
+    assert g == pytest.approx(eng.long_run_acceptance, abs=1e-6)
+    assert eng.acceptance_exploration
