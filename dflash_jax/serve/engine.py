@@ -1125,20 +1125,23 @@ class Engine:
             return self.widths[0]
         # every round also pays the host's work around the draft and the verify (the same at every width, so it
         # favours the wider verifies, which need fewer rounds)
-        alphas, costs = [self.row_acceptance(self.requests[s]) for s in live], self.bucket_costs(self.row_bucket(live))
+        rows = self.row_bucket(live)
+        alphas, costs = [self.row_acceptance(self.requests[s]) for s in live], self.bucket_costs(rows)
         rule = self.cost_rule if self.learn_costs else None
-        width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin, rule)
+        # before a served round has shown it, a round's host work is at least its share of a whole call's
+        host = self.host_seconds if self._host_samples else self.call_overhead.get(rows, 0.0) / MAX_BURST
+        width, explored = decide_width(alphas, costs, host, self.width_margin, rule)
         if explored and shape_rows(width) > 1 and self._held_top(live) > self.block_size:
             # re-pricing a drafting width would append the held context first: not while a live row holds more
             # than a block (the table keeps its entry, scaled by the load the chosen width's rounds show)
-            width, explored = decide_width(alphas, costs, self.host_seconds, self.width_margin, None)
+            width, explored = decide_width(alphas, costs, host, self.width_margin, None)
         if not explored and rule is not None and self.acceptance_exploration:
             # what the draft accepts, measured where an optimistic estimate says a wider width could win (held rows'
             # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
             # held context appended first
             evidence = [self.requests[s].accept_hits + self.requests[s].accept_misses + 2.0 for s in live]
-            hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, self.host_seconds,
-                                      self.width_margin, rule)
+            hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, host, self.width_margin,
+                                      rule)
             if hope is not None:
                 width, explored = hope, True
                 self.acceptance_explores += 1

@@ -243,11 +243,13 @@ class CostRule:
     stale_after: int = 64
     confirm: int = 3
     window: int = 5
+    accept_after: int = 16  # rounds of a bucket before a drafting width is run again to measure the acceptance
 
     def __post_init__(self):
-        if int(self.explore_every) < 0 or int(self.stale_after) < 1 or int(self.confirm) < 0 or int(self.window) < 1:
-            raise ValueError(f"CostRule: explore_every >= 0 (0: never explore), stale_after >= 1, confirm >= 0 and "
-                             f"window >= 1, got {self}")
+        if (int(self.explore_every) < 0 or int(self.stale_after) < 1 or int(self.confirm) < 0 or int(self.window) < 1
+                or int(self.accept_after) < 1):
+            raise ValueError(f"CostRule: explore_every >= 0 (0: never explore), stale_after >= 1, confirm >= 0, "
+                             f"window >= 1 and accept_after >= 1, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,15 +380,16 @@ def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 
                        rule: CostRule = CostRule()):
     """A drafting shape to run instead of `chosen` to measure what the draft accepts, or None (pure,
     deterministic): the shape `choose_width` picks at the optimistic acceptances `upper` (`acceptance_upper` of each
-    live row), when it verifies more rows than `chosen` and has not run in this bucket for `rule.stale_after`
+    live row), when it verifies more rows than `chosen` and has not run in this bucket for `rule.accept_after`
     rounds. A narrow width chosen on a pessimistic estimate (the prior, or evidence faded while held at width 1)
     would otherwise never show the draft's real acceptance; a shape that cannot win even then is never tried, and
-    one found wanting waits `stale_after` rounds of the bucket before it is tried again."""
+    one found wanting waits `accept_after` rounds of the bucket before it is tried again (each try adds to the
+    engine's long-run acceptance, so a few tries settle it)."""
     if rule.explore_every <= 0 or len(costs.cost) < 2:
         return None
     seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
     hope = choose_width(upper, seconds, margin)
-    if shape_rows(hope) <= shape_rows(chosen) or costs.age[hope] < rule.stale_after:
+    if shape_rows(hope) <= shape_rows(chosen) or costs.age[hope] < rule.accept_after:
         return None
     return hope
 

@@ -124,9 +124,9 @@ def test_acceptance_upper_is_wide_with_little_evidence_and_narrow_with_much():
 def test_a_narrow_choice_on_a_pessimistic_acceptance_tries_the_wider_width_now_and_then():
     """Width 1 held on the prior (0.7: width 4 does not win by the margin) while the draft really accepts 0.9:
     the optimistic estimate of a row with little evidence says width 4 could win, so a fresh (stale) width 4 runs
-    at once; once it ran, not again for `stale_after` rounds; a width that cannot win even at the optimistic
+    at once; once it ran, not again for `accept_after` rounds; a width that cannot win even at the optimistic
     acceptance (a wide bucket of a compute-bound CPU) is never tried."""
-    rule = CostRule(stale_after=16)
+    rule = CostRule(accept_after=16)
     c = BucketCosts.fresh({1: 1.0, 4: 2.6}, rule)
     assert choose_width([0.7], c.seconds, 0.1) == 1  # 2.53 tokens for 2.6x the time
     assert choose_width([0.9], c.seconds, 0.1) == 4  # 3.44 tokens
@@ -134,8 +134,8 @@ def test_a_narrow_choice_on_a_pessimistic_acceptance_tries_the_wider_width_now_a
     assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) == 4  # fresh: stale at once
     assert explore_acceptance(acceptance_upper([0.7], [200.0]), c, 1, 0.0, 0.1, rule) is None  # sure it loses
     c = observe_cost(c, 4, 2.6, rule, explored=True)
-    for r in range(rule.stale_after):
-        assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) is None, r  # it ran: not before stale_after rounds
+    for r in range(rule.accept_after):
+        assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) is None, r  # it ran: not before accept_after rounds
         c = observe_cost(c, 1, 1.0, rule)
     assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) == 4
     assert explore_acceptance(upper, c, 4, 0.0, 0.1, rule) is None  # nothing wider than the choice
