@@ -54,7 +54,9 @@ def _serve(engine, choose=None):
 
 @pytest.mark.slow
 def test_later_widths_join_while_busy_and_while_idle(pair, monkeypatch):
-    eng = Engine(pair, slots=3, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=BUDGET)
+    # calls of 4 rounds: enough steps within the requests for a bucket to be warmed, timed and chosen from
+    eng = Engine(pair, slots=3, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=BUDGET,
+                 rounds_per_call=4)
     eng.warmup([16], later_widths="always")  # whatever the cache holds (True: after one whole warm-up here)
     buckets, lengths = eng.row_buckets, eng.runner.length_buckets
     assert eng.widths_warming == (1,) and eng.warming == len(buckets) * (len(lengths) + 1)
