@@ -445,6 +445,7 @@ class Engine:
         self._costs: dict[int, BucketCosts] = {}  # rows -> the bucket's learned costs (while serving)
         self._explored = None  # the width this round explores (None: the chosen one runs)
         self._accept_explore = False  # it explores to measure the acceptance (a longer call)
+        self._marks = (0, 0)  # moves and flushes when the step began (`_settle`)
         self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
         self.explore_seconds = 0.0  # their wall time
         self.deferred_rounds = 0  # width-1 rounds that deferred the draft's context append (alone or in a call)
@@ -1328,6 +1329,7 @@ class Engine:
         if not self.runner.ready:
             self._reset()
         self.runner.begin_round(info)
+        self._marks = (self.moves, self.context_flushes)  # what this step dispatched before its round (`_settle`)
         self._admissions(info)
         verified = self._round_step(info) if self.requests else False
         self.runner.end_round(info, verified)
@@ -1484,9 +1486,7 @@ class Engine:
         scored = scored if scored.any() else None
         count = self._burst_count(rows, width, scored)
         self._flush_held(width, live, rows, count)
-        # the step's admissions, moves and flush run first, so the round's device time (which prices the width,
-        # `learn_cost`) is the round's alone (they run before it either way: it reads their output)
-        self.runner.sync()
+        self._settle(info)
         if count > 1:
             return self._burst_step(info, live, rows, width, count)
         defer = width == 1 and self.defer_context
@@ -1538,6 +1538,14 @@ class Engine:
             self._fade_prior()
         self._compact()
         return bool(active.any())
+
+    def _settle(self, info: RoundInfo) -> None:
+        """Waits for what this step dispatched before its round (admissions, releases, moves, a flush), so that the
+        round's device time, which prices its width (`learn_cost`), is the round's alone; they run before it either
+        way (it reads their output). A step that dispatched none of them waits for nothing."""
+        if (info.admitted or info.prefill_chunks or info.finished
+                or (self.moves, self.context_flushes) != self._marks):
+            self.runner.sync()
 
     def _burst_count(self, rows: int, width, scored) -> int:
         """The rounds this step's device call runs (`rounds_per_call`; 1: a round of its own, the host looking at
