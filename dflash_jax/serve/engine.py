@@ -452,7 +452,9 @@ class Engine:
         self.context_flushes = 0  # calls that appended the held context (before a drafting round, or a full hold)
         self.width_margin = float(width_margin)
         self.acceptance_explores = 0  # calls of a wider width run to measure the draft's acceptance
-        self.acceptance_exploration = True  # False: a width the acceptance estimate rules out is never tried
+        # True: a wider width the acceptance estimate rules out is tried now and then to measure the acceptance
+        # (`explore_acceptance`). Off by default: on this CPU it gained at one client and lost at 4 - 16
+        self.acceptance_exploration = False
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)

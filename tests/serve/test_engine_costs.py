@@ -233,6 +233,7 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
     eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
                  max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
     eng.warmup([16])
+    eng.acceptance_exploration = True  # opt-in
     eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
     eng.call_overhead = {}
     infos = []
@@ -248,7 +249,7 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
 def test_held_rows_fade_toward_what_the_draft_accepted_not_the_prior(pair):
     """Width-1 rounds propose nothing: the engine-wide estimate fades toward the long-run acceptance of the drafting
     verifies (`long_run_acceptance`), so an engine that saw its draft accept 0.9 does not forget it while held; with
-    no drafting verify yet, toward `acceptance_prior`; `acceptance_exploration=False` never runs the wider width."""
+    no drafting verify yet, toward `acceptance_prior`; the acceptance exploration is opt-in."""
     from dflash_jax.serve.engine import Request, SamplingParams
 
     eng = Engine(pair, slots=2, block_size=4, widths=(1, 4), acceptance_prior=0.6)
@@ -263,4 +264,4 @@ def test_held_rows_fade_toward_what_the_draft_accepted_not_the_prior(pair):
         eng._fade_prior()
     g = eng._hits / (eng._hits + eng._misses)
     assert g == pytest.approx(eng.long_run_acceptance, abs=1e-6)
-    assert eng.acceptance_exploration
+    assert not eng.acceptance_exploration  # opt-in

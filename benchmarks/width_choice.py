@@ -1,0 +1,145 @@
+"""The serving engine's width choice, in-process: closed-loop clients against engines of the same slots.
+
+  python benchmarks/width_choice.py [--clients 1,4,16,32] [--requests-per-client 2] [--prompt-len 64]
+                                    [--max-tokens 128] [--slots 32] [--repeats 3] [--quick] [--out DIR | --write-docs]
+
+Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
+process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
+`acceptance_exploration = True`, and block 4 (`--widths fixed`). At each client count c, c clients each send
+`--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
+`Engine.step` until it finishes), greedy; one untimed run per engine, then `--repeats` runs in which every engine
+serves once, the order reversed every other run. Tokens/s over the run; the ratio to plain is the median of the
+per-run ratios; the rounds each engine ran at each width, its acceptance explorations and its long-run acceptance.
+Every engine's tokens are checked against plain's. Writes width_choice.{json,md,png} to --out (default bench_out/)
+or, with --write-docs, docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import numpy as np
+
+import harness as h
+
+MODES = {
+    "plain": dict(block_size=1),
+    "default (widths 1, 4)": dict(block_size=4, widths=(1, 4)),
+    "default, acceptance exploration on": dict(block_size=4, widths=(1, 4)),
+    "block 4": dict(block_size=4),
+}
+DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3)
+QUICK = dict(clients="1,4", requests_per_client=1, max_tokens=32, repeats=1, slots=4)
+
+
+def serve(engine, pool, clients: int, per: int, max_tokens: int, widths: collections.Counter):
+    """Closed-loop clients: each sends its next prompt when its last request ends. Returns (tokens/s, outputs)."""
+    queue = {c: [pool[(c * per + i) % len(pool)] for i in range(per)] for c in range(clients)}
+    live = {c: engine.submit(queue[c].pop(0), max_new_tokens=max_tokens) for c in range(clients)}
+    outputs, tokens, t0 = collections.defaultdict(list), 0, time.perf_counter()
+    while live:
+        info = engine.step()
+        if info.width:
+            widths[info.width] += info.rounds
+        for c, req in list(live.items()):
+            if req.finish_reason is None:
+                continue
+            outputs[c].append(req.tokens)
+            tokens += len(req.tokens)
+            del live[c]
+            if queue[c]:
+                live[c] = engine.submit(queue[c].pop(0), max_new_tokens=max_tokens)
+    return tokens / (time.perf_counter() - t0), dict(outputs)
+
+
+def main(argv=None) -> int:
+    d = DEFAULTS
+    p = h.parser(__doc__, {"--clients": d["clients"], "--requests-per-client": d["requests_per_client"],
+                           "--slots": d["slots"]}, prompt_len=d["prompt_len"], max_tokens=d["max_tokens"],
+                 repeats=d["repeats"])
+    args = h.parse(p, argv, quick=QUICK)
+    clients = h.int_list(p, args.clients, "--clients")
+    if args.requests_per_client < 1 or args.slots < max(clients):
+        p.error("--requests-per-client must be >= 1 and --slots at least the largest --clients")
+    log = h.logger("width_choice")
+    import dflash_jax
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.timing import load_average
+
+    pair = dflash_jax.load(None, dequantize_experts="auto")
+    pool = h.prompts(pair, max(max(clients) * args.requests_per_client, 8), args.prompt_len)
+    engines = {}
+    for name, kw in MODES.items():
+        t = time.perf_counter()
+        engines[name] = Engine(pair, slots=args.slots, max_prompt_len=2 * args.prompt_len,
+                               max_new_tokens=args.max_tokens, **kw)
+        engines[name].warmup()
+        engines[name].acceptance_exploration = "exploration on" in name
+        log(f"{name}: warmed in {time.perf_counter() - t:.1f} s")
+    rows = []
+    for c in clients:
+        rates, widths = collections.defaultdict(list), {m: collections.Counter() for m in MODES}
+        loads = [(load_average() or (0.0,))[0]]
+        reference = None
+        for name, eng in engines.items():  # untimed: each engine's first run of this point; outputs checked
+            _, out = serve(eng, pool, c, args.requests_per_client, args.max_tokens, collections.Counter())
+            reference = out if reference is None else reference
+            if out != reference:
+                raise SystemExit(f"{name} at {c} clients: tokens differ from plain's")
+        order = list(engines)
+        for r in range(args.repeats):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                rate, _ = serve(engines[name], pool, c, args.requests_per_client, args.max_tokens, widths[name])
+                rates[name].append(rate)
+            loads.append((load_average() or (0.0,))[0])
+        for name in MODES:
+            ratios = [a / b for a, b in zip(rates[name], rates["plain"])]
+            total = sum(widths[name].values()) or 1
+            rows.append(dict(mode=name, clients=c, tokens_per_s=float(np.median(rates[name])),
+                             ratio=float(np.median(ratios)), ratio_range=[min(ratios), max(ratios)],
+                             width4_share=widths[name].get(4, 0) / total,
+                             rounds_by_width={str(k): v for k, v in sorted(widths[name].items())},
+                             load_1min=max(loads), load_range=[min(loads), max(loads)]))
+            log(f"{c} clients, {name}: {rows[-1]['tokens_per_s']:.0f} tok/s, {rows[-1]['ratio']:.2f}x plain, "
+                f"width 4 in {100 * rows[-1]['width4_share']:.0f}% of rounds")
+    stats = {name: dict(acceptance_explores=getattr(e, "acceptance_explores", 0),
+                        long_run_acceptance=getattr(e, "long_run_acceptance", None)) for name, e in engines.items()}
+    result = dict(benchmark="width_choice", machine=h.machine(), clients=clients, slots=args.slots,
+                  requests_per_client=args.requests_per_client, prompt_len=args.prompt_len,
+                  max_tokens=args.max_tokens, repeats=args.repeats, rows=rows, engines=stats)
+    by = {(r["mode"], r["clients"]): r for r in rows}
+    lines = [
+        "# The serving engine's width choice, in-process (CPU)",
+        "",
+        f"`{h.command('width_choice.py', args, DEFAULTS)}` - {args.slots} slots, {args.requests_per_client} "
+        f"requests per client one after another, {args.prompt_len}-token held-out prompts, {args.max_tokens} new "
+        f"tokens, greedy, every engine's tokens equal to plain's; {args.repeats} paired runs per point (the order "
+        f"reversed every other run). Load average (1 min) {h.load_span(rows)}. Tokens/s (median) and its ratio "
+        "to plain (median of per-run ratios); in brackets, the share of rounds at width 4.",
+        "",
+        *h.table(["engine"] + [f"{c} client{'s' if c > 1 else ''}" for c in clients],
+                 [[m] + [f"{by[m, c]['tokens_per_s']:.0f} ({by[m, c]['ratio']:.2f}x, "
+                         f"{100 * by[m, c]['width4_share']:.0f}%)" for c in clients] for m in MODES]),
+        "",
+        "Acceptance explorations and long-run acceptance: " + ", ".join(
+            f"{m}: {s['acceptance_explores']} / {s['long_run_acceptance']:.3f}" for m, s in stats.items()),
+    ]
+
+    def draw(ax):
+        x = np.arange(len(clients))
+        for i, m in enumerate(MODES):
+            ax.bar(x + (i - 1.5) * 0.2, [by[m, c]["ratio"] for c in clients], 0.2, label=m)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x, [str(c) for c in clients])
+        ax.set_xlabel("clients")
+        ax.set_ylabel("tokens/s over plain")
+        ax.legend(fontsize=7)
+
+    h.Report(args, "width_choice").write(result, lines, draw=draw, image="tokens/s over plain by engine and clients")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
