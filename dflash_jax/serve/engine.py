@@ -85,7 +85,7 @@ from dflash_jax.serve.runner import (
 )
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, default_widths, explore_acceptance,
-    join_widths, observe_cost, shape_order, shape_rows, width_label,
+    exploration_loss, join_widths, observe_cost, shape_order, shape_rows, width_label, with_drafting,
 )
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
@@ -104,7 +104,12 @@ DEFAULT_CALL_SECONDS = 0.05
 # the rounds of a call that explores a width the chooser did not pick: enough to price a round of it net of the
 # call's host work (`call_overhead`), few enough that exploring a width that does not pay costs little
 EXPLORE_CALL_ROUNDS = 3
-ACCEPTANCE_CALL_ROUNDS = 8  # the rounds of a call run to measure the draft's acceptance (`explore_acceptance`)
+ACCEPTANCE_CALL_ROUNDS = 8  # the most rounds of a call run to measure the draft's acceptance (`explore_acceptance`)
+ACCEPTANCE_VERIFIES = 16  # the row verifies such a call aims at: 8 rounds of one or two rows, 4 of 4, 1 of 16
+# per round: the acceptance exploration's credit (`CostRule.accept_budget` of the served time) fades over a few hundred
+# rounds, so a quiet spell does not pay for a run of explorations later
+CREDIT_DECAY = 1.0 - 1.0 / 256
+FLUSH_DECAY = 0.98  # per step: the admissions per committed token that price the held context's flushes
 LONG_RUN_DECAY = 0.99  # per drafting verify: the engine's long-run acceptance, what held estimates fade toward
 # the most device bytes the held draft context of every slot takes (`defer_context="auto"`): on the shipped pairs a
 # whole request's rows; a model of wide taps holds fewer, and pays the draft's context once the hold fills
@@ -453,8 +458,16 @@ class Engine:
         self.width_margin = float(width_margin)
         self.acceptance_explores = 0  # calls of a wider width run to measure the draft's acceptance
         # True: a wider width the acceptance estimate rules out is tried now and then to measure the acceptance
-        # (`explore_acceptance`). Off by default: on this CPU it gained at one client and lost at 4 - 16
-        self.acceptance_exploration = False
+        # (`explore_acceptance`), within `CostRule.accept_budget` of the served time (its expected loss at the
+        # current estimate; the first try, before any drafting verify, is free)
+        self.acceptance_exploration = True
+        self._explore_credit = 0.0  # seconds the acceptance exploration may still lose
+        self._accept_rounds = ACCEPTANCE_CALL_ROUNDS  # the rounds of this step's acceptance exploration
+        # rows -> seconds of a flush of the held context before a drafting round (decayed mean of timed flushes),
+        # and the decayed (steps that admitted a request, tokens committed): what drafting adds per token
+        # (`drafting_per_token`)
+        self.flush_seconds: dict[int, float] = {}
+        self._admit_rate = [0.0, 0.0]
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
@@ -1095,8 +1108,27 @@ class Engine:
             return
         limit = self.context_rows - count if shape_rows(width) < 2 else self.block_size
         if self._held_top(live) > limit:
+            drafting = shape_rows(width) > 1
+            if drafting:  # timed alone (what the step dispatched before it runs first, as it would anyway)
+                self.runner.sync()
+                t0 = time.perf_counter()
             self.runner.flush_context(rows)
             self.context_flushes += 1
+            if drafting:  # what drafting costs per admission (`drafting_per_token`)
+                self.runner.sync()
+                seconds, old = time.perf_counter() - t0, self.flush_seconds.get(rows)
+                self.flush_seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def drafting_per_token(self, rows: int) -> float:
+        """What drafting adds per committed token beyond its rounds (`defer_context`): a prompt's context is held
+        at admission and appended before the next drafting round, a flush of the row bucket (`flush_seconds`,
+        timed) per step that admitted requests, over the tokens committed per such step (decayed). 0 until a flush
+        of the bucket was timed, and for an engine that appends the context at admission."""
+        flush = self.flush_seconds.get(rows)
+        steps, tokens = self._admit_rate
+        if not self.defer_context or flush is None or tokens <= 0.0:
+            return 0.0
+        return flush * steps / tokens
 
     def row_acceptance(self, req: Request) -> float:
         """The estimated probability that a proposal of `req` is accepted given the ones before it: its decayed
@@ -1133,22 +1165,33 @@ class Engine:
         rule = self.cost_rule if self.learn_costs else None
         # before a served round has shown it, a round's host work is at least its share of a whole call's
         host = self.host_seconds if self._host_samples else self.call_overhead.get(rows, 0.0) / MAX_BURST
-        width, explored = decide_width(alphas, costs, host, self.width_margin, rule)
+        # drafting widths also pay the held context's flushes, one per admission (per token: scaled by each width's
+        # expected tokens per round)
+        drafting = self.drafting_per_token(rows)
+        width, explored = decide_width(alphas, costs, host, self.width_margin, rule, drafting)
         if explored and shape_rows(width) > 1 and self._held_top(live) > self.block_size:
             # re-pricing a drafting width would append the held context first: not while a live row holds more
             # than a block (the table keeps its entry, scaled by the load the chosen width's rounds show)
-            width, explored = decide_width(alphas, costs, host, self.width_margin, None)
+            width, explored = decide_width(alphas, costs, host, self.width_margin, None, drafting)
         if not explored and rule is not None and self.acceptance_exploration:
             # what the draft accepts, measured where an optimistic estimate says a wider width could win (held rows'
             # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
-            # held context appended first
+            # held context appended first, within the exploration's budget of the served time
             evidence = [self.requests[s].accept_hits + self.requests[s].accept_misses + 2.0 for s in live]
             hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, host, self.width_margin,
-                                      rule)
+                                      rule, drafting)
+            rounds = max(1, min(ACCEPTANCE_CALL_ROUNDS, -(-ACCEPTANCE_VERIFIES // len(live))))
+            if hope is not None and self._long_hits + self._long_misses > 0:  # before any drafting verify: free
+                # what it is expected to lose at the current estimate, the held context's append included
+                first = self.flush_seconds.get(rows, 0.0) if self._held_top(live) > self.block_size else 0.0
+                seconds = with_drafting({w: t + host for w, t in costs.seconds.items()}, alphas, drafting)
+                loss = exploration_loss(alphas, seconds, width, hope, rounds, first)
+                hope = hope if loss <= self._explore_credit else None
+                self._explore_credit -= loss if hope is not None else 0.0
             if hope is not None:
                 width, explored = hope, True
                 self.acceptance_explores += 1
-                self._accept_explore = True
+                self._accept_explore, self._accept_rounds = True, rounds
         self._explored = width if explored else None
         return width
 
@@ -1242,7 +1285,12 @@ class Engine:
             over = max(info.seconds / info.rounds - self._round_seconds(info), 0.0)
             self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
             self._host_samples += 1
+        d = FLUSH_DECAY
+        self._admit_rate = [d * self._admit_rate[0] + (info.admitted > 0), d * self._admit_rate[1] + info.tokens]
         if info.width:
+            if not self._accept_explore and not info.compiles:  # the acceptance exploration's budget
+                self._explore_credit = (CREDIT_DECAY ** info.rounds * self._explore_credit
+                                        + self.cost_rule.accept_budget * info.seconds)
             self.learn_cost(info)
             if not info.compiles:  # what a round of this bucket and width takes (sizes the calls of several)
                 seconds, key = self._device_seconds / info.rounds, (info.rows, info.width)
@@ -1568,7 +1616,7 @@ class Engine:
             count = max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
         if self._explored == width:  # a short call, priced net of the call's host work (`_round_seconds`): a width
             # that does not pay costs a few rounds, not a whole call; enough rounds to show the draft's acceptance
-            return min(count, ACCEPTANCE_CALL_ROUNDS if self._accept_explore else EXPLORE_CALL_ROUNDS)
+            return min(count, self._accept_rounds if self._accept_explore else EXPLORE_CALL_ROUNDS)
         return count
 
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:

@@ -244,12 +244,14 @@ class CostRule:
     confirm: int = 3
     window: int = 5
     accept_after: int = 16  # rounds of a bucket before a drafting width is run again to measure the acceptance
+    # the share of the served time the acceptance exploration may lose, at the current estimate (`exploration_loss`)
+    accept_budget: float = 0.03
 
     def __post_init__(self):
         if (int(self.explore_every) < 0 or int(self.stale_after) < 1 or int(self.confirm) < 0 or int(self.window) < 1
-                or int(self.accept_after) < 1):
+                or int(self.accept_after) < 1 or not 0.0 <= float(self.accept_budget) <= 1.0):
             raise ValueError(f"CostRule: explore_every >= 0 (0: never explore), stale_after >= 1, confirm >= 0, "
-                             f"window >= 1 and accept_after >= 1, got {self}")
+                             f"window >= 1, accept_after >= 1 and accept_budget in [0, 1], got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,18 +378,41 @@ def acceptance_upper(alpha, evidence):
     return np.minimum(alpha + spread, 0.98)
 
 
+def with_drafting(seconds: dict, alphas, per_token: float = 0.0) -> dict:
+    """{shape: seconds per round} with what drafting costs beyond its draft and verify added to every shape that
+    proposes (more than one verify row): `per_token` seconds per token it is expected to commit over the live rows
+    at the acceptances `alphas` (the serving engine's held context, appended once per admission before drafting
+    rounds, `Engine.drafting_per_token`). Pure."""
+    if not per_token:
+        return dict(seconds)
+    shapes = list(seconds)
+    tokens = acceptance_worth(alphas, shapes).sum(axis=0)
+    return {w: t + (per_token * float(n) if shape_rows(w) > 1 else 0.0) for (w, t), n in zip(seconds.items(), tokens)}
+
+
+def exploration_loss(alphas, seconds: dict, chosen, shape, rounds: int, first: float = 0.0) -> float:
+    """The seconds that `rounds` rounds of `shape` are expected to lose against `chosen` at the acceptance estimates
+    `alphas` ({shape: seconds per round}, as `choose_width` prices them): each round's time beyond what `chosen`
+    takes for the same expected tokens, and `first` (what running it costs up front: a held context appended).
+    Never negative; pure."""
+    worth = acceptance_worth(alphas, [chosen, shape]).sum(axis=0)
+    per_round = seconds[shape] - seconds[chosen] * worth[1] / max(worth[0], 1e-9)
+    return max(0.0, float(rounds) * per_round) + max(0.0, float(first))
+
+
 def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 0.0, margin: float = 0.0,
-                       rule: CostRule = CostRule()):
+                       rule: CostRule = CostRule(), drafting_per_token: float = 0.0):
     """A drafting shape to run instead of `chosen` to measure what the draft accepts, or None (pure,
     deterministic): the shape `choose_width` picks at the optimistic acceptances `upper` (`acceptance_upper` of each
     live row), when it verifies more rows than `chosen` and has not run in this bucket for `rule.accept_after`
     rounds. A narrow width chosen on a pessimistic estimate (the prior, or evidence faded while held at width 1)
     would otherwise never show the draft's real acceptance; a shape that cannot win even then is never tried, and
     one found wanting waits `accept_after` rounds of the bucket before it is tried again (each try adds to the
-    engine's long-run acceptance, so a few tries settle it)."""
+    engine's long-run acceptance, so a few tries settle it). The caller also bounds what the tries lose
+    (`exploration_loss` against its budget, `rule.accept_budget` of its served time)."""
     if rule.explore_every <= 0 or len(costs.cost) < 2:
         return None
-    seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
+    seconds = with_drafting({w: t + host_seconds for w, t in costs.seconds.items()}, upper, drafting_per_token)
     hope = choose_width(upper, seconds, margin)
     if shape_rows(hope) <= shape_rows(chosen) or costs.age[hope] < rule.accept_after:
         return None
@@ -395,10 +420,11 @@ def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 
 
 
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
-                 rule: CostRule | None = CostRule()) -> tuple[int, bool]:
+                 rule: CostRule | None = CostRule(), drafting_per_token: float = 0.0) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
-    time, then `explore_width` (rule None: no exploration). Pure."""
-    seconds = {w: t + host_seconds for w, t in costs.seconds.items()}
+    time (and drafting's own cost on every drafting shape: `with_drafting`), then `explore_width` (rule None: no
+    exploration). Pure."""
+    seconds = with_drafting({w: t + host_seconds for w, t in costs.seconds.items()}, alphas, drafting_per_token)
     chosen = choose_width(alphas, seconds, margin)
     other = None if rule is None else explore_width(costs, chosen, rule)
     return (chosen, False) if other is None else (other, True)

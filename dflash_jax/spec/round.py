@@ -235,8 +235,10 @@ def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None
     if rows < b:  # the head rows' lengths (and offsets) back into the full ones; the buffers are the full ones
         cache = cache.replace(lengths=full.lengths.at[:rows].set(cache.lengths), position_offset=(
             None if full.position_offset is None else full.position_offset.at[:rows].set(cache.position_offset)))
-    context = pad_cols(state.context, width).at[:rows].set(0)
-    return state.replace(draft_cache=cache, context=context, num_context=state.num_context.at[:rows].set(0))
+    # the flushed rows' columns are left as they are: past `num_context` a row's columns are never read (zeroing
+    # them made XLA copy the whole hold, every slot's, twice a flush)
+    return state.replace(draft_cache=cache, context=pad_cols(state.context, width),
+                         num_context=state.num_context.at[:rows].set(0))
 
 
 def round_step(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()):

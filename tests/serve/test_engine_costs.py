@@ -8,8 +8,8 @@ import pytest
 
 from dflash_jax.serve.engine import Engine, RoundInfo
 from dflash_jax.spec.policy import (
-    BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, explore_acceptance, explore_width,
-    observe_cost,
+    BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, explore_acceptance, exploration_loss,
+    explore_width, observe_cost, with_drafting,
 )
 
 # a 32-row bucket as the serving benchmark met it: the warm-up table, measured while the machine was busy,
@@ -145,6 +145,45 @@ def test_a_narrow_choice_on_a_pessimistic_acceptance_tries_the_wider_width_now_a
     assert explore_acceptance(upper, BucketCosts.fresh({4: 1.0}), 4) is None  # one width
 
 
+def test_an_exploration_costs_what_its_rounds_give_up_at_the_current_estimate():
+    """`exploration_loss`: each round's time beyond what the chosen width takes for the same expected tokens, plus
+    what it pays up front; nothing when the wider width wins at the estimate. A wide bucket gives up far more
+    per try than one row, so the same budget affords it far less often."""
+    seconds = {1: 1.0, 4: 2.6}
+    tokens = 1 + 0.7 + 0.7 ** 2 + 0.7 ** 3  # width 4 at 0.7
+    assert exploration_loss([0.7], seconds, 1, 4, 8) == pytest.approx(8 * (2.6 - tokens))
+    assert exploration_loss([0.7], seconds, 1, 4, 8, first=0.5) == pytest.approx(8 * (2.6 - tokens) + 0.5)
+    assert exploration_loss([0.95], seconds, 1, 4, 8) == 0.0  # it wins at the estimate: nothing given up
+    wide = {1: 16.0, 4: 60.0}  # 16 rows of a compute-bound CPU
+    assert exploration_loss([0.7] * 16, wide, 1, 4, 1) > 5 * exploration_loss([0.7], seconds, 1, 4, 8)
+
+
+def test_drafting_pays_the_held_context_per_token_it_commits():
+    """`with_drafting`: a drafting shape pays `per_token` for each token it is expected to commit over the rows;
+    width 1 pays nothing. Enough of it turns a marginal drafting choice into width 1."""
+    seconds = {1: 1.0, 4: 2.0}
+    assert with_drafting(seconds, [0.9], 0.0) == seconds
+    tokens = 1 + 0.9 + 0.81 + 0.729
+    assert with_drafting(seconds, [0.9, 0.9], 0.1) == pytest.approx({1: 1.0, 4: 2.0 + 0.1 * 2 * tokens})
+    c = BucketCosts.fresh(seconds)
+    assert decide_width([0.9], c, 0.0, 0.1, None) == (4, False)
+    assert decide_width([0.9], c, 0.0, 0.1, None, drafting_per_token=0.4) == (1, False)
+
+
+def test_the_engine_prices_the_held_contexts_flush_per_token(pair):
+    """`Engine.drafting_per_token`: a timed flush of the bucket per step that admitted, over the tokens committed
+    per such step; 0 before a flush of the bucket was timed, and for an engine that does not hold the context."""
+    eng = Engine(pair, slots=2, block_size=4, widths=(1, 4))
+    assert eng.defer_context and eng.drafting_per_token(1) == 0.0
+    eng.flush_seconds[1] = 0.002
+    eng._admit_rate = [1.0, 100.0]  # one admitting step per 100 tokens
+    assert eng.drafting_per_token(1) == pytest.approx(2e-5)
+    assert eng.drafting_per_token(2) == 0.0  # not timed in that bucket
+    fixed = Engine(pair, slots=2, block_size=4)
+    fixed.flush_seconds[1], fixed._admit_rate = 0.002, [1.0, 100.0]
+    assert not fixed.defer_context and fixed.drafting_per_token(1) == 0.0
+
+
 def test_no_exploration_with_one_width_or_when_off():
     one = BucketCosts.fresh({4: 1.0})
     for _ in range(50):
@@ -233,7 +272,7 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
     eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
                  max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
     eng.warmup([16])
-    eng.acceptance_exploration = True  # opt-in
+    assert eng.acceptance_exploration  # on by default
     eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
     eng.call_overhead = {}
     infos = []
@@ -264,4 +303,44 @@ def test_held_rows_fade_toward_what_the_draft_accepted_not_the_prior(pair):
         eng._fade_prior()
     g = eng._hits / (eng._hits + eng._misses)
     assert g == pytest.approx(eng.long_run_acceptance, abs=1e-6)
-    assert not eng.acceptance_exploration  # opt-in
+
+
+def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
+    """After the first try (free: nothing measured yet), a try runs only when the credit (`CostRule.accept_budget` of
+    the served time, less what the tries before it were expected to lose) covers what it is expected to lose at the
+    current estimate (`exploration_loss`), which it then spends."""
+    from dflash_jax.serve.engine import ACCEPTANCE_CALL_ROUNDS, Request, SamplingParams, generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    def engine(**kw):
+        eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=400,
+                     max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4, **kw)
+        eng.warmup([16])
+        eng.cost_table = {rows: {1: 1e-3, 4: 2.9e-3} for rows in eng.row_buckets}  # 4 wins only above 0.85
+        eng.call_overhead = {}
+        return eng
+
+    eng = engine()
+    eng.requests[0] = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0)
+    eng.host_seconds, eng._host_samples = 0.0, 1
+    assert eng.choose_width([0]) == 4 and eng.acceptance_explores == 1  # nothing measured: free
+    eng._accept_explore = False
+    eng._long_hits = 10.0  # measured once
+    eng._costs[1] = observe_cost(eng.bucket_costs(1), 1, 1e-3, eng.cost_rule)
+    for _ in range(eng.cost_rule.accept_after):
+        eng._costs[1] = observe_cost(eng._costs[1], 1, 1e-3, eng.cost_rule)
+    eng._explore_credit = 0.0
+    assert eng.choose_width([0]) == 1 and eng.acceptance_explores == 1  # no credit
+    alpha = eng.row_acceptance(eng.requests[0])
+    loss = exploration_loss([alpha], eng.bucket_costs(1).seconds, 1, 4, ACCEPTANCE_CALL_ROUNDS)
+    assert loss > 0
+    eng._explore_credit = 1.5 * loss
+    assert eng.choose_width([0]) == 4 and eng.acceptance_explores == 2
+    assert eng._explore_credit == pytest.approx(0.5 * loss)  # spent
+
+    served = engine(cost_rule=CostRule(accept_budget=0.05))  # the credit: a share of the steps' time
+    infos = []
+    served.observers.append(infos.append)
+    [req] = generate(served, [[5, 6, 7]], max_new_tokens=400, stop_ids=[])
+    assert req.tokens == FakeRunner.alone([5, 6, 7], 400, 256, ())
+    assert 0.0 < served._explore_credit <= 0.05 * sum(i.seconds for i in infos)

@@ -101,3 +101,33 @@ def test_held_context_flushed_by_chunks_then_drafted_equals_appending(pair):
     np.testing.assert_array_equal(drafted.last_accepted, ref.last_accepted)
     assert int(np.max(np.asarray(ref.last_accepted))) >= 1  # proposals were accepted
     assert drafted.context.shape[1] == held_width
+
+
+def test_a_flush_leaves_the_held_columns_and_the_next_hold_overwrites_them(pair):
+    """A flush resets the pending counts only (the flushed columns keep their rows: past `num_context` nothing reads
+    them), so the hold after it writes over them: held again, flushed again, then drafted, the rows commit what an
+    appending state's commit. And the flush compiles without a copy of the hold (zeroing it made XLA copy every
+    slot's held columns twice a flush)."""
+    from dflash_jax.spec.tree import pad_cols
+
+    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=24, stop_ids=[])
+    tw, dw = pair.target, pair.draft
+    held, appended = start.replace(context=pad_cols(start.context, 12)), start
+    for rounds in (6, 3):  # the second hold shorter than the first: the first's rows stay past it
+        for _ in range(rounds):
+            held = _round(tw, dw, held, spec, Chain(1, defer_context=True))
+            appended = _round(tw, dw, appended, spec, Chain(1))
+        held = _flush_chunks(dw, held, spec, 4)
+        assert np.all(np.asarray(held.num_context) == 0)
+    assert np.any(np.asarray(held.context[:, 3:6]) != 0)  # the first hold's rows, left in place
+    reference = _flush_chunks(dw, appended, spec, None)
+    drafted = _round(tw, dw, held, spec, Chain(4))
+    ref = _round(tw, dw, reference, spec, Chain(4))
+    np.testing.assert_array_equal(drafted.output, ref.output)
+    assert int(np.max(np.asarray(ref.last_accepted))) >= 1  # proposals were accepted
+
+    donating = jax.jit(flush_context, static_argnames=("spec", "rows", "chunk"), donate_argnames=("state",))
+    hlo = donating.lower(dw, held, spec=spec, rows=1, chunk=4).compile().as_text()
+    shape = "f32[%s]" % ",".join(str(d) for d in held.context.shape)
+    copies = [line for line in hlo.splitlines() if f"= {shape}" in line and " copy(" in line]
+    assert not copies, copies
