@@ -95,6 +95,7 @@ from dflash_jax.spec.tree import TreeShape
 
 
 PREFILL_GROUPS = (1, 4)  # batch sizes of a prefill of several waiting requests (larger groups delay first tokens)
+PREFILL_WINDOW = 5  # the served prefills of a (group, prompt bucket) whose median prices it (`prefill_cost`)
 MEASURE_CALL_ROUNDS = 8  # the rounds of each timed call of `measure_rounds` (served rounds run in calls of several)
 ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request's recent rounds
 # the device time one call of several rounds aims at (`rounds_per_call="auto"`): a stream gets its tokens at
@@ -468,6 +469,10 @@ class Engine:
         # (`drafting_per_token`)
         self.flush_seconds: dict[int, float] = {}
         self._admit_rate = [0.0, 0.0]
+        # (group, prompt bucket) -> the last served prefills' seconds (the prefill, its insert and first tokens):
+        # whether waiting requests prefill together or one by one (`_split_cheaper`)
+        self._prefill_times: dict[tuple[int, int], collections.deque] = {}
+        self.split_admissions = 0  # times a group of waiting requests was split (one prefilled alone: cheaper)
         # the engine-wide acceptance (decayed hits / misses): the prior of a row that has not verified yet
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
@@ -758,15 +763,42 @@ class Engine:
         for r in reqs:
             self._score_prompt(r)
         batch = self._batch(reqs, next(g for g in self.prefill_groups if g >= len(reqs)))
-        rows = self.runner.prefill(batch)
+        if info is not None:  # timed alone: what the step dispatched before it runs first, as it would anyway
+            self.runner.sync()
+        t0 = time.perf_counter()
+        with compile_cache.CompileCounter() as counter:
+            rows = self.runner.prefill(batch)
+            self._place(reqs, slots, rows, len(batch.lengths), info)
+            if info is not None:
+                self.runner.sync()
+        if info is not None and not counter.traces and not counter.compiles:
+            key = (len(batch.lengths), int(batch.tokens.shape[1]))
+            self._prefill_times.setdefault(key, collections.deque(maxlen=PREFILL_WINDOW)).append(
+                time.perf_counter() - t0)
         if info is not None:
             info.prefill_tokens += sum(len(r.prefill_ids) for r in reqs)
             self.prefill_tokens += sum(len(r.prefill_ids) for r in reqs)
             left_out = sum(len(r.prompt) - len(r.prefill_ids) for r in reqs)
             info.compressed_tokens += left_out
             self.compressed_tokens += left_out
-        self._place(reqs, slots, rows, len(batch.lengths), info)
         return rows
+
+    def prefill_cost(self, group: int, width: int) -> float | None:
+        """The measured seconds of a prefill of `group` rows padded to `width` tokens (its insert and first tokens
+        included): the median of the last `PREFILL_WINDOW` served ones, None before any."""
+        times = self._prefill_times.get((group, width))
+        return float(np.median(times)) if times else None
+
+    def _split_cheaper(self, reqs: list) -> bool:
+        """Whether prefilling `reqs` one by one measured cheaper than together (the group padded to its size and to
+        the longest prompt's bucket): a CPU computes a padded row as a real one, a GPU a few rows at about one's
+        cost. False until both were measured (a group is the default)."""
+        if len(reqs) < 2 or any(len(r.samples) > 1 for r in reqs):
+            return False
+        widths = [self.prompt_bucket(len(r.prefill_ids)) for r in reqs]
+        group = self.prefill_cost(next(g for g in self.prefill_groups if g >= len(reqs)), max(widths))
+        alone = [self.prefill_cost(1, w) for w in widths]
+        return group is not None and None not in alone and sum(alone) < group
 
     def _place(self, reqs: list, slots: list, rows, n: int, info: RoundInfo | None) -> None:
         """Writes the runner's prefilled `n` rows `rows` into `slots` (rows past them: dropped); emits the first
@@ -1344,6 +1376,9 @@ class Engine:
                     take, used = take + 1, used + len(r.samples)
                 if take and next(g for g in self.prefill_groups if g >= take) > 2 * take:
                     take = max(g for g in self.prefill_groups if g <= take)  # not mostly padding rows
+                if take > 1 and self._split_cheaper(line[:take]):  # one now, the next ones by the same rule
+                    take = 1
+                    self.split_admissions += 1
                 reqs = line[:take]
                 for r in reqs:
                     self.queue.remove(r)

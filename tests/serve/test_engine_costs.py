@@ -344,3 +344,26 @@ def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
     [req] = generate(served, [[5, 6, 7]], max_new_tokens=400, stop_ids=[])
     assert req.tokens == FakeRunner.alone([5, 6, 7], 400, 256, ())
     assert 0.0 < served._explore_credit <= 0.05 * sum(i.seconds for i in infos)
+
+
+@pytest.mark.parametrize("alone, together, prefills", [(0.001, 0.01, 3), (0.004, 0.01, 1)])
+def test_waiting_requests_prefill_one_by_one_where_that_measured_cheaper(alone, together, prefills):
+    """Each served prefill is timed per (group, prompt bucket) (`prefill_cost`); three requests waiting together
+    prefill one by one when three single prefills measured cheaper than one group padded to 4 rows (a CPU computes
+    padding rows as real ones), together otherwise; the tokens are the requests' own either way."""
+    from dflash_jax.serve.engine import PREFILL_WINDOW, generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=4, max_prompt_len=64, max_new_tokens=8,
+                 max_queue=8, prefill_chunk=None, block_size=4)
+    eng.warmup([16])
+    [req] = generate(eng, [[1, 2, 3]], max_new_tokens=4, stop_ids=[])  # a served prefill is timed
+    width = eng.prompt_bucket(3)
+    assert eng.prefill_cost(1, width) > 0.0 and eng.prefill_cost(4, width) is None
+    eng._prefill_times = {(1, width): [alone] * PREFILL_WINDOW, (4, width): [together] * PREFILL_WINDOW}
+    before = eng.runner.calls["prefill"]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    reqs = generate(eng, prompts, max_new_tokens=8, stop_ids=[])
+    assert [r.tokens for r in reqs] == [FakeRunner.alone(p, 8, 256, ()) for p in prompts]
+    assert eng.runner.calls["prefill"] - before == prefills
+    assert (eng.split_admissions > 0) == (prefills > 1)
