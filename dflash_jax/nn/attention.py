@@ -83,12 +83,16 @@ def _heads_major(x: jax.Array) -> jax.Array:
 
 def _attend(q, k, v, mask, *, scale, sinks):
     """`gqa_attention` over keys and values in a cache buffer's order [b, Hkv, S, d]: both products then read each
-    (row, head)'s keys as one contiguous [S, d] matrix (no copy of the buffer into another order)."""
+    (row, head)'s keys as one contiguous [S, d] matrix (no copy of the buffer into another order). k and v may be
+    tuples of such parts (a cache buffer and a few rows beside it, the draft's block): one softmax over every
+    part's keys, each part read where it is (joining them would copy the whole buffer every call)."""
+    k, v = (k if isinstance(k, tuple) else (k,)), (v if isinstance(v, tuple) else (v,))
     b, t, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv = k[0].shape[1]
     g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bkgts", qg, part, preferred_element_type=jnp.float32)
+                              for part in k], axis=-1) * scale
     scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
     if sinks is not None:
         sink_col = jnp.broadcast_to(
@@ -101,7 +105,12 @@ def _attend(q, k, v, mask, *, scale, sinks):
     probs = jnp.where(mask[:, None, None], probs, 0.0)
     # [b, Hkv, G, T, d] first, then the small output reordered: asked for [b, T, Hkv, G, d] directly, XLA:CPU
     # multiplies V^T by P^T, a product with the contraction on V's major axis that its fast matmul does not take
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out, start = None, 0
+    for part in v:
+        n = part.shape[SLOT_AXIS]
+        pv = jnp.einsum("bkgts,bksd->bkgtd", probs[..., start: start + n].astype(part.dtype), part,
+                        preferred_element_type=jnp.float32)
+        out, start = (pv if out is None else out + pv), start + n
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -261,13 +270,12 @@ def _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, *, causal, wi
     b, rows = k_buf.shape[0], k_buf.shape[SLOT_AXIS]
     slots = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (b, rows))
     mask = _visible(q_positions, slots, kv_lengths, causal=causal, window=window)
-    keys, values = k_buf, v_buf
-    if extra is not None:
-        k_x, v_x, mask_x = extra
-        keys = jnp.concatenate([k_buf, _heads_major(k_x.astype(k_buf.dtype))], axis=SLOT_AXIS)
-        values = jnp.concatenate([v_buf, _heads_major(v_x.astype(v_buf.dtype))], axis=SLOT_AXIS)
-        mask = jnp.concatenate([mask, mask_x], axis=2)
-    return _attend(q, keys, values, mask, scale=scale, sinks=sinks)
+    if extra is None:
+        return _attend(q, k_buf, v_buf, mask, scale=scale, sinks=sinks)
+    k_x, v_x, mask_x = extra
+    return _attend(q, (k_buf, _heads_major(k_x.astype(k_buf.dtype))),
+                   (v_buf, _heads_major(v_x.astype(v_buf.dtype))), jnp.concatenate([mask, mask_x], axis=2),
+                   scale=scale, sinks=sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))

@@ -79,3 +79,32 @@ def test_dense_and_chunked_agree_to_rounding():
     chunked = kv_cache_attention(q, k_buf, v_buf, positions, kv_lengths, scale=0.3, tuning=TUNING)
     dense = kv_cache_attention(q, k_buf[:, :, :32], v_buf[:, :, :32], positions, kv_lengths, scale=0.3, tuning=TUNING)
     np.testing.assert_allclose(np.asarray(dense), np.asarray(chunked), rtol=1e-5, atol=1e-6)
+
+
+def test_dense_attention_with_extra_keys_reads_the_cache_in_place():
+    """The dense path over a cache and keys beside it (the draft's block) takes one softmax over both, each read where
+    it is: the same as attending over the two joined (to rounding: the value sums split in two), without the join,
+    which copied every layer's whole K/V buffers every round (`nn.attention._attend` with parts)."""
+    b, t, hq, hkv, d = 2, 4, 4, 2, 8
+    k_buf, v_buf = _cache(b, 32, hkv, d, 8)
+    q = jax.random.normal(jax.random.key(9), (b, t, hq, d), jnp.float32)
+    kx, vx = _buffers(b, t, hkv, d, 10)
+    kv_lengths = jnp.asarray([7, 29], jnp.int32)
+    positions = kv_lengths[:, None] + jnp.arange(t)[None]
+    block = jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, axis=0).at[1, 0, 3].set(True)
+    got = kv_cache_attention(q, k_buf, v_buf, positions, kv_lengths, scale=0.3, causal=False,
+                             extra=(kx, vx, block), tuning=TUNING)
+    # the reference: the extra rows written into a longer buffer past every live row, visible by their own mask
+    keys = jnp.concatenate([k_buf, jnp.swapaxes(kx, 1, 2)], axis=2)
+    values = jnp.concatenate([v_buf, jnp.swapaxes(vx, 1, 2)], axis=2)
+    slots = jnp.arange(32)[None, None, :] < kv_lengths[:, None, None]
+    mask = jnp.concatenate([jnp.broadcast_to(slots, (b, t, 32)), block], axis=2)
+    scores = jnp.einsum("bthd,bhsd->bhts", q.reshape(b, t, hkv, hq // hkv, d).reshape(b, t, hq, d),
+                        jnp.repeat(keys, hq // hkv, axis=1)) * 0.3
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
+    want = jnp.einsum("bhts,bhsd->bthd", probs, jnp.repeat(values, hq // hkv, axis=1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    hlo = jax.jit(lambda *a: kv_cache_attention(*a, scale=0.3, causal=False, extra=(kx, vx, block), tuning=TUNING)
+                  ).lower(q, k_buf, v_buf, positions, kv_lengths).compile().as_text()
+    joined = "f32[%d,%d,%d,%d]" % (b, hkv, 32 + t, d)
+    assert not [line for line in hlo.splitlines() if f"= {joined}" in line], "the cache was joined with the block"
