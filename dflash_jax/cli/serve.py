@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explore-every", type=int, default=8,
                    help="at most one round in N of a row bucket runs a neighbouring width whose cost entry is stale, "
                         "to re-measure it (default 8; 0: never explore)")
+    p.add_argument("--acceptance-budget", type=float, default=0.03,
+                   help="the share of the served time the width chooser may lose running a drafting width it would "
+                        "not pick, to measure what the draft accepts (default 0.03; 0: only the first try)")
     p.add_argument("--rounds-per-call", default="auto",
                    help="rounds one device call may run while every live request verifies every round and the host "
                         "has nothing to do between them: 'auto' (the default: as many as fit in --call-ms by the "
@@ -201,6 +204,9 @@ def check_args(args) -> None:
         raise UsageError(f"--call-ms must be in 0.1..10000 milliseconds, got {args.call_ms:g}")
     if getattr(args, "explore_every", 0) < 0:
         raise UsageError(f"--explore-every must be >= 0 (0: never explore), got {args.explore_every}")
+    if not 0.0 <= getattr(args, "acceptance_budget", 0.03) <= 1.0:
+        raise UsageError(f"--acceptance-budget must be a share of the served time in 0..1, got "
+                         f"{args.acceptance_budget:g}")
     if not 0 <= args.grace_seconds <= 86400:
         raise UsageError(f"--grace-seconds must be in 0..86400, got {args.grace_seconds}")
     if not 1e-3 <= getattr(args, "max_request_mb", 8.0) <= 1e5:
@@ -424,7 +430,8 @@ def build_app(args):
         common = dict(slots=slots, block_size=block_size, widths=widths, max_prompt_len=max_prompt_len,
                       max_new_tokens=args.max_new_tokens, method=args.acceptance, token_budget=args.token_budget,
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
-                      cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8)),
+                      cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8),
+                                         accept_budget=getattr(args, "acceptance_budget", 0.03)),
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer,
                       prefix_cache_bytes=prefix_bytes, rounds_per_call=getattr(args, "rounds_per_call", "auto"),
                       call_seconds=getattr(args, "call_ms", 50.0) / 1e3, lanes=getattr(args, "lanes", "auto"))

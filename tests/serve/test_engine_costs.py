@@ -257,8 +257,12 @@ def test_serve_flags(capsys):
     assert main(["--explore-every", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dflash-serve: error:") and "--explore-every must be >= 0" in err and "\n" not in err
+    assert main(["--acceptance-budget", "1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash-serve: error:") and "--acceptance-budget must be a share" in err and "\n" not in err
     args = build_parser().parse_args([])
     assert not args.no_learn_costs and args.explore_every == 8  # learning on by default
+    assert args.acceptance_budget == CostRule().accept_budget
     assert build_parser().parse_args(["--no-learn-costs"]).no_learn_costs
 
 
