@@ -464,10 +464,11 @@ class Engine:
         self.acceptance_exploration = True
         self._explore_credit = 0.0  # seconds the acceptance exploration may still lose
         self._accept_rounds = ACCEPTANCE_CALL_ROUNDS  # the rounds of this step's acceptance exploration
-        # rows -> seconds of a flush of the held context before a drafting round (decayed mean of timed flushes),
-        # and the decayed (steps that admitted a request, tokens committed): what drafting adds per token
+        # rows -> the last timed flushes of the held context before a drafting round (their median prices one; a
+        # bucket's first is not kept: its loop's kernels are set up then, warm-up's flush appends nothing), and the
+        # decayed (steps that admitted a request, tokens committed): what drafting adds per token
         # (`drafting_per_token`)
-        self.flush_seconds: dict[int, float] = {}
+        self._flush_times: dict[int, collections.deque] = {}
         self._admit_rate = [0.0, 0.0]
         # (group, prompt bucket) -> the last served prefills' seconds (the prefill, its insert and first tokens):
         # whether waiting requests prefill together or one by one (`_split_cheaper`)
@@ -1148,15 +1149,24 @@ class Engine:
             self.context_flushes += 1
             if drafting:  # what drafting costs per admission (`drafting_per_token`)
                 self.runner.sync()
-                seconds, old = time.perf_counter() - t0, self.flush_seconds.get(rows)
-                self.flush_seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+                seconds = time.perf_counter() - t0
+                if rows in self._flush_times:
+                    self._flush_times[rows].append(seconds)
+                else:  # the bucket's first: not kept
+                    self._flush_times[rows] = collections.deque(maxlen=PREFILL_WINDOW)
+
+    def flush_seconds(self, rows: int) -> float | None:
+        """The seconds a flush of the held context of the first `rows` rows takes before a drafting round: the
+        median of the last `PREFILL_WINDOW` timed, None before any."""
+        times = self._flush_times.get(rows)
+        return float(np.median(times)) if times else None
 
     def drafting_per_token(self, rows: int) -> float:
         """What drafting adds per committed token beyond its rounds (`defer_context`): a prompt's context is held
-        at admission and appended before the next drafting round, a flush of the row bucket (`flush_seconds`,
-        timed) per step that admitted requests, over the tokens committed per such step (decayed). 0 until a flush
+        at admission and appended before the next drafting round, a flush of the row bucket (`flush_seconds`)
+        per step that admitted requests, over the tokens committed per such step (decayed). 0 until a flush
         of the bucket was timed, and for an engine that appends the context at admission."""
-        flush = self.flush_seconds.get(rows)
+        flush = self.flush_seconds(rows)
         steps, tokens = self._admit_rate
         if not self.defer_context or flush is None or tokens <= 0.0:
             return 0.0
@@ -1215,7 +1225,7 @@ class Engine:
             rounds = max(1, min(ACCEPTANCE_CALL_ROUNDS, -(-ACCEPTANCE_VERIFIES // len(live))))
             if hope is not None and self._long_hits + self._long_misses > 0:  # before any drafting verify: free
                 # what it is expected to lose at the current estimate, the held context's append included
-                first = self.flush_seconds.get(rows, 0.0) if self._held_top(live) > self.block_size else 0.0
+                first = (self.flush_seconds(rows) or 0.0) if self._held_top(live) > self.block_size else 0.0
                 seconds = with_drafting({w: t + host for w, t in costs.seconds.items()}, alphas, drafting)
                 loss = exploration_loss(alphas, seconds, width, hope, rounds, first)
                 hope = hope if loss <= self._explore_credit else None

@@ -174,13 +174,13 @@ def test_the_engine_prices_the_held_contexts_flush_per_token(pair):
     """`Engine.drafting_per_token`: a timed flush of the bucket per step that admitted, over the tokens committed
     per such step; 0 before a flush of the bucket was timed, and for an engine that does not hold the context."""
     eng = Engine(pair, slots=2, block_size=4, widths=(1, 4))
-    assert eng.defer_context and eng.drafting_per_token(1) == 0.0
-    eng.flush_seconds[1] = 0.002
+    assert eng.defer_context and eng.drafting_per_token(1) == 0.0 and eng.flush_seconds(1) is None
+    eng._flush_times[1] = [0.002, 0.009, 0.001]  # a median: one slow flush moves nothing
     eng._admit_rate = [1.0, 100.0]  # one admitting step per 100 tokens
     assert eng.drafting_per_token(1) == pytest.approx(2e-5)
     assert eng.drafting_per_token(2) == 0.0  # not timed in that bucket
     fixed = Engine(pair, slots=2, block_size=4)
-    fixed.flush_seconds[1], fixed._admit_rate = 0.002, [1.0, 100.0]
+    fixed._flush_times[1], fixed._admit_rate = [0.002], [1.0, 100.0]
     assert not fixed.defer_context and fixed.drafting_per_token(1) == 0.0
 
 
