@@ -7,7 +7,7 @@ The server's default engine on the shipped pair (widths 1 and 4, `Engine.warmup(
 its runner called directly, every call waited for (`RoundRunner.sync`):
 
 - **Prefill**: `--prompt-len`-token held-out prompts prefilled and written into slots (`RoundRunner.prefill`, then
-  `insert` of rows the state drops): one prompt alone, two prompts one by one, two and four prompts in one group
+  `insert` into the first slots, padding rows dropped): one prompt alone, two prompts one by one, two and four prompts in one group
   of 4 rows (the engine's group size: padding rows cost what real ones cost on a CPU). Paired
   (`timing.paired_runs`, the order reversed every other run); medians.
 - **Flush**: `RoundRunner.flush_context` of the first R rows holding a `--prompt-len`-token prompt each (what a
@@ -60,7 +60,9 @@ def main(argv=None) -> int:
         batch = eng._batch([request(i) for i in range(n)], group)
 
         def run():
-            runner.insert(runner.prefill(batch), np.full(group, args.slots, np.int32))  # rows the state drops
+            index = np.full(group, args.slots, np.int32)  # padding rows dropped, as an admission drops them
+            index[:n] = np.arange(n)
+            runner.insert(runner.prefill(batch), index)
             runner.sync()
         return run
 
@@ -80,7 +82,10 @@ def main(argv=None) -> int:
         held, empty = [], []
         for _ in range(args.repeats):
             eng._reset()
-            eng._admit([request(i) for i in range(rows)], list(range(rows)), None)  # held prompts, untimed
+            group = eng.prefill_groups[-1]
+            for start in range(0, rows, group):  # held prompts, untimed, admitted as the engine groups them
+                eng._admit([request(i) for i in range(start, min(rows, start + group))],
+                           list(range(start, min(rows, start + group))), None)
             runner.sync()
             t0 = time.perf_counter()
             runner.flush_context(rows)
