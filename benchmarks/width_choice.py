@@ -5,7 +5,7 @@
 
 Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
-`acceptance_exploration = False`, and block 4 (`--widths fixed`). At each client count c, c clients each send
+`acceptance_exploration = True`, and block 4 (`--widths fixed`). At each client count c, c clients each send
 `--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
 `Engine.step` until it finishes), greedy; one untimed run per engine, then `--repeats` runs in which every engine
 serves once, the order reversed every other run. Tokens/s over the run; the ratio to plain is the median of the
@@ -27,7 +27,7 @@ import harness as h
 MODES = {
     "plain": dict(block_size=1),
     "default (widths 1, 4)": dict(block_size=4, widths=(1, 4)),
-    "default, acceptance exploration off": dict(block_size=4, widths=(1, 4)),
+    "default, acceptance exploration on": dict(block_size=4, widths=(1, 4)),
     "block 4": dict(block_size=4),
 }
 DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         engines[name] = Engine(pair, slots=args.slots, max_prompt_len=2 * args.prompt_len,
                                max_new_tokens=args.max_tokens, **kw)
         engines[name].warmup()
-        engines[name].acceptance_exploration = "exploration off" not in name
+        engines[name].acceptance_exploration = "exploration on" in name
         log(f"{name}: warmed in {time.perf_counter() - t:.1f} s")
     rows = []
     for c in clients:

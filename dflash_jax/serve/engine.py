@@ -85,7 +85,7 @@ from dflash_jax.serve.runner import (
 )
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, default_widths, explore_acceptance,
-    exploration_loss, join_widths, observe_cost, shape_order, shape_rows, width_label, with_drafting,
+    exploration_loss, join_widths, observe_cost, shape_order, shape_rows, width_label, with_drafting, with_host,
 )
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
@@ -460,8 +460,9 @@ class Engine:
         self.acceptance_explores = 0  # calls of a wider width run to measure the draft's acceptance
         # True: a wider width the acceptance estimate rules out is tried now and then to measure the acceptance
         # (`explore_acceptance`), within `CostRule.accept_budget` of the served time (its expected loss at the
-        # current estimate; the first try, before any drafting verify, is free)
-        self.acceptance_exploration = True
+        # current estimate; the first try, before any drafting verify, is free). Off by default: on this CPU it
+        # gained a few percent at one client and lost 4% - 14% at 4 - 16 (the widths it then chose, not the tries)
+        self.acceptance_exploration = False
         self._explore_credit = 0.0  # seconds the acceptance exploration may still lose
         self._accept_rounds = ACCEPTANCE_CALL_ROUNDS  # the rounds of this step's acceptance exploration
         # rows -> the last timed flushes of the held context before a drafting round (their median prices one; a
@@ -490,6 +491,10 @@ class Engine:
         self.call_overhead: dict = {}
         self.moves = 0  # rows moved down to keep live requests in the lowest slots
         self.host_seconds = 0.0  # per served round, beyond its cost-table entry (host work, serving): decayed mean
+        # the same per (row bucket, width) chosen: one figure for every width priced a width-1 round with a drafting
+        # round's host work (at 4 rows 0.15 ms, where a width-1 round's is about half that)
+        self.host_by: dict[tuple, float] = {}
+        self._round_start = 0.0  # when this step's round began (its admissions, flush and the wait for them left out)
         self._host_samples = 0
         self._device_seconds = 0.0
         if expert_byte_budget == "auto":
@@ -1207,6 +1212,7 @@ class Engine:
         rule = self.cost_rule if self.learn_costs else None
         # before a served round has shown it, a round's host work is at least its share of a whole call's
         host = self.host_seconds if self._host_samples else self.call_overhead.get(rows, 0.0) / MAX_BURST
+        host = {w: self.host_by.get((rows, w), host) for w in costs.seconds}  # chosen rounds' own, else engine-wide
         # drafting widths also pay the held context's flushes, one per admission (per token: scaled by each width's
         # expected tokens per round)
         drafting = self.drafting_per_token(rows)
@@ -1226,7 +1232,7 @@ class Engine:
             if hope is not None and self._long_hits + self._long_misses > 0:  # before any drafting verify: free
                 # what it is expected to lose at the current estimate, the held context's append included
                 first = (self.flush_seconds(rows) or 0.0) if self._held_top(live) > self.block_size else 0.0
-                seconds = with_drafting({w: t + host for w, t in costs.seconds.items()}, alphas, drafting)
+                seconds = with_drafting(with_host(costs.seconds, host), alphas, drafting)
                 loss = exploration_loss(alphas, seconds, width, hope, rounds, first)
                 hope = hope if loss <= self._explore_credit else None
                 self._explore_credit -= loss if hope is not None else 0.0
@@ -1316,17 +1322,23 @@ class Engine:
         with compile_cache.CompileCounter() as counter:
             self._step(info)
         info.compiles = counter.compiles
-        info.seconds = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        info.seconds = t_end - t0
         info.explored = bool(info.width) and self._explored == info.width
-        if info.width and not info.admitted and not info.compiles and not info.prefill_chunks:
+        if info.width and not info.compiles and not info.prefill_chunks:
             # what a served round takes beyond its own device time (as the table prices it, `_round_seconds`): the
-            # host's work (choice, scheduling, emission, callbacks, a call's share). The same at every width, so it
-            # favours the wider verifies, which need fewer rounds per token. What the compute itself takes beyond
-            # its table entry (live rows' longer caches, a loaded machine) is the cost table's to learn
-            # (`learn_cost`), not this: it grows with the width.
-            over = max(info.seconds / info.rounds - self._round_seconds(info), 0.0)
+            # host's work (choice, scheduling, emission, callbacks, a call's share), from the round's start (the
+            # step's admissions, flush and the wait for them left out). What the compute itself takes beyond its
+            # table entry (live rows' longer caches, a loaded machine) is the cost table's to learn (`learn_cost`),
+            # not this: it grows with the width. Kept engine-wide and per (row bucket, width) of chosen rounds (an
+            # explored call is short: its host share per round larger); a width is priced with its own where it
+            # has one (`choose_width`).
+            over = max((t_end - self._round_start) / info.rounds - self._round_seconds(info), 0.0)
             self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
             self._host_samples += 1
+            if not info.explored:
+                key = (info.rows, info.width)
+                self.host_by[key] = over if key not in self.host_by else 0.8 * self.host_by[key] + 0.2 * over
         d = FLUSH_DECAY
         self._admit_rate = [d * self._admit_rate[0] + (info.admitted > 0), d * self._admit_rate[1] + info.tokens]
         if info.width:
@@ -1569,6 +1581,7 @@ class Engine:
 
     def _round_step(self, info: RoundInfo) -> bool:
         """Width, draft, schedule, verify, emission for the live slots. Returns whether a row verified."""
+        self._round_start = time.perf_counter()
         live = sorted(self.requests)
         rows = self.row_bucket(live)
         info.live, info.rows = len(live), rows
@@ -1580,8 +1593,10 @@ class Engine:
         scored[[s for s in live if self.requests[s].logprobs is not None]] = True
         scored = scored if scored.any() else None
         count = self._burst_count(rows, width, scored)
+        t_wait = time.perf_counter()
         self._flush_held(width, live, rows, count)
         self._settle(info)
+        self._round_start += time.perf_counter() - t_wait  # the flush and the wait are not the round's host work
         if count > 1:
             return self._burst_step(info, live, rows, width, count)
         defer = width == 1 and self.defer_context

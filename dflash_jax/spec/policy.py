@@ -378,6 +378,14 @@ def acceptance_upper(alpha, evidence):
     return np.minimum(alpha + spread, 0.98)
 
 
+def with_host(seconds: dict, host_seconds) -> dict:
+    """{shape: seconds per round} plus the host's work per round: one figure for every shape, or {shape: seconds}
+    (a shape it lacks: 0). Pure."""
+    if isinstance(host_seconds, dict):
+        return {w: t + host_seconds.get(w, 0.0) for w, t in seconds.items()}
+    return {w: t + host_seconds for w, t in seconds.items()}
+
+
 def with_drafting(seconds: dict, alphas, per_token: float = 0.0) -> dict:
     """{shape: seconds per round} with what drafting costs beyond its draft and verify added to every shape that
     proposes (more than one verify row): `per_token` seconds per token it is expected to commit over the live rows
@@ -412,7 +420,7 @@ def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 
     (`exploration_loss` against its budget, `rule.accept_budget` of its served time)."""
     if rule.explore_every <= 0 or len(costs.cost) < 2:
         return None
-    seconds = with_drafting({w: t + host_seconds for w, t in costs.seconds.items()}, upper, drafting_per_token)
+    seconds = with_drafting(with_host(costs.seconds, host_seconds), upper, drafting_per_token)
     hope = choose_width(upper, seconds, margin)
     if shape_rows(hope) <= shape_rows(chosen) or costs.age[hope] < rule.accept_after:
         return None
@@ -422,9 +430,9 @@ def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
                  rule: CostRule | None = CostRule(), drafting_per_token: float = 0.0) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
-    time (and drafting's own cost on every drafting shape: `with_drafting`), then `explore_width` (rule None: no
+    time (one figure, or one per shape: `with_host`; and drafting's own cost on every drafting shape: `with_drafting`), then `explore_width` (rule None: no
     exploration). Pure."""
-    seconds = with_drafting({w: t + host_seconds for w, t in costs.seconds.items()}, alphas, drafting_per_token)
+    seconds = with_drafting(with_host(costs.seconds, host_seconds), alphas, drafting_per_token)
     chosen = choose_width(alphas, seconds, margin)
     other = None if rule is None else explore_width(costs, chosen, rule)
     return (chosen, False) if other is None else (other, True)

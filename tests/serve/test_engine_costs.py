@@ -9,7 +9,7 @@ import pytest
 from dflash_jax.serve.engine import Engine, RoundInfo
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, explore_acceptance, exploration_loss,
-    explore_width, observe_cost, with_drafting,
+    explore_width, observe_cost, with_drafting, with_host,
 )
 
 # a 32-row bucket as the serving benchmark met it: the warm-up table, measured while the machine was busy,
@@ -170,6 +170,30 @@ def test_drafting_pays_the_held_context_per_token_it_commits():
     assert decide_width([0.9], c, 0.0, 0.1, None, drafting_per_token=0.4) == (1, False)
 
 
+def test_each_width_is_priced_with_its_own_host_work():
+    """`with_host`: one host figure for every width, or one per width; a drafting round's own host work (more
+    tokens emitted per round) can turn a choice that one shared figure gets wrong. The engine keeps the host work of
+    its chosen rounds per (row bucket, width) (`Engine.host_by`) and prices with it."""
+    from dflash_jax.serve.engine import generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    seconds = {1: 1.0, 4: 2.0}
+    assert with_host(seconds, 0.5) == {1: 1.5, 4: 2.5}
+    assert with_host(seconds, {1: 0.5}) == {1: 1.5, 4: 2.0}
+    c = BucketCosts.fresh(seconds)
+    assert decide_width([0.8], c, 0.4, 0.1, None) == (4, False)  # 2.95 tokens for 2.4 s against 1 for 1.4 s
+    assert decide_width([0.8], c, {1: 0.1, 4: 1.5}, 0.1, None) == (1, False)  # 2.95 for 3.5 s against 1 for 1.1 s
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
+    eng.warmup([16])
+    infos = []
+    eng.observers.append(infos.append)
+    generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
+    chosen = {(i.rows, i.width) for i in infos if i.width and not i.explored and not i.compiles}
+    assert chosen and set(eng.host_by) == chosen and all(v >= 0.0 for v in eng.host_by.values())
+
+
 def test_the_engine_prices_the_held_contexts_flush_per_token(pair):
     """`Engine.drafting_per_token`: a timed flush of the bucket per step that admitted, over the tokens committed
     per such step; 0 before a flush of the bucket was timed, and for an engine that does not hold the context."""
@@ -276,7 +300,7 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
     eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
                  max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
     eng.warmup([16])
-    assert eng.acceptance_exploration  # on by default
+    eng.acceptance_exploration = True  # opt-in
     eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
     eng.call_overhead = {}
     infos = []
@@ -307,6 +331,7 @@ def test_held_rows_fade_toward_what_the_draft_accepted_not_the_prior(pair):
         eng._fade_prior()
     g = eng._hits / (eng._hits + eng._misses)
     assert g == pytest.approx(eng.long_run_acceptance, abs=1e-6)
+    assert not eng.acceptance_exploration  # opt-in
 
 
 def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
@@ -322,6 +347,7 @@ def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
         eng.warmup([16])
         eng.cost_table = {rows: {1: 1e-3, 4: 2.9e-3} for rows in eng.row_buckets}  # 4 wins only above 0.85
         eng.call_overhead = {}
+        eng.acceptance_exploration = True  # opt-in
         return eng
 
     eng = engine()
