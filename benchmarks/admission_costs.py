@@ -7,8 +7,8 @@ The server's default engine on the shipped pair (widths 1 and 4, `Engine.warmup(
 its runner called directly, every call waited for (`RoundRunner.sync`):
 
 - **Prefill**: `--prompt-len`-token held-out prompts prefilled and written into slots (`RoundRunner.prefill`, then
-  `insert` into the first slots, padding rows dropped): one prompt alone, two prompts one by one, two and four prompts in one group
-  of 4 rows (the engine's group size: padding rows cost what real ones cost on a CPU). Paired
+  `insert` into the first slots, padding rows dropped): one prompt alone, two prompts one by one, two and four
+  prompts in one group of 4 rows (the engine's group size: padding rows cost what real ones cost on a CPU). Paired
   (`timing.paired_runs`, the order reversed every other run); medians.
 - **Flush**: `RoundRunner.flush_context` of the first R rows holding a `--prompt-len`-token prompt each (what a
   drafting round after an admission appends first: `--flush-rows`), and of rows holding nothing. Each timed flush

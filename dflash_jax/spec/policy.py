@@ -430,8 +430,8 @@ def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
                  rule: CostRule | None = CostRule(), drafting_per_token: float = 0.0) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
-    time (one figure, or one per shape: `with_host`; and drafting's own cost on every drafting shape: `with_drafting`), then `explore_width` (rule None: no
-    exploration). Pure."""
+    time (one figure, or one per shape: `with_host`; and drafting's own cost on every drafting shape:
+    `with_drafting`), then `explore_width` (rule None: no exploration). Pure."""
     seconds = with_drafting(with_host(costs.seconds, host_seconds), alphas, drafting_per_token)
     chosen = choose_width(alphas, seconds, margin)
     other = None if rule is None else explore_width(costs, chosen, rule)
