@@ -128,6 +128,11 @@ class QueueFull(RuntimeError):
     """The engine's queue is full (a 429 for the server)."""
 
 
+def _median(times) -> float | None:
+    """The median of the last timings kept (a deque of `PREFILL_WINDOW`), None before any."""
+    return float(np.median(times)) if times else None
+
+
 def default_row_buckets(slots: int) -> tuple[int, ...]:
     """The row counts a round is compiled for: 1, 2, 4, .. below `slots`, and `slots`. A round computes the
     smallest bucket that holds the live requests (kept in the lowest slots), so its cost follows the load."""
@@ -792,8 +797,7 @@ class Engine:
     def prefill_cost(self, group: int, width: int) -> float | None:
         """The measured seconds of a prefill of `group` rows padded to `width` tokens (its insert and first tokens
         included): the median of the last `PREFILL_WINDOW` served ones, None before any."""
-        times = self._prefill_times.get((group, width))
-        return float(np.median(times)) if times else None
+        return _median(self._prefill_times.get((group, width)))
 
     def _split_cheaper(self, reqs: list) -> bool:
         """Whether prefilling `reqs` one by one measured cheaper than together (the group padded to its size and to
@@ -1163,8 +1167,7 @@ class Engine:
     def flush_seconds(self, rows: int) -> float | None:
         """The seconds a flush of the held context of the first `rows` rows takes before a drafting round: the
         median of the last `PREFILL_WINDOW` timed, None before any."""
-        times = self._flush_times.get(rows)
-        return float(np.median(times)) if times else None
+        return _median(self._flush_times.get(rows))
 
     def drafting_per_token(self, rows: int) -> float:
         """What drafting adds per committed token beyond its rounds (`defer_context`): a prompt's context is held
