@@ -4,7 +4,9 @@ XLA:CPU's compiler has crashed the process (SIGSEGV inside a compile) on rare ru
 every rerun; xdist then reports the test as failed and the whole run is red. This plugin re-queues a test
 whose worker crashed, once: the crash shows in the summary as a rerun ("R"), and a second crash of the
 same test fails it as xdist would. Failures that do not kill the worker (assertions, exceptions) are never
-rerun. Loaded from conftest.py; without `-n` it does nothing.
+rerun. A test that hangs past pytest-timeout's limit (pyproject.toml: the `thread` method dumps every thread's
+stack and ends the worker) is such a crash too: a native deadlock reruns once, a real hang fails in bounded time
+instead of holding the run until CI's limit. Loaded from conftest.py; without `-n` it does nothing.
 """
 
 from __future__ import annotations
