@@ -6,7 +6,9 @@ import glob
 import os
 import tempfile
 
-pytest_plugins = ["tests.crash_rerun"]  # a test whose xdist worker crashed runs once more (see the module)
+# a test whose xdist worker crashed runs once more; a process holding many compiled programs lets them go between
+# modules (see the modules)
+pytest_plugins = ["tests.crash_rerun", "tests.release_programs"]
 
 os.environ["DFLASH_JAX_CACHE_DIR"] = "off"
 # The CPU kernels (pallas_kernels/cpu_kernels.py) are compiled once into a folder of the system's temp dir shared by
