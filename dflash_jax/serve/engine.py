@@ -111,6 +111,11 @@ ACCEPTANCE_VERIFIES = 16  # the row verifies such a call aims at: 8 rounds of on
 # rounds, so a quiet spell does not pay for a run of explorations later
 CREDIT_DECAY = 1.0 - 1.0 / 256
 FLUSH_DECAY = 0.98  # per step: the admissions per committed token that price the held context's flushes
+# per served step of a row bucket: each (bucket, width)'s served tokens per row-second (`served_rate`) follow its
+# recent steps; a width's figure counts once it holds this many (decayed) steps, so one that stops running fades
+# out after a few hundred steps of its bucket and the round model may pick it again
+SERVED_DECAY = 0.99
+SERVED_STEPS = 8.0
 LONG_RUN_DECAY = 0.99  # per drafting verify: the engine's long-run acceptance, what held estimates fade toward
 # the most device bytes the held draft context of every slot takes (`defer_context="auto"`): on the shipped pairs a
 # whole request's rows; a model of wide taps holds fewer, and pays the draft's context once the hold fills
@@ -499,6 +504,12 @@ class Engine:
         # the same per (row bucket, width) chosen: one figure for every width priced a width-1 round with a drafting
         # round's host work (at 4 rows 0.15 ms, where a width-1 round's is about half that)
         self.host_by: dict[tuple, float] = {}
+        # (row bucket, width) -> decayed [steps, committed tokens, row-seconds] of its served steps, from the end of
+        # the step's admissions (a drafting width's flush of the held context, the round's host and device work):
+        # where they differ clearly from what the round model expects, they choose (`served_choice`)
+        self._served: dict[tuple, list] = {}
+        self.served_overrules = 0  # rounds whose width the served rates chose over the round model's
+        self._admitted_at = 0.0
         self._round_start = 0.0  # when this step's round began (its admissions, flush and the wait for them left out)
         self._host_samples = 0
         self._device_seconds = 0.0
@@ -1164,6 +1175,44 @@ class Engine:
                 else:  # the bucket's first: not kept
                     self._flush_times[rows] = collections.deque(maxlen=PREFILL_WINDOW)
 
+    def _note_served(self, info: RoundInfo, seconds: float) -> None:
+        """Adds a served step (its committed tokens over `seconds` times its live rows) to its (bucket, width)'s
+        figures, the bucket's older steps faded (`SERVED_DECAY`)."""
+        for key, v in self._served.items():
+            if key[0] == info.rows:
+                v[:] = [SERVED_DECAY * x for x in v]
+        v = self._served.setdefault((info.rows, info.width), [0.0, 0.0, 0.0])
+        v[0] += 1.0
+        v[1] += max(info.tokens - info.admitted, 0)  # an admitted request's first token is its prefill's
+        v[2] += seconds * max(info.live, 1)
+
+    def served_rate(self, rows: int, width) -> tuple[float, float] | None:
+        """(committed tokens per row-second, decayed steps) of the chosen steps of `width` in the row bucket `rows`
+        (admissions left out: what the width itself serves), None before any."""
+        v = self._served.get((rows, width))
+        return None if v is None or v[2] <= 0.0 else (v[1] / v[2], v[0])
+
+    def served_choice(self, rows: int, width):
+        """The width the served rates pick over the round model's `width` in the row bucket `rows`, or None where
+        they do not overrule it. Where both it and the narrowest width have at least `SERVED_STEPS` recent steps:
+        a drafting width that served fewer tokens per row-second than the narrowest gives way to it; and where the
+        model picks the narrowest, the drafting width that served the most, if it beat the narrowest by more than
+        `width_margin`, runs instead. The model (costs, acceptance, host work, flushes) misses what the outcome
+        shows: the acceptance while a width runs, what switching costs. Each keeps being measured while it runs,
+        and one that stops running fades out (`SERVED_DECAY`), so the model decides again."""
+        base = min(self.widths, key=shape_order)
+        rate = {}
+        for w in self.widths:
+            got = self.served_rate(rows, w)
+            if got is not None and got[1] >= SERVED_STEPS:
+                rate[w] = got[0]
+        if base not in rate:
+            return None
+        if width != base:
+            return base if width in rate and rate[width] < rate[base] else None
+        best = max((w for w in rate if w != base), key=lambda w: rate[w], default=None)
+        return best if best is not None and rate[best] > (1.0 + self.width_margin) * rate[base] else None
+
     def flush_seconds(self, rows: int) -> float | None:
         """The seconds a flush of the held context of the first `rows` rows takes before a drafting round: the
         median of the last `PREFILL_WINDOW` timed, None before any."""
@@ -1243,6 +1292,10 @@ class Engine:
                 width, explored = hope, True
                 self.acceptance_explores += 1
                 self._accept_explore, self._accept_rounds = True, rounds
+        other = None if explored else self.served_choice(rows, width)
+        if other is not None:  # what the widths served overrules what the model expects
+            width = other
+            self.served_overrules += 1
         self._explored = width if explored else None
         return width
 
@@ -1342,6 +1395,9 @@ class Engine:
             if not info.explored:
                 key = (info.rows, info.width)
                 self.host_by[key] = over if key not in self.host_by else 0.8 * self.host_by[key] + 0.2 * over
+            # explored calls too: an acceptance try is what first shows a drafting width served (its few rounds
+            # carry a whole call's host work: it shows no more than the width serves)
+            self._note_served(info, t_end - self._admitted_at)
         d = FLUSH_DECAY
         self._admit_rate = [d * self._admit_rate[0] + (info.admitted > 0), d * self._admit_rate[1] + info.tokens]
         if info.width:
@@ -1441,6 +1497,7 @@ class Engine:
         self.runner.begin_round(info)
         self._marks = (self.moves, self.context_flushes)  # what this step dispatched before its round (`_settle`)
         self._admissions(info)
+        self._admitted_at = time.perf_counter()
         verified = self._round_step(info) if self.requests else False
         self.runner.end_round(info, verified)
 

@@ -397,3 +397,62 @@ def test_waiting_requests_prefill_one_by_one_where_that_measured_cheaper(alone, 
     assert [r.tokens for r in reqs] == [FakeRunner.alone(p, 8, 256, ()) for p in prompts]
     assert eng.runner.calls["prefill"] - before == prefills
     assert (eng.split_admissions > 0) == (prefills > 1)
+
+
+def test_what_the_widths_served_overrules_the_round_model():
+    """`Engine.served_rate`: every chosen step adds its committed tokens over its row-seconds (admissions left out)
+    to its (bucket, width), the bucket's older steps faded. Over enough steps of both: a drafting width that served
+    fewer tokens per row-second than width 1 gives way to it where the round model expects it to win, and one that
+    served more than (1 + margin) times width 1's runs where the model picks width 1; with too few steps, or within
+    the margin, the model's choice stands. A width that stops running fades out."""
+    from dflash_jax.serve.engine import SERVED_DECAY, SERVED_STEPS, Request, SamplingParams, generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
+    eng.warmup([16])
+    infos = []
+    eng.observers.append(infos.append)
+    [req] = generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
+    assert req.tokens == FakeRunner.alone([1, 2, 3], 60, 256, ())
+    chosen = [i for i in infos if i.width and not i.compiles and not i.prefill_chunks]
+    keys = {(i.rows, i.width) for i in chosen}
+    assert keys and set(eng._served) == keys
+    for key in keys:
+        rate, steps = eng.served_rate(*key)
+        assert rate > 0.0 and 0.0 < steps <= sum((i.rows, i.width) == key for i in chosen)
+    assert eng.served_rate(2, 4) is None
+
+    eng.call_overhead, eng.host_seconds, eng._host_samples, eng.host_by = {}, 0.0, 1, {}
+    eng._flush_times, eng._costs = {}, {}
+    eng.requests[0] = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0)
+    eng.requests[0].accept_hits, eng.requests[0].accept_misses = 50.0, 5.0
+    eng.cost_table = {rows: {1: 1e-3, 4: 1.5e-3} for rows in eng.row_buckets}  # 4 wins at this acceptance
+    eng._served = {}
+    assert eng.choose_width([0]) == 4  # the round model's pick
+
+    overrules = eng.served_overrules
+    eng._served = {(1, 1): [20.0, 20.0, 0.02], (1, 4): [20.0, 30.0, 0.04]}  # 1000 against 750 tokens / row-second
+    assert eng.served_choice(1, 4) == 1 and eng.served_choice(1, 1) is None
+    assert eng.choose_width([0]) == 1 and eng.served_overrules == overrules + 1
+    eng._served[(1, 4)] = [SERVED_STEPS - 1.0, 30.0, 0.04]  # too few steps of width 4: the model stands
+    assert eng.served_choice(1, 4) is None and eng.choose_width([0]) == 4
+
+    eng.cost_table = {rows: {1: 1e-3, 4: 5e-3} for rows in eng.row_buckets}  # 4 loses at any acceptance
+    eng._costs = {}
+    eng._served = {}
+    assert eng.choose_width([0]) == 1
+    eng._served = {(1, 1): [20.0, 20.0, 0.02], (1, 4): [20.0, 60.0, 0.04]}  # 1000 against 1500
+    assert eng.choose_width([0]) == 4 and eng.served_overrules == overrules + 2
+    eng._served[(1, 4)] = [20.0, 20.0 * (1.0 + eng.width_margin) * 0.99, 0.02]  # within the margin: the model
+    assert eng.served_choice(1, 1) is None and eng.choose_width([0]) == 1
+
+    # a width turned down fades out: after enough steps of width 1 in the bucket, the model decides again
+    eng._served = {(1, 1): [20.0, 20.0, 0.02], (1, 4): [20.0, 30.0, 0.04]}
+    step = RoundInfo(width=1, rows=1, live=1, tokens=1)
+    n = 0
+    while eng.served_choice(1, 4) is not None:
+        eng._note_served(step, 1e-3)
+        n += 1
+    assert n == pytest.approx(np.log(SERVED_STEPS / 20.0) / np.log(SERVED_DECAY), abs=1.0)
+    assert eng._served[(1, 4)][1] / eng._served[(1, 4)][2] == pytest.approx(750.0)  # faded, not changed
