@@ -1,6 +1,7 @@
 """Test-session settings: the persistent compilation cache stays off and the CPU kernels build in a temp folder
 (tests never write to the user's cache directory; a test that needs the cache points DFLASH_JAX_CACHE_DIR at a temp
-dir itself); jax runs on the CPU on a machine without an NVIDIA GPU; on a GPU, float32 matrix products run at full float32 precision."""
+dir itself); jax runs on the CPU on a machine without an NVIDIA GPU; on a GPU, float32 matrix products run at full
+float32 precision."""
 
 import glob
 import os

@@ -270,8 +270,8 @@ class Engine:
     held rows over all slots, at least a block and a call's rounds. While a live row holds more than a block, the
     chooser explores no drafting width (it would flush the hold to re-price a width).
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
-    cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is measured, with error, and a near-tie is not worth the risk of losing to
-    no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
+    cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is
+    measured, with error, and a near-tie is not worth the risk of losing to no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
     request and engine-wide).
     row_buckets: the row counts a round is compiled for ("auto": 1, 2, 4, .. and `slots`; None: `slots` only).
     Live requests are kept in the lowest slots (a row moves down when a lower slot frees), and a round computes
