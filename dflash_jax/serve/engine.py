@@ -80,7 +80,7 @@ from dflash_jax import compile_cache, prefetch
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.serve.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_keys
 from dflash_jax.serve.runner import (
-    MAX_BURST, TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
+    CATCH_UP_CHUNK, MAX_BURST, TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
     array_types,
 )
 from dflash_jax.spec.policy import (
@@ -184,6 +184,9 @@ class Request:
     prompt_scores: TokenLogprobs | None = None  # prompt_logprobs: of prompt[1:] ([P-1], [P-1, K])
 
     kept: np.ndarray | None = None  # the prompt indices its compressed prefill keeps (`compress`; None: all)
+    # the index in `tokens` of the first token whose position's draft context row a width-1 round skipped
+    # (`Engine.skip_context`; None: none skipped since its last catch-up)
+    skipped_from: int | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done_event.wait(timeout)
@@ -269,6 +272,13 @@ class Engine:
     pays the draft. "auto": a whole request's rows (its prompt, output buffer and a verify) within `HOLD_BYTES` of
     held rows over all slots, at least a block and a call's rounds. While a live row holds more than a block, the
     chooser explores no drafting width (it would flush the hold to re-price a width).
+    skip_context: with `defer_context`, where the runner can (`RoundRunner.catches_up`: resident experts and a
+    target whose cache re-reads at any prefix, not Qwen3.5's linear attention), a width-1 round computes no taps
+    at all (`Chain(1, skip_context=True)`: the block-1 engine's round), and the next drafting round of a row first
+    computes the skipped positions' context rows in one wide target pass over them (`RoundRunner.catch_up`, up to
+    `CATCH_UP_CHUNK` positions a call), appended with the held ones. Width-1 rounds then cost what a block-1
+    engine's do (the held taps cost 3% - 8% of a round on the shipped pair), and a row pays the draft's context
+    only when it drafts again; the catch-up's taps equal the skipped rounds' up to a wider forward's rounding.
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
     cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is
     measured, with error, and a near-tie is not worth the risk of losing to no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
@@ -318,7 +328,7 @@ class Engine:
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
-                 cost_rule: CostRule | None = None, defer_context: bool | int = True,
+                 cost_rule: CostRule | None = None, defer_context: bool | int = True, skip_context: bool = True,
                  prefill_chunk: int | None = 256,
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
@@ -443,6 +453,9 @@ class Engine:
         self.runner = runner(pair, Layout(spec=self.spec, slots=self.slots, row_buckets=row_buckets,
                                           proposers=self.proposers, widest=widest, context_rows=self.context_rows),
                              mesh=mesh, **runner_options)
+        self.skip_context = bool(skip_context) and self.defer_context and self.runner.catches_up
+        self.catch_ups = 0  # calls that computed skipped positions' context rows (`skip_context`)
+        self.caught_up_rows = 0  # the context rows they computed
         self.prefill_chunk = (None if prefill_chunk is None or not self.runner.chunked_prefill
                               else self.buckets.prompt_len(int(prefill_chunk)))
         if prefix_cache_bytes is not None:
@@ -611,8 +624,11 @@ class Engine:
         return proposer == "head-chain" or (isinstance(proposer, Chain) and proposer.head)
 
     def _proposer(self, width: int, defer: bool = False):
-        """This round's proposer at `width` (a deferring width-1 chain when `defer`)."""
-        return Chain(1, defer_context=True) if defer else self.proposers[width]
+        """This round's proposer at `width` (when `defer`, the width-1 chain that leaves the draft's context: skips
+        it with `skip_context`, else holds it)."""
+        if not defer:
+            return self.proposers[width]
+        return Chain(1, skip_context=True) if self.skip_context else Chain(1, defer_context=True)
 
     @property
     def pair(self):
@@ -1073,6 +1089,9 @@ class Engine:
             if self.defer_context:  # the append of held rows (`_flush_held`): held prompts need it at any width
                 for rows in self.row_buckets:
                     self.runner.flush_context(rows)
+                    if self.skip_context:  # and the catch-up of skipped rows (nothing to catch up: idle rows)
+                        self.runner.catch_up(rows, np.zeros((self.slots, CATCH_UP_CHUNK), np.int32),
+                                             np.zeros(self.slots, np.int32))
             if before is not None and before == array_types(self.runner.carried()):
                 break  # the first pass's outputs have its inputs' types: a second would call the same programs
         self.runner.sync()
@@ -1147,25 +1166,78 @@ class Engine:
             if self.runner.token_logprobs:
                 self.runner.first_logprobs(rows)
 
-    def _held_top(self, live: Sequence[int]) -> int:
-        """The most pending context rows a live row holds (0 when the engine holds none)."""
+    def _held_top(self, live: Sequence[int], skipped: bool = True) -> int:
+        """The most context rows a live row leaves for its next drafting round: its pending ones, plus (`skipped`)
+        the positions whose rows its width-1 rounds skipped (`skip_context`); 0 when the engine holds none."""
         if not self.defer_context or not len(live):
             return 0
-        return int(self.runner.pending_context()[np.asarray(live)].max())
+        held = self.runner.pending_context()[np.asarray(live)]
+        if skipped and self.skip_context:
+            held = held + np.asarray([self._skipped(self.requests[s]) for s in live])
+        return int(held.max())
+
+    @staticmethod
+    def _skipped(req: Request) -> int:
+        """The positions of `req` whose context rows were skipped (`skip_context`): its tokens from `skipped_from`
+        up to, not including, the last (the next round's anchor, not yet forwarded)."""
+        return 0 if req.skipped_from is None else max(len(req.tokens) - 1 - req.skipped_from, 0)
+
+    def _mark_skipping(self, live: Sequence[int]) -> None:
+        """A width-1 step that skips the draft's context: each live row's skipped positions start at its anchor
+        unless they started before."""
+        if self.skip_context:
+            for s in live:
+                req = self.requests[s]
+                if req.skipped_from is None:
+                    req.skipped_from = max(len(req.tokens) - 1, 0)
+
+    def _catch_up(self, live: Sequence[int], rows: int) -> bool:
+        """Computes the context rows of every live row's skipped positions (`RoundRunner.catch_up`, oldest first,
+        `CATCH_UP_CHUNK` a call; the pending rows appended first). Returns whether any was skipped."""
+        back = np.zeros(self.slots, np.int32)
+        for s in live:
+            back[s] = self._skipped(self.requests[s])
+        if not back.any():
+            for s in live:
+                self.requests[s].skipped_from = None
+            return False
+        total = int(back.sum())
+        while back.any():
+            tokens = np.zeros((self.slots, CATCH_UP_CHUNK), np.int32)
+            for s in np.flatnonzero(back):
+                seq = self.requests[s].tokens
+                start = len(seq) - 1 - int(back[s])
+                part = seq[start: start + min(CATCH_UP_CHUNK, int(back[s]))]
+                tokens[s, : len(part)] = part
+            self.runner.catch_up(rows, tokens, back)
+            self.catch_ups += 1
+            back = np.maximum(back - CATCH_UP_CHUNK, 0)
+        for s in live:
+            self.requests[s].skipped_from = None
+        self.caught_up_rows += total
+        return True
 
     def _flush_held(self, width, live: Sequence[int], rows: int, count: int) -> None:
         """Appends the held context of the round's rows first when this step needs it (`defer_context`): a
-        drafting round reads at most a block of pending rows, and a width-1 call of `count` rounds holds a row more
-        each round."""
+        drafting round reads at most a block of pending rows (and none skipped: `skip_context` rows are caught up
+        first), and a width-1 call of `count` rounds holds a row more each round (none when it skips)."""
         if not self.defer_context:
             return
-        limit = self.context_rows - count if shape_rows(width) < 2 else self.block_size
-        if self._held_top(live) > limit:
-            drafting = shape_rows(width) > 1
+        drafting = shape_rows(width) > 1
+        skipped = drafting and any(self._skipped(self.requests[s]) for s in live)
+        if drafting:
+            if not skipped:  # a drafting round feeds the draft's context again: nothing skipped from here
+                for s in live:
+                    self.requests[s].skipped_from = None
+            need = skipped or self._held_top(live, skipped=False) > self.block_size
+        else:
+            need = self._held_top(live, skipped=False) > self.context_rows - (0 if self.skip_context else count)
+        if need:
             if drafting:  # timed alone (what the step dispatched before it runs first, as it would anyway)
                 self.runner.sync()
                 t0 = time.perf_counter()
-            self.runner.flush_context(rows)
+            if not (skipped and self._catch_up(live, rows)):
+                self.runner.flush_context(rows)
             self.context_flushes += 1
             if drafting:  # what drafting costs per admission (`drafting_per_token`)
                 self.runner.sync()
@@ -1661,6 +1733,8 @@ class Engine:
             return self._burst_step(info, live, rows, width, count)
         defer = width == 1 and self.defer_context
         self.deferred_rounds += defer
+        if defer:
+            self._mark_skipping(live)
         proposer = self._proposer(width, defer)
         t_device = time.perf_counter()
         drafted = self.runner.draft(proposer, rows)
@@ -1746,6 +1820,8 @@ class Engine:
         active = np.zeros(self.slots, bool)
         active[live] = True
         proposer = self._proposer(width, width == 1 and self.defer_context)
+        if width == 1 and self.defer_context:
+            self._mark_skipping(live)
         t_device = time.perf_counter()
         burst = self.runner.burst(proposer, active, rows, count, until_finish=bool(self.queue))
         after, done, output = self.runner.fetch()

@@ -191,6 +191,16 @@ class LanedRunner(RoundRunner):
         split = self._split(rows)
         self._each(lambda runner, r: runner.flush_context(r), [r if r else None for r in split])
 
+    @property
+    def catches_up(self) -> bool:
+        return all(lane.catches_up for lane in self.lanes)
+
+    def catch_up(self, rows: int, tokens: np.ndarray, back: np.ndarray) -> None:
+        tokens, back = np.asarray(tokens), np.asarray(back)
+        items = [(r, tokens[lane::self.n], back[lane::self.n]) if r else None
+                 for lane, r in enumerate(self._split(rows))]
+        self._each(lambda runner, item: runner.catch_up(*item), items)
+
     # -- the round -------------------------------------------------------------------------------------
 
     def draft(self, proposer, rows: int) -> Drafted:

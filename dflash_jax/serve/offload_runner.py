@@ -144,6 +144,7 @@ class OffloadedRunner(ResidentRunner):
 
     chunked_prefill = True  # a long prompt's chunks run layer by layer with whole tables, one chunk per round
     deferred_context = True  # the verify's commit (`spec.round.commit`) keeps a deferring width-1 round's row pending
+    catches_up = False  # a catch-up forward would need every table streamed: width-1 rounds hold their taps instead
     overlapped_verify = False  # the verify is driven from the host, layer by layer, after the prefetch
     bursts = False  # each round is driven from the host (prefetch, layer by layer): a round per call
     prompt_scores = False  # echo's prompt log-probs would need a whole-prompt forward with every table streamed

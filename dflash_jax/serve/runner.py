@@ -53,7 +53,10 @@ from dflash_jax.cache import SLOT_AXIS, KVCache
 from dflash_jax.models.family import family_of
 from dflash_jax.nn.attention import get_attention_tuning
 from dflash_jax.spec import prefill as chunked
-from dflash_jax.spec.round import Chain, check_proposer, commit, flush_context, propose, round_step, verify_forward
+from dflash_jax.spec.round import (
+    Chain, can_catch_up, catch_up_context, check_proposer, commit, flush_context, propose, round_spec, round_step, skips_context,
+    verify_forward,
+)
 from dflash_jax.spec.sampling import next_token_rows
 from dflash_jax.spec.session import (
     RowParams, SpecConfig, SpecState, init_target_cache, map_rows, prefill_rows, split_rows,
@@ -150,6 +153,7 @@ class RoundRunner:
     length_buckets: tuple = (None,)
     pin_length = None  # the length bucket every round takes while set (warm-up); None: chosen per round
     deferred_context = False  # width-1 rounds may leave the draft's context append to the next drafting round
+    catches_up = False  # `catch_up`: width-1 rounds may skip the draft's context, caught up before drafting
     overlapped_verify = False  # the verify may be dispatched before the scheduler runs (every live row verifies)
     bursts = False  # `burst`: several rounds of every live row in one device call
     forks = False  # `fork`: n samples of one prompt share its prefill
@@ -242,6 +246,12 @@ class RoundRunner:
 
     def flush_context(self, rows: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not defer the draft's context")
+
+    def catch_up(self, rows: int, tokens: np.ndarray, back: np.ndarray) -> None:
+        """`spec.round.catch_up_context` of the first `rows` rows: their pending context appended, then the context
+        rows of each slot's `min(back, CATCH_UP_CHUNK)` positions from `back` [slots] before its cache's end, whose
+        tokens are `tokens` [slots, CATCH_UP_CHUNK] (zeros past the count)."""
+        raise NotImplementedError(f"{type(self).__name__} does not catch up skipped context")
 
     def draft(self, proposer, rows: int) -> Drafted:
         raise NotImplementedError
@@ -558,7 +568,8 @@ def settle_rows(full: SpecState, old: SpecState, new: SpecState, active, rows: i
 
 
 def _deferring(proposer, spec: SpecConfig) -> bool:
-    return isinstance(proposer, Chain) and proposer.defer_context and bool(spec.taps)
+    """Whether `proposer`'s rounds leave the draft's context alone (a width-1 chain that defers or skips it)."""
+    return isinstance(proposer, Chain) and proposer.leaves_context and bool(spec.taps)
 
 
 def lift_context(state: SpecState, proposer, spec: SpecConfig, rounds: int):
@@ -570,6 +581,8 @@ def lift_context(state: SpecState, proposer, spec: SpecConfig, rounds: int):
     held, pending = state.context, state.num_context
     if held.shape[1] <= spec.block_size:
         return state, None
+    if skips_context(proposer):  # no context rows at all: the hold stays out of the round
+        return state.replace(context=held[:, :0]), (held, pending, None)
     if _deferring(proposer, spec):
         narrow = jnp.zeros((held.shape[0], rounds, held.shape[2]), held.dtype)
         return state.replace(context=narrow, num_context=jnp.zeros_like(pending)), (held, pending, True)
@@ -583,6 +596,8 @@ def lower_context(state: SpecState, lifted) -> SpecState:
     if lifted is None:
         return state
     held, pending, deferring = lifted
+    if deferring is None:  # a skipping round: nothing written, nothing added
+        return state.replace(context=held, num_context=pending)
     if deferring:
         b, width = state.context.shape[:2]
         cols = pending[:, None] + jnp.arange(width, dtype=pending.dtype)[None]
@@ -611,7 +626,7 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
     state, lifted = lift_context(state, proposer, spec, 1)
     old = head_rows(state, rows) if rows is not None else state
     run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows, length)
-    out = verify_forward(target_w, run, proposal, spec)
+    out = verify_forward(target_w, run, proposal, round_spec(proposer, spec))
     new, _ = commit(run, proposal, out, spec, proposer)
     return lower_context(settle_rows(state, old, new, active, rows), lifted), out.logits
 
@@ -678,6 +693,15 @@ FLUSH_CHUNK = 64  # the context columns one step of a flush appends (`flush_cont
 def _flush(draft_w, state: SpecState, spec: SpecConfig, rows: int, chunk: int):
     """`spec.round.flush_context` of the first `rows` rows, `chunk` columns a step (the state's context width kept)."""
     return flush_context(draft_w, state, spec, rows=rows, chunk=chunk)
+
+
+CATCH_UP_CHUNK = 32  # the skipped positions one catch-up forward computes per row (`RoundRunner.catch_up`)
+
+
+@stored_jit(static_argnames=("spec", "rows", "chunk"), donate_argnames=("state",))
+def _catch_up(target_w, draft_w, state: SpecState, tokens, back, spec: SpecConfig, rows: int, chunk: int):
+    """`spec.round.catch_up_context` of the first `rows` rows (`tokens` [rows, CATCH_UP_CHUNK], `back` [rows])."""
+    return catch_up_context(target_w, draft_w, state, tokens, back, spec, rows=rows, chunk=chunk)
 
 
 def kv_buffers(pre) -> tuple:
@@ -774,6 +798,11 @@ class ResidentRunner(RoundRunner):
     overlapped_verify = True
     bursts = True
     forks = token_logprobs = prompt_scores = True
+
+    @property
+    def catches_up(self) -> bool:
+        """The target's cache can be re-read at any prefix (`spec.round.can_catch_up`)."""
+        return bool(self.spec.taps) and can_catch_up(self.spec.target)
 
     def __init__(self, pair, layout: Layout, *, mesh=None):
         if mesh is not None:  # weights placed by their declarations; every jitted call traced under the mesh
@@ -929,6 +958,12 @@ class ResidentRunner(RoundRunner):
     @_on_mesh
     def flush_context(self, rows: int) -> None:
         self.state = _flush(self.pair.draft, self.state, self.spec, rows, min(FLUSH_CHUNK, self.layout.held))
+
+    @_on_mesh
+    def catch_up(self, rows: int, tokens: np.ndarray, back: np.ndarray) -> None:
+        self.state = _catch_up(self.pair.target, self.pair.draft, self.state, np.asarray(tokens, np.int32)[:rows],
+                               np.asarray(back, np.int32)[:rows], self.spec, rows,
+                               min(FLUSH_CHUNK, self.layout.held))
 
     # -- the round -------------------------------------------------------------------------------------
 

@@ -394,7 +394,7 @@ def with_drafting(seconds: dict, alphas, per_token: float = 0.0) -> dict:
     if not per_token:
         return dict(seconds)
     shapes = list(seconds)
-    tokens = acceptance_worth(alphas, shapes).sum(axis=0)
+    tokens = worth_sums(alphas, shapes)
     return {w: t + (per_token * float(n) if shape_rows(w) > 1 else 0.0) for (w, t), n in zip(seconds.items(), tokens)}
 
 
@@ -490,12 +490,36 @@ def acceptance_worth(alphas, shapes):
     return np.stack([np.broadcast_to(expected_tokens(alphas, w), alphas.shape) for w in shapes], axis=1)
 
 
+def worth_sums(alphas, shapes) -> list[float]:
+    """`acceptance_worth(alphas, shapes).sum(axis=0)` as floats: the expected tokens of a round of each shape over
+    the live rows. Chains in plain Python (a serving step's chooser runs this on a few rows and widths, where
+    numpy's per-call overhead is most of the cost), trees through `expected_tokens`."""
+    if any(isinstance(w, TreeShape) and not w.is_chain for w in shapes):
+        return [float(x) for x in acceptance_worth(alphas, shapes).sum(axis=0)]
+    rows = [min(float(a), 0.999) for a in np.asarray(alphas, np.float64).reshape(-1).tolist()]
+    out = []
+    for w in shapes:
+        n = shape_rows(w)
+        out.append(sum((1.0 - a ** n) / (1.0 - a) for a in rows))
+    return out
+
+
 def choose_width(alphas, seconds: dict, margin: float = 0.0):
     """The shape (a chain width, or a `TreeShape`) with the most expected tokens per second over the live rows:
     `choose` over `acceptance_worth` and `seconds` ({shape: seconds per round}), the shapes in cost order
     (`shape_order`): ties go to the cheaper, and every shape but the cheapest must win by 1 + `margin` (the table's
     error: a round speculates only where the gain is clear). Pure and deterministic."""
     shapes = sorted(seconds, key=shape_order)
-    worth = acceptance_worth(alphas, shapes)
-    live = np.ones(worth.shape[0], bool)
-    return shapes[int(choose(worth, live, [seconds[w] for w in shapes], margin))]
+    return shapes[_best(worth_sums(alphas, shapes), [seconds[w] for w in shapes], margin)]
+
+
+def _best(totals, seconds, margin: float) -> int:
+    """`choose` over summed worths `totals` [S] and `seconds` [S] in plain Python (the same rule: every shape but
+    the cheapest, the first of equals, pays 1 + `margin`; ties go to the earlier)."""
+    cheapest = min(range(len(seconds)), key=seconds.__getitem__)
+    best, top = 0, None
+    for i, (t, sec) in enumerate(zip(totals, seconds)):
+        rate = t / (sec if i == cheapest else sec * (1.0 + margin))
+        if top is None or rate > top:
+            best, top = i, rate
+    return best

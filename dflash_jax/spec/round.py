@@ -16,7 +16,9 @@ A chain is the trivial tree; it keeps its own commit (no K/V rows to move, the r
 The state keeps the layout of its spec's block (the draft's context rows [b, B, F]); a round of a narrower
 chain pads its context rows back to that width here, and a width-1 round on a speculative state still feeds
 the draft's context cache (`Chain(1)`), or leaves the new row pending for the next drafting round
-(`Chain(1, defer_context=True)`, which the caller may use only while every live row's pending rows leave room).
+(`Chain(1, defer_context=True)`, which the caller may use only while every live row's pending rows leave room),
+or computes no taps at all (`Chain(1, skip_context=True)`: the row's context is left for `catch_up_context`, one
+wide target pass over the skipped rows before the draft next reads them).
 
 Placements (where the target's experts come from) enter through the verify forward: `verify_forward` is the
 resident one (one program with the round); the offloaded placement runs the same forward layer by layer
@@ -51,11 +53,17 @@ class Chain:
     head: propose from the draft's branch head, one position after another (the draft must carry one).
     defer_context (width 1 only): do not feed the draft's context cache this round; the verify's row joins the
     pending context rows, which the next drafting round appends at once (a width-1 round then costs what a
-    block-1 round costs). The caller guarantees room: every live row has fewer than B pending rows."""
+    block-1 round costs). The caller guarantees room: every live row has fewer than B pending rows.
+    skip_context (width 1 only): compute no taps at all (the round is a block-1 engine's round: no tap outputs, no
+    context row written); the row's pending rows stay as they were, and the committed position has no context
+    row until `catch_up_context` computes the skipped positions' taps in one wide target pass (the caller
+    tracks which positions those are). Only for targets whose cache can be re-read at any prefix
+    (`can_catch_up`)."""
 
     width: int | None = None
     head: bool = False
     defer_context: bool = False
+    skip_context: bool = False
 
     def __post_init__(self):
         if self.width is not None and (isinstance(self.width, bool) or not isinstance(self.width, int)
@@ -63,6 +71,8 @@ class Chain:
             raise ValueError(f"a chain's width must be a positive integer, got {self.width!r}")
         if self.defer_context and self.width != 1:
             raise ValueError("defer_context applies to a width-1 chain only")
+        if self.skip_context and (self.width != 1 or self.defer_context):
+            raise ValueError("skip_context applies to a width-1 chain only, without defer_context")
 
     @property
     def is_chain(self) -> bool:
@@ -70,6 +80,28 @@ class Chain:
 
     def label(self) -> str:
         return ("head chain" if self.head else "chain") + (f" B={self.width}" if self.width else "")
+
+    @property
+    def leaves_context(self) -> bool:
+        """The round appends nothing to the draft's context cache (`defer_context` or `skip_context`)."""
+        return self.defer_context or self.skip_context
+
+
+def skips_context(proposer) -> bool:
+    """Whether `proposer`'s rounds compute no taps (`Chain(1, skip_context=True)`)."""
+    return isinstance(proposer, Chain) and proposer.skip_context
+
+
+def round_spec(proposer, spec: SpecConfig) -> SpecConfig:
+    """The spec a round of `proposer` verifies and commits with: where it skips the context, the block-1 spec (no
+    taps; a width-1 round's verify and commit read nothing else of the block)."""
+    return dataclasses.replace(spec, block_size=1) if skips_context(proposer) and spec.taps else spec
+
+
+def can_catch_up(cfg) -> bool:
+    """Whether a target of config `cfg` can catch up skipped context rows (`catch_up_context`): its cache must be
+    re-readable at any prefix, a slot-per-position KV cache (not a linear-attention state)."""
+    return not family_of(cfg).needs_rollback_width
 
 
 Proposer = Union[Chain, TreeShape]
@@ -138,7 +170,7 @@ def propose(proposer: Proposer, target_w, draft_w, state: SpecState, spec: SpecC
         width = verify_width(proposer, spec)
         if width == 1:
             cache = state.draft_cache
-            if spec.taps and not proposer.defer_context:
+            if spec.taps and not proposer.leaves_context:
                 cache = draft_model.append_context(draft_w, spec.draft, context_features=state.context,
                                                    num_context=state.num_context, cache=cache)
             return Proposal(tokens=anchor, probs=None, tree=None, draft_cache=cache, hidden=None)
@@ -171,6 +203,9 @@ def commit(state: SpecState, proposal: Proposal, out, spec: SpecConfig, proposer
     proposer = as_proposer(proposer)
     if proposal.tree is not None:
         return commit_tree(state, proposal.tree, proposal.draft_cache, out, spec)
+    if skips_context(proposer):  # no taps: the row's pending context rows stay as they were
+        new, outcome = commit(state, proposal, out, round_spec(proposer, spec), Chain(1))
+        return new.replace(context=state.context, num_context=state.num_context), outcome
     width = proposal.tokens.shape[1]
     sub = dataclasses.replace(spec, block_size=width)
     draft = Draft(tokens=proposal.proposals, probs=proposal.probs, draft_cache=proposal.draft_cache)
@@ -213,10 +248,19 @@ def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None
     width = state.context.shape[1] if width is None else width
     b = state.num_context.shape[0]
     rows = b if rows is None else rows
-    full = state.draft_cache
+    cache = _append_rows(draft_w, state.draft_cache, state.context[:rows], state.num_context[:rows], spec, chunk)
+    # the flushed rows' columns are left as they are: past `num_context` a row's columns are never read (zeroing
+    # them made XLA copy the whole hold, every slot's, twice a flush)
+    return state.replace(draft_cache=cache, context=pad_cols(state.context, width),
+                         num_context=state.num_context.at[:rows].set(0))
+
+
+def _append_rows(draft_w, full, features, pending, spec: SpecConfig, chunk: int | None):
+    """The draft's context cache `full` with the first `features.shape[0]` rows' first `pending` [rows] context rows
+    of `features` [rows, C, F] appended (in place in the full buffers), `chunk` columns at a time (None: all)."""
+    rows = features.shape[0]
     head = full.replace(lengths=full.lengths[:rows],
                         position_offset=None if full.position_offset is None else full.position_offset[:rows])
-    features, pending = state.context[:rows], state.num_context[:rows]
     if chunk is None or chunk >= features.shape[1]:
         cache = draft_model.append_context(draft_w, spec.draft, context_features=features, num_context=pending,
                                            cache=head)
@@ -232,19 +276,43 @@ def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None
                                                      cache=c)
 
         _, cache = jax.lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), head))
-    if rows < b:  # the head rows' lengths (and offsets) back into the full ones; the buffers are the full ones
+    if rows < full.lengths.shape[0]:  # the head rows' lengths (and offsets) back into the full ones
         cache = cache.replace(lengths=full.lengths.at[:rows].set(cache.lengths), position_offset=(
             None if full.position_offset is None else full.position_offset.at[:rows].set(cache.position_offset)))
-    # the flushed rows' columns are left as they are: past `num_context` a row's columns are never read (zeroing
-    # them made XLA copy the whole hold, every slot's, twice a flush)
-    return state.replace(draft_cache=cache, context=pad_cols(state.context, width),
-                         num_context=state.num_context.at[:rows].set(0))
+    return cache
+
+
+def catch_up_context(target_w, draft_w, state: SpecState, tokens, back, spec: SpecConfig, rows: int | None = None,
+                     chunk: int | None = None) -> SpecState:
+    """The draft's context caught up over positions whose rounds skipped it (`Chain(1, skip_context=True)`): every
+    pending context row appended first (`flush_context`), then the context rows of each row's `min(back, K)`
+    committed positions starting `back` [rows] positions before its cache's end, from one width-K target forward
+    over `tokens` [rows, K] (those positions' tokens, real up to the count). The forward reads the target's cache
+    as it is and writes nothing back (its K/V rows of those positions are the ones the rounds wrote); its taps are
+    what the skipping rounds would have computed, up to the rounding of a wider forward. A row with `back` 0 only
+    flushes. Call it again with `back - K` for longer runs (oldest positions first, as the draft's cache needs).
+    rows (static): only the first `rows` rows (the others keep everything); chunk: as in `flush_context`."""
+    if not spec.taps:
+        return state
+    state = flush_context(draft_w, state, spec, rows=rows, chunk=chunk)
+    b = state.num_context.shape[0]
+    rows = b if rows is None else rows
+    fam = family_of(spec.target)
+    cache = jax.tree.map(lambda x: x[:rows], state.target_cache)
+    back = jnp.asarray(back, jnp.int32)[:rows]
+    count = jnp.minimum(back, tokens.shape[1])
+    cache = fam.rollback(cache, cache.lengths - back)
+    out = fam.forward(target_w, tokens[:rows], cache, spec.target, num_valid=count, tap_layers=spec.taps,
+                      logits="none")
+    features = draft_model.context_features(out.taps).astype(state.context.dtype)
+    return state.replace(draft_cache=_append_rows(draft_w, state.draft_cache, features, count, spec, chunk))
 
 
 def round_step(target_w, draft_w, state: SpecState, spec: SpecConfig, proposer: Proposer = Chain()):
     """One resident round of any proposer: propose, verify, commit. Returns (state, RoundOutcome)."""
     proposal = propose(proposer, target_w, draft_w, state, spec)
-    return commit(state, proposal, verify_forward(target_w, state, proposal, spec), spec, proposer)
+    return commit(state, proposal, verify_forward(target_w, state, proposal, round_spec(proposer, spec)), spec,
+                  proposer)
 
 
 def spec_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> SpecState:
