@@ -3,7 +3,9 @@ in the state's held context rows, and a drafting round (or a full hold) appends 
 (`flush_context`). Outputs are unchanged (greedy: the tokens of each request alone, whatever mix of widths), the
 draft sees the same context (the same proposals, so the same tokens per verify as an engine that appends every
 round), a run of width-1 rounds longer than the hold appends when it fills, the chooser re-prices no drafting width
-while a row holds more than a block, and nothing compiles after warm-up. Compiles several engines: slow."""
+while a row holds more than a block, and nothing compiles after warm-up. Each alike where width-1 rounds skip the
+draft's context instead (`skip_context`, the default where the runner can: caught up before the next drafting
+round), with no hold to fill. Compiles several engines: slow."""
 
 from __future__ import annotations
 
@@ -22,13 +24,25 @@ BUDGET = 40
 CYCLE = [4, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1, 4, 1, 4, 4, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1]
 # a run of width 1 longer than the least hold (a block and a call's rounds: 20 rows), so the hold fills
 LONG = [4] + [1] * 26 + [2, 4]
+# calls of several rounds (one call per forced width): drafting calls after calls of width-1 rounds
+CALLS = [4, 1, 1, 4, 1, 2, 1, 4]
 
 
-def _engine(pair, defer, **offload):
+def _engine(pair, defer, skip=True, **offload):
     eng = Engine(pair, slots=3, block_size=4, widths=[1, 2, 4], max_prompt_len=16, max_new_tokens=BUDGET,
-                 round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, row_buckets=None, defer_context=defer, **offload)
+                 round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, row_buckets=None, defer_context=defer, skip_context=skip,
+                 **offload)
     eng.warmup([16])
+    assert eng.skip_context == (skip and bool(defer) and eng.runner.catches_up)
     return eng
+
+
+def _skipped(engine):
+    """Width-1 rounds skipped the draft's context and drafting rounds caught it up (`skip_context`), or none did."""
+    if engine.skip_context:
+        assert engine.catch_ups > 0 and engine.caught_up_rows > 0
+    else:
+        assert engine.catch_ups == 0 and engine.caught_up_rows == 0
 
 
 def _run(engine, pattern=CYCLE):
@@ -43,15 +57,17 @@ def _run(engine, pattern=CYCLE):
 
 
 @pytest.mark.slow
-def test_deferred_context_append_is_exact(pair):
+@pytest.mark.parametrize("skip", [False, True], ids=["held", "skipped"])
+def test_deferred_context_append_is_exact(pair, skip):
     # a round per step and one runner: each forced width is one round, and the state is read below
-    deferred = _engine(pair, True, rounds_per_call=1, lanes=1)
+    deferred = _engine(pair, True, skip, rounds_per_call=1, lanes=1)
     assert deferred.defer_context and deferred.context_rows >= deferred.output_len
     assert deferred.runner.state.context.shape[1] == deferred.context_rows
     reqs, rounds = _run(deferred)
     assert {r.width for r in rounds if r.width} == {1, 2, 4}
     assert deferred.deferred_rounds == deferred.width_rounds[1] > 0  # every width-1 round held the context
     assert deferred.context_flushes > 0  # drafting rounds after runs of more than a block appended them first
+    _skipped(deferred)
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
     plain = _engine(pair, False, rounds_per_call=1, lanes=1)
@@ -70,7 +86,7 @@ def test_a_full_hold_appends_and_the_draft_sees_the_same_context(pair):
     step and calls of several alike. The drafts after it accept as an appending engine's do."""
     for per_call in (1, 6):
         ref, _ = _run(_engine(pair, False, rounds_per_call=per_call), LONG)
-        held = _engine(pair, 20, rounds_per_call=per_call)
+        held = _engine(pair, 20, False, rounds_per_call=per_call)
         assert held.context_rows == 20
         reqs, rounds = _run(held, LONG)
         widths = [r.width for r in rounds if r.width]
@@ -80,6 +96,34 @@ def test_a_full_hold_appends_and_the_draft_sees_the_same_context(pair):
             assert a.tokens == b.tokens
             assert a.acceptance == b.acceptance
         assert np.asarray(held.runner.pending_context()).max() <= held.context_rows
+
+
+@pytest.mark.slow
+def test_skipped_context_is_caught_up_in_chunks_and_never_fills_the_hold(pair, monkeypatch):
+    """Width-1 rounds that skip the draft's context add no held rows: a run of 26 of them under the least hold (20
+    rows) appends nothing until the drafting round after it, which catches the 26 positions up (8 a call: 4 calls)
+    with the prompt's held rows; a round per step and calls of several alike. Tokens and tokens per verify equal an
+    appending engine's, and nothing compiles after warm-up."""
+    from dflash_jax.serve import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CATCH_UP_CHUNK", 8)
+    for per_call in (1, 6):
+        # a call per forced width: 5 calls of 6 width-1 rounds (30), then drafting calls
+        pattern = LONG if per_call == 1 else [1] * 5 + [4] * 4
+        ref, _ = _run(_engine(pair, False, rounds_per_call=per_call), pattern)
+        skipping = _engine(pair, 20, rounds_per_call=per_call)
+        assert skipping.skip_context and skipping.context_rows == 20
+        reqs, rounds = _run(skipping, pattern)
+        assert skipping.deferred_rounds == skipping.width_rounds[1] >= 26
+        # none while the run would have filled the hold: the first drafting round's (the prompts' held rows; a call
+        # of one round) and the catch-up before the drafting round after the run
+        assert skipping.context_flushes == (2 if per_call == 1 else 1)
+        assert skipping.catch_ups >= 4 and skipping.caught_up_rows >= 26 * len(PROMPTS)
+        assert np.asarray(skipping.runner.pending_context()).max() <= max(len(p) for p in PROMPTS) + 4
+        for a, b in zip(reqs, ref):
+            assert a.tokens == b.tokens
+            assert a.acceptance == b.acceptance
+        assert max(max(r.acceptance) for r in reqs) >= 3
 
 
 @pytest.mark.slow
@@ -114,6 +158,7 @@ def test_offloaded_deferred_context_append_is_exact(pair):
     store = HostExpertStore(offloaded.target)
     eng = _engine(offloaded, True, experts="offload", budget_bytes=min_budget_bytes(store), store=store,
                   bandwidth=1e9)
+    assert not eng.skip_context  # a catch-up would stream every table: its width-1 rounds hold their taps
     reqs, rounds = _run(eng)
     assert eng.deferred_rounds > 0 and eng.context_flushes > 0 and {r.width for r in rounds if r.width} == {1, 2, 4}
     for p, r in zip(PROMPTS, reqs):
@@ -122,12 +167,14 @@ def test_offloaded_deferred_context_append_is_exact(pair):
 
 
 @pytest.mark.slow
-def test_deferred_context_append_in_calls_of_several_rounds(pair):
+@pytest.mark.parametrize("skip", [False, True], ids=["held", "skipped"])
+def test_deferred_context_append_in_calls_of_several_rounds(pair, skip):
     """Calls of several width-1 rounds hold the draft's context every round (past a block of rows): each request's
     tokens equal it alone, its accepted tokens per verify equal an engine's that appends every round (the draft saw
     the same context), with calls of several rounds at width 1 and 4, and nothing compiled."""
-    eng = _engine(pair, True, rounds_per_call=6)
-    reqs, rounds = _run(eng)
+    eng = _engine(pair, True, skip, rounds_per_call=6)
+    reqs, rounds = _run(eng, CALLS)
+    _skipped(eng)
     assert {1, 4} <= {r.width for r in rounds if r.burst}
     assert max(r.rounds for r in rounds if r.width == 1) > eng.block_size  # past the pending rows' room
     calls = sum(r.rounds for r in rounds if r.burst and r.width == 1)
@@ -135,7 +182,7 @@ def test_deferred_context_append_in_calls_of_several_rounds(pair):
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
     appending = _engine(pair, False, rounds_per_call=6)
-    ref, _ = _run(appending)
+    ref, _ = _run(appending, CALLS)
     assert appending.deferred_rounds == 0
     for a, b in zip(reqs, ref):
         assert a.tokens == b.tokens
@@ -144,22 +191,25 @@ def test_deferred_context_append_in_calls_of_several_rounds(pair):
 
 
 @pytest.mark.slow
-def test_a_prefill_holds_the_prompt_until_the_first_drafting_round(pair):
+@pytest.mark.parametrize("skip", [False, True], ids=["held", "skipped"])
+def test_a_prefill_holds_the_prompt_until_the_first_drafting_round(pair, skip):
     """A whole prompt's draft context is held too: after its prefill and width-1 rounds the row's draft cache is
-    empty and its prompt rows and rounds' rows pending; the first drafting round appends them (one flush) and
-    proposes what an appending engine proposes."""
+    empty and its prompt rows and rounds' rows pending (skipping: the prompt's alone); the first drafting round
+    appends them (one flush; skipping: with the rounds' positions caught up) and proposes what an appending engine
+    proposes."""
     widths = iter([1, 1, 1] + [4] * 40)
-    eng = _engine(pair, True, rounds_per_call=1, lanes=1)
+    eng = _engine(pair, True, skip, rounds_per_call=1, lanes=1)
     eng.choose_width = lambda live: next(widths)
     prompt = PROMPTS[2]
     req = eng.submit(prompt, max_new_tokens=BUDGET, stop_ids=[])
     for _ in range(3):
         eng.step()
     slot = req.slot
-    assert eng.runner.pending_context()[slot] == len(prompt) + 3 and eng.context_flushes == 0
+    assert eng.runner.pending_context()[slot] == len(prompt) + (0 if skip else 3) and eng.context_flushes == 0
+    assert req.skipped_from == (0 if skip else None)
     assert int(np.asarray(eng.runner.state.draft_cache.lengths)[slot]) == 0  # the draft has seen nothing yet
     eng.run_until_idle()
-    assert eng.context_flushes == 1
+    assert eng.context_flushes == 1 and eng.caught_up_rows == (3 if skip else 0)
     assert req.tokens == spec_generate(pair, [prompt], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
     ref = _engine(pair, False, rounds_per_call=1, lanes=1)
     widths = iter([1, 1, 1] + [4] * 40)

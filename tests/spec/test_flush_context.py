@@ -9,7 +9,7 @@ import functools
 import jax
 import numpy as np
 
-from dflash_jax.spec.round import Chain, flush_context, round_step
+from dflash_jax.spec.round import Chain, catch_up_context, flush_context, round_step
 from dflash_jax.spec.session import begin
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(100, 121)), [9, 8, 7, 6, 5, 4, 3, 2]]
@@ -131,3 +131,65 @@ def test_a_flush_leaves_the_held_columns_and_the_next_hold_overwrites_them(pair)
     shape = "f32[%s]" % ",".join(str(d) for d in held.context.shape)
     copies = [line for line in hlo.splitlines() if f"= {shape}" in line and " copy(" in line]
     assert not copies, copies
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "rows", "chunk"))
+def _catch_up(tw, dw, state, tokens, back, spec, rows, chunk):
+    return catch_up_context(tw, dw, state, tokens, back, spec, rows=rows, chunk=chunk)
+
+
+def test_skipped_rows_caught_up_equal_appending_every_round(pair):
+    """Width-1 rounds that compute no taps (`Chain(1, skip_context=True)`) commit the appending rounds' tokens and
+    leave the pending rows (the prompts') and the target's cache as they are; the catch-up over the skipped
+    positions' tokens (a wide forward per chunk, two chunks here, oldest first; one row left out: it only flushes)
+    gives the draft's cache the appending state's rows, leaves the target's cache untouched, and the drafting round
+    after it commits the same tokens, accepting proposals."""
+    skipped_rounds = 7
+    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=24, stop_ids=[])
+    tw, dw = pair.target, pair.draft
+    skipped, appended = start, start
+    for _ in range(skipped_rounds):
+        skipped = _round(tw, dw, skipped, spec, Chain(1, skip_context=True))
+        appended = _round(tw, dw, appended, spec, Chain(1))
+    np.testing.assert_array_equal(skipped.output, appended.output)
+    np.testing.assert_array_equal(skipped.num_context, start.num_context)  # only the prompts' rows pending
+    np.testing.assert_array_equal(skipped.draft_cache.lengths, start.draft_cache.lengths)
+    # the skipped positions: each row's anchors of the rounds, the tokens before its current anchor (row 3 left out)
+    back = np.array([skipped_rounds, skipped_rounds, skipped_rounds, 0], np.int32)
+    out = np.asarray(skipped.output)
+    n = np.asarray(skipped.num_generated)
+    chunk = 4  # narrower than the longest run: two calls, the oldest positions first
+    state = skipped
+    left = back.copy()
+    while left.any():
+        tokens = np.zeros((len(PROMPTS), chunk), np.int32)
+        for row in range(len(PROMPTS)):
+            first = int(n[row]) - 1 - int(left[row])
+            part = out[row, first: first + min(chunk, int(left[row]))]
+            tokens[row, : len(part)] = part
+        state = _catch_up(tw, dw, state, tokens, left, spec, len(PROMPTS), None)
+        left = np.maximum(left - chunk, 0)
+    assert np.all(np.asarray(state.num_context) == 0)
+    for got, want in zip(jax.tree.leaves(state.target_cache), jax.tree.leaves(skipped.target_cache)):
+        np.testing.assert_array_equal(got, want)  # the target's cache is read, never written
+    reference = _flush(dw, appended, spec, spec.block_size, len(PROMPTS))
+    full = [0, 1, 2]  # rows caught up over every skipped position
+    lengths = np.asarray(state.draft_cache.lengths)
+    np.testing.assert_array_equal(lengths[full], np.asarray(reference.draft_cache.lengths)[full])
+    for row in full:
+        for got, want in zip(_valid_slots(state.draft_cache, row), _valid_slots(reference.draft_cache, row)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert lengths[3] == int(np.asarray(start.draft_cache.lengths)[3]) + int(np.asarray(start.num_context)[3])
+
+    # only the first two rows: the others keep their pending rows and the draft's cache as it was
+    head = _catch_up(tw, dw, skipped, np.zeros((len(PROMPTS), chunk), np.int32), np.zeros(4, np.int32), spec, 2,
+                     None)
+    np.testing.assert_array_equal(head.num_context[2:], skipped.num_context[2:])
+    np.testing.assert_array_equal(head.draft_cache.lengths[2:], skipped.draft_cache.lengths[2:])
+
+    # a drafting round after the catch-up: the caught-up rows commit and accept what the appending rows do
+    drafted = _round(tw, dw, state, spec, Chain(4))
+    ref = _round(tw, dw, reference, spec, Chain(4))
+    np.testing.assert_array_equal(np.asarray(drafted.output)[full], np.asarray(ref.output)[full])
+    np.testing.assert_array_equal(np.asarray(drafted.last_accepted)[full], np.asarray(ref.last_accepted)[full])
+    assert int(np.max(np.asarray(ref.last_accepted)[full])) >= 1  # proposals were accepted
