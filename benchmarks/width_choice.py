@@ -7,8 +7,10 @@ Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this mac
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
 `acceptance_exploration = True`, and block 4 (`--widths fixed`). At each client count c, c clients each send
 `--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
-`Engine.step` until it finishes), greedy; one untimed run per engine, then `--repeats` runs in which every engine
-serves once, the order reversed every other run. Tokens/s over the run; the ratio to plain is the median of the
+`Engine.step` until it finishes), greedy. The engines serve their clients at once, one engine step each in turn
+(the order reversed every other turn), so that every engine meets the machine's load as the others do (runs one
+after another drifted by 5% - 10% on a shared machine); one untimed run, then `--repeats` runs (the engines' order
+reversed every other run). Tokens/s over each engine's own steps' time; the ratio to plain is the median of the
 per-run ratios; the rounds each engine ran at each width, its acceptance explorations and its long-run acceptance.
 Every engine's tokens are checked against plain's. Writes width_choice.{json,md,png} to --out (default bench_out/)
 or, with --write-docs, docs/benchmarks/.
@@ -34,24 +36,44 @@ DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len
 QUICK = dict(clients="1,4", requests_per_client=1, max_tokens=32, repeats=1, slots=4)
 
 
-def serve(engine, pool, clients: int, per: int, max_tokens: int, widths: collections.Counter):
-    """Closed-loop clients: each sends its next prompt when its last request ends. Returns (tokens/s, outputs)."""
-    queue = {c: [pool[(c * per + i) % len(pool)] for i in range(per)] for c in range(clients)}
-    live = {c: engine.submit(queue[c].pop(0), max_new_tokens=max_tokens) for c in range(clients)}
-    outputs, tokens, t0 = collections.defaultdict(list), 0, time.perf_counter()
-    while live:
-        info = engine.step()
-        if info.width:
-            widths[info.width] += info.rounds
-        for c, req in list(live.items()):
+class Clients:
+    """Closed-loop clients of one engine: each sends its next prompt when its last request ends. `step()` runs one
+    engine step and counts its time and tokens."""
+
+    def __init__(self, engine, pool, clients: int, per: int, max_tokens: int, widths: collections.Counter):
+        self.engine, self.max_tokens, self.widths = engine, max_tokens, widths
+        self.queue = {c: [pool[(c * per + i) % len(pool)] for i in range(per)] for c in range(clients)}
+        self.live = {c: engine.submit(self.queue[c].pop(0), max_new_tokens=max_tokens) for c in range(clients)}
+        self.outputs, self.tokens, self.seconds = collections.defaultdict(list), 0, 0.0
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        info = self.engine.step()
+        for c, req in list(self.live.items()):
             if req.finish_reason is None:
                 continue
-            outputs[c].append(req.tokens)
-            tokens += len(req.tokens)
-            del live[c]
-            if queue[c]:
-                live[c] = engine.submit(queue[c].pop(0), max_new_tokens=max_tokens)
-    return tokens / (time.perf_counter() - t0), dict(outputs)
+            self.outputs[c].append(req.tokens)
+            self.tokens += len(req.tokens)
+            del self.live[c]
+            if self.queue[c]:
+                self.live[c] = self.engine.submit(self.queue[c].pop(0), max_new_tokens=self.max_tokens)
+        self.seconds += time.perf_counter() - t
+        if info.width:
+            self.widths[info.width] += info.rounds
+
+
+def serve(engines: dict, order: list, pool, clients: int, per: int, max_tokens: int, widths: dict):
+    """Every engine's clients served at once, one engine step each in turn (`order`, reversed every other turn),
+    so that each engine meets the machine's load as the others do. Returns {engine: (tokens/s of its own steps'
+    time, outputs)}."""
+    runs = {name: Clients(engines[name], pool, clients, per, max_tokens, widths[name]) for name in order}
+    turn = 0
+    while any(run.live for run in runs.values()):
+        for name in (order if turn % 2 == 0 else order[::-1]):
+            if runs[name].live:
+                runs[name].step()
+        turn += 1
+    return {name: (run.tokens / run.seconds, dict(run.outputs)) for name, run in runs.items()}
 
 
 def main(argv=None) -> int:
@@ -82,16 +104,17 @@ def main(argv=None) -> int:
     for c in clients:
         rates, widths = collections.defaultdict(list), {m: collections.Counter() for m in MODES}
         loads = [(load_average() or (0.0,))[0]]
-        reference = None
-        for name, eng in engines.items():  # untimed: each engine's first run of this point; outputs checked
-            _, out = serve(eng, pool, c, args.requests_per_client, args.max_tokens, collections.Counter())
-            reference = out if reference is None else reference
-            if out != reference:
-                raise SystemExit(f"{name} at {c} clients: tokens differ from plain's")
         order = list(engines)
+        # untimed: each engine's first run of this point; outputs checked
+        first = serve(engines, order, pool, c, args.requests_per_client, args.max_tokens,
+                      {m: collections.Counter() for m in MODES})
+        for name, (_, out) in first.items():
+            if out != first["plain"][1]:
+                raise SystemExit(f"{name} at {c} clients: tokens differ from plain's")
         for r in range(args.repeats):
-            for name in (order if r % 2 == 0 else order[::-1]):
-                rate, _ = serve(engines[name], pool, c, args.requests_per_client, args.max_tokens, widths[name])
+            got = serve(engines, order if r % 2 == 0 else order[::-1], pool, c, args.requests_per_client,
+                        args.max_tokens, widths)
+            for name, (rate, _) in got.items():
                 rates[name].append(rate)
             loads.append((load_average() or (0.0,))[0])
         for name in MODES:
@@ -115,8 +138,9 @@ def main(argv=None) -> int:
         "",
         f"`{h.command('width_choice.py', args, DEFAULTS)}` - {args.slots} slots, {args.requests_per_client} "
         f"requests per client one after another, {args.prompt_len}-token held-out prompts, {args.max_tokens} new "
-        f"tokens, greedy, every engine's tokens equal to plain's; {args.repeats} paired runs per point (the order "
-        f"reversed every other run). Load average (1 min) {h.load_span(rows)}. Tokens/s (median) and its ratio "
+        f"tokens, greedy, every engine's tokens equal to plain's; {args.repeats} runs per point, in each every "
+        "engine's clients served at once, one engine step each in turn (each engine's tokens/s over its own steps' "
+        f"time). Load average (1 min) {h.load_span(rows)}. Tokens/s (median) and its ratio "
         "to plain (median of per-run ratios); in brackets, the share of rounds at width 4.",
         "",
         *h.table(["engine"] + [f"{c} client{'s' if c > 1 else ''}" for c in clients],

@@ -454,6 +454,7 @@ class Engine:
                                           proposers=self.proposers, widest=widest, context_rows=self.context_rows),
                              mesh=mesh, **runner_options)
         self.skip_context = bool(skip_context) and self.defer_context and self.runner.catches_up
+        self._catch_up_warm: set = set()  # the row buckets whose catch-up ran (`_warm_catch_up`)
         self.catch_ups = 0  # calls that computed skipped positions' context rows (`skip_context`)
         self.caught_up_rows = 0  # the context rows they computed
         self.prefill_chunk = (None if prefill_chunk is None or not self.runner.chunked_prefill
@@ -1022,6 +1023,8 @@ class Engine:
         choose yet, with the round's length pinned (idle) or as the live rows need (None)."""
         idle = np.zeros(self.slots, bool)
         scored = np.ones(self.slots, bool) if self.runner.token_logprobs else None
+        if 1 in self._later_widths:
+            self._warm_catch_up(rows)
         self.runner.pin_length = length
         try:
             for w in self._later_widths:
@@ -1031,6 +1034,14 @@ class Engine:
         finally:
             self.runner.pin_length = None
         self.runner.sync()
+
+    def _warm_catch_up(self, rows: int, again: bool = False) -> None:
+        """Compiles and runs the row bucket's catch-up of skipped context rows (`skip_context`) once (`again`: even
+        if it ran: warm-up's second pass), with nothing to catch up (it appends the rows' held ones, as any drafting
+        round's flush would)."""
+        if self.skip_context and (again or rows not in self._catch_up_warm):
+            self.runner.catch_up(rows, np.zeros((self.slots, CATCH_UP_CHUNK), np.int32), np.zeros(self.slots, np.int32))
+            self._catch_up_warm.add(rows)
 
     def _join(self, rows: int) -> None:
         """Times every width of the bucket (paired) and lets the chooser pick among them all there: a learned
@@ -1089,9 +1100,8 @@ class Engine:
             if self.defer_context:  # the append of held rows (`_flush_held`): held prompts need it at any width
                 for rows in self.row_buckets:
                     self.runner.flush_context(rows)
-                    if self.skip_context:  # and the catch-up of skipped rows (nothing to catch up: idle rows)
-                        self.runner.catch_up(rows, np.zeros((self.slots, CATCH_UP_CHUNK), np.int32),
-                                             np.zeros(self.slots, np.int32))
+                    if 1 in widths:  # width 1 serves now: the catch-up of the rows its rounds skip
+                        self._warm_catch_up(rows, again=True)
             if before is not None and before == array_types(self.runner.carried()):
                 break  # the first pass's outputs have its inputs' types: a second would call the same programs
         self.runner.sync()
@@ -1224,6 +1234,8 @@ class Engine:
         if not self.defer_context:
             return
         drafting = shape_rows(width) > 1
+        if not drafting and self.skip_context:  # width-1 rounds that skip add no held rows: the hold cannot fill
+            return
         skipped = drafting and any(self._skipped(self.requests[s]) for s in live)
         if drafting:
             if not skipped:  # a drafting round feeds the draft's context again: nothing skipped from here
@@ -1835,19 +1847,23 @@ class Engine:
             self.deferred_rounds += burst.rounds
         self.width_rounds[width] += ran - 1  # the step counted one
         self.rows_rounds[rows] += ran - 1
+        narrow = shape_rows(width) < 2
         for s in live:
             req = self.requests[s]
             counts = [int(c) for c in burst.committed[:, s] if c > 0]
-            for i, c in enumerate(counts):
-                req.acceptance.append(c)
-                info.committed.append(c)
-                self._observe_acceptance(req, width, c, bool(done[s]) and i == len(counts) - 1)
+            req.acceptance.extend(counts)
+            info.committed.extend(counts)
+            if narrow:  # rounds that propose nothing: the request's evidence fades, once per round
+                d = ACCEPTANCE_DECAY ** len(counts)
+                req.accept_hits, req.accept_misses = d * req.accept_hits, d * req.accept_misses
+            else:
+                for i, c in enumerate(counts):
+                    self._observe_acceptance(req, width, c, bool(done[s]) and i == len(counts) - 1)
             self._emit(req, output[s, len(req.tokens): after[s]].tolist(), info)
             if done[s]:
                 self._finish(req, self._reason(req), info)
         if shape_rows(width) < 2:
-            for _ in range(ran):
-                self._fade_prior()
+            self._fade_prior(ran)
         self._compact()
         return True
 
@@ -1857,10 +1873,11 @@ class Engine:
         the last few hundred count), with `acceptance_prior` as a prior of weight 2."""
         return (self._long_hits + 2.0 * self._prior) / (self._long_hits + self._long_misses + 2.0)
 
-    def _fade_prior(self) -> None:
-        """The engine-wide acceptance estimate fades toward the long-run one (a round that proposes nothing): held
-        at width 1, the engine keeps what its drafting rounds showed, not the constructor's prior alone."""
-        d, prior = ACCEPTANCE_DECAY, self.long_run_acceptance
+    def _fade_prior(self, rounds: int = 1) -> None:
+        """The engine-wide acceptance estimate fades toward the long-run one over `rounds` rounds that propose
+        nothing (their long-run figure unchanged, so at once): held at width 1, the engine keeps what its drafting
+        rounds showed, not the constructor's prior alone."""
+        d, prior = ACCEPTANCE_DECAY ** rounds, self.long_run_acceptance
         self._hits = d * self._hits + (1 - d) * 2.0 * prior
         self._misses = d * self._misses + (1 - d) * 2.0 * (1.0 - prior)
 

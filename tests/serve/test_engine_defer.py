@@ -142,9 +142,11 @@ def test_no_drafting_width_is_explored_while_a_row_holds_more_than_a_block(pair)
         reqs = serve_generate(eng, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
         for p, r in zip(PROMPTS, reqs):
             assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
-        counts[defer] = eng.explore_rounds[4]
-    assert counts[False] >= 2
-    assert counts[True] == 0
+        counts[defer] = (eng.explore_rounds[4], eng.width_rounds[4])
+    # the appending engine re-prices width 4 (once its measured price is in, the model may choose it outright, so
+    # its later rounds at width 4 need not be explorations); the holding one never explores it
+    assert counts[False][0] >= 1 and counts[False][1] >= 2
+    assert counts[True][0] == 0
 
 
 @pytest.mark.slow
