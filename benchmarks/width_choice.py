@@ -5,7 +5,8 @@
 
 Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
-`acceptance_exploration = True`, and block 4 (`--widths fixed`). At each client count c, c clients each send
+`acceptance_exploration = True`, the same with `skip_context=True` (width-1 rounds compute no taps; caught up before
+drafting), and block 4 (`--widths fixed`). At each client count c, c clients each send
 `--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
 `Engine.step` until it finishes), greedy. The engines serve their clients at once, one engine step each in turn
 (the order reversed every other turn), so that every engine meets the machine's load as the others do (runs one
@@ -30,6 +31,7 @@ MODES = {
     "plain": dict(block_size=1),
     "default (widths 1, 4)": dict(block_size=4, widths=(1, 4)),
     "default, acceptance exploration on": dict(block_size=4, widths=(1, 4)),
+    "default, width 1 skips the taps": dict(block_size=4, widths=(1, 4), skip_context=True),
     "block 4": dict(block_size=4),
 }
 DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3)
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     def draw(ax):
         x = np.arange(len(clients))
         for i, m in enumerate(MODES):
-            ax.bar(x + (i - 1.5) * 0.2, [by[m, c]["ratio"] for c in clients], 0.2, label=m)
+            ax.bar(x + (i - (len(MODES) - 1) / 2) * 0.16, [by[m, c]["ratio"] for c in clients], 0.16, label=m)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(x, [str(c) for c in clients])
         ax.set_xlabel("clients")

@@ -276,9 +276,10 @@ class Engine:
     target whose cache re-reads at any prefix, not Qwen3.5's linear attention), a width-1 round computes no taps
     at all (`Chain(1, skip_context=True)`: the block-1 engine's round), and the next drafting round of a row first
     computes the skipped positions' context rows in one wide target pass over them (`RoundRunner.catch_up`, up to
-    `CATCH_UP_CHUNK` positions a call), appended with the held ones. Width-1 rounds then cost what a block-1
-    engine's do (the held taps cost 3% - 8% of a round on the shipped pair), and a row pays the draft's context
-    only when it drafts again; the catch-up's taps equal the skipped rounds' up to a wider forward's rounding.
+    `CATCH_UP_CHUNK` positions a call), appended with the held ones; the catch-up's taps equal the skipped rounds'
+    up to a wider forward's rounding. A trade: on the shipped pair (CPU) width-1 rounds then cost what a block-1
+    engine's do (held taps: 1% - 2.5% more), but a caught-up position costs 8x - 11x what holding its taps did
+    (50 us at one row, 22 us a row at 16), so it pays only where rows seldom draft again; off by default.
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
     cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is
     measured, with error, and a near-tie is not worth the risk of losing to no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
@@ -328,7 +329,7 @@ class Engine:
                  widths: Sequence[int] | str | None = None, round_seconds: dict | None = None,
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
-                 cost_rule: CostRule | None = None, defer_context: bool | int = True, skip_context: bool = True,
+                 cost_rule: CostRule | None = None, defer_context: bool | int = True, skip_context: bool = False,
                  prefill_chunk: int | None = 256,
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,

@@ -16,6 +16,8 @@ What the engine calls, in host terms (numpy in, numpy out; device arrays stay op
   prefill_start / _chunk / _finish a long prompt prefilled one chunk per round (`chunked_prefill` runners)
   pending_context()                each row's committed rows the draft has not seen (`deferred_context` runners)
   flush_context(rows)              the first `rows` rows' pending context appended to the draft's cache (same)
+  catch_up(rows, tokens, back)     ... and then the context rows of positions whose width-1 rounds skipped them,
+                                   from one target forward over their tokens (`catches_up` runners)
   draft(proposer, rows)            the proposal of the first `rows` rows -> `Drafted` (device, dispatched)
   demand(drafted)                  each computed row's projected experts [rows, L, E] (host)
   byte_costs(table)                the scheduler's per-(layer, expert) byte cost of a round
@@ -28,8 +30,9 @@ What the engine calls, in host terms (numpy in, numpy out; device arrays stay op
   warm_extra()                     what the runner compiles beyond the engine's warm-up rounds
 
 Capability flags say what a runner's rounds can do; the engine reads them instead of asking what type it is:
-`chunked_prefill`, `deferred_context`, `overlapped_verify` (the verify may be dispatched before the scheduler runs,
-when every live row verifies), `bursts` (several rounds per device call, when every live row verifies and the host
+`chunked_prefill`, `deferred_context`, `catches_up` (width-1 rounds may skip the draft's taps, caught up before the
+row drafts again), `overlapped_verify` (the verify may be dispatched before the scheduler runs, when every live row
+verifies), `bursts` (several rounds per device call, when every live row verifies and the host
 needs to look only after them).
 
 Runners here: `ResidentRunner` (the target's experts on the device; every round one jitted draft and one jitted

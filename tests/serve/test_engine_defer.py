@@ -4,8 +4,8 @@ in the state's held context rows, and a drafting round (or a full hold) appends 
 draft sees the same context (the same proposals, so the same tokens per verify as an engine that appends every
 round), a run of width-1 rounds longer than the hold appends when it fills, the chooser re-prices no drafting width
 while a row holds more than a block, and nothing compiles after warm-up. Each alike where width-1 rounds skip the
-draft's context instead (`skip_context`, the default where the runner can: caught up before the next drafting
-round), with no hold to fill. Compiles several engines: slow."""
+draft's context instead (`skip_context`, where the runner can: caught up before the next drafting round), with no
+hold to fill. Compiles several engines: slow."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ LONG = [4] + [1] * 26 + [2, 4]
 CALLS = [4, 1, 1, 4, 1, 2, 1, 4]
 
 
-def _engine(pair, defer, skip=True, **offload):
+def _engine(pair, defer, skip=False, **offload):
     eng = Engine(pair, slots=3, block_size=4, widths=[1, 2, 4], max_prompt_len=16, max_new_tokens=BUDGET,
                  round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, row_buckets=None, defer_context=defer, skip_context=skip,
                  **offload)
@@ -111,7 +111,7 @@ def test_skipped_context_is_caught_up_in_chunks_and_never_fills_the_hold(pair, m
         # a call per forced width: 5 calls of 6 width-1 rounds (30), then drafting calls
         pattern = LONG if per_call == 1 else [1] * 5 + [4] * 4
         ref, _ = _run(_engine(pair, False, rounds_per_call=per_call), pattern)
-        skipping = _engine(pair, 20, rounds_per_call=per_call)
+        skipping = _engine(pair, 20, True, rounds_per_call=per_call)
         assert skipping.skip_context and skipping.context_rows == 20
         reqs, rounds = _run(skipping, pattern)
         assert skipping.deferred_rounds == skipping.width_rounds[1] >= 26

@@ -31,14 +31,22 @@ def _valid_slots(cache, row):
     return [np.asarray(k[row, :, :n]) for k in cache.keys + cache.values]
 
 
-def test_deferred_rows_flushed_equal_appending_every_round(pair):
-    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=16, stop_ids=[])
+def _width1_rounds(pair, proposer, rounds: int, max_new_tokens: int):
+    """(spec, the started state, it after `rounds` width-1 rounds of `proposer`, it after as many appending ones),
+    the two outputs checked equal (the draft's context never changes the tokens)."""
+    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=max_new_tokens, stop_ids=[])
     tw, dw = pair.target, pair.draft
-    deferred, appended = start, start
-    for _ in range(ROUNDS):
-        deferred = _round(tw, dw, deferred, spec, Chain(1, defer_context=True))
+    state, appended = start, start
+    for _ in range(rounds):
+        state = _round(tw, dw, state, spec, proposer)
         appended = _round(tw, dw, appended, spec, Chain(1))
-    np.testing.assert_array_equal(deferred.output, appended.output)  # the same tokens either way
+    np.testing.assert_array_equal(state.output, appended.output)
+    return spec, start, state, appended
+
+
+def test_deferred_rows_flushed_equal_appending_every_round(pair):
+    spec, start, deferred, appended = _width1_rounds(pair, Chain(1, defer_context=True), ROUNDS, 16)
+    dw = pair.draft
     assert np.all(np.asarray(deferred.num_context) == ROUNDS)  # every round's row pending
     assert np.all(np.asarray(appended.num_context) == 1)  # the last round's row pending
     width = spec.block_size
@@ -145,13 +153,8 @@ def test_skipped_rows_caught_up_equal_appending_every_round(pair):
     gives the draft's cache the appending state's rows, leaves the target's cache untouched, and the drafting round
     after it commits the same tokens, accepting proposals."""
     skipped_rounds = 7
-    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=24, stop_ids=[])
+    spec, start, skipped, appended = _width1_rounds(pair, Chain(1, skip_context=True), skipped_rounds, 24)
     tw, dw = pair.target, pair.draft
-    skipped, appended = start, start
-    for _ in range(skipped_rounds):
-        skipped = _round(tw, dw, skipped, spec, Chain(1, skip_context=True))
-        appended = _round(tw, dw, appended, spec, Chain(1))
-    np.testing.assert_array_equal(skipped.output, appended.output)
     np.testing.assert_array_equal(skipped.num_context, start.num_context)  # only the prompts' rows pending
     np.testing.assert_array_equal(skipped.draft_cache.lengths, start.draft_cache.lengths)
     # the skipped positions: each row's anchors of the rounds, the tokens before its current anchor (row 3 left out)
