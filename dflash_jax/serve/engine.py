@@ -1384,13 +1384,14 @@ class Engine:
         self._explored = width if explored else None
         return width
 
-    def learn_cost(self, info: RoundInfo) -> None:
+    def learn_cost(self, info: RoundInfo, priced: bool = True) -> None:
         """Updates the round's bucket entry from its device time (draft + verify + fetch) and counts an explored
-        round."""
+        round (`priced` False: counted only, a call cut short)."""
         if info.explored:
             self.explore_rounds[info.width] += 1
             self.explore_seconds += info.seconds
-        if not self.learn_costs or len(self.widths) < 2 or info.compiles or info.width not in self.proposers:
+        if (not priced or not self.learn_costs or len(self.widths) < 2 or info.compiles
+                or info.width not in self.proposers):
             return
         costs = observe_cost(self.bucket_costs(info.rows), info.width, self._round_seconds(info),
                              self.cost_rule, info.explored)
@@ -1459,14 +1460,17 @@ class Engine:
         """One round: admissions, draft, schedule, verify, emission. Returns what it did."""
         info = RoundInfo()
         t0 = time.perf_counter()
-        self._explored, self._accept_explore = None, False
+        self._explored, self._accept_explore, self._cut_short = None, False, False
         with compile_cache.CompileCounter() as counter:
             self._step(info)
         info.compiles = counter.compiles
         t_end = time.perf_counter()
         info.seconds = t_end - t0
         info.explored = bool(info.width) and self._explored == info.width
-        if info.width and not info.compiles and not info.prefill_chunks:
+        # a call its rows' finishing cut short spreads the call's fixed work over fewer rounds than the width's calls
+        # run: not a price of the width's rounds (the served rates count it, as serving pays it)
+        priced = not self._cut_short
+        if info.width and not info.compiles and not info.prefill_chunks and priced:
             # what a served round takes beyond its own device time (as the table prices it, `_round_seconds`): the
             # host's work (choice, scheduling, emission, callbacks, a call's share), from the round's start (the
             # step's admissions, flush and the wait for them left out). What the compute itself takes beyond its
@@ -1480,6 +1484,7 @@ class Engine:
             if not info.explored:
                 key = (info.rows, info.width)
                 self.host_by[key] = over if key not in self.host_by else 0.8 * self.host_by[key] + 0.2 * over
+        if info.width and not info.compiles and not info.prefill_chunks:
             # explored calls too: an acceptance try is what first shows a drafting width served (its few rounds
             # carry a whole call's host work: it shows no more than the width serves)
             self._note_served(info, t_end - self._admitted_at)
@@ -1489,8 +1494,8 @@ class Engine:
             if not self._accept_explore and not info.compiles:  # the acceptance exploration's budget
                 self._explore_credit = (CREDIT_DECAY ** info.rounds * self._explore_credit
                                         + self.cost_rule.accept_budget * info.seconds)
-            self.learn_cost(info)
-            if not info.compiles:  # what a round of this bucket and width takes (sizes the calls of several)
+            self.learn_cost(info, priced)
+            if not info.compiles and priced:  # what a round of this bucket and width takes (sizes the calls of several)
                 seconds, key = self._device_seconds / info.rounds, (info.rows, info.width)
                 old = self._round_time.get(key)
                 self._round_time[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
@@ -1840,6 +1845,7 @@ class Engine:
         after, done, output = self.runner.fetch()
         self._device_seconds = time.perf_counter() - t_device
         ran = max(burst.rounds, 1)
+        self._cut_short = burst.rounds < count and bool(np.any(done[live]))  # a row's finishing ended the call
         info.rounds, info.verified, info.burst, info.expert_bytes = ran, len(live), True, None
         info.verify_tokens = shape_rows(width) * int(np.count_nonzero(burst.committed[:, live]))
         self.burst_calls += 1

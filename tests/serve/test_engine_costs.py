@@ -194,6 +194,33 @@ def test_each_width_is_priced_with_its_own_host_work():
     assert chosen and set(eng.host_by) == chosen and all(v >= 0.0 for v in eng.host_by.values())
 
 
+def test_a_call_its_rows_finishing_cut_short_prices_nothing():
+    """A call of several rounds that ended early because its rows finished (the last call of a request) carries the
+    whole call's fixed work over its few rounds: it updates neither the width's table entry, nor its host work, nor
+    the round time that sizes its calls; the served rates still count it. Calls that ran their rounds do update."""
+    from dflash_jax.serve.engine import generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=70,
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4, rounds_per_call=16)
+    eng.warmup([16])
+    eng.choose_width = lambda live: 1
+    seen = []
+
+    def observe(info):  # the figures the step left, and whether its call was cut short
+        seen.append((info.rounds, eng._cut_short, dict(eng.host_by), eng.bucket_costs(info.rows).seconds[1],
+                     dict(eng._round_time), sum(v[0] for v in eng._served.values())))
+
+    eng.observers.append(observe)
+    generate(eng, [[1, 2, 3]], max_new_tokens=70, stop_ids=[])  # 69 rounds after the prefill's token: 4 x 16 + 5
+    rounds = [r for r, *_ in seen]
+    assert rounds[-1] < 16 and seen[-1][1] and not any(cut for _, cut, *_ in seen[:-1])
+    before, last = seen[-2], seen[-1]
+    assert last[2:5] == before[2:5]  # host work, table entry, round time: unchanged by the cut-short call
+    assert last[5] > before[5] * 0.99  # its step counted in the served rates (the older ones faded by 0.99)
+    assert before[2] != seen[-3][2] or before[3] != seen[-3][3]  # full calls did update them
+
+
 def test_the_engine_prices_the_held_contexts_flush_per_token(pair):
     """`Engine.drafting_per_token`: a timed flush of the bucket per step that admitted, over the tokens committed
     per such step; 0 before a flush of the bucket was timed, and for an engine that does not hold the context."""
