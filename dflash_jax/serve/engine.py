@@ -80,8 +80,8 @@ from dflash_jax import compile_cache, prefetch
 from dflash_jax.serve import scheduler as sched
 from dflash_jax.serve.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_keys
 from dflash_jax.serve.runner import (
-    CATCH_UP_CHUNK, MAX_BURST, TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
-    array_types,
+    CATCH_UP_CHUNK, MAX_BURST, TOP_LOGPROBS, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner,
+    TokenLogprobs, array_types,
 )
 from dflash_jax.spec.policy import (
     BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, default_widths, explore_acceptance,
@@ -282,8 +282,8 @@ class Engine:
     (50 us at one row, 22 us a row at 16), so it pays only where rows seldom draft again; off by default.
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
     cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is
-    measured, with error, and a near-tie is not worth the risk of losing to no speculation). acceptance_prior: the per-proposal acceptance assumed before any verify (then learned per
-    request and engine-wide).
+    measured, with error, and a near-tie is not worth the risk of losing to no speculation). acceptance_prior: the
+    per-proposal acceptance assumed before any verify (then learned per request and engine-wide).
     row_buckets: the row counts a round is compiled for ("auto": 1, 2, 4, .. and `slots`; None: `slots` only).
     Live requests are kept in the lowest slots (a row moves down when a lower slot frees), and a round computes
     only the smallest bucket holding them, so its cost follows the load, not the slot count.

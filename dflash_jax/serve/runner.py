@@ -57,8 +57,8 @@ from dflash_jax.models.family import family_of
 from dflash_jax.nn.attention import get_attention_tuning
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import (
-    Chain, can_catch_up, catch_up_context, check_proposer, commit, flush_context, propose, round_spec, round_step, skips_context,
-    verify_forward,
+    Chain, can_catch_up, catch_up_context, check_proposer, commit, flush_context, propose, round_spec, round_step,
+    skips_context, verify_forward,
 )
 from dflash_jax.spec.sampling import next_token_rows
 from dflash_jax.spec.session import (
@@ -1303,7 +1303,8 @@ class FakeRunner(RoundRunner):
         return s["num_generated"].copy(), s["done"].copy(), s["output"].copy()
 
 
-__all__ = ["Burst", "MAX_BURST", "kv_buffers", "with_kv_buffers", "Drafted", "FakeRunner", "Layout", "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner",
-           "TOP_LOGPROBS", "TokenLogprobs", "committed_logprobs", "expert_byte_table", "fake_pair", "length_buckets", "cut_slots", "fork_rows",
-           "log_softmax_top", "prompt_logprobs_of", "tree_committed_logprobs", "tree_path_logits", "head_rows", "keep_rows", "put_head_rows", "release_rows", "settle_rows",
-           "verify_rows"]
+__all__ = ["Burst", "CATCH_UP_CHUNK", "MAX_BURST", "kv_buffers", "with_kv_buffers", "Drafted", "FakeRunner", "Layout",
+           "PrefillBatch", "ResidentRunner", "RoundPlan", "RoundRunner", "TOP_LOGPROBS", "TokenLogprobs",
+           "committed_logprobs", "expert_byte_table", "fake_pair", "length_buckets", "cut_slots", "fork_rows",
+           "log_softmax_top", "prompt_logprobs_of", "tree_committed_logprobs", "tree_path_logits", "head_rows",
+           "keep_rows", "put_head_rows", "release_rows", "settle_rows", "verify_rows"]

@@ -235,8 +235,8 @@ class CostRule:
     width the chooser does not pick is measured by exploration (`explore_width`): in one round of every
     `explore_every` rounds of a bucket, a width adjacent to the chosen one (or the narrowest) runs instead when its
     entry is unconfirmed (fewer than `confirm` served times: a warm-up figure) or stale (no served time in
-    `stale_after` rounds of the bucket). So at most 1 / `explore_every` of a bucket's rounds explore, an exploring round still
-    commits tokens (any width is lossless), and a mispriced entry is re-measured within tens of rounds.
+    `stale_after` rounds of the bucket). So at most 1 / `explore_every` of a bucket's rounds explore, an exploring
+    round still commits tokens (any width is lossless), and a mispriced entry is re-measured within tens of rounds.
     """
 
     explore_every: int = 8

@@ -365,5 +365,6 @@ def verify_commit_jit(target_w, state: SpecState, proposal: Proposal, spec: Spec
 round = round_step  # noqa: A001  (the round's public name; modules that need the builtin import round_step)
 
 __all__ = ["AdaptiveState", "Chain", "Proposal", "Proposer", "adaptive_round", "adaptive_start", "as_proposer",
-           "check_proposer", "commit", "commit_jit", "flush_context", "propose", "propose_jit", "round", "round_jit", "round_step",
-           "spec_round", "verify_commit_jit", "verify_forward", "verify_width"]
+           "can_catch_up", "catch_up_context", "check_proposer", "commit", "commit_jit", "flush_context", "propose",
+           "propose_jit", "round", "round_jit", "round_spec", "round_step", "skips_context", "spec_round",
+           "verify_commit_jit", "verify_forward", "verify_width"]
