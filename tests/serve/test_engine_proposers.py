@@ -104,12 +104,13 @@ def test_adaptive_engine_mixes_trees_and_chains(pair):
     chooser: greedy outputs equal each request alone, every shape ran, nothing compiled after warm-up."""
     import itertools
 
+    # calls of at most 4 rounds: enough steps that the forced cycle reaches every shape before the requests end
     eng = Engine(pair, slots=4, max_prompt_len=16, max_new_tokens=64, proposer=TREE, widths="auto",
-                 row_buckets=None)
+                 row_buckets=None, rounds_per_call=4)
     assert eng.widths[-1] == TREE and 1 in eng.widths and len(eng.widths) >= 4
     eng.warmup([16])
     greedy = [i for i in range(len(PROMPTS)) if not SAMPLING[i].temperature]
-    cycle = itertools.cycle(list(eng.widths) + [TREE, TREE])
+    cycle = itertools.cycle([TREE] + list(eng.widths) + [TREE])
     chooser = eng.choose_width
     eng.choose_width = lambda live: next(cycle)
     rounds = []
