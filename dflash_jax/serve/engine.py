@@ -435,6 +435,8 @@ class Engine:
         self.spec = SpecConfig(target=tcfg, draft=dcfg, block_size=self.block_size, max_len=max_len,
                                output_len=self.output_len, method=method)
         self.widths = widths
+        if not isinstance(skip_context, bool):
+            raise TypeError(f"skip_context must be True or False, got {skip_context!r}")
         # width-1 rounds hold the draft's context (`defer_context`): the runner's state holds `context_rows` rows
         if not isinstance(defer_context, bool):
             least = self.block_size + MAX_BURST
@@ -454,7 +456,7 @@ class Engine:
         self.runner = runner(pair, Layout(spec=self.spec, slots=self.slots, row_buckets=row_buckets,
                                           proposers=self.proposers, widest=widest, context_rows=self.context_rows),
                              mesh=mesh, **runner_options)
-        self.skip_context = bool(skip_context) and self.defer_context and self.runner.catches_up
+        self.skip_context = skip_context and self.defer_context and self.runner.catches_up
         self._catch_up_warm: set = set()  # the row buckets whose catch-up ran (`_warm_catch_up`)
         self.catch_ups = 0  # calls that computed skipped positions' context rows (`skip_context`)
         self.caught_up_rows = 0  # the context rows they computed
@@ -1202,16 +1204,12 @@ class Engine:
                 if req.skipped_from is None:
                     req.skipped_from = max(len(req.tokens) - 1, 0)
 
-    def _catch_up(self, live: Sequence[int], rows: int) -> bool:
+    def _catch_up(self, live: Sequence[int], rows: int) -> None:
         """Computes the context rows of every live row's skipped positions (`RoundRunner.catch_up`, oldest first,
-        `CATCH_UP_CHUNK` a call; the pending rows appended first). Returns whether any was skipped."""
+        `CATCH_UP_CHUNK` a call; the pending rows appended first)."""
         back = np.zeros(self.slots, np.int32)
         for s in live:
             back[s] = self._skipped(self.requests[s])
-        if not back.any():
-            for s in live:
-                self.requests[s].skipped_from = None
-            return False
         total = int(back.sum())
         while back.any():
             tokens = np.zeros((self.slots, CATCH_UP_CHUNK), np.int32)
@@ -1226,7 +1224,6 @@ class Engine:
         for s in live:
             self.requests[s].skipped_from = None
         self.caught_up_rows += total
-        return True
 
     def _flush_held(self, width, live: Sequence[int], rows: int, count: int) -> None:
         """Appends the held context of the round's rows first when this step needs it (`defer_context`): a
@@ -1249,7 +1246,9 @@ class Engine:
             if drafting:  # timed alone (what the step dispatched before it runs first, as it would anyway)
                 self.runner.sync()
                 t0 = time.perf_counter()
-            if not (skipped and self._catch_up(live, rows)):
+            if skipped:  # the held rows appended first, then the skipped positions' rows
+                self._catch_up(live, rows)
+            else:
                 self.runner.flush_context(rows)
             self.context_flushes += 1
             if drafting:  # what drafting costs per admission (`drafting_per_token`)

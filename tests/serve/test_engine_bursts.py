@@ -183,6 +183,12 @@ def test_bad_rounds_per_call_named():
             Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, block_size=4, defer_context=bad)
     for fine in (True, False, MAX_BURST + 4, 500):
         Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, block_size=4, defer_context=fine)
+    for bad in ("yes", 1, None):  # width-1 rounds that skip the taps: a flag
+        with pytest.raises(TypeError, match="skip_context"):
+            Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, block_size=4, skip_context=bad)
+    # a runner that cannot catch up (no model here) holds the taps
+    assert not Engine(fake_pair(vocab_size=VOCAB), runner=FakeRunner, slots=2, block_size=4,
+                      skip_context=True).skip_context
 
 
 # -- the resident runner on the shipped pair -------------------------------------------------------------------
