@@ -1,7 +1,7 @@
 """Several rounds per device call (`Engine(rounds_per_call=...)`, `RoundRunner.burst`): the same tokens as a round
 per call, fewer host steps, and the host conditions that keep a call to one round (log-probs asked, a long prompt
-prefilled by chunks, scheduler budgets; an explored width runs a short call), on `FakeRunner` (seconds); the resident runner's
-program (`serve.runner._burst`) on the shipped pair: equal to a round per call and to each request run alone,
+prefilled by chunks, scheduler budgets; an explored width runs a short call), on `FakeRunner` (seconds); the resident
+runner's program (`serve.runner._burst`) on the shipped pair: equal to a round per call and to each request run alone,
 proposals accepted, nothing compiled while serving."""
 
 from __future__ import annotations
