@@ -1,20 +1,24 @@
 """The serving engine's width choice, in-process: closed-loop clients against engines of the same slots.
 
   python benchmarks/width_choice.py [--clients 1,4,16,32] [--requests-per-client 2] [--prompt-len 64]
-                                    [--max-tokens 128] [--slots 32] [--repeats 3] [--quick] [--out DIR | --write-docs]
+                                    [--max-tokens 128] [--length-spread 0] [--slots 32] [--repeats 3] [--quick]
+                                    [--out DIR | --write-docs]
 
 Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
 `acceptance_exploration = True`, the same with `skip_context=True` (width-1 rounds compute no taps; caught up before
 drafting), and block 4 (`--widths fixed`). At each client count c, c clients each send
 `--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
-`Engine.step` until it finishes), greedy. The engines serve their clients at once, one engine step each in turn
-(the order reversed every other turn), so that every engine meets the machine's load as the others do (runs one
-after another drifted by 5% - 10% on a shared machine); one untimed run, then `--repeats` runs (the engines' order
-reversed every other run). Tokens/s over each engine's own steps' time; the ratio to plain is the median of the
-per-run ratios; the rounds each engine ran at each width, its acceptance explorations and its long-run acceptance.
-Every engine's tokens are checked against plain's. Writes width_choice.{json,md,png} to --out (default bench_out/)
-or, with --write-docs, docs/benchmarks/.
+`Engine.step` until it finishes), greedy. Every request asks for `--max-tokens` new tokens, or with
+`--length-spread F` > 0 a length drawn uniformly from max_tokens * [1 - F, 1 + F] (the same draws for every engine):
+with equal lengths and prompts, closed-loop clients of plain decoding finish together and are admitted together,
+a lockstep that any width choice breaks and that served traffic seldom shows. The engines serve their clients at
+once, one engine step each in turn (the order reversed every other turn), so that every engine meets the machine's
+load as the others do (runs one after another drifted by 5% - 10% on a shared machine); one untimed run, then
+`--repeats` runs (the engines' order reversed every other run). Tokens/s over each engine's own steps' time; the
+ratio to plain is the median of the per-run ratios; the rounds each engine ran at each width, its acceptance
+explorations and its long-run acceptance. Every engine's tokens are checked against plain's. Writes
+width_choice.{json,md,png} to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ MODES = {
     "default, width 1 skips the taps": dict(block_size=4, widths=(1, 4), skip_context=True),
     "block 4": dict(block_size=4),
 }
-DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3)
+DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3,
+                length_spread=0.0)
 QUICK = dict(clients="1,4", requests_per_client=1, max_tokens=32, repeats=1, slots=4)
 
 
@@ -42,10 +47,13 @@ class Clients:
     """Closed-loop clients of one engine: each sends its next prompt when its last request ends. `step()` runs one
     engine step and counts its time and tokens."""
 
-    def __init__(self, engine, pool, clients: int, per: int, max_tokens: int, widths: collections.Counter):
-        self.engine, self.max_tokens, self.widths = engine, max_tokens, widths
-        self.queue = {c: [pool[(c * per + i) % len(pool)] for i in range(per)] for c in range(clients)}
-        self.live = {c: engine.submit(self.queue[c].pop(0), max_new_tokens=max_tokens) for c in range(clients)}
+    def __init__(self, engine, pool, clients: int, per: int, max_tokens, widths: collections.Counter):
+        """max_tokens: each request's new tokens, one number or a function of (client, request index)."""
+        self.engine, self.widths = engine, widths
+        budget = max_tokens if callable(max_tokens) else (lambda c, i: max_tokens)
+        self.queue = {c: [(pool[(c * per + i) % len(pool)], budget(c, i)) for i in range(per)]
+                      for c in range(clients)}
+        self.live = {c: self._submit(c) for c in range(clients)}
         self.outputs, self.tokens, self.seconds = collections.defaultdict(list), 0, 0.0
 
     def step(self) -> None:
@@ -58,13 +66,17 @@ class Clients:
             self.tokens += len(req.tokens)
             del self.live[c]
             if self.queue[c]:
-                self.live[c] = self.engine.submit(self.queue[c].pop(0), max_new_tokens=self.max_tokens)
+                self.live[c] = self._submit(c)
         self.seconds += time.perf_counter() - t
         if info.width:
             self.widths[info.width] += info.rounds
 
+    def _submit(self, c: int):
+        prompt, tokens = self.queue[c].pop(0)
+        return self.engine.submit(prompt, max_new_tokens=tokens)
 
-def serve(engines: dict, order: list, pool, clients: int, per: int, max_tokens: int, widths: dict):
+
+def serve(engines: dict, order: list, pool, clients: int, per: int, max_tokens, widths: dict):
     """Every engine's clients served at once, one engine step each in turn (`order`, reversed every other turn),
     so that each engine meets the machine's load as the others do. Returns {engine: (tokens/s of its own steps'
     time, outputs)}."""
@@ -81,12 +93,21 @@ def serve(engines: dict, order: list, pool, clients: int, per: int, max_tokens: 
 def main(argv=None) -> int:
     d = DEFAULTS
     p = h.parser(__doc__, {"--clients": d["clients"], "--requests-per-client": d["requests_per_client"],
-                           "--slots": d["slots"]}, prompt_len=d["prompt_len"], max_tokens=d["max_tokens"],
+                           "--slots": d["slots"], "--length-spread": d["length_spread"]},
+                 prompt_len=d["prompt_len"], max_tokens=d["max_tokens"],
                  repeats=d["repeats"])
     args = h.parse(p, argv, quick=QUICK)
     clients = h.int_list(p, args.clients, "--clients")
     if args.requests_per_client < 1 or args.slots < max(clients):
         p.error("--requests-per-client must be >= 1 and --slots at least the largest --clients")
+    if not 0.0 <= args.length_spread < 1.0:
+        p.error(f"--length-spread must be in [0, 1), got {args.length_spread:g}")
+    draws = np.random.default_rng(0).uniform(1.0 - args.length_spread, 1.0 + args.length_spread,
+                                             (max(clients), args.requests_per_client))
+    lengths = np.maximum(1, np.rint(args.max_tokens * draws)).astype(int)
+
+    def budget(c, i):
+        return int(lengths[c, i])
     log = h.logger("width_choice")
     import dflash_jax
     from dflash_jax.serve.engine import Engine
@@ -98,7 +119,7 @@ def main(argv=None) -> int:
     for name, kw in MODES.items():
         t = time.perf_counter()
         engines[name] = Engine(pair, slots=args.slots, max_prompt_len=2 * args.prompt_len,
-                               max_new_tokens=args.max_tokens, **kw)
+                               max_new_tokens=int(lengths.max()), **kw)
         engines[name].warmup()
         engines[name].acceptance_exploration = "exploration on" in name
         log(f"{name}: warmed in {time.perf_counter() - t:.1f} s")
@@ -108,14 +129,14 @@ def main(argv=None) -> int:
         loads = [(load_average() or (0.0,))[0]]
         order = list(engines)
         # untimed: each engine's first run of this point; outputs checked
-        first = serve(engines, order, pool, c, args.requests_per_client, args.max_tokens,
+        first = serve(engines, order, pool, c, args.requests_per_client, budget,
                       {m: collections.Counter() for m in MODES})
         for name, (_, out) in first.items():
             if out != first["plain"][1]:
                 raise SystemExit(f"{name} at {c} clients: tokens differ from plain's")
         for r in range(args.repeats):
             got = serve(engines, order if r % 2 == 0 else order[::-1], pool, c, args.requests_per_client,
-                        args.max_tokens, widths)
+                        budget, widths)
             for name, (rate, _) in got.items():
                 rates[name].append(rate)
             loads.append((load_average() or (0.0,))[0])
@@ -133,14 +154,18 @@ def main(argv=None) -> int:
                         long_run_acceptance=getattr(e, "long_run_acceptance", None)) for name, e in engines.items()}
     result = dict(benchmark="width_choice", machine=h.machine(), clients=clients, slots=args.slots,
                   requests_per_client=args.requests_per_client, prompt_len=args.prompt_len,
-                  max_tokens=args.max_tokens, repeats=args.repeats, rows=rows, engines=stats)
+                  max_tokens=args.max_tokens, length_spread=args.length_spread, repeats=args.repeats, rows=rows,
+                  engines=stats)
     by = {(r["mode"], r["clients"]): r for r in rows}
     lines = [
         "# The serving engine's width choice, in-process (CPU)",
         "",
         f"`{h.command('width_choice.py', args, DEFAULTS)}` - {args.slots} slots, {args.requests_per_client} "
-        f"requests per client one after another, {args.prompt_len}-token held-out prompts, {args.max_tokens} new "
-        f"tokens, greedy, every engine's tokens equal to plain's; {args.repeats} runs per point, in each every "
+        f"requests per client one after another, {args.prompt_len}-token held-out prompts, "
+        + (f"{args.max_tokens} new tokens" if not args.length_spread else
+           f"{lengths.min()} - {lengths.max()} new tokens (max_tokens {args.max_tokens} x [1 - "
+           f"{args.length_spread:g}, 1 + {args.length_spread:g}])")
+        + f", greedy, every engine's tokens equal to plain's; {args.repeats} runs per point, in each every "
         "engine's clients served at once, one engine step each in turn (each engine's tokens/s over its own steps' "
         f"time). Load average (1 min) {h.load_span(rows)}. Tokens/s (median) and its ratio "
         "to plain (median of per-run ratios); in brackets, the share of rounds at width 4.",

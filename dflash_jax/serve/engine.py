@@ -102,9 +102,11 @@ ACCEPTANCE_DECAY = 0.9  # per verify: the acceptance estimate follows a request'
 # least this often, a request that arrives meanwhile waits at most this long, and the host's per-call work is
 # paid once per this much compute
 DEFAULT_CALL_SECONDS = 0.05
-# the rounds of a call that explores a width the chooser did not pick: enough to price a round of it net of the
-# call's host work (`call_overhead`), few enough that exploring a width that does not pay costs little
+# the fewest rounds of a call that explores a width the chooser did not pick: few, so that exploring a width that
+# does not pay costs little, but enough that the call's own work (`call_overhead`) is at most 1 / EXPLORE_CALL_SHARE
+# of it (`_explore_count`): a round is priced net of that work, timed with an error that a short call magnifies
 EXPLORE_CALL_ROUNDS = 3
+EXPLORE_CALL_SHARE = 3
 ACCEPTANCE_CALL_ROUNDS = 8  # the most rounds of a call run to measure the draft's acceptance (`explore_acceptance`)
 ACCEPTANCE_VERIFIES = 16  # the row verifies such a call aims at: 8 rounds of one or two rows, 4 of 4, 1 of 16
 # per round: the acceptance exploration's credit (`CostRule.accept_budget` of the served time) fades over a few hundred
@@ -1827,8 +1829,20 @@ class Engine:
             count = max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
         if self._explored == width:  # a short call, priced net of the call's host work (`_round_seconds`): a width
             # that does not pay costs a few rounds, not a whole call; enough rounds to show the draft's acceptance
-            return min(count, self._accept_rounds if self._accept_explore else EXPLORE_CALL_ROUNDS)
+            return min(count, self._accept_rounds if self._accept_explore else self._explore_count(rows, width))
         return count
+
+    def _explore_count(self, rows: int, width) -> int:
+        """The rounds of a call exploring `width` in the row bucket `rows`: `EXPLORE_CALL_ROUNDS`, or more where the
+        call's own work (`call_overhead`) would be more than 1 / `EXPLORE_CALL_SHARE` of the call at the width's table
+        price. On a CPU a call's cut and write-back of its rows' caches cost 1 - 3 ms, 3 - 8 width-1 rounds; a
+        3-round call of a cheap width was then mostly that work, and an error of 15% in it priced the width's rounds
+        40% wrong."""
+        price = self.seconds_table(rows).get(width)
+        over = self.call_overhead.get(rows, 0.0)
+        if not price or not over:
+            return EXPLORE_CALL_ROUNDS
+        return max(EXPLORE_CALL_ROUNDS, int(np.ceil((EXPLORE_CALL_SHARE - 1) * over / price)))
 
     def _burst_step(self, info: RoundInfo, live: list, rows: int, width, count: int) -> bool:
         """Up to `count` rounds of every live row at `width` in one device call (`RoundRunner.burst`), then one

@@ -170,6 +170,25 @@ def test_an_explored_width_runs_a_short_call_priced_net_of_the_call():
     assert eng._round_seconds(RoundInfo(rows=4, rounds=3, burst=True)) == pytest.approx(0.55 / 3)
 
 
+def test_an_explored_call_is_long_enough_that_its_own_work_prices_little():
+    """Where a call's own work (`call_overhead`: on a CPU the cut and write-back of its rows' caches, 1 - 3 ms) is
+    large against the explored width's rounds, the explored call runs enough rounds that it is at most
+    1 / `EXPLORE_CALL_SHARE` of the call (an error in it then prices the rounds little wrong), never more than the
+    call would run anyway; with little of it, `EXPLORE_CALL_ROUNDS`."""
+    eng = make(widths=[1, 4], round_seconds={1: 1e-3, 4: 2e-3}, rounds_per_call="auto", max_new_tokens=200)
+    eng.call_overhead = {rows: 1e-4 for rows in eng.row_buckets}
+    assert eng._explore_count(4, 1) == EXPLORE_CALL_ROUNDS  # 3 rounds of 1 ms: 0.1 ms is little
+    eng.call_overhead[4] = 2.5e-3  # 3 rounds of width 1 would be mostly the call's own work
+    assert eng._explore_count(4, 1) == 5 and eng._explore_count(4, 4) == EXPLORE_CALL_ROUNDS
+    eng._explored = 1  # the call as sized: no more rounds than the width's calls run
+    assert eng._burst_count(4, 1, None) == 5
+    eng.call_overhead[4] = 0.03
+    eng._explored = None
+    whole = eng._burst_count(4, 1, None)
+    eng._explored = 1
+    assert eng._explore_count(4, 1) > whole > EXPLORE_CALL_ROUNDS and eng._burst_count(4, 1, None) == whole
+
+
 def test_bad_rounds_per_call_named():
     for bad in (0, MAX_BURST + 1, "many", 2.5):
         with pytest.raises((TypeError, ValueError), match="rounds_per_call"):
