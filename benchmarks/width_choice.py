@@ -6,7 +6,7 @@
 
 Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
-`acceptance_exploration = True`, the same with `skip_context=True` (width-1 rounds compute no taps; caught up before
+`acceptance_exploration=False`, the same with `skip_context=True` (width-1 rounds compute no taps; caught up before
 drafting), and block 4 (`--widths fixed`). At each client count c, c clients each send
 `--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
 `Engine.step` until it finishes), greedy. Every request asks for `--max-tokens` new tokens, or with
@@ -18,7 +18,8 @@ load as the others do (runs one after another drifted by 5% - 10% on a shared ma
 `--repeats` runs (the engines' order reversed every other run). Tokens/s over each engine's own steps' time; the
 ratio to plain is the median of the per-run ratios; the rounds each engine ran at each width, its acceptance
 explorations and its long-run acceptance. Every engine's tokens are checked against plain's. Writes
-width_choice.{json,md,png} to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
+width_choice.{json,md,png} (with --length-spread: width_choice_spread.*) to --out (default bench_out/) or, with
+--write-docs, docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import harness as h
 MODES = {
     "plain": dict(block_size=1),
     "default (widths 1, 4)": dict(block_size=4, widths=(1, 4)),
-    "default, acceptance exploration on": dict(block_size=4, widths=(1, 4)),
+    "default, acceptance exploration off": dict(block_size=4, widths=(1, 4), acceptance_exploration=False),
     "default, width 1 skips the taps": dict(block_size=4, widths=(1, 4), skip_context=True),
     "block 4": dict(block_size=4),
 }
@@ -121,7 +122,6 @@ def main(argv=None) -> int:
         engines[name] = Engine(pair, slots=args.slots, max_prompt_len=2 * args.prompt_len,
                                max_new_tokens=int(lengths.max()), **kw)
         engines[name].warmup()
-        engines[name].acceptance_exploration = "exploration on" in name
         log(f"{name}: warmed in {time.perf_counter() - t:.1f} s")
     rows = []
     for c in clients:
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         ax.set_ylabel("tokens/s over plain")
         ax.legend(fontsize=7)
 
-    h.Report(args, "width_choice").write(result, lines, draw=draw, image="tokens/s over plain by engine and clients")
+    h.Report(args, "width_choice_spread" if args.length_spread else "width_choice").write(result, lines, draw=draw, image="tokens/s over plain by engine and clients")
     return 0
 
 

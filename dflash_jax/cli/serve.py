@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance-budget", type=float, default=0.03,
                    help="the share of the served time the width chooser may lose running a drafting width it would "
                         "not pick, to measure what the draft accepts (default 0.03; 0: only the first try)")
+    p.add_argument("--no-acceptance-exploration", action="store_true",
+                   help="never run a drafting width the acceptance estimate rules out (default: try one now and "
+                        "then, within --acceptance-budget, so that a prior that undersells the draft is corrected)")
     p.add_argument("--rounds-per-call", default="auto",
                    help="rounds one device call may run while every live request verifies every round and the host "
                         "has nothing to do between them: 'auto' (the default: as many as fit in --call-ms by the "
@@ -432,6 +435,7 @@ def build_app(args):
                       max_queue=args.max_queue, learn_costs=not getattr(args, "no_learn_costs", False),
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8),
                                          accept_budget=getattr(args, "acceptance_budget", 0.03)),
+                      acceptance_exploration=not getattr(args, "no_acceptance_exploration", False),
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer,
                       prefix_cache_bytes=prefix_bytes, rounds_per_call=getattr(args, "rounds_per_call", "auto"),
                       call_seconds=getattr(args, "call_ms", 50.0) / 1e3, lanes=getattr(args, "lanes", "auto"))

@@ -282,6 +282,13 @@ class Engine:
     up to a wider forward's rounding. A trade: on the shipped pair (CPU) width-1 rounds then cost what a block-1
     engine's do (held taps: 1% - 2.5% more), but a caught-up position costs 8x - 11x what holding its taps did
     (50 us at one row, 22 us a row at 16), so it pays only where rows seldom draft again; off by default.
+    acceptance_exploration: a wider width that the acceptance estimate rules out but an optimistic one would pick is
+    tried now and then, a short call, to measure what the draft accepts (`explore_acceptance`), within
+    `CostRule.accept_budget` of the served time (each try's expected loss at the current estimate is spent from it;
+    the first try, before any drafting verify, is free); the engine's learned widths (`learn_costs`) only. Without
+    it, an engine whose prior (`acceptance_prior`) or warm-up table undersells a drafting width never runs it, so
+    never learns better: on the shipped pair (CPU) at one client it held width 1 (0.94x - 1.01x plain) where block 4
+    made 1.07x - 1.17x and the tries found width 4 (1.04x - 1.17x). On by default.
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
     cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is
     measured, with error, and a near-tie is not worth the risk of losing to no speculation). acceptance_prior: the
@@ -332,6 +339,7 @@ class Engine:
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
                  cost_rule: CostRule | None = None, defer_context: bool | int = True, skip_context: bool = False,
+                 acceptance_exploration: bool = True,
                  prefill_chunk: int | None = 256,
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
@@ -439,6 +447,8 @@ class Engine:
         self.widths = widths
         if not isinstance(skip_context, bool):
             raise TypeError(f"skip_context must be True or False, got {skip_context!r}")
+        if not isinstance(acceptance_exploration, bool):
+            raise TypeError(f"acceptance_exploration must be True or False, got {acceptance_exploration!r}")
         # width-1 rounds hold the draft's context (`defer_context`): the runner's state holds `context_rows` rows
         if not isinstance(defer_context, bool):
             least = self.block_size + MAX_BURST
@@ -487,11 +497,7 @@ class Engine:
         self.context_flushes = 0  # calls that appended the held context (before a drafting round, or a full hold)
         self.width_margin = float(width_margin)
         self.acceptance_explores = 0  # calls of a wider width run to measure the draft's acceptance
-        # True: a wider width the acceptance estimate rules out is tried now and then to measure the acceptance
-        # (`explore_acceptance`), within `CostRule.accept_budget` of the served time (its expected loss at the
-        # current estimate; the first try, before any drafting verify, is free). Off by default: on this CPU it
-        # gained a few percent at one client and lost 4% - 14% at 4 - 16 (the widths it then chose, not the tries)
-        self.acceptance_exploration = False
+        self.acceptance_exploration = acceptance_exploration  # (the constructor's docstring)
         self._explore_credit = 0.0  # seconds the acceptance exploration may still lose
         self._accept_rounds = ACCEPTANCE_CALL_ROUNDS  # the rounds of this step's acceptance exploration
         # rows -> the last timed flushes of the held context before a drafting round (their median prices one; a

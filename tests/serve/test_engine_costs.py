@@ -327,7 +327,7 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
     eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
                  max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
     eng.warmup([16])
-    eng.acceptance_exploration = True  # opt-in
+    assert eng.acceptance_exploration  # on by default
     eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
     eng.call_overhead = {}
     infos = []
@@ -340,10 +340,34 @@ def test_the_engine_tries_a_drafting_width_its_prior_undersells():
     assert infos[0].explored  # at the first round: no evidence yet, an optimistic estimate says it may win
 
 
+def test_the_acceptance_exploration_turns_off():
+    """`acceptance_exploration=False`: the same table and request as above start at width 1 (the prior rules width
+    4 out, and nothing tries it; what the rounds then measure is the cost table's to learn); the flag takes only
+    True or False, checked before the runner is built."""
+    from dflash_jax.serve.engine import generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4, acceptance_exploration=False)
+    eng.warmup([16])
+    eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
+    eng.call_overhead = {}
+    infos = []
+    eng.observers.append(infos.append)
+    [req] = generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
+    assert req.tokens == FakeRunner.alone([1, 2, 3], 60, 256, ())
+    assert eng.acceptance_explores == 0 and not any(i.explored for i in infos)
+    assert infos[0].width == 1
+    for bad in (None, 1, "yes"):
+        with pytest.raises(TypeError, match="acceptance_exploration"):
+            Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, widths=[1, 4], block_size=4,
+                   acceptance_exploration=bad)
+
+
 def test_held_rows_fade_toward_what_the_draft_accepted_not_the_prior(pair):
     """Width-1 rounds propose nothing: the engine-wide estimate fades toward the long-run acceptance of the drafting
     verifies (`long_run_acceptance`), so an engine that saw its draft accept 0.9 does not forget it while held; with
-    no drafting verify yet, toward `acceptance_prior`; the acceptance exploration is opt-in."""
+    no drafting verify yet, toward `acceptance_prior`."""
     from dflash_jax.serve.engine import Request, SamplingParams
 
     eng = Engine(pair, slots=2, block_size=4, widths=(1, 4), acceptance_prior=0.6)
@@ -358,7 +382,6 @@ def test_held_rows_fade_toward_what_the_draft_accepted_not_the_prior(pair):
         eng._fade_prior()
     g = eng._hits / (eng._hits + eng._misses)
     assert g == pytest.approx(eng.long_run_acceptance, abs=1e-6)
-    assert not eng.acceptance_exploration  # opt-in
 
 
 def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
@@ -374,7 +397,6 @@ def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
         eng.warmup([16])
         eng.cost_table = {rows: {1: 1e-3, 4: 2.9e-3} for rows in eng.row_buckets}  # 4 wins only above 0.85
         eng.call_overhead = {}
-        eng.acceptance_exploration = True  # opt-in
         return eng
 
     eng = engine()
