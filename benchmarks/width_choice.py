@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         ax.set_ylabel("tokens/s over plain")
         ax.legend(fontsize=7)
 
-    h.Report(args, "width_choice_spread" if args.length_spread else "width_choice").write(result, lines, draw=draw, image="tokens/s over plain by engine and clients")
+    name = "width_choice_spread" if args.length_spread else "width_choice"
+    h.Report(args, name).write(result, lines, draw=draw, image="tokens/s over plain by engine and clients")
     return 0
 
 

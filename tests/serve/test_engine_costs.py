@@ -317,23 +317,33 @@ def test_serve_flags(capsys):
     assert build_parser().parse_args(["--no-learn-costs"]).no_learn_costs
 
 
-def test_the_engine_tries_a_drafting_width_its_prior_undersells():
-    """Widths 1 and 4, a table where width 4 wins only if the draft accepts more than the prior says: the engine
-    runs a short call of width 4 at once (the acceptance evidence, counted in `acceptance_explores`), then goes by
-    what it measured; the tokens are the request's own whatever the widths."""
-    from dflash_jax.serve.engine import ACCEPTANCE_CALL_ROUNDS, generate
+def _undersold(explore: bool):
+    """An engine of widths 1 and 4 whose table makes width 4 win only if the draft accepts more than the prior says,
+    after one request of 60 tokens (equal to the request run alone whatever the widths). Returns (engine, infos)."""
+    from dflash_jax.serve.engine import generate
     from dflash_jax.serve.runner import FakeRunner, fake_pair
 
+    kw = {} if explore else dict(acceptance_exploration=False)  # on by default
     eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
-                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4, **kw)
     eng.warmup([16])
-    assert eng.acceptance_exploration  # on by default
+    assert eng.acceptance_exploration == explore
     eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
     eng.call_overhead = {}
     infos = []
     eng.observers.append(infos.append)
     [req] = generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
     assert req.tokens == FakeRunner.alone([1, 2, 3], 60, 256, ())
+    return eng, infos
+
+
+def test_the_engine_tries_a_drafting_width_its_prior_undersells():
+    """Widths 1 and 4, a table where width 4 wins only if the draft accepts more than the prior says: the engine
+    runs a short call of width 4 at once (the acceptance evidence, counted in `acceptance_explores`), then goes by
+    what it measured; the tokens are the request's own whatever the widths."""
+    from dflash_jax.serve.engine import ACCEPTANCE_CALL_ROUNDS
+
+    eng, infos = _undersold(True)
     assert eng.acceptance_explores == 1  # the fresh width 4, once: it is not stale again within the request
     explored = [i for i in infos if i.explored]
     assert len(explored) == 1 and explored[0].width == 4 and 1 <= explored[0].rounds <= ACCEPTANCE_CALL_ROUNDS
@@ -344,18 +354,9 @@ def test_the_acceptance_exploration_turns_off():
     """`acceptance_exploration=False`: the same table and request as above start at width 1 (the prior rules width
     4 out, and nothing tries it; what the rounds then measure is the cost table's to learn); the flag takes only
     True or False, checked before the runner is built."""
-    from dflash_jax.serve.engine import generate
     from dflash_jax.serve.runner import FakeRunner, fake_pair
 
-    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
-                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4, acceptance_exploration=False)
-    eng.warmup([16])
-    eng.cost_table = {rows: {1: 1.0, 4: 2.6} for rows in eng.row_buckets}
-    eng.call_overhead = {}
-    infos = []
-    eng.observers.append(infos.append)
-    [req] = generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
-    assert req.tokens == FakeRunner.alone([1, 2, 3], 60, 256, ())
+    eng, infos = _undersold(False)
     assert eng.acceptance_explores == 0 and not any(i.explored for i in infos)
     assert infos[0].width == 1
     for bad in (None, 1, "yes"):
