@@ -71,6 +71,9 @@ def test_default_chooses_width_1_or_a_block_of_4_and_auto_chooses_up_to_the_draf
     base = ["--no-warmup", "--slots", "1", "--max-prompt-len", "16"]
     _, engine = build_app(parse(base))
     assert engine.widths == (1, DEFAULT_FIXED_BLOCK) == (1, 4) and engine.spec.block_size == 4
+    assert engine.acceptance_exploration  # on by default, off with its flag
+    _, engine = build_app(parse(base + ["--no-acceptance-exploration"]))
+    assert not engine.acceptance_exploration and engine.widths == (1, 4)
     _, engine = build_app(parse(base + ["--widths", "fixed"]))
     assert engine.widths == (4,) and engine.spec.block_size == 4
     block = engine.pair.draft_cfg.block_size
