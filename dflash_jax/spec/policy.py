@@ -417,14 +417,27 @@ def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 
     would otherwise never show the draft's real acceptance; a shape that cannot win even then is never tried, and
     one found wanting waits `accept_after` rounds of the bucket before it is tried again (each try adds to the
     engine's long-run acceptance, so a few tries settle it). The caller also bounds what the tries lose
-    (`exploration_loss` against its budget, `rule.accept_budget` of its served time)."""
+    (`exploration_loss` against its budget, `rule.accept_budget` of its served time). A shape's price is optimistic
+    too while it is unconfirmed (fewer than `rule.confirm` served times, `optimistic_seconds`): one slow try would
+    otherwise price it out of every later try, and a drafting width held off by the held context is re-measured
+    by nothing else."""
     if rule.explore_every <= 0 or len(costs.cost) < 2:
         return None
-    seconds = with_drafting(with_host(costs.seconds, host_seconds), upper, drafting_per_token)
+    seconds = with_drafting(with_host(optimistic_seconds(costs, rule), host_seconds), upper, drafting_per_token)
     hope = choose_width(upper, seconds, margin)
     if shape_rows(hope) <= shape_rows(chosen) or costs.age[hope] < rule.accept_after:
         return None
     return hope
+
+
+def optimistic_seconds(costs: BucketCosts, rule: CostRule = CostRule()) -> dict:
+    """{shape: seconds of a round now} with each unconfirmed entry (fewer than `rule.confirm` served times) at the
+    lower of its learned cost and its warm-up measurement (`prior`), at the current load. Pure."""
+    out = costs.seconds
+    for w, prior in costs.prior.items():
+        if w in out and len(costs.recent[w]) < rule.confirm:
+            out[w] = min(out[w], costs.load * prior)
+    return out
 
 
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,

@@ -145,6 +145,30 @@ def test_a_narrow_choice_on_a_pessimistic_acceptance_tries_the_wider_width_now_a
     assert explore_acceptance(upper, BucketCosts.fresh({4: 1.0}), 4) is None  # one width
 
 
+def test_one_slow_try_does_not_price_a_width_out_of_later_tries():
+    """A try whose round read slow (2x its warm-up price) leaves width 4 unconfirmed: the acceptance exploration
+    prices it at its warm-up figure until `confirm` served times confirm the learned one (`optimistic_seconds`), so
+    it is tried again after `accept_after` rounds; confirmed slow, it is not. The chooser itself prices the learned
+    cost throughout."""
+    from dflash_jax.spec.policy import optimistic_seconds
+
+    rule = CostRule(accept_after=4, confirm=3)
+    upper = acceptance_upper([0.7], [2.0])  # optimistic: about 0.96
+    c = BucketCosts.fresh({1: 1.0, 4: 2.6}, rule)
+    c = observe_cost(c, 4, 5.2, rule, explored=True)  # one slow try
+    assert c.seconds[4] > 3.4 and optimistic_seconds(c, rule)[4] == pytest.approx(2.6)
+    for _ in range(rule.accept_after):
+        c = observe_cost(c, 1, 1.0, rule)
+    assert choose_width(upper, c.seconds, 0.1) == 1  # at the learned price even the optimistic acceptance loses
+    assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) == 4  # at the warm-up price it may win: tried again
+    for _ in range(2):  # confirmed slow
+        c = observe_cost(c, 4, 5.2, rule, explored=True)
+        for _ in range(rule.accept_after):
+            c = observe_cost(c, 1, 1.0, rule)
+    assert optimistic_seconds(c, rule) == c.seconds
+    assert explore_acceptance(upper, c, 1, 0.0, 0.1, rule) is None
+
+
 def test_an_exploration_costs_what_its_rounds_give_up_at_the_current_estimate():
     """`exploration_loss`: each round's time beyond what the chosen width takes for the same expected tokens, plus
     what it pays up front; nothing when the wider width wins at the estimate. A wide bucket gives up far more
