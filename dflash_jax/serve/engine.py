@@ -109,6 +109,9 @@ EXPLORE_CALL_ROUNDS = 3
 EXPLORE_CALL_SHARE = 3
 ACCEPTANCE_CALL_ROUNDS = 8  # the most rounds of a call run to measure the draft's acceptance (`explore_acceptance`)
 ACCEPTANCE_VERIFIES = 16  # the row verifies such a call aims at: 8 rounds of one or two rows, 4 of 4, 1 of 16
+# a drafting width that a try found wanting in a row bucket (the next choice there is narrower) waits twice as long
+# before the next try there, up to this many times `CostRule.accept_after` rounds; one chosen after a try resets it
+ACCEPT_BACKOFF = 16
 # per round: the acceptance exploration's credit (`CostRule.accept_budget` of the served time) fades over a few hundred
 # rounds, so a quiet spell does not pay for a run of explorations later
 CREDIT_DECAY = 1.0 - 1.0 / 256
@@ -285,7 +288,8 @@ class Engine:
     acceptance_exploration: a wider width that the acceptance estimate rules out but an optimistic one would pick is
     tried now and then, a short call, to measure what the draft accepts (`explore_acceptance`), within
     `CostRule.accept_budget` of the served time (each try's expected loss at the current estimate is spent from it;
-    the first try, before any drafting verify, is free); the engine's learned widths (`learn_costs`) only. Without
+    the first try, before any drafting verify, is free; a width a try found wanting waits twice as long before the
+    next try in its row bucket, `ACCEPT_BACKOFF`); the engine's learned widths (`learn_costs`) only. Without
     it, an engine whose prior (`acceptance_prior`) or warm-up table undersells a drafting width never runs it, so
     never learns better: on the shipped pair (CPU) at one client it held width 1 (0.94x - 1.01x plain) where block 4
     made 1.07x - 1.17x and the tries found width 4 (1.04x - 1.17x). On by default.
@@ -490,6 +494,8 @@ class Engine:
         self._costs: dict[int, BucketCosts] = {}  # rows -> the bucket's learned costs (while serving)
         self._explored = None  # the width this round explores (None: the chosen one runs)
         self._accept_explore = False  # it explores to measure the acceptance (a longer call)
+        self._accept_wait: dict[int, int] = {}  # rows -> rounds before the next acceptance try there (`ACCEPT_BACKOFF`)
+        self._accept_tried: dict[int, object] = {}  # rows -> the width a try ran there, awaiting the next choice
         self._marks = (0, 0)  # moves and flushes when the step began (`_settle`)
         self.explore_rounds = collections.Counter()  # rounds run at an explored width, by width
         self.explore_seconds = 0.0  # their wall time
@@ -1370,8 +1376,9 @@ class Engine:
             # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
             # held context appended first, within the exploration's budget of the served time
             evidence = [self.requests[s].accept_hits + self.requests[s].accept_misses + 2.0 for s in live]
+            wait = self._accept_wait.get(rows, rule.accept_after)
             hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, host, self.width_margin,
-                                      rule, drafting)
+                                      dataclasses.replace(rule, accept_after=wait), drafting)
             rounds = max(1, min(ACCEPTANCE_CALL_ROUNDS, -(-ACCEPTANCE_VERIFIES // len(live))))
             if hope is not None and self._long_hits + self._long_misses > 0:  # before any drafting verify: free
                 # what it is expected to lose at the current estimate, the held context's append included
@@ -1388,6 +1395,11 @@ class Engine:
         if other is not None:  # what the widths served overrules what the model expects
             width = other
             self.served_overrules += 1
+        if not explored and rows in self._accept_tried:  # the verdict on the bucket's last try
+            tried, base = self._accept_tried.pop(rows), self.cost_rule.accept_after
+            wanting = shape_rows(width) < shape_rows(tried)
+            wait = self._accept_wait.get(rows, base)
+            self._accept_wait[rows] = min(2 * wait, ACCEPT_BACKOFF * base) if wanting else base
         self._explored = width if explored else None
         return width
 
@@ -1498,6 +1510,8 @@ class Engine:
         d = FLUSH_DECAY
         self._admit_rate = [d * self._admit_rate[0] + (info.admitted > 0), d * self._admit_rate[1] + info.tokens]
         if info.width:
+            if self._accept_explore:  # a try ran: the bucket's next choice is its verdict (`ACCEPT_BACKOFF`)
+                self._accept_tried[info.rows] = info.width
             if not self._accept_explore and not info.compiles:  # the acceptance exploration's budget
                 self._explore_credit = (CREDIT_DECAY ** info.rounds * self._explore_credit
                                         + self.cost_rule.accept_budget * info.seconds)

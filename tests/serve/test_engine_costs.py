@@ -450,6 +450,41 @@ def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
     assert 0.0 < served._explore_credit <= 0.05 * sum(i.seconds for i in infos)
 
 
+def test_a_width_found_wanting_waits_longer_before_the_next_try():
+    """A try whose bucket then chooses a narrower width doubles the rounds before the next try there (up to
+    `ACCEPT_BACKOFF` times `accept_after`); a try after which the tried width is chosen resets the wait. Where
+    width 4 keeps losing (4 rows on a CPU, where each try also appends the held context first), tries thin out."""
+    from dflash_jax.serve.engine import ACCEPT_BACKOFF, Request, SamplingParams
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=400,
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4,
+                 cost_rule=CostRule(explore_every=10**6))  # no stale-neighbour exploration in the way
+    eng.warmup([16])
+    eng.cost_table = {rows: {1: 1e-3, 4: 2.9e-3} for rows in eng.row_buckets}  # 4 wins only above 0.85
+    eng.call_overhead = {}
+    eng.requests[0] = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0)
+    eng.host_seconds, eng._host_samples = 0.0, 1
+    eng._long_hits, eng._explore_credit = 10.0, 1.0  # measured once; credit to spare
+    base = eng.cost_rule.accept_after
+    waits = []
+    eng._costs[1] = observe_cost(eng.bucket_costs(1), 4, 2.9e-3, eng.cost_rule, explored=True)  # just ran
+    for _ in range(6):
+        for _ in range(eng._accept_wait.get(1, base) - 1):  # one round short of the wait: no try
+            eng._costs[1] = observe_cost(eng._costs[1], 1, 1e-3, eng.cost_rule)
+        assert eng.choose_width([0]) == 1
+        eng._costs[1] = observe_cost(eng._costs[1], 1, 1e-3, eng.cost_rule)
+        assert eng.choose_width([0]) == 4 and eng._explored == 4  # a try
+        eng._costs[1] = observe_cost(eng._costs[1], 4, 2.9e-3, eng.cost_rule, explored=True)
+        eng._accept_tried[1] = 4  # as `step` records a try that ran
+        assert eng.choose_width([0]) == 1  # found wanting: the verdict
+        waits.append(eng._accept_wait[1])
+    assert waits == [min(base * 2 ** k, ACCEPT_BACKOFF * base) for k in range(1, 7)]
+    eng._accept_tried[1] = 4
+    eng.requests[0].accept_hits = 1000.0  # this row accepts everything: width 4 chosen after the try
+    assert eng.choose_width([0]) == 4 and eng._explored is None and eng._accept_wait[1] == base
+
+
 @pytest.mark.parametrize("alone, together, prefills", [(0.001, 0.01, 3), (0.004, 0.01, 1)])
 def test_waiting_requests_prefill_one_by_one_where_that_measured_cheaper(alone, together, prefills):
     """Each served prefill is timed per (group, prompt bucket) (`prefill_cost`); three requests waiting together
