@@ -1376,9 +1376,10 @@ class Engine:
             # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
             # held context appended first, within the exploration's budget of the served time
             evidence = [self.requests[s].accept_hits + self.requests[s].accept_misses + 2.0 for s in live]
-            wait = self._accept_wait.get(rows, rule.accept_after)
+            wait = self._accept_wait.get(rows, rule.accept_after)  # (a replaced rule only where it backed off)
+            arule = rule if wait == rule.accept_after else dataclasses.replace(rule, accept_after=wait)
             hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, host, self.width_margin,
-                                      dataclasses.replace(rule, accept_after=wait), drafting)
+                                      arule, drafting)
             rounds = max(1, min(ACCEPTANCE_CALL_ROUNDS, -(-ACCEPTANCE_VERIFIES // len(live))))
             if hope is not None and self._long_hits + self._long_misses > 0:  # before any drafting verify: free
                 # what it is expected to lose at the current estimate, the held context's append included
