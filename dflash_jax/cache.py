@@ -62,21 +62,24 @@ def init_kv_cache(
     )
 
 
-def write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Array:
+def write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array, batch: jax.Array | None = None) -> jax.Array:
     """Writes `rows[b, t]` ([b, T, Hkv, d]) to slot `starts[b] + t` of `buffer` [b, Hkv, S, d]; rows that would
-    fall past the end are dropped."""
+    fall past the end are dropped. batch: as in `write_slots`."""
     width = rows.shape[1]
     slots = starts[:, None] + jnp.arange(width, dtype=starts.dtype)
-    return write_slots(buffer, rows, slots)
+    return write_slots(buffer, rows, slots, batch)
 
 
-def _batch_index(slots: jax.Array) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(slots.shape[0])[:, None], slots.shape)
+def _batch_index(slots: jax.Array, batch: jax.Array | None = None) -> jax.Array:
+    index = jnp.arange(slots.shape[0]) if batch is None else jnp.asarray(batch, jnp.int32)
+    return jnp.broadcast_to(index[:, None], slots.shape)
 
 
-def write_slots(buffer: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+def write_slots(buffer: jax.Array, rows: jax.Array, slots: jax.Array, batch: jax.Array | None = None) -> jax.Array:
     """Writes `rows[b, t]` ([b, T, Hkv, d]) to slot `slots[b, t]` of `buffer` [b, Hkv, S, d] (slots past the end
     are dropped). The two advanced indices around the head axis put the indexed dims first: [b, T, Hkv, d].
+    batch: [b] int32, the buffer row each of `rows`' rows goes to (None: row b to row b), so a few rows gathered
+    from a larger batch are written back in place (an index past the buffer's rows: dropped). Distinct indices.
 
     A write of one row to one slot (b = T = 1: a decode step of one sequence, the serving engine's round at one
     row) goes with a second update to slot S, past the end, which is dropped: XLA rewrites a one-element scatter
@@ -86,7 +89,7 @@ def write_slots(buffer: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Arr
     if slots.size == 1:
         slots = jnp.concatenate([slots, jnp.full_like(slots, buffer.shape[SLOT_AXIS])], axis=1)
         rows = jnp.concatenate([rows, rows], axis=1)
-    return buffer.at[_batch_index(slots), :, slots].set(rows.astype(buffer.dtype), mode="drop")
+    return buffer.at[_batch_index(slots, batch), :, slots].set(rows.astype(buffer.dtype), mode="drop")
 
 
 def take_slots(buffer: jax.Array, slots: jax.Array) -> jax.Array:

@@ -1116,7 +1116,7 @@ class Engine:
                     self.runner.pin_length = None
             if self.defer_context:  # the append of held rows (`_flush_held`): held prompts need it at any width
                 for rows in self.row_buckets:
-                    self.runner.flush_context(rows)
+                    self.runner.flush_context(rows)  # (a gathered flush of a few rows: `warm_extra`)
                     if 1 in widths:  # width 1 serves now: the catch-up of the rows its rounds skip
                         self._warm_catch_up(rows, again=True)
             if before is not None and before == array_types(self.runner.carried()):
@@ -1242,7 +1242,9 @@ class Engine:
     def _flush_held(self, width, live: Sequence[int], rows: int, count: int) -> None:
         """Appends the held context of the round's rows first when this step needs it (`defer_context`): a
         drafting round reads at most a block of pending rows (and none skipped: `skip_context` rows are caught up
-        first), and a width-1 call of `count` rounds holds a row more each round (none when it skips)."""
+        first), and a width-1 call of `count` rounds holds a row more each round (none when it skips). Only the rows
+        over that limit append (a gathered flush where they are few: a prompt admitted into a bucket of many rows
+        costs its own append, not the bucket's); the others keep their few pending rows for the round."""
         if not self.defer_context:
             return
         drafting = shape_rows(width) > 1
@@ -1253,17 +1255,17 @@ class Engine:
             if not skipped:  # a drafting round feeds the draft's context again: nothing skipped from here
                 for s in live:
                     self.requests[s].skipped_from = None
-            need = skipped or self._held_top(live, skipped=False) > self.block_size
-        else:
-            need = self._held_top(live, skipped=False) > self.context_rows - (0 if self.skip_context else count)
-        if need:
+        limit = self.block_size if drafting else self.context_rows - (0 if self.skip_context else count)
+        pending = self.runner.pending_context()
+        over = [s for s in live if pending[s] > limit]
+        if skipped or over:
             if drafting:  # timed alone (what the step dispatched before it runs first, as it would anyway)
                 self.runner.sync()
                 t0 = time.perf_counter()
             if skipped:  # the held rows appended first, then the skipped positions' rows
                 self._catch_up(live, rows)
             else:
-                self.runner.flush_context(rows)
+                self.runner.flush_context(rows, over)
             self.context_flushes += 1
             if drafting:  # what drafting costs per admission (`drafting_per_token`)
                 self.runner.sync()

@@ -187,9 +187,14 @@ class LanedRunner(RoundRunner):
     def pending_context(self) -> np.ndarray:
         return interleave([lane.pending_context() for lane in self.lanes], self.slots, self.n)
 
-    def flush_context(self, rows: int) -> None:
+    def flush_context(self, rows: int, slots=None) -> None:
         split = self._split(rows)
-        self._each(lambda runner, r: runner.flush_context(r), [r if r else None for r in split])
+        if slots is None:
+            self._each(lambda runner, r: runner.flush_context(r), [r if r else None for r in split])
+            return
+        mine = [[s // self.n for s in slots if s % self.n == lane] for lane in range(self.n)]  # each lane's rows
+        self._each(lambda runner, item: runner.flush_context(*item),
+                   [(r, m) if r and m else None for r, m in zip(split, mine)])
 
     @property
     def catches_up(self) -> bool:

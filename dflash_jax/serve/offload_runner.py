@@ -349,7 +349,9 @@ class OffloadedRunner(ResidentRunner):
     def warm_extra(self) -> None:
         """Two rounds per row bucket and width that verify every (free) slot on a scratch cache, so that what only a
         verify with rows that route somewhere compiles (copies of each chunk size into the cache, expert passes when
-        the cache is small) is compiled too. The cache starts empty afterwards."""
+        the cache is small) is compiled too, and the resident runner's own (`ResidentRunner.warm_extra`). The cache
+        starts empty afterwards."""
+        super().warm_extra()
         layer, n = self.moe_layers[0], 1
         while n <= min(self.store.num_experts, self.pool.capacity(layer)):  # every copy size into the cache
             self._new_cache({}).fetch(layer, np.arange(n))

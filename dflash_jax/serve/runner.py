@@ -15,7 +15,8 @@ What the engine calls, in host terms (numpy in, numpy out; device arrays stay op
   release(free) / move_row(s, d)   rows marked done (a cancel); one row copied over another (compaction)
   prefill_start / _chunk / _finish a long prompt prefilled one chunk per round (`chunked_prefill` runners)
   pending_context()                each row's committed rows the draft has not seen (`deferred_context` runners)
-  flush_context(rows)              the first `rows` rows' pending context appended to the draft's cache (same)
+  flush_context(rows, slots)       the first `rows` rows' pending context appended to the draft's cache (same);
+                                   with `slots`, only those slots' (a gathered few: the cost follows them)
   catch_up(rows, tokens, back)     ... and then the context rows of positions whose width-1 rounds skipped them,
                                    from one target forward over their tokens (`catches_up` runners)
   draft(proposer, rows)            the proposal of the first `rows` rows -> `Drafted` (device, dispatched)
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -247,7 +248,7 @@ class RoundRunner:
     def pending_context(self) -> np.ndarray:
         raise NotImplementedError(f"{type(self).__name__} does not defer the draft's context")
 
-    def flush_context(self, rows: int) -> None:
+    def flush_context(self, rows: int, slots: Sequence[int] | None = None) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not defer the draft's context")
 
     def catch_up(self, rows: int, tokens: np.ndarray, back: np.ndarray) -> None:
@@ -698,6 +699,16 @@ def _flush(draft_w, state: SpecState, spec: SpecConfig, rows: int, chunk: int):
     return flush_context(draft_w, state, spec, rows=rows, chunk=chunk)
 
 
+FLUSH_GROUPS = (1, 2, 4, 8, 16)  # the slots a gathered flush appends at once (`ResidentRunner.flush_context`'s `slots`)
+
+
+@stored_jit(static_argnames=("spec", "chunk"), donate_argnames=("state",))
+def _flush_slots(draft_w, state: SpecState, index, spec: SpecConfig, chunk: int):
+    """`spec.round.flush_context` of the slots `index` [g] only (gathered; an index past the slots: padding),
+    `chunk` columns a step."""
+    return flush_context(draft_w, state, spec, chunk=chunk, index=index)
+
+
 CATCH_UP_CHUNK = 32  # the skipped positions one catch-up forward computes per row (`RoundRunner.catch_up`)
 
 
@@ -959,8 +970,30 @@ class ResidentRunner(RoundRunner):
         return np.asarray(self.state.num_context)
 
     @_on_mesh
-    def flush_context(self, rows: int) -> None:
-        self.state = _flush(self.pair.draft, self.state, self.spec, rows, min(FLUSH_CHUNK, self.layout.held))
+    def flush_context(self, rows: int, slots: Sequence[int] | None = None) -> None:
+        """The pending context of the first `rows` rows appended; with `slots` (a few of them), only theirs: a
+        gathered flush of the smallest `FLUSH_GROUPS` size holding them, when that is fewer rows than `rows` (a
+        flush computes every row's columns up to the longest pending run: one admitted prompt in a bucket of 16
+        rows otherwise costs 16 prompts' appends)."""
+        chunk = min(FLUSH_CHUNK, self.layout.held)
+        group = None if slots is None else next((g for g in FLUSH_GROUPS if g >= len(slots)), None)
+        if group is not None and group < rows:
+            index = np.full(group, self.slots, np.int32)  # padding: past the slots, nothing done
+            index[: len(slots)] = slots
+            self.state = _flush_slots(self.pair.draft, self.state, index, self.spec, chunk)
+            return
+        self.state = _flush(self.pair.draft, self.state, self.spec, rows, chunk)
+
+    @_on_mesh
+    def warm_extra(self) -> None:
+        """The gathered flushes (`flush_context`'s `slots`) of every `FLUSH_GROUPS` size, on padding slots only
+        (nothing appended), where the state holds context rows past a block."""
+        if self.spec.taps and self.layout.held > self.spec.block_size:
+            chunk = min(FLUSH_CHUNK, self.layout.held)
+            for group in FLUSH_GROUPS:
+                if group < self.slots:
+                    index = np.full(group, self.slots, np.int32)
+                    self.state = _flush_slots(self.pair.draft, self.state, index, self.spec, chunk)
 
     @_on_mesh
     def catch_up(self, rows: int, tokens: np.ndarray, back: np.ndarray) -> None:

@@ -229,7 +229,7 @@ def commit(state: SpecState, proposal: Proposal, out, spec: SpecConfig, proposer
 
 
 def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None = None,
-                  rows: int | None = None, chunk: int | None = None) -> SpecState:
+                  rows: int | None = None, chunk: int | None = None, index: jax.Array | None = None) -> SpecState:
     """The state with every pending context row appended to the draft's context cache now (what the next drafting
     round would append first, so the draft sees the same context), none left pending, and the context rows `width`
     columns wide (None: as wide as they are).
@@ -242,11 +242,21 @@ def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None
     rows (which must fit in `width` columns).
     chunk (static): append `chunk` columns at a time, as many times as the longest pending run among the rows needs
     (a `while_loop`: the cost follows the rows pending, not the context's width); None: every column at once.
-    Each context row's K/V depends on that row alone, so chunks append exactly what one append would."""
+    Each context row's K/V depends on that row alone, so chunks append exactly what one append would.
+    index (instead of `rows`): [g] int32, distinct: only those rows append (gathered, their K/V and lengths written
+    back in place; an index past the batch: padding, nothing done), so the cost follows the rows that need it (the
+    serving engine's newly admitted prompts), not a whole row bucket's pending columns."""
     if not spec.taps:
         return state
     width = state.context.shape[1] if width is None else width
     b = state.num_context.shape[0]
+    if index is not None:
+        index = jnp.asarray(index, jnp.int32)
+        features = jnp.take(state.context, index, axis=0, mode="clip")
+        pending = jnp.where(index < b, jnp.take(state.num_context, index, mode="clip"), 0)
+        cache = _append_rows(draft_w, state.draft_cache, features, pending, spec, chunk, index)
+        return state.replace(draft_cache=cache, context=pad_cols(state.context, width),
+                             num_context=state.num_context.at[index].set(0, mode="drop"))
     rows = b if rows is None else rows
     cache = _append_rows(draft_w, state.draft_cache, state.context[:rows], state.num_context[:rows], spec, chunk)
     # the flushed rows' columns are left as they are: past `num_context` a row's columns are never read (zeroing
@@ -255,15 +265,18 @@ def flush_context(draft_w, state: SpecState, spec: SpecConfig, width: int | None
                          num_context=state.num_context.at[:rows].set(0))
 
 
-def _append_rows(draft_w, full, features, pending, spec: SpecConfig, chunk: int | None):
+def _append_rows(draft_w, full, features, pending, spec: SpecConfig, chunk: int | None, index=None):
     """The draft's context cache `full` with the first `features.shape[0]` rows' first `pending` [rows] context rows
-    of `features` [rows, C, F] appended (in place in the full buffers), `chunk` columns at a time (None: all)."""
+    of `features` [rows, C, F] appended (in place in the full buffers), `chunk` columns at a time (None: all).
+    index: [rows] the cache rows the features belong to instead (`append_context`'s `batch`)."""
     rows = features.shape[0]
-    head = full.replace(lengths=full.lengths[:rows],
-                        position_offset=None if full.position_offset is None else full.position_offset[:rows])
+    head = full
+    if index is None:
+        head = full.replace(lengths=full.lengths[:rows],
+                            position_offset=None if full.position_offset is None else full.position_offset[:rows])
     if chunk is None or chunk >= features.shape[1]:
         cache = draft_model.append_context(draft_w, spec.draft, context_features=features, num_context=pending,
-                                           cache=head)
+                                           cache=head, batch=index)
     else:
         features = pad_cols(features, -(-features.shape[1] // chunk) * chunk)
         trips = (jnp.max(pending) + chunk - 1) // chunk
@@ -273,10 +286,10 @@ def _append_rows(draft_w, full, features, pending, spec: SpecConfig, chunk: int 
             part = jax.lax.dynamic_slice_in_dim(features, k * chunk, chunk, axis=1)
             num = jnp.clip(pending - k * chunk, 0, chunk)
             return k + 1, draft_model.append_context(draft_w, spec.draft, context_features=part, num_context=num,
-                                                     cache=c)
+                                                     cache=c, batch=index)
 
         _, cache = jax.lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), head))
-    if rows < full.lengths.shape[0]:  # the head rows' lengths (and offsets) back into the full ones
+    if index is None and rows < full.lengths.shape[0]:  # the head rows' lengths (and offsets) back into the full ones
         cache = cache.replace(lengths=full.lengths.at[:rows].set(cache.lengths), position_offset=(
             None if full.position_offset is None else full.position_offset.at[:rows].set(cache.position_offset)))
     return cache

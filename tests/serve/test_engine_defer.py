@@ -50,10 +50,25 @@ def _run(engine, pattern=CYCLE):
     engine.choose_width = lambda live: next(cycle)
     rounds = []
     engine.observers.append(rounds.append)
+    flush = engine.runner.flush_context
+    engine.flushed = []  # (rows, the slots over the limit) of every flush
+
+    def spy(rows, slots=None):
+        engine.flushed.append((rows, None if slots is None else list(slots)))
+        return flush(rows, slots)
+
+    engine.runner.flush_context = spy
     with CompileCounter() as counter:
         reqs = serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
     assert counter.compiles == 0
     return reqs, rounds
+
+
+def _gathered(engine) -> None:
+    """Some flush appended fewer rows than its bucket's (`flush_context`'s `slots`: a gathered flush), and none
+    named a row twice."""
+    assert any(slots is not None and len(slots) < rows for rows, slots in engine.flushed), engine.flushed
+    assert all(slots is None or len(set(slots)) == len(slots) for _, slots in engine.flushed)
 
 
 @pytest.mark.slow
@@ -67,6 +82,8 @@ def test_deferred_context_append_is_exact(pair, skip):
     assert {r.width for r in rounds if r.width} == {1, 2, 4}
     assert deferred.deferred_rounds == deferred.width_rounds[1] > 0  # every width-1 round held the context
     assert deferred.context_flushes > 0  # drafting rounds after runs of more than a block appended them first
+    if not skip:  # the rows over the limit alone (a skipping engine catches up instead)
+        _gathered(deferred)
     _skipped(deferred)
     for p, r in zip(PROMPTS, reqs):
         assert r.tokens == spec_generate(pair, [p], max_new_tokens=BUDGET, stop_ids=[]).tokens[0]
@@ -177,6 +194,8 @@ def test_deferred_context_append_in_calls_of_several_rounds(pair, skip):
     eng = _engine(pair, True, skip, rounds_per_call=6)
     reqs, rounds = _run(eng, CALLS)
     _skipped(eng)
+    if not skip:
+        _gathered(eng)
     assert {1, 4} <= {r.width for r in rounds if r.burst}
     assert max(r.rounds for r in rounds if r.width == 1) > eng.block_size  # past the pending rows' room
     calls = sum(r.rounds for r in rounds if r.burst and r.width == 1)

@@ -141,6 +141,58 @@ def test_a_flush_leaves_the_held_columns_and_the_next_hold_overwrites_them(pair)
     assert not copies, copies
 
 
+@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
+def _flush_index(dw, state, index, spec, chunk):
+    return flush_context(dw, state, spec, chunk=chunk, index=index)
+
+
+def test_a_gathered_flush_appends_only_its_rows_as_the_whole_flush_does(pair):
+    """`index`: rows 3 and 1 (out of order, with a padding index past the batch) flushed by chunks give those rows
+    the whole flush's draft cache bit for bit (the same K/V from the same rows: a gathered row computes what it
+    would in the batch), reset only their pending counts, and leave rows 0 and 2 (their cache rows, lengths and
+    pending rows) untouched; a drafting round after it commits what the appending state commits. Donated, it
+    compiles to a scatter into the cache, not a copy of it (the point: its cost follows the flushed rows)."""
+    from dflash_jax.spec.tree import pad_cols
+
+    held_rounds = 7
+    spec, start = begin(pair, PROMPTS, block_size=4, max_new_tokens=24, stop_ids=[])
+    tw, dw = pair.target, pair.draft
+    held, appended = start.replace(context=pad_cols(start.context, 12)), start
+    for _ in range(held_rounds):
+        held = _round(tw, dw, held, spec, Chain(1, defer_context=True))
+        appended = _round(tw, dw, appended, spec, Chain(1))
+    whole = _flush_chunks(dw, held, spec, 3)
+    index = np.array([3, 1, len(PROMPTS)], np.int32)
+    got = _flush_index(dw, held, index, spec, 3)
+    np.testing.assert_array_equal(got.num_context, [held_rounds, 0, held_rounds, 0])
+    lengths, before = np.asarray(got.draft_cache.lengths), np.asarray(held.draft_cache.lengths)
+    np.testing.assert_array_equal(lengths[[1, 3]], np.asarray(whole.draft_cache.lengths)[[1, 3]])
+    np.testing.assert_array_equal(lengths[[0, 2]], before[[0, 2]])
+    assert np.all(lengths[[1, 3]] == before[[1, 3]] + held_rounds)
+    for row in (1, 3):
+        for a, b in zip(_valid_slots(got.draft_cache, row), _valid_slots(whole.draft_cache, row)):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves((got.draft_cache.keys, got.draft_cache.values)),
+                    jax.tree.leaves((held.draft_cache.keys, held.draft_cache.values))):
+        np.testing.assert_array_equal(np.asarray(a)[[0, 2]], np.asarray(b)[[0, 2]])
+    np.testing.assert_array_equal(got.context, held.context)
+
+    # the other rows flushed after: a drafting round commits the appending state's tokens, accepting proposals
+    rest = _flush_index(dw, got, np.array([0, 2], np.int32), spec, 3)
+    reference = _flush_chunks(dw, appended, spec, None)
+    drafted = _round(tw, dw, rest, spec, Chain(4))
+    ref = _round(tw, dw, reference, spec, Chain(4))
+    np.testing.assert_array_equal(drafted.output, ref.output)
+    assert int(np.max(np.asarray(ref.last_accepted))) >= 1
+
+    donating = jax.jit(flush_context, static_argnames=("spec", "chunk"), donate_argnames=("state",))
+    hlo = donating.lower(dw, held, spec=spec, chunk=3, index=index).compile().as_text()
+    cache = held.draft_cache.keys[0]
+    shape = "f32[%s]" % ",".join(str(d) for d in cache.shape)
+    copies = [line for line in hlo.splitlines() if f"= {shape}" in line and " copy(" in line]
+    assert not copies, copies
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "rows", "chunk"))
 def _catch_up(tw, dw, state, tokens, back, spec, rows, chunk):
     return catch_up_context(tw, dw, state, tokens, back, spec, rows=rows, chunk=chunk)

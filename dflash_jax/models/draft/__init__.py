@@ -291,17 +291,22 @@ def _context_kv(ctx, attn: AttentionWeights, cos, sin, cfg: DraftConfig):
 
 def append_context(
     weights: DraftWeights, cfg: DraftConfig, *, context_features: jax.Array, num_context: jax.Array,
-    cache: KVCache, positions: jax.Array | None = None,
+    cache: KVCache, positions: jax.Array | None = None, batch: jax.Array | None = None,
 ) -> KVCache:
     """Projects context rows [b, C, n_taps * H_t] at positions `cache.lengths + [0, C)` into every layer's
     K/V and writes them at those slots; lengths advance by `num_context` [b] (rows past it are padding).
     positions: [b, C] explicit RoPE positions of the rows (a compressed prefill's kept rows,
     `dflash_jax.pflash`); the cache's `position_offset` then makes later rows continue after each sequence's
-    last one. None: slot + the cache's `position_offset` (if any)."""
-    starts = cache.lengths
+    last one. None: slot + the cache's `position_offset` (if any).
+    batch: [b] int32, the cache rows the features belong to, distinct (None: row i is the cache's row i): a few
+    rows of a larger cache appended in place, the others untouched (an index past the cache's rows: dropped)."""
+    if batch is not None:
+        batch = jnp.asarray(batch, jnp.int32)
+    take = (lambda x: x) if batch is None else (lambda x: jnp.take(x, batch, axis=0, mode="clip"))  # noqa: E731
+    starts = take(cache.lengths)
     c = context_features.shape[1]
     num_context = jnp.asarray(num_context, jnp.int32)
-    offset = cache.position_offset
+    offset = None if cache.position_offset is None else take(cache.position_offset)
     if positions is None:
         positions = starts[:, None] + jnp.arange(c, dtype=jnp.int32)
         if offset is not None:
@@ -316,11 +321,15 @@ def append_context(
     keys, values = [], []
     for i, layer in enumerate(weights.layers):
         k, v = _context_kv(ctx, layer.attn, cos, sin, cfg)
-        keys.append(write_rows(cache.keys[i], k, starts))
-        values.append(write_rows(cache.values[i], v, starts))
-    return KVCache(
-        keys=tuple(keys), values=tuple(values), lengths=starts + num_context, position_offset=offset
-    )
+        keys.append(write_rows(cache.keys[i], k, starts, batch))
+        values.append(write_rows(cache.values[i], v, starts, batch))
+    lengths = starts + num_context
+    if batch is not None:  # the gathered rows' lengths (and offsets) back into the whole cache's
+        lengths = cache.lengths.at[batch].set(lengths, mode="drop")
+        if offset is not None:
+            base = cache.position_offset if cache.position_offset is not None else jnp.zeros_like(cache.lengths)
+            offset = base.at[batch].set(offset, mode="drop")
+    return KVCache(keys=tuple(keys), values=tuple(values), lengths=lengths, position_offset=offset)
 
 
 def _kind_mask(q_positions, k_positions, *, causal: bool, window: int | None):
