@@ -12,7 +12,9 @@ its runner called directly, every call waited for (`RoundRunner.sync`):
   (`timing.paired_runs`, the order reversed every other run); medians.
 - **Flush**: `RoundRunner.flush_context` of the first R rows holding a `--prompt-len`-token prompt each (what a
   drafting round after an admission appends first: `--flush-rows`), and of rows holding nothing. Each timed flush
-  follows an untimed admission of R requests, so every one appends whole prompts; medians.
+  follows an untimed admission of R requests, so every one appends whole prompts; medians. And one prompt admitted
+  into the last of R rows whose others hold nothing (what most admissions are): the flush of the bucket's R rows
+  against the flush of that row alone (`flush_context(R, slots=[R - 1])`, a gathered flush: what the engine runs).
 
 Writes admission_costs.{json,md,png} to --out (default bench_out/) or, with --write-docs, docs/benchmarks/.
 """
@@ -95,9 +97,26 @@ def main(argv=None) -> int:
             runner.flush_context(rows)  # nothing pending now
             runner.sync()
             empty.append(time.perf_counter() - t0)
-        flush_ms[rows] = dict(held=float(np.median(held)) * 1e3, empty=float(np.median(empty)) * 1e3)
+        one = {"bucket": [], "gathered": []}
+        for r in range(args.repeats):
+            for how in (("bucket", "gathered") if r % 2 == 0 else ("gathered", "bucket")):
+                eng._reset()
+                if rows > 1:  # the other rows: admitted and flushed (untimed), holding nothing
+                    for start in range(0, rows - 1, group):
+                        eng._admit([request(i) for i in range(start, min(rows - 1, start + group))],
+                                   list(range(start, min(rows - 1, start + group))), None)
+                    runner.flush_context(rows)
+                eng._admit([request(rows - 1)], [rows - 1], None)
+                runner.sync()
+                t0 = time.perf_counter()
+                runner.flush_context(rows, None if how == "bucket" else [rows - 1])
+                runner.sync()
+                one[how].append(time.perf_counter() - t0)
+        flush_ms[rows] = dict(held=float(np.median(held)) * 1e3, empty=float(np.median(empty)) * 1e3,
+                              **{f"one_{k}": float(np.median(v)) * 1e3 for k, v in one.items()})
         log(f"flush of {rows} row(s): {flush_ms[rows]['held']:.2f} ms holding a prompt each, "
-            f"{flush_ms[rows]['empty']:.2f} ms holding nothing")
+            f"{flush_ms[rows]['empty']:.2f} ms holding nothing; one new prompt among them "
+            f"{flush_ms[rows]['one_bucket']:.2f} ms (the bucket's) / {flush_ms[rows]['one_gathered']:.2f} ms (its row)")
     loads.append((load_average() or (0.0,))[0])
 
     result = dict(benchmark="admission_costs", machine=h.machine(), prompt_len=args.prompt_len, slots=args.slots,
@@ -116,8 +135,10 @@ def main(argv=None) -> int:
         "",
         "The held context's flush before a drafting round (`RoundRunner.flush_context`):",
         "",
-        *h.table(["rows", "holding a prompt each (ms)", "holding nothing (ms)"],
-                 [[str(r), f"{v['held']:.2f}", f"{v['empty']:.2f}"] for r, v in flush_ms.items()]),
+        *h.table(["rows", "holding a prompt each (ms)", "holding nothing (ms)",
+                  "one new prompt: the bucket's flush (ms)", "one new prompt: its row's, gathered (ms)"],
+                 [[str(r), f"{v['held']:.2f}", f"{v['empty']:.2f}", f"{v['one_bucket']:.2f}",
+                   f"{v['one_gathered']:.2f}"] for r, v in flush_ms.items()]),
     ]
 
     def draw(axes):
@@ -125,8 +146,10 @@ def main(argv=None) -> int:
         left.barh(list(prefill_ms), list(prefill_ms.values()))
         left.set_xlabel("prefill ms")
         x = np.arange(len(flush_ms))
-        right.bar(x - 0.2, [v["held"] for v in flush_ms.values()], 0.4, label="holding a prompt")
-        right.bar(x + 0.2, [v["empty"] for v in flush_ms.values()], 0.4, label="holding nothing")
+        for i, (key, label) in enumerate((("held", "holding a prompt"), ("empty", "holding nothing"),
+                                          ("one_bucket", "one new prompt, bucket"),
+                                          ("one_gathered", "one new prompt, gathered"))):
+            right.bar(x + 0.2 * (i - 1.5), [v[key] for v in flush_ms.values()], 0.2, label=label)
         right.set_xticks(x, [str(r) for r in flush_ms])
         right.set_xlabel("rows flushed")
         right.set_ylabel("ms")

@@ -122,6 +122,8 @@ FLUSH_DECAY = 0.98  # per step: the admissions per committed token that price th
 SERVED_DECAY = 0.99
 SERVED_STEPS = 8.0
 LONG_RUN_DECAY = 0.99  # per drafting verify: the engine's long-run acceptance, what held estimates fade toward
+WORTH_PRIOR = 32.0  # tokens: the weight of "as the chain model expects" in a width's measured scale (`worth_scale`)
+WORTH_SCALE_RANGE = (0.8, 1.25)  # the most a width's measured scale moves the chain model's expected tokens
 # the most device bytes the held draft context of every slot takes (`defer_context="auto"`): on the shipped pairs a
 # whole request's rows; a model of wide taps holds fewer, and pays the draft's context once the hold fills
 HOLD_BYTES = 64 << 20
@@ -520,6 +522,7 @@ class Engine:
         self._prior = float(acceptance_prior)
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
         self._long_hits = self._long_misses = 0.0  # every drafting verify's evidence, decayed by LONG_RUN_DECAY
+        self._worth = {}  # chain width -> [tokens committed, tokens the model expected] of its verifies (decayed)
         self.width_rounds = collections.Counter()
         self.rows_rounds = collections.Counter()  # rounds by the row bucket computed
         self.rounds_per_call = rounds_per_call if rounds_per_call == "auto" else int(rounds_per_call)
@@ -1329,6 +1332,18 @@ class Engine:
             return 0.0
         return flush * steps / tokens
 
+    @property
+    def worth_scale(self) -> dict:
+        """{chain width: what its verifies committed over what the chain model expected of them}, each with
+        `WORTH_PRIOR` tokens of "as expected" and within `WORTH_SCALE_RANGE` (decayed per verify like the long-run
+        acceptance). The model takes a row's proposals as accepted independently at one rate; a draft's acceptance
+        varies along a request (easy stretches, hard ones), and the expected tokens of a round grow faster than
+        linearly in it, so at one estimate the model undersells what a drafting width commits (by about 5% at width
+        4 on the shipped pair at 1 - 4 rows); this puts each width's own outcome back into the choice."""
+        lo, hi = WORTH_SCALE_RANGE
+        return {w: min(max((got + WORTH_PRIOR) / (want + WORTH_PRIOR), lo), hi)
+                for w, (got, want) in self._worth.items()}
+
     def row_acceptance(self, req: Request) -> float:
         """The estimated probability that a proposal of `req` is accepted given the ones before it: its decayed
         accepted / (accepted + rejected) proposals, with the engine-wide estimate as a prior of weight 2."""
@@ -1368,11 +1383,12 @@ class Engine:
         # drafting widths also pay the held context's flushes, one per admission (per token: scaled by each width's
         # expected tokens per round)
         drafting = self.drafting_per_token(rows)
-        width, explored = decide_width(alphas, costs, host, self.width_margin, rule, drafting)
+        scale = self.worth_scale if self._worth else None
+        width, explored = decide_width(alphas, costs, host, self.width_margin, rule, drafting, scale)
         if explored and shape_rows(width) > 1 and self._held_top(live) > self.block_size:
             # re-pricing a drafting width would append the held context first: not while a live row holds more
             # than a block (the table keeps its entry, scaled by the load the chosen width's rounds show)
-            width, explored = decide_width(alphas, costs, host, self.width_margin, None, drafting)
+            width, explored = decide_width(alphas, costs, host, self.width_margin, None, drafting, scale)
         if not explored and rule is not None and self.acceptance_exploration:
             # what the draft accepts, measured where an optimistic estimate says a wider width could win (held rows'
             # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
@@ -1381,13 +1397,13 @@ class Engine:
             wait = self._accept_wait.get(rows, rule.accept_after)  # (a replaced rule only where it backed off)
             arule = rule if wait == rule.accept_after else dataclasses.replace(rule, accept_after=wait)
             hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, host, self.width_margin,
-                                      arule, drafting)
+                                      arule, drafting, scale)
             rounds = max(1, min(ACCEPTANCE_CALL_ROUNDS, -(-ACCEPTANCE_VERIFIES // len(live))))
             if hope is not None and self._long_hits + self._long_misses > 0:  # before any drafting verify: free
                 # what it is expected to lose at the current estimate, the held context's append included
                 first = (self.flush_seconds(rows) or 0.0) if self._held_top(live) > self.block_size else 0.0
-                seconds = with_drafting(with_host(costs.seconds, host), alphas, drafting)
-                loss = exploration_loss(alphas, seconds, width, hope, rounds, first)
+                seconds = with_drafting(with_host(costs.seconds, host), alphas, drafting, scale)
+                loss = exploration_loss(alphas, seconds, width, hope, rounds, first, scale)
                 hope = hope if loss <= self._explore_credit else None
                 self._explore_credit -= loss if hope is not None else 0.0
             if hope is not None:
@@ -1438,13 +1454,19 @@ class Engine:
         evidence fades instead (decayed like a verify's), its estimate returning to the engine-wide one, so a
         request the chooser moved to width 1 after a few poor rounds is tried at a wider width again."""
         d = ACCEPTANCE_DECAY
+        chain = not isinstance(width, TreeShape)
         # a chain proposes width - 1 positions; a tree's path reaches at most the draft block's last position
-        width = self.block_size if isinstance(width, TreeShape) else width
+        width = self.block_size if not chain else width
         if width < 2:
             req.accept_hits, req.accept_misses = d * req.accept_hits, d * req.accept_misses
             return
         if finished:
             return
+        if chain:  # what the chooser's chain model expected of this verify, against what it committed
+            a = min(self.row_acceptance(req), 0.999)
+            seen = self._worth.setdefault(width, [0.0, 0.0])
+            seen[0] = LONG_RUN_DECAY * seen[0] + committed
+            seen[1] = LONG_RUN_DECAY * seen[1] + (1.0 - a ** width) / (1.0 - a)
         hits = float(committed - 1)
         misses = 1.0 if committed < width else 0.0
         req.accept_hits, req.accept_misses = d * req.accept_hits + hits, d * req.accept_misses + misses

@@ -386,30 +386,31 @@ def with_host(seconds: dict, host_seconds) -> dict:
     return {w: t + host_seconds for w, t in seconds.items()}
 
 
-def with_drafting(seconds: dict, alphas, per_token: float = 0.0) -> dict:
+def with_drafting(seconds: dict, alphas, per_token: float = 0.0, scale: dict | None = None) -> dict:
     """{shape: seconds per round} with what drafting costs beyond its draft and verify added to every shape that
     proposes (more than one verify row): `per_token` seconds per token it is expected to commit over the live rows
     at the acceptances `alphas` (the serving engine's held context, appended once per admission before drafting
-    rounds, `Engine.drafting_per_token`). Pure."""
+    rounds, `Engine.drafting_per_token`; `scale` as in `worth_sums`). Pure."""
     if not per_token:
         return dict(seconds)
     shapes = list(seconds)
-    tokens = worth_sums(alphas, shapes)
+    tokens = worth_sums(alphas, shapes, scale)
     return {w: t + (per_token * float(n) if shape_rows(w) > 1 else 0.0) for (w, t), n in zip(seconds.items(), tokens)}
 
 
-def exploration_loss(alphas, seconds: dict, chosen, shape, rounds: int, first: float = 0.0) -> float:
+def exploration_loss(alphas, seconds: dict, chosen, shape, rounds: int, first: float = 0.0,
+                     scale: dict | None = None) -> float:
     """The seconds that `rounds` rounds of `shape` are expected to lose against `chosen` at the acceptance estimates
-    `alphas` ({shape: seconds per round}, as `choose_width` prices them): each round's time beyond what `chosen`
-    takes for the same expected tokens, and `first` (what running it costs up front: a held context appended).
-    Never negative; pure."""
-    worth = acceptance_worth(alphas, [chosen, shape]).sum(axis=0)
+    `alphas` ({shape: seconds per round}, as `choose_width` prices them, `scale` too): each round's time beyond what
+    `chosen` takes for the same expected tokens, and `first` (what running it costs up front: a held context
+    appended). Never negative; pure."""
+    worth = worth_sums(alphas, [chosen, shape], scale)
     per_round = seconds[shape] - seconds[chosen] * worth[1] / max(worth[0], 1e-9)
     return max(0.0, float(rounds) * per_round) + max(0.0, float(first))
 
 
 def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 0.0, margin: float = 0.0,
-                       rule: CostRule = CostRule(), drafting_per_token: float = 0.0):
+                       rule: CostRule = CostRule(), drafting_per_token: float = 0.0, scale: dict | None = None):
     """A drafting shape to run instead of `chosen` to measure what the draft accepts, or None (pure,
     deterministic): the shape `choose_width` picks at the optimistic acceptances `upper` (`acceptance_upper` of each
     live row), when it verifies more rows than `chosen` and has not run in this bucket for `rule.accept_after`
@@ -420,11 +421,12 @@ def explore_acceptance(upper, costs: BucketCosts, chosen, host_seconds: float = 
     (`exploration_loss` against its budget, `rule.accept_budget` of its served time). A shape's price is optimistic
     too while it is unconfirmed (fewer than `rule.confirm` served times, `optimistic_seconds`): one slow try would
     otherwise price it out of every later try, and a drafting width held off by the held context is re-measured
-    by nothing else."""
+    by nothing else. `scale`: as in `worth_sums`."""
     if rule.explore_every <= 0 or len(costs.cost) < 2:
         return None
-    seconds = with_drafting(with_host(optimistic_seconds(costs, rule), host_seconds), upper, drafting_per_token)
-    hope = choose_width(upper, seconds, margin)
+    seconds = with_drafting(with_host(optimistic_seconds(costs, rule), host_seconds), upper, drafting_per_token,
+                            scale)
+    hope = choose_width(upper, seconds, margin, scale)
     if shape_rows(hope) <= shape_rows(chosen) or costs.age[hope] < rule.accept_after:
         return None
     return hope
@@ -441,12 +443,14 @@ def optimistic_seconds(costs: BucketCosts, rule: CostRule = CostRule()) -> dict:
 
 
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
-                 rule: CostRule | None = CostRule(), drafting_per_token: float = 0.0) -> tuple[int, bool]:
+                 rule: CostRule | None = CostRule(), drafting_per_token: float = 0.0,
+                 scale: dict | None = None) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
     time (one figure, or one per shape: `with_host`; and drafting's own cost on every drafting shape:
-    `with_drafting`), then `explore_width` (rule None: no exploration). Pure."""
-    seconds = with_drafting(with_host(costs.seconds, host_seconds), alphas, drafting_per_token)
-    chosen = choose_width(alphas, seconds, margin)
+    `with_drafting`), the expected tokens scaled by `scale` (`worth_sums`), then `explore_width` (rule None: no
+    exploration). Pure."""
+    seconds = with_drafting(with_host(costs.seconds, host_seconds), alphas, drafting_per_token, scale)
+    chosen = choose_width(alphas, seconds, margin, scale)
     other = None if rule is None else explore_width(costs, chosen, rule)
     return (chosen, False) if other is None else (other, True)
 
@@ -503,27 +507,31 @@ def acceptance_worth(alphas, shapes):
     return np.stack([np.broadcast_to(expected_tokens(alphas, w), alphas.shape) for w in shapes], axis=1)
 
 
-def worth_sums(alphas, shapes) -> list[float]:
+def worth_sums(alphas, shapes, scale: dict | None = None) -> list[float]:
     """`acceptance_worth(alphas, shapes).sum(axis=0)` as floats: the expected tokens of a round of each shape over
-    the live rows. Chains in plain Python (a serving step's chooser runs this on a few rows and widths, where
-    numpy's per-call overhead is most of the cost), trees through `expected_tokens`."""
+    the live rows, each times `scale[shape]` where given (what that shape's verifies committed over what this model
+    expected of them: `Engine.worth_scale`). Chains in plain Python (a serving step's chooser runs this on a few
+    rows and widths, where numpy's per-call overhead is most of the cost), trees through `expected_tokens`."""
     if any(isinstance(w, TreeShape) and not w.is_chain for w in shapes):
-        return [float(x) for x in acceptance_worth(alphas, shapes).sum(axis=0)]
-    rows = [min(float(a), 0.999) for a in np.asarray(alphas, np.float64).reshape(-1).tolist()]
-    out = []
-    for w in shapes:
-        n = shape_rows(w)
-        out.append(sum((1.0 - a ** n) / (1.0 - a) for a in rows))
+        out = [float(x) for x in acceptance_worth(alphas, shapes).sum(axis=0)]
+    else:
+        rows = [min(float(a), 0.999) for a in np.asarray(alphas, np.float64).reshape(-1).tolist()]
+        out = []
+        for w in shapes:
+            n = shape_rows(w)
+            out.append(sum((1.0 - a ** n) / (1.0 - a) for a in rows))
+    if scale:
+        out = [t * scale.get(w, 1.0) for t, w in zip(out, shapes)]
     return out
 
 
-def choose_width(alphas, seconds: dict, margin: float = 0.0):
+def choose_width(alphas, seconds: dict, margin: float = 0.0, scale: dict | None = None):
     """The shape (a chain width, or a `TreeShape`) with the most expected tokens per second over the live rows:
-    `choose` over `acceptance_worth` and `seconds` ({shape: seconds per round}), the shapes in cost order
-    (`shape_order`): ties go to the cheaper, and every shape but the cheapest must win by 1 + `margin` (the table's
-    error: a round speculates only where the gain is clear). Pure and deterministic."""
+    `choose` over `acceptance_worth` (times `scale`, `worth_sums`) and `seconds` ({shape: seconds per round}), the
+    shapes in cost order (`shape_order`): ties go to the cheaper, and every shape but the cheapest must win by
+    1 + `margin` (the table's error: a round speculates only where the gain is clear). Pure and deterministic."""
     shapes = sorted(seconds, key=shape_order)
-    return shapes[_best(worth_sums(alphas, shapes), [seconds[w] for w in shapes], margin)]
+    return shapes[_best(worth_sums(alphas, shapes, scale), [seconds[w] for w in shapes], margin)]
 
 
 def _best(totals, seconds, margin: float) -> int:

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_jax.compile_cache import CompileCounter
 from dflash_jax.serve.engine import Engine, generate as serve_generate
-from dflash_jax.spec.policy import choose_width, default_widths, expected_tokens
+from dflash_jax.spec.policy import choose_width, default_widths, expected_tokens, worth_sums
 from dflash_jax.spec import SamplingParams
 from dflash_jax.spec import generate as spec_generate
 
@@ -32,6 +32,12 @@ def test_choice_rule():
     mid = {1: 1.0, 2: 1.3, 4: 1.9, 8: 3.2}
     assert choose_width([0.75] * 8, mid) == 4  # 2.73 / 1.9 beats 1.75 / 1.3 and 3.6 / 3.2
     assert choose_width([0.5], {1: 1.0, 2: 1.5}) == 1  # a tie goes to the narrower
+    # a width's measured scale on the model's expected tokens: 4 x 2.73 tokens over 2.5 s misses the 10% margin
+    # against width 1 (3.97 < 4 a second); committing 5% more than the model expects, it clears it (4.17)
+    assert worth_sums([0.75] * 4, [1, 4], {4: 1.05}) == pytest.approx([4.0, 4 * 2.734375 * 1.05])
+    assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1) == 1
+    assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1, scale={4: 1.05}) == 4
+    assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1, scale={2: 1.2}) == 1  # another width's: none
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +143,46 @@ def test_width_one_rounds_fade_a_requests_evidence(pair):
     assert eng.row_acceptance(req) > 2 * low
     assert choose_width([0.5], {1: 1.0, 2: 1.4}) == 2  # 1.5 / 1.4: a 7% gain
     assert choose_width([0.5], {1: 1.0, 2: 1.4}, margin=0.1) == 1  # within the margin: no speculation
+
+
+def test_a_widths_outcome_scales_what_the_model_expects_of_it(pair):
+    """`Engine.worth_scale`: per chain width, the tokens its verifies committed over the tokens the chain model
+    expected of each (at the request's estimate just before it), decayed per verify, with `WORTH_PRIOR` tokens of
+    "as expected", within `WORTH_SCALE_RANGE`. Width-1 rounds and tree verifies are not counted; a verify its
+    request's end cut short neither. The chooser prices the width with it."""
+    from dflash_jax.serve.engine import LONG_RUN_DECAY, WORTH_PRIOR, WORTH_SCALE_RANGE, Request
+    from dflash_jax.spec.tree import TreeShape
+
+    eng = Engine(pair, slots=1, block_size=4, widths=(1, 4), round_seconds={1: 1.0, 4: 2.5})
+    req = Request(id=0, prompt=[1], max_new_tokens=64, sampling=SamplingParams(), stop_ids=[], seed=0)
+    assert eng.worth_scale == {}
+    got = want = 0.0
+    for committed in [4, 4, 2, 4, 3, 4, 4, 1, 4, 4] * 3:
+        a = eng.row_acceptance(req)
+        got, want = LONG_RUN_DECAY * got + committed, LONG_RUN_DECAY * want + float(expected_tokens(a, 4))
+        eng._observe_acceptance(req, 4, committed, False)
+    eng._observe_acceptance(req, 1, 1, False)
+    eng._observe_acceptance(req, TreeShape(8, 2), 4, False)
+    eng._observe_acceptance(req, 4, 1, True)  # the request's last verify: its end may have cut it
+    assert set(eng.worth_scale) == {4}
+    assert eng.worth_scale[4] == pytest.approx((got + WORTH_PRIOR) / (want + WORTH_PRIOR))
+    assert eng.worth_scale[4] != pytest.approx(1.0, abs=1e-3)
+
+    # far more than the model expects (its estimate held low before each verify): the scale stops at the range's top
+    for _ in range(100):
+        req.accept_hits, req.accept_misses = 0.0, 50.0
+        eng._observe_acceptance(req, 4, 4, False)
+    assert eng.worth_scale[4] == WORTH_SCALE_RANGE[1]
+
+    # the chooser: width 4 misses the margin at the request's estimate, and clears it with the measured scale
+    eng.requests[0] = req
+    req.accept_hits, req.accept_misses = 15.0, 5.0
+    eng.learn_costs, eng._host_samples, eng.host_seconds = False, 1, 0.0
+    alpha = eng.row_acceptance(req)
+    # width 4 at 1.12x what would tie it with width 1 before the margin: short of the 10% margin by itself
+    eng.round_seconds = table = {1: 1.0, 4: 1.12 * float(expected_tokens(alpha, 4)) / (1.0 + eng.width_margin)}
+    assert choose_width([alpha], table, eng.width_margin) == 1
+    assert choose_width([alpha], table, eng.width_margin, eng.worth_scale) == 4
+    assert eng.choose_width([0]) == 4
+    eng._worth.clear()
+    assert eng.choose_width([0]) == 1
