@@ -112,6 +112,13 @@ ACCEPTANCE_VERIFIES = 16  # the row verifies such a call aims at: 8 rounds of on
 # a drafting width that a try found wanting in a row bucket (the next choice there is narrower) waits twice as long
 # before the next try there, up to this many times `CostRule.accept_after` rounds; one chosen after a try resets it
 ACCEPT_BACKOFF = 16
+# the engine's drafting evidence (decayed accepted + rejected proposals, about 3 a verify at width 4) up to which the
+# acceptance is still being learned: a try is free (not charged to the budget) and runs at the next call where it
+# may win, whatever the backoff. Until the draft's acceptance is known, a pessimistic prior, or a first try that met
+# a hard stretch (the start of a response) and priced its short call high, would otherwise ration the tries that
+# measure it: at one client on the shipped pair an engine held width 1 for a dozen requests, waiting 32 then 64
+# calls between tries, while width 4 served 15% more
+ACCEPT_FREE_EVIDENCE = 64.0
 # per round: the acceptance exploration's credit (`CostRule.accept_budget` of the served time) fades over a few hundred
 # rounds, so a quiet spell does not pay for a run of explorations later
 CREDIT_DECAY = 1.0 - 1.0 / 256
@@ -523,6 +530,7 @@ class Engine:
         self._hits, self._misses = 2.0 * self._prior, 2.0 * (1.0 - self._prior)
         self._long_hits = self._long_misses = 0.0  # every drafting verify's evidence, decayed by LONG_RUN_DECAY
         self._worth = {}  # chain width -> [tokens committed, tokens the model expected] of its verifies (decayed)
+        self._incumbent = {}  # row bucket -> the width its last chosen (not explored) call ran
         self.width_rounds = collections.Counter()
         self.rows_rounds = collections.Counter()  # rounds by the row bucket computed
         self.rounds_per_call = rounds_per_call if rounds_per_call == "auto" else int(rounds_per_call)
@@ -1384,22 +1392,26 @@ class Engine:
         # expected tokens per round)
         drafting = self.drafting_per_token(rows)
         scale = self.worth_scale if self._worth else None
-        width, explored = decide_width(alphas, costs, host, self.width_margin, rule, drafting, scale)
+        # the width the bucket runs now pays no margin: a change needs the clear gain both ways
+        incumbent = self._incumbent.get(rows)
+        width, explored = decide_width(alphas, costs, host, self.width_margin, rule, drafting, scale, incumbent)
         if explored and shape_rows(width) > 1 and self._held_top(live) > self.block_size:
             # re-pricing a drafting width would append the held context first: not while a live row holds more
             # than a block (the table keeps its entry, scaled by the load the chosen width's rounds show)
-            width, explored = decide_width(alphas, costs, host, self.width_margin, None, drafting, scale)
+            width, explored = decide_width(alphas, costs, host, self.width_margin, None, drafting, scale, incumbent)
         if not explored and rule is not None and self.acceptance_exploration:
             # what the draft accepts, measured where an optimistic estimate says a wider width could win (held rows'
             # evidence fades toward the prior, which may undersell the draft): a short call now and then, with the
             # held context appended first, within the exploration's budget of the served time
             evidence = [self.requests[s].accept_hits + self.requests[s].accept_misses + 2.0 for s in live]
             wait = self._accept_wait.get(rows, rule.accept_after)  # (a replaced rule only where it backed off)
+            learning = self._long_hits + self._long_misses <= ACCEPT_FREE_EVIDENCE
+            wait = 1 if learning else wait  # the acceptance not known yet: a try at the next call that hopes
             arule = rule if wait == rule.accept_after else dataclasses.replace(rule, accept_after=wait)
             hope = explore_acceptance(acceptance_upper(alphas, evidence), costs, width, host, self.width_margin,
                                       arule, drafting, scale)
             rounds = max(1, min(ACCEPTANCE_CALL_ROUNDS, -(-ACCEPTANCE_VERIFIES // len(live))))
-            if hope is not None and self._long_hits + self._long_misses > 0:  # before any drafting verify: free
+            if hope is not None and not learning:  # while learning: free
                 # what it is expected to lose at the current estimate, the held context's append included
                 first = (self.flush_seconds(rows) or 0.0) if self._held_top(live) > self.block_size else 0.0
                 seconds = with_drafting(with_host(costs.seconds, host), alphas, drafting, scale)
@@ -1420,6 +1432,8 @@ class Engine:
             wait = self._accept_wait.get(rows, base)
             self._accept_wait[rows] = min(2 * wait, ACCEPT_BACKOFF * base) if wanting else base
         self._explored = width if explored else None
+        if not explored:
+            self._incumbent[rows] = width
         return width
 
     def learn_cost(self, info: RoundInfo, priced: bool = True) -> None:

@@ -444,13 +444,13 @@ def optimistic_seconds(costs: BucketCosts, rule: CostRule = CostRule()) -> dict:
 
 def decide_width(alphas, costs: BucketCosts, host_seconds: float = 0.0, margin: float = 0.0,
                  rule: CostRule | None = CostRule(), drafting_per_token: float = 0.0,
-                 scale: dict | None = None) -> tuple[int, bool]:
+                 scale: dict | None = None, incumbent=None) -> tuple[int, bool]:
     """(the round's width, whether it explores): `choose_width` over the bucket's table plus the per-round host
     time (one figure, or one per shape: `with_host`; and drafting's own cost on every drafting shape:
-    `with_drafting`), the expected tokens scaled by `scale` (`worth_sums`), then `explore_width` (rule None: no
-    exploration). Pure."""
+    `with_drafting`), the expected tokens scaled by `scale` (`worth_sums`), the margin paid by every shape but
+    `incumbent` where given, then `explore_width` (rule None: no exploration). Pure."""
     seconds = with_drafting(with_host(costs.seconds, host_seconds), alphas, drafting_per_token, scale)
-    chosen = choose_width(alphas, seconds, margin, scale)
+    chosen = choose_width(alphas, seconds, margin, scale, incumbent)
     other = None if rule is None else explore_width(costs, chosen, rule)
     return (chosen, False) if other is None else (other, True)
 
@@ -525,19 +525,24 @@ def worth_sums(alphas, shapes, scale: dict | None = None) -> list[float]:
     return out
 
 
-def choose_width(alphas, seconds: dict, margin: float = 0.0, scale: dict | None = None):
+def choose_width(alphas, seconds: dict, margin: float = 0.0, scale: dict | None = None, incumbent=None):
     """The shape (a chain width, or a `TreeShape`) with the most expected tokens per second over the live rows:
     `choose` over `acceptance_worth` (times `scale`, `worth_sums`) and `seconds` ({shape: seconds per round}), the
     shapes in cost order (`shape_order`): ties go to the cheaper, and every shape but the cheapest must win by
-    1 + `margin` (the table's error: a round speculates only where the gain is clear). Pure and deterministic."""
+    1 + `margin` (the table's error: a round speculates only where the gain is clear). With `incumbent` (one of the
+    shapes: the one running now), every shape but it pays the margin instead, so a change of shape needs the clear
+    gain both ways (noise in the estimates near a tie does not flip the choice back and forth; each flip costs: a
+    width-1 call holds the draft's context, the drafting call after it appends the hold). Pure and deterministic."""
     shapes = sorted(seconds, key=shape_order)
-    return shapes[_best(worth_sums(alphas, shapes, scale), [seconds[w] for w in shapes], margin)]
+    free = shapes.index(incumbent) if incumbent in seconds else None
+    return shapes[_best(worth_sums(alphas, shapes, scale), [seconds[w] for w in shapes], margin, free)]
 
 
-def _best(totals, seconds, margin: float) -> int:
+def _best(totals, seconds, margin: float, free: int | None = None) -> int:
     """`choose` over summed worths `totals` [S] and `seconds` [S] in plain Python (the same rule: every shape but
-    the cheapest, the first of equals, pays 1 + `margin`; ties go to the earlier)."""
-    cheapest = min(range(len(seconds)), key=seconds.__getitem__)
+    the cheapest, the first of equals, pays 1 + `margin`, or every shape but `free` where given; ties go to the
+    earlier)."""
+    cheapest = min(range(len(seconds)), key=seconds.__getitem__) if free is None else free
     best, top = 0, None
     for i, (t, sec) in enumerate(zip(totals, seconds)):
         rate = t / (sec if i == cheapest else sec * (1.0 + margin))

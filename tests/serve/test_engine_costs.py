@@ -413,7 +413,7 @@ def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
     """After the first try (free: nothing measured yet), a try runs only when the credit (`CostRule.accept_budget` of
     the served time, less what the tries before it were expected to lose) covers what it is expected to lose at the
     current estimate (`exploration_loss`), which it then spends."""
-    from dflash_jax.serve.engine import ACCEPTANCE_CALL_ROUNDS, Request, SamplingParams, generate
+    from dflash_jax.serve.engine import ACCEPT_FREE_EVIDENCE, ACCEPTANCE_CALL_ROUNDS, Request, SamplingParams, generate
     from dflash_jax.serve.runner import FakeRunner, fake_pair
 
     def engine(**kw):
@@ -429,7 +429,7 @@ def test_the_acceptance_exploration_spends_a_budget_of_the_served_time():
     eng.host_seconds, eng._host_samples = 0.0, 1
     assert eng.choose_width([0]) == 4 and eng.acceptance_explores == 1  # nothing measured: free
     eng._accept_explore = False
-    eng._long_hits = 10.0  # measured once
+    eng._long_hits = ACCEPT_FREE_EVIDENCE + 10.0  # the acceptance known (past the learning)
     eng._costs[1] = observe_cost(eng.bucket_costs(1), 1, 1e-3, eng.cost_rule)
     for _ in range(eng.cost_rule.accept_after):
         eng._costs[1] = observe_cost(eng._costs[1], 1, 1e-3, eng.cost_rule)
@@ -454,18 +454,10 @@ def test_a_width_found_wanting_waits_longer_before_the_next_try():
     """A try whose bucket then chooses a narrower width doubles the rounds before the next try there (up to
     `ACCEPT_BACKOFF` times `accept_after`); a try after which the tried width is chosen resets the wait. Where
     width 4 keeps losing (4 rows on a CPU, where each try also appends the held context first), tries thin out."""
-    from dflash_jax.serve.engine import ACCEPT_BACKOFF, Request, SamplingParams
-    from dflash_jax.serve.runner import FakeRunner, fake_pair
+    from dflash_jax.serve.engine import ACCEPT_BACKOFF, ACCEPT_FREE_EVIDENCE
 
-    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=400,
-                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4,
-                 cost_rule=CostRule(explore_every=10**6))  # no stale-neighbour exploration in the way
-    eng.warmup([16])
-    eng.cost_table = {rows: {1: 1e-3, 4: 2.9e-3} for rows in eng.row_buckets}  # 4 wins only above 0.85
-    eng.call_overhead = {}
-    eng.requests[0] = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0)
-    eng.host_seconds, eng._host_samples = 0.0, 1
-    eng._long_hits, eng._explore_credit = 10.0, 1.0  # measured once; credit to spare
+    eng = _trying_engine()
+    eng._long_hits, eng._explore_credit = ACCEPT_FREE_EVIDENCE + 10.0, 1.0  # the acceptance known; credit to spare
     base = eng.cost_rule.accept_after
     waits = []
     eng._costs[1] = observe_cost(eng.bucket_costs(1), 4, 2.9e-3, eng.cost_rule, explored=True)  # just ran
@@ -483,6 +475,44 @@ def test_a_width_found_wanting_waits_longer_before_the_next_try():
     eng._accept_tried[1] = 4
     eng.requests[0].accept_hits = 1000.0  # this row accepts everything: width 4 chosen after the try
     assert eng.choose_width([0]) == 4 and eng._explored is None and eng._accept_wait[1] == base
+
+
+def _trying_engine():
+    """A fake engine of widths 1 and 4 whose table makes width 4 win only above an acceptance of 0.85, one live
+    request, no host work and no stale-neighbour exploration in the way of the acceptance tries."""
+    from dflash_jax.serve.engine import Request, SamplingParams
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=400,
+                 max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4,
+                 cost_rule=CostRule(explore_every=10**6))
+    eng.warmup([16])
+    eng.cost_table = {rows: {1: 1e-3, 4: 2.9e-3} for rows in eng.row_buckets}
+    eng.call_overhead = {}
+    eng.requests[0] = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0)
+    eng.host_seconds, eng._host_samples = 0.0, 1
+    return eng
+
+
+def test_while_the_acceptance_is_learned_a_try_comes_at_the_next_call_and_costs_no_credit():
+    """Up to `ACCEPT_FREE_EVIDENCE` of drafting evidence the engine is still learning what its draft accepts: a try
+    runs at the next call after the last drafting one wherever the optimistic estimate hopes, whatever the backoff
+    and the credit, and spends none. Past it, the backoff and the budget apply again."""
+    from dflash_jax.serve.engine import ACCEPT_BACKOFF, ACCEPT_FREE_EVIDENCE
+
+    eng = _trying_engine()
+    base = eng.cost_rule.accept_after
+    eng._long_hits, eng._explore_credit = 10.0, 0.0  # one try's worth of evidence, no credit
+    eng._accept_wait[1] = ACCEPT_BACKOFF * base  # backed off as far as it goes
+    eng._costs[1] = observe_cost(eng.bucket_costs(1), 4, 2.9e-3, eng.cost_rule, explored=True)  # just ran
+    assert eng.choose_width([0]) == 1  # not at the very call after it
+    eng._costs[1] = observe_cost(eng._costs[1], 1, 1e-3, eng.cost_rule)
+    assert eng.choose_width([0]) == 4 and eng._explored == 4 and eng._explore_credit == 0.0
+    eng._long_hits, eng._explore_credit = ACCEPT_FREE_EVIDENCE + 1.0, 1.0  # learned: the backoff holds it off
+    eng._costs[1] = observe_cost(eng._costs[1], 4, 2.9e-3, eng.cost_rule, explored=True)
+    for _ in range(3):
+        eng._costs[1] = observe_cost(eng._costs[1], 1, 1e-3, eng.cost_rule)
+        assert eng.choose_width([0]) == 1
 
 
 @pytest.mark.parametrize("alone, together, prefills", [(0.001, 0.01, 3), (0.004, 0.01, 1)])

@@ -38,6 +38,11 @@ def test_choice_rule():
     assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1) == 1
     assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1, scale={4: 1.05}) == 4
     assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1, scale={2: 1.2}) == 1  # another width's: none
+    # the width running now pays no margin: 4.37 a second against width 1's 4 / 1.1 keeps width 4; width 1 running,
+    # 3.97 against 4 keeps width 1 (a change needs the clear gain both ways)
+    assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1, incumbent=4) == 4
+    assert choose_width([0.75] * 4, {1: 1.0, 4: 2.5}, margin=0.1, incumbent=1) == 1
+    assert choose_width([0.5] * 4, {1: 1.0, 4: 2.5}, margin=0.1, incumbent=4) == 1  # 7.5 / 2.5 < 4 / 1.1
 
 
 @pytest.fixture(scope="module")
@@ -185,4 +190,6 @@ def test_a_widths_outcome_scales_what_the_model_expects_of_it(pair):
     assert choose_width([alpha], table, eng.width_margin, eng.worth_scale) == 4
     assert eng.choose_width([0]) == 4
     eng._worth.clear()
+    assert eng.choose_width([0]) == 4  # the bucket runs width 4 now: width 1 must win by the margin to replace it
+    eng._incumbent.clear()
     assert eng.choose_width([0]) == 1
