@@ -969,13 +969,18 @@ class ResidentRunner(RoundRunner):
     def pending_context(self) -> np.ndarray:
         return np.asarray(self.state.num_context)
 
+    @property
+    def _flush_chunk(self) -> int:
+        """The context columns a flush (or a catch-up's flush) appends per step: `FLUSH_CHUNK`, or the hold."""
+        return min(FLUSH_CHUNK, self.layout.held)
+
     @_on_mesh
     def flush_context(self, rows: int, slots: Sequence[int] | None = None) -> None:
         """The pending context of the first `rows` rows appended; with `slots` (a few of them), only theirs: a
         gathered flush of the smallest `FLUSH_GROUPS` size holding them, when that is fewer rows than `rows` (a
         flush computes every row's columns up to the longest pending run: one admitted prompt in a bucket of 16
         rows otherwise costs 16 prompts' appends)."""
-        chunk = min(FLUSH_CHUNK, self.layout.held)
+        chunk = self._flush_chunk
         group = None if slots is None else next((g for g in FLUSH_GROUPS if g >= len(slots)), None)
         if group is not None and group < rows:
             index = np.full(group, self.slots, np.int32)  # padding: past the slots, nothing done
@@ -989,7 +994,7 @@ class ResidentRunner(RoundRunner):
         """The gathered flushes (`flush_context`'s `slots`) of every `FLUSH_GROUPS` size, on padding slots only
         (nothing appended), where the state holds context rows past a block."""
         if self.spec.taps and self.layout.held > self.spec.block_size:
-            chunk = min(FLUSH_CHUNK, self.layout.held)
+            chunk = self._flush_chunk
             for group in FLUSH_GROUPS:
                 if group < self.slots:
                     index = np.full(group, self.slots, np.int32)
@@ -999,7 +1004,7 @@ class ResidentRunner(RoundRunner):
     def catch_up(self, rows: int, tokens: np.ndarray, back: np.ndarray) -> None:
         self.state = _catch_up(self.pair.target, self.pair.draft, self.state, np.asarray(tokens, np.int32)[:rows],
                                np.asarray(back, np.int32)[:rows], self.spec, rows,
-                               min(FLUSH_CHUNK, self.layout.held))
+                               self._flush_chunk)
 
     # -- the round -------------------------------------------------------------------------------------
 
