@@ -12,6 +12,7 @@
 // or more are split over XLA's intra-op thread pool (`ParallelItems`: workers claim items, so a descheduled helper
 // holds up only the item it claimed).
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -432,6 +433,152 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w, ffi::Buffer<ffi:
                    pool);
 }
 
+
+// ---- DflashKvAttention: softmax attention of queries over each row's live keys in a [B, Hkv, S, D] cache ----
+//
+// out[b, t, h] = sum_s p[s] v[b, h / G, s],  p = softmax_s(scale * q[b, t, h] . k[b, h / G, s]) over the slots
+// s < kv_lengths[b] (and, causal, s <= q_positions[b, t]), then the keys beside the cache that mask[b, t] shows (the
+// draft's block); a query with no visible key gets zeros. Each query reads
+// only its own row's visible slots, in order, whatever the other rows and queries of the call: a row's result does
+// not depend on its batch or on the block it is verified in. Scores and sums in float32.
+
+#ifdef DFLASH_DENSE_AVX512
+// exp on float32 lanes: a range reduction by ln 2 and a degree-6 polynomial on [-ln2/2, ln2/2] (about 1 ulp);
+// 2^n applied by scalef, which underflows to zero as the true value does.
+inline __m512 Exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.5f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+struct Attention {
+  const float *q, *k, *v;              // [B, T, Hq, D], [B, Hkv, S, D] x 2
+  const int32_t *positions, *lengths;  // [B, T], [B]
+  const float *kx, *vx;                // keys beside the cache: [B, X, Hkv, D] x 2
+  const int32_t* mask;                 // [B, T, X]: may query t see beside-key x
+  float* out;                          // [B, T, Hq, D]
+  int64_t b, t, hq, hkv, s, d, x;
+  float scale;
+  bool causal;
+};
+
+// One (row, kv head): every query of its group at every block position. `scores` holds S + X floats, `beside` X.
+void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, int64_t* beside, float* acc) {
+  const int64_t g = a.hq / a.hkv, d = a.d;
+  const int64_t live = std::min<int64_t>(std::max<int32_t>(a.lengths[row], 0), a.s);
+  const float* kh = a.k + (row * a.hkv + head) * a.s * d;
+  const float* vh = a.v + (row * a.hkv + head) * a.s * d;
+  for (int64_t t = 0; t < a.t; ++t) {
+    int64_t stop = live;
+    if (a.causal) stop = std::min<int64_t>(stop, std::max<int64_t>(int64_t(a.positions[row * a.t + t]) + 1, 0));
+    int64_t seen = 0;  // the beside-keys this query sees, in order
+    for (int64_t x = 0; x < a.x; ++x)
+      if (a.mask[(row * a.t + t) * a.x + x]) beside[seen++] = x;
+    const int64_t total = stop + seen;
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t offset = ((row * a.t + t) * a.hq + head * g + j) * d;
+      const float* qv = a.q + offset;
+      float* ov = a.out + offset;
+      if (total <= 0) {
+        std::fill(ov, ov + d, 0.f);
+        continue;
+      }
+#ifdef DFLASH_DENSE_AVX512
+      const int64_t vecs = (d + 15) / 16;
+      float m = -INFINITY;
+      for (int64_t s = 0; s < total; ++s) {
+        const float* kr = s < stop ? kh + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < vecs; ++c) {
+          const __mmask16 mk = Mask(d - 16 * c);
+          sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, qv + 16 * c), _mm512_maskz_loadu_ps(mk, kr + 16 * c), sum);
+        }
+        const float x = _mm512_reduce_add_ps(sum) * a.scale;
+        scores[s] = x;
+        m = std::max(m, x);
+      }
+      const __m512 mv = _mm512_set1_ps(m);
+      __m512 lsum = _mm512_setzero_ps();
+      for (int64_t s = 0; s < total; s += 16) {
+        const __mmask16 mk = Mask(total - s);
+        const __m512 e = _mm512_maskz_mov_ps(mk, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, scores + s), mv)));
+        _mm512_mask_storeu_ps(scores + s, mk, e);
+        lsum = _mm512_add_ps(lsum, e);
+      }
+      const float l = _mm512_reduce_add_ps(lsum);
+      std::fill(acc, acc + 16 * vecs, 0.f);
+      for (int64_t s = 0; s < total; ++s) {
+        const __m512 p = _mm512_set1_ps(scores[s]);
+        const float* vr = s < stop ? vh + s * d : a.vx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+        for (int64_t c = 0; c < vecs; ++c) {
+          const __mmask16 mk = Mask(d - 16 * c);
+          _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(mk, vr + 16 * c),
+                                                         _mm512_loadu_ps(acc + 16 * c)));
+        }
+      }
+      const float inv = 1.f / l;
+      for (int64_t c = 0; c < d; ++c) ov[c] = acc[c] * inv;
+#else
+      float m = -INFINITY;
+      for (int64_t s = 0; s < total; ++s) {
+        const float* kr = s < stop ? kh + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+        float x = 0.f;
+        for (int64_t c = 0; c < d; ++c) x = __builtin_fmaf(qv[c], kr[c], x);
+        scores[s] = x * a.scale;
+        m = std::max(m, scores[s]);
+      }
+      float l = 0.f;
+      for (int64_t s = 0; s < total; ++s) {
+        scores[s] = std::exp(scores[s] - m);
+        l += scores[s];
+      }
+      std::fill(acc, acc + d, 0.f);
+      for (int64_t s = 0; s < total; ++s) {
+        const float* vr = s < stop ? vh + s * d : a.vx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+        for (int64_t c = 0; c < d; ++c) acc[c] = __builtin_fmaf(scores[s], vr[c], acc[c]);
+      }
+      for (int64_t c = 0; c < d; ++c) ov[c] = acc[c] / l;
+#endif
+    }
+  }
+}
+
+ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                         ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> kx,
+                         ffi::Buffer<ffi::F32> vx, ffi::Buffer<ffi::S32> mask, ffi::ResultBuffer<ffi::F32> out,
+                         float scale, bool causal) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = positions.dimensions(),
+       ld = lengths.dimensions(), xd = kx.dimensions(), yd = vx.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || ld.size() != 1 || kd[0] != qd[0] ||
+      kd[3] != qd[3] || kd[1] == 0 || qd[2] % kd[1] != 0 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
+      vd[3] != kd[3] || pd[0] != qd[0] || pd[1] != qd[1] || ld[0] != qd[0] || xd.size() != 4 || yd.size() != 4 ||
+      md.size() != 3 || xd[0] != qd[0] || xd[2] != kd[1] || xd[3] != qd[3] || yd[0] != xd[0] || yd[1] != xd[1] ||
+      yd[2] != xd[2] || yd[3] != xd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != xd[1])
+    return ffi::Error::InvalidArgument(
+        "kv_attention: q [B, T, Hq, D], k and v [B, Hkv, S, D] (Hq a multiple of Hkv), positions [B, T], lengths [B], "
+        "beside-keys and values [B, X, Hkv, D], mask [B, T, X]");
+  Attention a{q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(), lengths.typed_data(),
+              kx.typed_data(), vx.typed_data(), mask.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[1],
+              kd[2], kd[3], xd[1], scale, causal};
+  std::vector<float> scores(a.s + a.x + 16), acc(a.d + 16);
+  std::vector<int64_t> beside(a.x + 1);
+  for (int64_t row = 0; row < a.b; ++row)
+    for (int64_t head = 0; head < a.hkv; ++head) AttendHead(a, row, head, scores.data(), beside.data(), acc.data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
@@ -455,3 +602,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
 
 DFLASH_DENSE_ROWS_HANDLER(DflashDenseRows, ffi::F32)
 DFLASH_DENSE_ROWS_HANDLER(DflashDenseRowsBf16, ffi::BF16)
+
+// q f32 [B, T, Hq, D], k and v f32 [B, Hkv, S, D], positions s32 [B, T], lengths s32 [B], beside-keys and values
+// f32 [B, X, Hkv, D], mask s32 [B, T, X] -> f32 [B, T, Hq, D]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashKvAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal"));

@@ -32,6 +32,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.formats import MXFP4Tensor, NVFP4Tensor
 
@@ -41,6 +42,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fp4_rows.
 TARGET = "dflash_mxfp4_rows"
 DENSE_TARGET = "dflash_dense_rows"
 DENSE_BF16_TARGET = "dflash_dense_rows_bf16"
+ATTENTION_TARGET = "dflash_kv_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _lock = threading.Lock()
@@ -104,6 +106,8 @@ def available() -> bool:
                     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.DflashMxfp4Rows), platform="cpu")
                     jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.DflashDenseRows), platform="cpu")
                     jax.ffi.register_ffi_target(DENSE_BF16_TARGET, jax.ffi.pycapsule(lib.DflashDenseRowsBf16),
+                                                platform="cpu")
+                    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.DflashKvAttention),
                                                 platform="cpu")
                     _state["lib"] = lib
                     ok = True
@@ -170,3 +174,28 @@ def _dense_rows_bwd(res, g):
 
 
 _dense_rows.defvjp(_dense_rows_fwd, _dense_rows_bwd)
+
+
+def supports_attention(q, k_buf, v_buf) -> bool:
+    """Whether `kv_attention` takes these operands: float32 queries [B, T, Hq, D] and cache buffers [B, Hkv, S, D]."""
+    return (q.ndim == 4 and k_buf.ndim == 4 and v_buf.ndim == 4
+            and all(x.dtype == jnp.float32 for x in (q, k_buf, v_buf)) and q.shape[2] % k_buf.shape[1] == 0)
+
+
+def kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, *, scale: float, causal: bool, extra=None) -> jax.Array:
+    """Softmax attention of q [B, T, Hq, D] (float32) over each row's live slots of k_buf, v_buf [B, Hkv, S, D]:
+    slots s < kv_lengths[b] and, causal, s <= q_positions[b, t]; query head h reads kv head h // (Hq / Hkv); extra:
+    optional (k [B, X, Hkv, D], v, mask [B, T, X] bool), keys beside the cache (the draft's block) under their own
+    mask, in the same softmax. Each query reads only its own row's visible keys, in order (the cost follows the live
+    lengths, and a row's result does not depend on the other rows or the block's width); scores, softmax and sums in
+    float32; a query with no visible key gets zeros. No gradient (`nn.attention` gives it the dense path's). Call
+    `available()` first."""
+    b, t, _, d = q.shape
+    if extra is None:
+        k_x = jnp.zeros((b, 0, k_buf.shape[1], d), jnp.float32)
+        v_x, mask = k_x, jnp.zeros((b, t, 0), jnp.int32)
+    else:
+        k_x, v_x, mask = extra
+    return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_buf, v_buf, q_positions.astype(jnp.int32), kv_lengths.astype(jnp.int32), k_x.astype(jnp.float32),
+        v_x.astype(jnp.float32), mask.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.cache import SLOT_AXIS, write_rows
+from pallas_kernels import cpu_kernels, target
 
 _NEG_INF = -1e30
 
@@ -122,10 +123,13 @@ def _attend(q, k, v, mask, *, scale, sinks):
 class AttentionTuning:
     """chunk: KV rows per step of the chunked path. dense_max_rows: buffers of at most this many rows take
     the dense path (also any buffer with fewer than `chunk` rows beyond the block: nothing to skip).
-    `dense_max_rows=None` forces the dense path everywhere; 0 forces the chunked path where it applies."""
+    `dense_max_rows=None` forces the dense path everywhere; 0 forces the chunked path where it applies.
+    kernel: on a CPU with the compiled kernels, float32 attention without a window or sinks takes
+    `cpu_kernels.kv_attention` instead of either path (each query reads its own row's live keys only)."""
 
     chunk: int = 256
     dense_max_rows: int | None = 512
+    kernel: bool = True
 
     def __post_init__(self):
         if self.chunk < 1:
@@ -304,6 +308,30 @@ def _chunked_bwd(causal, window, scale, chunk, residuals, g):
 _chunked_with_dense_grad.defvjp(_chunked_fwd, _chunked_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale):
+    return cpu_kernels.kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, scale=scale, causal=causal, extra=extra)
+
+
+def _kernel_fwd(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale):
+    return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale), (
+        q, k_buf, v_buf, q_positions, kv_lengths, extra)
+
+
+def _kernel_bwd(causal, scale, residuals, g):
+    q, k_buf, v_buf, q_positions, kv_lengths, extra = residuals
+    dense = lambda q_, k_, v_, x_: _dense(  # noqa: E731
+        q_, k_, v_, q_positions, kv_lengths, None, x_, causal=causal, window=None, scale=scale)
+    _, vjp = jax.vjp(dense, q, k_buf, v_buf, extra)
+    dq, dk, dv, dextra = vjp(g)
+    if extra is not None:  # the mask of the extra keys is boolean: no cotangent
+        dextra = (dextra[0], dextra[1], None)
+    return dq, dk, dv, None, None, dextra
+
+
+_kernel_with_dense_grad.defvjp(_kernel_fwd, _kernel_bwd)
+
+
 def kv_cache_attention(
     q: jax.Array,
     k_buf: jax.Array,
@@ -329,6 +357,9 @@ def kv_cache_attention(
     result) follows `tuning` (default: the process-wide `get_attention_tuning()`).
     """
     tuning = tuning or _TUNING
+    if (tuning.kernel and window is None and sinks is None and target.platform() == "cpu"
+            and cpu_kernels.supports_attention(q, k_buf, v_buf) and cpu_kernels.available()):
+        return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale)
     block_rows = q.shape[1]
     if not tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows):
         return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_jax.nn.attention import AttentionTuning, cached_causal_attention, kv_cache_attention
 
-TUNING = AttentionTuning(chunk=16, dense_max_rows=32)
+TUNING = AttentionTuning(chunk=16, dense_max_rows=32, kernel=False)  # the XLA paths (the CPU kernel: tests/kernels)
 ROWS = 128
 
 

@@ -24,7 +24,7 @@ BUDGETS = [60, 40, 64]
 
 
 def test_length_buckets_shape():
-    with attention_tuning(chunk=16, dense_max_rows=32):
+    with attention_tuning(chunk=16, dense_max_rows=32, kernel=False):
         assert length_buckets(256, 8) == (48, 256)
         assert length_buckets(1024, 8) == (48, 192, 1024)
         assert length_buckets(32, 8) == (32,)  # a dense cache is never cut
@@ -49,7 +49,7 @@ def test_cut_slots():
     pytest.param(4, (1,), marks=pytest.mark.slow),  # width-1 rounds of a block-4 state: deferring, cut for one row
 ])
 def test_length_buckets_lossless_and_warm(pair, block_size, widths):
-    with attention_tuning(chunk=16, dense_max_rows=32):
+    with attention_tuning(chunk=16, dense_max_rows=32, kernel=False):
         eng = Engine(pair, slots=2, block_size=block_size, widths=widths, max_prompt_len=16, max_new_tokens=64,
                      prefix_cache_bytes=0, lanes=1)  # one runner: its length buckets are watched
         buckets = eng.runner.length_buckets
@@ -75,7 +75,7 @@ def test_length_buckets_lossless_and_warm(pair, block_size, widths):
 def test_a_round_cuts_for_what_its_proposer_can_add(pair):
     """A deferring width-1 round adds one row to a cache and writes no draft block, so a call of 16 of them needs
     16 slots past the live lengths, not 16 widest verifies and a block: it keeps the short bucket, and runs whole."""
-    with attention_tuning(chunk=16, dense_max_rows=32):
+    with attention_tuning(chunk=16, dense_max_rows=32, kernel=False):
         eng = Engine(pair, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=64,
                      prefix_cache_bytes=0, lanes=1, round_seconds={1: 1.0, 4: 2.0})
         eng._reset()

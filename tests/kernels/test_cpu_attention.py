@@ -1,0 +1,104 @@
+"""The compiled CPU attention kernel (`pallas_kernels.cpu_kernels.kv_attention`) against the XLA dense path it
+replaces in `nn.attention.kv_cache_attention`, and the properties it adds: a row's result follows only its own live
+keys (not the buffer's size, the other rows or the block it is verified in)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.nn import attention as A
+from pallas_kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels could not be built here")
+
+XLA = A.AttentionTuning(kernel=False)
+
+
+def _inputs(seed, b, t, hq, hkv, s, d, x=0):
+    rng = np.random.default_rng(seed)
+
+    def f(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    q, k, v = f(b, t, hq, d), f(b, hkv, s, d), f(b, hkv, s, d)
+    extra = None
+    if x:
+        extra = (f(b, x, hkv, d), f(b, x, hkv, d), jnp.asarray(rng.random((b, t, x)) < 0.6))
+    return q, k, v, extra
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,causal,x", [
+    (3, 1, 4, 2, 64, 32, True, 0),     # a decode step
+    (2, 4, 4, 2, 128, 32, True, 0),    # a width-4 verify
+    (2, 7, 8, 2, 40, 64, False, 0),    # non-causal, a head width of 64
+    (1, 16, 2, 1, 33, 20, True, 0),    # a head width that is not a multiple of the vector width
+    (3, 4, 4, 2, 64, 32, False, 4),    # the draft's block beside its context cache
+    (2, 16, 8, 2, 100, 64, False, 16),
+    (2, 4, 4, 2, 30, 32, True, 4),
+])
+def test_the_kernel_equals_the_dense_path_to_rounding(b, t, hq, hkv, s, d, causal, x):
+    q, k, v, extra = _inputs(b * 100 + s, b, t, hq, hkv, s, d, x)
+    lengths = jnp.asarray([0, s, s // 3][:b], jnp.int32)  # a row with nothing live, a full one, a partial one
+    positions = jnp.maximum(lengths[:, None] - (0 if x else t) + jnp.arange(t)[None], -1)
+    want = A.kv_cache_attention(q, k, v, positions, lengths, scale=0.17, causal=causal, extra=extra, tuning=XLA)
+    got = cpu_kernels.kv_attention(q, k, v, positions, lengths, scale=0.17, causal=causal, extra=extra)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+    if not x:  # a query that sees nothing gets zeros, as the dense path gives
+        assert not np.any(np.asarray(got)[0])
+
+
+def test_a_rows_result_follows_only_its_own_live_keys():
+    """Bit for bit: the same row in a longer buffer, beside other rows of other lengths, and each query of a width-4
+    verify block against the same query decoded alone (T = 1): what makes a speculative round's logits equal plain
+    decoding's, not only its tokens."""
+    q, k, v, _ = _inputs(1, 2, 4, 4, 2, 64, 32)
+    lengths = jnp.asarray([40, 21], jnp.int32)
+    positions = lengths[:, None] - 4 + jnp.arange(4)[None]
+    base = np.asarray(cpu_kernels.kv_attention(q, k, v, positions, lengths, scale=0.2, causal=True))
+    pad = jnp.zeros((2, 2, 64, 32), jnp.float32) + 7.0  # garbage past every live slot
+    longer = cpu_kernels.kv_attention(q, jnp.concatenate([k, pad], 2), jnp.concatenate([v, pad], 2), positions,
+                                      lengths, scale=0.2, causal=True)
+    np.testing.assert_array_equal(np.asarray(longer), base)
+    other = cpu_kernels.kv_attention(q, k, v, positions, jnp.asarray([40, 64], jnp.int32).at[1].set(21),
+                                     scale=0.2, causal=True)
+    np.testing.assert_array_equal(np.asarray(other), base)
+    alone = cpu_kernels.kv_attention(q[:1], k[:1], v[:1], positions[:1], lengths[:1], scale=0.2, causal=True)
+    np.testing.assert_array_equal(np.asarray(alone), base[:1])
+    for t in range(4):  # each verify position decoded on its own: the cache holds keys up to its position
+        one = cpu_kernels.kv_attention(q[:, t:t + 1], k, v, positions[:, t:t + 1], positions[:, t] + 1, scale=0.2,
+                                       causal=True)
+        np.testing.assert_array_equal(np.asarray(one)[:, 0], base[:, t])
+
+
+def test_kv_cache_attention_takes_the_kernel_where_it_applies():
+    q, k, v, _ = _inputs(3, 2, 2, 4, 2, 32, 16)
+    lengths = jnp.asarray([5, 32], jnp.int32)
+    positions = lengths[:, None] - 2 + jnp.arange(2)[None]
+
+    def text(**kw):
+        fn = lambda q_: A.kv_cache_attention(q_, k, v, positions, lengths, scale=0.3, **kw)  # noqa: E731
+        return jax.jit(fn).lower(q).as_text()
+
+    assert cpu_kernels.ATTENTION_TARGET in text()
+    assert cpu_kernels.ATTENTION_TARGET not in text(window=8)  # windows and sinks: the XLA paths
+    assert cpu_kernels.ATTENTION_TARGET not in text(sinks=jnp.zeros(4, jnp.float32))
+    assert cpu_kernels.ATTENTION_TARGET not in text(tuning=XLA)
+
+
+def test_the_kernels_gradient_is_the_dense_paths():
+    q, k, v, extra = _inputs(4, 2, 3, 4, 2, 24, 16, x=3)
+    lengths = jnp.asarray([9, 24], jnp.int32)
+    positions = lengths[:, None] + jnp.arange(3)[None]
+
+    def loss(tuning):
+        def f(q_, k_, v_, kx):
+            out = A.kv_cache_attention(q_, k_, v_, positions, lengths, scale=0.25, causal=False,
+                                       extra=(kx, extra[1], extra[2]), tuning=tuning)
+            return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape) / out.size)
+        return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, extra[0])
+
+    for got, want in zip(loss(A.AttentionTuning()), loss(XLA)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
