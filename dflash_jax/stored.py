@@ -210,7 +210,8 @@ def _unpack(data: bytes):
 
 def _custom_call_checks():
     from pallas_kernels import cpu_kernels
-    names = (cpu_kernels.TARGET, cpu_kernels.DENSE_TARGET, cpu_kernels.DENSE_BF16_TARGET, cpu_kernels.ATTENTION_TARGET)
+    names = (cpu_kernels.TARGET, cpu_kernels.DENSE_TARGET, cpu_kernels.DENSE_BF16_TARGET,
+             cpu_kernels.ATTENTION_TARGET)
     return [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
 
 
