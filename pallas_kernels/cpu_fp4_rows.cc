@@ -463,6 +463,42 @@ inline __m512 Exp16(__m512 x) {
 }
 #endif
 
+#ifdef DFLASH_DENSE_AVX512
+// The lane sums of 16 vectors in one: element 4k + c is the sum of part[4c + k], each vector's lanes added by the
+// same tree (lanes 8 apart, then 4, 2, 1) whichever of the 16 it is.
+inline __m512 Sum16(const __m512* part) {
+  __m512 w[8], x[4], y[2];
+  for (int j = 0; j < 8; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(part[2 * j], part[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(part[2 * j], part[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+// out = inv * sum_s p[s] * value(s) over D = 16 V (or fewer) columns, the sums held in registers.
+template <int V, typename F>
+void WeightedSum(const float* p, int64_t total, F&& value, int64_t d, float inv, float* out) {
+  __m512 acc[V];
+  __mmask16 mk[V];
+  for (int c = 0; c < V; ++c) {
+    acc[c] = _mm512_setzero_ps();
+    mk[c] = Mask(d - 16 * c);
+  }
+  for (int64_t s = 0; s < total; ++s) {
+    const __m512 w = _mm512_set1_ps(p[s]);
+    const float* vr = value(s);
+    for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mk[c], vr + 16 * c), acc[c]);
+  }
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int c = 0; c < V; ++c) _mm512_mask_storeu_ps(out + 16 * c, mk[c], _mm512_mul_ps(acc[c], scale));
+}
+#endif
+
 struct Attention {
   const float *q, *k, *v;              // [B, T, Hq, D], [B, Hkv, S, D] x 2
   const int32_t *positions, *lengths;  // [B, T], [B]
@@ -497,19 +533,33 @@ void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, in
       }
 #ifdef DFLASH_DENSE_AVX512
       const int64_t vecs = (d + 15) / 16;
-      float m = -INFINITY;
-      for (int64_t s = 0; s < total; ++s) {
-        const float* kr = s < stop ? kh + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t c = 0; c < vecs; ++c) {
-          const __mmask16 mk = Mask(d - 16 * c);
-          sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, qv + 16 * c), _mm512_maskz_loadu_ps(mk, kr + 16 * c), sum);
+      auto key = [&](int64_t s) {
+        return s < stop ? kh + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+      };
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      for (int64_t s0 = 0; s0 < total; s0 += 16) {  // 16 keys' scores at a time, each summed by the same tree
+        __m512 part[16];
+        for (int m = 0; m < 16; ++m) {
+          const int64_t s = s0 + 4 * (m % 4) + m / 4;  // the order `Sum16` returns its sums in
+          if (s >= total) {
+            part[m] = _mm512_setzero_ps();
+            continue;
+          }
+          const float* kr = key(s);
+          __mmask16 mk = Mask(d);
+          __m512 sum = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, qv), _mm512_maskz_loadu_ps(mk, kr));
+          for (int64_t c = 1; c < vecs; ++c) {
+            mk = Mask(d - 16 * c);
+            sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, qv + 16 * c), _mm512_maskz_loadu_ps(mk, kr + 16 * c), sum);
+          }
+          part[m] = sum;
         }
-        const float x = _mm512_reduce_add_ps(sum) * a.scale;
-        scores[s] = x;
-        m = std::max(m, x);
+        const __mmask16 mk = Mask(total - s0);
+        const __m512 x = _mm512_mul_ps(Sum16(part), _mm512_set1_ps(a.scale));
+        _mm512_mask_storeu_ps(scores + s0, mk, x);
+        mv = _mm512_mask_max_ps(mv, mk, mv, x);
       }
-      const __m512 mv = _mm512_set1_ps(m);
+      mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
       __m512 lsum = _mm512_setzero_ps();
       for (int64_t s = 0; s < total; s += 16) {
         const __mmask16 mk = Mask(total - s);
@@ -517,19 +567,33 @@ void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, in
         _mm512_mask_storeu_ps(scores + s, mk, e);
         lsum = _mm512_add_ps(lsum, e);
       }
-      const float l = _mm512_reduce_add_ps(lsum);
-      std::fill(acc, acc + 16 * vecs, 0.f);
-      for (int64_t s = 0; s < total; ++s) {
-        const __m512 p = _mm512_set1_ps(scores[s]);
-        const float* vr = s < stop ? vh + s * d : a.vx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
-        for (int64_t c = 0; c < vecs; ++c) {
-          const __mmask16 mk = Mask(d - 16 * c);
-          _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(mk, vr + 16 * c),
-                                                         _mm512_loadu_ps(acc + 16 * c)));
+      const float inv = 1.f / _mm512_reduce_add_ps(lsum);
+      auto value = [&](int64_t s) {
+        return s < stop ? vh + s * d : a.vx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+      };
+      switch (vecs) {
+        case 1: WeightedSum<1>(scores, total, value, d, inv, ov); break;
+        case 2: WeightedSum<2>(scores, total, value, d, inv, ov); break;
+        case 3: WeightedSum<3>(scores, total, value, d, inv, ov); break;
+        case 4: WeightedSum<4>(scores, total, value, d, inv, ov); break;
+        case 5: WeightedSum<5>(scores, total, value, d, inv, ov); break;
+        case 6: WeightedSum<6>(scores, total, value, d, inv, ov); break;
+        case 7: WeightedSum<7>(scores, total, value, d, inv, ov); break;
+        case 8: WeightedSum<8>(scores, total, value, d, inv, ov); break;
+        default: {
+          std::fill(acc, acc + 16 * vecs, 0.f);
+          for (int64_t s = 0; s < total; ++s) {
+            const __m512 p = _mm512_set1_ps(scores[s]);
+            const float* vr = value(s);
+            for (int64_t c = 0; c < vecs; ++c) {
+              const __mmask16 mk = Mask(d - 16 * c);
+              _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(mk, vr + 16 * c),
+                                                             _mm512_loadu_ps(acc + 16 * c)));
+            }
+          }
+          for (int64_t c = 0; c < d; ++c) ov[c] = acc[c] * inv;
         }
       }
-      const float inv = 1.f / l;
-      for (int64_t c = 0; c < d; ++c) ov[c] = acc[c] * inv;
 #else
       float m = -INFINITY;
       for (int64_t s = 0; s < total; ++s) {
