@@ -497,6 +497,56 @@ void WeightedSum(const float* p, int64_t total, F&& value, int64_t d, float inv,
   const __m512 scale = _mm512_set1_ps(inv);
   for (int c = 0; c < V; ++c) _mm512_mask_storeu_ps(out + 16 * c, mk[c], _mm512_mul_ps(acc[c], scale));
 }
+
+// One query over its keys: the cache's slots [0, stop) of `kh` / `vh` ([S, d]), then the `seen` beside-keys listed in
+// `beside` (rows of `kx` / `vx`, `xstride` floats apart): scores, softmax and the weighted value sum into `out`; d at
+// most 16 V. Each key's score is summed by the same operations wherever it falls, so a query's result depends only
+// on its own keys.
+template <int V>
+void AttendQuery(const float* qv, const float* kh, const float* vh, int64_t stop, const float* kx, const float* vx,
+                 const int64_t* beside, int64_t seen, int64_t xstride, int64_t d, float scale, float* scores,
+                 float* out) {
+  const int64_t total = stop + seen;
+  __mmask16 mk[V];
+  __m512 q[V];
+  for (int c = 0; c < V; ++c) {
+    mk[c] = Mask(d - 16 * c);
+    q[c] = _mm512_maskz_loadu_ps(mk[c], qv + 16 * c);
+  }
+  auto dot = [&](const float* kr) {
+    __m512 sum = _mm512_mul_ps(q[0], _mm512_maskz_loadu_ps(mk[0], kr));
+    for (int c = 1; c < V; ++c) sum = _mm512_fmadd_ps(q[c], _mm512_maskz_loadu_ps(mk[c], kr + 16 * c), sum);
+    return sum;
+  };
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t s0 = 0; s0 < total; s0 += 16) {  // 16 keys' scores at a time (`Sum16`'s order)
+    __m512 part[16];
+    if (s0 + 16 <= stop) {
+      for (int m = 0; m < 16; ++m) part[m] = dot(kh + (s0 + 4 * (m % 4) + m / 4) * d);
+    } else {
+      for (int m = 0; m < 16; ++m) {
+        const int64_t s = s0 + 4 * (m % 4) + m / 4;
+        part[m] = s >= total ? _mm512_setzero_ps() : dot(s < stop ? kh + s * d : kx + beside[s - stop] * xstride);
+      }
+    }
+    const __mmask16 live = Mask(total - s0);
+    const __m512 x = _mm512_mul_ps(Sum16(part), sv);
+    _mm512_mask_storeu_ps(scores + s0, live, x);
+    mv = _mm512_mask_max_ps(mv, live, mv, x);
+  }
+  mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 lsum = _mm512_setzero_ps();
+  for (int64_t s = 0; s < total; s += 16) {
+    const __mmask16 live = Mask(total - s);
+    const __m512 e = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + s), mv)));
+    _mm512_mask_storeu_ps(scores + s, live, e);
+    lsum = _mm512_add_ps(lsum, e);
+  }
+  const float inv = 1.f / _mm512_reduce_add_ps(lsum);
+  WeightedSum<V>(scores, total, [&](int64_t s) { return s < stop ? vh + s * d : vx + beside[s - stop] * xstride; },
+                 d, inv, out);
+}
 #endif
 
 struct Attention {
@@ -532,69 +582,21 @@ void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, in
         continue;
       }
 #ifdef DFLASH_DENSE_AVX512
-      const int64_t vecs = (d + 15) / 16;
-      auto key = [&](int64_t s) {
-        return s < stop ? kh + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
-      };
-      __m512 mv = _mm512_set1_ps(-INFINITY);
-      for (int64_t s0 = 0; s0 < total; s0 += 16) {  // 16 keys' scores at a time, each summed by the same tree
-        __m512 part[16];
-        for (int m = 0; m < 16; ++m) {
-          const int64_t s = s0 + 4 * (m % 4) + m / 4;  // the order `Sum16` returns its sums in
-          if (s >= total) {
-            part[m] = _mm512_setzero_ps();
-            continue;
-          }
-          const float* kr = key(s);
-          __mmask16 mk = Mask(d);
-          __m512 sum = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, qv), _mm512_maskz_loadu_ps(mk, kr));
-          for (int64_t c = 1; c < vecs; ++c) {
-            mk = Mask(d - 16 * c);
-            sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, qv + 16 * c), _mm512_maskz_loadu_ps(mk, kr + 16 * c), sum);
-          }
-          part[m] = sum;
-        }
-        const __mmask16 mk = Mask(total - s0);
-        const __m512 x = _mm512_mul_ps(Sum16(part), _mm512_set1_ps(a.scale));
-        _mm512_mask_storeu_ps(scores + s0, mk, x);
-        mv = _mm512_mask_max_ps(mv, mk, mv, x);
+      const float* kx = a.kx + (row * a.x * a.hkv + head) * d;
+      const float* vx = a.vx + (row * a.x * a.hkv + head) * d;
+      const int64_t xs = a.hkv * d;
+      switch ((d + 15) / 16) {
+        case 1: AttendQuery<1>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 2: AttendQuery<2>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 3: AttendQuery<3>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 4: AttendQuery<4>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 5: AttendQuery<5>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 6: AttendQuery<6>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 7: AttendQuery<7>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 8: AttendQuery<8>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        default: break;  // heads wider than 128: the loops below
       }
-      mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-      __m512 lsum = _mm512_setzero_ps();
-      for (int64_t s = 0; s < total; s += 16) {
-        const __mmask16 mk = Mask(total - s);
-        const __m512 e = _mm512_maskz_mov_ps(mk, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, scores + s), mv)));
-        _mm512_mask_storeu_ps(scores + s, mk, e);
-        lsum = _mm512_add_ps(lsum, e);
-      }
-      const float inv = 1.f / _mm512_reduce_add_ps(lsum);
-      auto value = [&](int64_t s) {
-        return s < stop ? vh + s * d : a.vx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
-      };
-      switch (vecs) {
-        case 1: WeightedSum<1>(scores, total, value, d, inv, ov); break;
-        case 2: WeightedSum<2>(scores, total, value, d, inv, ov); break;
-        case 3: WeightedSum<3>(scores, total, value, d, inv, ov); break;
-        case 4: WeightedSum<4>(scores, total, value, d, inv, ov); break;
-        case 5: WeightedSum<5>(scores, total, value, d, inv, ov); break;
-        case 6: WeightedSum<6>(scores, total, value, d, inv, ov); break;
-        case 7: WeightedSum<7>(scores, total, value, d, inv, ov); break;
-        case 8: WeightedSum<8>(scores, total, value, d, inv, ov); break;
-        default: {
-          std::fill(acc, acc + 16 * vecs, 0.f);
-          for (int64_t s = 0; s < total; ++s) {
-            const __m512 p = _mm512_set1_ps(scores[s]);
-            const float* vr = value(s);
-            for (int64_t c = 0; c < vecs; ++c) {
-              const __mmask16 mk = Mask(d - 16 * c);
-              _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(mk, vr + 16 * c),
-                                                             _mm512_loadu_ps(acc + 16 * c)));
-            }
-          }
-          for (int64_t c = 0; c < d; ++c) ov[c] = acc[c] * inv;
-        }
-      }
-#else
+#endif
       float m = -INFINITY;
       for (int64_t s = 0; s < total; ++s) {
         const float* kr = s < stop ? kh + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
@@ -614,7 +616,6 @@ void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, in
         for (int64_t c = 0; c < d; ++c) acc[c] = __builtin_fmaf(scores[s], vr[c], acc[c]);
       }
       for (int64_t c = 0; c < d; ++c) ov[c] = acc[c] / l;
-#endif
     }
   }
 }

@@ -35,6 +35,7 @@ def _inputs(seed, b, t, hq, hkv, s, d, x=0):
     (2, 4, 4, 2, 128, 32, True, 0),    # a width-4 verify
     (2, 7, 8, 2, 40, 64, False, 0),    # non-causal, a head width of 64
     (1, 16, 2, 1, 33, 20, True, 0),    # a head width that is not a multiple of the vector width
+    (2, 4, 2, 1, 50, 160, True, 0),    # heads wider than 128: the kernel's scalar loops
     (3, 4, 4, 2, 64, 32, False, 4),    # the draft's block beside its context cache
     (2, 16, 8, 2, 100, 64, False, 16),
     (2, 4, 4, 2, 30, 32, True, 4),
