@@ -10,7 +10,11 @@ statically:
   fp32 softmax (running max / sum; gpt-oss sinks are the initial state of the running max and sum). Cost
   follows the live length, not the buffer. A while loop has no reverse-mode rule, so the chunked path's
   backward is the dense path's (`jax.custom_vjp`): gradients are exact, only slower.
-`AttentionTuning` (chunk rows, the largest buffer kept dense) is a process-wide setting read when a
+On a CPU with the compiled kernels (`pallas_kernels.cpu_kernels`), float32 attention without a window or sinks is
+one call instead (`cpu_kernels.kv_attention`): each query reads only its own row's visible keys, so its cost
+follows the live lengths and a row's result depends on nothing else in the call (not the buffer's size, the other
+rows, nor the block's width); its gradient is the dense path's.
+`AttentionTuning` (chunk rows, the largest buffer kept dense, the CPU kernel) is a process-wide setting read when a
 function is traced; `attention_tuning(...)` changes it and clears jit caches so that the next call
 retraces.
 """
