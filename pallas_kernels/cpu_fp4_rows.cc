@@ -437,8 +437,9 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w, ffi::Buffer<ffi:
 // ---- DflashKvAttention: softmax attention of queries over each row's live keys in a [B, Hkv, S, D] cache ----
 //
 // out[b, t, h] = sum_s p[s] v[b, h / G, s],  p = softmax_s(scale * q[b, t, h] . k[b, h / G, s]) over the slots
-// s < kv_lengths[b] (and, causal, s <= q_positions[b, t]), then the keys beside the cache that mask[b, t] shows (the
-// draft's block); a query with no visible key gets zeros. Each query reads
+// s < kv_lengths[b] (and, causal, s <= q_positions[b, t]; a window W: q - s < W, and without causality s - q < W),
+// then the keys beside the cache that mask[b, t] shows (the draft's block); a sink logit per head (gpt-oss) joins the
+// softmax's sum and reads no value; a query with no visible key gets zeros. Each query reads
 // only its own row's visible slots, in order, whatever the other rows and queries of the call: a row's result does
 // not depend on its batch or on the block it is verified in. Scores and sums in float32.
 
@@ -504,8 +505,8 @@ void WeightedSum(const float* p, int64_t total, F&& value, int64_t d, float inv,
 // on its own keys.
 template <int V>
 void AttendQuery(const float* qv, const float* kh, const float* vh, int64_t stop, const float* kx, const float* vx,
-                 const int64_t* beside, int64_t seen, int64_t xstride, int64_t d, float scale, float* scores,
-                 float* out) {
+                 const int64_t* beside, int64_t seen, int64_t xstride, int64_t d, float scale, float sink,
+                 float* scores, float* out) {
   const int64_t total = stop + seen;
   __mmask16 mk[V];
   __m512 q[V];
@@ -535,8 +536,10 @@ void AttendQuery(const float* qv, const float* kh, const float* vh, int64_t stop
     _mm512_mask_storeu_ps(scores + s0, live, x);
     mv = _mm512_mask_max_ps(mv, live, mv, x);
   }
-  mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-  __m512 lsum = _mm512_setzero_ps();
+  mv = _mm512_set1_ps(std::max(_mm512_reduce_max_ps(mv), sink));
+  // a sink's probability counts in the sum and reads no value
+  __m512 lsum = _mm512_maskz_mov_ps(__mmask16(sink == -INFINITY ? 0 : 1),
+                                    Exp16(_mm512_sub_ps(_mm512_set1_ps(sink), mv)));
   for (int64_t s = 0; s < total; s += 16) {
     const __mmask16 live = Mask(total - s);
     const __m512 e = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + s), mv)));
@@ -554,8 +557,9 @@ struct Attention {
   const int32_t *positions, *lengths;  // [B, T], [B]
   const float *kx, *vx;                // keys beside the cache: [B, X, Hkv, D] x 2
   const int32_t* mask;                 // [B, T, X]: may query t see beside-key x
+  const float* sinks;                  // [Hq] logits, or null
   float* out;                          // [B, T, Hq, D]
-  int64_t b, t, hq, hkv, s, d, x;
+  int64_t b, t, hq, hkv, s, d, x, window;  // window 0: none
   float scale;
   bool causal;
 };
@@ -567,8 +571,16 @@ void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, in
   const float* kh = a.k + (row * a.hkv + head) * a.s * d;
   const float* vh = a.v + (row * a.hkv + head) * a.s * d;
   for (int64_t t = 0; t < a.t; ++t) {
-    int64_t stop = live;
-    if (a.causal) stop = std::min<int64_t>(stop, std::max<int64_t>(int64_t(a.positions[row * a.t + t]) + 1, 0));
+    const int64_t pos = a.positions[row * a.t + t];
+    int64_t stop = live, first = 0;  // the visible cache slots: [first, stop)
+    if (a.causal) stop = std::min<int64_t>(stop, std::max<int64_t>(pos + 1, 0));
+    if (a.window > 0) {  // q - k < W, and without causality k - q < W
+      first = std::max<int64_t>(pos - a.window + 1, 0);
+      if (!a.causal) stop = std::min<int64_t>(stop, std::max<int64_t>(pos + a.window, 0));
+    }
+    stop = std::max(stop - first, int64_t(0));
+    const float* kw = kh + first * d;
+    const float* vw = vh + first * d;
     int64_t seen = 0;  // the beside-keys this query sees, in order
     for (int64_t x = 0; x < a.x; ++x)
       if (a.mask[(row * a.t + t) * a.x + x]) beside[seen++] = x;
@@ -581,38 +593,40 @@ void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, in
         std::fill(ov, ov + d, 0.f);
         continue;
       }
+      const float sink = a.sinks == nullptr ? -INFINITY : a.sinks[head * g + j];
 #ifdef DFLASH_DENSE_AVX512
       const float* kx = a.kx + (row * a.x * a.hkv + head) * d;
       const float* vx = a.vx + (row * a.x * a.hkv + head) * d;
       const int64_t xs = a.hkv * d;
       switch ((d + 15) / 16) {
-        case 1: AttendQuery<1>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
-        case 2: AttendQuery<2>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
-        case 3: AttendQuery<3>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
-        case 4: AttendQuery<4>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
-        case 5: AttendQuery<5>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
-        case 6: AttendQuery<6>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
-        case 7: AttendQuery<7>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
-        case 8: AttendQuery<8>(qv, kh, vh, stop, kx, vx, beside, seen, xs, d, a.scale, scores, ov); continue;
+        case 1: AttendQuery<1>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
+        case 2: AttendQuery<2>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
+        case 3: AttendQuery<3>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
+        case 4: AttendQuery<4>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
+        case 5: AttendQuery<5>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
+        case 6: AttendQuery<6>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
+        case 7: AttendQuery<7>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
+        case 8: AttendQuery<8>(qv, kw, vw, stop, kx, vx, beside, seen, xs, d, a.scale, sink, scores, ov); continue;
         default: break;  // heads wider than 128: the loops below
       }
 #endif
       float m = -INFINITY;
       for (int64_t s = 0; s < total; ++s) {
-        const float* kr = s < stop ? kh + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+        const float* kr = s < stop ? kw + s * d : a.kx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
         float x = 0.f;
         for (int64_t c = 0; c < d; ++c) x = __builtin_fmaf(qv[c], kr[c], x);
         scores[s] = x * a.scale;
         m = std::max(m, scores[s]);
       }
-      float l = 0.f;
+      m = std::max(m, sink);
+      float l = sink == -INFINITY ? 0.f : std::exp(sink - m);
       for (int64_t s = 0; s < total; ++s) {
         scores[s] = std::exp(scores[s] - m);
         l += scores[s];
       }
       std::fill(acc, acc + d, 0.f);
       for (int64_t s = 0; s < total; ++s) {
-        const float* vr = s < stop ? vh + s * d : a.vx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
+        const float* vr = s < stop ? vw + s * d : a.vx + ((row * a.x + beside[s - stop]) * a.hkv + head) * d;
         for (int64_t c = 0; c < d; ++c) acc[c] = __builtin_fmaf(scores[s], vr[c], acc[c]);
       }
       for (int64_t c = 0; c < d; ++c) ov[c] = acc[c] / l;
@@ -622,21 +636,23 @@ void AttendHead(const Attention& a, int64_t row, int64_t head, float* scores, in
 
 ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> kx,
-                         ffi::Buffer<ffi::F32> vx, ffi::Buffer<ffi::S32> mask, ffi::ResultBuffer<ffi::F32> out,
-                         float scale, bool causal) {
+                         ffi::Buffer<ffi::F32> vx, ffi::Buffer<ffi::S32> mask, ffi::Buffer<ffi::F32> sinks,
+                         ffi::ResultBuffer<ffi::F32> out, float scale, bool causal, int64_t window) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = positions.dimensions(),
        ld = lengths.dimensions(), xd = kx.dimensions(), yd = vx.dimensions(), md = mask.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || ld.size() != 1 || kd[0] != qd[0] ||
       kd[3] != qd[3] || kd[1] == 0 || qd[2] % kd[1] != 0 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
       vd[3] != kd[3] || pd[0] != qd[0] || pd[1] != qd[1] || ld[0] != qd[0] || xd.size() != 4 || yd.size() != 4 ||
       md.size() != 3 || xd[0] != qd[0] || xd[2] != kd[1] || xd[3] != qd[3] || yd[0] != xd[0] || yd[1] != xd[1] ||
-      yd[2] != xd[2] || yd[3] != xd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != xd[1])
+      yd[2] != xd[2] || yd[3] != xd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != xd[1] ||
+      sinks.dimensions().size() != 1 || (sinks.element_count() != 0 && sinks.element_count() != qd[2]) || window < 0)
     return ffi::Error::InvalidArgument(
         "kv_attention: q [B, T, Hq, D], k and v [B, Hkv, S, D] (Hq a multiple of Hkv), positions [B, T], lengths [B], "
-        "beside-keys and values [B, X, Hkv, D], mask [B, T, X]");
+        "beside-keys and values [B, X, Hkv, D], mask [B, T, X], sinks [Hq] or [0], window >= 0");
   Attention a{q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(), lengths.typed_data(),
-              kx.typed_data(), vx.typed_data(), mask.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[1],
-              kd[2], kd[3], xd[1], scale, causal};
+              kx.typed_data(), vx.typed_data(), mask.typed_data(),
+              sinks.element_count() ? sinks.typed_data() : nullptr, out->typed_data(), qd[0], qd[1], qd[2], kd[1],
+              kd[2], kd[3], xd[1], window, scale, causal};
   std::vector<float> scores(a.s + a.x + 16), acc(a.d + 16);
   std::vector<int64_t> beside(a.x + 1);
   for (int64_t row = 0; row < a.b; ++row)
@@ -669,7 +685,8 @@ DFLASH_DENSE_ROWS_HANDLER(DflashDenseRows, ffi::F32)
 DFLASH_DENSE_ROWS_HANDLER(DflashDenseRowsBf16, ffi::BF16)
 
 // q f32 [B, T, Hq, D], k and v f32 [B, Hkv, S, D], positions s32 [B, T], lengths s32 [B], beside-keys and values
-// f32 [B, X, Hkv, D], mask s32 [B, T, X] -> f32 [B, T, Hq, D]
+// f32 [B, X, Hkv, D], mask s32 [B, T, X], sinks f32 [Hq] or [0]; scale, causal, window (0: none)
+// -> f32 [B, T, Hq, D]
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashKvAttention, AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -680,6 +697,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashKvAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("window"));

@@ -182,13 +182,15 @@ def supports_attention(q, k_buf, v_buf) -> bool:
             and all(x.dtype == jnp.float32 for x in (q, k_buf, v_buf)) and q.shape[2] % k_buf.shape[1] == 0)
 
 
-def kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, *, scale: float, causal: bool, extra=None) -> jax.Array:
+def kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, *, scale: float, causal: bool, extra=None,
+                 window: int | None = None, sinks=None) -> jax.Array:
     """Softmax attention of q [B, T, Hq, D] (float32) over each row's live slots of k_buf, v_buf [B, Hkv, S, D]:
-    slots s < kv_lengths[b] and, causal, s <= q_positions[b, t]; query head h reads kv head h // (Hq / Hkv); extra:
-    optional (k [B, X, Hkv, D], v, mask [B, T, X] bool), keys beside the cache (the draft's block) under their own
-    mask, in the same softmax. Each query reads only its own row's visible keys, in order (the cost follows the live
-    lengths, and a row's result does not depend on the other rows or the block's width); scores, softmax and sums in
-    float32; a query with no visible key gets zeros. No gradient (`nn.attention` gives it the dense path's). Call
+    slots s < kv_lengths[b] and, causal, s <= q_positions[b, t] (a `window` W: q - s < W, and without causality
+    s - q < W); query head h reads kv head h // (Hq / Hkv); extra: optional (k [B, X, Hkv, D], v, mask [B, T, X]
+    bool), keys beside the cache (the draft's block) under their own mask, in the same softmax; sinks: optional [Hq]
+    logits, one more softmax column per head whose probability reads no value (gpt-oss). Each query reads only its
+    own row's visible keys, in order (the cost follows the live lengths, and a row's result does not depend on the
+    other rows or the block's width); scores, softmax and sums in float32; a query with no visible key gets zeros. No gradient (`nn.attention` gives it the dense path's). Call
     `available()` first."""
     b, t, _, d = q.shape
     if extra is None:
@@ -198,4 +200,6 @@ def kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, *, scale: float, caus
         k_x, v_x, mask = extra
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k_buf, v_buf, q_positions.astype(jnp.int32), kv_lengths.astype(jnp.int32), k_x.astype(jnp.float32),
-        v_x.astype(jnp.float32), mask.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal))
+        v_x.astype(jnp.float32), mask.astype(jnp.int32),
+        jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32), scale=np.float32(scale),
+        causal=bool(causal), window=np.int64(window or 0))

@@ -10,7 +10,7 @@ statically:
   fp32 softmax (running max / sum; gpt-oss sinks are the initial state of the running max and sum). Cost
   follows the live length, not the buffer. A while loop has no reverse-mode rule, so the chunked path's
   backward is the dense path's (`jax.custom_vjp`): gradients are exact, only slower.
-On a CPU with the compiled kernels (`pallas_kernels.cpu_kernels`), float32 attention without a window or sinks is
+On a CPU with the compiled kernels (`pallas_kernels.cpu_kernels`), float32 attention (windows and sinks included) is
 one call instead (`cpu_kernels.kv_attention`): each query reads only its own row's visible keys, so its cost
 follows the live lengths and a row's result depends on nothing else in the call (not the buffer's size, the other
 rows, nor the block's width); its gradient is the dense path's.
@@ -128,8 +128,8 @@ class AttentionTuning:
     """chunk: KV rows per step of the chunked path. dense_max_rows: buffers of at most this many rows take
     the dense path (also any buffer with fewer than `chunk` rows beyond the block: nothing to skip).
     `dense_max_rows=None` forces the dense path everywhere; 0 forces the chunked path where it applies.
-    kernel: on a CPU with the compiled kernels, float32 attention without a window or sinks takes
-    `cpu_kernels.kv_attention` instead of either path (each query reads its own row's live keys only)."""
+    kernel: on a CPU with the compiled kernels, float32 attention takes `cpu_kernels.kv_attention` instead of
+    either path (each query reads its own row's live keys only)."""
 
     chunk: int = 256
     dense_max_rows: int | None = 512
@@ -312,25 +312,26 @@ def _chunked_bwd(causal, window, scale, chunk, residuals, g):
 _chunked_with_dense_grad.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale):
-    return cpu_kernels.kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, scale=scale, causal=causal, extra=extra)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale):
+    return cpu_kernels.kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, scale=scale, causal=causal, extra=extra,
+                                    window=window, sinks=sinks)
 
 
-def _kernel_fwd(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale):
-    return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale), (
-        q, k_buf, v_buf, q_positions, kv_lengths, extra)
+def _kernel_fwd(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale):
+    return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale), (
+        q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks)
 
 
-def _kernel_bwd(causal, scale, residuals, g):
-    q, k_buf, v_buf, q_positions, kv_lengths, extra = residuals
-    dense = lambda q_, k_, v_, x_: _dense(  # noqa: E731
-        q_, k_, v_, q_positions, kv_lengths, None, x_, causal=causal, window=None, scale=scale)
-    _, vjp = jax.vjp(dense, q, k_buf, v_buf, extra)
-    dq, dk, dv, dextra = vjp(g)
+def _kernel_bwd(causal, window, scale, residuals, g):
+    q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks = residuals
+    dense = lambda q_, k_, v_, x_, s_: _dense(  # noqa: E731
+        q_, k_, v_, q_positions, kv_lengths, s_, x_, causal=causal, window=window, scale=scale)
+    _, vjp = jax.vjp(dense, q, k_buf, v_buf, extra, sinks)
+    dq, dk, dv, dextra, dsinks = vjp(g)
     if extra is not None:  # the mask of the extra keys is boolean: no cotangent
         dextra = (dextra[0], dextra[1], None)
-    return dq, dk, dv, None, None, dextra
+    return dq, dk, dv, None, None, dextra, dsinks
 
 
 _kernel_with_dense_grad.defvjp(_kernel_fwd, _kernel_bwd)
@@ -361,9 +362,9 @@ def kv_cache_attention(
     result) follows `tuning` (default: the process-wide `get_attention_tuning()`).
     """
     tuning = tuning or _TUNING
-    if (tuning.kernel and window is None and sinks is None and target.platform() == "cpu"
-            and cpu_kernels.supports_attention(q, k_buf, v_buf) and cpu_kernels.available()):
-        return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, causal, scale)
+    if (tuning.kernel and target.platform() == "cpu" and cpu_kernels.supports_attention(q, k_buf, v_buf)
+            and cpu_kernels.available()):
+        return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale)
     block_rows = q.shape[1]
     if not tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows):
         return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,

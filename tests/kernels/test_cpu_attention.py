@@ -30,22 +30,28 @@ def _inputs(seed, b, t, hq, hkv, s, d, x=0):
     return q, k, v, extra
 
 
-@pytest.mark.parametrize("b,t,hq,hkv,s,d,causal,x", [
-    (3, 1, 4, 2, 64, 32, True, 0),     # a decode step
-    (2, 4, 4, 2, 128, 32, True, 0),    # a width-4 verify
-    (2, 7, 8, 2, 40, 64, False, 0),    # non-causal, a head width of 64
-    (1, 16, 2, 1, 33, 20, True, 0),    # a head width that is not a multiple of the vector width
-    (2, 4, 2, 1, 50, 160, True, 0),    # heads wider than 128: the kernel's scalar loops
-    (3, 4, 4, 2, 64, 32, False, 4),    # the draft's block beside its context cache
-    (2, 16, 8, 2, 100, 64, False, 16),
-    (2, 4, 4, 2, 30, 32, True, 4),
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,causal,x,window,sinks", [
+    (3, 1, 4, 2, 64, 32, True, 0, None, False),     # a decode step
+    (2, 4, 4, 2, 128, 32, True, 0, None, False),    # a width-4 verify
+    (2, 7, 8, 2, 40, 64, False, 0, None, False),    # non-causal, a head width of 64
+    (1, 16, 2, 1, 33, 20, True, 0, None, False),    # a head width that is not a multiple of the vector width
+    (2, 4, 2, 1, 50, 160, True, 0, None, False),    # heads wider than 128: the kernel's scalar loops
+    (3, 4, 4, 2, 64, 32, False, 4, None, False),    # the draft's block beside its context cache
+    (2, 16, 8, 2, 100, 64, False, 16, None, False),
+    (2, 4, 4, 2, 30, 32, True, 4, None, False),
+    (3, 4, 8, 2, 96, 64, True, 0, 16, True),        # gpt-oss: a sliding window and sinks
+    (3, 1, 8, 2, 96, 64, True, 0, None, True),      # sinks alone
+    (2, 5, 4, 2, 60, 32, False, 3, 7, False),       # a window without causality, beside-keys
+    (2, 4, 2, 1, 70, 160, True, 0, 9, True),        # window and sinks in the scalar loops
 ])
-def test_the_kernel_equals_the_dense_path_to_rounding(b, t, hq, hkv, s, d, causal, x):
+def test_the_kernel_equals_the_dense_path_to_rounding(b, t, hq, hkv, s, d, causal, x, window, sinks):
     q, k, v, extra = _inputs(b * 100 + s, b, t, hq, hkv, s, d, x)
+    sinks = jnp.linspace(-1.0, 2.0, hq, dtype=jnp.float32) if sinks else None
     lengths = jnp.asarray([0, s, s // 3][:b], jnp.int32)  # a row with nothing live, a full one, a partial one
     positions = jnp.maximum(lengths[:, None] - (0 if x else t) + jnp.arange(t)[None], -1)
-    want = A.kv_cache_attention(q, k, v, positions, lengths, scale=0.17, causal=causal, extra=extra, tuning=XLA)
-    got = cpu_kernels.kv_attention(q, k, v, positions, lengths, scale=0.17, causal=causal, extra=extra)
+    kw = dict(scale=0.17, causal=causal, extra=extra, window=window, sinks=sinks)
+    want = A.kv_cache_attention(q, k, v, positions, lengths, tuning=XLA, **kw)
+    got = cpu_kernels.kv_attention(q, k, v, positions, lengths, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
     if not x:  # a query that sees nothing gets zeros, as the dense path gives
         assert not np.any(np.asarray(got)[0])
@@ -79,14 +85,14 @@ def test_kv_cache_attention_takes_the_kernel_where_it_applies():
     lengths = jnp.asarray([5, 32], jnp.int32)
     positions = lengths[:, None] - 2 + jnp.arange(2)[None]
 
-    def text(**kw):
+    def text(q_dtype=jnp.float32, **kw):
         fn = lambda q_: A.kv_cache_attention(q_, k, v, positions, lengths, scale=0.3, **kw)  # noqa: E731
-        return jax.jit(fn).lower(q).as_text()
+        return jax.jit(fn).lower(q.astype(q_dtype)).as_text()
 
     assert cpu_kernels.ATTENTION_TARGET in text()
-    assert cpu_kernels.ATTENTION_TARGET not in text(window=8)  # windows and sinks: the XLA paths
-    assert cpu_kernels.ATTENTION_TARGET not in text(sinks=jnp.zeros(4, jnp.float32))
+    assert cpu_kernels.ATTENTION_TARGET in text(window=8, sinks=jnp.zeros(4, jnp.float32))
     assert cpu_kernels.ATTENTION_TARGET not in text(tuning=XLA)
+    assert cpu_kernels.ATTENTION_TARGET not in text(q_dtype=jnp.bfloat16)  # float32 only
 
 
 def test_the_kernels_gradient_is_the_dense_paths():
@@ -95,11 +101,11 @@ def test_the_kernels_gradient_is_the_dense_paths():
     positions = lengths[:, None] + jnp.arange(3)[None]
 
     def loss(tuning):
-        def f(q_, k_, v_, kx):
+        def f(q_, k_, v_, kx, sinks):
             out = A.kv_cache_attention(q_, k_, v_, positions, lengths, scale=0.25, causal=False,
-                                       extra=(kx, extra[1], extra[2]), tuning=tuning)
+                                       extra=(kx, extra[1], extra[2]), window=12, sinks=sinks, tuning=tuning)
             return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape) / out.size)
-        return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, extra[0])
+        return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, k, v, extra[0], jnp.asarray([0.5, -1.0, 0.0, 2.0]))
 
     for got, want in zip(loss(A.AttentionTuning()), loss(XLA)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
