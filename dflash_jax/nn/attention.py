@@ -298,7 +298,9 @@ def _chunked_fwd(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal,
     return out, (q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra)
 
 
-def _chunked_bwd(causal, window, scale, chunk, residuals, g):
+def _dense_grads(causal, window, scale, residuals, g):
+    """The dense path's cotangents for the chunked path and the CPU kernel (residuals: their differentiable
+    arguments, `(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra)`)."""
     q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra = residuals
     dense = lambda q_, k_, v_, s_, x_: _dense(  # noqa: E731
         q_, k_, v_, q_positions, kv_lengths, s_, x_, causal=causal, window=window, scale=scale)
@@ -309,32 +311,25 @@ def _chunked_bwd(causal, window, scale, chunk, residuals, g):
     return dq, dk, dv, None, None, dsinks, dextra
 
 
+def _chunked_bwd(causal, window, scale, chunk, residuals, g):
+    return _dense_grads(causal, window, scale, residuals, g)
+
+
 _chunked_with_dense_grad.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale):
+def _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window, scale):
     return cpu_kernels.kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, scale=scale, causal=causal, extra=extra,
                                     window=window, sinks=sinks)
 
 
-def _kernel_fwd(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale):
-    return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale), (
-        q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks)
+def _kernel_fwd(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window, scale):
+    return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window, scale), (
+        q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra)
 
 
-def _kernel_bwd(causal, window, scale, residuals, g):
-    q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks = residuals
-    dense = lambda q_, k_, v_, x_, s_: _dense(  # noqa: E731
-        q_, k_, v_, q_positions, kv_lengths, s_, x_, causal=causal, window=window, scale=scale)
-    _, vjp = jax.vjp(dense, q, k_buf, v_buf, extra, sinks)
-    dq, dk, dv, dextra, dsinks = vjp(g)
-    if extra is not None:  # the mask of the extra keys is boolean: no cotangent
-        dextra = (dextra[0], dextra[1], None)
-    return dq, dk, dv, None, None, dextra, dsinks
-
-
-_kernel_with_dense_grad.defvjp(_kernel_fwd, _kernel_bwd)
+_kernel_with_dense_grad.defvjp(_kernel_fwd, _dense_grads)
 
 
 def kv_cache_attention(
@@ -364,7 +359,7 @@ def kv_cache_attention(
     tuning = tuning or _TUNING
     if (tuning.kernel and target.platform() == "cpu" and cpu_kernels.supports_attention(q, k_buf, v_buf)
             and cpu_kernels.available()):
-        return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, extra, sinks, causal, window, scale)
+        return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window, scale)
     block_rows = q.shape[1]
     if not tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows):
         return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
