@@ -32,6 +32,7 @@ import harness as h
 DEFAULTS = dict(rows=16, buffers="512,4096", clients="1,4,16", processes=1, repeats=30)
 QUICK = dict(rows=2, buffers="512", clients="1", repeats=3)
 SETTINGS = ("kernel", "xla")
+TUNINGS = {"kernel": {}, "kernel, cut": {"in_place": False}, "xla": {"kernel": False}}  # AttentionTuning fields
 
 
 def _calls(args, buffers, log):
@@ -69,13 +70,13 @@ def _calls(args, buffers, log):
 
 
 def _child(setting: str, clients: list[int]) -> dict:
-    """One process's served runs under `setting` (the engines traced under it)."""
+    """One process's served runs under `setting` (`TUNINGS`: the engines traced under it)."""
     import dflash_jax
     from dflash_jax.nn.attention import AttentionTuning, set_attention_tuning
     from dflash_jax.serve.engine import Engine
     from width_choice import serve
 
-    set_attention_tuning(AttentionTuning(kernel=setting == "kernel"))
+    set_attention_tuning(AttentionTuning(**TUNINGS[setting]))
     pair = dflash_jax.load(None, dequantize_experts="auto")
     pool = h.prompts(pair, 192, 64)
     draws = np.random.default_rng(0).uniform(0.5, 1.5, (max(clients), 6))
@@ -102,6 +103,35 @@ def _child(setting: str, clients: list[int]) -> dict:
     return result
 
 
+def served_settings(settings, clients: list[int], processes: int, log) -> list[dict]:
+    """The served engines of `_child` under each of `settings` (two: `TUNINGS` keys), a child process per setting,
+    alternating `processes` times. Rows: clients, engine, each setting's median tokens/s, the first over the second.
+    Exits when any engine's tokens differ between the settings."""
+    served = {s: [] for s in settings}
+    for i in range(processes):
+        for setting in (settings if i % 2 == 0 else settings[::-1]):
+            log(f"served, {setting} (process {i + 1} of {processes}) ...")
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", setting,
+                                   ",".join(map(str, clients))], capture_output=True, text=True,
+                                  cwd=os.path.dirname(os.path.abspath(__file__)))
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if done.returncode != 0 or line is None:
+                raise SystemExit(f"the {setting} child failed:\n{done.stderr[-3000:]}")
+            served[setting].append(json.loads(line[len("RESULT "):]))
+    first, second = settings
+    rows, same = [], True
+    for c in clients:
+        for m in served[first][0][str(c)]:
+            got = {s: float(np.median([run[str(c)][m]["rate"] for run in served[s]])) for s in settings}
+            same &= len({run[str(c)][m]["outputs"] for s in settings for run in served[s]}) == 1
+            rows.append(dict(clients=c, mode=m, **got, ratio=got[first] / got[second]))
+            log(f"{c} clients, {m}: {first} {got[first]:.0f} tok/s, {second} {got[second]:.0f} "
+                f"({rows[-1]['ratio']:.2f}x)")
+    if not same:
+        raise SystemExit(f"served tokens differ between {first} and {second}")
+    return rows
+
+
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(_child(sys.argv[2], [int(c) for c in sys.argv[3].split(",")])), flush=True)
@@ -119,28 +149,8 @@ def main(argv=None) -> int:
 
     loads = [(load_average() or (0.0,))[0]]
     calls = _calls(args, buffers, log)
-    served = {s: [] for s in SETTINGS}
-    for i in range(args.processes):
-        for setting in (SETTINGS if i % 2 == 0 else SETTINGS[::-1]):
-            log(f"served, {setting} (process {i + 1} of {args.processes}) ...")
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", setting,
-                                   ",".join(map(str, clients))], capture_output=True, text=True,
-                                  cwd=os.path.dirname(os.path.abspath(__file__)))
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if done.returncode != 0 or line is None:
-                raise SystemExit(f"the {setting} child failed:\n{done.stderr[-3000:]}")
-            served[setting].append(json.loads(line[len("RESULT "):]))
+    rows = served_settings(SETTINGS, clients, args.processes, log)
     loads.append((load_average() or (0.0,))[0])
-    modes = list(served["kernel"][0][str(clients[0])])
-    rows, same = [], True
-    for c in clients:
-        for m in modes:
-            got = {s: float(np.median([run[str(c)][m]["rate"] for run in served[s]])) for s in SETTINGS}
-            same &= len({run[str(c)][m]["outputs"] for s in SETTINGS for run in served[s]}) == 1
-            rows.append(dict(clients=c, mode=m, **got, ratio=got["kernel"] / got["xla"]))
-            log(f"{c} clients, {m}: kernel {got['kernel']:.0f} tok/s, xla {got['xla']:.0f} ({rows[-1]['ratio']:.2f}x)")
-    if not same:
-        raise SystemExit("served tokens differ between the kernel and XLA's attention")
     result = dict(benchmark="cpu_attention", machine=h.machine(), rows=args.rows, calls=calls, served=rows,
                   processes=args.processes, load_range=[min(loads), max(loads)])
     lines = [

@@ -19,6 +19,8 @@ model's `[b, T, Hkv, d]` order; only the buffer is heads-major.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -43,6 +45,16 @@ class KVCache:
 
 
 SLOT_AXIS = 2  # a KV buffer's slot (position) axis: [b, Hkv, S, d]
+
+SLOT_FIELDS = frozenset(("keys", "values", "lengths"))
+
+
+def holds_slots(node) -> bool:
+    """Whether `node` is a cache of slot = position K/V buffers: a dataclass with `keys`, `values` (tuples of
+    buffers) and `lengths` fields (a `KVCache`, a hybrid target's cache). Such buffers are written only at slots at
+    or past each row's length, so a round may take them as it left them for every row (`serve.runner.keep_rows`)."""
+    return (dataclasses.is_dataclass(node) and not isinstance(node, type)
+            and SLOT_FIELDS <= {f.name for f in dataclasses.fields(node)})
 
 
 def kv_shape(batch: int, max_len: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:

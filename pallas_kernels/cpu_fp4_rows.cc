@@ -640,14 +640,15 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::
                          ffi::ResultBuffer<ffi::F32> out, float scale, bool causal, int64_t window) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = positions.dimensions(),
        ld = lengths.dimensions(), xd = kx.dimensions(), yd = vx.dimensions(), md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || ld.size() != 1 || kd[0] != qd[0] ||
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 || ld.size() != 1 || kd[0] < qd[0] ||
       kd[3] != qd[3] || kd[1] == 0 || qd[2] % kd[1] != 0 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
       vd[3] != kd[3] || pd[0] != qd[0] || pd[1] != qd[1] || ld[0] != qd[0] || xd.size() != 4 || yd.size() != 4 ||
       md.size() != 3 || xd[0] != qd[0] || xd[2] != kd[1] || xd[3] != qd[3] || yd[0] != xd[0] || yd[1] != xd[1] ||
       yd[2] != xd[2] || yd[3] != xd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != xd[1] ||
       sinks.dimensions().size() != 1 || (sinks.element_count() != 0 && sinks.element_count() != qd[2]) || window < 0)
     return ffi::Error::InvalidArgument(
-        "kv_attention: q [B, T, Hq, D], k and v [B, Hkv, S, D] (Hq a multiple of Hkv), positions [B, T], lengths [B], "
+        "kv_attention: q [B, T, Hq, D], k and v [B' >= B, Hkv, S, D] (Hq a multiple of Hkv), positions [B, T], "
+        "lengths [B], "
         "beside-keys and values [B, X, Hkv, D], mask [B, T, X], sinks [Hq] or [0], window >= 0");
   Attention a{q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(), lengths.typed_data(),
               kx.typed_data(), vx.typed_data(), mask.typed_data(),
@@ -684,8 +685,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashMxfp4Rows, Impl,
 DFLASH_DENSE_ROWS_HANDLER(DflashDenseRows, ffi::F32)
 DFLASH_DENSE_ROWS_HANDLER(DflashDenseRowsBf16, ffi::BF16)
 
-// q f32 [B, T, Hq, D], k and v f32 [B, Hkv, S, D], positions s32 [B, T], lengths s32 [B], beside-keys and values
-// f32 [B, X, Hkv, D], mask s32 [B, T, X], sinks f32 [Hq] or [0]; scale, causal, window (0: none)
+// q f32 [B, T, Hq, D], k and v f32 [B' >= B, Hkv, S, D] (rows past B unread), positions s32 [B, T], lengths s32 [B],
+// beside-keys and values f32 [B, X, Hkv, D], mask s32 [B, T, X], sinks f32 [Hq] or [0]; scale, causal, window (0: none)
 // -> f32 [B, T, Hq, D]
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashKvAttention, AttentionImpl,
                               ffi::Ffi::Bind()

@@ -177,21 +177,23 @@ _dense_rows.defvjp(_dense_rows_fwd, _dense_rows_bwd)
 
 
 def supports_attention(q, k_buf, v_buf) -> bool:
-    """Whether `kv_attention` takes these operands: float32 queries [B, T, Hq, D] and cache buffers [B, Hkv, S, D]."""
-    return (q.ndim == 4 and k_buf.ndim == 4 and v_buf.ndim == 4
+    """Whether `kv_attention` takes these operands: float32 queries [B, T, Hq, D] and cache buffers [B' >= B, Hkv, S,
+    D]."""
+    return (q.ndim == 4 and k_buf.ndim == 4 and v_buf.ndim == 4 and k_buf.shape[0] >= q.shape[0]
             and all(x.dtype == jnp.float32 for x in (q, k_buf, v_buf)) and q.shape[2] % k_buf.shape[1] == 0)
 
 
 def kv_attention(q, k_buf, v_buf, q_positions, kv_lengths, *, scale: float, causal: bool, extra=None,
                  window: int | None = None, sinks=None) -> jax.Array:
-    """Softmax attention of q [B, T, Hq, D] (float32) over each row's live slots of k_buf, v_buf [B, Hkv, S, D]:
+    """Softmax attention of q [B, T, Hq, D] (float32) over each row's live slots of k_buf, v_buf [B', Hkv, S, D]
+    (B' >= B: the first B rows of larger buffers are read in place, the rest never):
     slots s < kv_lengths[b] and, causal, s <= q_positions[b, t] (a `window` W: q - s < W, and without causality
     s - q < W); query head h reads kv head h // (Hq / Hkv); extra: optional (k [B, X, Hkv, D], v, mask [B, T, X]
     bool), keys beside the cache (the draft's block) under their own mask, in the same softmax; sinks: optional [Hq]
     logits, one more softmax column per head whose probability reads no value (gpt-oss). Each query reads only its
     own row's visible keys, in order (the cost follows the live lengths, and a row's result does not depend on the
-    other rows or the block's width); scores, softmax and sums in float32; a query with no visible key gets zeros. No gradient (`nn.attention` gives it the dense path's). Call
-    `available()` first."""
+    other rows or the block's width); scores, softmax and sums in float32; a query with no visible key gets zeros.
+    No gradient (`nn.attention` gives it the dense path's). Call `available()` first."""
     b, t, _, d = q.shape
     if extra is None:
         k_x = jnp.zeros((b, 0, k_buf.shape[1], d), jnp.float32)

@@ -13,7 +13,9 @@ statically:
 On a CPU with the compiled kernels (`pallas_kernels.cpu_kernels`), float32 attention (windows and sinks included) is
 one call instead (`cpu_kernels.kv_attention`): each query reads only its own row's visible keys, so its cost
 follows the live lengths and a row's result depends on nothing else in the call (not the buffer's size, the other
-rows, nor the block's width); its gradient is the dense path's.
+rows, nor the block's width); its gradient is the dense path's. It also reads a row's keys where they lie in a buffer
+with more rows than the call's queries, so a caller computing the first rows of a larger cache may hand it the whole
+buffers instead of cutting them (`reads_in_place`).
 `AttentionTuning` (chunk rows, the largest buffer kept dense, the CPU kernel) is a process-wide setting read when a
 function is traced; `attention_tuning(...)` changes it and clears jit caches so that the next call
 retraces.
@@ -129,11 +131,13 @@ class AttentionTuning:
     the dense path (also any buffer with fewer than `chunk` rows beyond the block: nothing to skip).
     `dense_max_rows=None` forces the dense path everywhere; 0 forces the chunked path where it applies.
     kernel: on a CPU with the compiled kernels, float32 attention takes `cpu_kernels.kv_attention` instead of
-    either path (each query reads its own row's live keys only)."""
+    either path (each query reads its own row's live keys only). in_place: with the kernel, callers that compute
+    the first rows of a cache hand it the whole buffers instead of cut copies (`reads_in_place`)."""
 
     chunk: int = 256
     dense_max_rows: int | None = 512
     kernel: bool = True
+    in_place: bool = True
 
     def __post_init__(self):
         if self.chunk < 1:
@@ -329,7 +333,36 @@ def _kernel_fwd(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, 
         q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra)
 
 
-_kernel_with_dense_grad.defvjp(_kernel_fwd, _dense_grads)
+def _kernel_bwd(causal, window, scale, residuals, g):
+    """The dense path's cotangents over the queries' rows of the buffers; zeros for the rows past them."""
+    q, k_buf, v_buf = residuals[:3]
+    b = q.shape[0]
+    if k_buf.shape[0] == b:
+        return _dense_grads(causal, window, scale, residuals, g)
+    dq, dk, dv, *rest = _dense_grads(causal, window, scale, (q, k_buf[:b], v_buf[:b], *residuals[3:]), g)
+    pad = [(0, k_buf.shape[0] - b)] + [(0, 0)] * (k_buf.ndim - 1)
+    return (dq, jnp.pad(dk, pad), jnp.pad(dv, pad), *rest)
+
+
+_kernel_with_dense_grad.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def uses_kernel(q, k_buf, v_buf, tuning: AttentionTuning | None = None) -> bool:
+    """Whether `kv_cache_attention` of these operands is the compiled CPU kernel (`AttentionTuning.kernel`)."""
+    tuning = tuning or _TUNING
+    return (tuning.kernel and target.platform() == "cpu" and cpu_kernels.supports_attention(q, k_buf, v_buf)
+            and cpu_kernels.available())
+
+
+def reads_in_place(dtype, tuning: AttentionTuning | None = None) -> bool:
+    """Whether `kv_cache_attention` of float32 queries over cache buffers of `dtype` reads each row's live slots
+    where they lie (the CPU kernel, with `AttentionTuning.in_place`): a caller that computes the first rows of a
+    cache may then hand it the whole buffers (every row, every slot) and write its new keys into them in place,
+    instead of cutting copies of the rows and slots it computes and writing them back. The other paths take such
+    buffers too (cut to the queries' rows first), so this only tells which costs less."""
+    tuning = tuning or _TUNING
+    return (tuning.kernel and tuning.in_place and target.platform() == "cpu" and jnp.dtype(dtype) == jnp.float32
+            and cpu_kernels.available())
 
 
 def kv_cache_attention(
@@ -348,8 +381,8 @@ def kv_cache_attention(
 ) -> jax.Array:
     """Attention of queries over the live rows of a slot = position cache buffer.
 
-    q: [b, T, Hq, d] at `q_positions` [b, T]; k_buf, v_buf: [b, Hkv, S, d], slot p holding position p;
-    kv_lengths [b]: slots `>= kv_lengths[b]` are not live (never seen, and in the chunked path chunks past
+    q: [b, T, Hq, d] at `q_positions` [b, T]; k_buf, v_buf: [b', Hkv, S, d], slot p holding position p, b' >= b
+    (rows past b are not read: `reads_in_place`); kv_lengths [b]: slots `>= kv_lengths[b]` are not live (never seen, and in the chunked path chunks past
     `max(kv_lengths)` are never read). A live slot p is visible to query q under `causal` (p <= q) and
     `window` W (q - p < W; without causality also p - q < W). extra: optional (k [b, X, Hkv, d], v, mask
     [b, T, X] bool), keys outside the cache (the draft's block) under their own mask. sinks: [Hq] logits
@@ -357,9 +390,10 @@ def kv_cache_attention(
     result) follows `tuning` (default: the process-wide `get_attention_tuning()`).
     """
     tuning = tuning or _TUNING
-    if (tuning.kernel and target.platform() == "cpu" and cpu_kernels.supports_attention(q, k_buf, v_buf)
-            and cpu_kernels.available()):
+    if uses_kernel(q, k_buf, v_buf, tuning):
         return _kernel_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window, scale)
+    if k_buf.shape[0] != q.shape[0]:  # the first rows of larger buffers
+        k_buf, v_buf = k_buf[: q.shape[0]], v_buf[: q.shape[0]]
     block_rows = q.shape[1]
     if not tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows):
         return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,

@@ -96,6 +96,11 @@ class LanedRunner(RoundRunner):
             lane.drop()
 
     @property
+    def in_place(self) -> bool:
+        """Whether every lane's rounds compute on its whole KV buffers (`ResidentRunner.in_place`)."""
+        return all(lane.in_place for lane in self.lanes)
+
+    @property
     def pin_length(self):
         return self.lanes[0].pin_length if hasattr(self, "lanes") else None
 

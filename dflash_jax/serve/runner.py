@@ -53,9 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import cache as cache_slots
-from dflash_jax.cache import SLOT_AXIS, KVCache
+from dflash_jax.cache import SLOT_AXIS, KVCache, holds_slots
 from dflash_jax.models.family import family_of
-from dflash_jax.nn.attention import get_attention_tuning
+from dflash_jax.nn.attention import get_attention_tuning, reads_in_place
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import (
     Chain, can_catch_up, catch_up_context, check_proposer, commit, flush_context, propose, round_spec, round_step,
@@ -441,19 +441,26 @@ def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold
     return state, logits.astype(jnp.float32)
 
 
-def head_rows(tree, rows: int, length: int | None = None):
+def head_rows(tree, rows: int, length: int | None = None, in_place: bool = False):
     """The first `rows` rows of every leaf (a static slice; the identity when that is all of them). length: also
-    every KV cache buffer (a `KVCache`'s keys and values) cut to its first `length` slots (`cut_slots`)."""
-    head = map_rows(lambda x: x if x.shape[0] == rows else x[:rows], tree)
-    if length is None:
-        return head
+    every KV cache buffer (a `KVCache`'s keys and values) cut to its first `length` slots (`cut_slots`). in_place:
+    every cache's K/V buffers (`cache.holds_slots`) left whole instead, all rows and slots (attention that reads
+    each row's keys where they lie, `nn.attention.reads_in_place`): nothing copied in, nothing written back."""
+    def first(x):
+        return x if x.shape[0] == rows else x[:rows]
 
     def node(n):
-        if isinstance(n, KVCache):
-            return n.replace(keys=cut_slots(n.keys, length), values=cut_slots(n.values, length))
-        return n
+        if not holds_slots(n):
+            return map_rows(first, n)
+        rest = map_rows(first, n.replace(keys=(), values=()))
+        if in_place:
+            return rest.replace(keys=n.keys, values=n.values)
+        keys, values = map_rows(first, (n.keys, n.values))
+        if length is not None and isinstance(n, KVCache):
+            keys, values = cut_slots(keys, length), cut_slots(values, length)
+        return rest.replace(keys=keys, values=values)
 
-    return jax.tree.map(node, head, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(node, tree, is_leaf=holds_slots)
 
 
 def cut_slots(buffers, length: int | None):
@@ -494,27 +501,28 @@ def _project_experts(routers, hidden, cfg):
 
 
 def keep_rows(active, new: SpecState, old: SpecState) -> SpecState:
-    """Row `i` of `new` where `active[i]`, else row `i` of `old`. KV buffers are the exception: a row's slots
-    at or past its length are scratch (never read; `cache` module invariant), and a verify writes only there,
-    so the buffers are taken from `new` as they are and only the lengths are selected. That saves a select
+    """Row `i` of `new` where `active[i]`, else row `i` of `old`. KV buffers are the exception (`cache.holds_slots`:
+    a `KVCache`, a hybrid target's cache): a row's slots at or past its length are scratch (never read; `cache`
+    module invariant), and a verify writes only there, so the buffers are taken from `new` as they are (whole ones
+    too: `head_rows`'s in_place) and only the rest (lengths, a DeltaNet's states) is selected. That saves a select
     over every cache buffer per round (and the copy XLA makes to keep the old buffers alive for it)."""
     def sel(n, o):
         mask = active.reshape(active.shape + (1,) * (n.ndim - 1))
         return jnp.where(mask, n, o)
 
     def node(n, o):
-        if isinstance(n, KVCache):
-            offset = None if n.position_offset is None else sel(n.position_offset, o.position_offset)
-            return n.replace(lengths=sel(n.lengths, o.lengths), position_offset=offset)
+        if holds_slots(n):
+            rest = map_rows(sel, n.replace(keys=(), values=()), o.replace(keys=(), values=()))
+            return rest.replace(keys=n.keys, values=n.values)
         return map_rows(sel, n, o)
 
-    return jax.tree.map(node, new, old, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(node, new, old, is_leaf=holds_slots)
 
 
-@stored_jit(static_argnames=("spec", "proposer", "rows", "length"),
+@stored_jit(static_argnames=("spec", "proposer", "rows", "length", "in_place"),
                    donate_argnames=("draft_buffers",))
 def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: SpecConfig, proposer,
-           rows: int | None = None, length: int | None = None):
+           rows: int | None = None, length: int | None = None, in_place: bool = False):
     """The proposal of `proposer` (`spec.round.propose`: a chain of any width up to the state's block
     `spec.block_size`, or a tree) and each row's projected expert set (every MoE layer's router on the draft's
     hidden states of the verified rows; the anchor's embedding when nothing is drafted).
@@ -529,12 +537,15 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: Sp
 
     length: the draft cache's buffers cut to their first `length` slots for the draft (a length bucket holding every
     computed row's context and the rows the draft writes; `cut_slots`), written back in place: a round then copies
-    the live slots, not the whole cache."""
+    the live slots, not the whole cache.
+
+    in_place: the buffers whole instead (`head_rows`), the draft's attention reading its rows in place."""
     full_buffers = draft_buffers
     if rows is not None or length is not None:
         rows = state.done.shape[0] if rows is None else rows
         state = head_rows(state, rows)
-        draft_buffers = None if draft_buffers is None else cut_slots(head_rows(draft_buffers, rows), length)
+        if draft_buffers is not None and not in_place:
+            draft_buffers = cut_slots(head_rows(draft_buffers, rows), length)
     if draft_buffers is not None:
         state = state.replace(draft_cache=state.draft_cache.replace(keys=draft_buffers[0], values=draft_buffers[1]))
     proposal = propose(proposer, target_w, draft_w, state, spec)
@@ -550,14 +561,16 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: Sp
     return proposal, buffers, cache.lengths, demand
 
 
-def verify_rows(state: SpecState, proposal, draft_lengths, active, rows: int | None, length: int | None = None):
-    """The state a round verifies: its first `rows` rows (and with `length`, its KV buffers' first `length` slots),
+def verify_rows(state: SpecState, proposal, draft_lengths, active, rows: int | None, length: int | None = None,
+                in_place: bool = False):
+    """The state a round verifies: its first `rows` rows (and with `length`, its KV buffers' first `length` slots;
+    with `in_place`, its KV buffers whole: `head_rows`),
     the draft cache holding the buffers `_draft` wrote and the lengths after it, and every row where `active` [b] is
     unset counted done (nothing committed). Returns (the run state, the proposal with its cache, active cut to the
     rows)."""
     if rows is not None or length is not None:
         rows = state.done.shape[0] if rows is None else rows
-        state, active = head_rows(state, rows, length), active[:rows]
+        state, active = head_rows(state, rows, length, in_place), active[:rows]
     if state.draft_cache is not None:
         proposal = proposal.replace(draft_cache=state.draft_cache.replace(lengths=draft_lengths))
     return state.replace(done=state.done | ~active), proposal, active
@@ -610,9 +623,9 @@ def lower_context(state: SpecState, lifted) -> SpecState:
     return state.replace(context=jax.lax.dynamic_update_slice_in_dim(held, state.context, 0, axis=1))
 
 
-@stored_jit(static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
+@stored_jit(static_argnames=("spec", "proposer", "rows", "length", "in_place"), donate_argnames=("state",))
 def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: SpecConfig, proposer,
-            rows: int | None = None, length: int | None = None) -> SpecState:
+            rows: int | None = None, length: int | None = None, in_place: bool = False) -> SpecState:
     """The verify of `proposal` for the rows where `active` [b] is set (`spec.round.verify_forward` + `commit`);
     every other row keeps its old state (`keep_rows`). The state keeps the layout of its block `spec.block_size`.
     `state.draft_cache` holds the buffers `_draft` wrote and the lengths before it; `draft_lengths` are the
@@ -624,12 +637,14 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
 
     length: every KV buffer cut to its first `length` slots for the round (a length bucket holding every computed
     row's cache and the block the verify writes; `cut_slots`) and written back in place, so a round's copies follow
-    the live lengths, not the cache's capacity; the same result (`ResidentRunner.length_buckets`)."""
+    the live lengths, not the cache's capacity; the same result (`ResidentRunner.length_buckets`).
+
+    in_place: every KV buffer whole instead, read and written in place (`head_rows`; `ResidentRunner.in_place`)."""
     if length is not None and rows is None:
         rows = state.done.shape[0]
     state, lifted = lift_context(state, proposer, spec, 1)
-    old = head_rows(state, rows) if rows is not None else state
-    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows, length)
+    old = head_rows(state, rows, None, in_place) if rows is not None else state
+    run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows, length, in_place)
     out = verify_forward(target_w, run, proposal, round_spec(proposer, spec))
     new, _ = commit(run, proposal, out, spec, proposer)
     return lower_context(settle_rows(state, old, new, active, rows), lifted), out.logits
@@ -638,12 +653,13 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
 MAX_BURST = 16  # the most rounds one burst runs (`RoundRunner.burst`)
 
 
-@stored_jit(static_argnames=("spec", "proposer", "rows", "length"), donate_argnames=("state",))
+@stored_jit(static_argnames=("spec", "proposer", "rows", "length", "in_place"), donate_argnames=("state",))
 def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spec: SpecConfig, proposer,
-           rows: int | None = None, length: int | None = None, min_rounds=0):
+           rows: int | None = None, length: int | None = None, min_rounds=0, in_place: bool = False):
     """Up to `count` rounds (`spec.round.round_step`) of the rows where `active` [b] is set, in one `while_loop`,
     the others kept as they were (`settle_rows`). Cut to the first `rows` rows and every KV buffer to its first
-    `length` slots once for the whole burst, written back once (`_verify`'s `rows` and `length`).
+    `length` slots once for the whole burst, written back once (`_verify`'s `rows` and `length`); with `in_place`
+    the KV buffers stay whole in the loop, read and written where they lie (`_verify`'s `in_place`).
 
     A deferring width-1 chain (`Chain(1, defer_context=True)`) defers every round: each round's context row joins
     the row's pending ones (held context rows, `Layout.context_rows`: the engine leaves room for the call's rounds,
@@ -661,8 +677,8 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
         draft_cache = state.draft_cache
         state = state.replace(draft_cache=None)
     state, lifted = lift_context(state, proposer, spec, MAX_BURST)
-    old = head_rows(state, rows)
-    run = head_rows(state, rows, length)
+    old = head_rows(state, rows, None, in_place)
+    run = head_rows(state, rows, length, in_place)
     active = active[:rows]
     run = run.replace(done=run.done | ~active)
     done_before = run.done
@@ -836,7 +852,11 @@ class ResidentRunner(RoundRunner):
         self.top_logprobs = min(TOP_LOGPROBS, int(tcfg.vocab_size))
         self.last_logits = None  # [k, V] the last prefill's (or fork's) last logits
         self._round_logprobs = None  # the last verify's committed log-probs (device), when its plan asked
-        self.length_buckets = length_buckets(self.spec.max_len, layout.widest + self.spec.block_size)
+        # attention reading each row's keys where they lie: a round computes on the whole KV buffers (no cut rows or
+        # slots copied in and written back), and a single length bucket (the whole cache) serves every round
+        self.in_place = mesh is None and all(reads_in_place(x.dtype) for x in (pair.target.embed, pair.draft.fc))
+        self.length_buckets = ((self.spec.max_len,) if self.in_place
+                               else length_buckets(self.spec.max_len, layout.widest + self.spec.block_size))
         self._length_bound = None  # (each slot's cache length bound [slots], the state it holds for)
 
     def carried(self):
@@ -1076,7 +1096,7 @@ class ResidentRunner(RoundRunner):
         if cache is not None:
             state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
         proposal, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._routers,
-                                                    self.spec, proposer, rows, length)
+                                                    self.spec, proposer, rows, length, self.in_place)
         if cache is not None:
             self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
         return Drafted(proposer=proposer, rows=rows, proposal=proposal, lengths=lengths, demand=demand, length=length)
@@ -1085,7 +1105,7 @@ class ResidentRunner(RoundRunner):
     def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
         start = self._verify_start(plan)
         self.state, logits = _verify(self.pair.target, self.state, drafted.proposal, drafted.lengths, plan.active,
-                                     self.spec, drafted.proposer, drafted.rows, drafted.length)
+                                     self.spec, drafted.proposer, drafted.rows, drafted.length, self.in_place)
         if self._length_bound is not None and drafted.length is not None:
             self._length_bound = (self._length_bound[0], self.state)  # the bound holds for the state this verify made
         self._after_verify(start, logits, drafted.proposal.tree)
@@ -1096,7 +1116,7 @@ class ResidentRunner(RoundRunner):
         length = self.length_bucket(rows, count, proposer)
         self.state, committed, ran = _burst(self.pair.target, self.pair.draft, self.state, np.asarray(active, bool),
                                             np.int32(count), np.bool_(until_finish), self.spec, proposer, rows, length,
-                                            np.int32(0))
+                                            np.int32(0), self.in_place)
         if self._length_bound is not None and length is not None:
             self._length_bound = (self._length_bound[0], self.state)
         ran, committed = jax.device_get((ran, committed))
@@ -1108,7 +1128,7 @@ class ResidentRunner(RoundRunner):
         length = self.length_bucket(rows, rounds, proposer)
         self.state, _, ran = _burst(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool),
                                     np.int32(rounds), np.bool_(False), self.spec, proposer, rows, length,
-                                    np.int32(rounds))
+                                    np.int32(rounds), self.in_place)
         jax.block_until_ready(ran)
 
     def fetch(self):

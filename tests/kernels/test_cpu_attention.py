@@ -109,3 +109,37 @@ def test_the_kernels_gradient_is_the_dense_paths():
 
     for got, want in zip(loss(A.AttentionTuning()), loss(XLA)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_the_first_rows_of_larger_buffers_are_read_in_place():
+    """Buffers with more rows than the queries (a serving round over the first rows of its cache, `reads_in_place`):
+    the kernel reads the first rows where they lie, bit for bit what it gives on the cut rows; XLA's paths cut them
+    first (the same to rounding); the gradient is the dense path's on those rows and zero past them."""
+    q, k, v, extra = _inputs(5, 5, 4, 4, 2, 48, 32, x=2)
+    b = 3
+    q, extra = q[:b], tuple(e[:b] for e in extra)
+    lengths = jnp.asarray([17, 48, 1], jnp.int32)
+    positions = jnp.minimum(lengths[:, None] + jnp.arange(4)[None], 47)
+    kw = dict(scale=0.2, causal=True, extra=extra, window=20)
+    cut = np.asarray(cpu_kernels.kv_attention(q, k[:b], v[:b], positions, lengths, **kw))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.kv_attention(q, k, v, positions, lengths, **kw)), cut)
+    np.testing.assert_array_equal(np.asarray(A.kv_cache_attention(q, k, v, positions, lengths, **kw)), cut)
+    for tuning in (XLA, A.AttentionTuning(kernel=False, dense_max_rows=0, chunk=16)):
+        np.testing.assert_allclose(np.asarray(A.kv_cache_attention(q, k, v, positions, lengths, tuning=tuning, **kw)),
+                                   cut, rtol=1e-5, atol=2e-6)
+    assert A.reads_in_place(jnp.float32)
+    assert not A.reads_in_place(jnp.bfloat16)
+    assert not A.reads_in_place(jnp.float32, A.AttentionTuning(in_place=False))
+    assert not A.reads_in_place(jnp.float32, XLA)
+
+    def grads(k_, v_, tuning):
+        def f(q_, k_, v_):
+            out = A.kv_cache_attention(q_, k_, v_, positions, lengths, tuning=tuning, **kw)
+            return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape) / out.size)
+        return jax.grad(f, argnums=(0, 1, 2))(q, k_, v_)
+
+    got, want = grads(k, v, A.AttentionTuning()), grads(k[:b], v[:b], XLA)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(np.asarray(g[:b]), np.asarray(w), rtol=1e-5, atol=1e-6)
+        assert not np.any(np.asarray(g[b:]))
