@@ -589,19 +589,20 @@ def _deferring(proposer, spec: SpecConfig) -> bool:
     return isinstance(proposer, Chain) and proposer.leaves_context and bool(spec.taps)
 
 
-def lift_context(state: SpecState, proposer, spec: SpecConfig, rounds: int):
+def lift_context(state: SpecState, proposer, spec: SpecConfig, rounds: int, rows: int | None = None):
     """A round's state with the held context rows lifted out (`Layout.context_rows`, wider than the block), so the
     rows a round cuts, keeps and writes back carry a few columns of it, not the whole hold: a deferring width-1
-    round gets `rounds` empty columns to write its own rows into (a call's rounds), a drafting round the block's
-    columns (it appends every pending row: at most a block). Returns (that state, what `lower_context` puts back;
-    None when the state holds only the block's columns)."""
+    round gets `rounds` empty columns to write its own rows into (a call's rounds; for its first `rows` rows only,
+    the rows it computes: `lower_context` writes back only theirs), a drafting round the block's columns (it appends
+    every pending row: at most a block). Returns (that state, what `lower_context` puts back; None when the state
+    holds only the block's columns)."""
     held, pending = state.context, state.num_context
     if held.shape[1] <= spec.block_size:
         return state, None
     if skips_context(proposer):  # no context rows at all: the hold stays out of the round
         return state.replace(context=held[:, :0]), (held, pending, None)
     if _deferring(proposer, spec):
-        narrow = jnp.zeros((held.shape[0], rounds, held.shape[2]), held.dtype)
+        narrow = jnp.zeros((held.shape[0] if rows is None else rows, rounds, held.shape[2]), held.dtype)
         return state.replace(context=narrow, num_context=jnp.zeros_like(pending)), (held, pending, True)
     return state.replace(context=held[:, : spec.block_size]), (held, pending, False)
 
@@ -615,9 +616,9 @@ def lower_context(state: SpecState, lifted) -> SpecState:
     held, pending, deferring = lifted
     if deferring is None:  # a skipping round: nothing written, nothing added
         return state.replace(context=held, num_context=pending)
-    if deferring:
+    if deferring:  # the narrow columns' rows: all of them, or the first rows a round computed
         b, width = state.context.shape[:2]
-        cols = pending[:, None] + jnp.arange(width, dtype=pending.dtype)[None]
+        cols = pending[:b, None] + jnp.arange(width, dtype=pending.dtype)[None]
         held = held.at[jnp.arange(b)[:, None], cols].set(state.context, mode="drop")
         return state.replace(context=held, num_context=pending + state.num_context)
     return state.replace(context=jax.lax.dynamic_update_slice_in_dim(held, state.context, 0, axis=1))
@@ -642,7 +643,7 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
     in_place: every KV buffer whole instead, read and written in place (`head_rows`; `ResidentRunner.in_place`)."""
     if length is not None and rows is None:
         rows = state.done.shape[0]
-    state, lifted = lift_context(state, proposer, spec, 1)
+    state, lifted = lift_context(state, proposer, spec, 1, rows)
     old = head_rows(state, rows, None, in_place) if rows is not None else state
     run, proposal, active = verify_rows(state, proposal, draft_lengths, active, rows, length, in_place)
     out = verify_forward(target_w, run, proposal, round_spec(proposer, spec))
@@ -676,7 +677,7 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
     if deferring:  # the rounds never read the draft's cache: it stays out of the loop (and out of the cut rows' copies)
         draft_cache = state.draft_cache
         state = state.replace(draft_cache=None)
-    state, lifted = lift_context(state, proposer, spec, MAX_BURST)
+    state, lifted = lift_context(state, proposer, spec, MAX_BURST, rows)
     old = head_rows(state, rows, None, in_place)
     run = head_rows(state, rows, length, in_place)
     active = active[:rows]
