@@ -205,12 +205,25 @@ def prompt_sets(pair, spec: str, n: int, length: int) -> list[tuple[str, list[li
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name and whether it has AVX-512 (the compiled CPU kernels' widest loops), from
+    /proc/cpuinfo: runs on two machines of one name may still differ, and a run's figures are its machine's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                "unknown")
+    return f"{name}{', AVX-512' if 'avx512f' in text else ''}"
+
+
 def machine() -> dict:
-    """The host: platform, architecture and cores, jax's version and backend."""
+    """The host: platform, architecture, CPU model and cores, jax's version and backend."""
     import jax
 
     return {"platform": platform.platform(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}
+            "cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}
 
 
 @contextlib.contextmanager
