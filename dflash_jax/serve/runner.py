@@ -1124,6 +1124,15 @@ class ResidentRunner(RoundRunner):
         return Burst(rounds=int(ran), committed=np.asarray(committed)[: int(ran)], length=length)
 
     @_on_mesh
+    def burst_program(self, proposer, rows: int, *, in_place: bool | None = None):
+        """The lowered program (`jax.stages.Lowered`) that a call of `proposer`'s rounds of the first `rows` rows runs
+        on the current state (`burst`; `in_place`: as the runner runs it, or forced either way), for inspection: its
+        text, its compiled cost and memory analyses."""
+        return _burst.lower(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool), np.int32(1),
+                            np.bool_(False), self.spec, proposer, rows, self.length_buckets[-1], np.int32(0),
+                            self.in_place if in_place is None else bool(in_place))
+
+    @_on_mesh
     def warm_burst(self, proposer, rows, rounds=1) -> None:
         rounds = max(1, min(int(rounds), MAX_BURST))
         length = self.length_bucket(rows, rounds, proposer)

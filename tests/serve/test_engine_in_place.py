@@ -13,7 +13,6 @@ import pytest
 from dflash_jax.cache import holds_slots
 from dflash_jax.nn.attention import attention_tuning, reads_in_place
 from dflash_jax.serve.engine import Engine, generate
-from dflash_jax.serve.runner import _burst
 from dflash_jax.spec import SamplingParams
 from dflash_jax.spec.round import Chain
 from pallas_kernels import cpu_kernels
@@ -30,9 +29,7 @@ def _kv_buffers(state):
 
 
 def _burst_text(runner, proposer, rows: int, in_place: bool) -> str:
-    return _burst.lower(runner.pair.target, runner.pair.draft, runner.state, np.zeros(runner.slots, bool),
-                        np.int32(2), np.bool_(False), runner.spec, proposer, rows, runner.length_buckets[-1],
-                        np.int32(0), in_place).as_text()
+    return runner.burst_program(proposer, rows, in_place=in_place).as_text()
 
 
 def test_in_place_rounds_copy_no_kv_rows(engine):
