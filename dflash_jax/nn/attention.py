@@ -384,10 +384,10 @@ def kv_cache_attention(
     q: [b, T, Hq, d] at `q_positions` [b, T]; k_buf, v_buf: [b', Hkv, S, d], slot p holding position p, b' >= b
     (rows past b are not read: `reads_in_place`); kv_lengths [b]: slots `>= kv_lengths[b]` are not live (never
     seen, and in the chunked path chunks past `max(kv_lengths)` are never read). A live slot p is visible to query
-    q under `causal` (p <= q) and `window` W (q - p < W; without causality also p - q < W). extra: optional (k [b, X, Hkv, d], v, mask
-    [b, T, X] bool), keys outside the cache (the draft's block) under their own mask. sinks: [Hq] logits
-    (see `gqa_attention`). A query with nothing visible gets zeros. The path (dense or chunked, same
-    result) follows `tuning` (default: the process-wide `get_attention_tuning()`).
+    q under `causal` (p <= q) and `window` W (q - p < W; without causality also p - q < W). extra: optional
+    (k [b, X, Hkv, d], v, mask [b, T, X] bool), keys outside the cache (the draft's block) under their own mask.
+    sinks: [Hq] logits (see `gqa_attention`). A query with nothing visible gets zeros. The path (the kernel, dense or
+    chunked, same result) follows `tuning` (default: the process-wide `get_attention_tuning()`).
     """
     tuning = tuning or _TUNING
     if uses_kernel(q, k_buf, v_buf, tuning):
