@@ -1,8 +1,8 @@
 """The serving engine's width choice, in-process: closed-loop clients against engines of the same slots.
 
   python benchmarks/width_choice.py [--clients 1,4,16,32] [--requests-per-client 2] [--prompt-len 64]
-                                    [--max-tokens 128] [--length-spread 0] [--slots 32] [--repeats 3] [--quick]
-                                    [--out DIR | --write-docs]
+                                    [--max-tokens 128] [--length-spread 0] [--slots 32] [--repeats 3]
+                                    [--call-rounds N] [--quick] [--out DIR | --write-docs]
 
 Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
@@ -20,6 +20,10 @@ ratio to plain is the median of the per-run ratios; the rounds each engine ran a
 explorations and its long-run acceptance. Every engine's tokens are checked against plain's. Writes
 width_choice.{json,md,png} (with --length-spread: width_choice_spread.*) to --out (default bench_out/) or, with
 --write-docs, docs/benchmarks/.
+
+`--call-rounds N`: the length of a device call instead. The engines are plain and the default, each as it runs
+(`rounds_per_call="auto"`: up to `MAX_BURST` rounds a call, sized to 50 ms) and with calls of at most N rounds
+(`rounds_per_call=N`); writes width_choice_calls.*.
 """
 
 from __future__ import annotations
@@ -40,7 +44,16 @@ MODES = {
     "block 4": dict(block_size=4),
 }
 DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3,
-                length_spread=0.0)
+                length_spread=0.0, call_rounds=0)
+
+
+def call_modes(rounds: int) -> dict:
+    """Plain and the default, each with calls of at most `rounds` rounds and as it runs (`--call-rounds`)."""
+    out = {}
+    for name in ("plain", "default (widths 1, 4)"):
+        out[f"{name.split(' (')[0]}, calls of up to {rounds}"] = dict(MODES[name], rounds_per_call=rounds)
+        out[name] = MODES[name]
+    return out
 QUICK = dict(clients="1,4", requests_per_client=1, max_tokens=32, repeats=1, slots=4)
 
 
@@ -94,7 +107,8 @@ def serve(engines: dict, order: list, pool, clients: int, per: int, max_tokens, 
 def main(argv=None) -> int:
     d = DEFAULTS
     p = h.parser(__doc__, {"--clients": d["clients"], "--requests-per-client": d["requests_per_client"],
-                           "--slots": d["slots"], "--length-spread": d["length_spread"]},
+                           "--slots": d["slots"], "--length-spread": d["length_spread"],
+                           "--call-rounds": (d["call_rounds"], "compare calls of at most N rounds (0: off)")},
                  prompt_len=d["prompt_len"], max_tokens=d["max_tokens"],
                  repeats=d["repeats"])
     args = h.parse(p, argv, quick=QUICK)
@@ -106,6 +120,9 @@ def main(argv=None) -> int:
     draws = np.random.default_rng(0).uniform(1.0 - args.length_spread, 1.0 + args.length_spread,
                                              (max(clients), args.requests_per_client))
     lengths = np.maximum(1, np.rint(args.max_tokens * draws)).astype(int)
+    if args.call_rounds < 0:
+        p.error(f"--call-rounds must be >= 0, got {args.call_rounds}")
+    modes = call_modes(args.call_rounds) if args.call_rounds else MODES
 
     def budget(c, i):
         return int(lengths[c, i])
@@ -117,7 +134,7 @@ def main(argv=None) -> int:
     pair = dflash_jax.load(None, dequantize_experts="auto")
     pool = h.prompts(pair, max(max(clients) * args.requests_per_client, 8), args.prompt_len)
     engines = {}
-    for name, kw in MODES.items():
+    for name, kw in modes.items():
         t = time.perf_counter()
         engines[name] = Engine(pair, slots=args.slots, max_prompt_len=2 * args.prompt_len,
                                max_new_tokens=int(lengths.max()), **kw)
@@ -125,12 +142,12 @@ def main(argv=None) -> int:
         log(f"{name}: warmed in {time.perf_counter() - t:.1f} s")
     rows = []
     for c in clients:
-        rates, widths = collections.defaultdict(list), {m: collections.Counter() for m in MODES}
+        rates, widths = collections.defaultdict(list), {m: collections.Counter() for m in modes}
         loads = [(load_average() or (0.0,))[0]]
         order = list(engines)
         # untimed: each engine's first run of this point; outputs checked
         first = serve(engines, order, pool, c, args.requests_per_client, budget,
-                      {m: collections.Counter() for m in MODES})
+                      {m: collections.Counter() for m in modes})
         for name, (_, out) in first.items():
             if out != first["plain"][1]:
                 raise SystemExit(f"{name} at {c} clients: tokens differ from plain's")
@@ -140,7 +157,7 @@ def main(argv=None) -> int:
             for name, (rate, _) in got.items():
                 rates[name].append(rate)
             loads.append((load_average() or (0.0,))[0])
-        for name in MODES:
+        for name in modes:
             ratios = [a / b for a, b in zip(rates[name], rates["plain"])]
             total = sum(widths[name].values()) or 1
             rows.append(dict(mode=name, clients=c, tokens_per_s=float(np.median(rates[name])),
@@ -172,7 +189,7 @@ def main(argv=None) -> int:
         "",
         *h.table(["engine"] + [f"{c} client{'s' if c > 1 else ''}" for c in clients],
                  [[m] + [f"{by[m, c]['tokens_per_s']:.0f} ({by[m, c]['ratio']:.2f}x, "
-                         f"{100 * by[m, c]['width4_share']:.0f}%)" for c in clients] for m in MODES]),
+                         f"{100 * by[m, c]['width4_share']:.0f}%)" for c in clients] for m in modes]),
         "",
         "Acceptance explorations and long-run acceptance: " + ", ".join(
             f"{m}: {s['acceptance_explores']} / {s['long_run_acceptance']:.3f}" for m, s in stats.items()),
@@ -180,15 +197,16 @@ def main(argv=None) -> int:
 
     def draw(ax):
         x = np.arange(len(clients))
-        for i, m in enumerate(MODES):
-            ax.bar(x + (i - (len(MODES) - 1) / 2) * 0.16, [by[m, c]["ratio"] for c in clients], 0.16, label=m)
+        for i, m in enumerate(modes):
+            ax.bar(x + (i - (len(modes) - 1) / 2) * 0.16, [by[m, c]["ratio"] for c in clients], 0.16, label=m)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(x, [str(c) for c in clients])
         ax.set_xlabel("clients")
         ax.set_ylabel("tokens/s over plain")
         ax.legend(fontsize=7)
 
-    name = "width_choice_spread" if args.length_spread else "width_choice"
+    name = "width_choice_calls" if args.call_rounds else (
+        "width_choice_spread" if args.length_spread else "width_choice")
     h.Report(args, name).write(result, lines, draw=draw, image="tokens/s over plain by engine and clients")
     return 0
 

@@ -24,6 +24,10 @@ from dflash_jax.cli.errors import run_cli
 from dflash_jax.cli.generate import add_dequantize_flag
 from dflash_jax.errors import UsageError
 
+# the most rounds of one device call: `serve.runner.MAX_BURST`, written out so that the parser imports no JAX (a test
+# holds the two equal)
+MAX_ROUNDS_PER_CALL = 64
+
 # the verify block B when --block-size is not given, with the default widths (1,B) or --widths fixed (docs/serving.md,
 # "Which default": with the experts dense at load the shipped pair on a CPU serves 4 - 32 clients no faster than plain
 # at a fixed block of 4; width 1 or 4 chosen per round follows the load)
@@ -84,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds-per-call", default="auto",
                    help="rounds one device call may run while every live request verifies every round and the host "
                         "has nothing to do between them: 'auto' (the default: as many as fit in --call-ms by the "
-                        "rounds' measured time, at most 16) or a number 1..16 (1: the host looks after every round). "
-                        "Streams then get a call's tokens at once; outputs never change")
+                        "rounds' measured time, at most %d) or a number 1..%d (1: the host looks after every round). "
+                        "Streams then get a call's tokens at once; outputs never change"
+                        % (MAX_ROUNDS_PER_CALL, MAX_ROUNDS_PER_CALL))
     p.add_argument("--call-ms", type=float, default=50.0,
                    help="the device time one call of several rounds aims at (--rounds-per-call auto; default 50): "
                         "how often a stream gets tokens at least, and how long a new request may wait for a call "
@@ -195,9 +200,11 @@ def check_args(args) -> None:
         try:
             args.rounds_per_call = int(rpc)
         except ValueError:
-            raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..16, got {rpc!r}") from None
-        if not 1 <= args.rounds_per_call <= 16:
-            raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..16, got {rpc!r}")
+            raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..{MAX_ROUNDS_PER_CALL}, "
+                             f"got {rpc!r}") from None
+        if not 1 <= args.rounds_per_call <= MAX_ROUNDS_PER_CALL:
+            raise UsageError(f"--rounds-per-call must be 'auto' or a number of rounds 1..{MAX_ROUNDS_PER_CALL}, "
+                             f"got {rpc!r}")
     lanes = getattr(args, "lanes", "auto")
     if lanes != "auto":
         if not str(lanes).isdigit() or int(lanes) < 1:

@@ -651,7 +651,7 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
     return lower_context(settle_rows(state, old, new, active, rows), lifted), out.logits
 
 
-MAX_BURST = 16  # the most rounds one burst runs (`RoundRunner.burst`)
+MAX_BURST = 64  # the most rounds one burst runs (`RoundRunner.burst`)
 
 
 @stored_jit(static_argnames=("spec", "proposer", "rows", "length", "in_place"), donate_argnames=("state",))

@@ -145,8 +145,9 @@ def test_an_explored_width_runs_a_short_call_priced_net_of_the_call():
     """With calls sized by time, a chosen width's calls run up to `MAX_BURST` rounds, an explored width's only
     `EXPLORE_CALL_ROUNDS` (a width that does not pay costs a few rounds), and a round of a call is priced at its share
     of the call's time less the call's host work timed at warm-up, so short and long calls price rounds alike."""
+    scale = MAX_BURST // 16 + 1  # budgets longer than a chosen call's whole run (up to 4 tokens a round)
     eng = make(widths=[1, 2, 4], round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, rounds_per_call="auto",
-               max_new_tokens=200)
+               max_new_tokens=200 * scale)
     steps = iter(range(10**6))
 
     def choose(live):  # every other step explores width 2
@@ -154,7 +155,7 @@ def test_an_explored_width_runs_a_short_call_priced_net_of_the_call():
         return eng._explored or 4
 
     eng.choose_width = choose
-    budgets = [200, 150, 180, 120]
+    budgets = [200 * scale, 150 * scale, 180 * scale, 120 * scale]
     reqs, infos = run(eng, budgets=budgets)
     assert [r.tokens for r in reqs] == [alone(p, m) for p, m in zip(PROMPTS, budgets)]
     explored = [i for i in infos if i.explored]
@@ -242,10 +243,11 @@ def test_resident_bursts_equal_rounds_and_alone(pair, engine):
 
 def test_serve_cli_flags_checked():
     from dflash_jax.errors import UsageError
-    from dflash_jax.cli.serve import build_parser, check_args
+    from dflash_jax.cli.serve import MAX_ROUNDS_PER_CALL, build_parser, check_args
 
+    assert MAX_ROUNDS_PER_CALL == MAX_BURST  # the parser's bound, written out, is the runner's
     for flags, message in ((["--rounds-per-call", "0"], "--rounds-per-call must be"),
-                           (["--rounds-per-call", "17"], "--rounds-per-call must be"),
+                           (["--rounds-per-call", str(MAX_BURST + 1)], "--rounds-per-call must be"),
                            (["--rounds-per-call", "some"], "--rounds-per-call must be"),
                            (["--call-ms", "0"], "--call-ms must be")):
         with pytest.raises(UsageError, match=message):
@@ -253,3 +255,6 @@ def test_serve_cli_flags_checked():
     args = build_parser().parse_args(["--rounds-per-call", "3"])
     check_args(args)
     assert args.rounds_per_call == 3
+    args = build_parser().parse_args(["--rounds-per-call", str(MAX_BURST)])
+    check_args(args)
+    assert args.rounds_per_call == MAX_BURST

@@ -199,7 +199,7 @@ def test_each_width_is_priced_with_its_own_host_work():
     tokens emitted per round) can turn a choice that one shared figure gets wrong. The engine keeps the host work of
     its chosen rounds per (row bucket, width) (`Engine.host_by`) and prices with it."""
     from dflash_jax.serve.engine import generate
-    from dflash_jax.serve.runner import FakeRunner, fake_pair
+    from dflash_jax.serve.runner import MAX_BURST, FakeRunner, fake_pair
 
     seconds = {1: 1.0, 4: 2.0}
     assert with_host(seconds, 0.5) == {1: 1.5, 4: 2.5}
@@ -208,12 +208,13 @@ def test_each_width_is_priced_with_its_own_host_work():
     assert decide_width([0.8], c, 0.4, 0.1, None) == (4, False)  # 2.95 tokens for 2.4 s against 1 for 1.4 s
     assert decide_width([0.8], c, {1: 0.1, 4: 1.5}, 0.1, None) == (1, False)  # 2.95 for 3.5 s against 1 for 1.1 s
 
-    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
+    budget = 4 * MAX_BURST + 60  # longer than one call of width-4 rounds: some calls end uncut (priced)
+    eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=budget,
                  max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4)
     eng.warmup([16])
     infos = []
     eng.observers.append(infos.append)
-    generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
+    generate(eng, [[1, 2, 3]], max_new_tokens=budget, stop_ids=[])
     chosen = {(i.rows, i.width) for i in infos if i.width and not i.explored and not i.compiles}
     assert chosen and set(eng.host_by) == chosen and all(v >= 0.0 for v in eng.host_by.values())
 

@@ -16,20 +16,25 @@ import pytest
 
 from dflash_jax.compile_cache import CompileCounter
 from dflash_jax.serve.engine import Engine, generate as serve_generate
+from dflash_jax.serve.runner import MAX_BURST
 from dflash_jax.spec import generate as spec_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(40, 56))]
 BUDGET = 40
 # runs of width 1 (past a block of pending rows: the drafting round after them flushes first), drafting rounds between
 CYCLE = [4, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1, 4, 1, 4, 4, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1]
-# a run of width 1 longer than the least hold (a block and a call's rounds: 20 rows), so the hold fills
-LONG = [4] + [1] * 26 + [2, 4]
+# the least hold: a block and a call's rounds
+LEAST = 4 + MAX_BURST
+# a run of width 1 longer than the least hold, so the hold fills, and a budget that holds it
+RUN = LEAST + 6
+LONG = [4] + [1] * RUN + [2, 4]
+LONG_BUDGET = RUN + 24
 # calls of several rounds (one call per forced width): drafting calls after calls of width-1 rounds
 CALLS = [4, 1, 1, 4, 1, 2, 1, 4]
 
 
-def _engine(pair, defer, skip=False, **offload):
-    eng = Engine(pair, slots=3, block_size=4, widths=[1, 2, 4], max_prompt_len=16, max_new_tokens=BUDGET,
+def _engine(pair, defer, skip=False, budget=BUDGET, **offload):
+    eng = Engine(pair, slots=3, block_size=4, widths=[1, 2, 4], max_prompt_len=16, max_new_tokens=budget,
                  round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, row_buckets=None, defer_context=defer, skip_context=skip,
                  **offload)
     eng.warmup([16])
@@ -45,7 +50,7 @@ def _skipped(engine):
         assert engine.catch_ups == 0 and engine.caught_up_rows == 0
 
 
-def _run(engine, pattern=CYCLE):
+def _run(engine, pattern=CYCLE, budget=BUDGET):
     cycle = itertools.cycle(pattern)
     engine.choose_width = lambda live: next(cycle)
     rounds = []
@@ -59,7 +64,7 @@ def _run(engine, pattern=CYCLE):
 
     engine.runner.flush_context = spy
     with CompileCounter() as counter:
-        reqs = serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
+        reqs = serve_generate(engine, PROMPTS, max_new_tokens=budget, stop_ids=[])
     assert counter.compiles == 0
     return reqs, rounds
 
@@ -99,16 +104,16 @@ def test_deferred_context_append_is_exact(pair, skip):
 
 @pytest.mark.slow
 def test_a_full_hold_appends_and_the_draft_sees_the_same_context(pair):
-    """The least hold (20 rows) under a run of 26 width-1 rounds: it fills, is appended, holds again; a round per
+    """The least hold (`LEAST` rows) under a longer run of width-1 rounds: it fills, is appended, holds again; a round per
     step and calls of several alike. The drafts after it accept as an appending engine's do."""
     for per_call in (1, 6):
-        ref, _ = _run(_engine(pair, False, rounds_per_call=per_call), LONG)
-        held = _engine(pair, 20, False, rounds_per_call=per_call)
-        assert held.context_rows == 20
-        reqs, rounds = _run(held, LONG)
+        ref, _ = _run(_engine(pair, False, rounds_per_call=per_call, budget=LONG_BUDGET), LONG, LONG_BUDGET)
+        held = _engine(pair, LEAST, False, rounds_per_call=per_call, budget=LONG_BUDGET)
+        assert held.context_rows == LEAST
+        reqs, rounds = _run(held, LONG, LONG_BUDGET)
         widths = [r.width for r in rounds if r.width]
         assert held.context_flushes >= 2  # one when the hold filled, one before the drafting round after the run
-        assert held.deferred_rounds == held.width_rounds[1] >= 26 and 4 in widths
+        assert held.deferred_rounds == held.width_rounds[1] >= RUN and 4 in widths
         for a, b in zip(reqs, ref):
             assert a.tokens == b.tokens
             assert a.acceptance == b.acceptance
@@ -117,25 +122,25 @@ def test_a_full_hold_appends_and_the_draft_sees_the_same_context(pair):
 
 @pytest.mark.slow
 def test_skipped_context_is_caught_up_in_chunks_and_never_fills_the_hold(pair, monkeypatch):
-    """Width-1 rounds that skip the draft's context add no held rows: a run of 26 of them under the least hold (20
-    rows) appends nothing until the drafting round after it, which catches the 26 positions up (8 a call: 4 calls)
+    """Width-1 rounds that skip the draft's context add no held rows: a run of `RUN` of them under the least hold
+    (`LEAST` rows) appends nothing until the drafting round after it, which catches those positions up (8 a call)
     with the prompt's held rows; a round per step and calls of several alike. Tokens and tokens per verify equal an
     appending engine's, and nothing compiles after warm-up."""
     from dflash_jax.serve import engine as engine_module
 
     monkeypatch.setattr(engine_module, "CATCH_UP_CHUNK", 8)
     for per_call in (1, 6):
-        # a call per forced width: 5 calls of 6 width-1 rounds (30), then drafting calls
-        pattern = LONG if per_call == 1 else [1] * 5 + [4] * 4
-        ref, _ = _run(_engine(pair, False, rounds_per_call=per_call), pattern)
-        skipping = _engine(pair, 20, True, rounds_per_call=per_call)
-        assert skipping.skip_context and skipping.context_rows == 20
-        reqs, rounds = _run(skipping, pattern)
-        assert skipping.deferred_rounds == skipping.width_rounds[1] >= 26
+        # a call per forced width: calls of 6 width-1 rounds (at least `RUN`), then drafting calls
+        pattern = LONG if per_call == 1 else [1] * -(-RUN // 6) + [4] * 4
+        ref, _ = _run(_engine(pair, False, rounds_per_call=per_call, budget=LONG_BUDGET), pattern, LONG_BUDGET)
+        skipping = _engine(pair, LEAST, True, rounds_per_call=per_call, budget=LONG_BUDGET)
+        assert skipping.skip_context and skipping.context_rows == LEAST
+        reqs, rounds = _run(skipping, pattern, LONG_BUDGET)
+        assert skipping.deferred_rounds == skipping.width_rounds[1] >= RUN
         # none while the run would have filled the hold: the first drafting round's (the prompts' held rows; a call
         # of one round) and the catch-up before the drafting round after the run
         assert skipping.context_flushes == (2 if per_call == 1 else 1)
-        assert skipping.catch_ups >= 4 and skipping.caught_up_rows >= 26 * len(PROMPTS)
+        assert skipping.catch_ups >= RUN // 8 and skipping.caught_up_rows >= RUN * len(PROMPTS)
         assert np.asarray(skipping.runner.pending_context()).max() <= max(len(p) for p in PROMPTS) + 4
         for a, b in zip(reqs, ref):
             assert a.tokens == b.tokens
