@@ -104,8 +104,8 @@ def test_deferred_context_append_is_exact(pair, skip):
 
 @pytest.mark.slow
 def test_a_full_hold_appends_and_the_draft_sees_the_same_context(pair):
-    """The least hold (`LEAST` rows) under a longer run of width-1 rounds: it fills, is appended, holds again; a round per
-    step and calls of several alike. The drafts after it accept as an appending engine's do."""
+    """The least hold (`LEAST` rows) under a longer run of width-1 rounds: it fills, is appended, holds again; a
+    round per step and calls of several alike. The drafts after it accept as an appending engine's do."""
     for per_call in (1, 6):
         ref, _ = _run(_engine(pair, False, rounds_per_call=per_call, budget=LONG_BUDGET), LONG, LONG_BUDGET)
         held = _engine(pair, LEAST, False, rounds_per_call=per_call, budget=LONG_BUDGET)
