@@ -59,7 +59,8 @@ in a call, then costs what a block-1 engine's does, and a request that never dra
 
 A server's warm-up may leave the narrower widths for later (`warmup(later_widths=True)`): it compiles, runs and
 times the widest width only, and the engine warms the others while it has nothing to serve (`warm_later`), or, while
-busy, a row bucket's at a time every `BUSY_WARM_EVERY` steps. The chooser picks among a row bucket's warm widths.
+busy, a row bucket's at a time once `BUSY_WARM_ROUNDS` rounds have run since the last. The chooser picks among a row
+bucket's warm widths.
 
 `Engine` is synchronous and single-threaded (`submit` / `step` / `run_until_idle`); `start()` runs the
 rounds on a background thread for the server (`submit` and `cancel` are thread-safe).
@@ -134,9 +135,12 @@ WORTH_SCALE_RANGE = (0.8, 1.25)  # the most a width's measured scale moves the c
 # the most device bytes the held draft context of every slot takes (`defer_context="auto"`): on the shipped pairs a
 # whole request's rows; a model of wide taps holds fewer, and pays the draft's context once the hold fills
 HOLD_BYTES = 64 << 20
-# a busy engine with widths still to warm (`warmup(later_widths=True)`) warms the round's row bucket after every this
-# many steps (its programs first, then their timing: each a few rounds' time, once per row bucket)
-BUSY_WARM_EVERY = 8
+# a busy engine with widths still to warm (`warmup(later_widths=True)`) warms the round's row bucket once this many
+# rounds have run since its last busy warm (its programs first, then their timing: each a few rounds' time, once per
+# row bucket). Counted in rounds, not steps: the same time between warms whatever a call's length (8 calls of 16
+# rounds before calls ran up to 64; counted in calls, a one-client server then ran a whole request or more at its
+# one warm width before the narrower width joined)
+BUSY_WARM_ROUNDS = 128
 
 
 class RequestError(ValueError):
@@ -583,6 +587,7 @@ class Engine:
         # whether a busy engine warms the later widths (`warm_later`): not after a warm-up that compiled afresh
         self.busy_warm = True
         self._steps = 0
+        self._rounds_since_warm = 0  # rounds since the last busy warm (`BUSY_WARM_ROUNDS`)
 
     def _context_rows(self, defer_context, pair, prompt: int) -> int:
         """The draft context rows a row's state holds (`defer_context`): at least a block and a call's rounds; "auto"
@@ -1563,7 +1568,9 @@ class Engine:
         for obs in self.observers:
             obs(info)
         self._steps += 1
-        if self._later and self.requests and self._steps % BUSY_WARM_EVERY == 0 and not self._stopping:
+        self._rounds_since_warm += info.rounds
+        if self._later and self.requests and self._rounds_since_warm >= BUSY_WARM_ROUNDS and not self._stopping:
+            self._rounds_since_warm = 0
             self.warm_later(busy=True)  # after the step's observers: its figures are the round's alone
         return info
 

@@ -65,7 +65,7 @@ def test_later_widths_join_while_busy_and_while_idle(pair, monkeypatch):
 
     # busy: the round's bucket is warmed after a step, timed after the next, and then chosen from (as after a warm-up
     # that loaded its programs from the cache: one that compiled them afresh leaves them to idle time)
-    monkeypatch.setattr(engine_mod, "BUSY_WARM_EVERY", 1)
+    monkeypatch.setattr(engine_mod, "BUSY_WARM_ROUNDS", 1)
     eng.busy_warm = True
     reqs, rounds, _ = _serve(eng)
     assert [r.tokens for r in reqs] == reference
@@ -110,11 +110,11 @@ def test_no_busy_warming_after_a_cold_warm_up_or_while_stopping():
     eng.busy_warm = False
     assert not eng.warm_later(busy=True) and eng.warming == left
     eng.busy_warm, eng._stopping = True, True
-    engine_mod.BUSY_WARM_EVERY, saved = 1, engine_mod.BUSY_WARM_EVERY
+    engine_mod.BUSY_WARM_ROUNDS, saved = 1, engine_mod.BUSY_WARM_ROUNDS
     try:
         eng.step()
     finally:
-        engine_mod.BUSY_WARM_EVERY = saved
+        engine_mod.BUSY_WARM_ROUNDS = saved
         eng._stopping = False
     assert eng.requests and eng.warming == left  # a busy step ran, no warming after it
     assert eng.warm_later(busy=True)  # and a busy engine does warm otherwise
