@@ -1004,19 +1004,20 @@ class Engine:
         """The widths the chooser picks among in the row bucket: every width, unless some are still to warm."""
         return self._ready.get(rows, self.widths)
 
-    def warm_later(self, busy: bool = False) -> bool:
+    def warm_later(self, busy: bool = False, rows: int | None = None) -> bool:
         """One step of the warm-up left for later (`warmup(later_widths=True)`); returns whether one ran. Idle (no
         request queued or live): the next of every bucket's programs of each length, pinned, then the bucket's
         paired timing (`measure_rounds`), after which its widths join the choice. Busy (`busy`): the current row
         bucket's programs at the lengths the live rows need (an idle round and call of each width, as the rounds a
         row sits out), then its timing at those lengths; a length no busy or idle step warmed yet is loaded by the
         first round that needs it. Not while busy after a warm-up that compiled afresh (a cold compilation cache:
-        each step would compile for seconds while the live streams wait)."""
+        each step would compile for seconds while the live streams wait). `rows`: the busy step's row bucket (default:
+        the live rows')."""
         if not self._later or (busy and not self.busy_warm):
             return False
         try:
             if busy:
-                rows = self.row_bucket(sorted(self.requests))
+                rows = self.row_bucket(sorted(self.requests)) if rows is None else rows
                 if rows not in self._ready:
                     return False
                 done = self._busy_warm.get(rows)
@@ -1569,9 +1570,11 @@ class Engine:
             obs(info)
         self._steps += 1
         self._rounds_since_warm += info.rounds
-        if self._later and self.requests and self._rounds_since_warm >= BUSY_WARM_ROUNDS and not self._stopping:
+        # the step's row bucket, even where its call finished every request (a call of up to 64 rounds often holds a
+        # whole request at one client: waiting for a step that leaves rows live, width 1 never joined there)
+        if (self._later and info.rows and self._rounds_since_warm >= BUSY_WARM_ROUNDS and not self._stopping):
             self._rounds_since_warm = 0
-            self.warm_later(busy=True)  # after the step's observers: its figures are the round's alone
+            self.warm_later(busy=True, rows=info.rows)  # after the step's observers: its figures are the round's
         return info
 
     def _admissions(self, info: RoundInfo) -> None:

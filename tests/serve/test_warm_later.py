@@ -163,3 +163,25 @@ def test_finish_warmup_needs_an_idle_engine():
     eng.submit([1, 2, 3], max_new_tokens=4)
     with pytest.raises(RuntimeError, match="idle engine"):
         eng.finish_warmup()
+
+
+def test_a_width_joins_while_every_request_ends_within_its_call(monkeypatch):
+    """Calls long enough to hold a whole request (one client, calls of up to `MAX_BURST` rounds): no step leaves a
+    row live, and the busy warm-up still runs, counted in rounds (`BUSY_WARM_ROUNDS`), for the step's row bucket:
+    width 1 joins after two warms' worth of rounds, and later requests run at it."""
+    from dflash_jax.serve.runner import MAX_BURST, FakeRunner, fake_pair
+
+    monkeypatch.setattr(engine_mod, "BUSY_WARM_ROUNDS", 16)
+    eng = Engine(fake_pair(), runner=FakeRunner, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16,
+                 max_new_tokens=32, rounds_per_call=MAX_BURST, round_seconds={1: 1.0, 4: 50.0})
+    eng.warmup([16], later_widths="always")
+    assert eng.busy_warm and eng.ready_widths(1) == (4,)
+    infos = []
+    eng.observers.append(infos.append)
+    for i in range(12):
+        (req,) = serve_generate(eng, [[1, 2, 3 + i]], max_new_tokens=32, stop_ids=[])
+        assert req.finish_reason == "length" and not eng.requests
+    calls = [i for i in infos if i.width]
+    assert all(i.finished for i in calls if i.rounds > 1)  # every call of several rounds ended its request
+    assert eng.ready_widths(1) == (1, 4)  # joined: warmed, then timed, while busy
+    assert calls[0].width == 4 and calls[-1].width == 1  # and chosen once it had (width 4 priced far above it)
