@@ -46,6 +46,8 @@ MODES = {
 DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3,
                 length_spread=0.0, call_rounds=0)
 
+QUICK = dict(clients="1,4", requests_per_client=1, max_tokens=32, repeats=1, slots=4)
+
 
 def call_modes(rounds: int) -> dict:
     """Plain and the default, each with calls of at most `rounds` rounds and as it runs (`--call-rounds`)."""
@@ -54,7 +56,6 @@ def call_modes(rounds: int) -> dict:
         out[f"{name.split(' (')[0]}, calls of up to {rounds}"] = dict(MODES[name], rounds_per_call=rounds)
         out[name] = MODES[name]
     return out
-QUICK = dict(clients="1,4", requests_per_client=1, max_tokens=32, repeats=1, slots=4)
 
 
 class Clients:

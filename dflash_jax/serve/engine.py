@@ -1570,9 +1570,9 @@ class Engine:
             obs(info)
         self._steps += 1
         self._rounds_since_warm += info.rounds
-        # the step's row bucket, even where its call finished every request (a call of up to 64 rounds often holds a
-        # whole request at one client: waiting for a step that leaves rows live, width 1 never joined there)
-        if (self._later and info.rows and self._rounds_since_warm >= BUSY_WARM_ROUNDS and not self._stopping):
+        # the step's row bucket, even where its call finished every request (a call of up to `MAX_BURST` rounds often
+        # holds a whole request at one client: waiting for a step that leaves rows live, width 1 never joined there)
+        if self._later and info.rows and self._rounds_since_warm >= BUSY_WARM_ROUNDS and not self._stopping:
             self._rounds_since_warm = 0
             self.warm_later(busy=True, rows=info.rows)  # after the step's observers: its figures are the round's
         return info
