@@ -19,6 +19,7 @@ from flax import struct
 
 from dflash_jax.models.qwen3.config import Qwen3Config
 from dflash_jax.spec import requests as rq
+from dflash_jax.spec.sampling import greedy_tokens
 from dflash_jax.stored import stored_jit
 
 
@@ -46,7 +47,7 @@ def prefill_cache(weights, tokens, lengths, cfg: Qwen3Config, max_len: int, impl
     cache = init_target_cache(cfg, tokens.shape[0], max_len, weights.embed.dtype, verify_width=1)
     out = target_family(cfg).forward(weights, tokens, cache, cfg, num_valid=lengths, logits="last",
                                      implementation=implementation)
-    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+    return greedy_tokens(out.logits), out.cache
 
 
 @stored_jit(static_argnames=("cfg", "output_len", "implementation"), donate_argnames=("cache",))
@@ -75,7 +76,7 @@ def decode_loop(weights, first, cache, stop_ids, budgets, cfg: Qwen3Config, outp
         last = s.tokens[jnp.arange(b), s.num_generated - 1]
         out = fam.forward(weights, last[:, None], s.cache, cfg, num_valid=(~s.done).astype(jnp.int32),
                           logits="last", implementation=implementation)
-        nxt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        nxt = greedy_tokens(out.logits)
         col = jnp.where(s.done, output_len, s.num_generated)  # out of range: dropped
         tokens = s.tokens.at[jnp.arange(b), col].set(nxt, mode="drop")
         num = s.num_generated + (~s.done).astype(jnp.int32)

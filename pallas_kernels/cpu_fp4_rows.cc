@@ -256,13 +256,17 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi::Buffe
 //
 // Every output element is summed over k in order, one fused multiply-add per term starting from zero, whatever the
 // other rows of its run and whichever loop order below runs it: a row's result does not depend on its batch.
-// Small matrices (the shipped pairs') run in register blocks of up to kDenseRows rows x 64 columns, the k loop
-// innermost. Large ones (real expert shapes, read from memory) stream the matrix once per block of rows in its
-// storage order, k outermost, the rows' sums held in the output (in cache).
+// Small matrices (the shipped pairs') run in register blocks of up to kDenseRows rows x DenseCols(M) columns, the
+// k loop innermost: 128 columns for one or two rows (eight independent accumulators a row, enough to keep both FMA
+// pipes busy where a row block has a single row: a verify's rows spread over the experts), 64 for three or four.
+// Large ones (real expert shapes, read from memory) stream the matrix once per block of rows in its storage order,
+// k outermost, the rows' sums held in the output (in cache).
 
 constexpr int kDenseRows = 4;
-constexpr int kDenseVecs = 4;                     // 16-float vectors per column block: 64 columns
+constexpr int64_t kDenseChunk = 128;              // the widest column block; the threads' column split is in these
 constexpr int64_t kStreamBytes = int64_t(1) << 20;  // matrices from this size stream
+
+constexpr int64_t DenseCols(int rows) { return rows <= 2 ? 128 : 64; }
 
 inline float ToFloat(float v) { return v; }
 inline float ToFloat(uint16_t v) {
@@ -282,25 +286,75 @@ inline __m512 Load16(const uint16_t* p, __mmask16 m) {
 inline __mmask16 Mask(int64_t have) {
   return have >= 16 ? __mmask16(0xFFFF) : (have <= 0 ? __mmask16(0) : __mmask16((1u << have) - 1));
 }
+inline __mmask32 Mask32(int64_t have) {
+  return have >= 32 ? __mmask32(0xFFFFFFFFu) : (have <= 0 ? __mmask32(0) : __mmask32((1u << have) - 1));
+}
 
-template <typename T, int M>
-void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, int64_t o1, float* y) {
-  __mmask16 mask[kDenseVecs];
-  for (int c = 0; c < kDenseVecs; ++c) mask[c] = Mask(o1 - o - 16 * c);
-  __m512 acc[M][kDenseVecs];
+// float32 weights: M rows x V 16-column vectors, columns [o, min(o + 16 V, o1)).
+template <int M, int V>
+void DenseBlockF32(const float* x, int64_t k, const float* w, int64_t n, int64_t o, int64_t o1, float* y) {
+  __mmask16 mask[V];
+  for (int c = 0; c < V; ++c) mask[c] = Mask(o1 - o - 16 * c);
+  __m512 acc[M][V];
   for (int q = 0; q < M; ++q)
-    for (int c = 0; c < kDenseVecs; ++c) acc[q][c] = _mm512_setzero_ps();
+    for (int c = 0; c < V; ++c) acc[q][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
-    const T* wr = w + i * n + o;
-    __m512 wv[kDenseVecs];
-    for (int c = 0; c < kDenseVecs; ++c) wv[c] = Load16(wr + 16 * c, mask[c]);
+    const float* wr = w + i * n + o;
+    __m512 wv[V];
+    for (int c = 0; c < V; ++c) wv[c] = _mm512_maskz_loadu_ps(mask[c], wr + 16 * c);
     for (int q = 0; q < M; ++q) {
       const __m512 xb = _mm512_set1_ps(x[q * k + i]);
-      for (int c = 0; c < kDenseVecs; ++c) acc[q][c] = _mm512_fmadd_ps(xb, wv[c], acc[q][c]);
+      for (int c = 0; c < V; ++c) acc[q][c] = _mm512_fmadd_ps(xb, wv[c], acc[q][c]);
     }
   }
   for (int q = 0; q < M; ++q)
-    for (int c = 0; c < kDenseVecs; ++c) _mm512_mask_storeu_ps(y + q * n + o + 16 * c, mask[c], acc[q][c]);
+    for (int c = 0; c < V; ++c) _mm512_mask_storeu_ps(y + q * n + o + 16 * c, mask[c], acc[q][c]);
+}
+
+// bfloat16 weights: M rows x V 32-column chunks, columns [o, min(o + 32 V, o1)). A chunk is one load of 32 bf16
+// values; its 32-bit lane j holds columns 2j (low half) and 2j + 1 (high half), widened exactly by a shift and a
+// mask (no cross-lane widening), summed in "even" and "odd" accumulators and interleaved back once at the store.
+template <int M, int V>
+void DenseBlockBf16(const float* x, int64_t k, const uint16_t* w, int64_t n, int64_t o, int64_t o1, float* y) {
+  __mmask32 load[V];
+  for (int c = 0; c < V; ++c) load[c] = Mask32(o1 - o - 32 * c);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  __m512 even[M][V], odd[M][V];
+  for (int q = 0; q < M; ++q)
+    for (int c = 0; c < V; ++c) even[q][c] = odd[q][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const uint16_t* wr = w + i * n + o;
+    __m512 we[V], wo[V];
+    for (int c = 0; c < V; ++c) {
+      const __m512i raw = _mm512_maskz_loadu_epi16(load[c], wr + 32 * c);
+      we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      wo[c] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int q = 0; q < M; ++q) {
+      const __m512 xb = _mm512_set1_ps(x[q * k + i]);
+      for (int c = 0; c < V; ++c) {
+        even[q][c] = _mm512_fmadd_ps(xb, we[c], even[q][c]);
+        odd[q][c] = _mm512_fmadd_ps(xb, wo[c], odd[q][c]);
+      }
+    }
+  }
+  const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int q = 0; q < M; ++q)
+    for (int c = 0; c < V; ++c) {
+      float* yq = y + q * n + o + 32 * c;
+      _mm512_mask_storeu_ps(yq, Mask(o1 - o - 32 * c), _mm512_permutex2var_ps(even[q][c], lo_idx, odd[q][c]));
+      _mm512_mask_storeu_ps(yq + 16, Mask(o1 - o - 32 * c - 16),
+                            _mm512_permutex2var_ps(even[q][c], hi_idx, odd[q][c]));
+    }
+}
+
+template <typename T, int M>
+void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, int64_t o1, float* y) {
+  if constexpr (std::is_same_v<T, uint16_t>)
+    DenseBlockBf16<M, DenseCols(M) / 32>(x, k, w, n, o, o1, y);
+  else
+    DenseBlockF32<M, DenseCols(M) / 16>(x, k, w, n, o, o1, y);
 }
 
 template <typename T, int M>
@@ -323,8 +377,8 @@ void DenseStream(const float* x, int64_t k, const T* w, int64_t n, int64_t o0, i
 #else
 template <typename T, int M>
 void DenseBlock(const float* x, int64_t k, const T* w, int64_t n, int64_t o, int64_t o1, float* y) {
-  const int64_t cols = std::min<int64_t>(16 * kDenseVecs, o1 - o);
-  float acc[M][16 * kDenseVecs] = {};
+  const int64_t cols = std::min<int64_t>(DenseCols(M), o1 - o);
+  float acc[M][DenseCols(M)] = {};
   for (int64_t i = 0; i < k; ++i) {
     const T* wr = w + i * n + o;
     for (int q = 0; q < M; ++q) {
@@ -374,13 +428,17 @@ void DenseRun(const float* x, const T* w, float* y, int64_t r0, int64_t r1, int6
     });
     return;
   }
-  for (int64_t o = o0; o < o1; o += 16 * kDenseVecs)  // a column block stays in cache for every row block
+  for (int64_t o = o0; o < o1; o += kDenseChunk) {  // a column chunk stays in cache for every row block
+    const int64_t end = std::min(o1, o + kDenseChunk);
     RowBlocks(r0, r1, [&](auto m, int64_t r) {
-      DenseBlock<T, decltype(m)::value>(x + r * k, k, w, n, o, o1, y + r * n);
+      constexpr int64_t cols = DenseCols(decltype(m)::value);
+      for (int64_t c = o; c < end; c += cols)
+        DenseBlock<T, decltype(m)::value>(x + r * k, k, w, n, c, end, y + r * n);
     });
+  }
 }
 
-// A call's work in items: a run of rows of one expert times a range of output columns (a multiple of 64 wide),
+// A call's work in items: a run of rows of one expert times a range of output columns (a multiple of 128 wide),
 // spread over XLA's intra-op thread pool when the call is large enough to pay for it (`ParallelItems`). Every output
 // element is computed by exactly one item: the same sums whatever the split.
 struct DenseItem {
@@ -409,13 +467,13 @@ ffi::Error DenseRows(const float* xp, const T* wp, const int32_t* ep, float* yp,
   starts.push_back(rows);
   // whole runs per item where there are enough of them (each worker streams whole matrices in storage order);
   // column ranges only for fewer runs than twice the workers
-  const int64_t blocks = (n + 16 * kDenseVecs - 1) / (16 * kDenseVecs);
+  const int64_t blocks = (n + kDenseChunk - 1) / kDenseChunk;
   const int64_t parts = runs >= 2 * threads ? 1 : std::min(threads, blocks);
   auto items = std::make_unique<std::vector<DenseItem>>();
   for (int64_t i = 0; i < runs; ++i)
     for (int64_t p = 0; p < parts; ++p)
-      items->push_back({starts[i], starts[i + 1], ep[starts[i]], std::min(n, blocks * p / parts * 16 * kDenseVecs),
-                        std::min(n, blocks * (p + 1) / parts * 16 * kDenseVecs)});
+      items->push_back({starts[i], starts[i + 1], ep[starts[i]], std::min(n, blocks * p / parts * kDenseChunk),
+                        std::min(n, blocks * (p + 1) / parts * kDenseChunk)});
   const std::vector<DenseItem>* list = items.get();
   ParallelItems(pool, threads, int64_t(items->size()), [list, xp, wp, yp, k, experts, n](int64_t i) {
     DenseItemRun<T>((*list)[i], xp, wp, yp, k, experts, n);

@@ -46,7 +46,7 @@ from dflash_jax.models.family import family_of
 from dflash_jax.spec.accept import match_accept, rejection_accept
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import (
-    AcceptanceMode, RowSampling, SamplingParams, next_token_rows, processed_scores, sample_probs_rows,
+    AcceptanceMode, RowSampling, SamplingParams, greedy_tokens, next_token_rows, processed_scores, sample_probs_rows,
     sampling_probs, seed_key_data,
 )
 from dflash_jax.stored import stored_jit
@@ -479,7 +479,7 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
     if spec.chain_head:
         return head_chain_draft(target_w, draft_w, state, spec, hidden, draft_cache)
     logits = logits[:, 1:]
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    argmax = greedy_tokens(logits)
     if spec.method == "exact_match":
         return Draft(tokens=argmax, probs=None, draft_cache=draft_cache, hidden=hidden)
     rows = state.params.sampling
@@ -526,7 +526,7 @@ def head_chain_draft(target_w, draft_w, state: SpecState, spec: SpecConfig, hidd
         h, k = xs
         logits = draft_model.branch_head_logits(head, h, prev, spec.draft, embed=target_w.embed,
                                                 lm_head=target_w.lm_head)
-        argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        argmax = greedy_tokens(logits)
         if not sampled:
             return argmax, (argmax, jnp.zeros((prev.shape[0], 0), jnp.float32))
 
@@ -571,7 +571,7 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
     _, k_acc = split_rows(round_keys(state))
     rows = state.params.sampling
     greedy = rows.greedy
-    target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    target_argmax = greedy_tokens(out.logits)
     if spec.method == "exact_match" or spec.block_size == 1:
         def sampled():  # block row j draws output position num_generated + j (`position_draws`)
             scores = processed_scores(out.logits, rows)

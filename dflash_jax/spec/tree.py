@@ -62,7 +62,7 @@ from dflash_jax.cache import move_slots
 from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
-from dflash_jax.spec.sampling import processed_scores
+from dflash_jax.spec.sampling import greedy_tokens, processed_scores
 from dflash_jax.spec.session import RoundOutcome, SpecConfig, SpecState, all_greedy, emit_tokens, position_draws
 
 DEFAULT_BRANCH = 4
@@ -406,7 +406,7 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
     fam = family_of(spec.target)
     start = state.target_cache.lengths
     rows = state.params.sampling
-    target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    target_argmax = greedy_tokens(out.logits)
 
     def sampled():  # a node's draw is for the position after it: the key of output position num_generated + depth
         # (`session.position_draws`); siblings share it, and only the accepted path's draws are ever committed

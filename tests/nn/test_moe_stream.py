@@ -145,19 +145,21 @@ def test_the_dense_kernel_multiplies_each_row_by_its_own_expert_alone():
         pytest.skip("the compiled CPU kernel is not available here")
     rng = np.random.default_rng(7)
     e, k, n = 6, 37, 83
-    w = rng.standard_normal((e, k, n)).astype(np.float32)
-    w[[0, 4]] = np.nan  # no row names them
-    expert = np.array([1, 1, 1, 1, 1, 1, 1, 2, 3, 3, 5, 5, 5, 6], np.int32)  # 6: out of range
-    x = rng.standard_normal((len(expert), k)).astype(np.float32)
     run = jax.jit(cpu_kernels.dense_rows)
-    y = np.asarray(run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(expert)))
-    ok = expert < e
-    ref = np.stack([x[r].astype(np.float64) @ w[expert[r]].astype(np.float64) for r in np.flatnonzero(ok)])
-    np.testing.assert_allclose(y[ok], ref, rtol=1e-5, atol=1e-5)
-    assert np.isnan(y[~ok]).all() and np.isfinite(y[ok]).all()
-    for r in np.flatnonzero(ok):
-        alone = np.asarray(run(jnp.asarray(x[r:r + 1]), jnp.asarray(w), jnp.asarray(expert[r:r + 1])))
-        np.testing.assert_array_equal(alone[0], y[r])
+    # both tables' register blocks (bf16: 32-column loads split into even and odd columns), 1 - 7 rows a run
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = jnp.asarray(rng.standard_normal((e, k, n)), dtype).at[jnp.array([0, 4])].set(jnp.nan)  # no row names them
+        expert = np.array([1, 1, 1, 1, 1, 1, 1, 2, 3, 3, 5, 5, 5, 6], np.int32)  # 6: out of range
+        x = rng.standard_normal((len(expert), k)).astype(np.float32)
+        y = np.asarray(run(jnp.asarray(x), w, jnp.asarray(expert)))
+        ok = expert < e
+        wide = np.asarray(w.astype(jnp.float32)).astype(np.float64)
+        ref = np.stack([x[r].astype(np.float64) @ wide[expert[r]] for r in np.flatnonzero(ok)])
+        np.testing.assert_allclose(y[ok], ref, rtol=1e-5, atol=1e-5)
+        assert np.isnan(y[~ok]).all() and np.isfinite(y[ok]).all()
+        for r in np.flatnonzero(ok):
+            alone = np.asarray(run(jnp.asarray(x[r:r + 1]), w, jnp.asarray(expert[r:r + 1])))
+            np.testing.assert_array_equal(alone[0], y[r])
     # a call large enough to be split over XLA's thread pool (runs x column ranges) gives the same sums, and a bf16
     # table the products of its exact float32 widening
     big_w = jnp.asarray(rng.standard_normal((3, 256, 650)), jnp.bfloat16)

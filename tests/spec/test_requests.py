@@ -16,7 +16,7 @@ from dflash_jax.spec import (
     Buckets, Draft, SamplingParams, begin, draft_round_jit, generate, generate_stepping, verify_round,
 )
 from dflash_jax.spec.requests import bucket
-from dflash_jax.spec.sampling import RowSampling, processed_scores, sampling_probs
+from dflash_jax.spec.sampling import RowSampling, greedy_tokens, processed_scores, sampling_probs
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,24 @@ def test_sequences_of_one_batch_equal_their_runs_alone(pair, mode):
     assert batch.tokens[0] == alone_greedy[: alone_greedy.index(stop) + 1]
     assert len(batch.tokens[2]) == 11
     assert batch.tokens[1] != generate(pair, [prompts[1]], max_new_tokens=30).tokens[0]  # it did sample
+
+
+def test_greedy_tokens_is_argmax_with_its_ties_infinities_and_nans():
+    """`greedy_tokens` (two vectorizing reductions) picks exactly what `jnp.argmax` picks: the first of tied maxima,
+    -0.0 tied with 0.0, rows of -inf, the first NaN of a row that holds one; any leading shape, a vocabulary-sized
+    last axis."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 3, (400, 2, 9)).astype(np.float32)  # small integers: many ties
+    x[::3, 0, rng.integers(0, 9)] = np.nan
+    x[1::5, 1, :] = -np.inf
+    x[2::7, 0, 4] = -0.0
+    x[3::11, 1, 2] = np.inf
+    x[4::13, 0, 5:] = np.nan
+    got, want = jax.jit(greedy_tokens)(x), jnp.argmax(x, axis=-1)
+    assert got.dtype == jnp.int32 and got.shape == (400, 2)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    wide = rng.standard_normal((3, 5, 1024)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(wide)), np.argmax(wide, axis=-1))
 
 
 def test_tiny_and_huge_temperatures_are_stable():
