@@ -257,8 +257,8 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi::Buffe
 // Every output element is summed over k in order, one fused multiply-add per term starting from zero, whatever the
 // other rows of its run and whichever loop order below runs it: a row's result does not depend on its batch.
 // Small matrices (the shipped pairs') run in register blocks of up to kDenseRows rows x DenseCols(M) columns, the
-// k loop innermost: 128 columns for one or two rows (eight independent accumulators a row, enough to keep both FMA
-// pipes busy where a row block has a single row: a verify's rows spread over the experts), 64 for three or four.
+// k loop innermost: 128 columns for a single row (eight independent accumulators, enough to keep both FMA pipes
+// busy: a verify's rows spread over the experts, most runs one row long), 64 for two to four rows.
 // Large ones (real expert shapes, read from memory) stream the matrix once per block of rows in its storage order,
 // k outermost, the rows' sums held in the output (in cache).
 
@@ -266,7 +266,7 @@ constexpr int kDenseRows = 4;
 constexpr int64_t kDenseChunk = 128;              // the widest column block; the threads' column split is in these
 constexpr int64_t kStreamBytes = int64_t(1) << 20;  // matrices from this size stream
 
-constexpr int64_t DenseCols(int rows) { return rows <= 2 ? 128 : 64; }
+constexpr int64_t DenseCols(int rows) { return rows == 1 ? 128 : 64; }
 
 inline float ToFloat(float v) { return v; }
 inline float ToFloat(uint16_t v) {
