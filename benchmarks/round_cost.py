@@ -160,11 +160,12 @@ def main(argv=None) -> int:
         ]
 
     def draw(ax):
-        for r in rows:
-            ax.plot(widths, [by[r, w]["this"]["to_width1"] for w in widths], marker="o", label=f"{r} rows")
+        for i, r in enumerate(rows):
+            name = f"{r} row{'s' if r > 1 else ''}"
+            ax.plot(widths, [by[r, w]["this"]["to_width1"] for w in widths], marker="o", color=f"C{i}", label=name)
             if args.against:
                 ax.plot(widths, [by[r, w]["against"]["to_width1"] for w in widths], ls="--", marker="x",
-                        label=f"{r} rows, baseline")
+                        color=f"C{i}", alpha=0.6, label=f"{name}, baseline")
         ax.plot(widths, widths, color="k", lw=0.8, label="w width-1 rounds")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
