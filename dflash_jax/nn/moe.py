@@ -222,9 +222,10 @@ STREAM_MIN_EXPERT_BYTES = 1 << 20
 # float32 / bf16 tables go through the compiled kernel (`cpu_kernels.dense_rows`: only the routed experts, read in
 # place) up to this many rows. On the shipped pairs' tables (2-core x86, process CPU, paired runs) plain greedy decoding
 # ran 1.7-2x faster at batch 1 - 4 than on the dense / tiles paths, and level with the tiles at batch 16 - 32; one
-# layer cost 1.7x less than the tiles at 512 rows and the same at 2048 (docs/benchmarks/moe_cpu.md). Wider blocks
-# stay on the tiles, whose GEMMs reuse each expert's weights over many rows.
-DENSE_STREAM_MAX_ROWS = 512
+# layer cost 1.7x less than the tiles at 512 rows and the same at 2048 (docs/benchmarks/moe_cpu.md), and a serving
+# round of 32 rows x 16 (1024 rows) 1.6x less (docs/benchmarks/round_cost.md). Wider blocks stay on the tiles,
+# whose GEMMs reuse each expert's weights over many rows.
+DENSE_STREAM_MAX_ROWS = 1024
 
 
 def routed_path(implementation: str, gate_up, x_dtype, tokens: int | None = None, top_k: int | None = None) -> str:
