@@ -7,7 +7,8 @@
 Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
 `acceptance_exploration=False`, the same with `skip_context=True` (width-1 rounds compute no taps; caught up before
-drafting), and block 4 (`--widths fixed`). At each client count c, c clients each send
+drafting), block 4 (`--widths fixed`), and a second plain engine built last (the control: two identical engines
+measured apart by the harness alone). At each client count c, c clients each send
 `--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
 `Engine.step` until it finishes), greedy. Every request asks for `--max-tokens` new tokens, or with
 `--length-spread F` > 0 a length drawn uniformly from max_tokens * [1 - F, 1 + F] (the same draws for every engine):
@@ -16,7 +17,8 @@ a lockstep that any width choice breaks and that served traffic seldom shows. Th
 once, one engine step each in turn (the order reversed every other turn), so that every engine meets the machine's
 load as the others do (runs one after another drifted by 5% - 10% on a shared machine); one untimed run, then
 `--repeats` runs (the engines' order reversed every other run). Tokens/s over each engine's own steps' time; the
-ratio to plain is the median of the per-run ratios; the rounds each engine ran at each width, its acceptance
+ratio to plain is the median of the per-run ratios (and, beside it, the ratio to the geometric mean of both plain
+engines' rates in the run, which the build order and the buffers' placement move less); the rounds each engine ran at each width, its acceptance
 explorations and its long-run acceptance. Every engine's tokens are checked against plain's. Writes
 width_choice.{json,md,png} (with --length-spread: width_choice_spread.*) to --out (default bench_out/) or, with
 --write-docs, docs/benchmarks/.
@@ -36,12 +38,16 @@ import numpy as np
 
 import harness as h
 
+CONTROL = "plain, a second engine (control)"
 MODES = {
     "plain": dict(block_size=1),
     "default (widths 1, 4)": dict(block_size=4, widths=(1, 4)),
     "default, acceptance exploration off": dict(block_size=4, widths=(1, 4), acceptance_exploration=False),
     "default, width 1 skips the taps": dict(block_size=4, widths=(1, 4), skip_context=True),
     "block 4": dict(block_size=4),
+    # a second plain engine, built and warmed last: its ratio to plain is the harness's spread between two identical
+    # engines (the same programs, other buffers), the floor under every other engine's ratio
+    CONTROL: dict(block_size=1),
 }
 DEFAULTS = dict(clients="1,4,16,32", requests_per_client=2, slots=32, prompt_len=64, max_tokens=128, repeats=3,
                 length_spread=0.0, call_rounds=0)
@@ -158,11 +164,14 @@ def main(argv=None) -> int:
             for name, (rate, _) in got.items():
                 rates[name].append(rate)
             loads.append((load_average() or (0.0,))[0])
+        pair_rates = [np.sqrt(a * b) for a, b in zip(rates["plain"], rates[CONTROL])] if CONTROL in modes else None
         for name in modes:
             ratios = [a / b for a, b in zip(rates[name], rates["plain"])]
+            both = None if pair_rates is None else float(np.median([a / b for a, b in zip(rates[name], pair_rates)]))
             total = sum(widths[name].values()) or 1
             rows.append(dict(mode=name, clients=c, tokens_per_s=float(np.median(rates[name])),
                              ratio=float(np.median(ratios)), ratio_range=[min(ratios), max(ratios)],
+                             ratio_to_plain_pair=both,
                              width4_share=widths[name].get(4, 0) / total,
                              rounds_by_width={str(k): v for k, v in sorted(widths[name].items())},
                              load_1min=max(loads), load_range=[min(loads), max(loads)]))
@@ -192,6 +201,13 @@ def main(argv=None) -> int:
                  [[m] + [f"{by[m, c]['tokens_per_s']:.0f} ({by[m, c]['ratio']:.2f}x, "
                          f"{100 * by[m, c]['width4_share']:.0f}%)" for c in clients] for m in modes]),
         "",
+        *([] if CONTROL not in modes else [
+            "Against both plain engines (each run's tokens/s over the geometric mean of plain's and the control's; the "
+            "control's ratio to plain above is the spread between two identical engines):",
+            "",
+            *h.table(["engine"] + [f"{c} client{'s' if c > 1 else ''}" for c in clients],
+                     [[m] + [f"{by[m, c]['ratio_to_plain_pair']:.2f}x" for c in clients] for m in modes]),
+            ""]),
         "Acceptance explorations and long-run acceptance: " + ", ".join(
             f"{m}: {s['acceptance_explores']} / {s['long_run_acceptance']:.3f}" for m, s in stats.items()),
     ]
@@ -199,7 +215,8 @@ def main(argv=None) -> int:
     def draw(ax):
         x = np.arange(len(clients))
         for i, m in enumerate(modes):
-            ax.bar(x + (i - (len(modes) - 1) / 2) * 0.16, [by[m, c]["ratio"] for c in clients], 0.16, label=m)
+            bar = 0.8 / len(modes)
+            ax.bar(x + (i - (len(modes) - 1) / 2) * bar, [by[m, c]["ratio"] for c in clients], bar, label=m)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(x, [str(c) for c in clients])
         ax.set_xlabel("clients")

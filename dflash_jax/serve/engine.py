@@ -69,6 +69,7 @@ rounds on a background thread for the server (`submit` and `cancel` are thread-s
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -141,6 +142,12 @@ HOLD_BYTES = 64 << 20
 # rounds before calls ran up to 64; counted in calls, a one-client server then ran a whole request or more at its
 # one warm width before the narrower width joined)
 BUSY_WARM_ROUNDS = 128
+# the background loop starts a step of the warm-up left for later only once the engine has had nothing to serve for
+# this long (seconds): a closed-loop client sends its next request within milliseconds of the last one's end, and a
+# step (a program's load and first run, or a bucket's timing: 0.1 - 0.3 s on a CPU) started in that gap held the
+# request until it ended (one client on a fresh server: 0.3x plain's tokens/s while the steps lasted). Under steady
+# traffic the busy warm-up (`BUSY_WARM_ROUNDS`) warms the buckets the traffic uses instead.
+IDLE_WARM_AFTER = 0.05
 
 
 class RequestError(ValueError):
@@ -584,6 +591,9 @@ class Engine:
         self._later: collections.deque = collections.deque()  # warm-up left for later: (kind, rows, length)
         self._busy_warm: dict = {}  # rows -> what a busy engine has warmed of the bucket ("programs")
         self._later_widths: tuple = ()  # the widths left for later
+        self._later_label = ""  # the prefetching label of the later steps (`_open_later_loads`)
+        self._later_loads = None  # their prefetching context, open from the first later step to the last
+        self._idle_since = 0.0  # when the background loop last had something to serve (`IDLE_WARM_AFTER`)
         # whether a busy engine warms the later widths (`warm_later`): not after a warm-up that compiled afresh
         self.busy_warm = True
         self._steps = 0
@@ -964,6 +974,7 @@ class Engine:
         self._later_widths = tuple(w for w in self.widths if w not in now)
         self._busy_warm = {}
         self._later = collections.deque()
+        self._later_label = f"{label} later={self._later_widths}"
         if now != self.widths:  # each bucket's programs of every length (the longest first), then their timing
             for rows in self.row_buckets:
                 self._later.extend(("programs", rows, n) for n in sorted(self.runner.length_buckets, reverse=True))
@@ -1015,6 +1026,7 @@ class Engine:
         the live rows')."""
         if not self._later or (busy and not self.busy_warm):
             return False
+        self._open_later_loads()
         try:
             if busy:
                 rows = self.row_bucket(sorted(self.requests)) if rows is None else rows
@@ -1026,22 +1038,42 @@ class Engine:
                     self._busy_warm[rows] = "programs"
                 else:
                     self._join(rows)
-                return True
-            item = kind, rows, length = self._later[0]
-            if kind == "programs":
-                self._warm_widths(rows, length)
-            elif rows in self._ready:
-                self._join(rows)
-            if self._later and self._later[0] == item:  # taken off once done: `warming` counts it while it runs
-                self._later.popleft()
+            else:
+                item = kind, rows, length = self._later[0]
+                if kind == "programs":
+                    self._warm_widths(rows, length)
+                elif rows in self._ready:
+                    self._join(rows)
+                if self._later and self._later[0] == item:  # taken off once done: `warming` counts it while it runs
+                    self._later.popleft()
+            if not self._later:
+                self._close_later_loads()
             return True
         except Exception as e:  # the widths already warm go on serving; the others stay out of the choice
             import sys
 
             self._later.clear()
+            self._close_later_loads()
             print(f"dflash_jax: the later warm-up stopped ({type(e).__name__}: {e}); the widths "
                   f"{sorted({w for ws in self._ready.values() for w in ws}, key=shape_order)} serve", file=sys.stderr)
             return False
+
+    def _open_later_loads(self) -> None:
+        """From the first step of the warm-up left for later until its last: one prefetching context
+        (`prefetch.prefetching`) over all its steps, so that a warm start's worker thread loads the later programs from
+        the compilation cache (tens of ms each) while the engine serves between the steps, in the order a past start's
+        later steps read them; each step then finds its programs loaded. Another context live in the process (a second
+        engine warming up) leaves this one off."""
+        if self._later_loads is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(prefetch.prefetching(self._later_label))
+            self._later_loads = stack
+
+    def _close_later_loads(self) -> None:
+        """Ends the later steps' prefetching context (its manifest written for the next start), if open."""
+        stack, self._later_loads = self._later_loads, None
+        if stack is not None:
+            stack.close()
 
     def finish_warmup(self) -> int:
         """Runs what `warmup(later_widths=True)` left, now (the engine idle); returns the steps it ran."""
@@ -1996,9 +2028,17 @@ class Engine:
                 while not self._stopping and not self.queue and not self.requests and not self._later:
                     self._wake.wait(0.5)
                 if self._stopping and not self.requests and not self.queue:
+                    self._close_later_loads()
                     return
                 idle = not self.queue and not self.requests
-            if idle:  # nothing to serve: a step of the warm-up left for later (`warmup(later_widths=True)`)
+            if idle:  # nothing to serve: a step of the warm-up left for later (`warmup(later_widths=True)`), once
+                # nothing came for `IDLE_WARM_AFTER` (a closed-loop client's next request is not held by a step)
+                quiet = time.perf_counter() - self._idle_since
+                if quiet < IDLE_WARM_AFTER:
+                    with self._wake:
+                        if not self.queue and not self._stopping:
+                            self._wake.wait(IDLE_WARM_AFTER - quiet)
+                    continue
                 self.warm_later()
                 continue
             try:
@@ -2018,6 +2058,7 @@ class Engine:
                 self._joining = []
                 self._prefilling = None
                 self.runner.drop()
+            self._idle_since = time.perf_counter()
 
     def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:
         """Graceful shutdown: no new requests; in-flight ones finish (or are cancelled with `cancel`)."""

@@ -185,3 +185,33 @@ def test_a_width_joins_while_every_request_ends_within_its_call(monkeypatch):
     assert all(i.finished for i in calls if i.rounds > 1)  # every call of several rounds ended its request
     assert eng.ready_widths(1) == (1, 4)  # joined: warmed, then timed, while busy
     assert calls[0].width == 4 and calls[-1].width == 1  # and chosen once it had (width 4 priced far above it)
+
+
+def test_the_idle_warm_up_waits_for_a_quiet_engine(monkeypatch):
+    """The background loop starts a later warm-up step only once nothing was queued or live for `IDLE_WARM_AFTER`:
+    a closed-loop client (its next request sent as the last ends) is never held by one, and the steps run once it
+    stops. Their prefetching context closes with the last step."""
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    monkeypatch.setattr(engine_mod, "BUSY_WARM_ROUNDS", 10**9)  # no busy warming: the idle steps alone
+    monkeypatch.setattr(engine_mod, "IDLE_WARM_AFTER", 2.0)
+    eng = Engine(fake_pair(), runner=FakeRunner, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16,
+                 max_new_tokens=16, rounds_per_call=1)
+    eng.warmup([16], later_widths="always")
+    left = eng.warming
+    assert left and eng.ready_widths(1) == (4,)
+    req = eng.submit([1, 2, 3], max_new_tokens=8)  # queued before the loop starts: it serves first
+    eng.start()
+    try:
+        for i in range(6):  # a closed loop: each request submitted the moment the last one ended
+            assert req.wait(30) and req.finish_reason == "length"
+            req = eng.submit([1, 2, 4 + i], max_new_tokens=8)
+        assert req.wait(30)
+        time.sleep(0.2)
+        assert eng.warming == left  # never quiet for IDLE_WARM_AFTER: no step ran
+        deadline = time.monotonic() + 60  # quiet now: the steps run by themselves
+        while eng.warming and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        eng.stop()
+    assert eng.warming == 0 and eng.widths_warming == () and eng._later_loads is None
