@@ -18,8 +18,8 @@ once, one engine step each in turn (the order reversed every other turn), so tha
 load as the others do (runs one after another drifted by 5% - 10% on a shared machine); one untimed run, then
 `--repeats` runs (the engines' order reversed every other run). Tokens/s over each engine's own steps' time; the
 ratio to plain is the median of the per-run ratios (and, beside it, the ratio to the geometric mean of both plain
-engines' rates in the run, which the build order and the buffers' placement move less); the rounds each engine ran at each width, its acceptance
-explorations and its long-run acceptance. Every engine's tokens are checked against plain's. Writes
+engines' rates in the run, which the build order and the buffers' placement move less); the rounds each engine ran
+at each width, its acceptance explorations and its long-run acceptance. Every engine's tokens are checked against plain's. Writes
 width_choice.{json,md,png} (with --length-spread: width_choice_spread.*) to --out (default bench_out/) or, with
 --write-docs, docs/benchmarks/.
 
