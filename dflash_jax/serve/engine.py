@@ -1026,7 +1026,6 @@ class Engine:
         the live rows')."""
         if not self._later or (busy and not self.busy_warm):
             return False
-        self._open_later_loads()
         try:
             if busy:
                 rows = self.row_bucket(sorted(self.requests)) if rows is None else rows
@@ -1059,11 +1058,12 @@ class Engine:
             return False
 
     def _open_later_loads(self) -> None:
-        """From the first step of the warm-up left for later until its last: one prefetching context
-        (`prefetch.prefetching`) over all its steps, so that a warm start's worker thread loads the later programs from
-        the compilation cache (tens of ms each) while the engine serves between the steps, in the order a past start's
-        later steps read them; each step then finds its programs loaded. Another context live in the process (a second
-        engine warming up) leaves this one off."""
+        """While the background loop runs the warm-up left for later (`start`), from its start until the last step:
+        one prefetching context (`prefetch.prefetching`) over all the steps, so that a warm start's worker thread loads
+        the later programs from the compilation cache (about 50 ms each on a CPU) while the engine serves between the
+        steps, in the order a past start's later steps read them; each step then finds its programs loaded. Only the
+        loop opens it (it ends with the last step, or the loop): an engine stepped by its caller leaves none open
+        behind it. Another context live in the process (a second engine warming up) leaves this one off."""
         if self._later_loads is None:
             stack = contextlib.ExitStack()
             stack.enter_context(prefetch.prefetching(self._later_label))
@@ -2023,6 +2023,8 @@ class Engine:
         self._thread.start()
 
     def _loop(self) -> None:
+        if self._later:
+            self._open_later_loads()
         while True:
             with self._wake:
                 while not self._stopping and not self.queue and not self.requests and not self._later:

@@ -118,6 +118,7 @@ def test_no_busy_warming_after_a_cold_warm_up_or_while_stopping():
         eng._stopping = False
     assert eng.requests and eng.warming == left  # a busy step ran, no warming after it
     assert eng.warm_later(busy=True)  # and a busy engine does warm otherwise
+    assert eng._later_loads is None  # stepped by its caller: no prefetching context left open (only the loop's)
     eng.run_until_idle()
     assert eng.finish_warmup() > 0 and eng.warming == 0 and eng.widths_warming == ()
 
