@@ -42,8 +42,8 @@ class Metrics:
         self.widths = Counter("dflash_round_width", "Rounds that verified at each width (the engine's choice)",
                               ["width"], registry=r)
         self.rows = Counter("dflash_round_rows", "Rounds by the row bucket computed (the live requests are kept in "
-                            "the lowest slots; a round computes the smallest compiled bucket holding them)", ["rows"],
-                            registry=r)
+                            "the smallest bucket of as many rows; a round computes the smallest compiled bucket "
+                            "holding them)", ["rows"], registry=r)
         self.prefill_chunks = Counter("dflash_prefill_chunks", "Chunks of long prompts prefilled (one per round at "
                                       "most, between the live rows' rounds)", registry=r)
         self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens prefilled (whole prompts and chunks); "

@@ -21,7 +21,7 @@ request (`offload.cache.ExpertCache`, copies issued as `jax.device_put` of host 
      ranked by how many admitted rows project them, is put into the cache before the verify is dispatched
      (`ExpertCache.prefetch`: best effort, never evicting a pinned or held expert nor what the previous
      verify routed to);
-  5. the verify runs layer by layer over the round's row bucket (the live rows are kept in the lowest slots,
+  5. the verify runs layer by layer over the round's row bucket (the live rows are kept within the smallest bucket,
      by the engine): each MoE layer's exact routing is read on the host and what the
      admitted rows route to and is not resident is fetched on demand (passes when it does not fit; hybrid
      placement may compute it on the host), with `OffloadedGenerator`'s provider pieces. The rows that do

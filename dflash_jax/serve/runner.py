@@ -427,7 +427,7 @@ def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
 @stored_jit(donate_argnames=("state",))
 def _move_row(state: SpecState, src, dst) -> SpecState:
     """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
-    compaction that keeps live requests in the lowest slots. In place (the state is donated)."""
+    compaction that keeps live requests within the smallest row bucket. In place (the state is donated)."""
     return map_rows(lambda x: x.at[dst].set(x[src]), state)
 
 
@@ -532,7 +532,7 @@ def _draft(target_w, draft_w, state: SpecState, draft_buffers, routers, spec: Sp
     (the proposal without its cache, the cache's new buffers, its new lengths, the demand).
 
     rows: compute only the first `rows` rows of the state (a row bucket >= the live rows, which the engine keeps
-    in the lowest slots); the proposal, the lengths and the demand have `rows` rows, the buffers all of them (the
+    within the smallest bucket); the proposal, the lengths and the demand have `rows` rows, the buffers all of them (the
     first `rows` written in place).
 
     length: the draft cache's buffers cut to their first `length` slots for the draft (a length bucket holding every
