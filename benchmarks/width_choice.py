@@ -20,8 +20,8 @@ load as the others do (runs one after another drifted by 5% - 10% on a shared ma
 ratio to plain is the median of the per-run ratios (and, beside it, the ratio to the geometric mean of both plain
 engines' rates in the run, which the build order and the buffers' placement move less); the rounds each engine ran
 at each width, its acceptance explorations and its long-run acceptance. Every engine's tokens are checked against
-plain's. Writes width_choice.{json,md,png} (with --length-spread: width_choice_spread.*) to --out (default bench_out/) or, with
---write-docs, docs/benchmarks/.
+plain's. Writes width_choice.{json,md,png} (with --length-spread: width_choice_spread.*) to --out (default
+bench_out/) or, with --write-docs, docs/benchmarks/.
 
 `--call-rounds N`: the length of a device call instead. The engines are plain and the default, each as it runs
 (`rounds_per_call="auto"`: up to `MAX_BURST` rounds a call, sized to 50 ms) and with calls of at most N rounds

@@ -10,9 +10,9 @@ engine the runner it expects, over `n` `ResidentRunner`s of `slots / n` rows eac
 The engine keeps its live requests within the smallest row bucket of as many rows, so the live rows interleave over
 the lanes and stay balanced (a row bucket of R slots is ceil((R - l) / n) rows of lane l). Whole-batch work runs in
 every lane (reset, release, fetch, the round); a prefill (and its chunks, fork and first-token log-probs) runs in
-lane 0, whose rows `insert` then scatters: each lane writes the rows bound for it and drops the others. A compaction move
-within a lane is that lane's `move_row`; across lanes, the row is taken from one state and inserted into the other
-(every leaf). Every lane runs the same compiled programs (the same shapes), so lanes compile nothing more than
+lane 0, whose rows `insert` then scatters: each lane writes the rows bound for it and drops the others. A compaction
+move within a lane is that lane's `move_row`; across lanes, the row is taken from one state and inserted into the
+other (every leaf). Every lane runs the same compiled programs (the same shapes), so lanes compile nothing more than
 one runner of `slots / n` rows.
 
 A call of several rounds (`burst`) runs each lane's burst on its own thread, and so do a round's `draft` and `verify`
