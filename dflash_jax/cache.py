@@ -114,6 +114,47 @@ def move_slots(buffer: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     return write_slots(buffer, take_slots(buffer, src), dst)
 
 
+COPY_CHUNK = 64  # the slots a row copy (`put_rows`, `copy_row`) moves per step
+
+
+def _chunks(count, slots: int) -> tuple:
+    """(chunk, steps): the chunk a copy of a row's first `count` slots (traced) moves per step, and how many steps
+    cover them (rounded up to whole chunks, at most the buffer's `slots`)."""
+    chunk = min(COPY_CHUNK, slots)
+    return chunk, (jnp.clip(count, 0, slots) + chunk - 1) // chunk
+
+
+def put_rows(buffer: jax.Array, rows: jax.Array, dst: jax.Array, count) -> jax.Array:
+    """`buffer` [B, Hkv, S, d] with row `dst[i]` (traced [k]; past the last row: dropped) given row i of `rows`
+    [k, Hkv, S, d] in its first `count` slots (traced; whole `COPY_CHUNK`s), the rest of the row left as it was.
+    A row's slots at or past its length are never read (the module's invariant), so inserting a row whose length is
+    at most `count` needs no more: a 64-token prompt into a 4096-slot cache moves 64 slots, not 4096."""
+    size = rows.shape[SLOT_AXIS]
+    chunk, steps = _chunks(count, size)
+
+    def step(i, buf):
+        start = jnp.minimum(i * chunk, size - chunk)  # the last chunk may overlap the one before: the same data
+        part = jax.lax.dynamic_slice_in_dim(rows, start, chunk, axis=SLOT_AXIS)  # [k, Hkv, chunk, d]
+        at = start + jnp.arange(chunk)
+        return buf.at[dst[:, None], :, at[None, :]].set(part.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")
+
+    return jax.lax.fori_loop(0, steps, step, buffer)
+
+
+def copy_row(buffer: jax.Array, src, dst, count) -> jax.Array:
+    """`buffer` [B, Hkv, S, d] with row `dst`'s first `count` slots (traced; whole `COPY_CHUNK`s) set to row `src`'s
+    (both traced, in range): moving a row of length at most `count` (`put_rows`)."""
+    _, heads, size, dim = buffer.shape
+    chunk, steps = _chunks(count, size)
+
+    def step(i, buf):
+        start = jnp.minimum(i * chunk, size - chunk)
+        part = jax.lax.dynamic_slice(buf, (src, 0, start, 0), (1, heads, chunk, dim))
+        return jax.lax.dynamic_update_slice(buf, part, (dst, 0, start, 0))
+
+    return jax.lax.fori_loop(0, steps, step, buffer)
+
+
 def cut_slots(buffer: jax.Array, length: int) -> jax.Array:
     """`buffer`'s first `length` slots (a static slice)."""
     return jax.lax.slice_in_dim(buffer, 0, length, axis=SLOT_AXIS)

@@ -420,25 +420,61 @@ def fork_rows(rows: SpecState, logits, src, key_data, key_fold):
 @stored_jit(donate_argnames=("state",))
 def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
     """Writes row i of the k-row state `rows` into row `slots[i]` (traced [k] int32) of the batched state;
-    a slot index past the last slot drops the row (the padding rows of a prefill group)."""
-    return map_rows(lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), state, rows)
+    a slot index past the last slot drops the row (the padding rows of a prefill group). Each cache's K/V buffers
+    take only the slots the rows fill (`cache.put_rows`, up to their longest length): the rest of a slot's row is
+    scratch, and a prompt of 64 tokens in a 4096-slot cache copies 64 slots of each buffer, not 4096."""
+    def put(big, small):
+        return big.at[slots].set(small.astype(big.dtype), mode="drop")
+
+    def node(big, small):
+        if not holds_slots(big):
+            return map_rows(put, big, small)
+        rest = map_rows(put, big.replace(keys=(), values=()), small.replace(keys=(), values=()))
+        count = jnp.max(small.lengths)
+        return rest.replace(keys=tuple(cache_slots.put_rows(b, s, slots, count) for b, s in zip(big.keys, small.keys)),
+                            values=tuple(cache_slots.put_rows(b, s, slots, count)
+                                         for b, s in zip(big.values, small.values)))
+
+    return jax.tree.map(node, state, rows, is_leaf=holds_slots)
 
 
 @stored_jit(donate_argnames=("state",))
 def _move_row(state: SpecState, src, dst) -> SpecState:
-    """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf (the KV buffers too): the
-    compaction that keeps live requests within the smallest row bucket. In place (the state is donated)."""
-    return map_rows(lambda x: x.at[dst].set(x[src]), state)
+    """Copies row `src` (traced int32) of the batched state over row `dst`, every leaf, the KV buffers up to the
+    row's length (`cache.copy_row`): the compaction that keeps live requests within the smallest row bucket. In
+    place (the state is donated)."""
+    def move(x):
+        return x.at[dst].set(x[src])
+
+    def node(n):
+        if not holds_slots(n):
+            return map_rows(move, n)
+        rest = map_rows(move, n.replace(keys=(), values=()))
+        count = n.lengths[src]
+        return rest.replace(keys=tuple(cache_slots.copy_row(b, src, dst, count) for b in n.keys),
+                            values=tuple(cache_slots.copy_row(b, src, dst, count) for b in n.values))
+
+    return jax.tree.map(node, state, is_leaf=holds_slots)
 
 
-@stored_jit(static_argnames=("spec", "hold"))
+@stored_jit(static_argnames=("spec", "hold", "cache_len"))
 def _prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None,
-                  hold: int | None = None):
+                  hold: int | None = None, cache_len: int | None = None):
     """`session.prefill_rows`: the prefilled rows and their last logits in fp32 (lossless; what sampling reads); with
-    `hold`, the prompt's draft context held pending (`session.start_state`)."""
+    `hold`, the prompt's draft context held pending (`session.start_state`); caches of `cache_len` slots."""
     state, logits = prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec, positions,
-                                 hold)
+                                 hold, cache_len)
     return state, logits.astype(jnp.float32)
+
+
+def prefill_slots(max_len: int, prompt: int) -> int:
+    """The slots of a prefill's caches for a prompt bucket of `prompt` tokens whose rows are copied into a state of
+    `max_len`-slot caches up to their lengths (`_insert_rows`): the smallest of `length_buckets(max_len, prompt)`
+    holding the prompt. Those are whole chunks of the chunked attention that take the path the whole cache takes
+    (or the whole cache where it takes the dense path), so every key and logit is the whole cache's, bit for bit;
+    the CPU kernel reads each row's live keys wherever they lie. A 64-token prompt of a 4096-slot engine prefills
+    into 768 slots, not 4096 (the zeros of an empty cache cost about a millisecond a row there)."""
+    return next((b for b in length_buckets(max_len, prompt) if b >= prompt), max_len)
 
 
 def head_rows(tree, rows: int, length: int | None = None, in_place: bool = False):
@@ -762,11 +798,19 @@ def _grow_rows(buffers, rows: int):
     return jax.tree.map(lambda x: cache_slots.grow_slots(x, rows), buffers)
 
 
-@stored_jit(static_argnames=("slots",))
-def _broadcast_rows(row: SpecState, slots: int) -> SpecState:
-    """`slots` copies of a one-row state, every row done (free). One program: its outputs are committed to the
-    device as every round's are, so the rounds meet the state they will serve (`Engine.warmup`)."""
-    rows = jax.tree.map(lambda x: jnp.concatenate([x] * slots, axis=0), row)
+@stored_jit(static_argnames=("slots", "max_len"))
+def _broadcast_rows(row: SpecState, slots: int, max_len: int) -> SpecState:
+    """`slots` copies of a one-row state, every row done (free), each cache's K/V buffers `max_len` slots long (a
+    prefill's rows may hold fewer: `prefill_slots`). One program: its outputs are committed to the device as every
+    round's are, so the rounds meet the state they will serve (`Engine.warmup`)."""
+    def widen(n):
+        if not holds_slots(n):
+            return n
+        pad = lambda x: jnp.pad(x, [(0, 0)] * SLOT_AXIS + [(0, max_len - x.shape[SLOT_AXIS])]  # noqa: E731
+                                + [(0, 0)] * (x.ndim - SLOT_AXIS - 1))
+        return n.replace(keys=tuple(map(pad, n.keys)), values=tuple(map(pad, n.values)))
+
+    rows = jax.tree.map(lambda x: jnp.concatenate([x] * slots, axis=0), jax.tree.map(widen, row, is_leaf=holds_slots))
     return rows.replace(done=jnp.ones((slots,), bool))
 
 
@@ -879,13 +923,17 @@ class ResidentRunner(RoundRunner):
 
     @_on_mesh
     def reset(self, dummy: PrefillBatch) -> None:
-        self.state = _broadcast_rows(self.prefill(dummy), self.slots)
+        self.state = _broadcast_rows(self.prefill(dummy), self.slots, self.spec.max_len)
 
     @_on_mesh
     def prefill(self, batch: PrefillBatch) -> SpecState:
+        """The batch's rows, their caches as long as the prompt bucket needs (`prefill_slots`): `insert` copies
+        them into the state up to their lengths."""
+        slots = prefill_slots(self.spec.max_len, batch.tokens.shape[1])
         state, self.last_logits = _prefill_rows(self.pair.target, self.pair.draft, batch.tokens, batch.lengths,
                                                 batch.params, batch.key_data, batch.key_fold, self.spec,
-                                                batch.positions, self._prompt_hold(batch))
+                                                batch.positions, self._prompt_hold(batch),
+                                                None if slots == self.spec.max_len else slots)
         return self._widen(state)
 
     def _prompt_hold(self, batch: PrefillBatch) -> int | None:

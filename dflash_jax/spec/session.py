@@ -385,22 +385,26 @@ def begin_arrays(target_w, draft_w, tokens, lengths, params, key_data, key_fold,
 
 
 def prefill_rows(target_w, draft_w, tokens, lengths, params, key_data, key_fold, spec: SpecConfig, positions=None,
-                 hold: int | None = None):
+                 hold: int | None = None, cache_len: int | None = None):
     """`begin_arrays` (not jitted) that also returns the prefill's last logits [b, V] (the distribution the first
-    token was drawn from: the server's logprobs and its `n` samples of one prompt read them). hold: `start_state`'s."""
+    token was drawn from: the server's logprobs and its `n` samples of one prompt read them). hold: `start_state`'s.
+    cache_len (static): the slots of the rows' caches (default `spec.max_len`), at least the prompt's: rows that
+    are copied into a larger state up to their lengths (the serving engine's insert) need no more, and an empty
+    4096-slot cache costs its zeros."""
     fam = target_family(spec.target)
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
-    cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, target_w.embed.dtype,
+    cache = init_target_cache(spec.target, tokens.shape[0], cache_len or spec.max_len, target_w.embed.dtype,
                               verify_width=spec.block_size)
     out = fam.forward(target_w, tokens, cache, spec.target, num_valid=lengths, tap_layers=spec.taps, logits="last",
                       positions=positions)
     return (start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions,
-                        hold=hold), out.logits)
+                        hold=hold, cache_len=cache_len), out.logits)
 
 
 def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig,
                 params: RowParams | None = None, context_positions: jax.Array | None = None,
-                draft_cache: KVCache | None = None, hold: int | None = None) -> SpecState:
+                draft_cache: KVCache | None = None, hold: int | None = None,
+                cache_len: int | None = None) -> SpecState:
     """The state after a prefill `out` (a ForwardOutput with "last" logits and the draft taps): the first
     token, the draft's context cache fed with the prompt taps. `target_w` is read for `embed.dtype` only.
 
@@ -411,7 +415,8 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
     cache already fed with every prompt row (a chunked prefill, `spec.prefill`); `out.taps` are then not read.
     hold (static): the prompt rows' taps held as the state's pending context rows, `hold` columns of them, instead of
     appended to the draft's cache now (the serving engine's held context, which a drafting round appends first:
-    a request that never drafts never pays the draft); only at slot positions, a prompt of at most `hold` rows."""
+    a request that never drafts never pays the draft); only at slot positions, a prompt of at most `hold` rows.
+    cache_len: the slots of a new draft cache (default `spec.max_len`; `prefill_rows`)."""
     b = lengths.shape[0]
     if params is None:
         if spec.static_request is None:
@@ -427,11 +432,11 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
         taps = draft_model.context_features(out.taps).astype(target_w.embed.dtype)
         if context_positions is not None or taps.shape[1] > hold:
             raise ValueError(f"a held prompt needs slot positions and at most {hold} rows, got {taps.shape[1]}")
-        draft_cache = draft_model.init_draft_cache(spec.draft, b, spec.max_len, draft_w.fc.dtype)
+        draft_cache = draft_model.init_draft_cache(spec.draft, b, cache_len or spec.max_len, draft_w.fc.dtype)
         context = jnp.pad(taps, [(0, 0), (0, hold - taps.shape[1]), (0, 0)])
         pending = jnp.asarray(lengths, jnp.int32)
     elif spec.block_size > 1 and draft_cache is None:
-        draft_cache = draft_model.init_draft_cache(spec.draft, b, spec.max_len, draft_w.fc.dtype)
+        draft_cache = draft_model.init_draft_cache(spec.draft, b, cache_len or spec.max_len, draft_w.fc.dtype)
         draft_cache = draft_model.append_context(
             draft_w, spec.draft, context_features=draft_model.context_features(out.taps), num_context=lengths,
             cache=draft_cache, positions=context_positions)

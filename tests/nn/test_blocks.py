@@ -247,6 +247,38 @@ def test_one_slot_writes_drop_past_the_end_and_stay_in_place():
         assert not copies, (rows, width, copies[:2])
 
 
+@pytest.mark.parametrize("slots", [200, 48])
+def test_row_copies_move_only_the_live_slots(slots):
+    """`put_rows` / `copy_row` (the serving engine's insert and compaction move) write a row's first slots, whole
+    chunks of `COPY_CHUNK` up to the count (the last chunk overlapping the one before where the buffer ends mid-chunk),
+    leave the rest of the row and every other row as it was, drop a destination past the last row, and run in place
+    on a donated buffer (no copy of the whole buffer in the program)."""
+    import functools
+    import re
+
+    from dflash_jax.cache import COPY_CHUNK, copy_row, put_rows
+
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((5, 2, slots, 3)).astype(np.float32)
+    rows = rng.standard_normal((3, 2, slots, 3)).astype(np.float32)
+    dst = np.array([4, 9, 1], np.int32)  # 9: past the last row, dropped
+    for count in (0, 1, COPY_CHUNK, COPY_CHUNK + 1, slots, slots + 7):
+        got = np.asarray(jax.jit(put_rows)(jnp.asarray(big), jnp.asarray(rows), jnp.asarray(dst), count))
+        upto = min(slots, -(-min(count, slots) // COPY_CHUNK) * COPY_CHUNK) if count else 0
+        want = big.copy()
+        want[4, :, :upto], want[1, :, :upto] = rows[0, :, :upto], rows[2, :, :upto]
+        np.testing.assert_array_equal(got, want, err_msg=str(count))
+        moved = np.asarray(jax.jit(copy_row)(jnp.asarray(big), 3, 0, count))
+        want = big.copy()
+        want[0, :, :upto] = big[3, :, :upto]
+        np.testing.assert_array_equal(moved, want, err_msg=str(count))
+    shape = "f32[%s]" % ",".join(map(str, big.shape))
+    for fn, args in ((put_rows, (jnp.asarray(rows), jnp.asarray(dst), 70)), (copy_row, (3, 0, 70))):
+        hlo = jax.jit(functools.partial(fn), donate_argnums=0).lower(jnp.asarray(big), *args).compile().as_text()
+        copies = [line for line in hlo.splitlines() if re.search(re.escape(shape) + r"\{[0-9,]*\} copy\(", line)]
+        assert not copies, (fn.__name__, copies[:2])
+
+
 def test_dense_experts_equal_grouped_with_biases_and_clamped_activation():
     from functools import partial
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_jax.cache import KVCache
+from dflash_jax.cache import SLOT_AXIS, KVCache
 from dflash_jax.compile_cache import CompileCounter
 from dflash_jax.nn.attention import attention_tuning
 from dflash_jax.serve.engine import Engine, generate as serve_generate
@@ -55,13 +55,17 @@ def test_length_buckets_lossless_and_warm(pair, block_size, widths):
         buckets = eng.runner.length_buckets
         assert len(buckets) > 1 and buckets[-1] == eng.spec.max_len
         eng.warmup([16])
-        used = []
-        choose = eng.runner.length_bucket
+        used, prefilled = [], []
+        choose, prefill = eng.runner.length_bucket, eng.runner.prefill
         eng.runner.length_bucket = lambda rows, rounds=1, proposer=None: (
             used.append(choose(rows, rounds, proposer)) or used[-1])
+        eng.runner.prefill = lambda batch: (  # the slots of the prefilled rows' caches (`runner.prefill_slots`)
+            lambda rows: prefilled.append(rows.target_cache.keys[0].shape[SLOT_AXIS]) or rows)(prefill(batch))
         with CompileCounter() as counter:
             reqs = serve_generate(eng, PROMPTS, max_new_tokens=BUDGETS, sampling=SamplingParams(), seed=0)
         assert counter.compiles == 0
+        # prefilled into the short bucket's slots, inserted into the whole cache up to their lengths, grown past it
+        assert set(prefilled) == {buckets[0]} and max(len(r.tokens) + 16 for r in reqs) > buckets[0]
         assert set(used) >= set(buckets[:2])  # the caches grew across a bucket boundary
         assert used == sorted(used) or len(set(used)) > 1
         eng.runner.length_bucket = lambda rows, rounds=1, proposer=None: buckets[-1]  # the whole cache every round
