@@ -384,3 +384,38 @@ def load_span(rows, key: str = "load_1min") -> str:
 
 def percentile(values, q) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def in_tree(tree: str, script: str, argv: Sequence[str]) -> dict:
+    """Runs `script` (a benchmark's path) with `--worker` and `argv` in a fresh process that imports the library of
+    the checkout `tree` (its `dflash_jax` and `pallas_kernels` first on the path); returns the JSON object the process
+    prints on its last line (the `--against DIR` comparisons: another commit measured the same way)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p]))
+    done = subprocess.run([sys.executable, os.path.abspath(script), "--worker", *argv], env=env, cwd=tree,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the measuring process for {tree} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def revision(tree: str) -> str:
+    """The short commit of the checkout `tree` ("+changes" when its tracked files differ; "unknown" without git)."""
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", tree, "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+changes" if dirty else "")
+
+
+def check_checkout(p: argparse.ArgumentParser, tree: str | None) -> str | None:
+    """`--against DIR`: the absolute path of a checkout of the library, or a parser error naming what is wrong."""
+    if tree is not None and not os.path.isdir(os.path.join(tree, "dflash_jax")):
+        p.error(f"--against {tree}: not a checkout of the library (no dflash_jax/ in it)")
+    return None if tree is None else os.path.abspath(tree)

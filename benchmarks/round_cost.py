@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 
@@ -55,29 +53,6 @@ def measure(rows: list[int], widths: list[int], rounds: int, repeats: int) -> di
     return out
 
 
-def worker(tree: str, args) -> dict:
-    """One fresh process measuring the library of `tree` (its `dflash_jax` and `pallas_kernels` first on the path)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p]))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rows", args.rows, "--widths", args.widths,
-           "--rounds", str(args.rounds), "--repeats", str(args.repeats)]
-    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"the measuring process for {tree} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def revision(tree: str) -> str:
-    """The short commit of the checkout `tree` ("+changes" when its tracked files differ; "unknown" without git)."""
-    try:
-        rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", tree, "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return rev + ("+changes" if dirty else "")
-
-
 def main(argv=None) -> int:
     d = DEFAULTS
     p = h.parser(__doc__, {"--rows": d["rows"], "--widths": d["widths"], "--rounds": d["rounds"],
@@ -96,19 +71,19 @@ def main(argv=None) -> int:
         p.error("--widths must include 1 (the ratios are to a width-1 round)")
     if args.rounds < 1 or args.processes < 1:
         p.error("--rounds and --processes must be >= 1")
-    if args.against is not None and not os.path.isdir(os.path.join(args.against, "dflash_jax")):
-        p.error(f"--against {args.against}: not a checkout of the library (no dflash_jax/ in it)")
+    against = h.check_checkout(p, args.against)
     from dflash_jax.timing import load_average
 
     log = h.logger("round_cost")
     here = h.ROOT
-    trees = {"this": here} if args.against is None else {"this": here, "against": os.path.abspath(args.against)}
+    trees = {"this": here} if against is None else {"this": here, "against": against}
     runs = {name: [] for name in trees}
     loads = [(load_average() or (0.0,))[0]]
     for i in range(args.processes):
         for name, tree in (trees.items() if i % 2 == 0 else list(trees.items())[::-1]):
             t = time.perf_counter()
-            runs[name].append(worker(tree, args))
+            runs[name].append(h.in_tree(tree, __file__, ["--rows", args.rows, "--widths", args.widths,
+                                                         "--rounds", str(args.rounds), "--repeats", str(args.repeats)]))
             loads.append((load_average() or (0.0,))[0])
             log(f"process {i + 1}/{args.processes}, {name}: {time.perf_counter() - t:.0f} s")
     cost = {name: {k: float(np.median([r[k] for r in got])) for k in got[0]} for name, got in runs.items()}
@@ -123,7 +98,7 @@ def main(argv=None) -> int:
             if "against" in trees:
                 row["this_over_against"] = row["this"]["ms"] / row["against"]["ms"]
             points.append(row)
-    commits = {name: revision(tree) for name, tree in trees.items()}
+    commits = {name: h.revision(tree) for name, tree in trees.items()}
     result = dict(benchmark="round_cost", machine=h.machine(), rows=rows, widths=widths, rounds=args.rounds,
                   repeats=args.repeats, processes=args.processes, commits=commits,
                   load_1min=max(loads), load_range=[min(loads), max(loads)], points=points)

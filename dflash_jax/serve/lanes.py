@@ -11,8 +11,8 @@ The engine keeps its live requests within the smallest row bucket of as many row
 the lanes and stay balanced (a row bucket of R slots is ceil((R - l) / n) rows of lane l). Whole-batch work runs in
 every lane (reset, release, fetch, the round); a prefill (and its chunks, fork and first-token log-probs) runs in
 lane 0, whose rows `insert` then scatters: each lane writes the rows bound for it and drops the others. A compaction
-move within a lane is that lane's `move_row`; across lanes, the row is taken from one state and inserted into the
-other (every leaf). Every lane runs the same compiled programs (the same shapes), so lanes compile nothing more than
+move within a lane is that lane's `move_row`; across lanes, the row is taken from one state (its K/V cut to the
+smallest length bucket holding it) and inserted into the other (every leaf, the K/V up to the row's length). Every lane runs the same compiled programs (the same shapes), so lanes compile nothing more than
 one runner of `slots / n` rows.
 
 A call of several rounds (`burst`) runs each lane's burst on its own thread, and so do a round's `draft` and `verify`
@@ -22,22 +22,40 @@ rounds it runs in any lane: the outputs are the single runner's (`tests/serve/te
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 
+from dflash_jax.cache import holds_slots
 from dflash_jax.serve.runner import (
-    Burst, Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs,
+    Burst, Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, RoundRunner, TokenLogprobs, cut_slots,
+    length_buckets,
 )
 from dflash_jax.spec import lanes as spec_lanes
 from dflash_jax.spec.session import SpecState, map_rows
 from dflash_jax.stored import stored_jit
 
 
-@stored_jit
-def _take_row(state: SpecState, row) -> SpecState:
-    """Row `row` (traced int32) of a batched state as a one-row state."""
-    return map_rows(lambda x: jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=True), state)
+@functools.partial(stored_jit, static_argnames=("length",))
+def _take_row(state: SpecState, row, length: int | None = None) -> SpecState:
+    """Row `row` (traced int32) of a batched state as a one-row state; with `length`, each cache's K/V buffers cut to
+    their first `length` slots (at least the row's length: `insert` copies no more)."""
+    def take(x):
+        return jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=True)
+
+    def node(n):
+        if not holds_slots(n) or length is None:
+            return map_rows(take, n)
+        return map_rows(take, n.replace(keys=cut_slots(n.keys, length), values=cut_slots(n.values, length)))
+
+    return jax.tree.map(node, state, is_leaf=holds_slots)
+
+
+def row_length(state: SpecState, row: int) -> int:
+    """The most slots row `row` of a batched state fills in any of its caches (a host read of their lengths)."""
+    nodes = [n for n in jax.tree.leaves(state, is_leaf=holds_slots) if holds_slots(n)]
+    return max((int(np.asarray(n.lengths)[row]) for n in nodes), default=0)
 
 
 def lane_rows(rows: int, lane: int, lanes: int) -> int:
@@ -83,6 +101,7 @@ class LanedRunner(RoundRunner):
         first = self.lanes[0]
         self.moe_layers, self.expert_bytes = first.moe_layers, first.expert_bytes
         self.length_buckets = first.length_buckets
+        self._take_buckets = length_buckets(self.spec.max_len, 1)
         self._logprob_rows = 0  # the rows of the last verify (its log-probs, interleaved)
 
     # -- state ---------------------------------------------------------------------------------------
@@ -162,7 +181,14 @@ class LanedRunner(RoundRunner):
         if a is b:
             a.move_row(src // self.n, dst // self.n)
             return
-        b.insert(_take_row(a.state, np.int32(src // self.n)), np.array([dst // self.n], np.int32))
+        row = src // self.n
+        b.insert(_take_row(a.state, np.int32(row), self._take_slots(row_length(a.state, row))),
+                 np.array([dst // self.n], np.int32))
+
+    def _take_slots(self, length: int) -> int:
+        """The slots a row of `length` filled ones is taken with across lanes: the smallest of the cache's length
+        buckets (`runner.length_buckets`, a few compiled shapes) holding it."""
+        return next(b for b in self._take_buckets if b >= length)
 
     def prefill_start(self, tokens, valid, positions=None):
         return self.lanes[0].prefill_start(tokens, valid, positions)
@@ -273,8 +299,9 @@ class LanedRunner(RoundRunner):
         for lane in self.lanes:
             lane.warm_extra()
             lane.release(np.zeros(self.lane_layout.slots, bool))  # a cancel (the engine's warm-up frees no lane's row)
-        row = _take_row(self.lanes[1].state, np.int32(0))
-        self.lanes[0].insert(row, np.array([self.lane_layout.slots], np.int32))  # past the last slot: dropped
+        for length in self._take_buckets:  # each shape a row is taken with
+            row = _take_row(self.lanes[1].state, np.int32(0), length)
+            self.lanes[0].insert(row, np.array([self.lane_layout.slots], np.int32))  # past the last slot: dropped
 
 
 __all__ = ["LanedRunner", "interleave", "lane_rows"]

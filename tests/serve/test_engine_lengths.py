@@ -96,3 +96,52 @@ def test_a_round_cuts_for_what_its_proposer_can_add(pair):
         assert runner.length_bucket(1, 16, wide) > short
         assert runner.burst_rounds(1, 16, defer) == 16
         assert runner.burst_rounds(1, 16, wide) == (short - top - 4) // 4
+
+
+def test_rows_move_across_lanes_cut_to_their_length(pair):
+    """Two lanes under the small chunk: a row taken across lanes carries its caches cut to the smallest length bucket
+    holding it (`LanedRunner._take_slots`), and lands with every K/V slot up to its length as it was; every request
+    equals its run alone, and nothing compiles while serving (the warm-up took a row with each bucket's cut)."""
+    from dflash_jax.cache import holds_slots
+    from dflash_jax.serve import lanes as serve_lanes
+
+    def kv(state, row, n):  # every cache buffer's first n slots of row `row`
+        nodes = [x for x in jax.tree.leaves(state, is_leaf=holds_slots) if holds_slots(x)]
+        return [np.asarray(b)[row, :, :n] for x in nodes for b in x.keys + x.values]
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [7] * 12, list(range(40, 56))]
+    # slots 0 and 1 end first: slot 3 moves to 0 and slot 2 to 1, each across lanes, shorter than the first length
+    # bucket (taken cut), then longer (taken whole)
+    runs = [[6, 6, 40, 50], [40, 40, 60, 64]]
+    with attention_tuning(chunk=16, dense_max_rows=32, kernel=False):
+        eng = Engine(pair, slots=4, block_size=1, max_prompt_len=16, max_new_tokens=64, prefix_cache_bytes=0,
+                     lanes=2)
+        eng.warmup([16])
+        runner = eng.runner
+        assert runner._take_buckets[0] < eng.spec.max_len
+        taken, take, move, moved = [], serve_lanes._take_row, runner.move_row, []
+
+        def checked_move(src, dst):
+            a, b = runner.lanes[src % 2], runner.lanes[dst % 2]
+            n = serve_lanes.row_length(a.state, src // 2)
+            before = kv(a.state, src // 2, n)
+            move(src, dst)
+            for x, y in zip(before, kv(b.state, dst // 2, n)):
+                np.testing.assert_array_equal(x, y)
+            moved.append(n)
+
+        serve_lanes._take_row = lambda state, row, length=None: taken.append(length) or take(state, row, length)
+        runner.move_row = checked_move
+        eng.rounds_per_call = 4  # a fixed schedule
+        try:
+            with CompileCounter() as counter:
+                reqs = [serve_generate(eng, prompts, max_new_tokens=b, sampling=SamplingParams(), seed=0) for b in runs]
+        finally:
+            serve_lanes._take_row, runner.move_row = take, move
+        assert counter.compiles == 0
+        assert set(taken) == set(runner._take_buckets) == {48, eng.spec.max_len}  # rows moved across lanes: cut, whole
+        assert min(moved) < 48 < max(moved)
+        for budgets, got in zip(runs, reqs):
+            for p, m, r in zip(prompts, budgets, got):
+                alone = spec_generate(pair, [p], max_new_tokens=m, sampling=SamplingParams(), seed=0)
+                assert r.tokens == alone.tokens[0]
