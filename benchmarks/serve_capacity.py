@@ -27,6 +27,7 @@ serve_capacity.{json,md,png} to --out (default bench_out/) or, with --write-docs
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import sys
@@ -174,11 +175,12 @@ def main(argv=None) -> int:
             out.append(f"{vals[0] / vals[1]:.2f}")
         return out
 
+    shown = argparse.Namespace(**{**vars(args), "against": "DIR" if args.against else None})  # no machine path
     tree_cols = [f"{n} ({commits[n]})" for n in names] + (["this / against"] if len(names) == 2 else [])
     lines = [
         "# Serving at a large capacity (CPU)",
         "",
-        f"`{h.command('serve_capacity.py', args, DEFAULTS)}` - "
+        f"`{h.command('serve_capacity.py', shown, DEFAULTS)}` - "
         + ", ".join(f"{n}: commit {commits[n]}" for n in names)
         + f"; {args.processes} fresh process(es) per tree, alternating; medians over processes. Capacity = the "
         f"engine's `max_prompt_len` (caches of that plus {args.max_tokens} new tokens and a block). "

@@ -79,12 +79,15 @@ from dflash_jax.spec.session import Prepared, SpecState, init_target_cache, prep
 from dflash_jax.spec.tree import TreeShape
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def start_prepared(target_w, draft_w, out, lengths, params, key_data, key_fold, spec, positions=None):
+@functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
+def start_prepared(target_w, draft_w, out, lengths, params, key_data, key_fold, spec, positions=None,
+                   cache_len: int | None = None):
     """The state after the layer-wise prefill `out`, with the prepared per-sequence settings and keys (as
-    `spec.session.begin_prepared` makes them); `positions`: the prompt rows' positions of a compressed prefill."""
+    `spec.session.begin_prepared` makes them); `positions`: the prompt rows' positions of a compressed prefill;
+    `cache_len`: the slots of the draft's new cache (`session.start_state`)."""
     keys = jax.vmap(lambda d, f: jax.random.fold_in(jax.random.wrap_key_data(d), f))(key_data, key_fold)
-    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions)
+    return start_state(target_w, draft_w, out, lengths, None, keys, spec, params=params, context_positions=positions,
+                       cache_len=cache_len)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "proposer", "implementation", "router_logits"))

@@ -51,7 +51,8 @@ from dflash_jax.offload.forward import forward_layerwise
 from dflash_jax.offload.loop import OffloadedGenerator, start_prepared
 from dflash_jax.offload.placement import cache_reserve, plan_shared, routing_profile, warm_shared
 from dflash_jax.serve.runner import (
-    Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, head_rows, put_head_rows, settle_rows, verify_rows,
+    Drafted, Layout, PrefillBatch, ResidentRunner, RoundPlan, head_rows, prefill_slots, put_head_rows, settle_rows,
+    verify_rows,
 )
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import commit, verify_width
@@ -199,7 +200,8 @@ class OffloadedRunner(ResidentRunner):
         only); the first real requests' routing pins the cache when `pin` asks for it."""
         spec, gen = self.spec, self.gen
         tokens = batch.tokens
-        cache = init_target_cache(spec.target, tokens.shape[0], spec.max_len, gen.stripped.embed.dtype,
+        slots = prefill_slots(spec.max_len, tokens.shape[1])  # as long as the prompt bucket needs (`insert`)
+        cache = init_target_cache(spec.target, tokens.shape[0], slots, gen.stripped.embed.dtype,
                                   verify_width=spec.block_size)
         lengths = jnp.asarray(batch.lengths)
         positions = None if batch.positions is None else jnp.asarray(batch.positions, jnp.int32)
@@ -210,7 +212,8 @@ class OffloadedRunner(ResidentRunner):
         self._last_prefill = (pre.routed, np.asarray(lengths), tokens.shape[1])
         self.last_logits = jnp.asarray(pre.out.logits, jnp.float32)
         state = self._widen(start_prepared(gen.stripped, self.pair.draft, pre.out, lengths, batch.params,
-                                           batch.key_data, batch.key_fold, spec, positions))
+                                           batch.key_data, batch.key_fold, spec, positions,
+                                           None if slots == spec.max_len else slots))
         if self._pin_pending and batch.real:  # the first real requests: pin from their routing
             self._pin_from_prefill(batch.real)
         return state
