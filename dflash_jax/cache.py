@@ -126,7 +126,8 @@ def _chunks(count, slots: int) -> tuple:
 
 def put_rows(buffer: jax.Array, rows: jax.Array, dst: jax.Array, count) -> jax.Array:
     """`buffer` [B, Hkv, S, d] with row `dst[i]` (traced [k]; past the last row: dropped) given row i of `rows`
-    [k, Hkv, S, d] in its first `count` slots (traced; whole `COPY_CHUNK`s), the rest of the row left as it was.
+    [k, Hkv, S', d] (S' <= S) in its first `count` slots (traced; whole `COPY_CHUNK`s, at most S'), the rest of the
+    row left as it was.
     A row's slots at or past its length are never read (the module's invariant), so inserting a row whose length is
     at most `count` needs no more: a 64-token prompt into a 4096-slot cache moves 64 slots, not 4096."""
     size = rows.shape[SLOT_AXIS]

@@ -12,8 +12,9 @@ the lanes and stay balanced (a row bucket of R slots is ceil((R - l) / n) rows o
 every lane (reset, release, fetch, the round); a prefill (and its chunks, fork and first-token log-probs) runs in
 lane 0, whose rows `insert` then scatters: each lane writes the rows bound for it and drops the others. A compaction
 move within a lane is that lane's `move_row`; across lanes, the row is taken from one state (its K/V cut to the
-smallest length bucket holding it) and inserted into the other (every leaf, the K/V up to the row's length). Every lane runs the same compiled programs (the same shapes), so lanes compile nothing more than
-one runner of `slots / n` rows.
+smallest length bucket holding it) and inserted into the other (every leaf, the K/V up to the row's length). Every
+lane runs the same compiled programs (the same shapes), so lanes compile nothing more than one runner of `slots / n`
+rows.
 
 A call of several rounds (`burst`) runs each lane's burst on its own thread, and so do a round's `draft` and `verify`
 (a round of its own: log-probs, a width explored, the first round of a row bucket). A row's rounds are the
@@ -186,8 +187,8 @@ class LanedRunner(RoundRunner):
                  np.array([dst // self.n], np.int32))
 
     def _take_slots(self, length: int) -> int:
-        """The slots a row of `length` filled ones is taken with across lanes: the smallest of the cache's length
-        buckets (`runner.length_buckets`, a few compiled shapes) holding it."""
+        """The slots a row filling `length` of them is taken with across lanes: the smallest length bucket of the
+        cache holding it (`runner.length_buckets(max_len, 1)`: a few compiled shapes, each warmed)."""
         return next(b for b in self._take_buckets if b >= length)
 
     def prefill_start(self, tokens, valid, positions=None):
