@@ -54,15 +54,17 @@ def engine(pair):
 
 
 def _run(engine, width_of_round, **kw):
+    """Serves PROMPTS with each round's width from `width_of_round`, one round per call (calls of several rounds are
+    sized by measured time: how many widths a run meets would follow the machine's speed)."""
     saved = engine.choose_width
-    engine.choose_width = width_of_round
+    engine.choose_width, engine.rounds_per_call = width_of_round, 1
     rounds = []
     engine.observers.append(rounds.append)
     try:
         with CompileCounter() as counter:
             reqs = serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[], **kw)
     finally:
-        engine.choose_width = saved
+        engine.choose_width, engine.rounds_per_call = saved, "auto"
         engine.observers.remove(rounds.append)
     assert counter.compiles == 0
     return reqs, rounds
