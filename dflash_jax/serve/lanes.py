@@ -39,7 +39,7 @@ from dflash_jax.stored import stored_jit
 
 
 @functools.partial(stored_jit, static_argnames=("length",))
-def _take_row(state: SpecState, row, length: int | None = None) -> SpecState:
+def take_row(state: SpecState, row, length: int | None = None) -> SpecState:
     """Row `row` (traced int32) of a batched state as a one-row state; with `length`, each cache's K/V buffers cut to
     their first `length` slots (at least the row's length: `insert` copies no more)."""
     def take(x):
@@ -102,7 +102,7 @@ class LanedRunner(RoundRunner):
         first = self.lanes[0]
         self.moe_layers, self.expert_bytes = first.moe_layers, first.expert_bytes
         self.length_buckets = first.length_buckets
-        self._take_buckets = length_buckets(self.spec.max_len, 1)
+        self.take_buckets = length_buckets(self.spec.max_len, 1)  # the cuts a row moved across lanes is taken with
         self._logprob_rows = 0  # the rows of the last verify (its log-probs, interleaved)
 
     # -- state ---------------------------------------------------------------------------------------
@@ -183,13 +183,13 @@ class LanedRunner(RoundRunner):
             a.move_row(src // self.n, dst // self.n)
             return
         row = src // self.n
-        b.insert(_take_row(a.state, np.int32(row), self._take_slots(row_length(a.state, row))),
+        b.insert(take_row(a.state, np.int32(row), self._take_slots(row_length(a.state, row))),
                  np.array([dst // self.n], np.int32))
 
     def _take_slots(self, length: int) -> int:
         """The slots a row filling `length` of them is taken with across lanes: the smallest length bucket of the
         cache holding it (`runner.length_buckets(max_len, 1)`: a few compiled shapes, each warmed)."""
-        return next(b for b in self._take_buckets if b >= length)
+        return next(b for b in self.take_buckets if b >= length)
 
     def prefill_start(self, tokens, valid, positions=None):
         return self.lanes[0].prefill_start(tokens, valid, positions)
@@ -300,9 +300,9 @@ class LanedRunner(RoundRunner):
         for lane in self.lanes:
             lane.warm_extra()
             lane.release(np.zeros(self.lane_layout.slots, bool))  # a cancel (the engine's warm-up frees no lane's row)
-        for length in self._take_buckets:  # each shape a row is taken with
-            row = _take_row(self.lanes[1].state, np.int32(0), length)
+        for length in self.take_buckets:  # each shape a row is taken with
+            row = take_row(self.lanes[1].state, np.int32(0), length)
             self.lanes[0].insert(row, np.array([self.lane_layout.slots], np.int32))  # past the last slot: dropped
 
 
-__all__ = ["LanedRunner", "interleave", "lane_rows"]
+__all__ = ["LanedRunner", "interleave", "lane_rows", "row_length", "take_row"]

@@ -118,8 +118,8 @@ def test_rows_move_across_lanes_cut_to_their_length(pair):
                      lanes=2)
         eng.warmup([16])
         runner = eng.runner
-        assert runner._take_buckets[0] < eng.spec.max_len
-        taken, take, move, moved = [], serve_lanes._take_row, runner.move_row, []
+        assert runner.take_buckets[0] < eng.spec.max_len
+        taken, take, move, moved = [], serve_lanes.take_row, runner.move_row, []
 
         def checked_move(src, dst):
             a, b = runner.lanes[src % 2], runner.lanes[dst % 2]
@@ -130,16 +130,16 @@ def test_rows_move_across_lanes_cut_to_their_length(pair):
                 np.testing.assert_array_equal(x, y)
             moved.append(n)
 
-        serve_lanes._take_row = lambda state, row, length=None: taken.append(length) or take(state, row, length)
+        serve_lanes.take_row = lambda state, row, length=None: taken.append(length) or take(state, row, length)
         runner.move_row = checked_move
         eng.rounds_per_call = 4  # a fixed schedule
         try:
             with CompileCounter() as counter:
                 reqs = [serve_generate(eng, prompts, max_new_tokens=b, sampling=SamplingParams(), seed=0) for b in runs]
         finally:
-            serve_lanes._take_row, runner.move_row = take, move
+            serve_lanes.take_row, runner.move_row = take, move
         assert counter.compiles == 0
-        assert set(taken) == set(runner._take_buckets) == {48, eng.spec.max_len}  # rows moved across lanes: cut, whole
+        assert set(taken) == set(runner.take_buckets) == {48, eng.spec.max_len}  # rows moved across lanes: cut, whole
         assert min(moved) < 48 < max(moved)
         for budgets, got in zip(runs, reqs):
             for p, m, r in zip(prompts, budgets, got):
