@@ -3,7 +3,8 @@ the shipped Qwen3-MoE pair, fp32, greedy, held-out code prompts.
 
   python benchmarks/peers.py [--peers-venv DIR] [--batches 1,4,16,32] [--blocks 4,8,16] [--clients 1,4,16,32]
                              [--parts torch,offline,served] [--processes 2] [--repeats 3] [--prompts 10]
-                             [--prompt-len 64] [--max-new 128] [--quick] [--out DIR | --write-docs]
+                             [--prompt-len 64] [--max-new 128] [--context N] [--quick]
+                             [--out DIR | --write-docs]
 
 Not run in CI (it installs vLLM and takes an hour or more on 2 cores). What it does:
 
@@ -27,8 +28,9 @@ Not run in CI (it installs vLLM and takes an hour or more on 2 cores). What it d
   served   `dflash-serve` (plain = block 1, and each block) against vLLM's OpenAI server (plain, and DFlash k)
            at each number of concurrent streaming clients, the same client code (httpx, in its own process)
            for both; tokens/s over the run, the server's process-tree CPU seconds, TTFT. Both hold the same
-           context: vLLM's --max-model-len (prompt + new tokens + 64), ours --max-prompt-len (that less the new
-           tokens) and --max-new-tokens.
+           context: vLLM's --max-model-len (`--context`, default prompt + new tokens + 64), ours --max-prompt-len
+           (that less the new tokens) and --max-new-tokens. `--context 4096`: the capacity `dflash-serve` takes by
+           default.
 
 Every output's tokens are checked against transformers' greedy; a mismatch is printed loudly and recorded
 (`mismatches` in the JSON, a column in the tables). Writes peers.{json,md,png} to --out (default bench_out/) or,
@@ -55,7 +57,8 @@ TORCH = "torch==2.13.0"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULTS = dict(prompts=10, prompt_len=64, max_new=128, repeats=3)
 COMMAND_DEFAULTS = dict(DEFAULTS, processes=2, requests_per_client=2, serve_blocks="4,8", torch_blocks="8,16",
-                        batches="1,4,16,32", clients="1,4,16,32", blocks="4,8,16", parts="torch,offline,served")
+                        batches="1,4,16,32", clients="1,4,16,32", blocks="4,8,16", parts="torch,offline,served",
+                        context=0)
 QUICK = dict(prompts=1, max_new=16, repeats=1, batches="1,4", blocks="4", clients="1", processes=1)
 
 
@@ -409,6 +412,7 @@ def build_parser():
                               "--parts": ("torch,offline,served", "what to run"),
                               "--processes": (2, "alternating processes per offline configuration"),
                               "--requests-per-client": (2, "streaming completions per client per point"),
+                              "--context": (0, "served context, both servers (0: prompt + new tokens + 64)"),
                               "--render": (None, "rewrite the report from a peers.json (no runs)")},
                     blocks="4,8,16", **DEFAULTS)
 
@@ -422,6 +426,9 @@ def main(argv=None) -> int:
     batches, blocks, clients = (h.int_list(p, args.batches, "--batches"), h.int_list(p, args.blocks, "--blocks", 2),
                                 h.int_list(p, args.clients, "--clients"))
     parts = set(args.parts.split(","))
+    if args.context and args.context < args.prompt_len + args.max_new + 1:
+        p.error(f"--context {args.context} must hold a prompt and its new tokens (at least "
+                f"{args.prompt_len + args.max_new + 1}), or 0 for prompt + new tokens + 64")
     if set(parts) - {"torch", "offline", "served"}:
         p.error("--parts takes torch, offline, served")
     if args.render:
@@ -437,6 +444,7 @@ def main(argv=None) -> int:
     result = {"setup": {"pair": "dflash_jax.SHIPPED_PAIR (Qwen3-MoE tiny pair)", "dtype": "float32",
                         "prompts": args.prompts, "prompt_len": args.prompt_len, "max_new": n, "repeats": args.repeats,
                         "processes": args.processes, "vllm": VLLM, "machine": h.machine(),
+                        "context": args.context or args.prompt_len + n + 64,
                         "load_at_start": os.getloadavg()},
               "reference": {}, "torch": {}, "offline": {}, "served": {}, "mismatches": []}
     vpy = ensure_venv(args, log) if parts & {"offline", "served"} else None
@@ -464,7 +472,7 @@ def main(argv=None) -> int:
     with h.workdir(args, "peers_") as work:
         target, draft = export_pair(work)
         base = {"prompts": prompts, "max_new": n, "repeats": args.repeats, "target": target, "draft": draft,
-                "max_model_len": args.prompt_len + n + 64}
+                "max_model_len": args.context or args.prompt_len + n + 64}
         if "torch" in parts:
             log("torch: transformers generate (the reference) and z-lab dflash_generate, batch 1")
             t = run_worker(sys.executable, "torch", dict(base, blocks=h.int_list(p, args.torch_blocks, "--torch-blocks", 2), repeats=1), work, log=log)
@@ -616,6 +624,8 @@ def write(h, args, result, batches, blocks, clients) -> None:
     srv = result["served"]
     if srv:
         lines += ["## Served: streaming clients, tokens/s (wall) / tokens per server CPU-second", ""]
+        if s.get("context"):
+            lines += [f"Both servers hold a context of {s['context']} tokens.", ""]
         rows_ = []
         for name, cell in srv.items():
             if "error" in cell:
