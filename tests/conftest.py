@@ -26,3 +26,26 @@ if "JAX_PLATFORMS" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
 # parity would (docs/installation.md); a CPU multiplies in full float32 either way.
 elif glob.glob("/dev/nvidia[0-9]*"):
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+
+def _count_cache_clears() -> None:
+    """`jax.clear_caches` counted (`CACHE_CLEARS`): a test that changes the attention tuning, or a release of compiled
+    programs between modules (`tests/release_programs.py`), drops every program a shared warmed engine loaded, so its
+    next calls load them again (compile events a test proving "nothing compiles while serving" would count). The
+    serving tests' shared engine warms again after a clear (`tests/serve/conftest.py`)."""
+    import jax
+
+    if getattr(jax.clear_caches, "counted", False):
+        return
+    clear = jax.clear_caches
+
+    def clear_caches():
+        CACHE_CLEARS[0] += 1
+        clear()
+
+    clear_caches.counted = True
+    jax.clear_caches = clear_caches
+
+
+CACHE_CLEARS = [0]
+_count_cache_clears()
