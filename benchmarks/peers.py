@@ -3,7 +3,7 @@ the shipped Qwen3-MoE pair, fp32, greedy, held-out code prompts.
 
   python benchmarks/peers.py [--peers-venv DIR] [--batches 1,4,16,32] [--blocks 4,8,16] [--clients 1,4,16,32]
                              [--parts torch,offline,served] [--processes 2] [--repeats 3] [--prompts 10]
-                             [--prompt-len 64] [--max-new 128] [--context N] [--quick]
+                             [--prompt-len 64] [--max-new 128] [--context N] [--no-settle] [--quick]
                              [--out DIR | --write-docs]
 
 Not run in CI (it installs vLLM and takes an hour or more on 2 cores). What it does:
@@ -30,7 +30,10 @@ Not run in CI (it installs vLLM and takes an hour or more on 2 cores). What it d
            for both; tokens/s over the run, the server's process-tree CPU seconds, TTFT. Both hold the same
            context: vLLM's --max-model-len (`--context`, default prompt + new tokens + 64), ours --max-prompt-len
            (that less the new tokens) and --max-new-tokens. `--context 4096`: the capacity `dflash-serve` takes by
-           default.
+           default. Each server's points begin once its `/health` reports nothing left to warm (dflash-serve's
+           default answers with its widest width warm and warms the other while idle; vLLM warms before it
+           answers): the tables give both times, start (to `/health`) and warm; `--no-settle` times from
+           `/health` on.
 
 Every output's tokens are checked against transformers' greedy; a mismatch is printed loudly and recorded
 (`mismatches` in the JSON, a column in the tables). Writes peers.{json,md,png} to --out (default bench_out/) or,
@@ -299,6 +302,24 @@ def start_server(cmd, env, port, log_path, timeout=900):
     raise RuntimeError("server did not start")
 
 
+def settle(port, timeout=300.0) -> float | None:
+    """Seconds until the server has nothing left to warm: `dflash-serve`'s `/health` counts the programs it warms
+    after answering (`warming`: widths other than the widest, compiled or loaded and timed while idle); a server
+    whose `/health` carries no such count (vLLM's) is warm at once (0.0). None: still warming after `timeout`."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            body = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+        except (httpx.HTTPError, ValueError):  # no JSON body (vLLM's /health): nothing reported as warming
+            return time.perf_counter() - t0
+        if not isinstance(body, dict) or not body.get("warming"):
+            return time.perf_counter() - t0
+        time.sleep(0.05)
+    return None
+
+
 def stop_server(proc) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)  # the server's own session: it and its engine processes only
@@ -413,6 +434,9 @@ def build_parser():
                               "--processes": (2, "alternating processes per offline configuration"),
                               "--requests-per-client": (2, "streaming completions per client per point"),
                               "--context": (0, "served context, both servers (0: prompt + new tokens + 64)"),
+                              "--no-settle": (False, "served: time each server from its /health on, while "
+                                                     "dflash-serve still warms its later widths (by default the "
+                                                     "points start once /health reports nothing left to warm)"),
                               "--render": (None, "rewrite the report from a peers.json (no runs)")},
                     blocks="4,8,16", **DEFAULTS)
 
@@ -547,6 +571,11 @@ def main(argv=None) -> int:
                     result["served"][name] = {"error": str(e)[-1000:]}
                     continue
                 cell = {"start_s": start_s, "points": {}}
+                if not args.no_settle:  # timed at full speed: what the server warms after /health done first
+                    waited = settle(port)
+                    cell["warm_s"] = None if waited is None else start_s + waited
+                    log(f"  /health after {start_s:.1f} s, warm after "
+                        + ("(still warming after 300 s)" if waited is None else f"{start_s + waited:.1f} s"))
                 try:
                     cell = serve_mode(proc, port, prompts, clients, n, args, extra, name, cell, check, log)
                 except Exception as e:  # noqa: BLE001 - one failed server is recorded, the others still run
@@ -629,7 +658,7 @@ def write(h, args, result, batches, blocks, clients) -> None:
         rows_ = []
         for name, cell in srv.items():
             if "error" in cell:
-                rows_.append([name] + ["failed"] * len(clients) + ["-"])
+                rows_.append([name] + ["failed"] * len(clients) + ["-", "-"])
                 continue
             row = [name]
             for c in clients:
@@ -638,9 +667,13 @@ def write(h, args, result, batches, blocks, clients) -> None:
                            + (" !" if q["mismatches"] else "") + ("" if q["token_ids_returned"] else " (unchecked)")
                            if q else "-")
             row.append(f"{cell['start_s']:.0f}")
+            row.append("-" if cell.get("warm_s") is None else f"{cell['warm_s']:.0f}")
             rows_.append(row)
-        lines += h.table(["server"] + [f"{c} clients" for c in clients] + ["start (s)"], rows_)
-        lines += ["", "`!`: outputs differ from transformers' greedy. CPU: the server's process tree."]
+        lines += h.table(["server"] + [f"{c} clients" for c in clients] + ["start (s)", "warm (s)"], rows_)
+        lines += ["", "`!`: outputs differ from transformers' greedy. CPU: the server's process tree. start: process "
+                  "start to `/health`; warm: to nothing left to warm (`/health`'s `warming` at 0: dflash-serve's "
+                  "default warms its other width after answering), when the points began (`-`: timed from "
+                  "`/health` on, `--no-settle`)."]
 
     def draw(axes):
         ax0, ax1 = axes
