@@ -172,7 +172,9 @@ def work_items(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array,
     tile_end = jnp.cumsum(tiles)
     tile_start = tile_end - tiles
     item = jnp.arange(w, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, item, side="right").astype(jnp.int32), g - 1)
+    # one vectorized comparison (`compare_all`), not the default scan's while loop: on a GPU each of that loop's
+    # log2(g) + 1 trips is a few kernel launches, in every MoE layer of every forward (the same indices)
+    group = jnp.minimum(jnp.searchsorted(tile_end, item, side="right", method="compare_all").astype(jnp.int32), g - 1)
     valid = item < tile_end[-1]
     row_start = starts[group] + (item - tile_start[group]) * block_m
     row_end = jnp.minimum(row_start + block_m, ends[group])
