@@ -12,7 +12,11 @@ gpt-oss-120b and Qwen3.5-35B-A3B (release configs; draft sizes assumed as in `st
     spills (ptxas -v on the kernel's PTX), the MMA instructions of the PTX;
   * one width-16 verify round and one draft round per family at batch 1, 1024-token prompt, 8192-row cache;
   * the offloaded layer-wise pieces (`offload.forward`): block context, each layer kind's mixer + router, one
-    MoE layer's experts on a pool of 16 x top-k slots, the final norm + logits.
+    MoE layer's experts on a pool of 16 x top-k slots, the final norm + logits;
+  * the shipped pairs' rounds (`spec.round.round_step`, the chain of blocks 1 / 4 / 8 / 16, a 128-token prompt,
+    FP4 experts through the kernel): how each runs on the GPU (`deviceless.Launches`: kernel launches, CUDA graphs,
+    loops and conditionals the host drives), and what that predicts for DFlash against the same loop at block 1
+    where the rounds are launch bound, as these tiny models are (`--pairs`).
 Reported per program: `memory_analysis()` (arguments, outputs, aliased, temporaries; peak vs the H200's 141 GB),
 the cost analysis (flops, bytes accessed: XLA's HLO cost analysis of the compiled GPU module, which counts a
 custom call's whole operands, so the verify's figure includes every expert of every layer), and roofline
@@ -121,9 +125,72 @@ def round_rows(pg, models) -> list[dict]:
         v = dl.compile_for_h200(pg.verify_program, target, state, drafted, spec=spec, name=f"{model} verify",
                                 kernel_names=("grouped_matmul",), donate_argnums=(1,))
         log(f"{model}: draft round")
-        d = dl.compile_for_h200(pg.draft_program, target, draft, state, spec=spec, name=f"{model} draft")
+        d = dl.compile_for_h200(pg.draft_program, target, draft, state, spec=spec, name=f"{model} draft",
+                                structure=True)
         rows.append(derive(pg, {"model": model, "verify": v.as_dict(), "draft": d.as_dict()}))
     return rows
+
+
+# the measured tokens per round of each shipped pair's chains (greedy: the tokens are the same on any backend), from
+# the reports of `benchmarks/tiny_pair.py` beside this one
+PAIR_TAUS = {"tiny_pair": "tiny_pair_h200.json", "tiny_pair_qwen3_5": "tiny_pair_qwen3_5_dense.json"}
+PAIR_BLOCKS = (1, 4, 8, 16)
+
+
+def pair_taus(name: str) -> dict:
+    """{block: tau} from the pair's benchmark report in docs/benchmarks ({} where there is none)."""
+    path = Path(h.ROOT) / "docs" / "benchmarks" / PAIR_TAUS.get(name, "")
+    if not path.is_file():
+        return {}
+    return {int(r["block_size"]): float(r["tau"]) for r in json.loads(path.read_text()).get("by_block_size", [])}
+
+
+def pair_rows(names, blocks=PAIR_BLOCKS) -> list[dict]:
+    """One round of each shipped pair's chain at each block, compiled for the H200 with the pair's own weights
+    (FP4 experts through the kernel) made abstract: how it runs (`Launches`)."""
+    import functools
+
+    import dflash_jax
+    from dflash_jax.spec import session
+    from dflash_jax.spec.round import Chain, round_step
+
+    rows = []
+    for name in names:
+        pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS[name])
+        taus = pair_taus(name)
+        prompt = [[5 + i % 50 for i in range(128)]]
+        for block in blocks:
+            prep = session.prepare(pair, prompt, block_size=block, max_new_tokens=256)
+            state = jax.eval_shape(functools.partial(session.begin_arrays, spec=prep.spec), pair.target, pair.draft,
+                                   prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold)
+
+            def one(target, draft, state, *, spec, proposer):
+                return round_step(target, draft, state, spec, proposer)[0]
+
+            log(f"{name}: round at block {block}")
+            c = dl.compile_for_h200(one, pair.target, pair.draft, state, name=f"{name} B={block}", structure=True,
+                                    donate_argnums=(2,), spec=prep.spec, proposer=Chain(block))
+            rows.append({"pair": name, "block": block, "tau": taus.get(block, 1.0 if block == 1 else None),
+                         "launches": c.launches.as_dict(), "compile_seconds": c.compile_seconds})
+    return rows
+
+
+def pair_predictions(rows) -> list[dict]:
+    """Per pair and block: tokens per second against the same loop at block 1, were a round's time its kernel
+    launches' (launch bound): tau x launches(block 1) / launches(block), without and with the conditionals'
+    branches (the DeltaNet rollback's replay and the sampled path's branches; at most one of each runs)."""
+    out = []
+    for r in rows:
+        base = next((b for b in rows if b["pair"] == r["pair"] and b["block"] == 1), None)
+        if base is None or r["tau"] is None:
+            continue
+        lo = r["launches"]["kernels"] + r["launches"]["in_conditionals"]
+        hi = r["launches"]["kernels"]
+        out.append({"pair": r["pair"], "block": r["block"], "tau": r["tau"],
+                    "vs_block1_all_branches": r["tau"] * (base["launches"]["kernels"]
+                                                          + base["launches"]["in_conditionals"]) / lo,
+                    "vs_block1_no_branches": r["tau"] * base["launches"]["kernels"] / hi})
+    return out
 
 
 def _nbytes(tree) -> int:
@@ -221,6 +288,28 @@ def findings(result: dict) -> list[str]:
                    "gpt-oss terms match the compiled weights within 1%; Qwen3.5-35B-A3B's is low "
                    "(its DeltaNet mixers and shared experts are approximated), which makes the model's B0 and "
                    "its device budget for Qwen3.5 optimistic by that gap.")
+    with_loops = [r for r in rounds if (r["verify"].get("launches") or {}).get("host_loops")]
+    if rounds and all(r["verify"].get("launches") for r in rounds):
+        parts = [f"{r['model']} {r['verify']['launches']['host_loops']} loops and "
+                 f"{r['verify']['launches']['host_conditionals']} conditionals, {r['verify']['launches']['kernels']} "
+                 f"kernels in {r['verify']['launches']['graphs']} graphs" for r in rounds]
+        out.append("- **How a verify runs.** " + "; ".join(parts) + ". " + (
+            "The loops are the chunked attention's (a traced trip count over the live chunks, one per attention "
+            "layer): the host runs each, reading its predicate back every trip. On a GPU that is a wait per trip "
+            "and layer, to measure against the dense path (`AttentionTuning`) on the GPU run." if with_loops else
+            "No loop is left to the host."))
+    pairs = result.get("pairs") or []
+    if pairs:
+        pred = {(p["pair"], p["block"]): p for p in pair_predictions(pairs)}
+        parts = []
+        for (name, block), p in sorted(pred.items()):
+            if block == 8:
+                parts.append(f"{name} {p['vs_block1_no_branches']:.1f}x - {p['vs_block1_all_branches']:.1f}x "
+                             f"(tau {p['tau']:.2f})")
+        if parts:
+            out.append("- **The shipped pairs, launch bound.** Were a round's time its kernel launches', DFlash at "
+                       "block 8 would make " + "; ".join(parts) + " the tokens/s of the same loop at block 1 (the "
+                       "hybrid pair's goal is 1.5x): the range spans the conditionals' branches, none or all run.")
     kernels = result.get("kernels") or []
     verify = [k for k in kernels if k["phase"] == "verify"]
     prefill = [k for k in kernels if k["phase"] == "prefill"]
@@ -301,6 +390,37 @@ def markdown(result: dict) -> list[str]:
                         + [f"{r['cost_model']['non_expert_bytes'] / GB:.2f}, {r['cost_model']['verify_ms']:.2f} / "
                            f"{r['cost_model']['draft_ms']:.2f}"] for r in result["rounds"]])
         out += ["", NOTES["rounds"], ""]
+    if result.get("rounds") and all(r["verify"].get("launches") for r in result["rounds"]):
+        out += ["## How the rounds run on the GPU", "",
+                "From XLA's thunk sequence after its passes (`tests/gpu_compile/deviceless.py`, `Launches`): kernel "
+                "launches and device copies (each once, a loop's body once), those inside conditionals' branches, "
+                "CUDA graphs (command buffers), the loops and conditionals the host drives (a predicate read back "
+                "per trip or branch), and launches outside every graph.", ""]
+        out += h.table(["model", "program", "kernels", "in conditionals", "graphs", "host loops",
+                        "host conditionals", "launched alone"],
+                       [[r["model"], prog] + [r[prog]["launches"][k] for k in
+                                              ("kernels", "in_conditionals", "graphs", "host_loops",
+                                               "host_conditionals", "outside")]
+                        for r in result["rounds"] for prog in ("verify", "draft") if r[prog].get("launches")])
+        out += [""]
+    if result.get("pairs"):
+        pred = {(p["pair"], p["block"]): p for p in pair_predictions(result["pairs"])}
+        out += ["## The shipped pairs' rounds (batch 1, 128-token prompt, FP4 experts through the kernel)", "",
+                "One round (`spec.round.round_step`) of the chain at each block, compiled with the pair's own "
+                "weights. tau: tokens per round measured by `benchmarks/tiny_pair.py` (greedy: the same tokens on "
+                "any backend). Prediction: tokens/s against the same loop at block 1 were a round's time its "
+                "kernel launches' (these tiny models are launch bound on a GPU), counting no conditional branch "
+                "and every one.", ""]
+        out += h.table(["pair", "block", "kernels", "in conditionals", "graphs", "host loops", "host conditionals",
+                        "launched alone", "tau", "predicted vs block 1"],
+                       [[r["pair"], r["block"]] + [r["launches"][k] for k in
+                                                   ("kernels", "in_conditionals", "graphs", "host_loops",
+                                                    "host_conditionals", "outside")]
+                        + (["-", "-"] if (r["pair"], r["block"]) not in pred else
+                           [f"{r['tau']:.2f}", f"{pred[(r['pair'], r['block'])]['vs_block1_no_branches']:.2f}x - "
+                                               f"{pred[(r['pair'], r['block'])]['vs_block1_all_branches']:.2f}x"])
+                        for r in result["pairs"]])
+        out += [""]
     if result.get("offload"):
         out += ["## Offloaded layer-wise pieces (one width-16 verify block)", "",
                 ]
@@ -319,6 +439,7 @@ def main(argv=None) -> int:
         "--kernel-only": (False, "the kernel at verify shapes only (what --quick runs)"),
         "--models": (None, "comma-separated subset of the models (default: all three)"),
         "--no-offload": (False, "skip the offloaded layer-wise pieces"),
+        "--pairs": ("tiny_pair,tiny_pair_qwen3_5", "the shipped pairs whose rounds to compile (empty: none)"),
         "--render": (None, "only re-render the markdown from this JSON report")})
     args = h.parse(ap, argv, quick=dict(kernel_only=True))
     if args.render:
@@ -354,6 +475,9 @@ def main(argv=None) -> int:
     if not args.kernel_only:
         result["rounds"] = round_rows(pg, models)
         write()
+        if args.pairs:
+            result["pairs"] = pair_rows([p for p in args.pairs.split(",") if p])
+            write()
         if not args.no_offload:
             result["offload"] = offload_rows(pg, models)
             write()

@@ -141,6 +141,60 @@ class Kernel:
 
 
 @dataclasses.dataclass
+class Launches:
+    """How a compiled program runs on the GPU, from XLA's thunk sequence after its thunk passes (which gather
+    runs of kernels into command buffers, CUDA graphs). Each thunk is counted once, a loop's body once.
+
+    kernels: kernel launches and device copies outside conditionals (inside graphs or not); in_conditionals:
+    those inside a conditional's branches (of which one runs); graphs: command buffers; host_loops: `while`
+    thunks the host runs (outside every graph: each trip launches the condition, reads its predicate back and
+    waits for it); host_conditionals: `conditional` thunks the host runs (a predicate read back each); outside:
+    kernel launches and copies outside every graph and conditional (launched one by one)."""
+
+    kernels: int
+    in_conditionals: int
+    graphs: int
+    host_loops: int
+    host_conditionals: int
+    outside: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_LAUNCH_KINDS = ("kCustomKernel", "kKernel", "kCopy", "kMemset32BitValue", "kMemzero", "kDynamicSliceFusion",
+                 "kCublasLtMatmul", "kGemm", "kCuDnn", "kTriangularSolve")
+
+
+def launches(sequence: str) -> Launches:
+    """`Launches` of a thunk sequence's text (`*thunk_sequence_after_thunk_passes.txt` of an XLA dump): a thunk
+    line is `NNN: kKind ...`, indented by its depth below the command buffer, loop or conditional holding it."""
+    count = dict(kernels=0, in_conditionals=0, graphs=0, host_loops=0, host_conditionals=0, outside=0)
+    open_ = []  # (depth, kind) of the containers the lines read are inside
+    for line in sequence.splitlines():
+        m = re.match(r"^(\s*)\d+: (k\w+)", line)
+        if not m:
+            continue
+        depth, kind = len(m.group(1)), m.group(2)
+        while open_ and open_[-1][0] >= depth:
+            open_.pop()
+        kinds = {k for _, k in open_}
+        in_graph, in_cond = "kCommandBuffer" in kinds, "kConditional" in kinds
+        if kind == "kCommandBuffer":
+            count["graphs"] += 1
+        elif kind == "kWhile":
+            count["host_loops"] += not in_graph
+        elif kind == "kConditional":
+            count["host_conditionals"] += not in_graph
+        elif kind in _LAUNCH_KINDS:
+            count["in_conditionals" if in_cond else "kernels"] += 1
+            count["outside"] += not (in_graph or in_cond)
+        if kind in ("kCommandBuffer", "kWhile", "kConditional"):
+            open_.append((depth, kind))
+    return Launches(**count)
+
+
+@dataclasses.dataclass
 class Compiled:
     name: str
     argument_bytes: int
@@ -152,6 +206,7 @@ class Compiled:
     cost_source: str
     kernels: list[Kernel]
     compile_seconds: float
+    launches: Launches | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -218,9 +273,11 @@ def _ptxas_report(ptx: Path) -> tuple[int | None, int | None]:
 
 def compile_for_h200(fn: Callable, *args: Any, name: str = "", kernel_names: tuple[str, ...] = (),
                      static_argnames: tuple[str, ...] = (), donate_argnums: tuple[int, ...] = (),
-                     **kwargs: Any) -> Compiled:
+                     structure: bool = False, **kwargs: Any) -> Compiled:
     """Compiles `fn(*args, **kwargs)` for the deviceless H200. Array leaves of `args` become abstract arrays
-    on the H200 (pass real arrays, ShapeDtypeStructs or `jax.eval_shape` results); `kwargs` are static."""
+    on the H200 (pass real arrays, ShapeDtypeStructs or `jax.eval_shape` results); `kwargs` are static.
+    kernel_names: the kernels whose launch, registers and PTX to report (`Kernel`); structure (or any
+    kernel_names): also how the program runs (`Launches`, from XLA's dump of the compile)."""
     import time
 
     jitted = jax.jit(functools.partial(fn, **kwargs), donate_argnums=donate_argnums)
@@ -228,14 +285,16 @@ def compile_for_h200(fn: Callable, *args: Any, name: str = "", kernel_names: tup
     with target.compiling_for("gpu"), tempfile.TemporaryDirectory(prefix="dflash-xla-dump-") as dump:
         lowered = jitted.lower(*abstract(args))
         options = {"xla_gpu_cuda_data_dir": cuda_data_dir()}
-        if kernel_names:
+        if kernel_names or structure:
             options["xla_dump_to"] = dump
         compiled = lowered.compile(compiler_options=options)
         seconds = time.perf_counter() - t0
         kernels = _kernels(Path(dump), kernel_names) if kernel_names else []
+        passes = sorted(Path(dump).glob("*thunk_sequence_after_thunk_passes.txt"))
+        runs = launches(passes[-1].read_text()) if passes else None
     mem = compiled.memory_analysis()
     flops, bytes_accessed, source = _cost(compiled)
     return Compiled(name=name or getattr(fn, "__name__", "program"), argument_bytes=int(mem.argument_size_in_bytes),
                     output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
                     temp_bytes=int(mem.temp_size_in_bytes), flops=flops, bytes_accessed=bytes_accessed,
-                    cost_source=source, kernels=kernels, compile_seconds=seconds)
+                    cost_source=source, kernels=kernels, compile_seconds=seconds, launches=runs)

@@ -73,6 +73,29 @@ def test_the_h200_is_a_cuda_sm90_target():
     assert dev.platform in ("gpu", "cuda") and dev.device_kind == dl.H200["name"]
 
 
+def test_a_shipped_pair_round_leaves_no_loop_to_the_host():
+    """One round of the shipped pair (FP4 experts through the kernel) runs as CUDA graphs and conditionals: no
+    loop the host drives, whose every trip would read a predicate back (the kernel's tile schedule once had one,
+    `jnp.searchsorted`'s scan, in every MoE layer)."""
+    import functools
+
+    import dflash_jax
+    from dflash_jax.spec import session
+    from dflash_jax.spec.round import Chain, round_step
+
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
+    prep = session.prepare(pair, [[5 + i % 50 for i in range(32)]], block_size=4, max_new_tokens=32)
+    state = jax.eval_shape(functools.partial(session.begin_arrays, spec=prep.spec), pair.target, pair.draft,
+                           prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold)
+
+    def one(target, draft, state, *, spec):
+        return round_step(target, draft, state, spec, Chain(4))[0]
+
+    c = dl.compile_for_h200(one, pair.target, pair.draft, state, structure=True, donate_argnums=(2,), spec=prep.spec)
+    assert c.launches is not None and c.launches.kernels > 50 and c.launches.graphs >= 1
+    assert c.launches.host_loops == 0, c.launches
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(pg.MODELS))
 def test_verify_and_draft_rounds_compile_at_real_size(model):
