@@ -16,8 +16,13 @@ follows the live lengths and a row's result depends on nothing else in the call 
 rows, nor the block's width); its gradient is the dense path's. It also reads a row's keys where they lie in a buffer
 with more rows than the call's queries, so a caller computing the first rows of a larger cache may hand it the whole
 buffers instead of cutting them (`reads_in_place`).
-`AttentionTuning` (chunk rows, the largest buffer kept dense, the CPU kernel) is a process-wide setting read when a
-function is traced; `attention_tuning(...)` changes it and clears jit caches so that the next call
+On a GPU the chunked path's loop is one the host drives: each trip reads its predicate back from the device and
+waits, per attention layer (XLA's thunk sequence: `tests/gpu_compile/deviceless.py`, `Launches`). Reading a whole
+buffer of a verify's width costs less than those waits up to long caches, so there a call whose dense scores fit
+`AttentionTuning.gpu_dense_bytes` takes the dense path, and a larger one the chunked path in chunks as large as that
+budget allows (`gpu_path`).
+`AttentionTuning` (chunk rows, the largest buffer kept dense, the CPU kernel, the GPU's budget) is a process-wide
+setting read when a function is traced; `attention_tuning(...)` changes it and clears jit caches so that the next call
 retraces.
 """
 
@@ -132,16 +137,33 @@ class AttentionTuning:
     `dense_max_rows=None` forces the dense path everywhere; 0 forces the chunked path where it applies.
     kernel: on a CPU with the compiled kernels, float32 attention takes `cpu_kernels.kv_attention` instead of
     either path (each query reads its own row's live keys only). in_place: with the kernel, callers that compute
-    the first rows of a cache hand it the whole buffers instead of cut copies (`reads_in_place`)."""
+    the first rows of a cache hand it the whole buffers instead of cut copies (`reads_in_place`).
+    gpu_dense_bytes: on a GPU, the float32 scores (batch x query heads x queries x buffer slots x 4 bytes) up to
+    which a call takes the dense path whatever the buffer's rows, and the scores one chunk of the chunked path may
+    hold beyond them (`gpu_path`); None (or `dense_max_rows=0`): a GPU follows `chunk` and `dense_max_rows` as other
+    platforms do."""
 
     chunk: int = 256
     dense_max_rows: int | None = 512
     kernel: bool = True
     in_place: bool = True
+    gpu_dense_bytes: int | None = 1 << 30
 
     def __post_init__(self):
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+
+    def gpu_path(self, heads: int, block_rows: int, buffer_rows: int) -> int | None:
+        """On a GPU (with `gpu_dense_bytes`): None for the dense path (its scores, `heads` = batch x query heads,
+        fit the budget), else the chunked path's chunk: the largest power of two from `chunk` up whose scores fit
+        it. A loop the host drives costs a wait per trip, so the fewer trips the better."""
+        per_slot = heads * block_rows * 4
+        if self.dense_max_rows is None or per_slot * buffer_rows <= self.gpu_dense_bytes:
+            return None
+        chunk = self.chunk
+        while chunk * 2 <= buffer_rows and per_slot * chunk * 2 <= self.gpu_dense_bytes:
+            chunk *= 2
+        return chunk
 
     def use_chunked(self, buffer_rows: int, block_rows: int) -> bool:
         if self.dense_max_rows is None or buffer_rows <= self.dense_max_rows:
@@ -395,6 +417,13 @@ def kv_cache_attention(
     if k_buf.shape[0] != q.shape[0]:  # the first rows of larger buffers
         k_buf, v_buf = k_buf[: q.shape[0]], v_buf[: q.shape[0]]
     block_rows = q.shape[1]
+    if target.platform() == "gpu" and tuning.gpu_dense_bytes is not None and tuning.dense_max_rows != 0:
+        chunk = tuning.gpu_path(q.shape[0] * q.shape[2], block_rows, k_buf.shape[SLOT_AXIS])
+        if chunk is None:
+            return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
+                          scale=scale)
+        return _chunked_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window,
+                                        scale, chunk)
     if not tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows):
         return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
                       scale=scale)

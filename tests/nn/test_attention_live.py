@@ -108,3 +108,39 @@ def test_dense_attention_with_extra_keys_reads_the_cache_in_place():
                   ).lower(q, k_buf, v_buf, positions, kv_lengths).compile().as_text()
     joined = "f32[%d,%d,%d,%d]" % (b, hkv, 32 + t, d)
     assert not [line for line in hlo.splitlines() if f"= {joined}" in line], "the cache was joined with the block"
+
+
+def test_a_gpu_takes_the_dense_path_where_its_scores_fit_and_large_chunks_beyond():
+    """On a GPU the chunked path's loop is one the host drives (a wait per trip and layer), so a call whose dense
+    scores fit `gpu_dense_bytes` takes the dense path whatever the buffer's rows, and a larger one the chunked path
+    in the largest chunks the budget allows. Other platforms keep `chunk` and `dense_max_rows`."""
+    from pallas_kernels import target
+
+    tuning = AttentionTuning()
+    assert tuning.gpu_path(32, 16, 8192) is None  # a width-16 verify of 32 query heads over an 8192-row cache
+    assert tuning.gpu_path(32, 16, 131072) is None  # 256 MiB of scores
+    assert tuning.gpu_path(32, 4096, 8192) == 2048  # a 4096-token prefill chunk: 4 GiB dense, 2048-row chunks
+    assert tuning.gpu_path(32, 4096, 1024) is None
+    assert AttentionTuning(gpu_dense_bytes=1 << 20).gpu_path(32, 16, 8192) == 512  # 512 x 2 KiB of scores
+    assert AttentionTuning(gpu_dense_bytes=1 << 18).gpu_path(32, 16, 8192) == 256  # never below `chunk`
+    assert AttentionTuning(dense_max_rows=None).gpu_path(32, 4096, 1 << 20) is None  # dense forced
+
+    b, t, hq, hkv, d = 1, 4, 4, 2, 8
+    k_buf, v_buf = _cache(b, ROWS, hkv, d, 8)
+    q = jax.random.normal(jax.random.key(9), (b, t, hq, d), jnp.float32)
+    lengths = jnp.asarray([50], jnp.int32)
+    positions = lengths[:, None] - t + jnp.arange(t)[None]
+
+    def loops(tuning, platform):
+        with target.compiling_for(platform):
+            jaxpr = jax.make_jaxpr(lambda *a: kv_cache_attention(*a, scale=0.3, tuning=tuning))(
+                q, k_buf, v_buf, positions, lengths)
+        return "while" in str(jaxpr)
+
+    assert loops(TUNING, "cpu") and not loops(TUNING, "gpu")
+    assert loops(AttentionTuning(chunk=16, dense_max_rows=32, kernel=False, gpu_dense_bytes=None), "gpu")
+    assert loops(AttentionTuning(chunk=16, dense_max_rows=0, kernel=False), "gpu")  # chunked forced
+    with target.compiling_for("gpu"):
+        on_gpu = kv_cache_attention(q, k_buf, v_buf, positions, lengths, scale=0.3, tuning=TUNING)
+    chunked = kv_cache_attention(q, k_buf, v_buf, positions, lengths, scale=0.3, tuning=TUNING)
+    np.testing.assert_allclose(np.asarray(on_gpu), np.asarray(chunked), rtol=1e-5, atol=1e-6)
