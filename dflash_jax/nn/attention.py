@@ -369,6 +369,13 @@ def _kernel_bwd(causal, window, scale, residuals, g):
 _kernel_with_dense_grad.defvjp(_kernel_fwd, _kernel_bwd)
 
 
+def follows_gpu_budget(tuning: AttentionTuning | None = None) -> bool:
+    """Whether attention traced now picks its path by `AttentionTuning.gpu_path` (on a GPU, with
+    `gpu_dense_bytes` set and the chunked path not forced by `dense_max_rows=0`)."""
+    tuning = tuning or _TUNING
+    return target.platform() == "gpu" and tuning.gpu_dense_bytes is not None and tuning.dense_max_rows != 0
+
+
 def uses_kernel(q, k_buf, v_buf, tuning: AttentionTuning | None = None) -> bool:
     """Whether `kv_cache_attention` of these operands is the compiled CPU kernel (`AttentionTuning.kernel`)."""
     tuning = tuning or _TUNING
@@ -417,7 +424,7 @@ def kv_cache_attention(
     if k_buf.shape[0] != q.shape[0]:  # the first rows of larger buffers
         k_buf, v_buf = k_buf[: q.shape[0]], v_buf[: q.shape[0]]
     block_rows = q.shape[1]
-    if target.platform() == "gpu" and tuning.gpu_dense_bytes is not None and tuning.dense_max_rows != 0:
+    if follows_gpu_budget(tuning):
         chunk = tuning.gpu_path(q.shape[0] * q.shape[2], block_rows, k_buf.shape[SLOT_AXIS])
         if chunk is None:
             return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,

@@ -55,7 +55,7 @@ import numpy as np
 from dflash_jax import cache as cache_slots
 from dflash_jax.cache import SLOT_AXIS, KVCache, holds_slots
 from dflash_jax.models.family import family_of
-from dflash_jax.nn.attention import get_attention_tuning, reads_in_place
+from dflash_jax.nn.attention import follows_gpu_budget, get_attention_tuning, reads_in_place
 from dflash_jax.spec import prefill as chunked
 from dflash_jax.spec.round import (
     Chain, can_catch_up, catch_up_context, check_proposer, commit, flush_context, propose, round_spec, round_step,
@@ -824,10 +824,11 @@ def length_buckets(max_len: int, block_rows: int) -> tuple:
     whole cache: nothing cut). Each bucket is one more compile of every round program at warm-up (a bucket near the
     whole cache would save little for it).
     A cut of whole chunks holding every live row reads the chunks the whole cache reads, in the same order: the same
-    attention bit for bit. A cache that takes the dense path (small, at most `dense_max_rows`) is never cut (a dense
-    softmax over fewer slots may round differently): (max_len,)."""
+    attention bit for bit. A cache that takes the dense path (small, at most `dense_max_rows`; on a GPU any whose
+    scores fit the budget, `follows_gpu_budget`) is never cut (a dense softmax over fewer slots may round
+    differently): (max_len,)."""
     tuning = get_attention_tuning()
-    if not tuning.use_chunked(max_len, block_rows):
+    if follows_gpu_budget(tuning) or not tuning.use_chunked(max_len, block_rows):
         return (max_len,)
     length = tuning.chunk
     while length < max_len and not tuning.use_chunked(length, block_rows):

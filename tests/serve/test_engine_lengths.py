@@ -31,6 +31,13 @@ def test_length_buckets_shape():
     assert length_buckets(4096, 5) == (768, 4096)
     assert length_buckets(16384, 5) == (768, 3072, 16384)
     assert length_buckets(256, 5) == (256,)
+    # on a GPU attention takes the dense path wherever its scores fit (`AttentionTuning.gpu_path`): never cut
+    from pallas_kernels import target
+
+    with target.compiling_for("gpu"):
+        assert length_buckets(4096, 5) == (4096,)
+        with attention_tuning(gpu_dense_bytes=None):
+            assert length_buckets(4096, 5) == (768, 4096)
 
 
 def test_cut_slots():
