@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels import target
+
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Decay factors below e^-30 (1e-13, far below fp32 resolution) are flushed to zero in the chunked form: the
@@ -317,13 +319,19 @@ def mask_steps(g: jax.Array, beta: jax.Array, num_steps: jax.Array) -> tuple[jax
     return jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
 
 
-def committed_state(cache: GatedDeltaNetCache, steps: jax.Array, *, skip_if_zero: bool = True):
+def committed_state(cache: GatedDeltaNetCache, steps: jax.Array, *, skip_if_zero: bool | None = None):
     """(state, conv tail) after the first `steps[b]` rows of the kept extension, exactly as a fresh run.
 
     steps: [b] int32 in [0, W]. The replay is one chunked pass over the W kept rows with rows >= steps
-    masked; when every `steps` is 0 (`skip_if_zero`) it is skipped at run time with `lax.cond`.
+    masked; when every `steps` is 0 (`skip_if_zero`) it is skipped at run time with `lax.cond`. None (the
+    default): skipped except on a GPU, where the conditional is one the host drives (its predicate read back and
+    waited for, in every DeltaNet layer of every forward) and decoding replays nearly every time anyway (a plain
+    step replays the row before it; a verify, the rows the last one kept); the masked replay of no row leaves
+    the state as it is, so both give the same state.
     Returns (state [b, Hv, dk, dv] fp32, tail [b, K-1, C]).
     """
+    if skip_if_zero is None:
+        skip_if_zero = target.platform() != "gpu"
     ksize = cache.kernel_size
     steps = jnp.clip(steps.astype(jnp.int32), 0, cache.width)
     tail = conv_tail(cache.conv_window, steps, ksize)

@@ -3,6 +3,8 @@ masking of padded steps; replay of a kept extension to any prefix; the gated out
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +132,20 @@ def test_committed_state_replays_any_prefix():
                                                x["g"][i:i + 1, :m], x["beta"][i:i + 1, :m], x["state"][i:i + 1])
             np.testing.assert_allclose(np.asarray(state[i]), np.asarray(ref[0]), atol=2e-5, rtol=0)
             np.testing.assert_array_equal(np.asarray(tail[i]), np.asarray(cache.conv_window[i, m:m + ksize - 1]))
+    # replaying no row, as on a GPU (no `lax.cond`: a conditional there is one the host drives), leaves the state
+    # exactly as it was; with some rows to replay, both forms give the same state bit for bit
+    for steps in ([0, 0], [0, 3], [5, width]):
+        skipped = jax.jit(functools.partial(gdn.committed_state, skip_if_zero=True))(cache, jnp.asarray(steps))[0]
+        always = jax.jit(functools.partial(gdn.committed_state, skip_if_zero=False))(cache, jnp.asarray(steps))[0]
+        np.testing.assert_array_equal(np.asarray(always), np.asarray(skipped))
+        if not any(steps):
+            np.testing.assert_array_equal(np.asarray(always), np.asarray(x["state"]))
+    from pallas_kernels import target
+
+    for platform, conds in (("cpu", True), ("gpu", False)):
+        with target.compiling_for(platform):  # a fresh function: jax caches a function's traces, not the platform
+            jaxpr = jax.make_jaxpr(lambda c, s: gdn.committed_state(c, s))(cache, jnp.asarray([0, 3]))
+        assert (" cond[" in str(jaxpr)) == conds
 
 
 def test_gated_rms_norm_matches_reference():
