@@ -56,7 +56,24 @@ sys.argv[0] = "dflash-generate"
 sys.exit(main())
 """
 
-LONG = ["--prompt", "def fib(n):", "--max-new-tokens", "3000", "--ignore-eos"]
+# the draft's chain as is (`--no-measure`): the jitted DFlash loop the moment marks watch (`spec.loop.run_loop`), its
+# warm-up call first, then the run; measured, the run would be plain decoding's loop, not watched
+LONG = ["--prompt", "def fib(n):", "--max-new-tokens", "3000", "--ignore-eos", "--no-measure"]
+
+
+LAUNCHED: list = []  # every Run's process, killed after each test whatever it asserted (`_no_process_left`)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left():
+    """A test that fails before it signals a process it launched (a second one waiting its turn) leaves none
+    running: such a process runs a long loop and would hold a core for the rest of the session."""
+    yield
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 class Run:
@@ -69,6 +86,7 @@ class Run:
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, env=env, pass_fds=(write,), cwd=ROOT)
+        LAUNCHED.append(self.proc)
         os.close(write)
         self.moment = moment
 
@@ -217,14 +235,34 @@ def test_helper_in_process_returns_raises_and_restores():
 
 
 @pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    """A compile cache holding the long run's programs (one full run)."""
+def warm_run(tmp_path_factory):
+    """(a compile cache holding the long run's programs, the seconds its generation loop ran): one full run."""
     cache = str(tmp_path_factory.mktemp("warm_cache"))
     env = dict(os.environ, DFLASH_JAX_CACHE_DIR=cache, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "dflash_jax.cli.generate", *LONG, "--json"], capture_output=True,
+                       text=True, env=env, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    return cache, float(json.loads(r.stdout)["stats"]["seconds"])
+
+
+@pytest.fixture(scope="module")
+def warm_wall(warm_cache):
+    """The wall seconds of a whole warm run of the long generation, process start to exit."""
+    env = dict(os.environ, DFLASH_JAX_CACHE_DIR=warm_cache,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "dflash_jax.cli.generate", *LONG], capture_output=True, text=True,
                        env=env, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    return cache
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def warm_cache(warm_run):
+    """A compile cache holding the long run's programs."""
+    return warm_run[0]
 
 
 @pytest.mark.slow
@@ -237,20 +275,27 @@ def test_cli_interrupted_while_compiling(tmp_path, sig):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, after", [(signal.SIGINT, 0.2), (signal.SIGTERM, 0.2), (signal.SIGINT, 1.0)])
-def test_cli_interrupted_in_the_jitted_loop(warm_cache, sig, after):
-    """A 3000-token jitted loop (seconds of one XLA call): used to run to its end, print and exit 0."""
-    r = _cli("loop", warm_cache).interrupt(sig, after)
+@pytest.mark.parametrize("sig, share", [(signal.SIGINT, 0.1), (signal.SIGTERM, 0.1), (signal.SIGINT, 0.6)])
+def test_cli_interrupted_in_the_jitted_loop(warm_run, sig, share):
+    """A 3000-token jitted loop (one XLA call): used to run to its end, print and exit 0. The signal lands at a
+    share of the loop's own time (measured by the warm run: it ran 0.5 s on a 2-core CPU, and a fixed delay of a
+    second once missed it as the library got faster)."""
+    cache, seconds = warm_run
+    assert seconds > 0.2, seconds  # long enough for the moments below to fall inside it
+    r = _cli("loop", cache).interrupt(sig, share * seconds)
     assert_interrupted(r, sig)
 
 
 @pytest.mark.slow
-def test_cli_interrupted_at_every_moment(warm_cache):
-    """SIGINT / SIGTERM at spread-out moments of a whole warm run (also outside the marked ones). From 0.3 s:
-    in the first ~0.1 s the interpreter starts and imports the `dflash_jax` package, before any of
-    dflash-generate's code runs, and a signal there gets Python's defaults (SIGINT a KeyboardInterrupt)."""
+def test_cli_interrupted_at_every_moment(warm_cache, warm_wall):
+    """SIGINT / SIGTERM at spread-out moments of a whole warm run (also outside the marked ones): from 0.3 s to
+    95% of the run's own wall time (`warm_wall`). Not before 0.3 s: in the first ~0.1 s the interpreter starts and
+    imports the `dflash_jax` package, before any of dflash-generate's code runs, and a signal there gets Python's
+    defaults (SIGINT a KeyboardInterrupt)."""
+    assert warm_wall > 1.0, warm_wall  # room for the moments below
     done = 0
-    for i, after in enumerate([0.3, 0.6, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]):
+    moments = [0.3] + [0.3 + (0.95 * warm_wall - 0.3) * k / 6 for k in range(1, 7)]
+    for i, after in enumerate(moments):
         sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
         run = Run(LAUNCH, LONG, {"DFLASH_JAX_CACHE_DIR": warm_cache}, "start")
         run.marks.close()
