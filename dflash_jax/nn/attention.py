@@ -152,6 +152,11 @@ class AttentionTuning:
     def __post_init__(self):
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if self.gpu_dense_bytes is not None and (isinstance(self.gpu_dense_bytes, bool)
+                                                 or not isinstance(self.gpu_dense_bytes, int)
+                                                 or self.gpu_dense_bytes < 1):
+            raise ValueError(f"gpu_dense_bytes must be a positive integer (bytes) or None, got "
+                             f"{self.gpu_dense_bytes!r}")
 
     def gpu_path(self, heads: int, block_rows: int, buffer_rows: int) -> int | None:
         """On a GPU (with `gpu_dense_bytes`): None for the dense path (its scores, `heads` = batch x query heads,
@@ -424,18 +429,15 @@ def kv_cache_attention(
     if k_buf.shape[0] != q.shape[0]:  # the first rows of larger buffers
         k_buf, v_buf = k_buf[: q.shape[0]], v_buf[: q.shape[0]]
     block_rows = q.shape[1]
-    if follows_gpu_budget(tuning):
+    if follows_gpu_budget(tuning):  # None: the dense path
         chunk = tuning.gpu_path(q.shape[0] * q.shape[2], block_rows, k_buf.shape[SLOT_AXIS])
-        if chunk is None:
-            return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
-                          scale=scale)
-        return _chunked_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window,
-                                        scale, chunk)
-    if not tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows):
+    else:
+        chunk = tuning.chunk if tuning.use_chunked(k_buf.shape[SLOT_AXIS], block_rows) else None
+    if chunk is None:
         return _dense(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal=causal, window=window,
                       scale=scale)
     return _chunked_with_dense_grad(q, k_buf, v_buf, q_positions, kv_lengths, sinks, extra, causal, window,
-                                    scale, tuning.chunk)
+                                    scale, chunk)
 
 
 def cached_causal_attention(

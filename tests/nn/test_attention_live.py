@@ -124,6 +124,9 @@ def test_a_gpu_takes_the_dense_path_where_its_scores_fit_and_large_chunks_beyond
     assert AttentionTuning(gpu_dense_bytes=1 << 20).gpu_path(32, 16, 8192) == 512  # 512 x 2 KiB of scores
     assert AttentionTuning(gpu_dense_bytes=1 << 18).gpu_path(32, 16, 8192) == 256  # never below `chunk`
     assert AttentionTuning(dense_max_rows=None).gpu_path(32, 4096, 1 << 20) is None  # dense forced
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="gpu_dense_bytes"):
+            AttentionTuning(gpu_dense_bytes=bad)
 
     b, t, hq, hkv, d = 1, 4, 4, 2, 8
     k_buf, v_buf = _cache(b, ROWS, hkv, d, 8)
