@@ -114,6 +114,16 @@ def kernel_rows(pg, phases) -> list[dict]:
     return rows
 
 
+PROGRAMS = {"verify": "verify", "verify_greedy": "verify (greedy rows)", "draft": "draft"}
+
+
+def greedy_spec(spec):
+    """The spec a GPU runs for a batch of greedy rows (`session.prepare` picks it there: `SpecConfig.greedy_only`)."""
+    import dataclasses
+
+    return dataclasses.replace(spec, greedy_only=True)
+
+
 def round_rows(pg, models) -> list[dict]:
     rows = []
     for model in models:
@@ -124,10 +134,14 @@ def round_rows(pg, models) -> list[dict]:
         log(f"{model}: verify round (width {pg.WIDTH})")
         v = dl.compile_for_h200(pg.verify_program, target, state, drafted, spec=spec, name=f"{model} verify",
                                 kernel_names=("grouped_matmul",), donate_argnums=(1,))
+        log(f"{model}: verify round of greedy rows")
+        g = dl.compile_for_h200(pg.verify_program, target, state, drafted, spec=greedy_spec(spec),
+                                name=f"{model} verify (greedy rows)", structure=True, donate_argnums=(1,))
         log(f"{model}: draft round")
         d = dl.compile_for_h200(pg.draft_program, target, draft, state, spec=spec, name=f"{model} draft",
                                 structure=True)
-        rows.append(derive(pg, {"model": model, "verify": v.as_dict(), "draft": d.as_dict()}))
+        rows.append(derive(pg, {"model": model, "verify": v.as_dict(), "verify_greedy": g.as_dict(),
+                                "draft": d.as_dict()}))
     return rows
 
 
@@ -167,11 +181,13 @@ def pair_rows(names, blocks=PAIR_BLOCKS) -> list[dict]:
             def one(target, draft, state, *, spec, proposer):
                 return round_step(target, draft, state, spec, proposer)[0]
 
-            log(f"{name}: round at block {block}")
-            c = dl.compile_for_h200(one, pair.target, pair.draft, state, name=f"{name} B={block}", structure=True,
-                                    donate_argnums=(2,), spec=prep.spec, proposer=Chain(block))
-            rows.append({"pair": name, "block": block, "tau": taus.get(block, 1.0 if block == 1 else None),
-                         "launches": c.launches.as_dict(), "compile_seconds": c.compile_seconds})
+            for program, spec in (("greedy rows", greedy_spec(prep.spec)), ("any rows", prep.spec)):
+                log(f"{name}: round at block {block}, {program}")
+                c = dl.compile_for_h200(one, pair.target, pair.draft, state, name=f"{name} B={block}", structure=True,
+                                        donate_argnums=(2,), spec=spec, proposer=Chain(block))
+                rows.append({"pair": name, "block": block, "program": program,
+                             "tau": taus.get(block, 1.0 if block == 1 else None), "launches": c.launches.as_dict(),
+                             "compile_seconds": c.compile_seconds})
     return rows
 
 
@@ -181,16 +197,23 @@ def pair_predictions(rows) -> list[dict]:
     branches (the DeltaNet rollback's replay and the sampled path's branches; at most one of each runs)."""
     out = []
     for r in rows:
-        base = next((b for b in rows if b["pair"] == r["pair"] and b["block"] == 1), None)
+        base = next((b for b in rows if b["pair"] == r["pair"] and b["block"] == 1
+                     and b.get("program") == r.get("program")), None)
         if base is None or r["tau"] is None:
             continue
         lo = r["launches"]["kernels"] + r["launches"]["in_conditionals"]
         hi = r["launches"]["kernels"]
-        out.append({"pair": r["pair"], "block": r["block"], "tau": r["tau"],
+        out.append({"pair": r["pair"], "block": r["block"], "program": r.get("program"), "tau": r["tau"],
                     "vs_block1_all_branches": r["tau"] * (base["launches"]["kernels"]
                                                           + base["launches"]["in_conditionals"]) / lo,
                     "vs_block1_no_branches": r["tau"] * base["launches"]["kernels"] / hi})
     return out
+
+
+def span(p: dict) -> str:
+    """A prediction's tokens/s against block 1: one figure where no branch can change it, else the range."""
+    lo, hi = p["vs_block1_no_branches"], p["vs_block1_all_branches"]
+    return f"{lo:.2f}x" if abs(lo - hi) < 5e-3 else f"{lo:.2f}x - {hi:.2f}x"
 
 
 def _nbytes(tree) -> int:
@@ -293,23 +316,28 @@ def findings(result: dict) -> list[str]:
         parts = [f"{r['model']} {r['verify']['launches']['host_loops']} loops and "
                  f"{r['verify']['launches']['host_conditionals']} conditionals, {r['verify']['launches']['kernels']} "
                  f"kernels in {r['verify']['launches']['graphs']} graphs" for r in rounds]
+        greedy = [r for r in rounds if (r.get("verify_greedy") or {}).get("launches")]
         out.append("- **How a verify runs.** " + "; ".join(parts) + ". " + (
             "The loops are the chunked attention's (a traced trip count over the live chunks, one per attention "
             "layer): the host runs each, reading its predicate back every trip. On a GPU that is a wait per trip "
             "and layer, to measure against the dense path (`AttentionTuning`) on the GPU run." if with_loops else
-            "No loop is left to the host."))
+            "No loop is left to the host.") + ("" if not greedy else " The conditionals skip the sampling work when "
+            "no row samples; the program of greedy rows (`SpecConfig.greedy_only`, which `prepare` picks on a GPU) "
+            "has none: " + "; ".join(f"{r['model']} {r['verify_greedy']['launches']['host_conditionals']} "
+                                     f"conditionals, {r['verify_greedy']['launches']['graphs']} graph(s)"
+                                     for r in greedy) + "."))
     pairs = result.get("pairs") or []
     if pairs:
-        pred = {(p["pair"], p["block"]): p for p in pair_predictions(pairs)}
+        pred = {(p["pair"], p["block"], p.get("program")): p for p in pair_predictions(pairs)}
         parts = []
-        for (name, block), p in sorted(pred.items()):
+        for (name, block, program), p in sorted(pred.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))):
             if block == 8:
-                parts.append(f"{name} {p['vs_block1_no_branches']:.1f}x - {p['vs_block1_all_branches']:.1f}x "
-                             f"(tau {p['tau']:.2f})")
+                parts.append(f"{name} {span(p)} ({program or 'any rows'}, tau {p['tau']:.2f})")
         if parts:
             out.append("- **The shipped pairs, launch bound.** Were a round's time its kernel launches', DFlash at "
                        "block 8 would make " + "; ".join(parts) + " the tokens/s of the same loop at block 1 (the "
-                       "hybrid pair's goal is 1.5x): the range spans the conditionals' branches, none or all run.")
+                       "hybrid pair's goal is 1.5x): where a range, it spans the conditionals' branches, none or all "
+                       "run.")
     kernels = result.get("kernels") or []
     verify = [k for k in kernels if k["phase"] == "verify"]
     prefill = [k for k in kernels if k["phase"] == "prefill"]
@@ -398,27 +426,28 @@ def markdown(result: dict) -> list[str]:
                 "per trip or branch), and launches outside every graph.", ""]
         out += h.table(["model", "program", "kernels", "in conditionals", "graphs", "host loops",
                         "host conditionals", "launched alone"],
-                       [[r["model"], prog] + [r[prog]["launches"][k] for k in
+                       [[r["model"], PROGRAMS[prog]] + [r[prog]["launches"][k] for k in
                                               ("kernels", "in_conditionals", "graphs", "host_loops",
                                                "host_conditionals", "outside")]
-                        for r in result["rounds"] for prog in ("verify", "draft") if r[prog].get("launches")])
+                        for r in result["rounds"] for prog in ("verify", "verify_greedy", "draft")
+                        if (r.get(prog) or {}).get("launches")])
         out += [""]
     if result.get("pairs"):
-        pred = {(p["pair"], p["block"]): p for p in pair_predictions(result["pairs"])}
+        pred = {(p["pair"], p["block"], p.get("program")): p for p in pair_predictions(result["pairs"])}
         out += ["## The shipped pairs' rounds (batch 1, 128-token prompt, FP4 experts through the kernel)", "",
                 "One round (`spec.round.round_step`) of the chain at each block, compiled with the pair's own "
-                "weights. tau: tokens per round measured by `benchmarks/tiny_pair.py` (greedy: the same tokens on "
-                "any backend). Prediction: tokens/s against the same loop at block 1 were a round's time its "
-                "kernel launches' (these tiny models are launch bound on a GPU), counting no conditional branch "
-                "and every one.", ""]
-        out += h.table(["pair", "block", "kernels", "in conditionals", "graphs", "host loops", "host conditionals",
-                        "launched alone", "tau", "predicted vs block 1"],
-                       [[r["pair"], r["block"]] + [r["launches"][k] for k in
-                                                   ("kernels", "in_conditionals", "graphs", "host_loops",
-                                                    "host_conditionals", "outside")]
-                        + (["-", "-"] if (r["pair"], r["block"]) not in pred else
-                           [f"{r['tau']:.2f}", f"{pred[(r['pair'], r['block'])]['vs_block1_no_branches']:.2f}x - "
-                                               f"{pred[(r['pair'], r['block'])]['vs_block1_all_branches']:.2f}x"])
+                "weights: the program of greedy rows (`SpecConfig.greedy_only`, what `prepare` gives a greedy batch "
+                "on a GPU) and the one any rows may run. tau: tokens per round measured by `benchmarks/tiny_pair.py` "
+                "(greedy: the same tokens on any backend). Prediction: tokens/s against the same program at block 1 "
+                "were a round's time its kernel launches' (these tiny models are launch bound on a GPU), counting "
+                "no conditional branch and every one.", ""]
+        out += h.table(["pair", "block", "program", "kernels", "in conditionals", "graphs", "host loops",
+                        "host conditionals", "launched alone", "tau", "predicted vs block 1"],
+                       [[r["pair"], r["block"], r.get("program", "any rows")]
+                        + [r["launches"][k] for k in ("kernels", "in_conditionals", "graphs", "host_loops",
+                                                      "host_conditionals", "outside")]
+                        + (["-", "-"] if (r["pair"], r["block"], r.get("program")) not in pred else
+                           [f"{r['tau']:.2f}", span(pred[(r["pair"], r["block"], r.get("program"))])])
                         for r in result["pairs"]])
         out += [""]
     if result.get("offload"):

@@ -67,6 +67,13 @@ def conv_tail(window: jax.Array, offsets: jax.Array, kernel_size: int) -> jax.Ar
     return jnp.take_along_axis(window, idx[:, :, None], axis=1)
 
 
+def with_tail(window: jax.Array, tail: jax.Array) -> jax.Array:
+    """`window` with its first K-1 rows replaced by `tail` [b, K-1, C], as one concatenation: a GPU runs it inside
+    the round's CUDA graph, where XLA turns an update of a slice (`.at[:, :K-1].set`) into an in-place copy it
+    launches on its own, between graphs (one split of the round's graph per DeltaNet layer)."""
+    return jnp.concatenate([tail.astype(window.dtype), window[:, tail.shape[1]:]], axis=1)
+
+
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """The Gated DeltaNet output norm: `rms_norm(x) * w * silu(gate)`, plain weight (NOT zero-centred).
 

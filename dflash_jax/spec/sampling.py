@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels import target
+
 AcceptanceMode = Literal["exact_match", "rejection"]
 MODES = ("exact_match", "rejection")
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
@@ -222,17 +224,35 @@ def sample_probs_rows(keys: jax.Array, probs: jax.Array) -> jax.Array:
     return sample_rows(keys, logp)
 
 
-def next_token_rows(keys: jax.Array, logits: jax.Array, params: RowSampling) -> jax.Array:
+def by_sampling(greedy_only: bool, all_greedy, greedy, sampled):
+    """`greedy()` where no row samples, else `sampled()`. greedy_only (static): the caller guarantees every row is
+    greedy, and the sampling work is not compiled at all; otherwise a conditional on `all_greedy` (a traced bool)
+    skips it at run time. A GPU runs a conditional from the host (its predicate copied back and waited for,
+    between CUDA graphs), so a program that knows its rows are greedy should say so."""
+    if greedy_only:
+        return greedy()
+    return jax.lax.cond(all_greedy, greedy, sampled)
+
+
+def specialize_greedy() -> bool:
+    """Whether a batch whose every row is greedy gets its own program, without the sampling work or the conditional
+    that skips it (`by_sampling`): on a GPU, which runs each conditional from the host, twice a round. Elsewhere a
+    conditional costs next to nothing, and one program serves greedy and sampled requests alike (no compile
+    between them)."""
+    return target.platform() == "gpu"
+
+
+def next_token_rows(keys: jax.Array, logits: jax.Array, params: RowSampling, greedy_only: bool = False) -> jax.Array:
     """Per sequence: argmax where its temperature is 0, else a draw (with its own key) from its processed
     distribution. logits [b, ..., V] -> [b, ...] int32. The sampling work is skipped when every row is
-    greedy."""
+    greedy (not compiled with `greedy_only`, `by_sampling`)."""
     argmax = greedy_tokens(logits)
     greedy = _row(params.temperature, logits.ndim) == 0
 
     def sampled():
         return jnp.where(greedy, argmax, sample_rows(keys, processed_scores(logits, params)))
 
-    return jax.lax.cond(jnp.all(greedy), lambda: argmax, sampled)
+    return by_sampling(greedy_only, jnp.all(greedy), lambda: argmax, sampled)
 
 
 def next_token(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:

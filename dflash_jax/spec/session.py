@@ -46,8 +46,8 @@ from dflash_jax.models.family import family_of
 from dflash_jax.spec.accept import match_accept, rejection_accept
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import (
-    AcceptanceMode, RowSampling, SamplingParams, greedy_tokens, next_token_rows, processed_scores, sample_probs_rows,
-    sampling_probs, seed_key_data,
+    AcceptanceMode, RowSampling, SamplingParams, by_sampling, greedy_tokens, next_token_rows, processed_scores, sample_probs_rows,
+    sampling_probs, seed_key_data, specialize_greedy,
 )
 from dflash_jax.stored import stored_jit
 
@@ -104,6 +104,11 @@ class SpecConfig:
     # the chain's proposals from the draft's branch head, one position after another (`head_chain_draft`);
     # False: the draft's per-position argmax (DFlash). Needs a draft that carries a head.
     chain_head: bool = False
+    # every row of every state run with this spec is greedy: the rounds compile no sampling work and no conditional
+    # to skip it (`sampling.by_sampling`). `prepare` sets it for a batch whose every request is greedy where
+    # `sampling.specialize_greedy()` (a GPU, which runs a conditional from the host). A state with a sampled live
+    # row is refused where its settings are concrete (`check_state`, `start_state`).
+    greedy_only: bool = False
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -270,7 +275,7 @@ def prepare(pair, prompts, *, block_size: int | None = None, max_new_tokens, sam
         key_data = np.stack([seed_key_data(s) for s in seeds + [0] * pad])
         key_fold = np.zeros(batch, np.int32)
     spec = SpecConfig(target=tcfg, draft=dcfg, block_size=block_size, max_len=max_len, output_len=output_len,
-                      method=method)
+                      method=method, greedy_only=specialize_greedy() and all(r.greedy for r in rows))
     compressed = {}
     if kept is not None:
         compressed = dict(positions=rq.kept_positions(kept, prompt_len, batch), prompt_lengths=original.astype(np.int32))
@@ -424,8 +429,9 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
         params = spec.static_request.rows(b, stop_ids)
     if key.ndim == 0:
         key = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
+    check_greedy_only(params.sampling.temperature, spec, "start_state")
     key, k_first = split_rows(key)
-    first = next_token_rows(k_first, out.logits, params.sampling)
+    first = next_token_rows(k_first, out.logits, params.sampling, spec.greedy_only)
     feat = spec.draft.num_taps * spec.target.hidden_size
     context, pending = jnp.zeros((b, spec.block_size, feat), target_w.embed.dtype), jnp.zeros((b,), jnp.int32)
     if hold is not None and spec.block_size > 1 and draft_cache is None and spec.taps:
@@ -467,6 +473,26 @@ def all_greedy(state: SpecState) -> jax.Array:
     return jnp.all(state.params.sampling.greedy | state.done)
 
 
+def by_rows(state: SpecState, spec: SpecConfig, greedy, sampled):
+    """`greedy()` where no live row of `state` samples, else `sampled()`: with `spec.greedy_only` statically (the
+    sampling work is not compiled), otherwise a conditional on `all_greedy(state)`."""
+    return by_sampling(spec.greedy_only, None if spec.greedy_only else all_greedy(state), greedy, sampled)
+
+
+def check_greedy_only(temperature, spec: SpecConfig, where: str, done=None) -> None:
+    """ValueError when `spec.greedy_only` and a concrete live row's temperature is not 0 (rows `done` aside): its
+    program would decode it greedily without a word."""
+    if not spec.greedy_only or not _concrete(temperature) or (done is not None and not _concrete(done)):
+        return
+    t = np.asarray(temperature)
+    live = (t != 0) if done is None else (t != 0) & ~np.asarray(done)
+    if live.any():
+        i = int(np.argmax(live))
+        raise ValueError(f"{where}: row {i} samples (temperature {float(t.reshape(-1)[i]):g}) but the spec was built "
+                         "for greedy rows only (greedy_only=True): prepare the batch with its sampling settings, or "
+                         "use a spec with greedy_only=False")
+
+
 def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
     """B-1 proposals from one draft forward over [anchor, MASK x (B-1)] (empty when B == 1). Greedy
     sequences and the exact-match method propose the draft's argmax; sampled sequences under the rejection
@@ -497,7 +523,7 @@ def draft_round(target_w, draft_w, state: SpecState, spec: SpecConfig) -> Draft:
     def greedy():
         return argmax, jnp.zeros(logits.shape, jnp.float32)
 
-    tokens, probs = jax.lax.cond(all_greedy(state), greedy, sampled)
+    tokens, probs = by_rows(state, spec, greedy, sampled)
     return Draft(tokens=tokens, probs=probs, draft_cache=draft_cache, hidden=hidden)
 
 
@@ -540,7 +566,7 @@ def head_chain_draft(target_w, draft_w, state: SpecState, spec: SpecConfig, hidd
             drawn = sample_probs_rows(keys[:, k], probs[:, None])[:, 0]
             return jnp.where(rows.greedy, argmax, drawn), probs
 
-        tok, probs = jax.lax.cond(all_greedy(state), lambda: (argmax, jnp.zeros(logits.shape, jnp.float32)), draw)
+        tok, probs = by_rows(state, spec, lambda: (argmax, jnp.zeros(logits.shape, jnp.float32)), draw)
         return tok, (tok, probs)
 
     _, (tokens, probs) = jax.lax.scan(step, state.anchor, (jnp.swapaxes(hidden[:, 1:gamma + 1], 0, 1),
@@ -583,7 +609,7 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
             draws = position_draws(state, scores, jnp.arange(scores.shape[1])[None])
             return jnp.where(greedy[:, None], target_argmax, draws)
 
-        target_tokens = jax.lax.cond(all_greedy(state), lambda: target_argmax, sampled)
+        target_tokens = by_rows(state, spec, lambda: target_argmax, sampled)
         accepted, bonus = match_accept(draft.tokens, target_tokens)
     else:
         greedy_accepted, greedy_bonus = match_accept(draft.tokens, target_argmax)
@@ -592,7 +618,7 @@ def commit_verify(state: SpecState, draft: Draft, out, spec: SpecConfig) -> Spec
             acc, bon = rejection_accept(k_acc, draft.tokens, sampling_probs(out.logits, rows), draft.probs)
             return jnp.where(greedy, greedy_accepted, acc), jnp.where(greedy, greedy_bonus, bon)
 
-        accepted, bonus = jax.lax.cond(all_greedy(state), lambda: (greedy_accepted, greedy_bonus), sampled)
+        accepted, bonus = by_rows(state, spec, lambda: (greedy_accepted, greedy_bonus), sampled)
     new, produced = emit_tokens(state, accepted, bonus, draft.tokens, spec)
     context = draft_model.context_features(out.taps) if spec.taps else state.context
     return new.replace(
@@ -622,6 +648,7 @@ def check_state(state: SpecState, spec: SpecConfig) -> None:
     if _concrete(state.output) and state.output.shape[1] != spec.output_len:
         raise ValueError(f"this state was built for another spec (output buffer {state.output.shape[1]}, spec "
                          f"{spec.output_len}): pass the spec that begin returned with it")
+    check_greedy_only(state.params.sampling.temperature, spec, "check_state", state.done)
 
 
 def _check_draft(state: SpecState, draft: Draft, spec: SpecConfig) -> None:
@@ -667,6 +694,7 @@ def begin_prepared(pair, prep: Prepared) -> SpecState:
     from dflash_jax import compile_cache
     from dflash_jax.spec.prefill import CapacityPrepared, capacity_begin_jit
 
+    check_greedy_only(prep.params.sampling.temperature, prep.spec, "begin")
     compile_cache.ensure_enabled()
     if isinstance(prep, CapacityPrepared):
         return capacity_begin_jit(pair.target, pair.draft, prep.prompt_buffer(), prep.lengths, prep.params,

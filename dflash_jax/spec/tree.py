@@ -63,7 +63,7 @@ from dflash_jax.models import draft as draft_model
 from dflash_jax.models.decoder import TreeBlock
 from dflash_jax.models.family import family_of
 from dflash_jax.spec.sampling import greedy_tokens, processed_scores
-from dflash_jax.spec.session import RoundOutcome, SpecConfig, SpecState, all_greedy, emit_tokens, position_draws
+from dflash_jax.spec.session import RoundOutcome, SpecConfig, SpecState, by_rows, emit_tokens, position_draws
 
 DEFAULT_BRANCH = 4
 # The draft's per-position distributions are marginals: the product of a path's marginals underrates the
@@ -413,7 +413,7 @@ def commit_tree(state: SpecState, tree: Tree, draft_cache, out, spec: SpecConfig
         draws = position_draws(state, processed_scores(out.logits, rows), tree.depth)
         return jnp.where(rows.greedy[:, None], target_argmax, draws)
 
-    target_tokens = jax.lax.cond(all_greedy(state), lambda: target_argmax, sampled)
+    target_tokens = by_rows(state, spec, lambda: target_argmax, sampled)
     accepted, bonus, path = accept_tree(tree, target_tokens)
     gamma = spec.block_size - 1
     path = pad_cols(path, spec.block_size)

@@ -73,27 +73,42 @@ def test_the_h200_is_a_cuda_sm90_target():
     assert dev.platform in ("gpu", "cuda") and dev.device_kind == dl.H200["name"]
 
 
-def test_a_shipped_pair_round_leaves_no_loop_to_the_host():
-    """One round of the shipped pair (FP4 experts through the kernel) runs as CUDA graphs and conditionals: no
+@pytest.mark.parametrize("pair_name", ["tiny_pair", "tiny_pair_qwen3_5"])
+def test_a_shipped_pair_round_leaves_no_loop_to_the_host(pair_name):
+    """One round of a shipped pair (FP4 experts through the kernel) runs as CUDA graphs and conditionals: no
     loop the host drives, whose every trip would read a predicate back (the kernel's tile schedule once had one,
-    `jnp.searchsorted`'s scan, in every MoE layer)."""
+    `jnp.searchsorted`'s scan, in every MoE layer). The program of greedy rows (`SpecConfig.greedy_only`, which
+    `prepare` picks on a GPU) is one graph: no conditional, and nothing launched outside it (a DeltaNet rollback's
+    slice update once ran as a copy of its own between graphs, one per layer)."""
+    import dataclasses
     import functools
 
     import dflash_jax
     from dflash_jax.spec import session
     from dflash_jax.spec.round import Chain, round_step
+    from pallas_kernels import target
 
-    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
-    prep = session.prepare(pair, [[5 + i % 50 for i in range(32)]], block_size=4, max_new_tokens=32)
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIRS[pair_name])
+    prompt = [[5 + i % 50 for i in range(32)]]
+    prep = session.prepare(pair, prompt, block_size=4, max_new_tokens=32)
+    with target.compiling_for("gpu"):
+        assert session.prepare(pair, prompt, block_size=4, max_new_tokens=32).spec.greedy_only
     state = jax.eval_shape(functools.partial(session.begin_arrays, spec=prep.spec), pair.target, pair.draft,
                            prep.tokens, prep.lengths, prep.params, prep.key_data, prep.key_fold)
 
     def one(target, draft, state, *, spec):
         return round_step(target, draft, state, spec, Chain(4))[0]
 
-    c = dl.compile_for_h200(one, pair.target, pair.draft, state, structure=True, donate_argnums=(2,), spec=prep.spec)
-    assert c.launches is not None and c.launches.kernels > 50 and c.launches.graphs >= 1
-    assert c.launches.host_loops == 0, c.launches
+    general = dl.compile_for_h200(one, pair.target, pair.draft, state, structure=True, donate_argnums=(2,),
+                                  spec=dataclasses.replace(prep.spec, greedy_only=False))
+    assert general.launches is not None and general.launches.kernels > 50 and general.launches.graphs >= 1
+    assert general.launches.host_loops == 0, general.launches
+    assert general.launches.host_conditionals >= 1  # sampled rows may join: the sampling work is skipped at run time
+    greedy = dl.compile_for_h200(one, pair.target, pair.draft, state, structure=True, donate_argnums=(2,),
+                                 spec=dataclasses.replace(prep.spec, greedy_only=True))
+    runs = greedy.launches
+    assert (runs.graphs, runs.host_loops, runs.host_conditionals, runs.outside) == (1, 0, 0, 0), runs
+    assert runs.kernels > 50
 
 
 @pytest.mark.slow

@@ -302,7 +302,7 @@ def deltanet_mixer(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, step
         )
     else:  # too wide to keep: commit the valid rows
         new_tail = gdn.conv_tail(window, num_valid, ksize)
-        new = lin.replace(state=new_state, conv_window=lin.conv_window.at[:, : ksize - 1].set(new_tail))
+        new = lin.replace(state=new_state, conv_window=gdn.with_tail(lin.conv_window, new_tail))
     return out, new
 
 
@@ -487,8 +487,7 @@ def rollback(cache: Qwen3_5Cache, lengths: jax.Array) -> Qwen3_5Cache:
     linear = []
     for lin in cache.linear:
         state, tail = gdn.committed_state(lin, steps)
-        ksize = lin.kernel_size
-        linear.append(lin.replace(state=state, conv_window=lin.conv_window.at[:, : ksize - 1].set(tail)))
+        linear.append(lin.replace(state=state, conv_window=gdn.with_tail(lin.conv_window, tail)))
     return cache.replace(linear=tuple(linear), lengths=lengths, linear_lengths=lengths)
 
 
