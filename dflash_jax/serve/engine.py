@@ -92,7 +92,7 @@ from dflash_jax.spec.policy import (
     exploration_loss, join_widths, observe_cost, shape_order, shape_rows, width_label, with_drafting, with_host,
 )
 from dflash_jax.spec import requests as rq
-from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data
+from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data, specialize_greedy
 from dflash_jax.spec.round import Chain, check_proposer
 from dflash_jax.spec.session import RowParams, SpecConfig
 from dflash_jax.spec.tree import TreeShape
@@ -317,6 +317,11 @@ class Engine:
     it, an engine whose prior (`acceptance_prior`) or warm-up table undersells a drafting width never runs it, so
     never learns better: on the shipped pair (CPU) at one client it held width 1 (0.94x - 1.01x plain) where block 4
     made 1.07x - 1.17x and the tries found width 4 (1.04x - 1.17x). On by default.
+    greedy_programs: a round whose every live row is greedy runs the program without the sampling work
+    (`SpecConfig.greedy_only`, `RoundRunner.round_spec`), the other rounds the general one: two programs per round
+    shape, both compiled at warm-up. None: where the platform runs a conditional from the host
+    (`spec.sampling.specialize_greedy`: a GPU, where the general program's two conditionals a round are each a
+    predicate copied back and waited for, between CUDA graphs); on a CPU one program serves every row.
     width_margin: a width other than the cheapest is chosen only when its expected tokens per second beat the
     cheapest's by this factor (`spec.policy.choose`, the chooser every driver shares) (0.1: 10%; the table is
     measured, with error, and a near-tie is not worth the risk of losing to no speculation). acceptance_prior: the
@@ -368,7 +373,7 @@ class Engine:
                  acceptance_prior: float = 0.7, learn_costs: bool | None = None, mesh=None,
                  row_buckets: Sequence[int] | str | None = "auto", width_margin: float = 0.1,
                  cost_rule: CostRule | None = None, defer_context: bool | int = True, skip_context: bool = False,
-                 acceptance_exploration: bool = True,
+                 acceptance_exploration: bool = True, greedy_programs: bool | None = None,
                  prefill_chunk: int | None = 256,
                  proposer=None, experts: str = "device", runner: type[RoundRunner] | None = None, compress=None,
                  prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
@@ -498,6 +503,12 @@ class Engine:
                                           proposers=self.proposers, widest=widest, context_rows=self.context_rows),
                              mesh=mesh, **runner_options)
         self.skip_context = skip_context and self.defer_context and self.runner.catches_up
+        if greedy_programs is not None and not isinstance(greedy_programs, bool):
+            raise TypeError(f"greedy_programs must be True, False or None (the platform's choice), got "
+                            f"{greedy_programs!r}")
+        self.greedy_programs = bool(specialize_greedy() if greedy_programs is None else greedy_programs) \
+            and self.runner.greedy_rounds
+        self.greedy_rounds = 0  # rounds that ran the greedy rows' program (`greedy_programs`)
         self._catch_up_warm: set = set()  # the row buckets whose catch-up ran (`_warm_catch_up`)
         self.catch_ups = 0  # calls that computed skipped positions' context rows (`skip_context`)
         self.caught_up_rows = 0  # the context rows they computed
@@ -1097,13 +1108,16 @@ class Engine:
         if 1 in self._later_widths:
             self._warm_catch_up(rows)
         self.runner.pin_length = length
+        serving = self.runner.greedy_rows
         try:
-            for w in self._later_widths:
+            for w, greedy in itertools.product(self._later_widths, self._round_programs()):
+                self.runner.greedy_rows = greedy
                 self._round(w, idle, rows, logprobs=None if self.requests else scored)
                 if self.runner.bursts and self.rounds_per_call != 1:
                     self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows)
         finally:
             self.runner.pin_length = None
+            self.runner.greedy_rows = serving
         self.runner.sync()
 
     def _warm_catch_up(self, rows: int, again: bool = False) -> None:
@@ -1157,8 +1171,9 @@ class Engine:
             self.runner.release(idle)
             self.runner.move_row(self.slots - 1, self.slots - 1)  # a no-op
             scored = np.ones(self.slots, bool) if self.runner.token_logprobs else None
-            for length in self.runner.length_buckets:  # a round's cache rows (its live lengths'); pinned in turn
-                self.runner.pin_length = length
+            for length, greedy in itertools.product(self.runner.length_buckets, self._round_programs()):
+                self.runner.pin_length = length  # a round's cache rows (its live lengths'); pinned in turn
+                self.runner.greedy_rows = greedy  # and each program a round may run
                 try:
                     for rows in self.row_buckets:
                         for w in widths:
@@ -1168,6 +1183,7 @@ class Engine:
                                 self.runner.warm_burst(self._proposer(w, w == 1 and self.defer_context), rows)
                 finally:
                     self.runner.pin_length = None
+                    self.runner.greedy_rows = self.greedy_programs  # the rounds timed below: greedy rows
             if self.defer_context:  # the append of held rows (`_flush_held`): held prompts need it at any width
                 for rows in self.row_buckets:
                     self.runner.flush_context(rows)  # (a gathered flush of a few rows: `warm_extra`)
@@ -1226,6 +1242,10 @@ class Engine:
         """The rows a round computes: the smallest row bucket holding every live slot."""
         top = max(live) + 1 if len(live) else 1
         return next(r for r in self.row_buckets if r >= top)
+
+    def _round_programs(self) -> tuple[bool, ...]:
+        """The programs a round of this engine may run, as `RoundRunner.greedy_rows` values (`greedy_programs`)."""
+        return (False, True) if self.greedy_programs else (False,)
 
     def _round(self, width: int, active: np.ndarray, rows: int | None = None, defer: bool | None = None,
                logprobs: np.ndarray | None = None) -> None:
@@ -1848,6 +1868,9 @@ class Engine:
         width = self.choose_width(live)
         info.width = width
         self.width_rounds[width] += 1
+        greedy = self.greedy_programs and all(self.requests[s].sampling.greedy for s in live)
+        self.runner.greedy_rows = greedy  # the round's programs (`RoundRunner.round_spec`)
+        self.greedy_rounds += greedy
         self.rows_rounds[rows] += 1
         scored = np.zeros(self.slots, bool)  # the rows whose committed tokens' log-probs are computed
         scored[[s for s in live if self.requests[s].logprobs is not None]] = True

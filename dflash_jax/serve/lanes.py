@@ -82,6 +82,7 @@ class LanedRunner(RoundRunner):
     overlapped_verify = True
     bursts = True
     forks = token_logprobs = prompt_scores = True
+    greedy_rounds = True
 
     def __init__(self, pair, layout: Layout, *, mesh=None, lanes: int = 2):
         if mesh is not None:
@@ -128,6 +129,15 @@ class LanedRunner(RoundRunner):
     def pin_length(self, value) -> None:
         for lane in getattr(self, "lanes", ()):
             lane.pin_length = value
+
+    @property
+    def greedy_rows(self) -> bool:
+        return self.lanes[0].greedy_rows if hasattr(self, "lanes") else False
+
+    @greedy_rows.setter
+    def greedy_rows(self, value) -> None:
+        for lane in getattr(self, "lanes", ()):
+            lane.greedy_rows = bool(value)
 
     def carried(self):
         parts = [lane.carried() for lane in self.lanes]

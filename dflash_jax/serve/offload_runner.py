@@ -297,7 +297,7 @@ class OffloadedRunner(ResidentRunner):
         out = forward_layerwise(gen.stripped, draft.tokens, state.target_cache, self.spec.target, provider=provider,
                                 tap_layers=self.spec.taps, logits="all", implementation=gen.implementation,
                                 dispatched=lambda i, x: pool.returned(x), tree=tree)
-        new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), self.spec, proposer)
+        new = _commit(state, draft, draft_lengths, out.out, jnp.asarray(active), self.round_spec, proposer)
         self._verify_logits = out.out.logits
         provider.end()
         if rec is not None:

@@ -161,6 +161,9 @@ class RoundRunner:
     overlapped_verify = False  # the verify may be dispatched before the scheduler runs (every live row verifies)
     bursts = False  # `burst`: several rounds of every live row in one device call
     forks = False  # `fork`: n samples of one prompt share its prefill
+    # rounds of greedy rows run the program without the sampling work (`SpecConfig.greedy_only`) while the engine sets
+    # `greedy_rows` (every live row greedy); on a GPU that program has no conditional for the host to run
+    greedy_rounds = False
     token_logprobs = False  # `first_logprobs` / `round_logprobs` (every proposer: a tree's committed path found again)
     prompt_scores = False  # `prompt_logprobs`
     mesh = None
@@ -171,6 +174,16 @@ class RoundRunner:
         self.state = None
         self.moe_layers: tuple = ()
         self.expert_bytes = np.zeros((0, 0))
+        self._greedy_spec = dataclasses.replace(self.spec, greedy_only=True)
+        self.greedy_rows = False
+
+    @property
+    def round_spec(self) -> SpecConfig:
+        """The spec of a round's draft and verify (and of a call of several): the greedy rows' program
+        (`SpecConfig.greedy_only`) while the engine says every live row is greedy (`greedy_rows`) and the runner's
+        rounds run it (`greedy_rounds`), else `spec`. The engine sets `greedy_rows` before a round's draft and leaves
+        it until the round's verify has run."""
+        return self._greedy_spec if self.greedy_rows and self.greedy_rounds else self.spec
 
     @property
     def ready(self) -> bool:
@@ -874,6 +887,7 @@ class ResidentRunner(RoundRunner):
     overlapped_verify = True
     bursts = True
     forks = token_logprobs = prompt_scores = True
+    greedy_rounds = True
 
     @property
     def catches_up(self) -> bool:
@@ -1146,7 +1160,7 @@ class ResidentRunner(RoundRunner):
         if cache is not None:
             state, buffers = state.replace(draft_cache=cache.replace(keys=(), values=())), (cache.keys, cache.values)
         proposal, buffers, lengths, demand = _draft(self.pair.target, self.pair.draft, state, buffers, self._routers,
-                                                    self.spec, proposer, rows, length, self.in_place)
+                                                    self.round_spec, proposer, rows, length, self.in_place)
         if cache is not None:
             self.state = self.state.replace(draft_cache=cache.replace(keys=buffers[0], values=buffers[1]))
         return Drafted(proposer=proposer, rows=rows, proposal=proposal, lengths=lengths, demand=demand, length=length)
@@ -1155,7 +1169,7 @@ class ResidentRunner(RoundRunner):
     def verify(self, drafted: Drafted, plan: RoundPlan, info=None) -> None:
         start = self._verify_start(plan)
         self.state, logits = _verify(self.pair.target, self.state, drafted.proposal, drafted.lengths, plan.active,
-                                     self.spec, drafted.proposer, drafted.rows, drafted.length, self.in_place)
+                                     self.round_spec, drafted.proposer, drafted.rows, drafted.length, self.in_place)
         if self._length_bound is not None and drafted.length is not None:
             self._length_bound = (self._length_bound[0], self.state)  # the bound holds for the state this verify made
         self._after_verify(start, logits, drafted.proposal.tree)
@@ -1165,7 +1179,7 @@ class ResidentRunner(RoundRunner):
         count = self.burst_rounds(rows, count, proposer)
         length = self.length_bucket(rows, count, proposer)
         self.state, committed, ran = _burst(self.pair.target, self.pair.draft, self.state, np.asarray(active, bool),
-                                            np.int32(count), np.bool_(until_finish), self.spec, proposer, rows, length,
+                                            np.int32(count), np.bool_(until_finish), self.round_spec, proposer, rows, length,
                                             np.int32(0), self.in_place)
         if self._length_bound is not None and length is not None:
             self._length_bound = (self._length_bound[0], self.state)
@@ -1178,7 +1192,7 @@ class ResidentRunner(RoundRunner):
         on the current state (`burst`; `in_place`: as the runner runs it, or forced either way), for inspection: its
         text, its compiled cost and memory analyses."""
         return _burst.lower(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool), np.int32(1),
-                            np.bool_(False), self.spec, proposer, rows, self.length_buckets[-1], np.int32(0),
+                            np.bool_(False), self.round_spec, proposer, rows, self.length_buckets[-1], np.int32(0),
                             self.in_place if in_place is None else bool(in_place))
 
     @_on_mesh
@@ -1186,7 +1200,7 @@ class ResidentRunner(RoundRunner):
         rounds = max(1, min(int(rounds), MAX_BURST))
         length = self.length_bucket(rows, rounds, proposer)
         self.state, _, ran = _burst(self.pair.target, self.pair.draft, self.state, np.zeros(self.slots, bool),
-                                    np.int32(rounds), np.bool_(False), self.spec, proposer, rows, length,
+                                    np.int32(rounds), np.bool_(False), self.round_spec, proposer, rows, length,
                                     np.int32(rounds), self.in_place)
         jax.block_until_ready(ran)
 
