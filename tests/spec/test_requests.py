@@ -15,6 +15,7 @@ from dflash_jax.decode import greedy_generate
 from dflash_jax.spec import (
     Buckets, Draft, SamplingParams, begin, draft_round_jit, generate, generate_stepping, verify_round,
 )
+from dflash_jax.spec import session
 from dflash_jax.spec.requests import bucket
 from dflash_jax.spec.sampling import RowSampling, greedy_tokens, processed_scores, sampling_probs
 
@@ -56,6 +57,12 @@ def test_no_recompile_across_requests_of_one_bucket(pair):
     v = pair.target_cfg.vocab_size
     first = generate(pair, [_prompt(20, 0)], max_new_tokens=40)
     generate_stepping(pair, [_prompt(20, 0)], max_new_tokens=40)
+    # a batch of greedy rows runs a program of its own where the platform runs conditionals from the host (a GPU,
+    # `SpecConfig.greedy_only`): one sampled request first there (on a CPU the same program)
+    warm = dict(max_new_tokens=40, sampling=SamplingParams(temperature=0.5))
+    if session.specialize_greedy():
+        generate(pair, [_prompt(20, 0)], **warm)
+        generate_stepping(pair, [_prompt(20, 0)], **warm)
     greedy_generate(pair.target, pair.target_cfg, [_prompt(20, 0)], max_new_tokens=40)
     # capacity mode, at the capacity's smallest tier that holds the request (`Buckets.floor`)
     assert first.stats["shapes"] == {"batch": 1, "prompt": 24, "output": 256, "cache": 256}
