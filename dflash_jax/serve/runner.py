@@ -1179,8 +1179,8 @@ class ResidentRunner(RoundRunner):
         count = self.burst_rounds(rows, count, proposer)
         length = self.length_bucket(rows, count, proposer)
         self.state, committed, ran = _burst(self.pair.target, self.pair.draft, self.state, np.asarray(active, bool),
-                                            np.int32(count), np.bool_(until_finish), self.round_spec, proposer, rows, length,
-                                            np.int32(0), self.in_place)
+                                            np.int32(count), np.bool_(until_finish), self.round_spec, proposer, rows,
+                                            length, np.int32(0), self.in_place)
         if self._length_bound is not None and length is not None:
             self._length_bound = (self._length_bound[0], self.state)
         ran, committed = jax.device_get((ran, committed))

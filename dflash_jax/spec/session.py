@@ -46,8 +46,8 @@ from dflash_jax.models.family import family_of
 from dflash_jax.spec.accept import match_accept, rejection_accept
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import (
-    AcceptanceMode, RowSampling, SamplingParams, by_sampling, greedy_tokens, next_token_rows, processed_scores, sample_probs_rows,
-    sampling_probs, seed_key_data, specialize_greedy,
+    AcceptanceMode, RowSampling, SamplingParams, by_sampling, greedy_tokens, next_token_rows, processed_scores,
+    sample_probs_rows, sampling_probs, seed_key_data, specialize_greedy,
 )
 from dflash_jax.stored import stored_jit
 
