@@ -14,7 +14,9 @@
 #   5. the same on the hybrid Qwen3.5-MoE pair (`--pair tiny_pair_qwen3_5`, plain and block 8: the goal of DFlash at
 #      block 8 >= 1.5x plain greedy with `dflash-generate`'s GPU defaults, FP4 experts through the kernel)
 #      -> tiny_pair_qwen3_5.{json,md}
-#   6. the fast parity tests of the decode loops and two model families on the GPU -> parity_tests.xml
+#   6. the greedy rows' program against the general one on the hybrid pair (benchmarks/greedy_program.py: what the
+#      two conditionals a round cost where the host runs them) -> greedy_program.{json,md}
+#   7. the fast parity tests of the decode loops and two model families on the GPU -> parity_tests.xml
 # and writes suite.json: per step the command, exit code and seconds, plus the GPU's name (nvidia-smi), and packs
 # the folder into OUT_DIR.tar.gz (one file to carry back).
 # Python: $PYTHON, else .venv/bin/python, else python3 (an environment with jax's CUDA plugin; the checkout is put
@@ -61,6 +63,8 @@ fi
 step tiny_pair 150 "$PY" benchmarks/tiny_pair.py --prompts 6 --max-new 128 --repeats 2 --blocks 1,4,8,16 --out "$OUT"
 step tiny_pair_qwen3_5 150 "$PY" benchmarks/tiny_pair.py --pair tiny_pair_qwen3_5 --prompts 6 --max-new 128 \
   --repeats 2 --blocks 1,8 --out "$OUT"
+step greedy_program 90 "$PY" benchmarks/greedy_program.py --pair tiny_pair_qwen3_5 --blocks 1,8 --prompts 4 \
+  --repeats 2 --out "$OUT"
 step parity_tests 90 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_decode.py \
   tests/models/test_qwen3_parity.py tests/models/test_draft_parity.py --junitxml="$OUT/parity_tests.xml"
 

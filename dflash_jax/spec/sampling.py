@@ -17,10 +17,12 @@ static is the acceptance *method* (`SamplingParams.mode`): "exact_match" or "rej
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import numbers
-from typing import Literal
+from typing import Iterator, Literal
 
 import jax
 import jax.numpy as jnp
@@ -234,12 +236,30 @@ def by_sampling(greedy_only: bool, all_greedy, greedy, sampled):
     return jax.lax.cond(all_greedy, greedy, sampled)
 
 
+_GREEDY_PROGRAMS: contextvars.ContextVar[bool | None] = contextvars.ContextVar("dflash_greedy_programs", default=None)
+
+
 def specialize_greedy() -> bool:
     """Whether a batch whose every row is greedy gets its own program, without the sampling work or the conditional
     that skips it (`by_sampling`): on a GPU, which runs each conditional from the host, twice a round. Elsewhere a
     conditional costs next to nothing, and one program serves greedy and sampled requests alike (no compile
-    between them)."""
-    return target.platform() == "gpu"
+    between them). `greedy_programs(...)` overrides the platform's choice."""
+    forced = _GREEDY_PROGRAMS.get()
+    return target.platform() == "gpu" if forced is None else forced
+
+
+@contextlib.contextmanager
+def greedy_programs(enabled: bool | None) -> Iterator[None]:
+    """Inside the block (this thread), `specialize_greedy()` is `enabled` (None: the platform's choice): runs
+    prepared inside it, and engines built inside it with `greedy_programs=None`, take or leave the greedy rows'
+    program. For measuring what the program saves, and for testing it on a CPU."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"greedy_programs takes True, False or None, got {enabled!r}")
+    token = _GREEDY_PROGRAMS.set(enabled)
+    try:
+        yield
+    finally:
+        _GREEDY_PROGRAMS.reset(token)
 
 
 def next_token_rows(keys: jax.Array, logits: jax.Array, params: RowSampling, greedy_only: bool = False) -> jax.Array:

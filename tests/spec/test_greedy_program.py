@@ -13,7 +13,7 @@ import pytest
 
 from dflash_jax.spec import loop, session
 from dflash_jax.spec.round import Chain, round_step
-from dflash_jax.spec.sampling import SamplingParams, specialize_greedy
+from dflash_jax.spec.sampling import SamplingParams, greedy_programs, specialize_greedy
 from dflash_jax.spec.tree import TreeShape
 from pallas_kernels import target
 
@@ -40,9 +40,15 @@ def test_prepare_specializes_greedy_batches_where_conditionals_run_from_the_host
         mixed = session.prepare(pair, prompts, block_size=4, max_new_tokens=8,
                                 sampling=[SamplingParams(), SAMPLED])
         assert not mixed.spec.greedy_only
+        with greedy_programs(False):  # the platform's choice overridden, in this block only
+            assert not session.prepare(pair, prompts, block_size=4, max_new_tokens=8).spec.greedy_only
+        assert specialize_greedy()
+    with pytest.raises(TypeError, match="greedy_programs takes True, False or None"):
+        with greedy_programs("on"):
+            pass
 
 
-def test_the_greedy_program_has_no_conditional_and_the_same_tokens(pair, prompts, monkeypatch):
+def test_the_greedy_program_has_no_conditional_and_the_same_tokens(pair, prompts):
     """The round's conditionals that skip the sampling work (the draft's and the acceptance's) are gone from the
     greedy program, and the loops decode exactly what the general program decodes, proposals accepted, for a
     chain and for a tree."""
@@ -51,15 +57,14 @@ def test_the_greedy_program_has_no_conditional_and_the_same_tokens(pair, prompts
     assert _conditionals(prep.spec, pair, prep) >= 2
     assert _conditionals(greedy, pair, prep) == 0
     general = [loop.generate(pair, prompts, max_new_tokens=40, proposer=p) for p in (Chain(4), TreeShape(6, 2))]
-    monkeypatch.setattr(session, "specialize_greedy", lambda: True)
-    assert session.prepare(pair, prompts, block_size=4, max_new_tokens=8).spec.greedy_only
-    special = [loop.generate(pair, prompts, max_new_tokens=40, proposer=p) for p in (Chain(4), TreeShape(6, 2))]
+    with greedy_programs(True):
+        assert session.prepare(pair, prompts, block_size=4, max_new_tokens=8).spec.greedy_only
+        special = [loop.generate(pair, prompts, max_new_tokens=40, proposer=p) for p in (Chain(4), TreeShape(6, 2))]
+        # sampled rows keep the general program, and their draws
+        drawn = loop.generate(pair, prompts, max_new_tokens=12, sampling=SAMPLED, seed=3)
     for a, b in zip(general, special):
         assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
         assert max(max(acc) for acc in b.acceptance_lengths) > 1  # proposals were accepted
-    # sampled rows keep the general program, and their draws
-    drawn = loop.generate(pair, prompts, max_new_tokens=12, sampling=SAMPLED, seed=3)
-    monkeypatch.undo()
     assert drawn.tokens == loop.generate(pair, prompts, max_new_tokens=12, sampling=SAMPLED, seed=3).tokens
 
 
