@@ -10,7 +10,7 @@ conditionals a round, each a predicate the host copies back and waits for on a G
 `(False)`), paired and interleaved per prompt (`harness.paired_items`), every output checked equal. On a CPU the
 two programs differ by the conditionals alone (a conditional costs next to nothing there): the ratio is a control
 near 1.0x; on a GPU it is the program's gain. Writes greedy_program.{json,md,png} to --out (default bench_out/) or,
-with --write-docs, to docs/benchmarks/ (named greedy_program_<backend>).
+with --write-docs, to docs/benchmarks/ (named greedy_program_<backend>_<pair>).
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def main(argv=None) -> int:
               "by_block_size": rows}
     lines = [f"# The greedy rows' program against the general one ({backend})", "",
              f"`{result['command']}` - {result['pair']}, batch 1, {len(prompts)} held-out prompts of "
-             f"{args.prompt_len} tokens, {n} new tokens, greedy, the jitted loop; {args.repeats} paired runs per "
+             f"{args.prompt_len} tokens, {n} new tokens, greedy, the jitted loop, experts as `dflash_jax.load` "
+             "places them (dequantized at load on a CPU, FP4 through the kernel on a GPU); "
+             f"{args.repeats} paired runs per "
              f"prompt, interleaved; {result['machine']['machine']} ({result['machine']['cpu']}), backend {backend}"
              + (", XLA's CPU runtime on one thread" if backend == "cpu" and args.threads == "one" else "")
              + ". Tokens/s: prompts x new tokens over the sum of each prompt's best run; speedup: the greedy "
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
         ax.set_title(f"{result['pair']} on {backend}")
         ax.legend()
 
-    stem = f"greedy_program_{backend}" if args.write_docs else "greedy_program"
+    stem = "greedy_program" + (f"_{backend}_{result['pair']}" if args.write_docs else "")
     h.Report(args, stem).write(result, lines, draw=draw, image="tokens/s by program", figsize=(6, 3.6))
     if not all(r["same_tokens"] for r in rows):
         raise SystemExit("the two programs decoded different tokens")
