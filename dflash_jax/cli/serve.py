@@ -32,6 +32,7 @@ MAX_ROUNDS_PER_CALL = 64
 # "Which default": with the experts dense at load the shipped pair on a CPU serves 4 - 32 clients no faster than plain
 # at a fixed block of 4; width 1 or 4 chosen per round follows the load)
 DEFAULT_FIXED_BLOCK = 4
+GREEDY_PROGRAMS = {"auto": None, "on": True, "off": False}  # --greedy-programs -> Engine(greedy_programs=)
 DEFAULT_WIDTHS = "1,B"  # the default --widths of a chain proposer: no speculation or the block, chosen per round
 
 
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-acceptance-exploration", action="store_true",
                    help="never run a drafting width the acceptance estimate rules out (default: try one now and "
                         "then, within --acceptance-budget, so that a prior that undersells the draft is corrected)")
+    p.add_argument("--greedy-programs", choices=("auto", "on", "off"), default="auto",
+                   help="rounds whose every live request is greedy run a program without the sampling work, the other "
+                        "rounds the general one (both compiled at warm-up): 'auto' (the default) where the platform "
+                        "runs a conditional from the host (a GPU: two waits a round saved), 'on', or 'off' (one "
+                        "program: half the round programs to compile)")
     p.add_argument("--rounds-per-call", default="auto",
                    help="rounds one device call may run while every live request verifies every round and the host "
                         "has nothing to do between them: 'auto' (the default: as many as fit in --call-ms by the "
@@ -443,6 +449,7 @@ def build_app(args):
                       cost_rule=CostRule(explore_every=getattr(args, "explore_every", 8),
                                          accept_budget=getattr(args, "acceptance_budget", 0.03)),
                       acceptance_exploration=not getattr(args, "no_acceptance_exploration", False),
+                      greedy_programs=GREEDY_PROGRAMS[getattr(args, "greedy_programs", "auto")],
                       prefill_chunk=getattr(args, "prefill_chunk", 0) or None, proposer=proposer,
                       prefix_cache_bytes=prefix_bytes, rounds_per_call=getattr(args, "rounds_per_call", "auto"),
                       call_seconds=getattr(args, "call_ms", 50.0) / 1e3, lanes=getattr(args, "lanes", "auto"))

@@ -74,6 +74,11 @@ def test_default_chooses_width_1_or_a_block_of_4_and_auto_chooses_up_to_the_draf
     assert engine.acceptance_exploration  # on by default, off with its flag
     _, engine = build_app(parse(base + ["--no-acceptance-exploration"]))
     assert not engine.acceptance_exploration and engine.widths == (1, 4)
+    assert not engine.greedy_programs  # a CPU: one program ("auto")
+    _, engine = build_app(parse(base + ["--greedy-programs", "on"]))
+    assert engine.greedy_programs
+    _, engine = build_app(parse(base + ["--greedy-programs", "off"]))
+    assert not engine.greedy_programs
     _, engine = build_app(parse(base + ["--widths", "fixed"]))
     assert engine.widths == (4,) and engine.spec.block_size == 4
     block = engine.pair.draft_cfg.block_size

@@ -82,8 +82,8 @@ def test_one_program_where_asked_or_where_the_platform_runs_conditionals_on_the_
 @pytest.mark.slow
 def test_the_greedy_program_serves_the_same_tokens(pair):
     """The shipped pair, block 4 and width 1 chosen per round: greedy requests alone (the greedy program), then a
-    sampled one among them (the general program); every token equal to an engine with one program, proposals
-    accepted, and nothing compiled once both engines are warm."""
+    sampled one among them (the general program); every token equal to an engine with one program (resident and
+    offloaded experts alike), proposals accepted, and nothing compiled once the engines are warm."""
     def engine(greedy):
         eng = Engine(pair, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=40,
                      row_buckets=None, round_seconds={1: 1.0, 4: 1.2}, greedy_programs=greedy, lanes=1)
@@ -91,6 +91,15 @@ def test_the_greedy_program_serves_the_same_tokens(pair):
         return eng
 
     engines = [engine(False), engine(True)]
+    from dflash_jax.offload import HostExpertStore
+
+    store = HostExpertStore(pair.target)  # the offloaded runner's rounds run the same programs' commit
+    offloaded = Engine(pair, experts="offload", budget_bytes=12 * store.expert_bytes(store.layer_ids[0]), store=store,
+                       bandwidth=1e9, slots=2, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=40,
+                       row_buckets=None, round_seconds={1: 1.0, 4: 1.2}, greedy_programs=True)
+    offloaded.warmup([16])
+    assert offloaded.greedy_programs
+    engines.append(offloaded)
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(40, 56))]
     outs = []
     with CompileCounter() as counter:
@@ -103,6 +112,6 @@ def test_the_greedy_program_serves_the_same_tokens(pair):
             outs.append([r.tokens for r in first + mixed])
             assert max(max(r.acceptance) for r in first) > 1  # proposals accepted
     assert counter.compiles == 0, counter.compiles
-    assert outs[0] == outs[1]
-    assert engines[0].greedy_rounds == 0 and engines[1].greedy_rounds > 0
+    assert outs[0] == outs[1] == outs[2]
+    assert engines[0].greedy_rounds == 0 and engines[1].greedy_rounds > 0 and engines[2].greedy_rounds > 0
     assert np.all([len(t) == n for t, n in zip(outs[1], (40, 40, 24, 24))])
