@@ -118,8 +118,11 @@ def test_the_engine_chooses_by_its_table(engine):
         saved = engine.round_seconds
         engine.round_seconds = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
         # a new table: the width the moderate one left running would keep its place within the margin (at an
-        # acceptance near 1, width 2 makes 1.98 tokens a round for 2.0 against width 1's 1 for 1.0)
+        # acceptance near 1, width 2 makes 1.98 tokens a round for 2.0 against width 1's 1 for 1.0), and the rates
+        # its widths served in real time would overrule a model of made-up costs (`served_choice`: width 4 serving
+        # 10% more than width 1 did on this CPU, when both had served enough steps, which depends on the load)
         engine._incumbent.clear()
+        engine._served.clear()
         rounds.clear()
         serve_generate(engine, PROMPTS, max_new_tokens=BUDGET, stop_ids=[])
         assert {r.width for r in rounds if r.width} == {1}  # cost proportional to width: never speculate
