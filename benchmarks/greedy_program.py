@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     from dflash_jax.spec import generate
     from dflash_jax.spec.sampling import greedy_programs
 
-    pair = h.load_pair(args)
+    pair = h.load_pair(args, dequantize_experts="auto")  # as dflash-generate places them
     prompts = h.prompts(pair, args.prompts, args.prompt_len)
     n = args.max_new
     log = h.logger("greedy_program")
