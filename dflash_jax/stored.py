@@ -229,10 +229,14 @@ def _note(name: str, why: str) -> None:
 
 def storable_here() -> bool:
     """Whether programs are stored in this process now: on (DFLASH_STORED_PROGRAMS), the compilation cache in a
-    directory of this library's, one device and one process (a program is exported for a single device), and no
-    mesh in context."""
+    directory of this library's, one device and one process (a program is exported for a single device), no mesh in
+    context, and traced for this process's backend (not inside `pallas_kernels.target.compiling_for` another
+    platform: such a trace takes that platform's paths, and a program exported from it would be stored under this
+    backend's key, for this backend's calls to find)."""
+    from pallas_kernels import target
+
     return (enabled() and _directory() is not None and jax.process_count() == 1 and jax.local_device_count() == 1
-            and jax.sharding.get_abstract_mesh().empty)
+            and jax.sharding.get_abstract_mesh().empty and target.platform() == jax.default_backend())
 
 
 def stored_jit(fun: Callable | None = None, *, static_argnames=(), donate_argnames=()):

@@ -155,6 +155,21 @@ def test_nothing_is_stored_when_the_cache_is_off_or_stored_programs_are(tmp_path
         jax.clear_caches()
 
 
+def test_a_trace_for_another_platform_is_not_stored(cache_dir, capsys):
+    """A program traced inside `compiling_for("gpu")` on a CPU (the deviceless compiles: the GPU's paths) is jit's
+    trace, never a program stored under the CPU's key for this process's later calls to load."""
+    from pallas_kernels import target
+
+    with target.compiling_for("gpu"):
+        assert not stored.storable_here()
+        jax.jit(lambda c: scaled_cache_stored(c, 1.5, times=5)).lower(_cache())  # nested, as a deviceless compile
+        scaled_cache_stored(_cache(), 1.5, times=6)
+    assert not _programs(cache_dir) and stored.counts == {"stored": 0, "loaded": 0, "unstorable": 0}
+    assert "not stored" not in capsys.readouterr().err
+    scaled_cache_stored(_cache(), 1.5, times=7)  # this platform's own trace is stored as before (a new one: jit's
+    assert len(_programs(cache_dir)) == 1  # cache keeps the trace above, `pallas_kernels.target`'s caveat)
+
+
 def test_tree_descriptions_are_json_and_rebuild_the_same_structure():
     from dflash_jax.spec.round import Chain
     tree = jax.tree.structure((_cache(), [1, None, {"a": 1, "b": (2, 3)}], Chain(4)))
