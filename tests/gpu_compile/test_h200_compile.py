@@ -112,6 +112,38 @@ def test_a_shipped_pair_round_leaves_no_loop_to_the_host(pair_name):
 
 
 @pytest.mark.slow
+def test_a_serving_call_of_greedy_rows_runs_each_round_as_one_graph():
+    """The serving engine's call of several rounds (`serve.runner._burst`, the shipped pair, 4 slots, block 4): the
+    host runs its loop over rounds (the loop's condition, two small kernels, and its predicate each round), and each
+    round of greedy rows is one CUDA graph (`RoundRunner.round_spec`: `SpecConfig.greedy_only`); the general
+    program's round is cut by its two conditionals."""
+    import dataclasses
+
+    import numpy as np
+
+    import dflash_jax
+    from dflash_jax.serve import runner as rn
+    from dflash_jax.serve.engine import Engine
+
+    pair = dflash_jax.load(dflash_jax.SHIPPED_PAIR)
+    eng = Engine(pair, slots=4, block_size=4, widths=[1, 4], max_prompt_len=16, max_new_tokens=64, row_buckets=None,
+                 round_seconds={1: 1.0, 4: 1.2}, lanes=1)
+    eng.warmup([16])
+    r = eng.runner
+    runs = {}
+    for greedy in (False, True):
+        c = dl.compile_for_h200(rn._burst.__wrapped__, pair.target, pair.draft, r.state, np.zeros(r.slots, bool),
+                                np.int32(4), np.bool_(False), structure=True,
+                                spec=dataclasses.replace(r.spec, greedy_only=greedy), proposer=eng._proposer(4, False),
+                                rows=r.slots, length=r.length_buckets[-1], in_place=r.in_place)
+        runs[greedy] = c.launches
+    # before the loop, its body, after it: three graphs; outside them only the loop's condition
+    assert (runs[True].graphs, runs[True].host_loops, runs[True].host_conditionals) == (3, 1, 0), runs[True]
+    assert runs[True].outside <= 2 and runs[True].in_conditionals == 0
+    assert runs[False].host_conditionals == 2 and runs[False].graphs > runs[True].graphs, runs[False]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(pg.MODELS))
 def test_verify_and_draft_rounds_compile_at_real_size(model):
     spec, state, drafted = pg.round_inputs(model)
