@@ -703,10 +703,10 @@ def _verify(target_w, state: SpecState, proposal, draft_lengths, active, spec: S
 MAX_BURST = 64  # the most rounds one burst runs (`RoundRunner.burst`)
 
 
-@stored_jit(static_argnames=("spec", "proposer", "rows", "length", "in_place"), donate_argnames=("state",))
-def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spec: SpecConfig, proposer,
-           rows: int | None = None, length: int | None = None, min_rounds=0, in_place: bool = False):
-    """Up to `count` rounds (`spec.round.round_step`) of the rows where `active` [b] is set, in one `while_loop`,
+def burst_rounds(target_w, draft_w, state: SpecState, active, count, until_finish, spec: SpecConfig, proposer,
+                 rows: int | None = None, length: int | None = None, min_rounds=0, in_place: bool = False):
+    """The program of a serving call of several rounds (`ResidentRunner.burst` runs it jitted and stored, `_burst`;
+    unjitted here for compiling elsewhere, e.g. for a GPU without one: `tests/gpu_compile`). Up to `count` rounds (`spec.round.round_step`) of the rows where `active` [b] is set, in one `while_loop`,
     the others kept as they were (`settle_rows`). Cut to the first `rows` rows and every KV buffer to its first
     `length` slots once for the whole burst, written back once (`_verify`'s `rows` and `length`); with `in_place`
     the KV buffers stay whole in the loop, read and written where they lie (`_verify`'s `in_place`).
@@ -755,6 +755,9 @@ def _burst(target_w, draft_w, state: SpecState, active, count, until_finish, spe
         state = state.replace(draft_cache=draft_cache)
     return state, committed, ran
 
+
+_burst = stored_jit(burst_rounds, static_argnames=("spec", "proposer", "rows", "length", "in_place"),
+                    donate_argnames=("state",))
 
 FLUSH_CHUNK = 64  # the context columns one step of a flush appends (`flush_context`'s chunk)
 

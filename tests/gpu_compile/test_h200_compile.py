@@ -113,7 +113,7 @@ def test_a_shipped_pair_round_leaves_no_loop_to_the_host(pair_name):
 
 @pytest.mark.slow
 def test_a_serving_call_of_greedy_rows_runs_each_round_as_one_graph():
-    """The serving engine's call of several rounds (`serve.runner._burst`, the shipped pair, 4 slots, block 4): the
+    """The serving engine's call of several rounds (`serve.runner.burst_rounds`, the shipped pair, 4 slots, block 4): the
     host runs its loop over rounds (the loop's condition, two small kernels, and its predicate each round), and each
     round of greedy rows is one CUDA graph (`RoundRunner.round_spec`: `SpecConfig.greedy_only`); the general
     program's round is cut by its two conditionals."""
@@ -132,7 +132,7 @@ def test_a_serving_call_of_greedy_rows_runs_each_round_as_one_graph():
     r = eng.runner
     runs = {}
     for greedy in (False, True):
-        c = dl.compile_for_h200(rn._burst.__wrapped__, pair.target, pair.draft, r.state, np.zeros(r.slots, bool),
+        c = dl.compile_for_h200(rn.burst_rounds, pair.target, pair.draft, r.state, np.zeros(r.slots, bool),
                                 np.int32(4), np.bool_(False), structure=True,
                                 spec=dataclasses.replace(r.spec, greedy_only=greedy), proposer=eng._proposer(4, False),
                                 rows=r.slots, length=r.length_buckets[-1], in_place=r.in_place)
