@@ -11,16 +11,18 @@ its parts (the committed-state replay, the qkv projection + causal conv, the gat
 attention mixer, the final norm + lm_head, the rollback after a verify, and the draft's round after one round
 (a later round's draft reads only the rows the last one accepted, as in a run, not the whole prompt).
 
-Timing: process CPU time of each call, the minimum over `--reps` calls made in turn (pieces interleaved,
-`timing.paired_runs`), with
-XLA's CPU runtime on one thread (set before jax is imported): on a shared machine the minimum CPU time is far
-steadier than wall time, and one thread makes the pieces add up. Numbers are therefore per-core costs, not the
-wall time of a multi-threaded run. Writes hybrid_profile.{json,md} to --out (default bench_out/) or, with
+Timing: each piece runs as a compiled loop of `--calls` calls (`looped`: a piece's own time, no dispatch), the
+wall time of a loop over its calls, the median over `--reps` loops made in turn (pieces interleaved,
+`timing.paired_runs`), with XLA's CPU runtime on one thread (set before jax is imported), so that the pieces add
+up; per-core costs, not the wall time of a multi-threaded run. (Process CPU time undercounts here: a loop of a
+small piece measured 1.4 ms wall and 0.1 ms CPU, the runtime's waits between its steps being no one's CPU time,
+and a minimum of such CPU times had read a width-8 forward below a width-4 one.) Writes hybrid_profile.{json,md} to --out (default bench_out/) or, with
 --write-docs, to docs/benchmarks/.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -30,13 +32,48 @@ import harness as h
 os.environ.setdefault("XLA_FLAGS", h.ONE_THREAD)
 
 
+MOVE_MAX = 8192  # the largest input a loop's call moves (elements): tokens, activations, states; not KV or weights
+
+
+def looped(piece, calls: int, weights=(0,)):
+    """One compiled program running `piece` `calls` times in a `fori_loop`, so that a call's time is the piece's
+    own (no dispatch: jitted alone, a tiny piece's call is mostly Python and pytree flattening, which inflated the
+    narrow widths most). Every input of at most `MOVE_MAX` elements outside the `weights` operands moves by 0 x the
+    last call's result (a 0 behind an optimization barrier), and one element of every output, at an index the
+    compiler cannot know, feeds the next:
+    no work is hoisted out of the loop or left out of a call, and no large buffer is copied for it."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(*operands):
+        parts = [jax.tree.flatten(x) for x in operands]
+
+        def moves(i, x):
+            return (i not in weights and jnp.size(x) <= MOVE_MAX
+                    and jnp.issubdtype(jnp.result_type(x), jnp.number))
+
+        def body(_, acc):
+            # a 0 the compiler cannot fold (x * 0 -> 0 would leave every input loop-invariant, and hoisted)
+            _, zero = jax.lax.optimization_barrier((acc, acc * 0))
+            ins = [jax.tree.unflatten(tree, [x + zero.astype(jnp.result_type(x)) if moves(i, x) else x
+                                             for x in leaves])
+                   for i, (leaves, tree) in enumerate(parts)]
+            at = zero.astype(jnp.int32)
+            return acc + sum(jnp.ravel(x)[at].astype(jnp.float32) for x in jax.tree.leaves(piece(*ins)))
+
+        return jax.lax.fori_loop(0, calls, body, jnp.float32(0))
+
+    return jax.jit(run)
+
+
 def main(argv=None) -> int:
-    p = h.parser(__doc__, {"--widths": "1,4,8,16", "--reps": 40, "--dequantize-experts": (
+    p = h.parser(__doc__, {"--widths": "1,4,8,16", "--reps": 7, "--calls": (100, "calls of a piece per compiled loop"),
+                           "--dequantize-experts": (
         False, "expert tables dequantized at load (dflash-generate on a CPU); default: FP4 as stored")})
-    args = h.parse(p, argv, quick=dict(widths="1,4", reps=1))
+    args = h.parse(p, argv, quick=dict(widths="1,4", reps=1, calls=2))
     widths = h.int_list(p, args.widths, "--widths")
-    if max(widths) > 16 or args.reps < 1:
-        p.error("--widths must be in 1..16 (the rollback width) and --reps >= 1")
+    if max(widths) > 16 or args.reps < 1 or args.calls < 1:
+        p.error("--widths must be in 1..16 (the rollback width), --reps and --calls >= 1")
 
     import jax
     import jax.numpy as jnp
@@ -105,25 +142,27 @@ def main(argv=None) -> int:
                 jax.jit(lambda l, x, s, c: q.mixer_sublayer(l, x, s, c, "linear_attention", cfg)),
                 (lin_layer, x, lin, ctx)),
             "  committed-state replay of 3 rows": (
-                jax.jit(gdn.committed_state), (c3.linear[0], jnp.full((1,), 3, jnp.int32))),
+                jax.jit(gdn.committed_state), (c3.linear[0], jnp.full((1,), 3, jnp.int32)), ()),
             "  qkv projection + causal conv": (jax.jit(qkv_conv), (lin_layer.mixer, x, lin.conv_window[:, :3])),
             "  gated delta rule": (
-                jax.jit(gdn.gated_delta_rule), (kq * dk**-0.5, kq, vv, g, jax.nn.sigmoid(g), lin.state)),
+                jax.jit(gdn.gated_delta_rule), (kq * dk**-0.5, kq, vv, g, jax.nn.sigmoid(g), lin.state), ()),
             "gated attention mixer": (jax.jit(lambda l, x, s, c: q.mixer_sublayer(l, x, s, c, "full_attention", cfg)),
                                       (att_layer, x, (c0.keys[0], c0.values[0]), ctx)),
             "final norm + lm_head": (jax.jit(lambda w, x: q.lm_head_logits(w, q.final_norm(w, x, cfg))), (w, x)),
-            "rollback after the verify": (jax.jit(lambda c: q.rollback(c, c.linear_lengths + 1)), (after,)),
+            "rollback after the verify": (jax.jit(lambda c: q.rollback(c, c.linear_lengths + 1)), (after,), ()),
         }
         if t > 1:
             spec, state = session.begin(pair, [prompt], block_size=t, max_new_tokens=64)
             # one round first: a later round's draft reads only the rows the last one accepted, not the whole prompt
             state = session.verify_round_jit(w, state, session.draft_round_jit(w, pair.draft, state, spec), spec)
-            pieces["draft round (block T)"] = (session.draft_round_jit, (w, pair.draft, state, spec))
-        runs = {k: (lambda f=f, a=a: jax.block_until_ready(f(*a))) for k, (f, a) in pieces.items()}
+            pieces["draft round (block T)"] = (functools.partial(session.draft_round, spec=spec),
+                                                (w, pair.draft, state), (0, 1))
+        loops = {k: looped(f, args.calls, *rest) for k, (f, _, *rest) in pieces.items()}
+        runs = {k: (lambda f=loops[k], a=a: jax.block_until_ready(f(*a))) for k, (_, a, *_) in pieces.items()}
         for run in runs.values():
             run()
         times = h.paired_runs(runs, args.reps, alternate=False)
-        rows[t] = {k: round(times.stat(k, "cpu", "min") * 1e3, 3) for k in runs}
+        rows[t] = {k: round(times.stat(k, "wall", "median") / args.calls * 1e3, 4) for k in runs}
         print(t, rows[t], flush=True)
 
     names = list(dict.fromkeys(k for r in rows.values() for k in r))
@@ -134,10 +173,11 @@ def main(argv=None) -> int:
     tables = "dequantized at load" if args.dequantize_experts else "FP4 as stored, dequantized in every forward"
     md = [f"# The hybrid target's forward, piece by piece (CPU, expert tables {tables})", "",
           f"`python benchmarks/hybrid_profile.py{' --dequantize-experts' if args.dequantize_experts else ''} "
-          f"--write-docs` - ms of one core (process CPU time, minimum of {args.reps} interleaved calls, XLA on one "
-          f"thread); batch 1 after a 128-token prefill, rollback width 16; {result['machine']}.", ""]
+          f"--write-docs` - ms per call on one core (wall time of a compiled loop of {args.calls} calls over "
+          f"{args.calls}, the median of {args.reps} interleaved loops, XLA on one thread); batch 1 after a 128-token prefill, "
+          f"rollback width 16; {result['machine']}.", ""]
     md += h.table(["piece"] + [f"T={t}" for t in rows],
-                  [[k] + [f"{rows[t][k]:.2f}" if k in rows[t] else "-" for t in rows] for k in names])
+                  [[k] + [f"{rows[t][k]:.3f}" if k in rows[t] else "-" for t in rows] for k in names])
     h.Report(args, stem).write(result, md)
     return 0
 
