@@ -13,7 +13,8 @@ Two forms compute the same thing: `gated_delta_rule_step` (a scan over tokens) a
 into a unit-lower-triangular inverse and a few matmuls; a scan runs over chunks only).
 
 The cache of one layer (`GatedDeltaNetCache`) keeps the state at a checkpoint length plus what the
-extension after it needs to be replayed to any prefix: see `committed_state`.
+extension after it needs to be committed to any prefix: its keys, log decays and the pseudo-values the forward
+that wrote it solved for (see `committed_state`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels import target
 
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Decay factors below e^-30 (1e-13, far below fp32 resolution) are flushed to zero in the chunked form: the
 # products of such factors inside the triangular solve are denormal numbers, which make CPUs ~200x slower.
 _FLUSH_LOG_DECAY = -30.0
+CHUNK = 64  # the chunked form's default chunk of tokens
 
 
 def _acc(*dtypes) -> jnp.dtype:
@@ -110,13 +111,16 @@ def gated_delta_rule_step(
     g: jax.Array,
     beta: jax.Array,
     state: jax.Array,
-) -> tuple[jax.Array | None, jax.Array]:
+    *,
+    values: bool = False,
+):
     """The gated delta rule one token at a time (a `lax.scan` over T).
 
     q, k: [b, T, Hk, dk] (k L2-normalized, q normalized and scaled; q may be None when only the state is
     wanted); v: [b, T, Hv, dv]; g, beta: [b, T, Hv] fp32; state: [b, Hv, dk, dv] fp32.
-    Returns (o [b, T, Hv, dv] fp32 or None, final state). (All math runs in the state's dtype, at least
-    fp32.)
+    Returns (o [b, T, Hv, dv] fp32 or None, final state), and with `values` also each step's written correction
+    `beta_t (v_t - e^{g_t} S^T k_t)` [b, T, Hv, dv] (for T = 1: the pseudo-value of `gated_delta_rule_chunked`
+    against the initial state). (All math runs in the state's dtype, at least fp32.)
     """
     hv = v.shape[2]
     acc = _acc(state.dtype)
@@ -131,13 +135,12 @@ def gated_delta_rule_step(
         correction = b_t[..., None] * (v_t - predicted)
         s = s + k_t[..., :, None] * correction[..., None, :]
         o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=_HIGHEST)
-        return s, o_t
+        return s, (o_t, correction)
 
     time_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [b, Hv, T, ...] -> [T, b, Hv, ...]
-    state, o = jax.lax.scan(step, state.astype(acc), tuple(map(time_major, (qq, kk, vv, gg, bb))))
-    if q is None:
-        return None, state
-    return jnp.moveaxis(o, 0, 1), state  # [T, b, Hv, dv] -> [b, T, Hv, dv]
+    state, (o, u) = jax.lax.scan(step, state.astype(acc), tuple(map(time_major, (qq, kk, vv, gg, bb))))
+    o = None if q is None else jnp.moveaxis(o, 0, 1)  # [T, b, Hv, dv] -> [b, T, Hv, dv]
+    return (o, state, jnp.moveaxis(u, 0, 1)) if values else (o, state)
 
 
 def unit_lower_inverse(lower: jax.Array) -> jax.Array:
@@ -183,9 +186,12 @@ def gated_delta_rule_chunked(
     beta: jax.Array,
     state: jax.Array,
     *,
-    chunk_size: int = 64,
-) -> tuple[jax.Array | None, jax.Array]:
-    """The gated delta rule in chunks of C tokens (same arguments and results as `gated_delta_rule_step`).
+    chunk_size: int = CHUNK,
+    values: bool = False,
+):
+    """The gated delta rule in chunks of C tokens (same arguments and results as `gated_delta_rule_step`;
+    `values`: also the pseudo-values U [b, T, Hv, dv], each against its chunk's initial state, so against `state`
+    where T <= C).
 
     Within a chunk with initial state S0 and cumulative log decay `G_t = g_1 + ... + g_t`, the state after t
     steps is `S_t = e^{G_t} S0 + sum_{i<=t} e^{G_t - G_i} k_i u_i^T`, where the pseudo-values u_i solve
@@ -250,25 +256,28 @@ def gated_delta_rule_chunked(
         else:
             o = None
         s = decay_n[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", k_end_n, u, precision=_HIGHEST)
-        return s, o
+        return s, (o, u if values else None)
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
-    state, o = jax.lax.scan(
+    state, (o, u) = jax.lax.scan(
         chunk,
         state.astype(acc),
         tuple(map(chunk_major, (w_v, w_k, k_to_end, chunk_decay, intra, q_from_start))),
     )
-    if q is None:
-        return None, state
-    o = jnp.moveaxis(o, 0, 2).reshape(b, hv, n * c, dv)[:, :, :t]
-    return jnp.swapaxes(o, 1, 2), state
+    time_major = lambda x: jnp.swapaxes(jnp.moveaxis(x, 0, 2).reshape(b, hv, n * c, dv)[:, :, :t], 1, 2)  # noqa: E731
+    o = None if q is None else time_major(o)
+    return (o, state, time_major(u)) if values else (o, state)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, *, chunk_size: int = 64):
-    """Picks the form by width: the step form for T = 1 (decode), the chunked form otherwise."""
+def gated_delta_rule(q, k, v, g, beta, state, *, chunk_size: int = CHUNK, values: bool = False):
+    """Picks the form by width: the step form for T = 1 (decode), the chunked form otherwise. `values`: also
+    the pseudo-values against `state` (`committed_state`), which needs T <= chunk_size."""
+    if values and k.shape[1] > chunk_size:
+        raise ValueError(f"the pseudo-values against the initial state need one chunk: T = {k.shape[1]} > "
+                         f"chunk_size = {chunk_size}")
     if k.shape[1] == 1:
-        return gated_delta_rule_step(q, k, v, g, beta, state)
-    return gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
+        return gated_delta_rule_step(q, k, v, g, beta, state, values=values)
+    return gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size, values=values)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,21 +289,21 @@ def gated_delta_rule(q, k, v, g, beta, state, *, chunk_size: int = 64):
 class GatedDeltaNetCache:
     """One Gated DeltaNet layer's carried state, valid at a checkpoint length `c` (kept by the model).
 
-    state: [b, Hv, dk, dv] fp32, the recurrent state after c tokens.
+    state: [b, Hv, dk, dv] fp32, the recurrent state S after c tokens.
     conv_window: [b, K-1+W, C]: the K-1 pre-conv rows ending at c, then the (up to W) pre-conv rows of the
       extension that followed the checkpoint.
-    k [b, W, Hk, dk], v [b, W, Hv, dv], g [b, W, Hv], beta [b, W, Hv] (fp32): the delta-rule inputs of
-      that extension (k already L2-normalized).
-    The state after c + m tokens (0 <= m <= rows written) is the first m steps replayed from `state`, and
+    k [b, W, Hk, dk] (L2-normalized), u [b, W, Hv, dv], g [b, W, Hv] (fp32): the extension's keys, its
+      pseudo-values against `state` (`gated_delta_rule_chunked`: what the forward that wrote the rows solved for,
+      U = (I + A)^-1 (diag(beta) V - diag(beta e^G) K S)) and its log decays.
+    The state after c + m tokens (0 <= m <= rows written) is `e^{G_m} S + sum_{i<=m} e^{G_m - G_i} k_i u_i^T`, and
     the conv tail is `conv_window[m : m + K - 1]` (see `committed_state`). W = 0 keeps no extension.
     """
 
     state: jax.Array
     conv_window: jax.Array
     k: jax.Array
-    v: jax.Array
+    u: jax.Array
     g: jax.Array
-    beta: jax.Array
 
     @property
     def width(self) -> int:
@@ -314,9 +323,8 @@ def init_gated_deltanet_cache(
         state=jnp.zeros((batch, num_value_heads, key_head_dim, value_head_dim), f32),
         conv_window=jnp.zeros((batch, kernel_size - 1 + width, conv_dim), dtype),
         k=jnp.zeros((batch, width, num_key_heads, key_head_dim), f32),
-        v=jnp.zeros((batch, width, num_value_heads, value_head_dim), f32),
+        u=jnp.zeros((batch, width, num_value_heads, value_head_dim), f32),
         g=jnp.zeros((batch, width, num_value_heads), f32),
-        beta=jnp.zeros((batch, width, num_value_heads), f32),
     )
 
 
@@ -326,30 +334,32 @@ def mask_steps(g: jax.Array, beta: jax.Array, num_steps: jax.Array) -> tuple[jax
     return jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
 
 
-def committed_state(cache: GatedDeltaNetCache, steps: jax.Array, *, skip_if_zero: bool | None = None):
-    """(state, conv tail) after the first `steps[b]` rows of the kept extension, exactly as a fresh run.
+def committed_state(cache: GatedDeltaNetCache, steps: jax.Array):
+    """(state, conv tail) after the first `steps[b]` rows of the kept extension, as a fresh run leaves them.
 
-    steps: [b] int32 in [0, W]. The replay is one chunked pass over the W kept rows with rows >= steps
-    masked; when every `steps` is 0 (`skip_if_zero`) it is skipped at run time with `lax.cond`. None (the
-    default): skipped except on a GPU, where the conditional is one the host drives (its predicate read back and
-    waited for, in every DeltaNet layer of every forward) and decoding replays nearly every time anyway (a plain
-    step replays the row before it; a verify, the rows the last one kept); the masked replay of no row leaves
-    the state as it is, so both give the same state.
+    steps: [b] int32 in [0, W]. The state is the chunked form's closing formula over those rows, from the
+    pseudo-values the forward that wrote them already solved: `e^{G_m} S + (diag(e^{G_m - G}) K_m)^T U_m` with G
+    the cumulative log decay of the first m rows (rows past them weigh 0). One contraction per layer, no
+    triangular solve and no conditional; no committed row leaves S exactly as it was (every weight 0, e^0 = 1).
+    Decay factors below e^-30 are flushed to 0, as in the chunked form.
     Returns (state [b, Hv, dk, dv] fp32, tail [b, K-1, C]).
     """
-    if skip_if_zero is None:
-        skip_if_zero = target.platform() != "gpu"
     ksize = cache.kernel_size
     steps = jnp.clip(steps.astype(jnp.int32), 0, cache.width)
     tail = conv_tail(cache.conv_window, steps, ksize)
     if cache.width == 0:
         return cache.state, tail
-
-    def replay(_):
-        g, beta = mask_steps(cache.g, cache.beta, steps)
-        return gated_delta_rule_chunked(None, cache.k, cache.v, g, beta, cache.state, chunk_size=cache.width)[1]
-
-    if not skip_if_zero:
-        return replay(None), tail
-    state = jax.lax.cond(jnp.any(steps > 0), replay, lambda _: cache.state, None)
-    return state, tail
+    acc = _acc(cache.state.dtype)
+    kept = jnp.arange(cache.width)[None, :] < steps[:, None]  # [b, W]
+    cum = jnp.cumsum(jnp.where(kept[..., None], cache.g.astype(acc), 0.0), axis=1)  # G_i, [b, W, Hv]
+    total = cum[:, -1]  # G_m, [b, Hv]
+    to_end = total[:, None] - cum
+    weight = jnp.where(kept[..., None] & (to_end >= _FLUSH_LOG_DECAY), jnp.exp(jnp.minimum(to_end, 0.0)), 0.0)
+    hv = cache.u.shape[2]
+    kk = cache.k.astype(acc)
+    if kk.shape[2] != hv:
+        kk = jnp.repeat(kk, hv // kk.shape[2], axis=2)
+    start = jnp.where(total >= _FLUSH_LOG_DECAY, jnp.exp(total), 0.0)
+    state = start[..., None, None] * cache.state.astype(acc) + jnp.einsum(
+        "bwh,bwhk,bwhv->bhkv", weight, kk, cache.u.astype(acc), precision=_HIGHEST)
+    return state.astype(cache.state.dtype), tail

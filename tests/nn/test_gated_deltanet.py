@@ -114,14 +114,17 @@ def test_causal_conv_and_tail_match_torch_conv1d():
                                    rtol=0)
 
 
-def test_committed_state_replays_any_prefix():
+def test_committed_state_commits_any_prefix():
     width, ksize, conv_dim = 8, 4, 5
     x = _inputs(width, seed=5)
     rng = np.random.default_rng(6)
+    # what a forward of the width's rows from the checkpoint keeps: its keys, decays and pseudo-values
+    _, final, u = gdn.gated_delta_rule(None, x["kn"], jnp.asarray(x["v"]), jnp.asarray(x["g"]),
+                                       jnp.asarray(x["beta"]), jnp.asarray(x["state"]), values=True)
     cache = gdn.GatedDeltaNetCache(
         state=jnp.asarray(x["state"]),
         conv_window=jnp.asarray(rng.standard_normal((B, ksize - 1 + width, conv_dim)), jnp.float32),
-        k=x["kn"], v=jnp.asarray(x["v"]), g=jnp.asarray(x["g"]), beta=jnp.asarray(x["beta"]),
+        k=x["kn"], u=u, g=jnp.asarray(x["g"]),
     )
     assert cache.width == width and cache.kernel_size == ksize
     fn = jax.jit(gdn.committed_state)
@@ -132,20 +135,27 @@ def test_committed_state_replays_any_prefix():
                                                x["g"][i:i + 1, :m], x["beta"][i:i + 1, :m], x["state"][i:i + 1])
             np.testing.assert_allclose(np.asarray(state[i]), np.asarray(ref[0]), atol=2e-5, rtol=0)
             np.testing.assert_array_equal(np.asarray(tail[i]), np.asarray(cache.conv_window[i, m:m + ksize - 1]))
-    # replaying no row, as on a GPU (no `lax.cond`: a conditional there is one the host drives), leaves the state
-    # exactly as it was; with some rows to replay, both forms give the same state bit for bit
-    for steps in ([0, 0], [0, 3], [5, width]):
-        skipped = jax.jit(functools.partial(gdn.committed_state, skip_if_zero=True))(cache, jnp.asarray(steps))[0]
-        always = jax.jit(functools.partial(gdn.committed_state, skip_if_zero=False))(cache, jnp.asarray(steps))[0]
-        np.testing.assert_array_equal(np.asarray(always), np.asarray(skipped))
-        if not any(steps):
-            np.testing.assert_array_equal(np.asarray(always), np.asarray(x["state"]))
+            if m == 0:  # nothing committed: the checkpoint's state exactly
+                np.testing.assert_array_equal(np.asarray(state[i]), np.asarray(x["state"][i]))
+    np.testing.assert_allclose(np.asarray(fn(cache, jnp.asarray([width, width]))[0]), np.asarray(final), atol=2e-5,
+                               rtol=0)
+    # one contraction: no conditional (on a GPU one the host drives) and no triangular solve, on any platform
     from pallas_kernels import target
 
-    for platform, conds in (("cpu", True), ("gpu", False)):
+    for platform in ("cpu", "gpu"):
         with target.compiling_for(platform):  # a fresh function: jax caches a function's traces, not the platform
-            jaxpr = jax.make_jaxpr(lambda c, s: gdn.committed_state(c, s))(cache, jnp.asarray([0, 3]))
-        assert (" cond[" in str(jaxpr)) == conds
+            jaxpr = str(jax.make_jaxpr(lambda c, s: gdn.committed_state(c, s))(cache, jnp.asarray([0, 3])))
+        assert " cond[" not in jaxpr and "dot_general" in jaxpr
+
+
+def test_pseudo_values_of_both_forms_agree_and_need_one_chunk():
+    x = _inputs(6, seed=9)
+    args = (x["kn"], jnp.asarray(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]), jnp.asarray(x["state"]))
+    one = [gdn.gated_delta_rule_step(None, *(a[:, :1] for a in args[:4]), args[4], values=True)[2],
+           gdn.gated_delta_rule_chunked(None, *(a[:, :1] for a in args[:4]), args[4], values=True)[2]]
+    np.testing.assert_allclose(np.asarray(one[0]), np.asarray(one[1]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="one chunk"):
+        gdn.gated_delta_rule(None, *args, chunk_size=4, values=True)
 
 
 def test_gated_rms_norm_matches_reference():

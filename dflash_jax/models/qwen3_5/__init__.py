@@ -16,18 +16,19 @@ the gated delta rule (`dflash_jax.nn.gated_deltanet`) per value head, then
 `out = out_proj(rms_norm(o) * w * silu(x W_z))`.
 
 Cache (`Qwen3_5Cache`): K/V buffers for the full-attention layers (slot = position, as `KVCache`), and for
-each DeltaNet layer a `GatedDeltaNetCache`: the fp32 state at `linear_lengths` plus the inputs of the last
-extension (up to `rollback_width` rows). A forward of width T <= rollback_width starts from the committed
-state, keeps that state as the new checkpoint and keeps its own T rows; so any later length inside the
-block is one masked replay away. Rolling back is therefore exact, inside jit and with static shapes:
-`rollback(cache, lengths)` replays each sequence's accepted rows onto the checkpoint (and picks the conv tail
-out of the kept pre-conv rows). Moving `lengths` alone (e.g. `dflash_jax.cache.rollback`) is also correct:
-the next forward replays the accepted rows before it runs.
+each DeltaNet layer a `GatedDeltaNetCache`: the fp32 state at `linear_lengths` plus what the last extension
+(up to `rollback_width` rows) wrote: its keys, log decays and pseudo-values against that state. A forward of
+width T <= rollback_width starts from the committed state, keeps that state as the new checkpoint and keeps its
+own T rows; so any later length inside the block is one contraction away (the chunked form's closing formula
+over the accepted rows, `gated_deltanet.committed_state`: no replay of the delta rule). Rolling back is
+therefore exact, inside jit and with static shapes: `rollback(cache, lengths)` commits each sequence's accepted
+rows onto the checkpoint (and picks the conv tail out of the kept pre-conv rows). Moving `lengths` alone (e.g.
+`dflash_jax.cache.rollback`) is also correct: the next forward commits the accepted rows before it runs.
 
 Memory kept for rollback, per sequence and DeltaNet layer, W = rollback_width, C = 2 Hk dk + Hv dv:
-  (K-1+W) C activations (conv window) + W (Hk dk + Hv dv + 2 Hv) fp32 (k, v, g, beta).
+  (K-1+W) C activations (conv window) + W (Hk dk + Hv dv + Hv) fp32 (k, u, g).
 For Qwen3.5-35B-A3B (30 DeltaNet layers, Hk 16, Hv 32, dk = dv = 128, C 8192, bf16 activations), W = 16:
-(19 * 8192 * 2 B + 16 * 6208 * 4 B) * 30 = 20.3 MiB, against 60 MiB for the recurrent states themselves
+(19 * 8192 * 2 B + 16 * 6176 * 4 B) * 30 = 20.2 MiB, against 60 MiB for the recurrent states themselves
 (32 * 128 * 128 * 4 B * 30) and 960 MiB for keeping every per-step state of a width-16 block. No second copy
 of the state is kept: the checkpoint IS the state, and the committed state is rebuilt from it.
 
@@ -35,7 +36,8 @@ Token trees (`spec.tree`): a tree block of N nodes (`ctx.tree_mask`) runs every 
 root-to-node path: the conv reads the node's own ancestors (`_tree_conv`), and the paths run as a batch of N
 sequences through the delta rule from the committed state (`_tree_delta_rule`), so every node's output is
 exactly its path's. The nodes' rows are kept in node order (width >= N: `widen_rollback`); after acceptance
-`commit_tree_path` puts the accepted path's rows in sequence order and `rollback` replays them.
+`commit_tree_path` puts the accepted path's rows in sequence order and `rollback` commits them (each node's
+pseudo-values are its own path's, against the committed state, so the path's rows in order are a chain's).
 
 The registered `QWEN3_5` family runs the layer-wise pieces (`block_context`, `layer_cache`, `mixer_sublayer`,
 `mlp_input`, `route`, `mlp_sublayer`, `final_norm`, `assemble_cache`) through the one decoder loop
@@ -243,9 +245,9 @@ def _tree_conv(tail, mixed, paths, depths, conv_w):
 
 def _tree_delta_rule(q, k, v, g, beta, state, paths, depths):
     """The gated delta rule along a token tree, exactly: every node's root-to-node path runs as one sequence of
-    a batch (steps past the node masked), from the committed state; node t's output is its path's output at
-    depth(t). q, k [b, N, Hk, dk]; v [b, N, Hv, dv]; g, beta [b, N, Hv]; state [b, Hv, dk, dv] -> o
-    [b, N, Hv, dv]."""
+    a batch (steps past the node masked), from the committed state; node t's output and pseudo-value are its
+    path's at depth(t). q, k [b, N, Hk, dk]; v [b, N, Hv, dv]; g, beta [b, N, Hv]; state [b, Hv, dk, dv] ->
+    (o, u), each [b, N, Hv, dv]."""
     b, n = paths.shape[:2]
     rows = jnp.arange(b)[:, None, None]
 
@@ -253,9 +255,14 @@ def _tree_delta_rule(q, k, v, g, beta, state, paths, depths):
         return a[rows, paths].reshape((b * n, n) + a.shape[2:])
 
     gp, bp = gdn.mask_steps(along(g), along(beta), (depths + 1).reshape(-1))
-    o, _ = gdn.gated_delta_rule(along(q), along(k), along(v), gp, bp, jnp.repeat(state, n, axis=0))
-    o = o.reshape((b, n, n) + o.shape[2:])
-    return jnp.take_along_axis(o, depths[:, :, None, None, None], axis=2)[:, :, 0]
+    o, _, u = gdn.gated_delta_rule(along(q), along(k), along(v), gp, bp, jnp.repeat(state, n, axis=0),
+                                   chunk_size=max(gdn.CHUNK, n), values=True)
+
+    def at_node(a):  # [b*N, N, ...] -> [b, N, ...]: node t's path at depth(t)
+        a = a.reshape((b, n, n) + a.shape[2:])
+        return jnp.take_along_axis(a, depths[:, :, None, None, None], axis=2)[:, :, 0]
+
+    return at_node(o), at_node(u)
 
 
 def deltanet_mixer(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, steps, num_valid, cfg: Qwen3_5Config,
@@ -282,24 +289,25 @@ def deltanet_mixer(x, w: GatedDeltaNetWeights, lin: gdn.GatedDeltaNetCache, step
     conv = jax.nn.silu(conv).astype(x.dtype)
     q = conv[..., : hk * dk].reshape(b, t, hk, dk)
     k = conv[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
-    v = conv[..., 2 * hk * dk :].reshape(b, t, hv, dv).astype(lin.v.dtype)
+    v = conv[..., 2 * hk * dk :].reshape(b, t, hv, dv).astype(lin.u.dtype)
     q = gdn.l2_normalize(q) * dk**-0.5
     k = gdn.l2_normalize(k)
     g, beta = gdn.decay_and_beta(x @ w.a, x @ w.b, w.a_log, w.dt_bias)
     g, beta = gdn.mask_steps(g, beta, num_valid)  # padded rows leave the state alone
-    if tree is None:
-        o, new_state = gdn.gated_delta_rule(q, k, v, g, beta, state)
+    width = lin.width
+    keep = t <= width  # keep the checkpoint and this block's rows: any prefix can be committed
+    if tree is not None:
+        (o, u), new_state = _tree_delta_rule(q, k, v, g, beta, state, paths, tree[1]), state
+    elif keep:  # one chunk: the pseudo-values against the checkpoint
+        o, new_state, u = gdn.gated_delta_rule(q, k, v, g, beta, state, chunk_size=max(gdn.CHUNK, t), values=True)
     else:
-        o, new_state = _tree_delta_rule(q, k, v, g, beta, state, paths, tree[1]), state
+        o, new_state = gdn.gated_delta_rule(q, k, v, g, beta, state)
     z = (x @ w.z).reshape(b, t, hv, dv)
     out = gdn.gated_rms_norm(o.astype(x.dtype), z, w.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv) @ w.out
 
-    width = lin.width
-    if t <= width:  # keep the checkpoint and this block's rows: any prefix can be rebuilt
+    if keep:
         pad = lambda a: jnp.pad(a, [(0, 0), (0, width - t)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        new = gdn.GatedDeltaNetCache(
-            state=state, conv_window=pad(window), k=pad(k), v=pad(v), g=pad(g), beta=pad(beta)
-        )
+        new = gdn.GatedDeltaNetCache(state=state, conv_window=pad(window), k=pad(k), u=pad(u), g=pad(g))
     else:  # too wide to keep: commit the valid rows
         new_tail = gdn.conv_tail(window, num_valid, ksize)
         new = lin.replace(state=new_state, conv_window=gdn.with_tail(lin.conv_window, new_tail))
@@ -502,15 +510,15 @@ def widen_rollback(cache: Qwen3_5Cache, width: int) -> Qwen3_5Cache:
         return jnp.pad(a, [(0, 0), (0, width - cache.rollback_width)] + [(0, 0)] * (a.ndim - 2))
 
     return cache.replace(linear=tuple(
-        lin.replace(conv_window=pad(lin.conv_window), k=pad(lin.k), v=pad(lin.v), g=pad(lin.g), beta=pad(lin.beta))
+        lin.replace(conv_window=pad(lin.conv_window), k=pad(lin.k), u=pad(lin.u), g=pad(lin.g))
         for lin in cache.linear))
 
 
 def commit_tree_path(cache: Qwen3_5Cache, start: jax.Array, path: jax.Array) -> Qwen3_5Cache:
     """After a token-tree forward (rows in node order): puts the path's rows in sequence order, in every layer.
     `path` [b, W] = the node at each depth of the accepted path. Full-attention K/V rows move from slot
-    start + node to start + depth; each DeltaNet layer's kept rows (pre-conv window, k, v, g, beta) from row
-    node to row depth, so that `rollback(cache, start + n)` replays exactly the path's first n nodes."""
+    start + node to start + depth; each DeltaNet layer's kept rows (pre-conv window, k, u, g) from row node to
+    row depth, so that `rollback(cache, start + n)` commits exactly the path's first n nodes."""
     b, w = path.shape
     rows = jnp.arange(b)[:, None]
     depth = jnp.arange(w, dtype=jnp.int32)[None]
@@ -526,8 +534,7 @@ def commit_tree_path(cache: Qwen3_5Cache, start: jax.Array, path: jax.Array) -> 
         off = lin.kernel_size - 1
         linear.append(lin.replace(
             conv_window=move(lin.conv_window, off + path, off + depth),
-            k=move(lin.k, path, depth), v=move(lin.v, path, depth), g=move(lin.g, path, depth),
-            beta=move(lin.beta, path, depth)))
+            k=move(lin.k, path, depth), u=move(lin.u, path, depth), g=move(lin.g, path, depth)))
     return cache.replace(keys=keys, values=values, linear=tuple(linear))
 
 
