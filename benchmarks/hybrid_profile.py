@@ -7,7 +7,7 @@ After a 128-token prefill of a held-out prompt (cache rollback width 16, as a B=
 of the target's forward is jitted alone and timed at widths T = 1 / 4 / 8 / 16 (one sequence): the whole
 forward (all logits, the draft's taps) with the routed experts as the model runs them and with them through
 `ragged_dot` (what the model ran before), one MoE layer both ways, its shared expert, a DeltaNet mixer and
-its parts (the committed-state replay, the qkv projection + causal conv, the gated delta rule), the gated
+its parts (committing kept rows, the qkv projection + causal conv, the gated delta rule), the gated
 attention mixer, the final norm + lm_head, the rollback after a verify, and the draft's round after one round
 (a later round's draft reads only the rows the last one accepted, as in a run, not the whole prompt).
 
@@ -120,8 +120,8 @@ def main(argv=None) -> int:
     for t in widths:
         blk = jnp.asarray([prompt[:t]], jnp.int32)
         x, ctx = q.block_context(w, blk, c0, cfg)
-        # a cache whose kept extension holds 16 rows of which 3 are committed: the next forward replays them
-        c3 = q.rollback(q.forward_jit(w, jnp.asarray([prompt[:width]], jnp.int32), c0, cfg).cache, c0.lengths + 3)
+        c16 = q.forward_jit(w, jnp.asarray([prompt[:width]], jnp.int32), c0, cfg).cache
+        c3 = c16.replace(lengths=c0.lengths + 3)  # 3 of the 16 kept rows accepted: the next forward commits them
         fwd, fwd_ragged = forward("auto"), forward("xla")
         after = fwd(w, blk, c0).cache
         lin = c0.linear[0]
@@ -134,15 +134,15 @@ def main(argv=None) -> int:
         pieces = {
             "forward (as run)": (fwd, (w, blk, c0)),
             "forward, experts via ragged_dot (before)": (fwd_ragged, (w, blk, c0)),
-            "forward after a partial commit (replays 3 rows)": (fwd, (w, blk, c3)),
+            "forward committing 3 kept rows first": (fwd, (w, blk, c3)),
             "MoE routed experts, 1 layer (as run)": (moe_layer(True), (lin_layer, x)),
             "MoE routed experts, 1 layer, ragged_dot (before)": (moe_layer(False), (lin_layer, x)),
             "shared expert, 1 layer": (jax.jit(shared), (lin_layer, x)),
             "DeltaNet mixer, 1 layer": (
                 jax.jit(lambda l, x, s, c: q.mixer_sublayer(l, x, s, c, "linear_attention", cfg)),
                 (lin_layer, x, lin, ctx)),
-            "  committed-state replay of 3 rows": (
-                jax.jit(gdn.committed_state), (c3.linear[0], jnp.full((1,), 3, jnp.int32)), ()),
+            "  committing 3 kept rows": (
+                jax.jit(gdn.committed_state), (c16.linear[0], jnp.full((1,), 3, jnp.int32)), ()),
             "  qkv projection + causal conv": (jax.jit(qkv_conv), (lin_layer.mixer, x, lin.conv_window[:, :3])),
             "  gated delta rule": (
                 jax.jit(gdn.gated_delta_rule), (kq * dk**-0.5, kq, vv, g, jax.nn.sigmoid(g), lin.state), ()),
