@@ -16,8 +16,8 @@ wall time of a loop over its calls, the median over `--reps` loops made in turn 
 `timing.paired_runs`), with XLA's CPU runtime on one thread (set before jax is imported), so that the pieces add
 up; per-core costs, not the wall time of a multi-threaded run. (Process CPU time undercounts here: a loop of a
 small piece measured 1.4 ms wall and 0.1 ms CPU, the runtime's waits between its steps being no one's CPU time,
-and a minimum of such CPU times had read a width-8 forward below a width-4 one.) Writes hybrid_profile.{json,md} to --out (default bench_out/) or, with
---write-docs, to docs/benchmarks/.
+and a minimum of such CPU times had read a width-8 forward below a width-4 one.) Writes hybrid_profile.{json,md}
+to --out (default bench_out/) or, with --write-docs, to docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def main(argv=None) -> int:
     md = [f"# The hybrid target's forward, piece by piece (CPU, expert tables {tables})", "",
           f"`python benchmarks/hybrid_profile.py{' --dequantize-experts' if args.dequantize_experts else ''} "
           f"--write-docs` - ms per call on one core (wall time of a compiled loop of {args.calls} calls over "
-          f"{args.calls}, the median of {args.reps} interleaved loops, XLA on one thread); batch 1 after a 128-token prefill, "
-          f"rollback width 16; {result['machine']}.", ""]
+          f"{args.calls}, the median of {args.reps} interleaved loops, XLA on one thread); batch 1 after a 128-token "
+          f"prefill, rollback width 16; {result['machine']}.", ""]
     md += h.table(["piece"] + [f"T={t}" for t in rows],
                   [[k] + [f"{rows[t][k]:.3f}" if k in rows[t] else "-" for t in rows] for k in names])
     h.Report(args, stem).write(result, md)
