@@ -7,7 +7,8 @@
 Engines on the shipped pair (experts as `dflash_jax.load` keeps them on this machine), all built and warmed in one
 process: plain (block 1), the server's default (widths 1 and 4 chosen per round), the same with
 `acceptance_exploration=False`, the same with `skip_context=True` (width-1 rounds compute no taps; caught up before
-drafting), block 4 (`--widths fixed`), and a second plain engine built last (the control: two identical engines
+drafting), a block-4 engine whose only width is 1 (what a drafting engine's width-1 rounds cost against plain's,
+no choice made), block 4 (`--widths fixed`), and a second plain engine built last (the control: two identical engines
 measured apart by the harness alone). At each client count c, c clients each send
 `--requests-per-client` requests one after another (the next when the last ends: `Engine.submit`, then
 `Engine.step` until it finishes), greedy. Every request asks for `--max-tokens` new tokens, or with
@@ -44,6 +45,9 @@ MODES = {
     "default (widths 1, 4)": dict(block_size=4, widths=(1, 4)),
     "default, acceptance exploration off": dict(block_size=4, widths=(1, 4), acceptance_exploration=False),
     "default, width 1 skips the taps": dict(block_size=4, widths=(1, 4), skip_context=True),
+    # a drafting engine with width 1 its only width: no choice made, so what it loses to plain is the drafting
+    # engine's width-1 round and admissions, not the chooser
+    "block 4 held at width 1": dict(block_size=4, widths=(1,)),
     "block 4": dict(block_size=4),
     # a second plain engine, built and warmed last: its ratio to plain is the harness's spread between two identical
     # engines (the same programs, other buffers), the floor under every other engine's ratio
