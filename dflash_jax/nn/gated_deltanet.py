@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from flax import struct
 
 
-
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Decay factors below e^-30 (1e-13, far below fp32 resolution) are flushed to zero in the chunked form: the
 # products of such factors inside the triangular solve are denormal numbers, which make CPUs ~200x slower.
@@ -96,12 +95,15 @@ def decay_and_beta(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Ar
     return g, beta
 
 
-def _heads_first(x: jax.Array, num_value_heads: int, dtype) -> jax.Array:
-    """[b, T, H, d] -> [b, Hv, T, d] in `dtype`, key head h serving value heads h*G .. h*G+G-1."""
+def _per_value_head(x: jax.Array, num_value_heads: int) -> jax.Array:
+    """[b, T, H, d] -> [b, T, Hv, d], key head h serving value heads h*G .. h*G+G-1."""
     h = x.shape[2]
-    if h != num_value_heads:
-        x = jnp.repeat(x, num_value_heads // h, axis=2)
-    return jnp.swapaxes(x.astype(dtype), 1, 2)
+    return x if h == num_value_heads else jnp.repeat(x, num_value_heads // h, axis=2)
+
+
+def _heads_first(x: jax.Array, num_value_heads: int, dtype) -> jax.Array:
+    """[b, T, H, d] -> [b, Hv, T, d] in `dtype` (`_per_value_head`)."""
+    return jnp.swapaxes(_per_value_head(x, num_value_heads).astype(dtype), 1, 2)
 
 
 def gated_delta_rule_step(
@@ -355,10 +357,7 @@ def committed_state(cache: GatedDeltaNetCache, steps: jax.Array):
     total = cum[:, -1]  # G_m, [b, Hv]
     to_end = total[:, None] - cum
     weight = jnp.where(kept[..., None] & (to_end >= _FLUSH_LOG_DECAY), jnp.exp(jnp.minimum(to_end, 0.0)), 0.0)
-    hv = cache.u.shape[2]
-    kk = cache.k.astype(acc)
-    if kk.shape[2] != hv:
-        kk = jnp.repeat(kk, hv // kk.shape[2], axis=2)
+    kk = _per_value_head(cache.k, cache.u.shape[2]).astype(acc)
     start = jnp.where(total >= _FLUSH_LOG_DECAY, jnp.exp(total), 0.0)
     state = start[..., None, None] * cache.state.astype(acc) + jnp.einsum(
         "bwh,bwhk,bwhv->bhkv", weight, kk, cache.u.astype(acc), precision=_HIGHEST)
