@@ -578,6 +578,7 @@ class Engine:
         # where they differ clearly from what the round model expects, they choose (`served_choice`)
         self._served: dict[tuple, list] = {}
         self.served_overrules = 0  # rounds whose width the served rates chose over the round model's
+        self.switch_trials = 0  # switches to a drafting width not served lately in its bucket, run as a short call
         self._admitted_at = 0.0
         self._round_start = 0.0  # when this step's round began (its admissions, flush and the wait for them left out)
         self._host_samples = 0
@@ -1489,6 +1490,16 @@ class Engine:
         if other is not None:  # what the widths served overrules what the model expects
             width = other
             self.served_overrules += 1
+        if (not explored and rule is not None and shape_rows(width) > 1 and width != incumbent
+                and costs.unserved(width, rule)):
+            # a switch to a drafting width this bucket has not served lately runs a short call first, priced from its
+            # own rounds (an exploration), and the model decides again on that: its price is the warm-up's (idle
+            # rows: short caches, nothing held to append) or an old one, while the width the bucket runs is priced
+            # from its live rows, whose caches grow. Long requests' width-1 price then climbs past what the old one
+            # implies and the model switches: at 4 clients on the shipped pair, to width-4 rounds that served 0.38x
+            # width 1's tokens, in calls of 50 ms, until the served rates overruled them 8 calls later
+            self.switch_trials += 1
+            explored = True
         if not explored and rows in self._accept_tried:  # the verdict on the bucket's last try
             tried, base = self._accept_tried.pop(rows), self.cost_rule.accept_after
             wanting = shape_rows(width) < shape_rows(tried)

@@ -289,6 +289,10 @@ class BucketCosts:
     def stale(self, width: int, rule: CostRule) -> bool:
         return len(self.recent[width]) < rule.confirm or self.age[width] >= rule.stale_after
 
+    def unserved(self, width: int, rule: CostRule) -> bool:
+        """No served time of `width` in the bucket lately: none yet, or none in `rule.stale_after` rounds."""
+        return not self.recent[width] or self.age[width] >= rule.stale_after
+
 
 def _geomedian(values) -> float:
     """exp(median(log(values))), in plain Python: a served round calls it twice on a few floats, where numpy's

@@ -382,7 +382,9 @@ def test_the_acceptance_exploration_turns_off():
     from dflash_jax.serve.runner import FakeRunner, fake_pair
 
     eng, infos = _undersold(False)
-    assert eng.acceptance_explores == 0 and not any(i.explored for i in infos)
+    # no acceptance try; a later switch to width 4 (the fake's host work, large against its rounds, favours it once
+    # learned) runs its one short trial call first
+    assert eng.acceptance_explores == 0 and sum(i.explored for i in infos) == eng.switch_trials <= 1
     assert infos[0].width == 1
     for bad in (None, 1, "yes"):
         with pytest.raises(TypeError, match="acceptance_exploration"):
@@ -596,3 +598,51 @@ def test_what_the_widths_served_overrules_the_round_model():
         n += 1
     assert n == pytest.approx(np.log(SERVED_STEPS / 20.0) / np.log(SERVED_DECAY), abs=1.0)
     assert eng._served[(1, 4)][1] / eng._served[(1, 4)][2] == pytest.approx(750.0)  # faded, not changed
+
+
+def test_a_switch_to_a_drafting_width_not_served_lately_runs_a_short_call_first():
+    """A bucket serving width 1 whose round model now prefers width 4 on a price the bucket has not served (the
+    warm-up's, from idle rows): the switch runs as an exploration (a short call priced from its own rounds, the
+    incumbent kept), and the model decides again on that. Where width 4 then still wins, its calls run whole; where
+    its live rounds cost far more, the bucket stays at width 1. A wrong switch costs one short call, not calls of
+    50 ms until the served rates overrule it; with a fixed table (nothing re-priced) the model's pick runs as it is."""
+    from dflash_jax.serve.engine import EXPLORE_CALL_ROUNDS, Request, SamplingParams
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    def switching(**kw):
+        eng = _trying_engine() if not kw else Engine(
+            fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=400,
+            prefill_chunk=None, widths=[1, 4], block_size=4, **kw)
+        if kw:
+            eng.warmup([16])
+            eng.requests[0] = Request(id=0, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[],
+                                      seed=0)
+        eng.acceptance_exploration = False
+        eng.cost_table = {rows: {1: 1e-3, 4: 1.5e-3} for rows in eng.row_buckets}  # 4 wins at the prior's 0.7
+        eng._incumbent[1] = 1
+        if eng.learn_costs:
+            for _ in range(4):  # the bucket has served width 1
+                eng._costs[1] = observe_cost(eng.bucket_costs(1), 1, 1e-3, eng.cost_rule)
+        return eng
+
+    eng = switching()
+    rule = eng.cost_rule
+    assert eng.choose_width([0]) == 4 and eng._explored == 4 and eng.switch_trials == 1
+    assert eng._incumbent[1] == 1  # a trial: the bucket still runs width 1
+    assert eng._burst_count(1, 4, None) == EXPLORE_CALL_ROUNDS
+    eng._costs[1] = observe_cost(eng._costs[1], 4, 1.5e-3, rule, explored=True)  # priced as the warm-up did
+    assert eng.choose_width([0]) == 4 and eng._explored is None and eng._incumbent[1] == 4  # now whole calls
+    assert eng.switch_trials == 1 and eng._burst_count(1, 4, None) > EXPLORE_CALL_ROUNDS
+    for _ in range(rule.stale_after):  # width 1 again for a while: width 4 unserved there, a switch tries again
+        eng._costs[1] = observe_cost(eng._costs[1], 1, 1e-3, rule)
+    eng._incumbent[1] = 1
+    assert eng.choose_width([0]) == 4 and eng._explored == 4 and eng.switch_trials == 2
+
+    wrong = switching()  # its live rounds cost 6x width 1's: one trial, and the bucket stays at width 1
+    assert wrong.choose_width([0]) == 4 and wrong._explored == 4
+    wrong._costs[1] = observe_cost(wrong._costs[1], 4, 6e-3, rule, explored=True)
+    assert wrong.choose_width([0]) == 1 and wrong._explored is None and wrong.switch_trials == 1
+
+    fixed = switching(round_seconds={1: 1e-3, 4: 1.5e-3})
+    assert not fixed.learn_costs and fixed.choose_width([0]) == 4 and fixed._explored is None
+    assert fixed.switch_trials == 0
