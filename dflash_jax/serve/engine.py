@@ -1607,13 +1607,15 @@ class Engine:
             # host's work (choice, scheduling, emission, callbacks, a call's share), from the round's start (the
             # step's admissions, flush and the wait for them left out). What the compute itself takes beyond its
             # table entry (live rows' longer caches, a loaded machine) is the cost table's to learn (`learn_cost`),
-            # not this: it grows with the width. Kept engine-wide and per (row bucket, width) of chosen rounds (an
-            # explored call is short: its host share per round larger); a width is priced with its own where it
-            # has one (`choose_width`).
-            over = max((t_end - self._round_start) / info.rounds - self._round_seconds(info), 0.0)
-            self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
-            self._host_samples += 1
+            # not this: it grows with the width. Kept engine-wide and per (row bucket, width), of chosen calls only:
+            # an explored call (or a switch's trial) is short, its host share per round several times a whole
+            # call's, and a first figure from one (258 us a round against 14 us in the calls after it, at 4 rows
+            # on the shipped pair) priced every width's rounds that much higher, which favours the wide ones. A
+            # width is priced with its own where it has one (`choose_width`).
             if not info.explored:
+                over = max((t_end - self._round_start) / info.rounds - self._round_seconds(info), 0.0)
+                self.host_seconds = over if not self._host_samples else 0.9 * self.host_seconds + 0.1 * over
+                self._host_samples += 1
                 key = (info.rows, info.width)
                 self.host_by[key] = over if key not in self.host_by else 0.8 * self.host_by[key] + 0.2 * over
         if info.width and not info.compiles and not info.prefill_chunks:
