@@ -2132,7 +2132,8 @@ class Engine:
 def attach_cost_metrics(engine: Engine) -> int:
     """Adds the cost table's learning to the /metrics of every server observing `engine`
     (`serve.server.create_app` adds one): `dflash_width_explore_rounds_total{width}` and
-    `dflash_width_explore_seconds_total` (the rounds run at an explored width, and their wall time) and
+    `dflash_width_explore_seconds_total` (the rounds run at an explored width, and their wall time),
+    `dflash_width_switch_trials_total` (switches run as a short call first, `Engine.switch_trials`) and
     `dflash_cost_table_seconds{rows,width}` (the table the chooser prices widths with, as learned). Returns how
     many registries got them."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -2140,13 +2141,15 @@ def attach_cost_metrics(engine: Engine) -> int:
     class Collector:
         def collect(self):
             rounds = CounterMetricFamily("dflash_width_explore_rounds",
-                                         "Rounds run at a width next to the chosen one to re-measure its stale cost "
-                                         "(at most one in explore_every rounds of a row bucket)", labels=["width"])
+                                         "Rounds run at a width other than the chosen one to re-measure its cost (a "
+                                         "stale neighbour, an acceptance try, a switch's trial)", labels=["width"])
             for w in engine.widths:
                 rounds.add_metric([width_label(w)], float(engine.explore_rounds.get(w, 0)))
             yield rounds
             yield CounterMetricFamily("dflash_width_explore_seconds", "Wall time of the explored rounds",
                                       value=float(engine.explore_seconds))
+            yield CounterMetricFamily("dflash_width_switch_trials", "Switches to a drafting width its row bucket had "
+                                      "not served lately, run as one short call first", value=float(engine.switch_trials))
             table = GaugeMetricFamily("dflash_cost_table_seconds", "The width chooser's round time by row bucket and "
                                       "width (measured at warm-up, then learned from served rounds)",
                                       labels=["rows", "width"])

@@ -646,3 +646,33 @@ def test_a_switch_to_a_drafting_width_not_served_lately_runs_a_short_call_first(
     fixed = switching(round_seconds={1: 1e-3, 4: 1.5e-3})
     assert not fixed.learn_costs and fixed.choose_width([0]) == 4 and fixed._explored is None
     assert fixed.switch_trials == 0
+
+
+def test_the_cost_metrics_show_the_table_the_explored_rounds_and_the_switch_trials():
+    """`attach_cost_metrics`: a server's registry (any observer whose object holds `metrics.registry`) gets the
+    learned table by row bucket and width, the explored rounds by width and their time, and the switch trials."""
+    from dflash_jax.serve.engine import attach_cost_metrics
+    from dflash_jax.serve.metrics import Metrics
+
+    class Server:
+        def __init__(self):
+            self.metrics = Metrics()
+
+        def on_round(self, info):
+            pass
+
+    eng = _trying_engine()
+    server = Server()
+    eng.observers.append(server.on_round)
+    assert attach_cost_metrics(eng) == 1 and attach_cost_metrics(eng) == 0  # once per registry
+    eng.switch_trials, eng.explore_rounds[4], eng.explore_seconds = 2, 5, 0.25
+    text = server.metrics.render()[0].decode()
+
+    def metric(name):
+        return float(next(x for x in text.splitlines() if x.startswith(name)).rsplit(" ", 1)[1])
+
+    assert metric("dflash_width_switch_trials_total") == 2.0
+    assert metric('dflash_width_explore_rounds_total{width="4"}') == 5.0
+    assert metric('dflash_width_explore_rounds_total{width="1"}') == 0.0
+    assert metric("dflash_width_explore_seconds_total") == 0.25
+    assert metric('dflash_cost_table_seconds{rows="1",width="4"}') == pytest.approx(2.9e-3)
