@@ -676,3 +676,31 @@ def test_the_cost_metrics_show_the_table_the_explored_rounds_and_the_switch_tria
     assert metric('dflash_width_explore_rounds_total{width="1"}') == 0.0
     assert metric("dflash_width_explore_seconds_total") == 0.25
     assert metric('dflash_cost_table_seconds{rows="1",width="4"}') == pytest.approx(2.9e-3)
+
+
+def test_explored_calls_leave_the_host_work_figures_alone():
+    """An explored call (a stale neighbour, an acceptance try, a switch's trial) is short, its share of the call's
+    host work per round several times a whole call's: neither the engine-wide host figure nor any width's learns from
+    it. Chosen calls do."""
+    from dflash_jax.serve.engine import generate
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    def engine(explore: bool):
+        eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=2, max_prompt_len=64, max_new_tokens=60,
+                     max_queue=8, prefill_chunk=None, widths=[1, 4], block_size=4, rounds_per_call=4)
+        eng.warmup([16])
+
+        def choose(live):
+            eng._explored = 4 if explore else None
+            return 4
+
+        eng.choose_width = choose
+        [req] = generate(eng, [[1, 2, 3]], max_new_tokens=60, stop_ids=[])
+        assert req.tokens == FakeRunner.alone([1, 2, 3], 60, 256, ())
+        return eng
+
+    explored = engine(True)
+    assert explored.explore_rounds[4] > 0
+    assert explored._host_samples == 0 and explored.host_seconds == 0.0 and explored.host_by == {}
+    chosen = engine(False)
+    assert chosen._host_samples > 0 and chosen.host_by
