@@ -2149,7 +2149,8 @@ def attach_cost_metrics(engine: Engine) -> int:
             yield CounterMetricFamily("dflash_width_explore_seconds", "Wall time of the explored rounds",
                                       value=float(engine.explore_seconds))
             yield CounterMetricFamily("dflash_width_switch_trials", "Switches to a drafting width its row bucket had "
-                                      "not served lately, run as one short call first", value=float(engine.switch_trials))
+                                      "not served lately, run as one short call first",
+                                      value=float(engine.switch_trials))
             table = GaugeMetricFamily("dflash_cost_table_seconds", "The width chooser's round time by row bucket and "
                                       "width (measured at warm-up, then learned from served rounds)",
                                       labels=["rows", "width"])
