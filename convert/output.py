@@ -41,6 +41,11 @@ from typing import Callable
 from dflash_jax.errors import CheckpointError, Interrupted, UsageError, fsync_dir
 
 MARKER = ".dflash_jax_partial.json"
+# a removed tree must stay gone this long before it counts as removed (`Output._remove`): a failed write's storage
+# threads (tensorstore finishing operations the failed save had started) may create its directories again a moment
+# after the removal. Measured: on a loaded 2-core machine, a full-disk conversion left a partial directory behind in
+# 1 of 4 runs, recreated down to `0000.orbax-checkpoint-tmp/ocdbt.process_0/d` after it had been removed
+REMOVE_SETTLE_S = 0.3
 _TOKEN = r"[A-Za-z0-9_]+"
 
 
@@ -387,15 +392,28 @@ class StagedOutput:
     # ---- pieces -----------------------------------------------------------------------------------------------
     def _remove(self, path: str) -> None:
         # a writer's helper thread (orbax's lock files after a failed write) may still add or remove a file while
-        # the tree is removed: a file that vanished is not a failure, and a tree that gained one is removed again
+        # the tree is removed: a file that vanished is not a failure, and a tree that gained one is removed again;
+        # and a late write may create the tree again after it is gone, so it counts as removed only once it has
+        # stayed gone for `REMOVE_SETTLE_S`
         failed: list[str] = []
-        for attempt in range(5):
-            failed.clear()
-            shutil.rmtree(path, onerror=lambda fn, p, info: None if issubclass(info[0], FileNotFoundError)
-                          else failed.append(f"{p} ({info[0].__name__})"))
+        removals, gone_since = 0, None
+        while True:
+            if os.path.lexists(path):
+                if removals == 5:
+                    break
+                failed.clear()
+                removals += 1
+                shutil.rmtree(path, onerror=lambda fn, p, info: None if issubclass(info[0], FileNotFoundError)
+                              else failed.append(f"{p} ({info[0].__name__})"))
+                gone_since = None
             if not os.path.lexists(path):
-                return
-            time.sleep(0.05 * (attempt + 1))
+                now = time.monotonic()
+                gone_since = now if gone_since is None else gone_since
+                if now - gone_since >= REMOVE_SETTLE_S:
+                    return
+                time.sleep(REMOVE_SETTLE_S / 6)
+            else:
+                time.sleep(0.05 * removals)
         self.log(f"could not remove {path} completely ({failed[0] if failed else 'it keeps changing'}); "
                  "remove it by hand")
 
