@@ -435,7 +435,9 @@ def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
     """Writes row i of the k-row state `rows` into row `slots[i]` (traced [k] int32) of the batched state;
     a slot index past the last slot drops the row (the padding rows of a prefill group). Each cache's K/V buffers
     take only the slots the rows fill (`cache.put_rows`, up to their longest length): the rest of a slot's row is
-    scratch, and a prompt of 64 tokens in a 4096-slot cache copies 64 slots of each buffer, not 4096."""
+    scratch, and a prompt of 64 tokens in a 4096-slot cache copies 64 slots of each buffer, not 4096. Likewise the
+    draft's context rows (`context`, fewer columns than the state's hold where a prefill held its prompt's) fill the
+    leading columns of the slot's: a row's columns past its pending count are never read."""
     def put(big, small):
         return big.at[slots].set(small.astype(big.dtype), mode="drop")
 
@@ -448,7 +450,13 @@ def _insert_rows(state: SpecState, rows: SpecState, slots) -> SpecState:
                             values=tuple(cache_slots.put_rows(b, s, slots, count)
                                          for b, s in zip(big.values, small.values)))
 
-    return jax.tree.map(node, state, rows, is_leaf=holds_slots)
+    held, width = state.context, rows.context.shape[1]
+    narrow = width < held.shape[1]
+    if narrow:  # a held prompt's rows: the leading columns of the slot's hold
+        held = held.at[slots, :width].set(rows.context.astype(held.dtype), mode="drop")
+        state, rows = state.replace(context=held[:, :0]), rows.replace(context=rows.context[:, :0])
+    new = jax.tree.map(node, state, rows, is_leaf=holds_slots)
+    return new.replace(context=held) if narrow else new
 
 
 @stored_jit(donate_argnames=("state",))
@@ -929,10 +937,9 @@ class ResidentRunner(RoundRunner):
         return self.state
 
     def _widen(self, rows: SpecState) -> SpecState:
-        """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block), and the
-        draft's context rows as many as the layout holds (`Layout.context_rows`)."""
-        if rows.context.shape[1] < self.layout.held:
-            rows = rows.replace(context=pad_cols(rows.context, self.layout.held))
+        """Prefilled rows with the target cache able to take the widest verify (a tree wider than the block). Their
+        draft context rows stay as wide as the prefill made them (a held prompt's, as the prompt): `insert` writes
+        them into the leading columns of the state's (`Layout.context_rows`)."""
         if self.tree is None:
             return rows
         return rows.replace(target_cache=widen_for_tree(self.spec.target, rows.target_cache, self.layout.widest))
@@ -941,7 +948,9 @@ class ResidentRunner(RoundRunner):
 
     @_on_mesh
     def reset(self, dummy: PrefillBatch) -> None:
-        self.state = _broadcast_rows(self.prefill(dummy), self.slots, self.spec.max_len)
+        row = self.prefill(dummy)
+        self.state = _broadcast_rows(row.replace(context=pad_cols(row.context, self.layout.held)), self.slots,
+                                     self.spec.max_len)
 
     @_on_mesh
     def prefill(self, batch: PrefillBatch) -> SpecState:

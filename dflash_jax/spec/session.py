@@ -418,8 +418,8 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
     or one key per sequence [b]. context_positions: [b, T] the prompt rows' RoPE positions when the prefill
     ran at explicit positions (`dflash_jax.pflash`), None = slot positions. draft_cache: the draft's context
     cache already fed with every prompt row (a chunked prefill, `spec.prefill`); `out.taps` are then not read.
-    hold (static): the prompt rows' taps held as the state's pending context rows, `hold` columns of them, instead of
-    appended to the draft's cache now (the serving engine's held context, which a drafting round appends first:
+    hold (static): the prompt rows' taps held as the state's pending context rows (as many columns as the prompt, a
+    block at least; a hold of `hold` columns takes them), instead of appended to the draft's cache now (the serving engine's held context, which a drafting round appends first:
     a request that never drafts never pays the draft); only at slot positions, a prompt of at most `hold` rows.
     cache_len: the slots of a new draft cache (default `spec.max_len`; `prefill_rows`)."""
     b = lengths.shape[0]
@@ -439,7 +439,9 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
         if context_positions is not None or taps.shape[1] > hold:
             raise ValueError(f"a held prompt needs slot positions and at most {hold} rows, got {taps.shape[1]}")
         draft_cache = draft_model.init_draft_cache(spec.draft, b, cache_len or spec.max_len, draft_w.fc.dtype)
-        context = jnp.pad(taps, [(0, 0), (0, hold - taps.shape[1]), (0, 0)])
+        # as wide as the prompt, a block at least: the serving engine's insert writes them into the leading columns
+        # of the row's hold (`Layout.context_rows`), whose columns past the pending count are never read
+        context = jnp.pad(taps, [(0, 0), (0, max(spec.block_size - taps.shape[1], 0)), (0, 0)])
         pending = jnp.asarray(lengths, jnp.int32)
     elif spec.block_size > 1 and draft_cache is None:
         draft_cache = draft_model.init_draft_cache(spec.draft, b, cache_len or spec.max_len, draft_w.fc.dtype)
