@@ -419,8 +419,9 @@ def start_state(target_w, draft_w, out, lengths, stop_ids, key, spec: SpecConfig
     ran at explicit positions (`dflash_jax.pflash`), None = slot positions. draft_cache: the draft's context
     cache already fed with every prompt row (a chunked prefill, `spec.prefill`); `out.taps` are then not read.
     hold (static): the prompt rows' taps held as the state's pending context rows (as many columns as the prompt, a
-    block at least; a hold of `hold` columns takes them), instead of appended to the draft's cache now (the serving engine's held context, which a drafting round appends first:
-    a request that never drafts never pays the draft); only at slot positions, a prompt of at most `hold` rows.
+    block at least; a hold of `hold` columns takes them), instead of appended to the draft's cache now (the serving
+    engine's held context, which a drafting round appends first: a request that never drafts never pays the draft);
+    only at slot positions, a prompt of at most `hold` rows.
     cache_len: the slots of a new draft cache (default `spec.max_len`; `prefill_rows`)."""
     b = lengths.shape[0]
     if params is None:
