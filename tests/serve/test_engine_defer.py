@@ -33,11 +33,11 @@ LONG_BUDGET = RUN + 24
 CALLS = [4, 1, 1, 4, 1, 2, 1, 4]
 
 
-def _engine(pair, defer, skip=False, budget=BUDGET, **offload):
-    eng = Engine(pair, slots=3, block_size=4, widths=[1, 2, 4], max_prompt_len=16, max_new_tokens=budget,
+def _engine(pair, defer, skip=False, budget=BUDGET, max_prompt_len=16, **offload):
+    eng = Engine(pair, slots=3, block_size=4, widths=[1, 2, 4], max_prompt_len=max_prompt_len, max_new_tokens=budget,
                  round_seconds={1: 1.0, 2: 1.2, 4: 1.5}, row_buckets=None, defer_context=defer, skip_context=skip,
                  **offload)
-    eng.warmup([16])
+    eng.warmup(sorted({16, max_prompt_len}))
     assert eng.skip_context == (skip and bool(defer) and eng.runner.catches_up)
     return eng
 
@@ -242,3 +242,32 @@ def test_a_prefill_holds_the_prompt_until_the_first_drafting_round(pair, skip):
     ref.choose_width = lambda live: next(widths)
     (want,) = serve_generate(ref, [prompt], max_new_tokens=BUDGET, stop_ids=[])
     assert req.acceptance == want.acceptance and max(req.acceptance) >= 3
+
+
+@pytest.mark.slow
+def test_a_reused_slot_reads_only_its_own_held_context(pair):
+    """A prefill holds its prompt's draft context only as wide as the prompt (a block at least), and the insert
+    writes those columns alone: the rest of the slot's hold keeps its last request's rows, past the pending count,
+    never read. A short prompt after a long request in the same slot (its hold filled by the prompt and every
+    width-1 round) proposes what an appending engine proposes, and outputs the tokens of the target alone."""
+    long, short = PROMPTS[2] + list(range(60, 80)), PROMPTS[1]
+
+    def run(engine):
+        engine.choose_width = lambda live: 1  # the long request holds its prompt and all its rounds' rows
+        (first,) = serve_generate(engine, [long], max_new_tokens=BUDGET, stop_ids=[])
+        widths = itertools.cycle([1, 1, 4, 4, 2, 4, 1, 4])
+        engine.choose_width = lambda live: next(widths)
+        (second,) = serve_generate(engine, [short], max_new_tokens=BUDGET, stop_ids=[])
+        return first, second
+
+    held = _engine(pair, True, rounds_per_call=1, lanes=1, max_prompt_len=48)
+    rows = held.runner.prefill(held._batch([held.submit(short, max_new_tokens=1, stop_ids=[])], 1))
+    assert held.block_size <= rows.context.shape[1] < held.context_rows  # the prompt's columns, not the hold's
+    held.run_until_idle()
+    first, second = run(held)
+    assert first.slot == second.slot
+    ref_first, ref_second = run(_engine(pair, False, rounds_per_call=1, lanes=1, max_prompt_len=48))
+    assert second.tokens == ref_second.tokens == spec_generate(pair, [short], max_new_tokens=BUDGET,
+                                                                stop_ids=[]).tokens[0]
+    assert second.acceptance == ref_second.acceptance and max(second.acceptance) >= 3
+    assert first.tokens == ref_first.tokens
