@@ -196,7 +196,22 @@ prefill_start_jit = stored_jit(prefill_start, static_argnames=("spec",))
 prefill_chunk_jit = stored_jit(prefill_chunk, static_argnames=("spec",), donate_argnames=("pre",))
 prefill_absorb_jit = stored_jit(prefill_absorb, static_argnames=("spec",), donate_argnames=("pre",))
 prefill_init_jit = stored_jit(prefill_init, static_argnames=("batch", "spec"))
-prefill_finish_jit = stored_jit(prefill_finish, static_argnames=("spec",), donate_argnames=("pre",))
+
+
+def _finish_apart(target_w, draft_w, pre: Prefill, logits, params: RowParams, key_data, key_fold,
+                  spec: SpecConfig) -> SpecState:
+    return prefill_finish(target_w, draft_w, pre.replace(logits=logits), params, key_data, key_fold, spec)
+
+
+_finish_apart_jit = stored_jit(_finish_apart, static_argnames=("spec",), donate_argnames=("pre",))
+
+
+def prefill_finish_jit(target_w, draft_w, pre: Prefill, params: RowParams, key_data, key_fold,
+                       spec: SpecConfig) -> SpecState:
+    """`prefill_finish` jitted, the prefill's caches donated (in place) but not its logits: the caller may keep them
+    (the serving engine reads them for the first token's log-probs), and no result has their shape to reuse them."""
+    return _finish_apart_jit(target_w, draft_w, pre.replace(logits=None), pre.logits, params, key_data, key_fold,
+                             spec)
 
 __all__ = ["CapacityPrepared", "Prefill", "prefill_absorb", "prefill_absorb_jit", "prefill_init_jit", "capacity_begin", "capacity_begin_jit", "chunked_begin", "chunked_begin_jit",
            "prefill_chunk", "prefill_chunk_jit", "prefill_finish", "prefill_finish_jit", "prefill_init", "prefill_start",

@@ -27,6 +27,9 @@ def chunk_engine(pair):
     return eng
 
 
+# the last chunk's program donates the prefill's caches, not its logits (the engine keeps them): a donated buffer
+# no result could reuse was a warning in every server log, and a buffer freed under the engine had it been reused
+@pytest.mark.filterwarnings("error:Some donated buffers were not usable")
 def test_long_prompt_joins_by_chunks_while_others_decode(chunk_engine, pair):
     eng = chunk_engine
     infos = []
