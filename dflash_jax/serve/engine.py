@@ -129,9 +129,11 @@ CREDIT_DECAY = 1.0 - 1.0 / 256
 FLUSH_DECAY = 0.98  # per step: the admissions per committed token that price the held context's flushes
 # per served step of a row bucket: each (bucket, width)'s served tokens per row-second (`served_rate`) follow its
 # recent steps; a width's figure counts once it holds this many (decayed) steps, so one that stops running fades
-# out after a few hundred steps of its bucket and the round model may pick it again
+# out after a few hundred steps of its bucket and the round model may pick it again. A few calls are enough: at 4
+# clients on the shipped pair a call runs up to 64 rounds, and width 1 had served 6.4 steps of its bucket when the
+# model switched to width 4 (which served 0.73x its rate); with 8 needed, width 1 never ran again to reach them
 SERVED_DECAY = 0.99
-SERVED_STEPS = 8.0
+SERVED_STEPS = 4.0
 LONG_RUN_DECAY = 0.99  # per drafting verify: the engine's long-run acceptance, what held estimates fade toward
 WORTH_PRIOR = 32.0  # tokens: the weight of "as the chain model expects" in a width's measured scale (`worth_scale`)
 WORTH_SCALE_RANGE = (0.8, 1.25)  # the most a width's measured scale moves the chain model's expected tokens

@@ -589,6 +589,14 @@ def test_what_the_widths_served_overrules_the_round_model():
     eng._served[(1, 4)] = [20.0, 20.0 * (1.0 + eng.width_margin) * 0.99, 0.02]  # within the margin: the model
     assert eng.served_choice(1, 1) is None and eng.choose_width([0]) == 1
 
+    # a few calls of each are evidence enough. At 4 clients on the shipped pair, width 1 had served 6.4 (decayed) steps
+    # of its bucket when the model switched to width 4, which then served 0.73x its rate; with 8 steps needed the
+    # overrule never came (width 1 no longer ran to add any), and width 4 ran 67% of the rounds at 0.75x plain
+    eng.cost_table = {rows: {1: 1e-3, 4: 1.5e-3} for rows in eng.row_buckets}
+    eng._costs = {}
+    eng._served = {(1, 1): [6.4, 6.4 * 6.0, 6.4e-3], (1, 4): [6.7, 6.7 * 4.35, 6.7e-3]}  # 6000 against 4350
+    assert eng.choose_width([0]) == 1
+
     # a width turned down fades out: after enough steps of width 1 in the bucket, the model decides again
     eng._served = {(1, 1): [20.0, 20.0, 0.02], (1, 4): [20.0, 30.0, 0.04]}
     step = RoundInfo(width=1, rows=1, live=1, tokens=1)
