@@ -63,7 +63,8 @@ def test_matches_transformers_torch_fallbacks():
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref
 
     x = _inputs(130, seed=1)
-    tt = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    # a writable copy (torch warns on a read-only array)
+    tt = lambda a: torch.from_numpy(np.array(a))  # noqa: E731
     kw = dict(initial_state=tt(x["state"]), output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_ref_c, s_ref_c = ref.torch_chunk_gated_delta_rule(tt(x["q"]), tt(x["k"]), tt(x["v"]), g=tt(x["g"]),
                                                         beta=tt(x["beta"]), **kw)
