@@ -293,7 +293,8 @@ class Engine:
     {rows: {width: seconds}} measured by `warmup()` (`measure_rounds`: paired, medians of ratios).
     learn_costs: keep the table current from the rounds served, per row bucket (`observe_cost`), with a bounded
     exploration of the widths next to the chosen one whose entries are stale (`explore_width`, by `cost_rule`;
-    `explore_rounds` / `explore_seconds` count it). Default (None): on, unless `round_seconds` fixes the table.
+    `explore_rounds` / `explore_seconds` count it), and what each width served overruling the table's choice
+    (`served_choice`). Default (None): on, unless `round_seconds` fixes the table (then the table alone decides).
     defer_context: a width-1 round skips the draft's context append (the target taps of the committed row) and
     holds the row pending in the row's state (`context_rows` of them: "auto" with True, or a number of rows), as a
     prefill holds its prompt's rows (a prompt prefilled whole that fits, at its slot positions); a drafting round
@@ -1488,7 +1489,7 @@ class Engine:
                 width, explored = hope, True
                 self.acceptance_explores += 1
                 self._accept_explore, self._accept_rounds = True, rounds
-        other = None if explored else self.served_choice(rows, width)
+        other = None if explored or not self.learn_costs else self.served_choice(rows, width)
         if other is not None:  # what the widths served overrules what the model expects
             width = other
             self.served_overrules += 1
