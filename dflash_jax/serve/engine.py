@@ -88,8 +88,9 @@ from dflash_jax.serve.runner import (
     TokenLogprobs, array_types,
 )
 from dflash_jax.spec.policy import (
-    BucketCosts, CostRule, acceptance_upper, choose_width, decide_width, default_widths, explore_acceptance,
-    exploration_loss, join_widths, observe_cost, shape_order, shape_rows, width_label, with_drafting, with_host,
+    BucketCosts, CostRule, acceptance_upper, call_occupancy, choose_width, decide_width, default_widths,
+    explore_acceptance, exploration_loss, join_widths, observe_cost, shape_order, shape_rows, width_label,
+    with_drafting, with_host,
 )
 from dflash_jax.spec import requests as rq
 from dflash_jax.spec.sampling import RowSampling, SamplingParams, seed_key_data, specialize_greedy
@@ -1459,6 +1460,9 @@ class Engine:
         # expected tokens per round)
         drafting = self.drafting_per_token(rows)
         scale = self.worth_scale if self._worth else None
+        occupancy = self._occupancy(live, rows, alphas, costs.seconds, scale)
+        if occupancy is not None:  # what each width's calls commit over what their rows x rounds would
+            scale = {w: (scale or {}).get(w, 1.0) * f for w, f in occupancy.items()}
         # the width the bucket runs now pays no margin: a change needs the clear gain both ways
         incumbent = self._incumbent.get(rows)
         width, explored = decide_width(alphas, costs, host, self.width_margin, rule, drafting, scale, incumbent)
@@ -1512,6 +1516,17 @@ class Engine:
         if not explored:
             self._incumbent[rows] = width
         return width
+
+    def _occupancy(self, live: Sequence[int], rows: int, alphas, shapes, scale) -> dict | None:
+        """{width: the share of its call's rows x rounds that commit} (`call_occupancy`) for the live rows' budgets
+        left, where this step would run a call of several rounds that ends only when every row is done (no request
+        waiting for a slot, which would end it at the first row's finish); None where it would not. Stop tokens
+        are not foreseen: a budget is what a row may still commit."""
+        if len(live) < 2 or self.queue or not self._bursts(
+                any(self.requests[s].logprobs is not None for s in live)):
+            return None
+        remaining = [self.requests[s].max_new_tokens - len(self.requests[s].tokens) for s in live]
+        return call_occupancy(alphas, remaining, {w: self._call_rounds(rows, w) for w in shapes}, scale)
 
     def learn_cost(self, info: RoundInfo, priced: bool = True) -> None:
         """Updates the round's bucket entry from its device time (draft + verify + fetch) and counts an explored
@@ -1958,23 +1973,33 @@ class Engine:
                 or (self.moves, self.context_flushes) != self._marks):
             self.runner.sync()
 
+    def _bursts(self, logprobs: bool) -> bool:
+        """Whether this step's rounds may run as one device call (`rounds_per_call`): a runner with bursts, every
+        live row verifying every round (no budget), no log-probs asked (`logprobs` False), no chunked prefill
+        running."""
+        return (self.rounds_per_call != 1 and self.runner.bursts and not logprobs and self._unlimited()
+                and self._prefilling is None)
+
+    def _call_rounds(self, rows: int, width) -> int:
+        """The rounds of a device call of `width` in the row bucket `rows`: `rounds_per_call`, or ("auto") as many
+        as fit in `call_seconds` at the width's served round time (before it served: the table's price)."""
+        if self.rounds_per_call != "auto":
+            return self.rounds_per_call
+        seconds = self._round_time.get((rows, width))
+        if seconds is None:  # not served yet: the table's price (a round net of a call's host work, plus it)
+            table = self.seconds_table(rows)
+            if width not in table:
+                return 1
+            seconds = table[width] + self.call_overhead.get(rows, 0.0) / MAX_BURST
+        # rounded to the nearest count (a round timed alone pays what a call of several spreads over its rounds)
+        return max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
+
     def _burst_count(self, rows: int, width, scored) -> int:
         """The rounds this step's device call runs (`rounds_per_call`; 1: a round of its own, the host looking at
         its draft, schedule and verify)."""
-        if (self.rounds_per_call == 1 or not self.runner.bursts or scored is not None or not self._unlimited()
-                or self._prefilling is not None):
+        if not self._bursts(scored is not None):
             return 1
-        if self.rounds_per_call != "auto":
-            count = self.rounds_per_call
-        else:
-            seconds = self._round_time.get((rows, width))
-            if seconds is None:  # not served yet: the table's price (a round net of a call's host work, plus it)
-                table = self.seconds_table(rows)
-                if width not in table:
-                    return 1
-                seconds = table[width] + self.call_overhead.get(rows, 0.0) / MAX_BURST
-            # rounded to the nearest count (a round timed alone pays what a call of several spreads over its rounds)
-            count = max(1, min(MAX_BURST, int(self.call_seconds / max(seconds, 1e-6) + 0.5)))
+        count = self._call_rounds(rows, width)
         if self._explored == width:  # a short call, priced net of the call's host work (`_round_seconds`): a width
             # that does not pay costs a few rounds, not a whole call; enough rounds to show the draft's acceptance
             return min(count, self._accept_rounds if self._accept_explore else self._explore_count(rows, width))

@@ -529,6 +529,41 @@ def worth_sums(alphas, shapes, scale: dict | None = None) -> list[float]:
     return out
 
 
+def row_worths(alphas, shape) -> list[float]:
+    """`expected_tokens(alpha, shape)` of each live row, as floats (chains in plain Python, as `worth_sums`)."""
+    if isinstance(shape, TreeShape) and not shape.is_chain:
+        return [float(x) for x in np.atleast_1d(expected_tokens(np.asarray(alphas, np.float64), shape))]
+    n = shape_rows(shape)
+    return [(1.0 - a ** n) / (1.0 - a) for a in (min(float(x), 0.999) for x in alphas)]
+
+
+def call_occupancy(alphas, remaining, rounds: dict, scale: dict | None = None) -> dict:
+    """{shape: the share of a device call's rows x rounds that commit tokens}, for calls of `rounds[shape]` rounds
+    over the live rows, row b at the acceptance `alphas[b]` with `remaining[b]` tokens left to its budget (`scale`
+    as in `worth_sums`). A call with no request waiting runs its rounds until every row is done, and a row that
+    finishes sits out the call's other rounds: its client hears of it when the call ends. Row b is taken to finish
+    after remaining[b] / worth[b] rounds; the call runs min(rounds, the last row's), and commits min(remaining[b],
+    rounds x worth[b]) tokens of each row, which over (its rounds x the rows' summed worth) is the share. A shape
+    whose rounds commit more tokens fills its rows' budgets in fewer rounds, so in a call of as many rounds more of
+    its rows sit idle: at 4 rows of 64 - 192 tokens on the shipped pair, width-4 calls of 50 - 64 rounds held every
+    row's whole request, and served 0.66x - 0.83x width 1's tokens per row-second where the round model, which took
+    every row as busy every round, expected 1.3x. 1.0 where every row outlasts the call (and for one row: its call
+    ends when it finishes). Pure."""
+    out = {}
+    left = [max(float(r), 1.0) for r in remaining]
+    for w, n in rounds.items():
+        worth = row_worths(alphas, w)
+        if scale and w in scale:
+            worth = [x * scale[w] for x in worth]
+        total = sum(worth)
+        ran = min(float(n), max(r / x for r, x in zip(left, worth)))
+        if total <= 0.0 or ran <= 0.0:
+            out[w] = 1.0
+            continue
+        out[w] = min(1.0, sum(min(r, n * x) for r, x in zip(left, worth)) / (ran * total))
+    return out
+
+
 def choose_width(alphas, seconds: dict, margin: float = 0.0, scale: dict | None = None, incumbent=None):
     """The shape (a chain width, or a `TreeShape`) with the most expected tokens per second over the live rows:
     `choose` over `acceptance_worth` (times `scale`, `worth_sums`) and `seconds` ({shape: seconds per round}), the

@@ -712,3 +712,77 @@ def test_explored_calls_leave_the_host_work_figures_alone():
     assert explored._host_samples == 0 and explored.host_seconds == 0.0 and explored.host_by == {}
     chosen = engine(False)
     assert chosen._host_samples > 0 and chosen.host_by
+
+
+def _served_call(rng, alphas, budgets, width, rounds):
+    """One simulated device call: each round every unfinished row commits 1 + its accepted run of `width - 1`
+    proposals (each accepted at its alpha given the ones before), up to its budget; the call ends after `rounds`
+    rounds or when every row is done. Returns (tokens committed, rounds run)."""
+    left = np.array(budgets, np.int64)
+    tokens = ran = 0
+    while ran < rounds and left.any():
+        run = np.ones(len(left), np.int64)
+        for k in range(1, width):
+            grow = (run == k) & (rng.random(len(left)) < alphas)
+            run += grow
+        got = np.minimum(run, left)
+        tokens, left, ran = tokens + int(got.sum()), left - got, ran + 1
+    return tokens, ran
+
+
+def test_a_call_prices_the_rows_its_rounds_outrun():
+    """`call_occupancy`: the share of a call's rows x rounds that commit, against a simulation of the calls it
+    models. A row that finishes inside a call sits out its other rounds; a width whose rounds commit more fills its
+    rows' budgets in fewer rounds, so at 4 rows of 64 - 192 tokens width-4 calls of 55 rounds idle much of their
+    rows x rounds where width-1 calls of 64 do little. One row, or rows that outlast the call, idle nothing."""
+    from dflash_jax.spec.policy import call_occupancy
+
+    alphas, budgets = np.array([0.92, 0.9, 0.94, 0.91]), [40, 90, 150, 190]
+    rounds = {1: 64, 4: 55}
+    occ = call_occupancy(alphas, budgets, rounds)
+    assert occ[1] == pytest.approx((40 + 3 * 64) / (4 * 64)) and occ[4] < 0.7
+    rng = np.random.default_rng(0)
+    for w, n in rounds.items():  # what the calls serve per row-round, modelled and simulated
+        worth = sum((1.0 - a ** w) / (1.0 - a) for a in alphas)
+        served = [_served_call(rng, alphas, budgets, w, n) for _ in range(200)]
+        simulated = sum(t for t, _ in served) / sum(r for _, r in served)
+        assert occ[w] * worth == pytest.approx(simulated, rel=0.08), w
+    assert call_occupancy([0.9], [30], rounds) == {1: 1.0, 4: 1.0}  # one row: its call ends when it finishes
+    assert call_occupancy(alphas, [400] * 4, rounds) == {1: 1.0, 4: 1.0}  # every row outlasts the call
+
+    # the choice: width 4's rounds at 2.8x width 1's would serve 1.2x its tokens with every row busy, but its calls'
+    # idle rows take that back
+    seconds = {1: 1e-3, 4: 2.8e-3}
+    assert choose_width(alphas, seconds, MARGIN) == 4
+    assert choose_width(alphas, seconds, MARGIN, occ) == 1
+
+
+def test_the_engine_prices_a_calls_idle_rows_only_where_the_call_outlives_them():
+    """`Engine.choose_width` scales each width's expected tokens by its calls' occupancy of the live rows' budgets
+    left: short budgets turn a round model's width 4 to width 1; long ones (every row outlasts the call), a request
+    waiting (the call ends at the first finish), one row, or rounds of a call each keep width 4."""
+    from dflash_jax.serve.engine import Request, SamplingParams
+    from dflash_jax.serve.runner import FakeRunner, fake_pair
+
+    def engine(budgets, **kw):
+        eng = Engine(fake_pair(vocab_size=256), runner=FakeRunner, slots=4, max_prompt_len=64, max_new_tokens=400,
+                     prefill_chunk=None, widths=[1, 4], block_size=4, round_seconds={1: 1e-3, 4: 2.8e-3},
+                     call_seconds=0.15, **kw)
+        eng.warmup([16])
+        eng.acceptance_exploration = False
+        for s, b in enumerate(budgets):
+            eng.requests[s] = Request(id=s, prompt=[1], max_new_tokens=b, sampling=SamplingParams(), stop_ids=[],
+                                      seed=0, accept_hits=60.0, accept_misses=5.0)
+        eng._round_time = {(4, 1): 1e-3, (4, 4): 2.8e-3, (1, 1): 1e-3, (1, 4): 2.8e-3}  # calls of 64 and 54 rounds
+        return eng
+
+    short, live = [40, 90, 150, 190], [0, 1, 2, 3]
+    occ = engine(short)._occupancy(live, 4, [0.92] * 4, [1, 4], None)
+    assert occ[4] < 0.75 * occ[1]
+    assert engine(short).choose_width(live) == 1
+    assert engine([400] * 4).choose_width(live) == 4
+    waiting = engine(short)
+    waiting.queue.append(Request(id=9, prompt=[1], max_new_tokens=8, sampling=SamplingParams(), stop_ids=[], seed=0))
+    assert waiting._occupancy(live, 4, [0.92] * 4, [1, 4], None) is None and waiting.choose_width(live) == 4
+    assert engine(short[:1]).choose_width([0]) == 4
+    assert engine(short, rounds_per_call=1).choose_width(live) == 4
