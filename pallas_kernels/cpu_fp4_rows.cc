@@ -62,6 +62,9 @@ void RunOutputs(const Problem& p, int64_t e, int64_t r0, int64_t r1, int64_t o0,
 #ifdef __AVX512F__
   const __m512 table = _mm512_loadu_ps(kE2m1);
   const __m512i nibble = _mm512_set1_epi32(15);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 magnitudes = _mm256_loadu_ps(kE2m1);  // the 8 non-negative values; bit 3 of a code is its sign
+  const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
 #endif
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* codes = p.blocks + ((e * p.n + o) * groups) * kHalf;
@@ -85,6 +88,37 @@ void RunOutputs(const Problem& p, int64_t e, int64_t r0, int64_t r1, int64_t o0,
         }
       }
       for (int64_t q = 0; q < m; ++q) p.y[(r + q) * p.n + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc_e[q], acc_o[q]));
+#elif defined(__AVX2__) && defined(__FMA__)
+      // 8 lanes: a code's magnitude (its low 3 bits) picks one of 8 scaled values in a register, its sign bit flips
+      // the result's; each row's even and odd products summed into one accumulator per half block
+      __m256 acc[kRowsAtOnce][2];
+      for (int q = 0; q < kRowsAtOnce; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256 values = _mm256_mul_ps(magnitudes, _mm256_set1_ps(ScaleOf(sc[g])));
+        __m256 w_e[2], w_o[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i b = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + g * kHalf + 8 * h)));
+          const __m256i hi = _mm256_srli_epi32(b, 4);
+          w_e[h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(values, _mm256_and_si256(b, seven)),
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
+          w_o[h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(values, _mm256_and_si256(hi, seven)),
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi, eight), 28)));
+        }
+        for (int64_t q = 0; q < m; ++q) {
+          const float* xe = p.even.data() + (r + q) * half + g * kHalf;
+          const float* xo = p.odd.data() + (r + q) * half + g * kHalf;
+          for (int h = 0; h < 2; ++h)
+            acc[q][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xo + 8 * h), w_o[h],
+                                        _mm256_fmadd_ps(_mm256_loadu_ps(xe + 8 * h), w_e[h], acc[q][h]));
+        }
+      }
+      for (int64_t q = 0; q < m; ++q) {
+        const __m256 t = _mm256_add_ps(acc[q][0], acc[q][1]);
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        p.y[(r + q) * p.n + o] = _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+      }
 #else
       float acc_e[kRowsAtOnce][kHalf] = {};
       float acc_o[kRowsAtOnce][kHalf] = {};
