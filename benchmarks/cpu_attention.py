@@ -156,8 +156,9 @@ def main(argv=None) -> int:
     lines = [
         "# The CPU attention kernel against XLA's attention (CPU)",
         "",
-        f"`{h.command('cpu_attention.py', args, DEFAULTS)}` - load average (1 min) {min(loads):.1f} - "
-        f"{max(loads):.1f}. Method: the script's docstring.",
+        f"`{h.command('cpu_attention.py', args, DEFAULTS)}` - {result['machine']['cpu']}, the kernels' vector path "
+        f"{result['machine']['simd']}; load average (1 min) {min(loads):.1f} - {max(loads):.1f}. Method: the script's "
+        "docstring.",
         "",
         f"One `kv_cache_attention` call, {args.rows} rows of live lengths 64 - 256, 4 query heads over 2 KV heads of "
         f"32 (us, medians of {args.repeats} paired runs):",

@@ -219,11 +219,15 @@ def cpu_model() -> str:
 
 
 def machine() -> dict:
-    """The host: platform, architecture, CPU model and cores, jax's version and backend."""
+    """The host: platform, architecture, CPU model and cores, the vector instructions the CPU kernels use, jax's
+    version and backend."""
     import jax
 
+    from pallas_kernels.cpu_kernels import vector_path
+
     return {"platform": platform.platform(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}
+            "cpu": cpu_model(), "cpus": os.cpu_count(), "simd": vector_path(), "jax": jax.__version__,
+            "backend": jax.default_backend()}
 
 
 @contextlib.contextmanager

@@ -60,6 +60,15 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
+def vector_path() -> str:
+    """The vector instructions the kernels are compiled for on this machine (`-march=native`): "avx512" (AVX-512
+    F, BW and VL), "avx2" (AVX2 and FMA) or "portable" (the scalar loops, which the compiler may vectorize)."""
+    flags = set(_cpu_id().split(":", 1)[-1].split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "portable"
+
+
 def _build() -> str | None:
     """The path of the compiled library (built now if missing), or None where it cannot be built."""
     if not os.path.exists(SOURCE) or platform.system() != "Linux":
