@@ -63,8 +63,9 @@ void RunOutputs(const Problem& p, int64_t e, int64_t r0, int64_t r1, int64_t o0,
   const __m512 table = _mm512_loadu_ps(kE2m1);
   const __m512i nibble = _mm512_set1_epi32(15);
 #elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 magnitudes = _mm256_loadu_ps(kE2m1);  // the 8 non-negative values; bit 3 of a code is its sign
-  const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
+  // twice each E2M1 value, by code (0 and its negative both 0: a weight's zero sign changes no sum started at +0)
+  const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i low = _mm_set1_epi8(15);
 #endif
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* codes = p.blocks + ((e * p.n + o) * groups) * kHalf;
@@ -89,22 +90,22 @@ void RunOutputs(const Problem& p, int64_t e, int64_t r0, int64_t r1, int64_t o0,
       }
       for (int64_t q = 0; q < m; ++q) p.y[(r + q) * p.n + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc_e[q], acc_o[q]));
 #elif defined(__AVX2__) && defined(__FMA__)
-      // 8 lanes: a code's magnitude (its low 3 bits) picks one of 8 scaled values in a register, its sign bit flips
-      // the result's; each row's even and odd products summed into one accumulator per half block
+      // 8 lanes: the block's 32 codes looked up at once as twice their E2M1 values (small integers, one byte
+      // shuffle per half of each code), widened to floats, halved and times the scale: the dequantized table's
+      // weights, exactly; each row's even and odd products summed into one accumulator per half block
       __m256 acc[kRowsAtOnce][2];
       for (int q = 0; q < kRowsAtOnce; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; ++g) {
-        const __m256 values = _mm256_mul_ps(magnitudes, _mm256_set1_ps(ScaleOf(sc[g])));
-        __m256 w_e[2], w_o[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i b = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + g * kHalf + 8 * h)));
-          const __m256i hi = _mm256_srli_epi32(b, 4);
-          w_e[h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(values, _mm256_and_si256(b, seven)),
-                                 _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
-          w_o[h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(values, _mm256_and_si256(hi, seven)),
-                                 _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi, eight), 28)));
-        }
+        const __m256 scale = _mm256_set1_ps(ScaleOf(sc[g])), halves = _mm256_set1_ps(0.5f);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * kHalf));
+        const __m128i q_e = _mm_shuffle_epi8(twice, _mm_and_si128(b, low));
+        const __m128i q_o = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        // (twice the value) x 0.5 is the value exactly (no subnormal half-scale), then times the scale
+        auto widen = [&](__m128i q8) {
+          return _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), halves), scale);
+        };
+        const __m256 w_e[2] = {widen(q_e), widen(_mm_srli_si128(q_e, 8))};
+        const __m256 w_o[2] = {widen(q_o), widen(_mm_srli_si128(q_o, 8))};
         for (int64_t q = 0; q < m; ++q) {
           const float* xe = p.even.data() + (r + q) * half + g * kHalf;
           const float* xo = p.odd.data() + (r + q) * half + g * kHalf;
