@@ -604,22 +604,24 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w, ffi::Buffer<ffi:
 // only its own row's visible slots, in order, whatever the other rows and queries of the call: a row's result does
 // not depend on its batch or on the block it is verified in. Scores and sums in float32.
 
+// exp's range reduction and polynomial on [-ln2/2, ln2/2] (about 1 ulp), shared by the AVX-512 and AVX2 paths:
+// n = round(x log2 e), r = x - n ln2 (ln2 in two parts), exp(r) = 1 + r + r^2 (c5 + r (c4 + ... r c0)).
+constexpr float kExpLo = -104.f, kExpHi = 88.5f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+
 #ifdef DFLASH_DENSE_AVX512
-// exp on float32 lanes: a range reduction by ln 2 and a degree-6 polynomial on [-ln2/2, ln2/2] (about 1 ulp);
-// 2^n applied by scalef, which underflows to zero as the true value does.
+// exp on float32 lanes (`kExpC`); 2^n applied by scalef, which underflows to zero as the true value does.
 inline __m512 Exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.5f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLo));
+  x = _mm512_min_ps(x, _mm512_set1_ps(kExpHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpC[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -725,21 +727,17 @@ inline __m256i Mask8(int64_t have) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// exp on float32 lanes: the same range reduction and polynomial as `Exp16`; 2^n applied in two halves, each a
-// normal power of two, so a result below the smallest normal float underflows as the true value does.
+// exp on float32 lanes (`kExpC`, as `Exp16`); 2^n applied in two halves, each a normal power of two, so a result
+// below the smallest normal float underflows as the true value does.
 inline __m256 Exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.5f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpLo));
+  x = _mm256_min_ps(x, _mm256_set1_ps(kExpHi));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpC[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC[i]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i ni = _mm256_cvtps_epi32(n);  // in [-151, 128]
   const __m256i half = _mm256_srai_epi32(ni, 1);
